@@ -1,0 +1,5 @@
+import sys
+
+from cephalo.cli import main
+
+sys.exit(main())

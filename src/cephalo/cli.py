@@ -1,0 +1,68 @@
+"""`cephalo ...`: the command line.
+
+Each subcommand lives in its own module under `cephalo.commands` and exposes
+`register(subparsers)` (adds its parser, sets `func`) . This file only wires them together
+and turns `CephaloError` into one clear line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from cephalo.errors import CephaloError
+
+# order = order in `cephalo --help`
+COMMANDS = ["demo", "run", "train", "plan", "simulate", "profile", "catalog", "prepare_data", "export"]
+
+DESCRIPTION = """\
+Cephalo trains Transformer models on heterogeneous GPU clusters: each GPU gets its own
+batch size and its own (uneven) fraction of the sharded training state, and layered
+gradient accumulation keeps memory independent of the batch size.
+
+typical use:
+  cephalo demo                                   # everything on an emulated CPU cluster
+  cephalo catalog                                # known GPU types and models
+  cephalo plan --cluster 2xl4,a6000,p40 --model gpt-2.7b --global-batch 64
+  cephalo simulate plan.json                     # evaluate any plan with the cost model
+  cephalo run --devices cpu,cpu:slowdown=2 --config configs/demo.toml
+  torchrun --nproc-per-node 4 -m cephalo train --config my.toml
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cephalo", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"cephalo.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"cephalo.commands.{name}":
+                continue  # command not built yet
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        rc = args.func(args)
+    except CephaloError as e:
+        print(f"cephalo {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"cephalo {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Runnable models, expressed as a sequence of units (see `units.py`)."""

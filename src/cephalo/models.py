@@ -1,0 +1,55 @@
+"""ModelSpec: the shape of a Transformer as the planner sees it (no weights, no code).
+
+A model is a sequence of units: embedding, `num_layers` blocks, head (final norm, output
+projection, loss). The planner and cost model only need each unit's parameter count and the
+sizes that drive activation memory; the runnable modules live in `cephalo.modeling`.
+Built-in specs (`get_model_spec("gpt-2.7b")`) come from the catalog (`cephalo.catalog`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+UNIT_KINDS = ("embedding", "block", "head")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder/encoder Transformer, enough for the cost model."""
+
+    name: str
+    """Canonical name, e.g. `gpt-2.7b`."""
+    arch: str
+    """Family: `gpt`, `llama`, `bert`, `vit`, `mistral`."""
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+    """Output classes of the head (vocabulary; classes for ViT)."""
+    ffn_hidden_size: int
+    params_per_block: int
+    """Parameters of one Transformer block."""
+    embedding_params: int
+    """Parameters of the embedding unit (token + position embeddings, patch projection...)."""
+    head_params: int
+    """Parameters the head owns (final norm, and the output projection unless tied)."""
+    tied_embeddings: bool = False
+    """The head's output projection is the token embedding (GPT-2 style)."""
+    max_seq_len: int = 2048
+    aliases: tuple[str, ...] = field(default=())
+    """Other names accepted for this model (the published data's keys)."""
+
+    @property
+    def num_units(self) -> int:
+        return self.num_layers + 2
+
+    def unit_kinds(self) -> list[str]:
+        return ["embedding"] + ["block"] * self.num_layers + ["head"]
+
+    def unit_params(self) -> list[int]:
+        """Parameters owned by each unit, in unit order (tied weights counted once, in the embedding)."""
+        return [self.embedding_params] + [self.params_per_block] * self.num_layers + [self.head_params]
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.unit_params())
