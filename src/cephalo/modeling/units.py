@@ -14,18 +14,26 @@ engine detects them by identity (the first unit owns the parameter; later units 
 
 Units are built on the `meta` device by default and materialised by the engine (or by
 `UnitModel.materialize`) with `reset_parameters` semantics: `init_weights(generator)` must
-initialise every parameter of the model deterministically from the generator, so that the
-single-process reference and every rank of a sharded run start from the same weights.
+initialise every parameter AND every buffer (e.g. rotary `inv_freq`) of the model
+deterministically from the generator, so that the single-process reference and every rank of
+a sharded run start from the same weights. Random draws happen on the CPU (`fill_normal_`),
+so the values do not depend on the device. Modules draw random numbers only inside
+`forward` (dropout, from the global generator), so restoring the RNG state replays them.
+
+`nn.Module.to_empty` replaces each parameter by a new object when moving off `meta`, which
+would untie tied weights; `UnitModel.materialize` re-ties them. An engine that materialises
+by other means must do the same (see `tied_parameter_slots`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from cephalo.errors import CephaloError
 from cephalo.models import ModelSpec
 
 IGNORE_INDEX = -100
@@ -80,8 +88,104 @@ class UnitModel(nn.Module):
         n_tokens = (labels != IGNORE_INDEX).sum().clamp(min=1)
         return loss_sum / n_tokens
 
+    def unit(self, name: str) -> Unit:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise CephaloError(f"no unit named {name!r}; units are {[u.name for u in self.units]}")
+
     def materialize(self, device: torch.device | str, generator: torch.Generator) -> UnitModel:
-        """Allocate real storage for a meta-built model and initialise it from `generator`."""
+        """Allocate real storage for a meta-built model and initialise it from `generator`.
+        Tied parameters stay one Parameter object."""
+        slots = tied_parameter_slots(self)
         self.to_empty(device=device)
+        retie(slots)
         self.init_weights(generator)
         return self
+
+
+def tied_parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) slots that hold the same Parameter object, for every
+    parameter held in more than one place. Take them before `to_empty` / `_apply`, and give
+    them to `retie` afterwards."""
+    slots_by_id: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                slots_by_id.setdefault(id(p), []).append((module, attr))
+    groups = []
+    for group in slots_by_id.values():
+        if len(group) > 1:
+            groups.append(group)
+    return groups
+
+
+def retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """Make every slot of each group hold the first slot's Parameter."""
+    for group in groups:
+        first_module, first_attr = group[0]
+        shared = first_module._parameters[first_attr]
+        for module, attr in group[1:]:
+            module._parameters[attr] = shared
+
+
+@torch.no_grad()
+def fill_normal_(param: torch.Tensor, std: float, generator: torch.Generator, mean: float = 0.0) -> None:
+    """Fill `param` with N(mean, std^2) drawn in fp32 on the CPU from `generator`, so that the
+    values are the same whatever the parameter's device and dtype."""
+    if generator.device.type != "cpu":
+        raise CephaloError("init_weights needs a CPU torch.Generator (values must not depend on the device)")
+    values = torch.empty(param.shape, dtype=torch.float32).normal_(mean, std, generator=generator)
+    param.copy_(values)
+
+
+def unit_param_counts(units: Sequence[Unit]) -> list[int]:
+    """Parameters owned by each unit, a tied parameter counted once, in the first unit holding it."""
+    seen: set[int] = set()
+    counts = []
+    for u in units:
+        n = 0
+        for p in u.module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        counts.append(n)
+    return counts
+
+
+def spec_from_units(
+    units: Sequence[Unit],
+    *,
+    name: str,
+    arch: str,
+    hidden_size: int,
+    num_heads: int,
+    vocab_size: int,
+    ffn_hidden_size: int,
+    tied_embeddings: bool,
+    max_seq_len: int,
+) -> ModelSpec:
+    """A `ModelSpec` whose parameter counts come from the real modules (so the cost model
+    plans exactly the model that will run)."""
+    kinds = [u.kind for u in units]
+    num_layers = len(units) - 2
+    if kinds != ["embedding"] + ["block"] * num_layers + ["head"]:
+        raise CephaloError(f"units must be embedding, blocks..., head; got kinds {kinds}")
+    counts = unit_param_counts(units)
+    block_counts = set(counts[1:-1])
+    if len(block_counts) > 1:
+        raise CephaloError(f"model {name}: blocks differ in size ({sorted(block_counts)}); the cost model assumes equal blocks")
+    return ModelSpec(
+        name=name,
+        arch=arch,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        vocab_size=vocab_size,
+        ffn_hidden_size=ffn_hidden_size,
+        params_per_block=counts[1] if num_layers else 0,
+        embedding_params=counts[0],
+        head_params=counts[-1],
+        tied_embeddings=tied_embeddings,
+        max_seq_len=max_seq_len,
+    )

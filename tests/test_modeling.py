@@ -1,0 +1,192 @@
+"""Runnable models as units: forward/gradient equivalence, tied weights, deterministic init,
+dropout replay. Single process, fp32, fast."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cephalo.errors import CephaloError
+from cephalo.modeling import IGNORE_INDEX, build_model, list_runnable_models, model_spec_of
+from cephalo.modeling.gpt import GPT_PRESETS
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def tiny_gpt(seed: int = 0, **overrides):
+    return build_model("gpt-tiny", **overrides).materialize("cpu", gen(seed))
+
+
+def batch(vocab: int, b: int = 3, s: int = 16, seed: int = 1):
+    g = gen(seed)
+    tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
+    input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    labels[0, :3] = IGNORE_INDEX  # some ignored targets
+    return input_ids, labels
+
+
+def manual_gpt_loss(model, input_ids, labels):
+    """A straightforward GPT-2 forward written against the raw parameters (explicit masked
+    softmax attention), independent of the unit modules."""
+    cfg = model.config
+    p = {f"{u}.{n}": t for u, n, t in model.named_unit_parameters()}
+    b, s = input_ids.shape
+    d, nh = cfg.n_embd, cfg.n_head
+    h = p["embedding.wte.weight"][input_ids] + p["embedding.wpe.weight"][:s]
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    for i in range(cfg.n_layer):
+        w = lambda name, i=i: p[f"blocks.{i}.{name}"]  # noqa: E731
+        x = F.layer_norm(h, (d,), w("ln_1.weight"), w("ln_1.bias"))
+        qkv = x @ w("attn.c_attn.weight").T + w("attn.c_attn.bias")
+        q, k, v = (t.reshape(b, s, nh, d // nh).transpose(1, 2) for t in qkv.split(d, dim=2))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // nh)
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, d)
+        h = h + y @ w("attn.c_proj.weight").T + w("attn.c_proj.bias")
+        x = F.layer_norm(h, (d,), w("ln_2.weight"), w("ln_2.bias"))
+        x = F.gelu(x @ w("mlp.c_fc.weight").T + w("mlp.c_fc.bias"))
+        h = h + x @ w("mlp.c_proj.weight").T + w("mlp.c_proj.bias")
+    h = F.layer_norm(h, (d,), p["head.ln_f.weight"], p["head.ln_f.bias"])
+    logits = h @ p["embedding.wte.weight"].T
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+# ---------------------------------------------------------------- built-in GPT
+
+
+def test_gpt_units_equal_manual_forward_and_gradients():
+    model = tiny_gpt().eval()
+    input_ids, labels = batch(model.config.vocab_size)
+    loss = model(input_ids, labels)
+    ref = manual_gpt_loss(model, input_ids, labels)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    params = [p for _, _, p in model.named_unit_parameters()]
+    grads = torch.autograd.grad(loss, params)
+    ref_grads = torch.autograd.grad(ref, params)
+    for g, rg in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-6)
+
+
+def test_gpt_head_returns_fp32_sum_over_labelled_tokens():
+    model = tiny_gpt().eval()
+    input_ids, labels = batch(model.config.vocab_size)
+    units = model.units
+    h = units[0].module(input_ids)
+    for u in units[1:-1]:
+        h = u.module(h)
+    loss_sum = units[-1].module(h, labels)
+    assert loss_sum.dtype == torch.float32 and loss_sum.dim() == 0
+    n_tokens = (labels != IGNORE_INDEX).sum()
+    torch.testing.assert_close(loss_sum / n_tokens, model(input_ids, labels))
+    all_ignored = torch.full_like(labels, IGNORE_INDEX)
+    assert units[-1].module(h, all_ignored).item() == 0.0
+
+
+def test_gpt_unit_names_and_kinds():
+    model = build_model("gpt-tiny")
+    assert [u.name for u in model.units] == ["embedding", "blocks.0", "blocks.1", "head"]
+    assert [u.kind for u in model.units] == ["embedding", "block", "block", "head"]
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_gpt_tied_weight_is_one_parameter_after_materialize():
+    model = tiny_gpt()
+    wte = model.units[0].module.wte.weight
+    assert model.units[-1].module.lm_head.weight is wte
+    names = [(u, n) for u, n, _ in model.named_unit_parameters()]
+    assert ("embedding", "wte.weight") in names
+    assert not any(u == "head" and n == "lm_head.weight" for u, n in names)
+    assert len({id(p) for _, _, p in model.named_unit_parameters()}) == len(names)
+    # the spec counts it once, in the embedding
+    spec = model_spec_of(model)
+    assert spec.total_params == sum(p.numel() for p in model.parameters())
+    owned = {u.name: 0 for u in model.units}
+    for unit_name, _, p in model.named_unit_parameters():
+        owned[unit_name] += p.numel()
+    assert spec.unit_params() == [owned[u.name] for u in model.units]
+    # a gradient step through the head reaches the shared tensor
+    input_ids, labels = batch(model.config.vocab_size)
+    model(input_ids, labels).backward()
+    assert wte.grad is not None and wte.grad.abs().sum() > 0
+
+
+def test_gpt_untied_has_its_own_output_projection():
+    model = tiny_gpt(tie_embeddings=False)
+    assert model.units[-1].module.lm_head.weight is not model.units[0].module.wte.weight
+    assert model_spec_of(model).head_params == 64 * 2 + 256 * 64
+
+
+def test_gpt_init_is_deterministic_and_device_independent():
+    a = tiny_gpt(seed=3)
+    torch.manual_seed(123)  # the global RNG must not matter
+    b = tiny_gpt(seed=3)
+    c = tiny_gpt(seed=4)
+    direct = build_model("gpt-tiny", device="cpu")  # built on CPU, no meta step
+    direct.init_weights(gen(3))
+    sa, sb, sc, sd = (m.state_dict() for m in (a, b, c, direct))
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]) and torch.equal(sa[k], sd[k]), k
+    assert not torch.equal(sa["unit_modules.embedding.wte.weight"], sc["unit_modules.embedding.wte.weight"])
+
+
+def test_gpt_init_follows_gpt2_scheme():
+    model = build_model("gpt-nano").materialize("cpu", gen(0))
+    blk = model.units[1].module
+    assert torch.equal(blk.ln_1.weight, torch.ones_like(blk.ln_1.weight))
+    assert torch.equal(blk.attn.c_attn.bias, torch.zeros_like(blk.attn.c_attn.bias))
+    assert blk.attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    residual_std = 0.02 / math.sqrt(2 * model.config.n_layer)
+    assert blk.mlp.c_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
+
+
+def test_materialize_draws_nothing_from_the_global_rng():
+    state = torch.get_rng_state()
+    model = tiny_gpt()
+    model.eval()
+    input_ids, labels = batch(model.config.vocab_size)
+    model(input_ids, labels)  # eval forward: no dropout draws either
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_gpt_dropout_replays_with_restored_rng_state():
+    model = tiny_gpt(dropout=0.3).train()
+    input_ids, _ = batch(model.config.vocab_size)
+    h = model.units[0].module(input_ids)
+    block = model.units[1].module
+    state = torch.get_rng_state()
+    out1 = block(h)
+    out_other = block(h)  # RNG moved on: different masks
+    torch.set_rng_state(state)
+    out2 = block(h)
+    assert torch.equal(out1, out2)
+    assert not torch.equal(out1, out_other)
+
+
+def test_gpt_rejects_too_long_sequences_and_bad_configs():
+    model = tiny_gpt()
+    with pytest.raises(CephaloError, match="seq_len"):
+        model.units[0].module(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(CephaloError, match="multiple of n_head"):
+        build_model("gpt-tiny", n_head=3)
+
+
+def test_registry_errors_list_choices():
+    with pytest.raises(CephaloError, match="gpt-tiny"):
+        build_model("no-such-model")
+    with pytest.raises(CephaloError, match="unknown setting"):
+        build_model("gpt-tiny", n_layers=3)
+    assert set(GPT_PRESETS) <= set(list_runnable_models())
+    assert build_model("gpt-tiny", block_size=16).config.seq_len == 16
+
+
+@pytest.mark.parametrize("name", sorted(GPT_PRESETS))
+def test_gpt_presets_build_on_meta(name):
+    model = build_model(name)
+    spec = model_spec_of(model)
+    assert spec.num_layers == model.config.n_layer
+    assert spec.total_params == sum(p.numel() for p in model.parameters())
