@@ -1,0 +1,708 @@
+"""The job configuration: TOML sections backed by dataclasses whose fields carry docstrings.
+
+    [model] [data] [train] [parallel] [checkpoint] [logging] [profile]
+
+Each section is a dataclass below; each field has a type, a default and a docstring written
+right under it. Those docstrings are the ONE source of the `--help` text, of `config_help()`
+and of docs/config.md (`scripts/gen_config_docs.py`). Python drops attribute docstrings at
+runtime, so `field_docs()` reads them back from the class source with `ast` (once, cached).
+
+Values come from, in order: the defaults, a TOML file (`load_config(path)`), then command-line
+overrides `--section.key=value` (parsed by the field's type). Unknown sections or keys, values
+of the wrong type and values out of range raise `CephaloError` with one clear message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import json
+import math
+import textwrap
+import types
+import typing
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from cephalo.errors import CephaloError
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass
+class ModelConfig:
+    """What to train."""
+
+    name: str = "gpt-tiny"
+    """Model registry name: `gpt-tiny`, `gpt-small-demo`, `hf-gpt2-tiny`, `hf-llama-tiny`."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Changes to the registry model's shape or regularisation, e.g. `{ dropout = 0.1, n_layer = 4 }`
+    (on the command line: `--model.overrides dropout=0.1,n_layer=4`)."""
+    dtype: Dtype = "fp32"
+    """Compute precision: `fp32`, `bf16`, or `fp16` (with loss scaling). Master weights, gradient
+    reduction and optimizer state stay fp32."""
+    seed: int = 0
+    """Seed of the weight initialisation (every rank draws the same initial weights)."""
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    path: str | None = None
+    """Token file (from `cephalo prepare-data`) or a directory of text files; unset: the bundled corpus."""
+    tokenizer: str = "builtin"
+    """Tokenizer file (`tokenizer.json`) or `builtin` (the byte-level tokenizer that ships with cephalo)."""
+    seq_len: int = 32
+    """Tokens per sample (inputs; labels are the same tokens shifted by one). The model's context
+    (`model.overrides.seq_len`) must be at least this long."""
+    val_fraction: float = 0.05
+    """Fraction of the tokens held out for the validation loss (0 disables validation)."""
+    seed: int = 0
+    """Seed of the sample order. The global batch of step t depends only on this seed, never on the plan."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 100
+    """Optimizer steps to run (in total, counting the steps of a resumed checkpoint)."""
+    global_batch_size: int = 8
+    """Samples per step, summed over all ranks; the plan splits them."""
+    lr: float = 3e-4
+    """Peak learning rate (reached at the end of the warmup)."""
+    min_lr: float = 3e-5
+    """Learning rate at the last step of the cosine schedule."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from 0 to `lr`; must be smaller than `steps`."""
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    """After the warmup: `cosine` decay to `min_lr` at the last step, or `constant` at `lr`."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW moment coefficients (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (across all shards) to this value; 0 disables clipping."""
+    eval_every: int = 50
+    """Compute the validation loss every this many steps (and at the end); 0 disables."""
+    eval_batches: int = 4
+    """Global batches of held-out data averaged for one validation loss."""
+    max_nonfinite_skips: int = 3
+    """Steps with a non-finite loss or gradient are skipped; stop with an error after this many in a row."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the work is split across ranks."""
+
+    plan: str = "auto"
+    """`auto` (profile + optimise at start, cached), `even` (plain FSDP split), `proportional`
+    (compute-proportional batches, even shards), or the path to a plan JSON file."""
+    mode: Literal["lga", "standard"] = "lga"
+    """Schedule: `lga` (layered gradient accumulation: memory independent of the batch) or
+    `standard` (one forward/backward per micro-batch, as FSDP does)."""
+    prefetch: bool = True
+    """Gather the next unit's parameters while the current one computes."""
+    offload: Literal["auto", "always", "never"] = "auto"
+    """Keep layer-boundary activations on the host: `auto` (as the plan says), `always`, `never`."""
+    devices: str | None = None
+    """Emulated devices for `cephalo run`, one per rank, e.g. `cpu,cpu:slowdown=2,cpu:slowdown=4:mem=2GiB`;
+    unset: one plain CPU rank per `--nproc`."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: `auto` picks nccl on CUDA and gloo on CPU."""
+    timeout_s: float = 300.0
+    """Timeout of every collective, in seconds: a lost rank becomes an error instead of a hang."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming (logical layout: loads under any plan or world size)."""
+
+    dir: str | None = None
+    """Checkpoint root directory; unset: `<logging.dir>/checkpoints`."""
+    every: int = 0
+    """Save every this many steps (and at the end of training); 0 saves only at the end."""
+    keep_last: int = 3
+    """Complete checkpoints to keep; older ones are deleted after a successful save."""
+    resume: str = "auto"
+    """`auto` (newest complete checkpoint in `dir`, if any), `never`, or the path of a checkpoint to load."""
+
+
+@dataclass
+class LoggingConfig:
+    """What a run writes and shows."""
+
+    dir: str = "runs/default"
+    """Run directory: metrics, the resolved config, the plan, checkpoints (by default)."""
+    metrics_jsonl: str = "metrics.jsonl"
+    """Per-step metrics file (JSON lines), relative to `dir`."""
+    progress: bool = True
+    """Show a progress bar on rank 0 (loss, tokens/s, step time)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under `<dir>/tb` (needs the `tensorboard` package)."""
+    log_every: int = 1
+    """Write a metrics record every this many steps."""
+
+
+@dataclass
+class ProfileConfig:
+    """Measuring the devices for `parallel.plan = "auto"`."""
+
+    cache: str | None = None
+    """Profile database file, reused across runs; unset: `<logging.dir>/profile.json`."""
+    repeats: int = 3
+    """Timed repetitions per measurement (the median is kept)."""
+    warmup: int = 1
+    """Untimed repetitions before measuring."""
+    time_cap_s: float = 60.0
+    """Stop profiling larger micro-batches after this many seconds per device (extrapolate beyond)."""
+
+
+@dataclass
+class JobConfig:
+    """A whole training job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    # Paths whose default depends on another section: resolved here so callers never guess.
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.logging.dir) / "checkpoints"
+
+    @property
+    def profile_cache(self) -> Path:
+        return Path(self.profile.cache) if self.profile.cache else Path(self.logging.dir) / "profile.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.logging.dir) / self.logging.metrics_jsonl
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in section_names()}
+
+    def validate(self) -> None:
+        """Range and consistency checks beyond the types; raises CephaloError on the first problem."""
+        _validate(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Introspection: sections, fields, their types and docstrings
+
+
+def section_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(JobConfig)]
+
+
+def section_class(section: str) -> type:
+    return _section_types()[section]
+
+
+@functools.cache
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {name: hints[name] for name in section_names()}
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved type of each field (the module uses postponed annotations)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source with `ast`.
+
+    Attribute docstrings are a convention (PEP 257, used by Sphinx and torchtitan-style configs)
+    that the interpreter discards, so the source is the only place they exist.
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (frozen app): the help just has no prose
+        return {}
+    class_node = ast.parse(source).body[0]
+    docs: dict[str, str] = {}
+    body = getattr(class_node, "body", [])
+    for node, next_node in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(next_node, ast.Expr)
+            and isinstance(next_node.value, ast.Constant)
+            and isinstance(next_node.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(next_node.value.value)
+    return docs
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise AssertionError(f"config field {f.name} has no default")  # every field must have one
+
+
+def type_name(tp: Any) -> str:
+    """How a field's type reads in help and error messages."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(json.dumps(a) for a in args)
+    if _is_optional(tp):
+        return f"{type_name(_strip_optional(tp))} (optional)"
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"list of {type_name(args[0])}"
+        return f"[{', '.join(type_name(a) for a in args)}]"
+    if origin is list:
+        return f"list of {type_name(args[0])}"
+    if origin is dict:
+        return "table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _is_optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _strip_optional(tp: Any) -> Any:
+    rest = [a for a in typing.get_args(tp) if a is not type(None)]
+    return rest[0] if len(rest) == 1 else Union[tuple(rest)]  # noqa: UP007 (runtime construction)
+
+
+# --------------------------------------------------------------------------------------------
+# Values: TOML values and command-line strings -> the field's type
+
+
+class _BadValue(Exception):
+    """Internal: a value that does not fit a type; turned into a CephaloError naming the key."""
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+_NONE = {"none", "null", ""}
+
+
+def _parse_toml_literal(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        raise _BadValue(f"not a valid TOML value ({e})") from None
+
+
+def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
+    """Convert `value` (a TOML value, or a string from the command line) to type `tp`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _is_optional(tp):
+        if value is None or (from_cli and isinstance(value, str) and value.strip().lower() in _NONE):
+            return None
+        return _coerce(value, _strip_optional(tp), from_cli)
+    if origin is Literal:
+        if value not in args:
+            raise _BadValue()
+        return value
+    if origin in (list, tuple):
+        if from_cli and isinstance(value, str):
+            text = value.strip()
+            # `[0.9, 0.95]` (TOML array) or the shell-friendly `0.9,0.95`
+            items = _parse_toml_literal(text) if text.startswith("[") else [s.strip() for s in text.split(",") if s.strip()]
+            if not isinstance(items, list):
+                raise _BadValue()
+            elem_cli = not text.startswith("[")
+        elif isinstance(value, list | tuple):
+            items, elem_cli = list(value), False
+        else:
+            raise _BadValue()
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(items) != len(args):
+                raise _BadValue(f"expected {len(args)} items, got {len(items)}")
+            return tuple(_coerce(v, a, elem_cli) for v, a in zip(items, args, strict=True))
+        elem = args[0]
+        out = [_coerce(v, elem, elem_cli) for v in items]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if from_cli and isinstance(value, str):
+            return _parse_cli_table(value)
+        if not isinstance(value, dict):
+            raise _BadValue()
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise _BadValue()
+    if tp is int:
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise _BadValue() from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _BadValue()
+        return value
+    if tp is float:
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise _BadValue() from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _BadValue()
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _BadValue()
+        return value
+    raise AssertionError(f"config type {tp!r} is not supported")  # a new field type needs a case here
+
+
+def _parse_cli_table(text: str) -> dict[str, Any]:
+    """`k=v,k2=v2` or an inline TOML table `{ k = v }`; values are TOML literals, else strings."""
+    text = text.strip()
+    if text.startswith("{"):
+        table = _parse_toml_literal(text)
+        if not isinstance(table, dict):
+            raise _BadValue("expected a table")
+        return table
+    table: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise _BadValue(f"expected key=value items, got {item!r}")
+        try:
+            table[key.strip()] = _parse_toml_literal(raw.strip())
+        except _BadValue:
+            table[key.strip()] = raw.strip()  # bare words are strings: activation=gelu
+    return table
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def _unknown(kind: str, name: str, valid: Sequence[str]) -> CephaloError:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return CephaloError(f"unknown config {kind} {name!r}.{hint} Valid: {', '.join(valid)}.")
+
+
+def _set_field(section_obj: Any, section: str, key: str, value: Any, from_cli: bool, origin: str) -> None:
+    types_ = field_types(type(section_obj))
+    if key not in types_:
+        raise _unknown(f"key in [{section}]", key, list(types_))
+    tp = types_[key]
+    try:
+        setattr(section_obj, key, _coerce(value, tp, from_cli))
+    except _BadValue as e:
+        detail = f" ({e})" if str(e) else ""
+        raise CephaloError(f"{section}.{key} = {value!r} ({origin}): expected {type_name(tp)}{detail}.") from None
+
+
+def _apply_table(cfg: JobConfig, table: dict[str, Any], origin: str) -> None:
+    for section, values in table.items():
+        if section not in section_names():
+            raise _unknown("section", section, section_names())
+        if not isinstance(values, dict):
+            raise CephaloError(f"{origin}: `{section}` must be a [{section}] table, got {values!r}.")
+        for key, value in values.items():
+            _set_field(getattr(cfg, section), section, key, value, from_cli=False, origin=origin)
+
+
+def parse_overrides(argv: Iterable[str]) -> list[tuple[str, str, str]]:
+    """Split `--section.key=value` / `--section.key value` arguments into (section, key, value).
+
+    Raises CephaloError (with a suggestion) for anything that is not a known section.key.
+    """
+    args = list(argv)
+    out: list[tuple[str, str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, sep, value = arg.removeprefix("--").partition("=")
+        if not sep:
+            if i + 1 >= len(args):
+                raise CephaloError(f"config override {arg!r} has no value: use --section.key=value.")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        section, dot, key = name.partition(".")
+        if not dot:
+            raise CephaloError(f"config override {arg!r} is not of the form --section.key=value.")
+        if section not in section_names():
+            raise _unknown("section", section, section_names())
+        cls = section_class(section)
+        if key not in field_types(cls):
+            # `--model.overrides.dropout=0.1`: one entry of a table field
+            head, dot2, sub = key.partition(".")
+            if dot2 and typing.get_origin(field_types(cls).get(head)) is dict:
+                out.append((section, head, f"{sub}={value}"))
+                continue
+            raise _unknown(f"key in [{section}]", key, list(field_types(cls)))
+        out.append((section, key, value))
+    return out
+
+
+def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> JobConfig:
+    """Defaults <- TOML file (if any) <- `--section.key=value` overrides; validated."""
+    cfg = JobConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise CephaloError(f"config file {str(path)!r} not found (see configs/ for examples).")
+        try:
+            table = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise CephaloError(f"config file {str(path)!r} is not valid TOML: {e}.") from None
+        _apply_table(cfg, table, origin=str(path))
+    for section, key, value in parse_overrides(overrides):
+        section_obj = getattr(cfg, section)
+        if typing.get_origin(field_types(type(section_obj))[key]) is dict:
+            # table overrides merge into the table instead of replacing it
+            try:
+                merged = {**getattr(section_obj, key), **_parse_cli_table(value)}
+            except _BadValue as e:
+                raise CephaloError(f"--{section}.{key}={value}: {e}.") from None
+            setattr(section_obj, key, merged)
+            continue
+        _set_field(section_obj, section, key, value, from_cli=True, origin="command line")
+    cfg.validate()
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Validation beyond types
+
+
+def _validate(cfg: JobConfig) -> None:
+    problems: list[str] = []
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.parallel
+    check(bool(m.name.strip()), "model.name must not be empty")
+    check(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
+    check(0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    check(bool(d.tokenizer.strip()), "data.tokenizer must be `builtin` or a tokenizer file")
+    check(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
+    check(t.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {t.global_batch_size}")
+    check(t.lr > 0 and math.isfinite(t.lr), f"train.lr must be a positive number, got {t.lr}")
+    check(0.0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr = {t.lr}], got {t.min_lr}")
+    check(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    check(
+        t.warmup_steps < t.steps or t.steps < 1,
+        f"train.warmup_steps ({t.warmup_steps}) must be smaller than train.steps ({t.steps})",
+    )
+    check(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    check(all(0.0 <= b < 1.0 for b in t.betas), f"train.betas must both be in [0, 1), got {list(t.betas)}")
+    check(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
+    check(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    check(t.eval_every >= 0, f"train.eval_every must be >= 0 (0 disables), got {t.eval_every}")
+    check(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
+    check(t.max_nonfinite_skips >= 0, f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}")
+    check(
+        t.eval_every == 0 or d.val_fraction > 0,
+        f"train.eval_every = {t.eval_every} needs held-out data: set data.val_fraction > 0 "
+        "or train.eval_every = 0",
+    )
+    if p.plan not in ("auto", "even", "proportional"):
+        check(
+            Path(p.plan).is_file(),
+            f"parallel.plan = {p.plan!r} is neither `auto`, `even`, `proportional` nor an existing "
+            "plan file (write one with `cephalo plan ... --out plan.json`)",
+        )
+    check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
+    check(p.devices is None or bool(p.devices.strip()), "parallel.devices must not be empty (leave it unset)")
+    c = cfg.checkpoint
+    check(c.every >= 0, f"checkpoint.every must be >= 0 (0 saves only at the end), got {c.every}")
+    check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
+    check(bool(c.resume.strip()), "checkpoint.resume must be `auto`, `never` or a checkpoint path")
+    lg = cfg.logging
+    check(bool(lg.dir.strip()), "logging.dir must not be empty")
+    check(bool(lg.metrics_jsonl.strip()), "logging.metrics_jsonl must not be empty")
+    check(lg.log_every >= 1, f"logging.log_every must be >= 1, got {lg.log_every}")
+    pr = cfg.profile
+    check(pr.repeats >= 1, f"profile.repeats must be >= 1, got {pr.repeats}")
+    check(pr.warmup >= 0, f"profile.warmup must be >= 0, got {pr.warmup}")
+    check(pr.time_cap_s > 0, f"profile.time_cap_s must be > 0, got {pr.time_cap_s}")
+    if problems:
+        more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})" if len(problems) > 1 else ""
+        raise CephaloError(f"invalid config: {problems[0]}{more}.")
+
+
+# --------------------------------------------------------------------------------------------
+# Output: TOML, help text, markdown, argparse
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise AssertionError(f"cannot write {value!r} as TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+
+
+def config_to_toml(cfg: JobConfig, comments: bool = False) -> str:
+    """The config as TOML that `load_config` reads back to an equal config.
+
+    Unset optional fields (None) are written as comments: TOML has no null.
+    """
+    lines: list[str] = []
+    for section in section_names():
+        obj = getattr(cfg, section)
+        cls = type(obj)
+        if lines:
+            lines.append("")
+        lines.append(f"[{section}]")
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if comments and docs.get(f.name):
+                lines.extend("# " + line for line in docs[f.name].splitlines())
+            value = getattr(obj, f.name)
+            if value is None:
+                lines.append(f"# {f.name} = (unset)")
+            else:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    value = _field_default(f)
+    return "unset" if value is None else _toml_value(value)
+
+
+def config_help() -> str:
+    """Every field: `section.key  type = default` and its docstring (plain text)."""
+    out: list[str] = []
+    for section in section_names():
+        cls = section_class(section)
+        out.append(f"[{section}]  {inspect.cleandoc(cls.__doc__ or '')}")
+        docs, tps = field_docs(cls), field_types(cls)
+        for f in dataclasses.fields(cls):
+            out.append(f"  {section}.{f.name}: {type_name(tps[f.name])} = {_default_text(f)}")
+            for line in textwrap.wrap(" ".join(docs.get(f.name, "").split()), 88):
+                out.append(f"      {line}")
+        out.append("")
+    return "\n".join(out)
+
+
+def config_markdown() -> str:
+    """docs/config.md: one table per section, generated from the dataclasses."""
+    out = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by scripts/gen_config_docs.py from src/cephalo/train/config.py: do not edit. -->",
+        "",
+        "A job is configured by a TOML file with the sections below (`configs/` has complete,",
+        "commented examples) and command-line overrides `--section.key=value`, which win over the",
+        "file. Every key is optional; unknown keys, values of the wrong type and values out of range",
+        "are reported with the key's name. `cephalo train --help` shows the same text.",
+        "",
+        "```bash",
+        "cephalo train --config configs/demo.toml --train.steps=50 --train.lr=1e-3",
+        "cephalo train --config configs/demo.toml --model.overrides dropout=0.1,n_layer=4",
+        "```",
+        "",
+    ]
+    for section in section_names():
+        cls = section_class(section)
+        docs, tps = field_docs(cls), field_types(cls)
+        out += [f"## `[{section}]`", "", inspect.cleandoc(cls.__doc__ or ""), ""]
+        out += ["| key | type | default | description |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            doc = " ".join(docs.get(f.name, "").split()).replace("|", "\\|")
+            tname = type_name(tps[f.name]).replace("|", "\\|")
+            out.append(f"| `{f.name}` | {tname} | `{_default_text(f)}` | {doc} |")
+        out.append("")
+    return "\n".join(out)
+
+
+_DEST_PREFIX = "cfg::"
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `--config PATH` and one `--section.key VALUE` option per field (help from the docstrings).
+
+    Read them back with `config_from_args(args)`. Values stay strings here and are parsed by
+    `load_config`, so the command line and the TOML file follow the same rules and messages.
+    """
+    parser.add_argument("--config", metavar="PATH", default=None, help="TOML job config (see configs/)")
+    for section in section_names():
+        cls = section_class(section)
+        group = parser.add_argument_group(f"[{section}] {inspect.cleandoc(cls.__doc__ or '').rstrip('.')}")
+        docs, tps = field_docs(cls), field_types(cls)
+        for f in dataclasses.fields(cls):
+            doc = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
+            group.add_argument(
+                f"--{section}.{f.name}",
+                dest=f"{_DEST_PREFIX}{section}.{f.name}",
+                metavar=_metavar(tps[f.name]),
+                default=argparse.SUPPRESS,
+                help=f"{doc} (default: {_default_text(f)})",
+            )
+
+
+def _metavar(tp: Any) -> str:
+    tp = _strip_optional(tp) if _is_optional(tp) else tp
+    if typing.get_origin(tp) is Literal:
+        return "{" + ",".join(typing.get_args(tp)) + "}"
+    if typing.get_origin(tp) in (list, tuple):
+        return "A,B"
+    if typing.get_origin(tp) is dict:
+        return "K=V,..."
+    return tp.__name__.upper()
+
+
+def overrides_from_args(args: argparse.Namespace) -> list[str]:
+    """The `--section.key=value` overrides given on the command line, in `load_config` form."""
+    return [
+        f"--{dest.removeprefix(_DEST_PREFIX)}={value}"
+        for dest, value in vars(args).items()
+        if dest.startswith(_DEST_PREFIX)
+    ]
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    """`load_config(args.config, <overrides given on the command line>)`."""
+    return load_config(getattr(args, "config", None), overrides_from_args(args))
