@@ -190,3 +190,128 @@ def test_gpt_presets_build_on_meta(name):
     spec = model_spec_of(model)
     assert spec.num_layers == model.config.n_layer
     assert spec.total_params == sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- transformers GPT-2 / Llama
+
+HF_MODELS = ["hf-gpt2-tiny", "hf-llama-tiny"]
+
+
+def hf_pair(name: str, seed: int = 0, **overrides):
+    """Our units and an HF model loaded (strictly) from their exported weights."""
+    from cephalo.modeling.hf import export_hf_state_dict
+
+    model = build_model(name, **overrides).materialize("cpu", gen(seed))
+    hf_model = model.build_hf_model()
+    hf_model.load_state_dict(export_hf_state_dict(model), strict=True)
+    return model, hf_model
+
+
+def hf_batch(vocab: int, b: int = 3, s: int = 20):
+    """(input_ids, HF-style unshifted labels, our pre-shifted labels)."""
+    g = gen(7)
+    input_ids = torch.randint(0, vocab, (b, s), generator=g)
+    hf_labels = input_ids.clone()
+    hf_labels[1, 5:9] = IGNORE_INDEX
+    ours = torch.full_like(hf_labels, IGNORE_INDEX)
+    ours[:, :-1] = hf_labels[:, 1:]
+    return input_ids, hf_labels, ours
+
+
+def unit_logits(model, input_ids):
+    h = model.units[0].module(input_ids)
+    for u in model.units[1:-1]:
+        h = u.module(h)
+    return model.units[-1].module.logits(h)
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_hf_units_match_hf_loss_logits_and_gradients(name):
+    model, hf_model = hf_pair(name)
+    model.eval()
+    hf_model.eval()
+    input_ids, hf_labels, labels = hf_batch(model.spec.vocab_size)
+    loss = model(input_ids, labels)
+    out = hf_model(input_ids, labels=hf_labels)
+    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unit_logits(model, input_ids), out.logits, rtol=1e-5, atol=1e-5)
+
+    loss.backward()
+    out.loss.backward()
+    hf_params = dict(hf_model.named_parameters())
+    for unit_name, pname, p in model.named_unit_parameters():
+        hf_name = model.hf_names[f"{unit_name}.{pname}"][0]
+        torch.testing.assert_close(p.grad, hf_params[hf_name].grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_hf_units_hold_no_buffers_and_init_is_deterministic(name):
+    assert list(build_model(name).buffers()) == []
+    a = build_model(name).materialize("cpu", gen(5))
+    torch.manual_seed(99)
+    b = build_model(name).materialize("cpu", gen(5))
+    c = build_model(name).materialize("cpu", gen(6))
+    for (k, ta), tb, tc in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values(), strict=True):
+        assert torch.equal(ta, tb), k
+        if "weight" in k and ta.dim() == 2:
+            assert not torch.equal(ta, tc), k
+    assert model_spec_of(a).total_params == sum(p.numel() for p in a.parameters())
+
+
+def test_hf_gpt2_tied_weight_is_one_parameter():
+    model, hf_model = hf_pair("hf-gpt2-tiny")
+    assert model.units[-1].module.lm_head.weight is model.units[0].module.wte.weight
+    names = [f"{u}.{n}" for u, n, _ in model.named_unit_parameters()]
+    assert "head.lm_head.weight" not in names
+    assert sorted(model.hf_names["embedding.wte.weight"]) == ["lm_head.weight", "transformer.wte.weight"]
+    assert model_spec_of(model).tied_embeddings
+
+
+def test_hf_llama_ties_on_request():
+    model = build_model("hf-llama-tiny", tie_embeddings=True).materialize("cpu", gen(0))
+    assert model.units[-1].module.lm_head.weight is model.units[0].module.embed_tokens.weight
+    assert model_spec_of(model).head_params == 64  # the final RMSNorm only
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_hf_export_after_training_loads_strictly(name):
+    from cephalo.modeling.hf import export_hf_state_dict
+
+    model = build_model(name).materialize("cpu", gen(1)).eval()
+    input_ids, _, labels = hf_batch(model.spec.vocab_size)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(input_ids, labels).backward()
+    opt.step()
+    # through the `state=` path, as `cephalo export` does with Engine.full_state_dict()
+    state = {f"{u}.{n}": p.detach().clone() for u, n, p in model.named_unit_parameters()}
+    hf_model = model.build_hf_model().eval()
+    hf_model.load_state_dict(export_hf_state_dict(model, state), strict=True)
+    torch.testing.assert_close(hf_model(input_ids).logits, unit_logits(model, input_ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(CephaloError, match="missing"):
+        export_hf_state_dict(model, {})
+    with pytest.raises(CephaloError, match="not a transformers model"):
+        export_hf_state_dict(tiny_gpt())
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_hf_dropout_replays_with_restored_rng_state(name):
+    model = build_model(name, dropout=0.3).materialize("cpu", gen(0)).train()
+    input_ids, _, _ = hf_batch(model.spec.vocab_size)
+    h = model.units[0].module(input_ids)
+    block = model.units[1].module
+    state = torch.get_rng_state()
+    out1 = block(h)
+    out_other = block(h)
+    torch.set_rng_state(state)
+    assert torch.equal(out1, block(h))
+    assert not torch.equal(out1, out_other)
+
+
+def test_hf_bad_settings_and_missing_transformers(monkeypatch):
+    with pytest.raises(CephaloError, match="unknown setting"):
+        build_model("hf-gpt2-tiny", n_layers=3)
+    with pytest.raises(CephaloError, match="maximum 32"):
+        build_model("hf-llama-tiny").materialize("cpu", gen(0)).units[0].module(torch.zeros(1, 40, dtype=torch.long))
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    with pytest.raises(CephaloError, match=r"pip install 'cephalo\[hf\]'"):
+        build_model("hf-gpt2-tiny")

@@ -32,10 +32,18 @@ def _apply_overrides(name: str, config: Any, overrides: dict[str, Any]) -> Any:
     return dataclasses.replace(config, **overrides)
 
 
+def _hf_builders() -> dict[str, Callable[[str, torch.device | str, dict[str, Any]], UnitModel]]:
+    # hf.py imports transformers only when a model is built, so listing names never needs it.
+    from cephalo.modeling import hf
+
+    return {name: hf.build_hf_model for name in hf.HF_PRESETS}
+
+
 def _builders() -> dict[str, Callable[[str, torch.device | str, dict[str, Any]], UnitModel]]:
     builders: dict[str, Callable[[str, torch.device | str, dict[str, Any]], UnitModel]] = {
         name: _build_gpt for name in GPT_PRESETS
     }
+    builders.update(_hf_builders())
     return builders
 
 

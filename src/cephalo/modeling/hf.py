@@ -1,0 +1,313 @@
+"""`transformers` GPT-2 and Llama as units (the optional `hf` extra).
+
+The HF model is built from a config (never downloaded) on the requested device and split
+into units that wrap its own submodules, so the arithmetic is exactly HF's:
+
+    GPT-2  embedding = wte + wpe + drop        blocks = GPT2Block         head = ln_f + lm_head
+    Llama  embedding = embed_tokens            blocks = LlamaDecoderLayer head = norm + lm_head
+
+Units only pass hidden states, so each block builds what its layer needs from the sequence
+length: attention uses SDPA with no mask (HF then runs it with `is_causal=True`), and the
+Llama blocks compute rotary (cos, sin) from one shared `RotaryTable`, which is NOT a module
+(its tables are plain CPU tensors, cached per device/dtype/length): the units therefore hold
+no buffers at all, and a meta build needs nothing but parameters materialised.
+
+`export_hf_state_dict` maps unit parameter names back to HF names, so trained weights load
+into a fresh `transformers` model with `load_state_dict(strict=True)`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cephalo.errors import CephaloError
+from cephalo.modeling.units import IGNORE_INDEX, Unit, UnitModel, fill_normal_, spec_from_units
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise CephaloError(
+            "the hf-* models need the `transformers` package: pip install 'cephalo[hf]'"
+        ) from exc
+    return transformers
+
+
+@dataclass(frozen=True)
+class HFPreset:
+    """A named `transformers` model: its family and the config fields we set."""
+
+    family: str
+    """`gpt2` or `llama`."""
+    config: dict[str, Any]
+    """Keyword arguments for `GPT2Config` / `LlamaConfig`."""
+
+
+HF_PRESETS: dict[str, HFPreset] = {
+    "hf-gpt2-tiny": HFPreset(
+        "gpt2",
+        dict(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
+    "hf-llama-tiny": HFPreset(
+        "llama",
+        # 4 query heads over 2 key/value heads: exercises grouped-query attention.
+        dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=176,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             tie_word_embeddings=False),
+    ),
+    "hf-gpt2-124m": HFPreset(
+        "gpt2",
+        dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
+    "hf-llama-160m": HFPreset(
+        "llama",
+        dict(vocab_size=32000, max_position_embeddings=1024, hidden_size=768, intermediate_size=2048,
+             num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+             tie_word_embeddings=False),
+    ),
+}
+
+# Generic override names -> the config fields they set, per family.
+_GENERIC_FIELDS = {
+    "gpt2": {"seq_len": ("n_positions",), "dropout": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+             "tie_embeddings": ("tie_word_embeddings",)},
+    "llama": {"seq_len": ("max_position_embeddings",), "dropout": ("attention_dropout",),
+              "tie_embeddings": ("tie_word_embeddings",)},
+}
+
+
+def make_hf_config(name: str, overrides: dict[str, Any]):
+    """The `transformers` config of preset `name` with `overrides` applied (HF field names or
+    the generic `seq_len`, `dropout`, `tie_embeddings`, `vocab_size`)."""
+    tf = _transformers()
+    preset = HF_PRESETS[name]
+    kwargs = dict(preset.config)
+    config_cls = tf.GPT2Config if preset.family == "gpt2" else tf.LlamaConfig
+    known = set(config_cls().to_dict())
+    for key, value in overrides.items():
+        targets = _GENERIC_FIELDS[preset.family].get(key, (key,))
+        for target in targets:
+            if target not in known:
+                raise CephaloError(
+                    f"model {name}: unknown setting {key!r}; use seq_len, dropout, tie_embeddings "
+                    f"or a {config_cls.__name__} field"
+                )
+            kwargs[target] = value
+    # Special tokens are irrelevant to training; GPT-2's defaults (50256) fall outside tiny vocabularies.
+    kwargs.setdefault("bos_token_id", None)
+    kwargs.setdefault("eos_token_id", None)
+    return config_cls(**kwargs, attn_implementation="sdpa")
+
+
+class HFGPT2Embedding(nn.Module):
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout):
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        _check_seq_len(input_ids.shape[1], self.wpe.num_embeddings)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+class HFGPT2Block(nn.Module):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # No mask + SDPA: HF passes is_causal=True to scaled_dot_product_attention.
+        return self.layer(h, attention_mask=None, use_cache=False)
+
+
+class HFLlamaEmbedding(nn.Module):
+    def __init__(self, embed_tokens: nn.Embedding, max_seq_len: int):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.max_seq_len = max_seq_len
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        _check_seq_len(input_ids.shape[1], self.max_seq_len)
+        return self.embed_tokens(input_ids)
+
+
+class RotaryTable:
+    """Rotary (cos, sin) for positions 0..s-1, computed by HF's own `LlamaRotaryEmbedding`
+    on the CPU once per length and cached per (device, dtype, length). A plain object, not a
+    module: no buffers to materialise after a meta build, nothing for the engine to shard."""
+
+    def __init__(self, config):
+        tf = _transformers()
+        with torch.device("cpu"):
+            self.rotary = tf.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+        self.cache: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, seq_len: int, device: torch.device, dtype: torch.dtype):
+        key = (device, dtype, seq_len)
+        if key not in self.cache:
+            positions = torch.arange(seq_len).unsqueeze(0)
+            cos, sin = self.rotary(torch.empty(0, dtype=torch.float32), positions)
+            self.cache[key] = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
+        return self.cache[key]
+
+
+class HFLlamaBlock(nn.Module):
+    def __init__(self, layer: nn.Module, rotary: RotaryTable):
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary  # plain attribute: shared by all blocks, not a submodule
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        position_embeddings = self.rotary(h.shape[1], h.device, h.dtype)
+        return self.layer(h, attention_mask=None, position_embeddings=position_embeddings, use_cache=False)
+
+
+class HFHead(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(h)
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+
+
+def _check_seq_len(seq: int, limit: int) -> None:
+    if seq > limit:
+        raise CephaloError(
+            f"sequence length {seq} exceeds the model's maximum {limit}; shorten the data's "
+            "sequences or build the model with a larger seq_len"
+        )
+
+
+class HFUnitModel(UnitModel):
+    """A `transformers` causal LM as units. `hf_config` rebuilds the HF model;
+    `hf_names` maps each `<unit>.<param>` to the HF parameter names it stands for."""
+
+    def __init__(self, name: str, family: str, hf_config, device: torch.device | str = "meta"):
+        tf = _transformers()
+        self.family = family
+        self.hf_config = hf_config
+        with torch.device(device):
+            if family == "gpt2":
+                hf_model = tf.GPT2LMHeadModel(hf_config)
+            else:
+                hf_model = tf.LlamaForCausalLM(hf_config)
+        if family == "gpt2":
+            body = hf_model.transformer
+            units = [Unit("embedding", "embedding", HFGPT2Embedding(body.wte, body.wpe, body.drop))]
+            units += [Unit(f"blocks.{i}", "block", HFGPT2Block(layer)) for i, layer in enumerate(body.h)]
+            units.append(Unit("head", "head", HFHead(body.ln_f, hf_model.lm_head)))
+            hidden, heads = hf_config.n_embd, hf_config.n_head
+            ffn = hf_config.n_inner or 4 * hidden
+            seq = hf_config.n_positions
+        else:
+            body = hf_model.model
+            rotary = RotaryTable(hf_config)
+            seq = hf_config.max_position_embeddings
+            units = [Unit("embedding", "embedding", HFLlamaEmbedding(body.embed_tokens, seq))]
+            units += [Unit(f"blocks.{i}", "block", HFLlamaBlock(layer, rotary)) for i, layer in enumerate(body.layers)]
+            units.append(Unit("head", "head", HFHead(body.norm, hf_model.lm_head)))
+            hidden, heads, ffn = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.intermediate_size
+        tied = hf_model.lm_head.weight is hf_model.get_input_embeddings().weight
+        spec = spec_from_units(
+            units, name=name, arch="gpt" if family == "gpt2" else "llama", hidden_size=hidden,
+            num_heads=heads, vocab_size=hf_config.vocab_size, ffn_hidden_size=ffn,
+            tied_embeddings=tied, max_seq_len=seq,
+        )
+        super().__init__(spec, units)
+        self.hf_names = _hf_name_map(hf_model, units)
+        unexpected = [n for n, _ in self.named_buffers()]
+        if unexpected:  # a transformers version that adds buffers to layers would need init here
+            raise CephaloError(f"{name}: unit modules hold buffers {unexpected}; cephalo cannot initialise them")
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """HF's scheme, drawn from `generator` in `named_unit_parameters` order: N(0,
+        initializer_range) for matrices and embeddings (GPT-2's residual projections c_proj
+        scaled by 1/sqrt(2 n_layer)), zero biases, unit norm scales, zero padding rows."""
+        std = self.hf_config.initializer_range
+        norm_params = set()
+        padding_rows: dict[int, int] = {}
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
+                norm_params.update(id(p) for p in module.parameters(recurse=False))
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                padding_rows[id(module.weight)] = module.padding_idx
+        residual_std = std / math.sqrt(2 * len(self.units[1:-1]))
+        for _unit, pname, p in self.named_unit_parameters():
+            if id(p) in norm_params:
+                p.fill_(1.0 if pname.endswith("weight") else 0.0)
+            elif pname.endswith("bias"):
+                p.zero_()
+            elif self.family == "gpt2" and pname.endswith("c_proj.weight"):
+                fill_normal_(p, residual_std, generator)
+            else:
+                fill_normal_(p, std, generator)
+                if id(p) in padding_rows:
+                    p[padding_rows[id(p)]].zero_()
+
+    def build_hf_model(self, device: torch.device | str = "cpu") -> nn.Module:
+        """A fresh `transformers` model of the same config (uninitialised values)."""
+        tf = _transformers()
+        with torch.device(device):
+            cls = tf.GPT2LMHeadModel if self.family == "gpt2" else tf.LlamaForCausalLM
+            return cls(self.hf_config)
+
+
+def _hf_name_map(hf_model: nn.Module, units: list[Unit]) -> dict[str, list[str]]:
+    hf_names_by_id: dict[int, list[str]] = {}
+    for hf_name, p in hf_model.named_parameters(remove_duplicate=False):
+        hf_names_by_id.setdefault(id(p), []).append(hf_name)
+    mapping: dict[str, list[str]] = {}
+    seen: set[int] = set()
+    for u in units:
+        for pname, p in u.module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                mapping[f"{u.name}.{pname}"] = hf_names_by_id[id(p)]
+    return mapping
+
+
+def export_hf_state_dict(
+    model: UnitModel, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """HF-named tensors for `model` (a tied tensor under each of its HF names), loadable with
+    `hf_model.load_state_dict(..., strict=True)`. `state` (names `<unit>.<param>`, e.g. from
+    `Engine.full_state_dict()`) replaces the model's own values when given."""
+    if not isinstance(model, HFUnitModel):
+        raise CephaloError(
+            f"model {model.spec.name} is not a transformers model; only hf-* models export to HF format"
+        )
+    if state is None:
+        state = {f"{u}.{n}": p.detach() for u, n, p in model.named_unit_parameters()}
+    missing = sorted(set(model.hf_names) - set(state))
+    if missing:
+        raise CephaloError(f"cannot export {model.spec.name}: missing tensors {missing[:5]}")
+    return {hf_name: state[ours] for ours, hf_names in model.hf_names.items() for hf_name in hf_names}
+
+
+def build_hf_model(name: str, device: torch.device | str, overrides: dict[str, Any]) -> HFUnitModel:
+    """Registry entry: the `transformers` preset `name` as units."""
+    preset = HF_PRESETS[name]
+    return HFUnitModel(name, preset.family, make_hf_config(name, overrides), device=device)
+
+
+__all__ = ["HF_PRESETS", "HFUnitModel", "build_hf_model", "export_hf_state_dict", "make_hf_config"]
