@@ -9,6 +9,7 @@ import torch
 
 from cephalo.errors import CephaloError
 from cephalo.runtime.comm import LocalComm, make_comm, shard_offsets
+from dist_harness import RemoteError, dist_pool_fixture
 
 
 def test_local_comm_copies_and_counts():
@@ -65,3 +66,238 @@ def test_make_comm_rejects_unknown_and_uninitialised():
         make_comm("gloo")
     with pytest.raises(CephaloError, match="initialised process group"):
         make_comm("nccl")
+
+
+# ------------------------------------------------------------------ 3 gloo ranks
+pool3 = dist_pool_fixture(3, timeout_s=60)
+
+CASES = [[3, 0, 2], [0, 5, 0], [0, 0, 0], [1, 1, 1], [7, 2, 0], [4, 6, 9]]
+DTYPES = ["float32", "bfloat16"]
+
+
+def _rank_data(
+    sizes: list[int], dtype: torch.dtype, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic per-rank inputs: a shard and a full-length tensor to reduce."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    shard = torch.randn(sizes[rank], generator=gen).to(dtype)
+    full = torch.randn(sum(sizes), generator=gen).to(dtype)
+    return shard, full
+
+
+def _gather_scatter_body(impl: str, dtype_name: str, cases: list[list[int]]):
+    import torch.distributed as dist
+
+    comm = make_comm(impl)
+    dtype = getattr(torch, dtype_name)
+    results = []
+    for sizes in cases:
+        shard, full = _rank_data(sizes, dtype, dist.get_rank())
+        gathered = torch.full((sum(sizes),), float("nan"), dtype=dtype)
+        comm.all_gather_v(gathered, shard, sizes).wait()
+        reduced = torch.full((sizes[comm.rank],), float("nan"), dtype=dtype)
+        comm.reduce_scatter_v(reduced, full.clone(), sizes)
+        results.append((gathered, reduced))
+    return results, comm.counters.calls, comm.counters.bytes, comm.backend
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["auto", "gloo", "padded"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_gather_and_reduce_scatter_uneven(pool3, impl, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    per_rank = pool3.run(_gather_scatter_body, impl, dtype_name, CASES)
+    for case_index, sizes in enumerate(CASES):
+        data = [_rank_data(sizes, dtype, r) for r in range(3)]
+        expect_gathered = torch.cat([shard for shard, _ in data])
+        # the reduction order inside gloo is not ours: compare in fp32 with a dtype tolerance
+        expect_sum = torch.stack([full.float() for _, full in data]).sum(0)
+        offsets = shard_offsets(sizes)
+        for rank, (results, _, _, _) in enumerate(per_rank):
+            gathered, reduced = results[case_index]
+            assert gathered.dtype == dtype and torch.equal(gathered, expect_gathered)
+            want = expect_sum[offsets[rank] : offsets[rank] + sizes[rank]]
+            tol = 1e-6 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(reduced.float(), want, atol=tol, rtol=tol)
+    for rank, (_, calls, nbytes, backend) in enumerate(per_rank):
+        assert backend == "gloo"
+        assert calls == {
+            "all_gather_v": len(CASES),
+            "reduce_scatter_v": len(CASES),
+            "all_reduce": 0,
+        }
+        others = sum(sum(s) - s[rank] for s in CASES) * dtype.itemsize
+        assert nbytes == {"all_gather_v": others, "reduce_scatter_v": others, "all_reduce": 0}
+
+
+def _padded_vs_gloo_body(sizes: list[int]):
+    import torch.distributed as dist
+
+    gloo, padded = make_comm("gloo"), make_comm("padded")
+    shard, full = _rank_data(sizes, torch.float32, dist.get_rank())
+    out_a, out_b = torch.empty(sum(sizes)), torch.empty(sum(sizes))
+    gloo.all_gather_v(out_a, shard, sizes)
+    padded.all_gather_v(out_b, shard, sizes, async_op=True).wait()
+    red_a, red_b = torch.empty(sizes[gloo.rank]), torch.empty(sizes[gloo.rank])
+    gloo.reduce_scatter_v(red_a, full.clone(), sizes)
+    padded.reduce_scatter_v(red_b, full.clone(), sizes)
+    return torch.equal(out_a, out_b), (red_a - red_b).abs().max().item() if red_a.numel() else 0.0
+
+
+@pytest.mark.slow
+def test_padded_equals_gloo(pool3):
+    for sizes in ([1000, 3, 517], [0, 64, 1]):
+        for same_gather, max_diff in pool3.run(_padded_vs_gloo_body, sizes):
+            assert same_gather
+            assert max_diff <= 1e-6
+
+
+def _all_reduce_body(dtype_name: str):
+    comm = make_comm()
+    dtype = getattr(torch, dtype_name)
+    total = torch.tensor([1.0, -2.0, comm.rank], dtype=dtype)
+    comm.all_reduce(total)
+    biggest = torch.tensor([float(comm.rank), -float(comm.rank)], dtype=dtype)
+    comm.all_reduce(biggest, op="max")
+    return total.tolist(), biggest.tolist(), comm.counters.calls["all_reduce"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_all_reduce_sum_and_max(pool3, dtype_name):
+    for total, biggest, calls in pool3.run(_all_reduce_body, dtype_name):
+        assert total == [3.0, -6.0, 3.0]
+        assert biggest == [2.0, 0.0]
+        assert calls == 2
+
+
+def _async_overlap_body(late_s: float):
+    import time
+
+    comm = make_comm("gloo", validate=False)  # validation would synchronise the ranks
+    sizes = [1 << 16, 1 << 15, 1 << 14]
+    shard = torch.full((sizes[comm.rank],), float(comm.rank))
+    out = torch.empty(sum(sizes))
+    comm.barrier()
+    if comm.rank == 2:
+        time.sleep(late_s)  # the last rank arrives late: the others must not block in the call
+    start = time.perf_counter()
+    handle = comm.all_gather_v(out, shard, sizes, async_op=True)
+    returned_s = time.perf_counter() - start
+    shard.fill_(-1.0)  # the shard may be reused at once
+    busy = torch.randn(64, 64) @ torch.randn(64, 64)  # work while the gather is in flight
+    handle.wait()
+    handle.wait()  # idempotent
+    waited_s = time.perf_counter() - start
+    expect = torch.cat([torch.full((n,), float(r)) for r, n in enumerate(sizes)])
+    return returned_s, waited_s, torch.equal(out, expect), handle.done, bool(busy.isfinite().all())
+
+
+@pytest.mark.slow
+def test_async_all_gather_returns_before_completion(pool3):
+    late_s = 1.0
+    results = pool3.run(_async_overlap_body, late_s)
+    for rank, (returned_s, waited_s, correct, done, _) in enumerate(results):
+        assert correct and done
+        if rank != 2:
+            assert returned_s < 0.5 * late_s, (
+                f"rank {rank} blocked {returned_s:.2f}s in an async call"
+            )
+            assert waited_s > 0.5 * late_s, f"rank {rank} finished before the late rank sent"
+
+
+def _mismatch_body(kind: str):
+    import time
+
+    comm = make_comm("gloo")
+    sizes = [4, 2, 3]
+    out, shard = torch.empty(9), torch.empty(sizes[comm.rank])
+    if kind == "sizes" and comm.rank == 0:
+        sizes, shard = [3, 3, 3], torch.empty(3)
+    if kind == "shard" and comm.rank == 1:
+        shard = torch.empty(5)  # a local error on one rank only
+    if kind == "dtype" and comm.rank == 2:
+        out, shard = out.bfloat16(), shard.bfloat16()
+    start = time.perf_counter()
+    try:
+        if kind == "collective" and comm.rank == 1:
+            comm.reduce_scatter_v(torch.empty(sizes[1]), torch.empty(9), sizes)
+        else:
+            comm.all_gather_v(out, shard, sizes)
+        message = None
+    except CephaloError as err:
+        message = str(err)
+    # the pool must still work after the error: a healthy collective completes
+    check = torch.ones(1)
+    comm.all_reduce(check)
+    return message, time.perf_counter() - start, check.item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, expect",
+    [
+        ("sizes", ["disagree on sizes", "rank 0: [3, 3, 3]", "rank 1: [4, 2, 3]"]),
+        ("shard", ["rank(s) [1]"]),
+        ("dtype", ["disagree on the dtype", "torch.bfloat16"]),
+        ("collective", ["different collectives", "rank 1: reduce_scatter_v"]),
+    ],
+)
+def test_cross_rank_mismatch_raises_everywhere(pool3, kind, expect):
+    for rank, (message, elapsed_s, check) in enumerate(
+        pool3.run(_mismatch_body, kind, timeout_s=30)
+    ):
+        assert message is not None, f"rank {rank} did not raise"
+        if kind == "shard" and rank == 1:
+            assert "rank 1's `shard` has 5 elements" in message
+        else:
+            for fragment in expect:
+                assert fragment in message, (rank, message)
+        assert elapsed_s < 5.0  # an error, not a timeout
+        assert check == 3.0
+
+
+# ------------------------------------------------------------ the harness itself
+def _raise_on_rank_1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank 1")
+    return dist.get_rank()
+
+
+def _hang_on_rank_0():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.barrier()  # nobody else joins: hangs until the process-group timeout
+    return dist.get_rank()
+
+
+def _die_on_rank_2():
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 2:
+        os._exit(3)
+    return dist.get_rank()
+
+
+def _ranks():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+@pytest.mark.slow
+def test_harness_reports_errors_hangs_and_crashes(pool3):
+    with pytest.raises(RemoteError, match=r"(?s)rank\(s\) \[1\].*ValueError: boom from rank 1"):
+        pool3.run(_raise_on_rank_1)
+    assert pool3.run(_ranks) == [(0, 3), (1, 3), (2, 3)]  # still usable
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\] did not finish within 3s"):
+        pool3.run(_hang_on_rank_0, timeout_s=3)
+    assert pool3.run(_ranks) == [(0, 3), (1, 3), (2, 3)]  # restarted
+    with pytest.raises(RemoteError, match=r"worker rank\(s\) \[2\] died"):
+        pool3.run(_die_on_rank_2)
+    assert pool3.run(_ranks) == [(0, 3), (1, 3), (2, 3)]
