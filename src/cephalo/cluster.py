@@ -1,0 +1,374 @@
+"""The cluster: which devices, how much memory each has, and how fast they talk.
+
+Two ways to say it:
+
+- a spec string, `cephalo plan --cluster 2xl4,a6000,p40`; grammar in `SPEC_GRAMMAR`;
+- a file (TOML, JSON, or YAML when PyYAML is installed) with one entry per device type and
+  optional link bandwidths; format in `Cluster.from_file`.
+
+Bandwidth defaults come from the device types (`cephalo.catalog`): within a node, the
+slowest device's link (PCIe generation, or NVLink on SXM boards); between nodes, 100 Gbit/s
+Ethernet at 80% efficiency. Override them in the file form when you know better.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cephalo.catalog import (
+    CPU_DEFAULT_MEMORY_BYTES,
+    DEVICE_ALIASES,
+    device_display_name,
+    device_memory_bytes,
+    intra_node_bytes_per_s,
+    list_device_types,
+    resolve_device_type,
+)
+from cephalo.errors import CephaloError
+
+SPEC_GRAMMAR = """\
+cluster spec: DEVICE[,DEVICE...]
+  DEVICE  = [Nx]TYPE[@nodeK][:KEY=VALUE[,KEY=VALUE...]]
+  TYPE    = a device type (`cephalo catalog`), case-insensitive, e.g. l4, a6000, a100, cpu
+  KEY     = mem (e.g. 20GiB, 16GB, 512MiB), node (integer >= 0), slowdown (float >= 1, cpu only)
+  examples: 2xl4,a6000,p40   4xa100x80@node1   cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB"""
+
+# 100 Gbit/s Ethernet, ~80% achievable by NCCL/gloo ring collectives.
+DEFAULT_INTER_NODE_BYTES_PER_S = 100e9 / 8 * 0.8
+# Launch + synchronisation cost of one collective: NCCL on GPUs, gloo for the CPU emulation.
+GPU_COLLECTIVE_LATENCY_S = 50e-6
+CPU_COLLECTIVE_LATENCY_S = 200e-6
+
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_SIZE_RE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]+)\s*/\s*s\s*$", re.IGNORECASE)
+_DEVICE_RE = re.compile(r"^(?:(\d+)\s*x\s*)?([a-z0-9_.\-]*?)\s*(?:@\s*(?:node)?\s*(\S*))?$", re.IGNORECASE)
+_OPTIONS = ("mem", "node", "slowdown")
+
+
+def _spec_error(what: str) -> CephaloError:
+    return CephaloError(f"{what}\n{SPEC_GRAMMAR}")
+
+
+def parse_bytes(text: str, what: str = "memory") -> int:
+    """'20GiB' / '16 GB' / '512MiB' -> bytes (GiB = 2**30, GB = 10**9)."""
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise CephaloError(f"bad {what} {text!r}: write a number and a unit, e.g. 20GiB, 16GB, 512MiB (units: GiB, GB, MiB, MB, KiB, KB, TiB, TB, B)")
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise CephaloError(f"bad {what} {text!r}: must be positive")
+    return int(value)
+
+
+def parse_rate(value: Any, what: str) -> float:
+    """A bandwidth: a number (bytes/s) or a string like '12GB/s', '25 GiB/s'."""
+    if isinstance(value, bool):
+        raise CephaloError(f"bad {what} {value!r}: give bytes per second, e.g. 12e9 or '12GB/s'")
+    if isinstance(value, (int, float)):
+        rate = float(value)
+    else:
+        m = _RATE_RE.match(str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise CephaloError(f"bad {what} {value!r}: give bytes per second, e.g. 12e9 or '12GB/s'")
+        rate = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(rate) or rate <= 0:
+        raise CephaloError(f"bad {what} {value!r}: must be a positive number of bytes per second")
+    return rate
+
+
+def _format_gib(n: int) -> str:
+    g = n / 1024**3
+    return f"{g:.0f} GiB" if abs(g - round(g)) < 0.05 else f"{g:.1f} GiB"
+
+
+@dataclass
+class Device:
+    """One device (one rank) of the cluster."""
+
+    type: str
+    """Catalog key (`l4`, `a6000`, `p40`, ...) or `cpu`."""
+    memory_bytes: int
+    """Memory capacity: the catalog's, or the `mem=` override (the CPU emulation's budget)."""
+    node: int = 0
+    """Node (host) index; devices on different nodes talk over the inter-node network."""
+    slowdown: float = 1.0
+    """CPU emulation only: compute is stretched by this factor (1 = as fast as the host)."""
+
+    @property
+    def type_key(self) -> str:
+        """The key profiles are stored under: `l4`, `cpu`, `cpu:slowdown=2`.
+
+        Slowdown changes speed, so it is part of the type; memory is not (a profile's times
+        do not depend on how much memory the device has).
+        """
+        if self.slowdown == 1.0:
+            return self.type
+        return f"{self.type}:slowdown={self.slowdown:g}"
+
+    def to_dict(self) -> dict:
+        return {"type": self.type, "memory_bytes": self.memory_bytes, "node": self.node, "slowdown": self.slowdown}
+
+
+@dataclass
+class Cluster:
+    """Devices in rank order, and the links between them."""
+
+    devices: list[Device]
+    intra_node_bytes_per_s: float = field(default=0.0)
+    """Per-device collective bandwidth between devices of one node; default: the slowest
+    device type's link (PCIe gen3 12 GB/s, gen4 24 GB/s, gen5 48 GB/s effective; NVLink
+    100-200 GB/s on SXM boards; 1 GB/s for the gloo CPU emulation)."""
+    inter_node_bytes_per_s: float = field(default=DEFAULT_INTER_NODE_BYTES_PER_S)
+    """Per-device bandwidth between nodes; default 100 Gbit/s Ethernet at 80%: 10 GB/s."""
+    collective_latency_s: float = field(default=0.0)
+    """Fixed cost of one collective call; default 50 us (NCCL), 200 us with any `cpu` device (gloo)."""
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise CephaloError("a cluster needs at least one device")
+        if not self.intra_node_bytes_per_s:
+            self.intra_node_bytes_per_s = min(intra_node_bytes_per_s(d.type) for d in self.devices)
+        if not self.collective_latency_s:
+            any_cpu = any(d.type == "cpu" for d in self.devices)
+            self.collective_latency_s = CPU_COLLECTIVE_LATENCY_S if any_cpu else GPU_COLLECTIVE_LATENCY_S
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_nodes(self) -> int:
+        return len({d.node for d in self.devices})
+
+    def device_types(self) -> list[str]:
+        """Distinct `type_key`s in first-seen order."""
+        return list(dict.fromkeys(d.type_key for d in self.devices))
+
+    def slowest_link_bytes_per_s(self) -> float:
+        """The link every ring collective is bounded by: inter-node if the cluster spans nodes."""
+        if self.num_nodes > 1:
+            return min(self.inter_node_bytes_per_s, self.intra_node_bytes_per_s)
+        return self.intra_node_bytes_per_s
+
+    def describe(self) -> str:
+        """`2x L4 (24 GiB) + RTX A6000 (48 GiB) + P40 (24 GiB)`; consecutive equal devices grouped."""
+        parts = []
+        for (type_key, mem, node), count in _runs((d.type_key, d.memory_bytes, d.node) for d in self.devices):
+            name = device_display_name(type_key.split(":")[0]) + type_key[len(type_key.split(":")[0]) :]
+            where = f" @node{node}" if self.num_nodes > 1 else ""
+            parts.append(f"{count}x {name} ({_format_gib(mem)}){where}" if count > 1 else f"{name} ({_format_gib(mem)}){where}")
+        return " + ".join(parts)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict:
+        return {
+            "devices": [d.to_dict() for d in self.devices],
+            "intra_node_bytes_per_s": self.intra_node_bytes_per_s,
+            "inter_node_bytes_per_s": self.inter_node_bytes_per_s,
+            "collective_latency_s": self.collective_latency_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "cluster") -> Cluster:
+        """From `to_dict()` output or the file form (see `from_file`)."""
+        if not isinstance(d, dict):
+            raise CephaloError(f"{where}: expected a table/object with a `devices` list, got {type(d).__name__}")
+        unknown = set(d) - {"devices", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "collective_latency_s", "intra_node_bandwidth", "inter_node_bandwidth"}
+        if unknown:
+            raise CephaloError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected devices, intra_node_bandwidth, inter_node_bandwidth, collective_latency_s")
+        entries = d.get("devices")
+        if isinstance(entries, str):
+            devices = cls.parse(entries).devices
+        elif isinstance(entries, list) and entries:
+            devices = [dev for i, e in enumerate(entries) for dev in _devices_from_entry(e, f"{where}: devices[{i}]")]
+        else:
+            raise CephaloError(f"{where}: `devices` must be a non-empty list of {{type, count, memory, node}} entries or a spec string")
+        kwargs: dict[str, float] = {}
+        for key, alt in (("intra_node_bytes_per_s", "intra_node_bandwidth"), ("inter_node_bytes_per_s", "inter_node_bandwidth")):
+            if key in d or alt in d:
+                kwargs[key] = parse_rate(d.get(key, d.get(alt)), f"{where}: {alt}")
+        if "collective_latency_s" in d:
+            lat = d["collective_latency_s"]
+            if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not math.isfinite(lat) or lat < 0:
+                raise CephaloError(f"{where}: collective_latency_s must be a number of seconds >= 0, got {lat!r}")
+            kwargs["collective_latency_s"] = float(lat)
+        return cls(devices, **kwargs)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Cluster:
+        """A cluster file. TOML (also JSON, or YAML with PyYAML installed), e.g.
+
+            intra_node_bandwidth = "24GB/s"     # optional, bytes/s or a rate string
+            inter_node_bandwidth = "10GB/s"     # optional
+            collective_latency_s = 5e-5         # optional
+            [[devices]]
+            type = "l4"
+            count = 2                           # optional, default 1
+            memory = "20GiB"                    # optional: override the catalog's capacity
+            node = 0                            # optional, default 0
+            [[devices]]
+            type = "a6000"
+
+        `devices` may also be a spec string: `devices = "2xl4,a6000"`.
+        """
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise CephaloError(f"cannot read cluster file {p}: {e.strerror or e}") from None
+        suffix = p.suffix.lower()
+        try:
+            if suffix == ".toml":
+                import tomllib
+
+                data = tomllib.loads(text)
+            elif suffix == ".json":
+                data = json.loads(text)
+            elif suffix in (".yaml", ".yml"):
+                try:
+                    import yaml
+                except ImportError:
+                    raise CephaloError(f"{p}: reading YAML needs PyYAML (`pip install pyyaml`); or write the cluster as TOML or JSON") from None
+                data = yaml.safe_load(text)
+            else:
+                raise CephaloError(f"{p}: unknown cluster file type {suffix or '(none)'}; use .toml, .json, .yaml or .yml")
+        except CephaloError:
+            raise
+        except Exception as e:  # a parser's syntax error: say where
+            raise CephaloError(f"cannot parse cluster file {p}: {e}") from None
+        return cls.from_dict(data, where=str(p))
+
+    @classmethod
+    def from_any(cls, spec_or_path: str | Path) -> Cluster:
+        """A file if `spec_or_path` names one (or looks like one), else a spec string."""
+        text = str(spec_or_path)
+        p = Path(text)
+        if p.is_file() or p.suffix.lower() in (".toml", ".json", ".yaml", ".yml"):
+            return cls.from_file(p)
+        return cls.parse(text)
+
+    @classmethod
+    def parse(cls, spec: str) -> Cluster:
+        """A cluster from a spec string (grammar in `SPEC_GRAMMAR`)."""
+        if not isinstance(spec, str) or not spec.strip():
+            raise _spec_error("empty cluster spec")
+        groups: list[tuple[str, list[str]]] = []  # (device token, option tokens)
+        for raw in spec.split(","):
+            token = raw.strip()
+            if not token:
+                raise _spec_error(f"empty device in cluster spec {spec!r} (two commas, or a trailing comma?)")
+            head = token.split(":", 1)[0]
+            if ":" not in token and "=" in token and head.split("=", 1)[0].strip().lower() not in DEVICE_ALIASES:
+                # `cpu:slowdown=4,mem=1GiB`: an option continuing the previous device
+                if not groups:
+                    raise _spec_error(f"option {token!r} comes before any device")
+                groups[-1][1].append(token)
+                continue
+            device, _, opts = token.partition(":")
+            groups.append((device.strip(), [o for o in opts.split(":")] if opts else []))
+        return cls([dev for device, opts in groups for dev in _parse_device(device, opts)])
+
+    def __iter__(self) -> Iterator[Device]:
+        return iter(self.devices)
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+
+def _runs(items) -> list[tuple[Any, int]]:
+    out: list[list] = []
+    for it in items:
+        if out and out[-1][0] == it:
+            out[-1][1] += 1
+        else:
+            out.append([it, 1])
+    return [(k, n) for k, n in out]
+
+
+def _parse_device(token: str, option_tokens: list[str]) -> list[Device]:
+    m = _DEVICE_RE.match(token)
+    if not m or not m.group(2):
+        raise _spec_error(f"bad device {token!r}: expected [Nx]TYPE[@nodeK], e.g. 2xl4 or a100@node1")
+    count_text, type_name, node_text = m.groups()
+    count = int(count_text) if count_text is not None else 1
+    if count < 1:
+        raise _spec_error(f"bad device {token!r}: the count must be at least 1")
+    if count > 1_000_000:
+        raise _spec_error(f"bad device {token!r}: count {count} is not a plausible number of devices")
+    dtype = resolve_device_type(type_name)
+    options: dict[str, str] = {}
+    if node_text is not None:
+        options["node"] = node_text
+    for opt in option_tokens:
+        key, eq, value = opt.partition("=")
+        key = key.strip().lower()
+        if not eq or key not in _OPTIONS or not value.strip():
+            raise _spec_error(f"bad option {opt!r} for device {token!r}: expected one of {', '.join(k + '=...' for k in _OPTIONS)}")
+        if key in options:
+            raise _spec_error(f"option {key} given twice for device {token!r}")
+        options[key] = value.strip()
+    d = _make_device(dtype, options, token)
+    return [Device(d.type, d.memory_bytes, d.node, d.slowdown) for _ in range(count)]
+
+
+def _make_device(dtype: str, options: dict[str, Any], token: str) -> Device:
+    """A device from its type and raw option values (strings from a spec, or file values)."""
+    memory = device_memory_bytes(dtype) if dtype != "cpu" else CPU_DEFAULT_MEMORY_BYTES
+    if options.get("mem") is not None:
+        memory = parse_bytes(options["mem"], f"mem= of {token!r}")
+    node = 0
+    if options.get("node") is not None:
+        raw = options["node"]
+        try:
+            node = int(str(raw)) if not isinstance(raw, bool) else -1
+        except ValueError:
+            node = -1
+        if node < 0:
+            raise _spec_error(f"bad node {raw!r} for {token!r}: must be an integer >= 0")
+    slowdown = 1.0
+    if options.get("slowdown") is not None:
+        raw = options["slowdown"]
+        try:
+            slowdown = float(raw) if not isinstance(raw, bool) else float("nan")
+        except ValueError:
+            slowdown = float("nan")
+        if not math.isfinite(slowdown) or slowdown < 1:
+            raise _spec_error(f"bad slowdown {raw!r} for {token!r}: must be a number >= 1")
+        if dtype != "cpu" and slowdown != 1.0:
+            raise _spec_error(f"slowdown= only applies to emulated `cpu` devices, not {dtype!r} ({token!r})")
+    return Device(type=dtype, memory_bytes=memory, node=node, slowdown=slowdown)
+
+
+def _devices_from_entry(e: Any, where: str) -> list[Device]:
+    """One entry of a file's `devices` list: {type, count?, memory?|memory_bytes?, node?, slowdown?}."""
+    if not isinstance(e, dict):
+        raise CephaloError(f"{where}: expected a table/object like {{type = \"l4\", count = 2}}, got {e!r}")
+    allowed = {"type", "count", "memory", "memory_bytes", "node", "slowdown"}
+    unknown = set(e) - allowed
+    if unknown:
+        raise CephaloError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}")
+    if not isinstance(e.get("type"), str):
+        raise CephaloError(f"{where}: `type` is required, a device type name such as \"l4\" (known: {', '.join(list_device_types())})")
+    dtype = resolve_device_type(e["type"])
+    count = e.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise CephaloError(f"{where}: count must be an integer >= 1, got {count!r}")
+    options: dict[str, Any] = {"node": e.get("node"), "slowdown": e.get("slowdown")}
+    if "memory" in e:
+        options["mem"] = e["memory"]
+    device = _make_device(dtype, options, where)
+    if "memory_bytes" in e:
+        mb = e["memory_bytes"]
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0:
+            raise CephaloError(f"{where}: memory_bytes must be a positive integer, got {mb!r}")
+        device.memory_bytes = mb
+    return [Device(device.type, device.memory_bytes, device.node, device.slowdown) for _ in range(count)]
