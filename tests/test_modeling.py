@@ -315,3 +315,20 @@ def test_hf_bad_settings_and_missing_transformers(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     with pytest.raises(CephaloError, match=r"pip install 'cephalo\[hf\]'"):
         build_model("hf-gpt2-tiny")
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", *HF_MODELS])
+def test_unit_by_unit_init_equals_whole_model_init(name):
+    from cephalo.modeling.units import retie, tied_parameter_slots
+
+    whole = build_model(name).materialize("cpu", gen(11))
+    by_unit = build_model(name)
+    slots = tied_parameter_slots(by_unit)
+    by_unit.to_empty(device="cpu")
+    retie(slots)
+    g = gen(11)
+    for unit in by_unit.units:
+        by_unit.init_unit_weights(unit.name, g)
+    for (k, a), b in zip(whole.state_dict().items(), by_unit.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    assert list(build_model(name).buffers()) == []

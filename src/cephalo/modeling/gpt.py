@@ -180,22 +180,19 @@ class GPT(UnitModel):
         )
         super().__init__(spec, units)
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator) -> None:
+    def init_parameter(self, unit_name: str, param_name: str, param: nn.Parameter, generator: torch.Generator) -> None:
         """GPT-2 init: N(0, 0.02) for matrices and embeddings, N(0, 0.02/sqrt(2 n_layer)) for
         the projections that write into the residual stream, zero biases, unit LayerNorm
-        scales. Drawn in `named_unit_parameters` order from `generator` (on CPU), so the
-        result does not depend on the device or on which rank materialises it."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for _unit, pname, p in self.named_unit_parameters():
-            if pname.startswith("ln_") or ".ln_" in pname:
-                p.fill_(1.0 if pname.endswith("weight") else 0.0)
-            elif pname.endswith("bias"):
-                p.zero_()
-            elif pname.endswith("c_proj.weight"):
-                fill_normal_(p, residual_std, generator)
-            else:
-                fill_normal_(p, 0.02, generator)
+        scales. Drawn on the CPU from `generator` (see `fill_normal_`), so the values do not
+        depend on the device or on which rank materialises them."""
+        if param_name.startswith("ln_") or ".ln_" in param_name:
+            param.fill_(1.0 if param_name.endswith("weight") else 0.0)
+        elif param_name.endswith("bias"):
+            param.zero_()
+        elif param_name.endswith("c_proj.weight"):
+            fill_normal_(param, 0.02 / math.sqrt(2 * self.config.n_layer), generator)
+        else:
+            fill_normal_(param, 0.02, generator)
 
 
 GPT_PRESETS: dict[str, GPTConfig] = {

@@ -234,35 +234,39 @@ class HFUnitModel(UnitModel):
         )
         super().__init__(spec, units)
         self.hf_names = _hf_name_map(hf_model, units)
+        # Norm scales and embedding padding rows are recognised by module type, found once here
+        # and kept by name (parameter identities change on `to_empty`).
+        self._norm_params_by_name = {
+            (u.name, f"{mname}.{pname}" if mname else pname)
+            for u in units
+            for mname, module in u.module.named_modules()
+            if isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+            for pname, _ in module.named_parameters(recurse=False)
+        }
+        self._padding_rows: dict[str, dict[str, int]] = {}
+        for u in units:
+            for mname, module in u.module.named_modules():
+                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                    self._padding_rows.setdefault(u.name, {})[f"{mname}.weight" if mname else "weight"] = module.padding_idx
         unexpected = [n for n, _ in self.named_buffers()]
         if unexpected:  # a transformers version that adds buffers to layers would need init here
             raise CephaloError(f"{name}: unit modules hold buffers {unexpected}; cephalo cannot initialise them")
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator) -> None:
-        """HF's scheme, drawn from `generator` in `named_unit_parameters` order: N(0,
-        initializer_range) for matrices and embeddings (GPT-2's residual projections c_proj
-        scaled by 1/sqrt(2 n_layer)), zero biases, unit norm scales, zero padding rows."""
+    def init_parameter(self, unit_name: str, param_name: str, param: nn.Parameter, generator: torch.Generator) -> None:
+        """HF's scheme, drawn from `generator` on the CPU: N(0, initializer_range) for
+        matrices and embeddings (GPT-2's residual projections c_proj scaled by
+        1/sqrt(2 n_layer)), zero biases, unit norm scales, zero padding rows."""
         std = self.hf_config.initializer_range
-        norm_params = set()
-        padding_rows: dict[int, int] = {}
-        for module in self.modules():
-            if isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
-                norm_params.update(id(p) for p in module.parameters(recurse=False))
-            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                padding_rows[id(module.weight)] = module.padding_idx
-        residual_std = std / math.sqrt(2 * len(self.units[1:-1]))
-        for _unit, pname, p in self.named_unit_parameters():
-            if id(p) in norm_params:
-                p.fill_(1.0 if pname.endswith("weight") else 0.0)
-            elif pname.endswith("bias"):
-                p.zero_()
-            elif self.family == "gpt2" and pname.endswith("c_proj.weight"):
-                fill_normal_(p, residual_std, generator)
-            else:
-                fill_normal_(p, std, generator)
-                if id(p) in padding_rows:
-                    p[padding_rows[id(p)]].zero_()
+        if (unit_name, param_name) in self._norm_params_by_name:
+            param.fill_(1.0 if param_name.endswith("weight") else 0.0)
+        elif param_name.endswith("bias"):
+            param.zero_()
+        elif self.family == "gpt2" and param_name.endswith("c_proj.weight"):
+            fill_normal_(param, std / math.sqrt(2 * self.spec.num_layers), generator)
+        else:
+            fill_normal_(param, std, generator)
+            if param_name in self._padding_rows.get(unit_name, {}):
+                param[self._padding_rows[unit_name][param_name]].zero_()
 
     def build_hf_model(self, device: torch.device | str = "cpu") -> nn.Module:
         """A fresh `transformers` model of the same config (uninitialised values)."""

@@ -13,11 +13,13 @@ Tied weights (GPT-2's wte / lm_head) are the same `nn.Parameter` object in two u
 engine detects them by identity (the first unit owns the parameter; later units borrow it).
 
 Units are built on the `meta` device by default and materialised by the engine (or by
-`UnitModel.materialize`) with `reset_parameters` semantics: `init_weights(generator)` must
-initialise every parameter AND every buffer (e.g. rotary `inv_freq`) of the model
-deterministically from the generator, so that the single-process reference and every rank of
-a sharded run start from the same weights. Random draws happen on the CPU (`fill_normal_`),
-so the values do not depend on the device. Modules draw random numbers only inside
+`UnitModel.materialize`) with `reset_parameters` semantics: `init_weights(generator)`
+initialises every parameter deterministically from the generator (unit by unit, in
+`named_unit_parameters` order; `init_unit_weights` does one unit), so that the
+single-process reference and every rank of a sharded run start from the same weights.
+Random draws happen on the CPU (`fill_normal_`), so the values do not depend on the device.
+Unit modules hold NO buffers (the built-in models and the HF adapters keep it so; a
+buffer would need its own materialisation). Modules draw random numbers only inside
 `forward` (dropout, from the global generator), so restoring the RNG state replays them.
 
 `nn.Module.to_empty` replaces each parameter by a new object when moving off `meta`, which
@@ -51,8 +53,8 @@ class Unit:
 
 
 class UnitModel(nn.Module):
-    """A model as units. Subclasses fill `self.units` (an nn.ModuleList mirror is kept for
-    `named_parameters`) and implement `init_weights`."""
+    """A model as units. Subclasses pass their units to `__init__` (an nn.ModuleDict mirror
+    is kept for `parameters()` / `state_dict()`) and implement `init_parameter`."""
 
     def __init__(self, spec: ModelSpec, units: list[Unit]):
         super().__init__()
@@ -65,8 +67,24 @@ class UnitModel(nn.Module):
     def units(self) -> list[Unit]:
         return self.unit_list
 
-    def init_weights(self, generator: torch.Generator) -> None:  # pragma: no cover - abstract
+    def init_parameter(self, unit_name: str, param_name: str, param: nn.Parameter, generator: torch.Generator) -> None:  # pragma: no cover - abstract
+        """Initialise one parameter in place (under no_grad), drawing only from `generator`."""
         raise NotImplementedError
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Initialise every parameter, unit by unit, in `named_unit_parameters` order."""
+        for unit in self.units:
+            self.init_unit_weights(unit.name, generator)
+
+    @torch.no_grad()
+    def init_unit_weights(self, unit_name: str, generator: torch.Generator) -> None:
+        """Initialise the parameters `unit_name` owns (not the tied ones it borrows). Calling
+        it for every unit in order, with one generator, equals `init_weights`: an engine can
+        materialise and initialise one unit at a time and get the same values."""
+        for owner, pname, p in self.named_unit_parameters():
+            if owner == unit_name:
+                self.init_parameter(owner, pname, p, generator)
 
     def named_unit_parameters(self) -> Iterator[tuple[str, str, nn.Parameter]]:
         """(unit name, parameter name within the unit, parameter), each parameter once
