@@ -1,0 +1,84 @@
+"""AdamW on flat fp32 shards.
+
+Each rank updates only its slice of every unit: master weights, gradient, and the two
+moments are 1-D fp32 tensors of the same length. The arithmetic repeats, op for op,
+`torch.optim.AdamW`'s single-tensor path (decoupled weight decay, bias correction), so a
+sharded run matches a single-process reference to fp32 rounding. Weight decay applies to
+the runs of the slice listed in `decay_segments` (built once from `wants_weight_decay`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ShardGroup:
+    """One unit's slice on this rank."""
+
+    param: torch.Tensor
+    """fp32 master slice (updated in place)."""
+    grad: torch.Tensor
+    """fp32 gradient slice (already reduced, unscaled and clipped)."""
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay_segments: list[tuple[int, int]] = field(default_factory=list)
+    """[a, b) runs of the slice that get weight decay."""
+
+
+@dataclass
+class AdamWHyper:
+    """AdamW hyper-parameters (the learning rate comes with each step)."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+class ShardedAdamW:
+    """AdamW over a list of `ShardGroup`s; `step` counts the updates applied."""
+
+    def __init__(self, groups: list[ShardGroup], hyper: AdamWHyper):
+        self.groups = groups
+        self.hyper = hyper
+        self.step_count = 0
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        self.step_count += 1
+        beta1, beta2 = self.hyper.betas
+        wd = self.hyper.weight_decay
+        bias_correction1 = 1 - beta1**self.step_count
+        bias_correction2 = 1 - beta2**self.step_count
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = math.sqrt(bias_correction2)
+        for g in self.groups:
+            if g.param.numel() == 0:
+                continue
+            if wd != 0.0:
+                for a, b in g.decay_segments:
+                    g.param[a:b].mul_(1 - lr * wd)
+            g.exp_avg.lerp_(g.grad, 1 - beta1)
+            g.exp_avg_sq.mul_(beta2).addcmul_(g.grad, g.grad, value=1 - beta2)
+            denom = (g.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.hyper.eps)
+            g.param.addcdiv_(g.exp_avg, denom, value=-step_size)
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.grad.zero_()
+
+    def local_grad_sq_sum(self) -> torch.Tensor:
+        """Sum of squared gradient entries on this rank (fp32 0-dim; summed across ranks
+        gives the squared global norm)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.groups[0].grad.device)
+        for g in self.groups:
+            if g.grad.numel():
+                total += g.grad.pow(2).sum()
+        return total
+
+    def scale_grads(self, factor: float) -> None:
+        for g in self.groups:
+            g.grad.mul_(factor)
