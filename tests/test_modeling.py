@@ -144,11 +144,15 @@ def test_gpt_init_follows_gpt2_scheme():
     assert blk.mlp.c_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
 
 
-def test_materialize_draws_nothing_from_the_global_rng():
+@pytest.mark.parametrize("name", ["gpt-tiny", "hf-gpt2-tiny", "hf-llama-tiny"])
+def test_building_and_materializing_draw_nothing_from_the_global_rng(name):
     state = torch.get_rng_state()
-    model = tiny_gpt()
+    model = build_model(name, dropout=0.1).materialize("cpu", gen(0))
+    build_model(name, device="cpu")  # a direct build runs torch/HF default init: forked away
+    if hasattr(model, "build_hf_model"):
+        model.build_hf_model()
     model.eval()
-    input_ids, labels = batch(model.config.vocab_size)
+    input_ids, labels = batch(model.spec.vocab_size)
     model(input_ids, labels)  # eval forward: no dropout draws either
     assert torch.equal(state, torch.get_rng_state())
 
@@ -332,3 +336,19 @@ def test_unit_by_unit_init_equals_whole_model_init(name):
     for (k, a), b in zip(whole.state_dict().items(), by_unit.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
     assert list(build_model(name).buffers()) == []
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", *HF_MODELS])
+def test_bf16_compute_gives_an_fp32_loss_close_to_fp32(name):
+    model = build_model(name).materialize("cpu", gen(2)).eval()
+    input_ids, labels = batch(model.spec.vocab_size)
+    loss32 = model(input_ids, labels)
+    model.to(torch.bfloat16)
+    h = model.units[0].module(input_ids)
+    assert h.dtype == torch.bfloat16
+    for u in model.units[1:-1]:
+        h = u.module(h)
+    loss_sum = model.units[-1].module(h, labels)
+    assert loss_sum.dtype == torch.float32
+    n_tokens = (labels != IGNORE_INDEX).sum()
+    assert (loss_sum / n_tokens).item() == pytest.approx(loss32.item(), rel=2e-2)

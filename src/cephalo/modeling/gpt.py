@@ -156,7 +156,9 @@ class GPT(UnitModel):
     def __init__(self, config: GPTConfig, name: str = "gpt", device: torch.device | str = "meta"):
         config.validate()
         self.config = config
-        with torch.device(device):
+        # fork_rng: a non-meta build runs nn.Linear's default init; keep the global RNG
+        # (dropout's source) untouched by construction.
+        with torch.random.fork_rng(devices=[]), torch.device(device):
             embedding = GPTEmbedding(config)
             blocks = [GPTBlock(config) for _ in range(config.n_layer)]
             head = GPTHead(config)

@@ -205,7 +205,9 @@ class HFUnitModel(UnitModel):
         tf = _transformers()
         self.family = family
         self.hf_config = hf_config
-        with torch.device(device):
+        # fork_rng: HF's own init runs on a non-meta build; keep the global RNG (dropout's
+        # source) untouched by construction.
+        with torch.random.fork_rng(devices=[]), torch.device(device):
             if family == "gpt2":
                 hf_model = tf.GPT2LMHeadModel(hf_config)
             else:
@@ -271,7 +273,7 @@ class HFUnitModel(UnitModel):
     def build_hf_model(self, device: torch.device | str = "cpu") -> nn.Module:
         """A fresh `transformers` model of the same config (uninitialised values)."""
         tf = _transformers()
-        with torch.device(device):
+        with torch.random.fork_rng(devices=[]), torch.device(device):
             cls = tf.GPT2LMHeadModel if self.family == "gpt2" else tf.LlamaForCausalLM
             return cls(self.hf_config)
 
