@@ -85,7 +85,10 @@ def convert_entry(entry, bwd_fwd_ratio: float | None = None) -> tuple[dict | Non
         return None, "bare number (old format, no batch dependence)"
     if _is_fit(entry):
         if bwd_fwd_ratio is None:
-            return None, "a single forward+backward line, and no split entry on this device to divide it by"
+            return (
+                None,
+                "a single forward+backward line, and no split entry on this device to divide it by",
+            )
         if entry[0] <= 0:
             return None, "fitted line with a non-positive slope"
         share = 1.0 / (1.0 + bwd_fwd_ratio)
@@ -95,7 +98,12 @@ def convert_entry(entry, bwd_fwd_ratio: float | None = None) -> tuple[dict | Non
         if conv is not None:
             conv["source"] = "fit-total"
         return conv, note
-    if isinstance(entry, list) and len(entry) == 4 and all(_is_fit(f) for f in entry[:2]) and all(_is_series(a) for a in entry[2:]):
+    if (
+        isinstance(entry, list)
+        and len(entry) == 4
+        and all(_is_fit(f) for f in entry[:2])
+        and all(_is_series(a) for a in entry[2:])
+    ):
         (fx, fy, fd), (bx, by, bd) = _points(entry[2]), _points(entry[3])
         source = "measured"
     elif isinstance(entry, list) and len(entry) == 2 and all(_is_fit(f) for f in entry):
@@ -132,7 +140,13 @@ def bwd_fwd_ratios(lat: dict) -> dict[tuple[str, str], float]:
             dev = DEVICE_ALIASES.get(dev_key.lower())
             for by_dtype in by_seq.values():
                 for dt, e in by_dtype.items():
-                    if isinstance(e, list) and len(e) in (2, 4) and all(_is_fit(f) for f in e[:2]) and e[0][0] > 0 and e[1][0] > 0:
+                    if (
+                        isinstance(e, list)
+                        and len(e) in (2, 4)
+                        and all(_is_fit(f) for f in e[:2])
+                        and e[0][0] > 0
+                        and e[1][0] > 0
+                    ):
                         ratios.setdefault((dev, dt), []).append(e[1][0] / e[0][0])
     out = {k: sorted(v)[len(v) // 2] for k, v in ratios.items()}
     # a device with no split entry in a dtype uses the median over all devices of that dtype
@@ -145,14 +159,18 @@ def bwd_fwd_ratios(lat: dict) -> dict[tuple[str, str], float]:
 def build_timings(lat: dict, skipped: list, notes: list) -> dict:
     owners = key_to_model()
     ratios = bwd_fwd_ratios(lat)
-    chosen: dict[tuple, tuple[int, str, dict]] = {}  # (model, dev, seq, dtype) -> (priority, key, entry)
+    chosen: dict[
+        tuple, tuple[int, str, dict]
+    ] = {}  # (model, dev, seq, dtype) -> (priority, key, entry)
     for key, by_dev in lat.items():
         for dev_key, by_seq in by_dev.items():
             for seq, by_dtype in by_seq.items():
                 for dt, entry in by_dtype.items():
                     where = {"key": key, "device": dev_key, "seq_len": int(seq), "dtype": dt}
                     if key not in owners:
-                        skipped.append({**where, "reason": "model has no known shape in the catalog"})
+                        skipped.append(
+                            {**where, "reason": "model has no known shape in the catalog"}
+                        )
                         continue
                     dev = DEVICE_ALIASES.get(dev_key.lower())
                     if dev is None or dev == "cpu":
@@ -182,9 +200,19 @@ def build_timings(lat: dict, skipped: list, notes: list) -> dict:
                 for seq, by_dtype in by_seq.items():
                     for dt in by_dtype:
                         slot = (model, dev, int(seq), DTYPE.get(dt))
-                        if slot in chosen and chosen[slot][1] != key and convert_entry(by_dtype[dt], 1.0)[0] is not None:
+                        if (
+                            slot in chosen
+                            and chosen[slot][1] != key
+                            and convert_entry(by_dtype[dt], 1.0)[0] is not None
+                        ):
                             skipped.append(
-                                {"key": key, "device": dev_key, "seq_len": int(seq), "dtype": dt, "reason": f"also published under {chosen[slot][1]}, which {model} prefers"}
+                                {
+                                    "key": key,
+                                    "device": dev_key,
+                                    "seq_len": int(seq),
+                                    "dtype": dt,
+                                    "reason": f"also published under {chosen[slot][1]}, which {model} prefers",
+                                }
                             )
     out: dict = {}
     for (model, dev, seq, dt), (_, _, conv) in sorted(chosen.items()):
@@ -196,7 +224,9 @@ def _slope(ys: list[float]) -> float:
     n = len(ys)
     xs = list(range(1, n + 1))
     mx, my = sum(xs) / n, sum(ys) / n
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
 
 
 def build_memory(mem: dict, skipped: list) -> dict:
@@ -206,7 +236,9 @@ def build_memory(mem: dict, skipped: list) -> dict:
             for key in (*m.data_keys, *m.fallback_keys):
                 found = None
                 for cluster in MEMORY_CLUSTERS:
-                    gb = mem.get(cluster, {}).get(key, {}).get("profiled_compute_memory", {}).get(dt)
+                    gb = (
+                        mem.get(cluster, {}).get(key, {}).get("profiled_compute_memory", {}).get(dt)
+                    )
                     if gb and len(gb) >= 2 and _slope(gb) > 0:
                         found = (cluster, gb)
                         break
@@ -224,7 +256,15 @@ def build_memory(mem: dict, skipped: list) -> dict:
     for cluster, by_model in mem.items():
         for key in by_model:
             if key not in known:
-                skipped.append({"key": key, "device": f"memory:{cluster}", "seq_len": MEMORY_SEQ_LEN, "dtype": "*", "reason": "memory profile of a model with no known shape"})
+                skipped.append(
+                    {
+                        "key": key,
+                        "device": f"memory:{cluster}",
+                        "seq_len": MEMORY_SEQ_LEN,
+                        "dtype": "*",
+                        "reason": "memory profile of a model with no known shape",
+                    }
+                )
     return out
 
 
@@ -234,7 +274,11 @@ def build_params(stats: dict) -> dict:
         for key in m.data_keys:
             if key in stats:
                 s = stats[key]
-                out[m.name] = {"key": key, "parameters_per_layer": s["parameters_per_layer"], "total_parameters": s["total_parameters"]}
+                out[m.name] = {
+                    "key": key,
+                    "parameters_per_layer": s["parameters_per_layer"],
+                    "total_parameters": s["total_parameters"],
+                }
                 break
     return out
 
@@ -250,7 +294,10 @@ def build(src: Path) -> dict:
     return {
         "format": 1,
         "source": "Cephalo authors' published profiles (MIT, see LICENSE): model_latencies.json, model_memory.json, model_stats.json",
-        "units": {"timings": "seconds of ONE block vs batch size", "memory": "GiB vs batch size; slope in bytes per sample"},
+        "units": {
+            "timings": "seconds of ONE block vs batch size",
+            "memory": "GiB vs batch size; slope in bytes per sample",
+        },
         "timings": timings,
         "memory": memory,
         "published_params": build_params(stats),
@@ -260,7 +307,9 @@ def build(src: Path) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--src", type=Path, default=DEFAULT_SRC)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
@@ -268,7 +317,9 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(catalog, separators=(",", ":"), sort_keys=True) + "\n")
     n = sum(len(s) for d in catalog["timings"].values() for v in d.values() for s in v.values())
-    print(f"wrote {args.out}: {len(catalog['timings'])} models, {n} timing profiles, {len(catalog['memory'])} memory profiles")
+    print(
+        f"wrote {args.out}: {len(catalog['timings'])} models, {n} timing profiles, {len(catalog['memory'])} memory profiles"
+    )
     print(f"skipped {len(catalog['skipped'])} entries:")
     for s in catalog["skipped"]:
         print(f"  {s['key']} {s['device']} seq {s['seq_len']} {s['dtype']}: {s['reason']}")

@@ -121,7 +121,9 @@ def resolve_device_type(name: str) -> str:
     """Catalog key for a device type name (case-insensitive, aliases accepted)."""
     key = DEVICE_ALIASES.get(name.strip().lower())
     if key is None:
-        raise CephaloError(f"unknown device type {name!r}.{_suggest(name, DEVICE_ALIASES)} Known types: {', '.join(list_device_types())}")
+        raise CephaloError(
+            f"unknown device type {name!r}.{_suggest(name, DEVICE_ALIASES)} Known types: {', '.join(list_device_types())}"
+        )
     return key
 
 
@@ -171,7 +173,9 @@ def optimizer_s_per_param(device_type: str) -> float:
     """AdamW step time per owned parameter, seconds: bytes moved / achievable memory bandwidth."""
     spec = device_spec(device_type)
     if spec is None:
-        raise CephaloError("the `cpu` device has no catalog profile; measure it with `cephalo profile`")
+        raise CephaloError(
+            "the `cpu` device has no catalog profile; measure it with `cephalo profile`"
+        )
     return ADAMW_BYTES_PER_PARAM / (spec.memory_bandwidth_gb_s * GB * ADAMW_BANDWIDTH_EFFICIENCY)
 
 
@@ -209,26 +213,150 @@ MODELS: dict[str, ModelShape] = {
     for m in [
         ModelShape("gpt-test", "gpt", 12, 512, 8, 2048, 50257, ("deepspeedgpt_test",)),
         ModelShape("gpt-1.3b", "gpt", 24, 2048, 16, 8192, 50257, ("deepspeedgpt_1.3b", "gpt_1.3b")),
-        ModelShape("gpt-2.7b", "gpt", 32, 2560, 32, 10240, 50257, ("deepspeedgpt_2.7b", "gpt_2.7b")),
-        ModelShape("gpt-6.7b", "gpt", 32, 4096, 32, 16384, 50257, ("deepspeedgpt_6.7b", "gpt_6.7b")),
+        ModelShape(
+            "gpt-2.7b", "gpt", 32, 2560, 32, 10240, 50257, ("deepspeedgpt_2.7b", "gpt_2.7b")
+        ),
+        ModelShape(
+            "gpt-6.7b", "gpt", 32, 4096, 32, 16384, 50257, ("deepspeedgpt_6.7b", "gpt_6.7b")
+        ),
         ModelShape("gpt-175b", "gpt", 96, 12288, 96, 49152, 50257, ("deepspeedgpt_175b",)),
-        ModelShape("llama-1.1b", "llama", 22, 2048, 32, 5632, 32000, ("deepspeedllama_tiny",), extra_aliases=("llama-tiny", "tinyllama")),
+        ModelShape(
+            "llama-1.1b",
+            "llama",
+            22,
+            2048,
+            32,
+            5632,
+            32000,
+            ("deepspeedllama_tiny",),
+            extra_aliases=("llama-tiny", "tinyllama"),
+        ),
         ModelShape("llama-3b", "llama", 26, 3200, 32, 8640, 32000, ("deepspeedllama_3b",)),
         ModelShape("llama-7b", "llama", 32, 4096, 32, 11008, 32000, ("deepspeedllama_7b",)),
         ModelShape("llama-13b", "llama", 40, 5120, 40, 13824, 32000, ("deepspeedllama_13b",)),
-        ModelShape("llama-33b", "llama", 60, 6656, 52, 17920, 32000, ("deepspeedllama_33b",), extra_aliases=("llama-30b",)),
+        ModelShape(
+            "llama-33b",
+            "llama",
+            60,
+            6656,
+            52,
+            17920,
+            32000,
+            ("deepspeedllama_33b",),
+            extra_aliases=("llama-30b",),
+        ),
         ModelShape("llama-65b", "llama", 80, 8192, 64, 22016, 32000, ("deepspeedllama_65b",)),
-        ModelShape("llama2-1.1b", "llama", 22, 2048, 32, 5632, 32000, ("deepspeedllamav2_tiny",), max_seq_len=4096, extra_aliases=("llama2-tiny",), fallback_keys=("deepspeedllama_tiny",)),
-        ModelShape("llama2-3b", "llama", 26, 3200, 32, 8640, 32000, ("deepspeedllamav2_3b",), max_seq_len=4096, fallback_keys=("deepspeedllama_3b",)),
-        ModelShape("llama2-7b", "llama", 32, 4096, 32, 11008, 32000, ("deepspeedllamav2_7b",), max_seq_len=4096, fallback_keys=("deepspeedllama_7b",)),
-        ModelShape("llama2-13b", "llama", 40, 5120, 40, 13824, 32000, ("deepspeedllamav2_13b",), max_seq_len=4096, fallback_keys=("deepspeedllama_13b",)),
-        ModelShape("mistral-7b", "mistral", 32, 4096, 32, 14336, 32000, ("deepspeedmistral_7b", "mistral_7b"), num_kv_heads=8, max_seq_len=8192),
-        ModelShape("bert-base", "bert", 12, 768, 12, 3072, 30522, ("deepspeedbert_base",), max_seq_len=512),
-        ModelShape("bert-large", "bert", 24, 1024, 16, 4096, 30522, ("deepspeedbert_large", "bert_large"), max_seq_len=512),
-        ModelShape("bert-xlarge", "bert", 36, 1536, 24, 6144, 30522, ("deepspeedbert_xlarge", "bert_xlarge"), max_seq_len=512),
-        ModelShape("vit-h", "vit", 32, 1280, 16, 5120, 10, ("deepspeedvit_h",), max_seq_len=VIT_TOKENS),
-        ModelShape("vit-g", "vit", 48, 1664, 16, 8192, 10, ("deepspeedvit_g", "vit_g"), max_seq_len=VIT_TOKENS),
-        ModelShape("vit-e", "vit", 56, 1792, 16, 15360, 10, ("deepspeedvit_e", "vit_e"), max_seq_len=VIT_TOKENS),
+        ModelShape(
+            "llama2-1.1b",
+            "llama",
+            22,
+            2048,
+            32,
+            5632,
+            32000,
+            ("deepspeedllamav2_tiny",),
+            max_seq_len=4096,
+            extra_aliases=("llama2-tiny",),
+            fallback_keys=("deepspeedllama_tiny",),
+        ),
+        ModelShape(
+            "llama2-3b",
+            "llama",
+            26,
+            3200,
+            32,
+            8640,
+            32000,
+            ("deepspeedllamav2_3b",),
+            max_seq_len=4096,
+            fallback_keys=("deepspeedllama_3b",),
+        ),
+        ModelShape(
+            "llama2-7b",
+            "llama",
+            32,
+            4096,
+            32,
+            11008,
+            32000,
+            ("deepspeedllamav2_7b",),
+            max_seq_len=4096,
+            fallback_keys=("deepspeedllama_7b",),
+        ),
+        ModelShape(
+            "llama2-13b",
+            "llama",
+            40,
+            5120,
+            40,
+            13824,
+            32000,
+            ("deepspeedllamav2_13b",),
+            max_seq_len=4096,
+            fallback_keys=("deepspeedllama_13b",),
+        ),
+        ModelShape(
+            "mistral-7b",
+            "mistral",
+            32,
+            4096,
+            32,
+            14336,
+            32000,
+            ("deepspeedmistral_7b", "mistral_7b"),
+            num_kv_heads=8,
+            max_seq_len=8192,
+        ),
+        ModelShape(
+            "bert-base", "bert", 12, 768, 12, 3072, 30522, ("deepspeedbert_base",), max_seq_len=512
+        ),
+        ModelShape(
+            "bert-large",
+            "bert",
+            24,
+            1024,
+            16,
+            4096,
+            30522,
+            ("deepspeedbert_large", "bert_large"),
+            max_seq_len=512,
+        ),
+        ModelShape(
+            "bert-xlarge",
+            "bert",
+            36,
+            1536,
+            24,
+            6144,
+            30522,
+            ("deepspeedbert_xlarge", "bert_xlarge"),
+            max_seq_len=512,
+        ),
+        ModelShape(
+            "vit-h", "vit", 32, 1280, 16, 5120, 10, ("deepspeedvit_h",), max_seq_len=VIT_TOKENS
+        ),
+        ModelShape(
+            "vit-g",
+            "vit",
+            48,
+            1664,
+            16,
+            8192,
+            10,
+            ("deepspeedvit_g", "vit_g"),
+            max_seq_len=VIT_TOKENS,
+        ),
+        ModelShape(
+            "vit-e",
+            "vit",
+            56,
+            1792,
+            16,
+            15360,
+            10,
+            ("deepspeedvit_e", "vit_e"),
+            max_seq_len=VIT_TOKENS,
+        ),
     ]
 }
 
@@ -323,9 +451,13 @@ def list_models() -> list[ModelSpec]:
 
 
 def model_shape(name: str) -> ModelShape:
-    key = MODEL_ALIASES.get(name.strip().lower().replace("_", "-")) or MODEL_ALIASES.get(name.strip().lower())
+    key = MODEL_ALIASES.get(name.strip().lower().replace("_", "-")) or MODEL_ALIASES.get(
+        name.strip().lower()
+    )
     if key is None:
-        raise CephaloError(f"unknown model {name!r}.{_suggest(name, MODEL_ALIASES)} Known models: {', '.join(MODELS)}")
+        raise CephaloError(
+            f"unknown model {name!r}.{_suggest(name, MODEL_ALIASES)} Known models: {', '.join(MODELS)}"
+        )
     return MODELS[key]
 
 
@@ -345,7 +477,9 @@ def _catalog() -> dict:
     try:
         return json.loads(CATALOG_PATH.read_text())
     except (OSError, ValueError) as e:  # a broken install, not a user error, but say so clearly
-        raise CephaloError(f"cannot read the packaged catalog {CATALOG_PATH}: {e}; reinstall cephalo") from e
+        raise CephaloError(
+            f"cannot read the packaged catalog {CATALOG_PATH}: {e}; reinstall cephalo"
+        ) from e
 
 
 def published_total_params(model: str) -> int | None:
@@ -354,7 +488,9 @@ def published_total_params(model: str) -> int | None:
 
 
 def published_params_per_layer(model: str) -> int | None:
-    return _catalog()["published_params"].get(model_shape(model).name, {}).get("parameters_per_layer")
+    return (
+        _catalog()["published_params"].get(model_shape(model).name, {}).get("parameters_per_layer")
+    )
 
 
 def skipped_entries() -> list[dict]:
@@ -441,7 +577,9 @@ def head_logits_bytes(spec: ModelSpec, seq_len: int, dtype: str) -> float:
     return tokens * spec.vocab_size * (DTYPE_BYTES[dtype] + 4)
 
 
-def block_activation_bytes_per_sample(spec: ModelSpec, seq_len: int, dtype: str) -> tuple[float, str]:
+def block_activation_bytes_per_sample(
+    spec: ModelSpec, seq_len: int, dtype: str
+) -> tuple[float, str]:
     """Peak extra memory of recomputing + backpropagating one block, per sample, and its source.
 
     Where the authors profiled memory (model_memory.json: peak allocated minus training
@@ -458,7 +596,11 @@ def block_activation_bytes_per_sample(spec: ModelSpec, seq_len: int, dtype: str)
         return formula, "formula"
     s0 = mem["seq_len"]
     per_sample = mem["slope_bytes_per_sample"]
-    block0 = per_sample - spec.num_layers * boundary_activation_bytes(spec, s0, dtype) - head_logits_bytes(spec, s0, dtype)
+    block0 = (
+        per_sample
+        - spec.num_layers * boundary_activation_bytes(spec, s0, dtype)
+        - head_logits_bytes(spec, s0, dtype)
+    )
     measured = block0 * formula / korthikanti_block_activation_bytes(spec, s0, dtype)
     return (measured, "measured") if measured > formula else (formula, "formula")
 
@@ -476,7 +618,9 @@ def _linear_bytes(per_sample: float) -> Curve:
     return Curve(list(_ACT_XS), [per_sample * x for x in _ACT_XS])
 
 
-def catalog_profile(device_type: str, model: ModelSpec | str, seq_len: int, dtype: str) -> DeviceProfile:
+def catalog_profile(
+    device_type: str, model: ModelSpec | str, seq_len: int, dtype: str
+) -> DeviceProfile:
     """The cost model's view of `device_type` running `model` at (seq_len, dtype), from the
     published measurements.
 
@@ -493,7 +637,9 @@ def catalog_profile(device_type: str, model: ModelSpec | str, seq_len: int, dtyp
     spec = model if isinstance(model, ModelSpec) else get_model_spec(model)
     device = resolve_device_type(device_type)
     if device == "cpu":
-        raise CephaloError("the `cpu` device has no catalog profile; measure it with `cephalo profile`")
+        raise CephaloError(
+            "the `cpu` device has no catalog profile; measure it with `cephalo profile`"
+        )
     entry, data_seq = _timing_entry(spec.name, device, seq_len, dtype)
     seq_scale = seq_len / data_seq
     block_fwd = _scaled(Curve.from_dict(entry["fwd_s"]), seq_scale)
@@ -502,11 +648,15 @@ def catalog_profile(device_type: str, model: ModelSpec | str, seq_len: int, dtyp
     emb_ratio, head_ratio = embedding_time_ratio(spec, seq_len), head_time_ratio(spec, seq_len)
     units = {
         "embedding": UnitProfile(
-            _scaled(block_fwd, emb_ratio), _scaled(block_bwd, emb_ratio), _linear_bytes(boundary_activation_bytes(spec, seq_len, dtype))
+            _scaled(block_fwd, emb_ratio),
+            _scaled(block_bwd, emb_ratio),
+            _linear_bytes(boundary_activation_bytes(spec, seq_len, dtype)),
         ),
         "block": UnitProfile(block_fwd, block_bwd, _linear_bytes(act_block)),
         "head": UnitProfile(
-            _scaled(block_fwd, head_ratio), _scaled(block_bwd, head_ratio), _linear_bytes(head_logits_bytes(spec, seq_len, dtype))
+            _scaled(block_fwd, head_ratio),
+            _scaled(block_bwd, head_ratio),
+            _linear_bytes(head_logits_bytes(spec, seq_len, dtype)),
         ),
     }
     return DeviceProfile(

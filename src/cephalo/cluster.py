@@ -45,10 +45,22 @@ DEFAULT_INTER_NODE_BYTES_PER_S = 100e9 / 8 * 0.8
 GPU_COLLECTIVE_LATENCY_S = 50e-6
 CPU_COLLECTIVE_LATENCY_S = 200e-6
 
-_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_UNITS = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
 _SIZE_RE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
 _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]+)\s*/\s*s\s*$", re.IGNORECASE)
-_DEVICE_RE = re.compile(r"^(?:(\d+)\s*x\s*)?([a-z0-9_.\-]*?)\s*(?:@\s*(?:node)?\s*(\S*))?$", re.IGNORECASE)
+_DEVICE_RE = re.compile(
+    r"^(?:(\d+)\s*x\s*)?([a-z0-9_.\-]*?)\s*(?:@\s*(?:node)?\s*(\S*))?$", re.IGNORECASE
+)
 _OPTIONS = ("mem", "node", "slowdown")
 
 
@@ -61,7 +73,9 @@ def parse_bytes(text: str, what: str = "memory") -> int:
     m = _SIZE_RE.match(str(text))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
-        raise CephaloError(f"bad {what} {text!r}: write a number and a unit, e.g. 20GiB, 16GB, 512MiB (units: GiB, GB, MiB, MB, KiB, KB, TiB, TB, B)")
+        raise CephaloError(
+            f"bad {what} {text!r}: write a number and a unit, e.g. 20GiB, 16GB, 512MiB (units: GiB, GB, MiB, MB, KiB, KB, TiB, TB, B)"
+        )
     value = float(m.group(1)) * _UNITS[unit]
     if not math.isfinite(value) or value <= 0:
         raise CephaloError(f"bad {what} {text!r}: must be positive")
@@ -77,7 +91,9 @@ def parse_rate(value: Any, what: str) -> float:
     else:
         m = _RATE_RE.match(str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise CephaloError(f"bad {what} {value!r}: give bytes per second, e.g. 12e9 or '12GB/s'")
+            raise CephaloError(
+                f"bad {what} {value!r}: give bytes per second, e.g. 12e9 or '12GB/s'"
+            )
         rate = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not math.isfinite(rate) or rate <= 0:
         raise CephaloError(f"bad {what} {value!r}: must be a positive number of bytes per second")
@@ -114,7 +130,12 @@ class Device:
         return f"{self.type}:slowdown={self.slowdown:g}"
 
     def to_dict(self) -> dict:
-        return {"type": self.type, "memory_bytes": self.memory_bytes, "node": self.node, "slowdown": self.slowdown}
+        return {
+            "type": self.type,
+            "memory_bytes": self.memory_bytes,
+            "node": self.node,
+            "slowdown": self.slowdown,
+        }
 
 
 @dataclass
@@ -138,7 +159,9 @@ class Cluster:
             self.intra_node_bytes_per_s = min(intra_node_bytes_per_s(d.type) for d in self.devices)
         if not self.collective_latency_s:
             any_cpu = any(d.type == "cpu" for d in self.devices)
-            self.collective_latency_s = CPU_COLLECTIVE_LATENCY_S if any_cpu else GPU_COLLECTIVE_LATENCY_S
+            self.collective_latency_s = (
+                CPU_COLLECTIVE_LATENCY_S if any_cpu else GPU_COLLECTIVE_LATENCY_S
+            )
 
     # ------------------------------------------------------------------ queries
     @property
@@ -162,10 +185,19 @@ class Cluster:
     def describe(self) -> str:
         """`2x L4 (24 GiB) + RTX A6000 (48 GiB) + P40 (24 GiB)`; consecutive equal devices grouped."""
         parts = []
-        for (type_key, mem, node), count in _runs((d.type_key, d.memory_bytes, d.node) for d in self.devices):
-            name = device_display_name(type_key.split(":")[0]) + type_key[len(type_key.split(":")[0]) :]
+        for (type_key, mem, node), count in _runs(
+            (d.type_key, d.memory_bytes, d.node) for d in self.devices
+        ):
+            name = (
+                device_display_name(type_key.split(":")[0])
+                + type_key[len(type_key.split(":")[0]) :]
+            )
             where = f" @node{node}" if self.num_nodes > 1 else ""
-            parts.append(f"{count}x {name} ({_format_gib(mem)}){where}" if count > 1 else f"{name} ({_format_gib(mem)}){where}")
+            parts.append(
+                f"{count}x {name} ({_format_gib(mem)}){where}"
+                if count > 1
+                else f"{name} ({_format_gib(mem)}){where}"
+            )
         return " + ".join(parts)
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -181,25 +213,52 @@ class Cluster:
     def from_dict(cls, d: dict, where: str = "cluster") -> Cluster:
         """From `to_dict()` output or the file form (see `from_file`)."""
         if not isinstance(d, dict):
-            raise CephaloError(f"{where}: expected a table/object with a `devices` list, got {type(d).__name__}")
-        unknown = set(d) - {"devices", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "collective_latency_s", "intra_node_bandwidth", "inter_node_bandwidth"}
+            raise CephaloError(
+                f"{where}: expected a table/object with a `devices` list, got {type(d).__name__}"
+            )
+        unknown = set(d) - {
+            "devices",
+            "intra_node_bytes_per_s",
+            "inter_node_bytes_per_s",
+            "collective_latency_s",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+        }
         if unknown:
-            raise CephaloError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected devices, intra_node_bandwidth, inter_node_bandwidth, collective_latency_s")
+            raise CephaloError(
+                f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected devices, intra_node_bandwidth, inter_node_bandwidth, collective_latency_s"
+            )
         entries = d.get("devices")
         if isinstance(entries, str):
             devices = cls.parse(entries).devices
         elif isinstance(entries, list) and entries:
-            devices = [dev for i, e in enumerate(entries) for dev in _devices_from_entry(e, f"{where}: devices[{i}]")]
+            devices = [
+                dev
+                for i, e in enumerate(entries)
+                for dev in _devices_from_entry(e, f"{where}: devices[{i}]")
+            ]
         else:
-            raise CephaloError(f"{where}: `devices` must be a non-empty list of {{type, count, memory, node}} entries or a spec string")
+            raise CephaloError(
+                f"{where}: `devices` must be a non-empty list of {{type, count, memory, node}} entries or a spec string"
+            )
         kwargs: dict[str, float] = {}
-        for key, alt in (("intra_node_bytes_per_s", "intra_node_bandwidth"), ("inter_node_bytes_per_s", "inter_node_bandwidth")):
+        for key, alt in (
+            ("intra_node_bytes_per_s", "intra_node_bandwidth"),
+            ("inter_node_bytes_per_s", "inter_node_bandwidth"),
+        ):
             if key in d or alt in d:
                 kwargs[key] = parse_rate(d.get(key, d.get(alt)), f"{where}: {alt}")
         if "collective_latency_s" in d:
             lat = d["collective_latency_s"]
-            if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not math.isfinite(lat) or lat < 0:
-                raise CephaloError(f"{where}: collective_latency_s must be a number of seconds >= 0, got {lat!r}")
+            if (
+                isinstance(lat, bool)
+                or not isinstance(lat, (int, float))
+                or not math.isfinite(lat)
+                or lat < 0
+            ):
+                raise CephaloError(
+                    f"{where}: collective_latency_s must be a number of seconds >= 0, got {lat!r}"
+                )
             kwargs["collective_latency_s"] = float(lat)
         return cls(devices, **kwargs)
 
@@ -237,10 +296,14 @@ class Cluster:
                 try:
                     import yaml
                 except ImportError:
-                    raise CephaloError(f"{p}: reading YAML needs PyYAML (`pip install pyyaml`); or write the cluster as TOML or JSON") from None
+                    raise CephaloError(
+                        f"{p}: reading YAML needs PyYAML (`pip install pyyaml`); or write the cluster as TOML or JSON"
+                    ) from None
                 data = yaml.safe_load(text)
             else:
-                raise CephaloError(f"{p}: unknown cluster file type {suffix or '(none)'}; use .toml, .json, .yaml or .yml")
+                raise CephaloError(
+                    f"{p}: unknown cluster file type {suffix or '(none)'}; use .toml, .json, .yaml or .yml"
+                )
         except CephaloError:
             raise
         except Exception as e:  # a parser's syntax error: say where
@@ -265,9 +328,15 @@ class Cluster:
         for raw in spec.split(","):
             token = raw.strip()
             if not token:
-                raise _spec_error(f"empty device in cluster spec {spec!r} (two commas, or a trailing comma?)")
+                raise _spec_error(
+                    f"empty device in cluster spec {spec!r} (two commas, or a trailing comma?)"
+                )
             head = token.split(":", 1)[0]
-            if ":" not in token and "=" in token and head.split("=", 1)[0].strip().lower() not in DEVICE_ALIASES:
+            if (
+                ":" not in token
+                and "=" in token
+                and head.split("=", 1)[0].strip().lower() not in DEVICE_ALIASES
+            ):
                 # `cpu:slowdown=4,mem=1GiB`: an option continuing the previous device
                 if not groups:
                     raise _spec_error(f"option {token!r} comes before any device")
@@ -297,13 +366,17 @@ def _runs(items) -> list[tuple[Any, int]]:
 def _parse_device(token: str, option_tokens: list[str]) -> list[Device]:
     m = _DEVICE_RE.match(token)
     if not m or not m.group(2):
-        raise _spec_error(f"bad device {token!r}: expected [Nx]TYPE[@nodeK], e.g. 2xl4 or a100@node1")
+        raise _spec_error(
+            f"bad device {token!r}: expected [Nx]TYPE[@nodeK], e.g. 2xl4 or a100@node1"
+        )
     count_text, type_name, node_text = m.groups()
     count = int(count_text) if count_text is not None else 1
     if count < 1:
         raise _spec_error(f"bad device {token!r}: the count must be at least 1")
     if count > 1_000_000:
-        raise _spec_error(f"bad device {token!r}: count {count} is not a plausible number of devices")
+        raise _spec_error(
+            f"bad device {token!r}: count {count} is not a plausible number of devices"
+        )
     dtype = resolve_device_type(type_name)
     options: dict[str, str] = {}
     if node_text is not None:
@@ -312,11 +385,16 @@ def _parse_device(token: str, option_tokens: list[str]) -> list[Device]:
         key, eq, value = opt.partition("=")
         key = key.strip().lower()
         if not eq or key not in _OPTIONS or not value.strip():
-            raise _spec_error(f"bad option {opt!r} for device {token!r}: expected one of {', '.join(k + '=...' for k in _OPTIONS)}")
+            raise _spec_error(
+                f"bad option {opt!r} for device {token!r}: expected one of {', '.join(k + '=...' for k in _OPTIONS)}"
+            )
         if key in options:
             raise _spec_error(f"option {key} given twice for device {token!r}")
         options[key] = value.strip()
-    d = _make_device(dtype, options, token)
+    try:
+        d = _make_device(dtype, options, token)
+    except CephaloError as e:
+        raise _spec_error(str(e)) from None
     return [Device(d.type, d.memory_bytes, d.node, d.slowdown) for _ in range(count)]
 
 
@@ -324,7 +402,7 @@ def _make_device(dtype: str, options: dict[str, Any], token: str) -> Device:
     """A device from its type and raw option values (strings from a spec, or file values)."""
     memory = device_memory_bytes(dtype) if dtype != "cpu" else CPU_DEFAULT_MEMORY_BYTES
     if options.get("mem") is not None:
-        memory = parse_bytes(options["mem"], f"mem= of {token!r}")
+        memory = parse_bytes(options["mem"], f"mem= for {token!r}:")
     node = 0
     if options.get("node") is not None:
         raw = options["node"]
@@ -333,7 +411,7 @@ def _make_device(dtype: str, options: dict[str, Any], token: str) -> Device:
         except ValueError:
             node = -1
         if node < 0:
-            raise _spec_error(f"bad node {raw!r} for {token!r}: must be an integer >= 0")
+            raise CephaloError(f"bad node {raw!r} for {token!r}: must be an integer >= 0")
     slowdown = 1.0
     if options.get("slowdown") is not None:
         raw = options["slowdown"]
@@ -342,22 +420,30 @@ def _make_device(dtype: str, options: dict[str, Any], token: str) -> Device:
         except ValueError:
             slowdown = float("nan")
         if not math.isfinite(slowdown) or slowdown < 1:
-            raise _spec_error(f"bad slowdown {raw!r} for {token!r}: must be a number >= 1")
+            raise CephaloError(f"bad slowdown {raw!r} for {token!r}: must be a number >= 1")
         if dtype != "cpu" and slowdown != 1.0:
-            raise _spec_error(f"slowdown= only applies to emulated `cpu` devices, not {dtype!r} ({token!r})")
+            raise CephaloError(
+                f"slowdown= only applies to emulated `cpu` devices, not {dtype!r} ({token!r})"
+            )
     return Device(type=dtype, memory_bytes=memory, node=node, slowdown=slowdown)
 
 
 def _devices_from_entry(e: Any, where: str) -> list[Device]:
     """One entry of a file's `devices` list: {type, count?, memory?|memory_bytes?, node?, slowdown?}."""
     if not isinstance(e, dict):
-        raise CephaloError(f"{where}: expected a table/object like {{type = \"l4\", count = 2}}, got {e!r}")
+        raise CephaloError(
+            f'{where}: expected a table/object like {{type = "l4", count = 2}}, got {e!r}'
+        )
     allowed = {"type", "count", "memory", "memory_bytes", "node", "slowdown"}
     unknown = set(e) - allowed
     if unknown:
-        raise CephaloError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}")
+        raise CephaloError(
+            f"{where}: unknown key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}"
+        )
     if not isinstance(e.get("type"), str):
-        raise CephaloError(f"{where}: `type` is required, a device type name such as \"l4\" (known: {', '.join(list_device_types())})")
+        raise CephaloError(
+            f'{where}: `type` is required, a device type name such as "l4" (known: {", ".join(list_device_types())})'
+        )
     dtype = resolve_device_type(e["type"])
     count = e.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -371,4 +457,6 @@ def _devices_from_entry(e: Any, where: str) -> list[Device]:
         if isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0:
             raise CephaloError(f"{where}: memory_bytes must be a positive integer, got {mb!r}")
         device.memory_bytes = mb
-    return [Device(device.type, device.memory_bytes, device.node, device.slowdown) for _ in range(count)]
+    return [
+        Device(device.type, device.memory_bytes, device.node, device.slowdown) for _ in range(count)
+    ]

@@ -1,0 +1,246 @@
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cephalo.catalog import GiB, device_memory_bytes
+from cephalo.cluster import DEFAULT_INTER_NODE_BYTES_PER_S, Cluster, Device
+from cephalo.errors import CephaloError
+
+
+def test_paper_cluster():
+    c = Cluster.parse("2xl4,a6000,p40")
+    assert [d.type for d in c.devices] == ["l4", "l4", "a6000", "p40"]
+    assert c.world_size == 4
+    assert c.device_types() == ["l4", "a6000", "p40"]
+    assert [d.memory_bytes for d in c.devices] == [24 * GiB, 24 * GiB, 48 * GiB, 24 * GiB]
+    assert c.describe() == "2x L4 (24 GiB) + RTX A6000 (48 GiB) + P40 (24 GiB)"
+    # P40 is PCIe gen3: the node's collectives are bounded by its 12 GB/s
+    assert c.intra_node_bytes_per_s == 12e9
+    assert c.slowest_link_bytes_per_s() == 12e9
+    assert c.collective_latency_s == pytest.approx(50e-6)
+
+
+def test_counts_case_and_aliases():
+    c = Cluster.parse(" 3X L4 , A100, v100 ,H100,rtx_3090")
+    assert [d.type for d in c.devices] == ["l4"] * 3 + ["a100x80", "v100x16", "h100-nvl", "rtx3090"]
+    assert c.devices[3].memory_bytes == 80 * GiB
+    assert c.devices[5].memory_bytes == 94 * GiB
+
+
+def test_cpu_options_and_continuation():
+    c = Cluster.parse("cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB")
+    assert c.world_size == 3
+    assert [d.slowdown for d in c.devices] == [1.0, 2.0, 4.0]
+    assert [d.memory_bytes for d in c.devices] == [4 * GiB, 4 * GiB, 1 * GiB]
+    assert c.device_types() == ["cpu", "cpu:slowdown=2", "cpu:slowdown=4"]
+    # memory is not part of the type key, slowdown is
+    assert Device("cpu", 1, slowdown=2.5).type_key == "cpu:slowdown=2.5"
+    assert Device("cpu", 7).type_key == Device("cpu", 9).type_key == "cpu"
+    assert c.collective_latency_s == pytest.approx(200e-6)
+    assert c.describe() == "CPU (4 GiB) + CPU:slowdown=2 (4 GiB) + CPU:slowdown=4 (1 GiB)"
+
+
+def test_memory_units():
+    c = Cluster.parse("l4:mem=20GiB,l4:mem=16GB,cpu:mem=512MiB,cpu:mem=1.5gib")
+    assert [d.memory_bytes for d in c.devices] == [
+        20 * GiB,
+        16 * 10**9,
+        512 * 2**20,
+        int(1.5 * GiB),
+    ]
+
+
+def test_nodes():
+    c = Cluster.parse("4xa100x80@node1,2xl4@0,a6000:node=2")
+    assert [d.node for d in c.devices] == [1] * 4 + [0, 0, 2]
+    assert c.num_nodes == 3
+    assert c.slowest_link_bytes_per_s() == DEFAULT_INTER_NODE_BYTES_PER_S == 10e9
+    one_node = Cluster.parse("4xa100x80@node1")
+    assert one_node.slowest_link_bytes_per_s() == 200e9  # NVLink
+    assert "@node1" in c.describe()
+
+
+def test_repeat_makes_independent_devices():
+    c = Cluster.parse("2xcpu")
+    c.devices[0].memory_bytes = 1
+    assert c.devices[1].memory_bytes == 4 * GiB
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("", "empty cluster spec"),
+        ("   ", "empty cluster spec"),
+        ("0xl4", "'0xl4': the count must be at least 1"),
+        ("2x", "bad device '2x'"),
+        ("l4,,a6000", "empty device"),
+        ("l4,", "empty device"),
+        ("l4:mem=3XB", "bad mem= for 'l4': '3XB'"),
+        ("l4:mem=24", "write a number and a unit"),
+        ("l4:mem=-1GiB", "must be positive"),
+        ("cpu:slowdown=0.5", "bad slowdown '0.5'"),
+        ("cpu:slowdown=abc", "bad slowdown 'abc'"),
+        ("cpu:slowdown=inf", "must be a number >= 1"),
+        ("l4:slowdown=2", "slowdown= only applies to emulated `cpu` devices"),
+        ("mem=1GiB,l4", "option 'mem=1GiB' comes before any device"),
+        ("l4:foo=1", "bad option 'foo=1'"),
+        ("l4:mem", "bad option 'mem'"),
+        ("l4:mem=1GiB:mem=2GiB", "option mem given twice"),
+        ("l4@nodex", "bad node 'x'"),
+        ("l4:node=-1", "bad node '-1'"),
+        ("9999999xl4", "not a plausible number"),
+    ],
+)
+def test_spec_errors(spec, message):
+    with pytest.raises(CephaloError) as e:
+        Cluster.parse(spec)
+    assert message in str(e.value)
+    if "unknown device type" not in message:
+        assert "cluster spec: DEVICE[,DEVICE...]" in str(e.value)  # the grammar is shown
+
+
+def test_unknown_type_lists_known_and_suggests():
+    with pytest.raises(CephaloError) as e:
+        Cluster.parse("2xl4,rtx4090")
+    msg = str(e.value)
+    assert "unknown device type 'rtx4090'" in msg
+    assert "Did you mean 'rtx3090'?" in msg
+    for known in ("l4", "a6000", "p40", "h100-nvl", "cpu"):
+        assert known in msg
+    with pytest.raises(CephaloError, match="unknown device type 'zzz'. Known types"):
+        Cluster.parse("zzz")
+
+
+def test_dict_round_trip():
+    c = Cluster.parse("2xl4@node0,a6000@node1,cpu:slowdown=3,mem=2GiB")
+    d = json.loads(json.dumps(c.to_dict()))
+    assert Cluster.from_dict(d) == c
+
+
+TOML = """
+intra_node_bandwidth = "20GB/s"
+inter_node_bytes_per_s = 5e9
+collective_latency_s = 1e-4
+[[devices]]
+type = "L4"
+count = 2
+[[devices]]
+type = "a6000"
+memory = "40GiB"
+node = 1
+"""
+
+
+def test_toml_file(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text(TOML)
+    c = Cluster.from_file(p)
+    assert [d.type for d in c.devices] == ["l4", "l4", "a6000"]
+    assert c.devices[2].memory_bytes == 40 * GiB and c.devices[2].node == 1
+    assert c.intra_node_bytes_per_s == 20e9 and c.inter_node_bytes_per_s == 5e9
+    assert c.collective_latency_s == 1e-4
+    assert c.slowest_link_bytes_per_s() == 5e9
+    assert Cluster.from_any(str(p)) == c
+
+
+def test_json_file_and_spec_string_devices(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"devices": "2xl4,p40", "intra_node_bandwidth": 8e9}))
+    c = Cluster.from_file(p)
+    assert [d.type for d in c.devices] == ["l4", "l4", "p40"] and c.intra_node_bytes_per_s == 8e9
+    p.write_text(
+        json.dumps({"devices": [{"type": "cpu", "count": 2, "slowdown": 2, "memory": "1GiB"}]})
+    )
+    c = Cluster.from_file(p)
+    assert c.device_types() == ["cpu:slowdown=2"] and c.devices[1].memory_bytes == GiB
+
+
+def test_yaml_file(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        yaml.safe_dump({"devices": [{"type": "t4", "count": 3}], "inter_node_bandwidth": "10 GB/s"})
+    )
+    c = Cluster.from_file(p)
+    assert c.world_size == 3 and c.devices[0].memory_bytes == 16 * GiB
+
+
+def test_from_any_prefers_spec_when_no_file():
+    assert Cluster.from_any("2xl4").world_size == 2
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("c.toml", "devices = [", "cannot parse cluster file"),
+        ("c.toml", "[[devices]]\ncount = 2\n", "`type` is required"),
+        ("c.toml", "[[devices]]\ntype = 'l4'\ncount = 0\n", "count must be an integer >= 1"),
+        ("c.toml", "[[devices]]\ntype = 'l4'\ncolour = 'red'\n", "unknown key(s) colour"),
+        ("c.toml", "[[devices]]\ntype = 'k80'\n", "unknown device type 'k80'"),
+        ("c.toml", "[[devices]]\ntype = 'l4'\nmemory = 'lots'\n", "bad mem="),
+        ("c.toml", "bandwidth = 3\n[[devices]]\ntype = 'l4'\n", "unknown key(s) bandwidth"),
+        (
+            "c.toml",
+            "intra_node_bandwidth = 'fast'\n[[devices]]\ntype = 'l4'\n",
+            "bad c.toml: intra_node_bandwidth",
+        ),
+        (
+            "c.toml",
+            "collective_latency_s = -1\n[[devices]]\ntype = 'l4'\n",
+            "collective_latency_s must be",
+        ),
+        ("c.toml", "devices = []\n", "`devices` must be a non-empty list"),
+        ("c.json", "[1, 2]", "expected a table/object"),
+        ("c.json", '{"devices": [3]}', "expected a table/object like"),
+        ("c.txt", "whatever", "unknown cluster file type .txt"),
+    ],
+)
+def test_file_errors(tmp_path, name, text, message):
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(CephaloError) as e:
+        Cluster.from_file(p)
+    assert message in str(e.value).replace(str(tmp_path) + "/", "")
+
+
+def test_missing_file():
+    with pytest.raises(CephaloError, match="cannot read cluster file"):
+        Cluster.from_any("/nonexistent/cluster.toml")
+
+
+def test_yaml_without_pyyaml(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_yaml(name, *a, **kw):
+        if name == "yaml":
+            raise ImportError("no yaml")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_yaml)
+    p = tmp_path / "c.yml"
+    p.write_text("devices: 2xl4\n")
+    with pytest.raises(CephaloError, match="reading YAML needs PyYAML"):
+        Cluster.from_file(p)
+
+
+def test_memory_defaults_match_catalog():
+    for t in ("l4", "a6000", "p40", "t4", "a100x40"):
+        assert Cluster.parse(t).devices[0].memory_bytes == device_memory_bytes(t)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.text(alphabet="0123456789xX,:=@.-_ lLaApPcCuUmMeEgGiIbBsSnNoOdDwWt4", max_size=40)
+    | st.text(max_size=30)
+)
+def test_fuzz_only_cephalo_errors(spec):
+    try:
+        c = Cluster.parse(spec)
+    except CephaloError:
+        return
+    assert c.world_size >= 1
+    assert all(d.memory_bytes > 0 and d.slowdown >= 1 and d.node >= 0 for d in c.devices)
