@@ -392,3 +392,22 @@ def test_documents_api_without_cli(tmp_path):
     assert res.val.num_tokens == 0 and res.train.tokenizer == "byte"
     with pytest.raises(CephaloError, match="no validation windows"):
         GlobalBatches(res.path, 7, 4).val_batches(1, 4)
+
+
+def test_rebuild_on_change_keeps_tokenizer_only_for_same_corpus(tmp_path):
+    docs = [Document("a", "alpha beta gamma delta\n" * 200)]
+    out = tmp_path / "d"
+    first = prepare_dataset(docs, out, vocab_size=300, val_fraction=0.1, progress=False)
+    tok_mtime = (out / "tokenizer.json").stat().st_mtime_ns
+    # another val fraction: re-split, same tokenizer file reused
+    second = prepare_dataset(docs, out, vocab_size=300, val_fraction=0.2, progress=False)
+    assert not second.cached and (out / "tokenizer.json").stat().st_mtime_ns == tok_mtime
+    assert second.num_tokens == first.num_tokens and second.val.num_tokens > first.val.num_tokens
+    # another corpus: tokenizer retrained
+    third = prepare_dataset([Document("b", "zeta eta theta\n" * 200)], out, 300, progress=False)
+    assert third.train.source_sha256 != first.train.source_sha256
+    assert (out / "tokenizer.json").stat().st_mtime_ns != tok_mtime
+    assert (
+        prepare_dataset(docs, out, 300, val_fraction=0.1, progress=False, force=True).train
+        == first.train
+    )

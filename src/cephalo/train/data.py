@@ -17,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 import os
+import shutil
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -194,7 +196,7 @@ class _TokenWriter:
         val_tmp = self.out_dir / "val.bin.tmp"
         with open(self.tmp, "rb") as src, open(val_tmp, "wb") as dst:
             src.seek(num_train * itemsize)
-            dst.write(src.read())
+            shutil.copyfileobj(src, dst, 1 << 24)
         os.truncate(self.tmp, num_train * itemsize)
         metas = []
         for split, tmp, n in (("train", self.tmp, num_train), ("val", val_tmp, num_val)):
@@ -304,7 +306,6 @@ class PreparedDataset:
     """Time taken (tokenizer training + tokenization + writing); ~0 when cached."""
     cached: bool = False
     """True if an identical dataset already existed and was reused."""
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -379,6 +380,14 @@ def prepare_dataset(
             out_dir, found[0], found[1], time.perf_counter() - started, cached=True
         )
 
+    # tokenizer.json depends only on the corpus and vocab size: keep the one in out_dir
+    # only if it was trained on this corpus for this size
+    keep_tokenizer = _same_corpus_tokenizer(out_dir, source_sha, key)
+    # the old dataset (if any) stops being one before anything is overwritten: a crash from
+    # here on leaves no sidecar, so nothing half-written can be mistaken for a dataset
+    for split in ("train", "val"):
+        (out_dir / f"{split}.json").unlink(missing_ok=True)
+
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -406,13 +415,14 @@ def prepare_dataset(
             tok = given
             given.save(tokenizer_file)
         else:
-            # tokenizer.json depends only on the corpus and vocab size: keep the one in
-            # out_dir only if it was trained on this corpus for this size
-            if tokenizer_file.exists() and not _same_corpus_tokenizer(out_dir, source_sha, key):
-                tokenizer_file.unlink()
-            task = bar.add_task(f"training BPE tokenizer (vocab {vocab_size})", total=None)
-            tok = load_or_train_tokenizer(_pieces(documents), vocab_size, tokenizer_file)
-            bar.update(task, total=1, completed=1)
+            if keep_tokenizer and tokenizer_file.is_file():
+                # loaded as is: on a small corpus the BPE may hold fewer ids than asked
+                tok = BPETokenizer.load(tokenizer_file)
+            else:
+                tokenizer_file.unlink(missing_ok=True)
+                task = bar.add_task(f"training BPE tokenizer (vocab {vocab_size})", total=None)
+                tok = load_or_train_tokenizer(_pieces(documents), vocab_size, tokenizer_file)
+                bar.update(task, total=1, completed=1)
 
         writer = _TokenWriter(out_dir, token_dtype(tok.vocab_size), tok.vocab_size)
         task = bar.add_task(f"tokenizing {len(documents)} documents", total=total_chars)
@@ -514,8 +524,8 @@ class GlobalBatches:
             )
 
         windows = self.train_file.num_tokens // self.window
-        has_val_split = Path(data).is_dir() and (Path(data) / "val.json").is_file()
-        if has_val_split:
+        sidecar = self.train_file.sidecar
+        if sidecar.name == "train.json" and sidecar.with_name("val.json").is_file():
             self.val_file = TokenFile(data, "val")
             if self.val_file.vocab_size != self.vocab_size:
                 raise CephaloError(
@@ -572,8 +582,9 @@ class GlobalBatches:
 
         Rank i passes offset = plan.batch_offsets()[i], size = its batch_size (may be 0).
         """
-        if not isinstance(step, int) or step < 0:
-            raise CephaloError(f"step must be a non-negative integer, got {step!r}")
+        step, offset, size = operator.index(step), operator.index(offset), operator.index(size)
+        if step < 0:
+            raise CephaloError(f"step must be a non-negative integer, got {step}")
         if offset < 0 or size < 0 or offset + size > self.global_batch_size:
             raise CephaloError(
                 f"slice [{offset}, {offset + size}) is outside the global batch of "
@@ -598,6 +609,8 @@ class GlobalBatches:
                 "the dataset has no validation windows: prepare it with a val fraction > 0 "
                 "(`cephalo prepare-data --val-fraction`) or pass val_fraction > 0"
             )
+        if batch_size < 1:
+            raise CephaloError(f"validation batch size must be >= 1, got {batch_size}")
         if not 0 <= index < self.num_val_batches(batch_size):
             raise CephaloError(
                 f"validation batch {index} does not exist: there are "
@@ -615,9 +628,11 @@ class GlobalBatches:
 
     def val_batches(self, n: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first `n` validation batches (fewer if the split is smaller); always the same."""
-        count = min(n, self.num_val_batches(batch_size)) if self.num_val_windows else 0
-        if count == 0:
-            return [self.val_batch(0, batch_size)]  # raises the explanatory error
+        if n <= 0:
+            return []
+        if self.num_val_windows == 0:
+            self.val_batch(0, batch_size)  # raises the explanatory error
+        count = min(n, self.num_val_batches(batch_size))
         return [self.val_batch(i, batch_size) for i in range(count)]
 
     # ---------------------------------------------------------------- reading
