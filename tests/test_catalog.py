@@ -272,3 +272,19 @@ def test_catalog_is_packaged_not_read_from_shared():
     assert catalog.CATALOG_PATH.is_file()
     assert "shared" not in catalog.CATALOG_PATH.parts
     assert (catalog.CATALOG_PATH.parent / "LICENSE").read_text().startswith("MIT License")
+
+
+def test_catalog_command(capsys):
+    from cephalo.cli import main
+
+    assert main(["catalog"]) == 0
+    out = capsys.readouterr().out
+    for word in ("a6000", "RTX A6000", "48 GiB", "gpt-2.7b", "deepspeedgpt_2.7b", "h100-nvl"):
+        assert word in out
+    assert main(["catalog", "--model", "gpt-2.7b", "--dtype", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "p40" in out and "b=16" in out and "fp32" not in out.split("b=16")[1]
+    assert main(["catalog", "--skipped"]) == 0
+    assert f"{len(skipped_entries())} published entries not used" in capsys.readouterr().out
+    assert main(["catalog", "--model", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
