@@ -274,8 +274,10 @@ def test_catalog_is_packaged_not_read_from_shared():
     assert (catalog.CATALOG_PATH.parent / "LICENSE").read_text().startswith("MIT License")
 
 
-def test_catalog_command(capsys):
+def test_catalog_command(capsys, monkeypatch):
     from cephalo.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")  # rich wraps cells to the terminal width
 
     assert main(["catalog"]) == 0
     out = capsys.readouterr().out
