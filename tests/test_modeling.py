@@ -149,8 +149,10 @@ def test_building_and_materializing_draw_nothing_from_the_global_rng(name):
     state = torch.get_rng_state()
     model = build_model(name, dropout=0.1).materialize("cpu", gen(0))
     build_model(name, device="cpu")  # a direct build runs torch/HF default init: forked away
-    if hasattr(model, "build_hf_model"):
-        model.build_hf_model()
+    if name.startswith("hf-"):
+        from cephalo.modeling.hf import to_hf_model
+
+        to_hf_model(model)
     model.eval()
     input_ids, labels = batch(model.spec.vocab_size)
     model(input_ids, labels)  # eval forward: no dropout draws either
@@ -203,12 +205,10 @@ HF_MODELS = ["hf-gpt2-tiny", "hf-llama-tiny"]
 
 def hf_pair(name: str, seed: int = 0, **overrides):
     """Our units and an HF model loaded (strictly) from their exported weights."""
-    from cephalo.modeling.hf import export_hf_state_dict
+    from cephalo.modeling.hf import to_hf_model
 
     model = build_model(name, **overrides).materialize("cpu", gen(seed))
-    hf_model = model.build_hf_model()
-    hf_model.load_state_dict(export_hf_state_dict(model), strict=True)
-    return model, hf_model
+    return model, to_hf_model(model)
 
 
 def hf_batch(vocab: int, b: int = 3, s: int = 20):
@@ -262,6 +262,20 @@ def test_hf_units_hold_no_buffers_and_init_is_deterministic(name):
     assert model_spec_of(a).total_params == sum(p.numel() for p in a.parameters())
 
 
+def test_builtin_gpt_exports_as_gpt2_with_the_same_loss():
+    from cephalo.modeling.hf import to_hf_model
+
+    model = tiny_gpt(seed=4).eval()
+    hf_model = to_hf_model(model)
+    assert hf_model.lm_head.weight is hf_model.transformer.wte.weight
+    input_ids, hf_labels, labels = hf_batch(model.spec.vocab_size)
+    torch.testing.assert_close(model(input_ids, labels), hf_model(input_ids, labels=hf_labels).loss, rtol=1e-5, atol=1e-5)
+    untied = tiny_gpt(seed=4, tie_embeddings=False).eval()
+    hf_untied = to_hf_model(untied)
+    assert hf_untied.lm_head.weight is not hf_untied.transformer.wte.weight
+    torch.testing.assert_close(unit_logits(untied, input_ids), hf_untied(input_ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_hf_gpt2_tied_weight_is_one_parameter():
     model, hf_model = hf_pair("hf-gpt2-tiny")
     assert model.units[-1].module.lm_head.weight is model.units[0].module.wte.weight
@@ -277,9 +291,9 @@ def test_hf_llama_ties_on_request():
     assert model_spec_of(model).head_params == 64  # the final RMSNorm only
 
 
-@pytest.mark.parametrize("name", HF_MODELS)
-def test_hf_export_after_training_loads_strictly(name):
-    from cephalo.modeling.hf import export_hf_state_dict
+@pytest.mark.parametrize("name", ["gpt-tiny", *HF_MODELS])
+def test_export_after_training_loads_strictly_into_transformers(name):
+    from cephalo.modeling.hf import export_hf_state_dict, to_hf_model
 
     model = build_model(name).materialize("cpu", gen(1)).eval()
     input_ids, _, labels = hf_batch(model.spec.vocab_size)
@@ -288,13 +302,12 @@ def test_hf_export_after_training_loads_strictly(name):
     opt.step()
     # through the `state=` path, as `cephalo export` does with Engine.full_state_dict()
     state = {f"{u}.{n}": p.detach().clone() for u, n, p in model.named_unit_parameters()}
-    hf_model = model.build_hf_model().eval()
-    hf_model.load_state_dict(export_hf_state_dict(model, state), strict=True)
+    hf_model = to_hf_model(model, state)
     torch.testing.assert_close(hf_model(input_ids).logits, unit_logits(model, input_ids), rtol=1e-5, atol=1e-5)
     with pytest.raises(CephaloError, match="missing"):
         export_hf_state_dict(model, {})
-    with pytest.raises(CephaloError, match="not a transformers model"):
-        export_hf_state_dict(tiny_gpt())
+    with pytest.raises(CephaloError, match="no biases"):
+        export_hf_state_dict(tiny_gpt(bias=False))
 
 
 @pytest.mark.parametrize("name", HF_MODELS)

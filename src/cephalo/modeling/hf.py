@@ -13,7 +13,8 @@ Llama blocks compute rotary (cos, sin) from one shared `RotaryTable`, which is N
 no buffers at all, and a meta build needs nothing but parameters materialised.
 
 `export_hf_state_dict` maps unit parameter names back to HF names, so trained weights load
-into a fresh `transformers` model with `load_state_dict(strict=True)`.
+into a fresh `transformers` model with `load_state_dict(strict=True)`; `to_hf_model` does it.
+The built-in GPT exports too, as a `GPT2LMHeadModel` (exact GELU, Conv1D weights transposed).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cephalo.errors import CephaloError
+from cephalo.modeling.gpt import GPT
 from cephalo.modeling.units import IGNORE_INDEX, Unit, UnitModel, fill_normal_, spec_from_units
 
 
@@ -270,13 +272,6 @@ class HFUnitModel(UnitModel):
             if param_name in self._padding_rows.get(unit_name, {}):
                 param[self._padding_rows[unit_name][param_name]].zero_()
 
-    def build_hf_model(self, device: torch.device | str = "cpu") -> nn.Module:
-        """A fresh `transformers` model of the same config (uninitialised values)."""
-        tf = _transformers()
-        with torch.random.fork_rng(devices=[]), torch.device(device):
-            cls = tf.GPT2LMHeadModel if self.family == "gpt2" else tf.LlamaForCausalLM
-            return cls(self.hf_config)
-
 
 def _hf_name_map(hf_model: nn.Module, units: list[Unit]) -> dict[str, list[str]]:
     hf_names_by_id: dict[int, list[str]] = {}
@@ -292,28 +287,101 @@ def _hf_name_map(hf_model: nn.Module, units: list[Unit]) -> dict[str, list[str]]
     return mapping
 
 
+def hf_config_of(model: UnitModel):
+    """The `transformers` config that `export_hf_state_dict(model)` loads into: the model's
+    own for hf-* models; for the built-in GPT, the equivalent `GPT2Config` (exact GELU)."""
+    if isinstance(model, HFUnitModel):
+        return model.hf_config
+    if isinstance(model, GPT):
+        cfg = model.config
+        if not cfg.bias:
+            raise CephaloError(
+                f"model {model.spec.name} has no biases (bias=false): transformers' GPT-2 "
+                "always has them, so it cannot be exported; train with bias=true to export"
+            )
+        tf = _transformers()
+        return tf.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu",
+            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+            layer_norm_epsilon=1e-5, tie_word_embeddings=cfg.tie_embeddings,
+            bos_token_id=None, eos_token_id=None, attn_implementation="sdpa",
+        )
+    raise CephaloError(f"model {model.spec.name} has no transformers equivalent to export to")
+
+
+# Built-in GPT parameters stored by transformers' GPT-2 as Conv1D ([in, out]: transposed).
+_CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _gpt_hf_names(model: GPT) -> dict[str, list[str]]:
+    names: dict[str, list[str]] = {}
+    for unit, pname, _ in model.named_unit_parameters():
+        ours = f"{unit}.{pname}"
+        if unit == "embedding":
+            names[ours] = [f"transformer.{pname}"]
+            if pname == "wte.weight" and model.config.tie_embeddings:
+                names[ours].append("lm_head.weight")
+        elif unit == "head":
+            names[ours] = [pname if pname.startswith("lm_head") else f"transformer.{pname}"]
+        else:
+            names[ours] = [f"transformer.h.{unit.split('.')[1]}.{pname}"]
+    return names
+
+
 def export_hf_state_dict(
     model: UnitModel, state: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """HF-named tensors for `model` (a tied tensor under each of its HF names), loadable with
-    `hf_model.load_state_dict(..., strict=True)`. `state` (names `<unit>.<param>`, e.g. from
-    `Engine.full_state_dict()`) replaces the model's own values when given."""
-    if not isinstance(model, HFUnitModel):
-        raise CephaloError(
-            f"model {model.spec.name} is not a transformers model; only hf-* models export to HF format"
-        )
+    """HF-named tensors for `model` (a tied tensor under each of its HF names), loadable into
+    a model built from `hf_config_of(model)` with `load_state_dict(..., strict=True)`. Works
+    for hf-* models and the built-in GPT (as GPT-2). `state` (names `<unit>.<param>`, e.g.
+    from `Engine.full_state_dict()`) replaces the model's own values when given."""
+    if isinstance(model, HFUnitModel):
+        names, transpose = model.hf_names, ()
+    elif isinstance(model, GPT):
+        hf_config_of(model)  # fails early for configurations GPT-2 cannot express
+        names, transpose = _gpt_hf_names(model), _CONV1D_SUFFIXES
+    else:
+        raise CephaloError(f"model {model.spec.name} has no transformers equivalent to export to")
     if state is None:
         state = {f"{u}.{n}": p.detach() for u, n, p in model.named_unit_parameters()}
-    missing = sorted(set(model.hf_names) - set(state))
+    missing = sorted(set(names) - set(state))
     if missing:
         raise CephaloError(f"cannot export {model.spec.name}: missing tensors {missing[:5]}")
-    return {hf_name: state[ours] for ours, hf_names in model.hf_names.items() for hf_name in hf_names}
+    out = {}
+    for ours, hf_names in names.items():
+        tensor = state[ours].t().contiguous() if ours.endswith(transpose) and transpose else state[ours]
+        for hf_name in hf_names:
+            out[hf_name] = tensor
+    return out
 
 
-def build_hf_model(name: str, device: torch.device | str, overrides: dict[str, Any]) -> HFUnitModel:
+def to_hf_model(model: UnitModel, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """A `transformers` causal LM (on the CPU) holding `model`'s weights (or `state`'s):
+    `to_hf_model(model).save_pretrained(path)` gives a checkpoint `transformers` loads."""
+    tf = _transformers()
+    config = hf_config_of(model)
+    cls = tf.LlamaForCausalLM if isinstance(config, tf.LlamaConfig) else tf.GPT2LMHeadModel
+    # Built on the CPU (not meta + assign) so that load_state_dict copies into HF's own,
+    # already tied, parameters; fork_rng keeps HF's init draws off the global RNG.
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        hf_model = cls(config)
+    hf_model.load_state_dict(export_hf_state_dict(model, state), strict=True)
+    return hf_model.eval()
+
+
+def build_hf_unit_model(name: str, device: torch.device | str, overrides: dict[str, Any]) -> HFUnitModel:
     """Registry entry: the `transformers` preset `name` as units."""
     preset = HF_PRESETS[name]
     return HFUnitModel(name, preset.family, make_hf_config(name, overrides), device=device)
 
 
-__all__ = ["HF_PRESETS", "HFUnitModel", "build_hf_model", "export_hf_state_dict", "make_hf_config"]
+__all__ = [
+    "HF_PRESETS",
+    "HFUnitModel",
+    "build_hf_unit_model",
+    "export_hf_state_dict",
+    "hf_config_of",
+    "make_hf_config",
+    "to_hf_model",
+]

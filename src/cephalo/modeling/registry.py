@@ -36,7 +36,7 @@ def _hf_builders() -> dict[str, Callable[[str, torch.device | str, dict[str, Any
     # hf.py imports transformers only when a model is built, so listing names never needs it.
     from cephalo.modeling import hf
 
-    return {name: hf.build_hf_model for name in hf.HF_PRESETS}
+    return {name: hf.build_hf_unit_model for name in hf.HF_PRESETS}
 
 
 def _builders() -> dict[str, Callable[[str, torch.device | str, dict[str, Any]], UnitModel]]:
