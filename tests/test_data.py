@@ -22,6 +22,7 @@ from cephalo.train.data import (
     default_corpus,
     prepare_dataset,
     prepare_default_corpus,
+    resolve_dataset,
 )
 from cephalo.train.tokenizer import (
     BPETokenizer,
@@ -411,3 +412,21 @@ def test_rebuild_on_change_keeps_tokenizer_only_for_same_corpus(tmp_path):
         prepare_dataset(docs, out, 300, val_fraction=0.1, progress=False, force=True).train
         == first.train
     )
+
+
+def test_resolve_dataset_from_config_values(tmp_path, pydoc512):
+    cache = tmp_path / "cache"
+    # a prepared dataset is used as is, whatever the tokenizer setting
+    assert resolve_dataset(pydoc512.path, "builtin", cache_dir=cache) == pydoc512.path
+    # bundled corpus, byte tokenizer; then cached
+    d = resolve_dataset(None, "builtin", cache_dir=cache)
+    assert TokenFile(d).vocab_size == 256 and resolve_dataset(None, "byte", cache_dir=cache) == d
+    # a directory of text files with a BPE of the model's vocab
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_text("some words to learn merges from\n" * 100)
+    d2 = resolve_dataset(tmp_path / "txt", "bpe", vocab_size=270, cache_dir=cache)
+    assert d2.parent == cache and TokenFile(d2).vocab_size == 270
+    gb = GlobalBatches(d2, 8, 4, model_vocab_size=270)
+    assert gb.batch(0)[0].shape == (4, 8)
+    with pytest.raises(CephaloError, match="does not exist"):
+        resolve_dataset(tmp_path / "nope", cache_dir=cache)

@@ -14,6 +14,8 @@ resumed run (under any plan) sees exactly the batches it would have seen.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -359,6 +361,33 @@ def prepare_dataset(
         raise CephaloError(f"output {out_dir} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    # Every rank of a job may call this at once: one builds, the others wait and reuse.
+    with _exclusive(out_dir / ".prepare.lock"):
+        return _prepare_locked(
+            documents, out_dir, vocab_size, tokenizer, val_fraction, progress, force, started
+        )
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _prepare_locked(
+    documents: Sequence[Document],
+    out_dir: Path,
+    vocab_size: int,
+    tokenizer: str | Path | None,
+    val_fraction: float,
+    progress: bool,
+    force: bool,
+    started: float,
+) -> PreparedDataset:
     source_sha = corpus_checksum(documents)
     tokenizer_file = out_dir / TOKENIZER_FILE
     given: BPETokenizer | None = None
@@ -480,6 +509,64 @@ def prepare_default_corpus(
     return prepare_dataset(
         default_corpus(), out_dir, vocab_size, tokenizer, val_fraction, progress=progress
     )
+
+
+BUILTIN_TOKENIZER = "builtin"
+"""Config name of the byte tokenizer (`data.tokenizer = "builtin"`); same as `byte`."""
+TRAINED_BPE = "bpe"
+"""Config name for a byte-level BPE trained on the corpus with the model's vocab size."""
+
+
+def default_cache_dir() -> Path:
+    """Where prepared datasets are cached: `$CEPHALO_CACHE/data`, else `~/.cache/cephalo/data`."""
+    root = os.environ.get("CEPHALO_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "cephalo") / "data"
+
+
+def is_token_dataset(path: str | Path) -> bool:
+    """True for a dataset directory or a token file (anything `GlobalBatches` opens)."""
+    try:
+        resolve_token_file(path)
+    except CephaloError:
+        return False
+    return True
+
+
+def resolve_dataset(
+    path: str | Path | None,
+    tokenizer: str = BUILTIN_TOKENIZER,
+    vocab_size: int = BYTE_VOCAB_SIZE,
+    cache_dir: str | Path | None = None,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    progress: bool = False,
+) -> Path:
+    """The token dataset a job's `[data]` config names, prepared and cached if needed.
+
+    path: unset -> the bundled corpus; a dataset directory or token file -> used as is (it
+    carries its own tokenizer); a text file or a directory of text files -> tokenized into
+    `cache_dir` (default `default_cache_dir()`), once.
+    tokenizer: `builtin` / `byte` -> bytes (vocab 256); `bpe` -> a byte-level BPE of
+    `vocab_size` (the model's) trained on the corpus; else the path of a tokenizer JSON.
+    Safe to call from every rank at once (one prepares, the others wait for it).
+    """
+    if path is not None and is_token_dataset(path):
+        return Path(path)
+    if tokenizer in (BUILTIN_TOKENIZER, BYTE_TOKENIZER):
+        spec, vocab, key = BYTE_TOKENIZER, BYTE_VOCAB_SIZE, BYTE_TOKENIZER
+    elif tokenizer == TRAINED_BPE:
+        spec, vocab, key = None, vocab_size, f"bpe{vocab_size}"
+    else:
+        spec, vocab = tokenizer, vocab_size
+        key = "tok-" + hashlib.sha256(str(Path(tokenizer).resolve()).encode()).hexdigest()[:8]
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if path is None:
+        documents, name = default_corpus(), "pydoc"
+    else:
+        documents = read_documents([path])
+        where = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:8]
+        name = f"{Path(path).name}-{where}"
+    out_dir = cache / f"{name}-{key}-val{val_fraction:g}"
+    return prepare_dataset(documents, out_dir, vocab, spec, val_fraction, progress=progress).path
 
 
 # ----------------------------------------------------------------------------- batches
