@@ -244,3 +244,9 @@ def test_fuzz_only_cephalo_errors(spec):
         return
     assert c.world_size >= 1
     assert all(d.memory_bytes > 0 and d.slowdown >= 1 and d.node >= 0 for d in c.devices)
+
+
+def test_explicit_zero_latency_is_kept(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"devices": "l4", "collective_latency_s": 0}))
+    assert Cluster.from_file(p).collective_latency_s == 0.0

@@ -672,6 +672,7 @@ def catalog_profile(
             "dtype": dtype,
             "data_key": entry["key"],
             "data_seq_len": data_seq,
+            "data_dtype": "fp32" if dtype == "fp32" else "fp16",  # bf16 reads the fp16 data
             "timing_source": entry["source"],
             "activation_source": act_source,
             "embedding_time_ratio": emb_ratio,

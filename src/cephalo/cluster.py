@@ -143,21 +143,21 @@ class Cluster:
     """Devices in rank order, and the links between them."""
 
     devices: list[Device]
-    intra_node_bytes_per_s: float = field(default=0.0)
+    intra_node_bytes_per_s: float = field(default=None)  # type: ignore[assignment]
     """Per-device collective bandwidth between devices of one node; default: the slowest
     device type's link (PCIe gen3 12 GB/s, gen4 24 GB/s, gen5 48 GB/s effective; NVLink
     100-200 GB/s on SXM boards; 1 GB/s for the gloo CPU emulation)."""
     inter_node_bytes_per_s: float = field(default=DEFAULT_INTER_NODE_BYTES_PER_S)
     """Per-device bandwidth between nodes; default 100 Gbit/s Ethernet at 80%: 10 GB/s."""
-    collective_latency_s: float = field(default=0.0)
+    collective_latency_s: float = field(default=None)  # type: ignore[assignment]
     """Fixed cost of one collective call; default 50 us (NCCL), 200 us with any `cpu` device (gloo)."""
 
     def __post_init__(self) -> None:
         if not self.devices:
             raise CephaloError("a cluster needs at least one device")
-        if not self.intra_node_bytes_per_s:
+        if self.intra_node_bytes_per_s is None:
             self.intra_node_bytes_per_s = min(intra_node_bytes_per_s(d.type) for d in self.devices)
-        if not self.collective_latency_s:
+        if self.collective_latency_s is None:
             any_cpu = any(d.type == "cpu" for d in self.devices)
             self.collective_latency_s = (
                 CPU_COLLECTIVE_LATENCY_S if any_cpu else GPU_COLLECTIVE_LATENCY_S
