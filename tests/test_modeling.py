@@ -109,6 +109,9 @@ def test_gpt_tied_weight_is_one_parameter_after_materialize():
     for unit_name, _, p in model.named_unit_parameters():
         owned[unit_name] += p.numel()
     assert spec.unit_params() == [owned[u.name] for u in model.units]
+    # by hand: wte 256x64 + wpe 32x64; block = 2 LN (2x128) + qkv (64x192+192) + proj (64x64+64)
+    # + fc (64x256+256) + proj (256x64+64); head = ln_f only
+    assert spec.unit_params() == [18432, 49984, 49984, 128]
     # a gradient step through the head reaches the shared tensor
     input_ids, labels = batch(model.config.vocab_size)
     model(input_ids, labels).backward()
