@@ -347,6 +347,10 @@ def test_val_split_file_used(pydoc512):
     val = TokenFile(pydoc512.path, "val")
     assert x[0].tolist() == val.tokens[:64].tolist() and y[0].tolist() == val.tokens[1:65].tolist()
     assert gb.vocab_size == 512
+    # naming the train file inside the dataset directory finds the same val split
+    same = GlobalBatches(pydoc512.path / "train.bin", seq_len=64, global_batch_size=16, seed=0)
+    assert same.num_val_windows == gb.num_val_windows
+    assert torch.equal(same.val_batch(0, 4)[0], x) and torch.equal(same.batch(3)[0], gb.batch(3)[0])
 
 
 # ------------------------------------------------------------------ errors

@@ -613,7 +613,7 @@ class GlobalBatches:
         windows = self.train_file.num_tokens // self.window
         sidecar = self.train_file.sidecar
         if sidecar.name == "train.json" and sidecar.with_name("val.json").is_file():
-            self.val_file = TokenFile(data, "val")
+            self.val_file = TokenFile(sidecar.with_name("val.json"))
             if self.val_file.vocab_size != self.vocab_size:
                 raise CephaloError(
                     f"{self.val_file.sidecar} and {self.train_file.sidecar} disagree on the "
