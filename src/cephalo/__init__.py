@@ -3,10 +3,12 @@
 The public API is kept small; everything else is importable from its module but may change.
 """
 
+from cephalo.cluster import Cluster, Device
 from cephalo.errors import CephaloError
+from cephalo.modeling.registry import build_model
 from cephalo.models import ModelSpec
 from cephalo.plan import Plan, RankPlan
 
 __version__ = "0.1.0"
 
-__all__ = ["CephaloError", "ModelSpec", "Plan", "RankPlan", "__version__"]
+__all__ = ["CephaloError", "Cluster", "Device", "ModelSpec", "Plan", "RankPlan", "build_model", "__version__"]
