@@ -419,22 +419,19 @@ def _prepare_locked(
 
     from rich.progress import (
         BarColumn,
-        MofNCompleteColumn,
         Progress,
         SpinnerColumn,
+        TaskProgressColumn,
         TextColumn,
         TimeElapsedColumn,
-        TimeRemainingColumn,
     )
 
     columns = (
         SpinnerColumn(),
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("chars"),
+        TaskProgressColumn(),
         TimeElapsedColumn(),
-        TimeRemainingColumn(),
     )
     total_chars = sum(len(d.text) for d in documents)
     with Progress(*columns, disable=not progress) as bar:
@@ -454,7 +451,10 @@ def _prepare_locked(
                 bar.update(task, total=1, completed=1)
 
         writer = _TokenWriter(out_dir, token_dtype(tok.vocab_size), tok.vocab_size)
-        task = bar.add_task(f"tokenizing {len(documents)} documents", total=total_chars)
+        task = bar.add_task(
+            f"tokenizing {len(documents)} documents ({total_chars / 1e6:.1f}M chars)",
+            total=total_chars,
+        )
         batch: list[str] = []
         for piece in _pieces(documents):
             batch.append(piece)
