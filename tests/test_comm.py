@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.comm import LocalComm, make_comm, shard_offsets
+from cephalo.runtime.comm import GlooComm, LocalComm, make_comm, shard_offsets
+from cephalo.runtime.dist import check_torch_version, init_distributed, shutdown
 from dist_harness import RemoteError, dist_pool_fixture
 
 
@@ -301,3 +302,68 @@ def test_harness_reports_errors_hangs_and_crashes(pool3):
     with pytest.raises(RemoteError, match=r"worker rank\(s\) \[2\] died"):
         pool3.run(_die_on_rank_2)
     assert pool3.run(_ranks) == [(0, 3), (1, 3), (2, 3)]
+
+
+# ------------------------------------------------------------------------ dist.py
+def test_init_distributed_without_torchrun_env_is_local(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert isinstance(init_distributed(), LocalComm)
+    with pytest.raises(CephaloError, match="needs CUDA"):
+        init_distributed(backend="nccl")
+
+
+def test_init_distributed_bad_env_and_versions(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(CephaloError, match="WORLD_SIZE is not set"):
+        init_distributed()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(CephaloError, match="not an integer"):
+        init_distributed()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(CephaloError, match="outside"):
+        init_distributed()
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(CephaloError, match="unknown distributed backend"):
+        init_distributed(backend="mpi")
+    with pytest.raises(CephaloError, match="timeout_s must be positive"):
+        init_distributed(timeout_s=0)
+    with pytest.raises(CephaloError, match="too old"):
+        check_torch_version("2.3.1")
+    check_torch_version("2.13.0+cpu")
+
+
+def test_init_distributed_world_one_with_env(monkeypatch):
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1"
+    ).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    try:
+        comm = init_distributed(timeout_s=30)
+        assert dist.is_initialized() and dist.get_backend() == "gloo"
+        assert isinstance(comm, LocalComm)  # world size 1: no collectives needed
+        assert isinstance(init_distributed(comm_impl="gloo"), GlooComm)  # reuses the group
+    finally:
+        shutdown()
+    assert not dist.is_initialized()
+    shutdown()  # idempotent
+
+
+def _init_in_pool_body():
+    comm = init_distributed()  # the pool's group is already up: reuse it
+    return type(comm).__name__, comm.rank, comm.world_size, comm.validate
+
+
+@pytest.mark.slow
+def test_init_distributed_reuses_existing_group(pool3):
+    assert pool3.run(_init_in_pool_body) == [("GlooComm", r, 3, True) for r in range(3)]
