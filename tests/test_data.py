@@ -83,21 +83,20 @@ _TRAIN_SNIPPET = """
 import hashlib, sys
 from cephalo.train.data import default_corpus
 from cephalo.train.tokenizer import train_bpe
-tok = train_bpe([d.text for d in default_corpus()], int(sys.argv[1]))
+tok = train_bpe([d.text for d in default_corpus()], 700, serial=sys.argv[1] == "serial")
 print(hashlib.sha256(tok.tokenizer.to_str().encode()).hexdigest())
 """
 
 
 def test_bpe_deterministic_across_processes():
-    """Same corpus + vocab -> byte-identical tokenizer, in fresh processes, with any threads."""
+    """Same corpus + vocab -> byte-identical tokenizer: fresh processes, serial or threaded."""
     digests = set()
-    for threads in ("1", "2"):
-        env = {**os.environ, "RAYON_NUM_THREADS": threads}
+    for mode, threads in (("serial", "1"), ("threaded", "2"), ("threaded", "4")):
         out = subprocess.run(
-            [sys.executable, "-c", _TRAIN_SNIPPET, "700"],
+            [sys.executable, "-c", _TRAIN_SNIPPET, mode],
             capture_output=True,
             text=True,
-            env=env,
+            env={**os.environ, "RAYON_NUM_THREADS": threads},
             check=True,
         )
         digests.add(out.stdout.strip())

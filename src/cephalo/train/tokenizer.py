@@ -110,8 +110,11 @@ class BPETokenizer:
             ) from e
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
-    """Train a byte-level BPE of `vocab_size` ids on `texts` (deterministic)."""
+def train_bpe(texts: Iterable[str], vocab_size: int, serial: bool = True) -> BPETokenizer:
+    """Train a byte-level BPE of `vocab_size` ids on `texts` (deterministic).
+
+    serial=False lets the library use its thread pool (the tests check it gives the same
+    tokenizer)."""
     if not BYTE_VOCAB_SIZE < vocab_size <= MAX_VOCAB_SIZE:
         raise CephaloError(
             f"BPE vocab size must be in ({BYTE_VOCAB_SIZE}, {MAX_VOCAB_SIZE}], got {vocab_size}; "
@@ -131,7 +134,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     # (measured), but serial training rules out any scheduling dependence. The library reads
     # this variable on every parallel call (unlike RAYON_NUM_THREADS, read once per process).
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false" if serial else "true"
     try:
         tokenizer.train_from_iterator(texts, trainer)
     finally:
