@@ -1,7 +1,7 @@
 """Write docs/config.md from the config dataclasses (their field docstrings are the source).
 
-    python scripts/gen_config_docs.py           # rewrite docs/config.md
-    python scripts/gen_config_docs.py --check   # exit 1 if docs/config.md is stale (CI, tests)
+python scripts/gen_config_docs.py           # rewrite docs/config.md
+python scripts/gen_config_docs.py --check   # exit 1 if docs/config.md is stale (CI, tests)
 """
 
 from __future__ import annotations
@@ -16,8 +16,12 @@ DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only check that the file is up to date")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="only check that the file is up to date"
+    )
     args = parser.parse_args(argv)
     text = config_markdown()
     if args.check:

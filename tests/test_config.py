@@ -61,7 +61,12 @@ def test_shipped_configs_load_and_set_every_section(path: Path):
 
 
 def test_expected_example_configs_exist():
-    assert {p.name for p in CONFIGS} >= {"demo.toml", "gpt-small.toml", "llama-tiny.toml", "hf-gpt2.toml"}
+    assert {p.name for p in CONFIGS} >= {
+        "demo.toml",
+        "gpt-small.toml",
+        "llama-tiny.toml",
+        "hf-gpt2.toml",
+    }
 
 
 def test_toml_file_and_overrides_by_type(tmp_path: Path):
@@ -82,11 +87,12 @@ path = "tokens.bin"
         path,
         [
             "--train.steps=50",
-            "--train.eps", "1e-6",            # space-separated form
+            "--train.eps",
+            "1e-6",  # space-separated form
             "--logging.progress=false",
             "--parallel.devices=cpu,cpu:slowdown=2",
-            "--data.path=none",               # Optional: back to unset
-            "--model.overrides.n_layer=4",    # one entry of a table merges
+            "--data.path=none",  # Optional: back to unset
+            "--model.overrides.n_layer=4",  # one entry of a table merges
             "--checkpoint.keep_last=5",
             "--train.betas=[0.7, 0.9]",
         ],
@@ -109,11 +115,17 @@ def test_cli_table_values_are_typed():
 @pytest.mark.parametrize(
     "overrides, fragments",
     [
-        (["--train.lrr=1e-3"], ["unknown config key in [train] 'lrr'", "Did you mean 'lr'", "min_lr"]),
+        (
+            ["--train.lrr=1e-3"],
+            ["unknown config key in [train] 'lrr'", "Did you mean 'lr'", "min_lr"],
+        ),
         (["--trian.steps=3"], ["unknown config section 'trian'", "Did you mean 'train'"]),
         (["--train.steps=ten"], ["train.steps", "'ten'", "expected int"]),
         (["--train.steps=1.5"], ["train.steps", "expected int"]),
-        (["--train.betas=0.9"], ["train.betas", "expected [float, float]", "expected 2 items, got 1"]),
+        (
+            ["--train.betas=0.9"],
+            ["train.betas", "expected [float, float]", "expected 2 items, got 1"],
+        ),
         (["--logging.progress=maybe"], ["logging.progress", "expected bool"]),
         (["--parallel.mode=pipeline"], ["parallel.mode", '"lga" | "standard"']),
         (["--train.steps"], ["has no value"]),
@@ -130,7 +142,7 @@ def test_bad_overrides_name_the_key(overrides, fragments):
 @pytest.mark.parametrize(
     "text, fragments",
     [
-        ("[train]\nsteps = \"10\"\n", ["train.steps = '10'", "expected int"]),
+        ('[train]\nsteps = "10"\n', ["train.steps = '10'", "expected int"]),
         ("[train]\nsteps = true\n", ["train.steps", "expected int"]),  # bool is not an int
         ("[logging]\nprogress = 1\n", ["logging.progress", "expected bool"]),
         ("[model]\noverrides = 3\n", ["model.overrides", "expected table"]),
@@ -158,13 +170,19 @@ def test_missing_file(tmp_path: Path):
         (["--train.steps=0"], "train.steps must be >= 1"),
         (["--train.lr=0"], "train.lr must be a positive number"),
         (["--train.lr=nan"], "train.lr must be a positive number"),
-        (["--train.steps=10", "--train.warmup_steps=10"], "warmup_steps (10) must be smaller than train.steps (10)"),
+        (
+            ["--train.steps=10", "--train.warmup_steps=10"],
+            "warmup_steps (10) must be smaller than train.steps (10)",
+        ),
         (["--train.min_lr=1"], "train.min_lr must be in [0, train.lr"),
         (["--train.betas=0.9,1.0"], "train.betas must both be in [0, 1)"),
         (["--data.val_fraction=1"], "data.val_fraction must be in [0, 1)"),
         (["--data.val_fraction=0"], "needs held-out data"),
         (["--checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),
-        (["--parallel.plan=missing.json"], "neither `auto`, `even`, `proportional` nor an existing plan file"),
+        (
+            ["--parallel.plan=missing.json"],
+            "neither `auto`, `even`, `proportional` nor an existing plan file",
+        ),
         (["--parallel.timeout_s=-1"], "parallel.timeout_s must be > 0"),
         (["--logging.log_every=0"], "logging.log_every must be >= 1"),
     ],
@@ -196,10 +214,10 @@ def test_toml_round_trip(tmp_path: Path):
     cfg = load_config(
         None,
         [
-            "--model.overrides=dropout=0.1,name=\"x y\"",
+            '--model.overrides=dropout=0.1,name="x y"',
             "--parallel.devices=cpu,cpu:slowdown=2",
             "--train.eps=1e-12",
-            "--logging.dir=runs/with \"quotes\"",
+            '--logging.dir=runs/with "quotes"',
         ],
     )
     for comments in (False, True):
@@ -217,7 +235,9 @@ def test_derived_paths():
 
 
 def test_parse_overrides_splits_forms():
-    assert parse_overrides(["--train.lr=1", "--data.seq_len", "8", "--model.overrides.dropout=0"]) == [
+    assert parse_overrides(
+        ["--train.lr=1", "--data.seq_len", "8", "--model.overrides.dropout=0"]
+    ) == [
         ("train", "lr", "1"),
         ("data", "seq_len", "8"),
         ("model", "overrides", "dropout=0"),
@@ -251,6 +271,8 @@ def test_docs_config_md_is_generated_and_current():
         "docs/config.md is stale: run python scripts/gen_config_docs.py"
     )
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"], capture_output=True, text=True
+        [sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr

@@ -187,11 +187,19 @@ class JobConfig:
     # Paths whose default depends on another section: resolved here so callers never guess.
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.logging.dir) / "checkpoints"
+        return (
+            Path(self.checkpoint.dir)
+            if self.checkpoint.dir
+            else Path(self.logging.dir) / "checkpoints"
+        )
 
     @property
     def profile_cache(self) -> Path:
-        return Path(self.profile.cache) if self.profile.cache else Path(self.logging.dir) / "profile.json"
+        return (
+            Path(self.profile.cache)
+            if self.profile.cache
+            else Path(self.logging.dir) / "profile.json"
+        )
 
     @property
     def metrics_path(self) -> Path:
@@ -315,7 +323,9 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
     """Convert `value` (a TOML value, or a string from the command line) to type `tp`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if _is_optional(tp):
-        if value is None or (from_cli and isinstance(value, str) and value.strip().lower() in _NONE):
+        if value is None or (
+            from_cli and isinstance(value, str) and value.strip().lower() in _NONE
+        ):
             return None
         return _coerce(value, _strip_optional(tp), from_cli)
     if origin is Literal:
@@ -326,7 +336,11 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
         if from_cli and isinstance(value, str):
             text = value.strip()
             # `[0.9, 0.95]` (TOML array) or the shell-friendly `0.9,0.95`
-            items = _parse_toml_literal(text) if text.startswith("[") else [s.strip() for s in text.split(",") if s.strip()]
+            items = (
+                _parse_toml_literal(text)
+                if text.startswith("[")
+                else [s.strip() for s in text.split(",") if s.strip()]
+            )
             if not isinstance(items, list):
                 raise _BadValue()
             elem_cli = not text.startswith("[")
@@ -375,7 +389,8 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
         if not isinstance(value, str):
             raise _BadValue()
         return value
-    raise AssertionError(f"config type {tp!r} is not supported")  # a new field type needs a case here
+    # a new field type needs a case above
+    raise AssertionError(f"config type {tp!r} is not supported")
 
 
 def _parse_cli_table(text: str) -> dict[str, Any]:
@@ -408,7 +423,9 @@ def _unknown(kind: str, name: str, valid: Sequence[str]) -> CephaloError:
     return CephaloError(f"unknown config {kind} {name!r}.{hint} Valid: {', '.join(valid)}.")
 
 
-def _set_field(section_obj: Any, section: str, key: str, value: Any, from_cli: bool, origin: str) -> None:
+def _set_field(
+    section_obj: Any, section: str, key: str, value: Any, from_cli: bool, origin: str
+) -> None:
     types_ = field_types(type(section_obj))
     if key not in types_:
         raise _unknown(f"key in [{section}]", key, list(types_))
@@ -417,7 +434,9 @@ def _set_field(section_obj: Any, section: str, key: str, value: Any, from_cli: b
         setattr(section_obj, key, _coerce(value, tp, from_cli))
     except _BadValue as e:
         detail = f" ({e})" if str(e) else ""
-        raise CephaloError(f"{section}.{key} = {value!r} ({origin}): expected {type_name(tp)}{detail}.") from None
+        raise CephaloError(
+            f"{section}.{key} = {value!r} ({origin}): expected {type_name(tp)}{detail}."
+        ) from None
 
 
 def _apply_table(cfg: JobConfig, table: dict[str, Any], origin: str) -> None:
@@ -425,7 +444,9 @@ def _apply_table(cfg: JobConfig, table: dict[str, Any], origin: str) -> None:
         if section not in section_names():
             raise _unknown("section", section, section_names())
         if not isinstance(values, dict):
-            raise CephaloError(f"{origin}: `{section}` must be a [{section}] table, got {values!r}.")
+            raise CephaloError(
+                f"{origin}: `{section}` must be a [{section}] table, got {values!r}."
+            )
         for key, value in values.items():
             _set_field(getattr(cfg, section), section, key, value, from_cli=False, origin=origin)
 
@@ -443,7 +464,9 @@ def parse_overrides(argv: Iterable[str]) -> list[tuple[str, str, str]]:
         name, sep, value = arg.removeprefix("--").partition("=")
         if not sep:
             if i + 1 >= len(args):
-                raise CephaloError(f"config override {arg!r} has no value: use --section.key=value.")
+                raise CephaloError(
+                    f"config override {arg!r} has no value: use --section.key=value."
+                )
             value = args[i + 1]
             i += 1
         i += 1
@@ -508,21 +531,33 @@ def _validate(cfg: JobConfig) -> None:
     check(0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
     check(bool(d.tokenizer.strip()), "data.tokenizer must be `builtin` or a tokenizer file")
     check(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
-    check(t.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {t.global_batch_size}")
+    check(
+        t.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {t.global_batch_size}"
+    )
     check(t.lr > 0 and math.isfinite(t.lr), f"train.lr must be a positive number, got {t.lr}")
-    check(0.0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr = {t.lr}], got {t.min_lr}")
+    check(
+        0.0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr = {t.lr}], got {t.min_lr}"
+    )
     check(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
     check(
         t.warmup_steps < t.steps or t.steps < 1,
         f"train.warmup_steps ({t.warmup_steps}) must be smaller than train.steps ({t.steps})",
     )
     check(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
-    check(all(0.0 <= b < 1.0 for b in t.betas), f"train.betas must both be in [0, 1), got {list(t.betas)}")
+    check(
+        all(0.0 <= b < 1.0 for b in t.betas),
+        f"train.betas must both be in [0, 1), got {list(t.betas)}",
+    )
     check(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
-    check(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    check(
+        t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}"
+    )
     check(t.eval_every >= 0, f"train.eval_every must be >= 0 (0 disables), got {t.eval_every}")
     check(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
-    check(t.max_nonfinite_skips >= 0, f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}")
+    check(
+        t.max_nonfinite_skips >= 0,
+        f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}",
+    )
     check(
         t.eval_every == 0 or d.val_fraction > 0,
         f"train.eval_every = {t.eval_every} needs held-out data: set data.val_fraction > 0 "
@@ -535,7 +570,10 @@ def _validate(cfg: JobConfig) -> None:
             "plan file (write one with `cephalo plan ... --out plan.json`)",
         )
     check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
-    check(p.devices is None or bool(p.devices.strip()), "parallel.devices must not be empty (leave it unset)")
+    check(
+        p.devices is None or bool(p.devices.strip()),
+        "parallel.devices must not be empty (leave it unset)",
+    )
     c = cfg.checkpoint
     check(c.every >= 0, f"checkpoint.every must be >= 0 (0 saves only at the end), got {c.every}")
     check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
@@ -549,7 +587,11 @@ def _validate(cfg: JobConfig) -> None:
     check(pr.warmup >= 0, f"profile.warmup must be >= 0, got {pr.warmup}")
     check(pr.time_cap_s > 0, f"profile.time_cap_s must be > 0, got {pr.time_cap_s}")
     if problems:
-        more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})" if len(problems) > 1 else ""
+        more = (
+            f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})"
+            if len(problems) > 1
+            else ""
+        )
         raise CephaloError(f"invalid config: {problems[0]}{more}.")
 
 
@@ -575,7 +617,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, dict):
         if not value:
             return "{}"
-        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+        return (
+            "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+        )
     raise AssertionError(f"cannot write {value!r} as TOML")
 
 
@@ -667,10 +711,14 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     Read them back with `config_from_args(args)`. Values stay strings here and are parsed by
     `load_config`, so the command line and the TOML file follow the same rules and messages.
     """
-    parser.add_argument("--config", metavar="PATH", default=None, help="TOML job config (see configs/)")
+    parser.add_argument(
+        "--config", metavar="PATH", default=None, help="TOML job config (see configs/)"
+    )
     for section in section_names():
         cls = section_class(section)
-        group = parser.add_argument_group(f"[{section}] {inspect.cleandoc(cls.__doc__ or '').rstrip('.')}")
+        group = parser.add_argument_group(
+            f"[{section}] {inspect.cleandoc(cls.__doc__ or '').rstrip('.')}"
+        )
         docs, tps = field_docs(cls), field_types(cls)
         for f in dataclasses.fields(cls):
             doc = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
