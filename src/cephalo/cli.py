@@ -49,11 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if not getattr(args, "func", None):
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         parser.print_help()
         return 0
     try:
+        if extra:
+            args.extra_overrides = _config_overrides(args, extra, parser)
         rc = args.func(args)
     except CephaloError as e:
         print(f"cephalo {args.command}: error: {e}", file=sys.stderr)
@@ -62,6 +66,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cephalo {args.command}: interrupted", file=sys.stderr)
         return 130
     return int(rc or 0)
+
+
+def _config_overrides(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Arguments argparse did not know: for commands that take a config they are checked as
+    `--section.key=value` overrides (unknown keys get a did-you-mean message); elsewhere they
+    are an error."""
+    if not hasattr(args, "config"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from cephalo.train.config import parse_overrides
+
+    parse_overrides(extra)  # raises CephaloError naming the bad key
+    return extra
 
 
 if __name__ == "__main__":

@@ -744,11 +744,13 @@ def _metavar(tp: Any) -> str:
 
 def overrides_from_args(args: argparse.Namespace) -> list[str]:
     """The `--section.key=value` overrides given on the command line, in `load_config` form."""
-    return [
+    declared = [
         f"--{dest.removeprefix(_DEST_PREFIX)}={value}"
         for dest, value in vars(args).items()
         if dest.startswith(_DEST_PREFIX)
     ]
+    # options argparse did not declare (e.g. --model.overrides.dropout=0.1), kept by cli.main
+    return declared + list(getattr(args, "extra_overrides", []))
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
