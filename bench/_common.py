@@ -1,0 +1,288 @@
+"""Shared pieces of the benchmark scripts: a gloo process pool, timing helpers, and the
+writer of `bench/results/<name>.md` / `.png`.
+
+Benchmarks measure; tests check. Every number a bench writes is taken in ONE run on the
+machine it ran on, and the figures that matter are RATIOS of two things measured side by
+side in that run (absolute seconds on a shared 2-core CPU box mean little). Emulated
+results (CPU ranks standing in for slower GPUs) say so in their header.
+
+The scripts run as `python bench/<name>.py` (so this module imports as `_common`); spawned
+workers inherit `sys.path` and find it the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import platform
+import queue
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+REPO_ROOT = BENCH_DIR.parent
+_STOP = "__stop__"
+SUMMARY_BEGIN = "<!-- summary -->"
+SUMMARY_END = "<!-- /summary -->"
+"""Markers around the part of a result file that `run_all.py` copies into docs/benchmarks.md."""
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run (a rank raised, died or hung)."""
+
+
+# ====================================================================== process pool
+def _worker_main(rank: int, world_size: int, port: int, timeout_s: float, threads: int,
+                 tasks: Any, results: Any) -> None:
+    # One intra-op thread per rank: N ranks on a 2-core machine would otherwise fight over
+    # the cores and every timing would measure the oversubscription.
+    torch.set_num_threads(threads)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        results.put(("ready", rank, True, b""))
+    except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
+        results.put(("ready", rank, False, traceback.format_exc().encode()))
+        return
+    while True:
+        task = tasks.get()
+        if task == _STOP:
+            break
+        call_id, payload = task
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            results.put((call_id, rank, True, pickle.dumps(fn(*args, **kwargs))))
+        except BaseException:  # noqa: BLE001 - the parent raises with this text
+            results.put((call_id, rank, False, traceback.format_exc().encode()))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` gloo processes started once; `run(fn, ...)` calls fn on every rank.
+
+    A rank that raises, dies or does not answer within the timeout makes `run` raise
+    `BenchError` (after killing the workers): a bench fails loudly instead of hanging.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 300.0, threads: int = 1):
+        self.world_size = world_size
+        """Number of ranks."""
+        self.timeout_s = timeout_s
+        """Per-call timeout, and the process group's collective timeout."""
+        self.threads = threads
+        """torch intra-op threads per rank."""
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._store: dist.TCPStore | None = None
+        self._calls = 0
+
+    def __enter__(self) -> RankPool:
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True,
+                                    wait_for_workers=False)
+        self._results = self._ctx.Queue()
+        self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
+        saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(self.threads)
+        try:
+            for rank in range(self.world_size):
+                proc = self._ctx.Process(target=_worker_main, daemon=True, args=(
+                    rank, self.world_size, self._store.port, self.timeout_s, self.threads,
+                    self._tasks[rank], self._results))
+                proc.start()
+                self._procs.append(proc)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self._collect("ready", "start-up")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for q in self._tasks:
+            with contextlib.suppress(OSError, ValueError):
+                q.put(_STOP)
+        deadline = time.monotonic() + 10.0
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        for q in [*self._tasks, self._results]:
+            if q is not None:
+                q.close()
+                q.cancel_join_thread()
+        self._procs, self._tasks, self._results, self._store = [], [], None, None
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """fn(*args, **kwargs) on every rank; the per-rank results in rank order."""
+        call_id = self._calls
+        self._calls += 1
+        payload = pickle.dumps((fn, args, kwargs))
+        for q in self._tasks:
+            q.put((call_id, payload))
+        replies = self._collect(call_id, getattr(fn, "__name__", "call"))
+        return [pickle.loads(replies[r]) for r in range(self.world_size)]
+
+    def _collect(self, call_id: object, what: str) -> dict[int, bytes]:
+        replies: dict[int, bytes] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(replies) < self.world_size:
+            try:
+                got, rank, ok, data = self._results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in replies]
+                late = time.monotonic() > deadline
+                if dead or late:
+                    self.close()
+                    why = f"rank(s) {dead} died" if dead else f"no answer within {self.timeout_s:.0f} s"
+                    raise BenchError(f"{what} on {self.world_size} ranks: {why}") from None
+                continue
+            if got != call_id:
+                continue
+            if not ok:
+                self.close()
+                raise BenchError(f"{what} failed on rank {rank}:\n{data.decode(errors='replace')}")
+            replies[rank] = data
+        return replies
+
+
+# ====================================================================== measuring
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def alternate(runs: int, variants: Sequence[str]) -> list[str]:
+    """A B A B ... order (rotated each round) so slow drifts of the machine hit every variant alike."""
+    order = []
+    for i in range(runs):
+        shift = i % len(variants)
+        order.extend(list(variants[shift:]) + list(variants[:shift]))
+    return order
+
+
+# ====================================================================== results
+@dataclass
+class Result:
+    """One bench's result file: header, summary (copied into docs/benchmarks.md), details."""
+
+    name: str
+    """File stem under bench/results/ (the script's name)."""
+    title: str
+    emulated: str | None = None
+    """None for real measurements; else what is emulated (printed in the header)."""
+    summary: list[str] = field(default_factory=list)
+    """Markdown blocks: the key table and the targets met / missed."""
+    details: list[str] = field(default_factory=list)
+    """Markdown blocks after the summary: method, per-run tables."""
+    figures: list[str] = field(default_factory=list)
+    """PNG file names (in bench/results/) shown in the file."""
+
+    def write(self, wall_s: float | None = None) -> Path:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        lines = [f"# {self.title}", "", environment_line(wall_s), ""]
+        if self.emulated:
+            lines += [f"> **Emulated.** {self.emulated}", ""]
+        lines += [SUMMARY_BEGIN, ""]
+        for block in self.summary:
+            lines += [block.rstrip(), ""]
+        lines += [SUMMARY_END, ""]
+        for fig in self.figures:
+            lines += [f"![{fig}]({fig})", ""]
+        for block in self.details:
+            lines += [block.rstrip(), ""]
+        path = RESULTS_DIR / f"{self.name}.md"
+        path.write_text("\n".join(lines).rstrip() + "\n")
+        return path
+
+
+def environment_line(wall_s: float | None = None) -> str:
+    """Date, torch, machine: the provenance line every result file starts with."""
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    cpu = _cpu_model()
+    took = f"; the bench took {wall_s:.0f} s" if wall_s is not None else ""
+    return (f"_Run {now}; torch {torch.__version__}, Python {platform.python_version()}; "
+            f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu}), "
+            f"no GPU{took}. Re-run: `python bench/{Path(sys.argv[0]).name}`._")
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub markdown table; `align` is one of l/r/c per column (default: first left, rest right)."""
+    align = align or ("l" + "r" * (len(headers) - 1))
+    rule = {"l": ":---", "r": "---:", "c": ":---:"}
+    out = ["| " + " | ".join(headers) + " |", "| " + " | ".join(rule[a] for a in align) + " |"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """The same table on the console (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for h in headers:
+        table.add_column(str(h))
+    for row in rows:
+        table.add_row(*[str(c) for c in row])
+    Console(width=max(120, Console().width)).print(table)
+
+
+def save_figure(fig: Any, name: str, note: str | None = None) -> str:
+    """Save a matplotlib figure as bench/results/<name>.png with the provenance as a footer."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    footer = f"{now} · torch {torch.__version__} · {os.cpu_count()}-core CPU" + (f" · {note}" if note else "")
+    fig.text(0.99, -0.02, footer, ha="right", va="bottom", fontsize=7, color="0.4")
+    path = RESULTS_DIR / f"{name}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
