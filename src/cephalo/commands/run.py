@@ -1,0 +1,48 @@
+"""`cephalo run`: train on an emulated cluster on this machine: one process per device."""
+
+from __future__ import annotations
+
+import argparse
+
+from cephalo.train.config import add_config_arguments, config_from_args, overrides_from_args
+
+EPILOG = """\
+examples:
+  cephalo run --devices cpu,cpu:slowdown=2,cpu:slowdown=4,mem=2GiB --config configs/demo.toml
+  cephalo run --config configs/demo.toml --parallel.plan=even     # devices from the config
+  cephalo run --nproc 3 --config my.toml                          # three plain CPU ranks
+
+A device is `cpu` with options `slowdown=F` (compute F times slower) and `mem=SIZE` (the
+rank's memory budget); see `cephalo catalog` for the spec grammar. On real GPUs use torchrun
+(`cephalo train --help`).
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="train on emulated devices on this machine (local launcher)",
+        description=__doc__.split(":", 1)[1].strip(),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--devices", metavar="SPEC", default=None,
+                   help="one device per rank, e.g. cpu,cpu:slowdown=2 (default: the config's parallel.devices)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="ranks to start when no devices are given (default 1)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart the workers up to N times after a failure (default 0)")
+    add_config_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cephalo.launch import run_local
+    from cephalo.log import init_logging
+
+    init_logging()
+    cfg = config_from_args(args)  # a bad config fails here, once, not in every worker
+    devices = args.devices or cfg.parallel.devices
+    worker_args = (["--config", args.config] if args.config else []) + overrides_from_args(args)
+    run_local(worker_args, devices=devices, nproc=args.nproc, max_restarts=args.max_restarts)
+    return 0

@@ -1,0 +1,69 @@
+"""`cephalo train`: run a training job on this process's rank (start it with torchrun or `cephalo run`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from pathlib import Path
+
+from cephalo.errors import CephaloError
+from cephalo.runtime.dist import shutdown
+from cephalo.train.config import add_config_arguments, config_from_args
+
+ERROR_DIR_ENV = "CEPHALO_ERROR_DIR"
+"""Set by `cephalo run`: each failing worker writes its one-line error there, so the launcher
+can show the first failure instead of every rank's traceback."""
+
+EPILOG = """\
+examples:
+  cephalo train --config configs/demo.toml --parallel.plan=even        # one process
+  torchrun --nproc-per-node 4 -m cephalo train --config configs/gpt-small.toml
+  torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+      -m cephalo train --config configs/gpt-small.toml
+  cephalo run --devices cpu,cpu:slowdown=2 --config configs/demo.toml   # emulated devices
+
+Every config key is also an option (--section.key=value); docs/config.md lists them and
+docs/training.md explains the run directory, metrics, checkpoints and resuming.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train on this rank (under torchrun, or one process)",
+        description=__doc__.split(":", 1)[1].strip(),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(p)
+    p.set_defaults(func=run)
+
+
+def report_failure(message: str) -> None:
+    """Leave this rank's error where `cephalo run` looks for it (no-op outside the launcher)."""
+    where = os.environ.get(ERROR_DIR_ENV)
+    if not where:
+        return
+    rank = os.environ.get("RANK", "0")
+    # the timestamp orders failures: the first one is usually the cause, the rest follow from
+    # it; if the file cannot be written the launcher falls back to exit codes
+    with contextlib.suppress(OSError):
+        Path(where, f"rank{int(rank):05d}.txt").write_text(f"{time.time():.6f}\n{message}\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cephalo.train.trainer import train  # torch import deferred: `cephalo --help` stays fast
+
+    try:
+        train(config_from_args(args))
+    except CephaloError as e:
+        report_failure(str(e))
+        raise
+    except Exception as e:
+        report_failure(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,170 @@
+"""A local launcher for emulated clusters: one `cephalo train` process per device.
+
+`launch(LocalJob(...))` starts the workers with torch's elastic launch API (what torchrun
+uses): a c10d rendezvous on 127.0.0.1 at a free port, `nproc` = number of devices, each
+worker running `python -m cephalo train <config> <overrides> --parallel.devices=<spec>`, so
+rank i emulates device i. Workers are whole processes (not forked functions): the job runs
+exactly as it would under torchrun.
+
+Failures: each failing worker writes its one-line error into a directory the launcher gives
+it (`CEPHALO_ERROR_DIR`); the launcher raises ONE `CephaloError` with the first failure
+(by time) instead of every rank's traceback. A worker killed by a signal, which writes
+nothing, is reported by its exit signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cephalo.cluster import Cluster
+from cephalo.commands.train import ERROR_DIR_ENV
+from cephalo.errors import CephaloError
+from cephalo.log import logger
+
+
+@dataclass
+class LocalJob:
+    """What to launch on this machine."""
+
+    nproc: int
+    """Worker processes (ranks)."""
+    worker_args: list[str]
+    """Arguments after `python -m cephalo train` (config and overrides)."""
+    devices: str | None = None
+    """Cluster spec passed to every worker as `--parallel.devices` (one device per rank)."""
+    max_restarts: int = 0
+    """Restarts of the whole worker group after a failure (elastic agent)."""
+    threads_per_worker: int | None = None
+    """OMP/MKL threads per worker; None: the cores divided among the workers (at least 1)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the workers."""
+    rdzv_timeout_s: int = 120
+    """How long the workers may take to meet at the rendezvous."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the rendezvous store binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def nproc_for(devices: str | None, nproc: int | None) -> int:
+    """Processes to start: one per device of `devices`, or `nproc`; both given must agree."""
+    if devices:
+        count = Cluster.parse(devices).world_size
+        if nproc is not None and nproc != count:
+            raise CephaloError(f"--nproc {nproc} but --devices lists {count} device(s): give one or make them agree")
+        return count
+    if nproc is None:
+        return 1
+    if nproc < 1:
+        raise CephaloError(f"--nproc must be >= 1, got {nproc}")
+    return nproc
+
+
+def default_threads(nproc: int) -> int:
+    """Cores per worker: N workers x T threads should not exceed the cores (oversubscribed
+    OpenMP threads spin against each other and every rank slows down)."""
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the workers (they inherit the launcher's environment)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def first_failure(error_dir: Path, failures: dict[int, object] | None = None) -> str:
+    """One message for a failed job: the earliest error a worker reported, else the
+    exit code or signal of the failed ranks."""
+    reports = []
+    for path in sorted(error_dir.glob("rank*.txt")):
+        stamp, _, message = path.read_text().partition("\n")
+        with contextlib.suppress(ValueError):
+            reports.append((float(stamp), int(path.stem.removeprefix("rank")), message.strip()))
+    failures = failures or {}
+    # A rank killed by a signal writes nothing and is the cause; SIGTERM is how the agent
+    # stops the other ranks after a failure, so those are consequences.
+    killed = {r: f for r, f in failures.items()
+              if getattr(f, "exitcode", 0) < 0 and -f.exitcode not in (signal.SIGTERM, signal.SIGINT)}
+    if killed:
+        rank = min(killed)
+        name = killed[rank].signal_name()
+        return f"rank {rank} was killed by signal {name}; the other ranks were stopped"
+    if reports:
+        reports.sort()
+        _, rank, message = reports[0]
+        more = len({r for _, r, _ in reports}) - 1
+        tail = f" ({more} other rank(s) failed after it)" if more > 0 else ""
+        return f"{message}{tail}" if message.startswith("rank ") else f"rank {rank}: {message}{tail}"
+    if failures:
+        rank = min(failures)
+        code = getattr(failures[rank], "exitcode", "?")
+        return f"rank {rank} exited with code {code} (no error message; see its output above)"
+    return "the workers failed without an error message (see their output above)"
+
+
+def launch(job: LocalJob) -> None:
+    """Run the job's workers to completion; raise `CephaloError` (the first failure) if any fails."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if job.max_restarts < 0:
+        raise CephaloError(f"max_restarts must be >= 0, got {job.max_restarts}")
+    args: list[str] = ["-m", "cephalo", "train", *job.worker_args]
+    if job.devices:
+        args.append(f"--parallel.devices={job.devices}")
+    threads = str(job.threads_per_worker or default_threads(job.nproc))
+    port = free_port()
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=job.nproc,
+        run_id=f"cephalo-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_configs={"timeout": job.rdzv_timeout_s},
+        max_restarts=job.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    # The elastic agent logs every worker failure with a full table at ERROR level; the one
+    # message below says the same thing once.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="cephalo-errors-") as error_dir:
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, ERROR_DIR_ENV: error_dir, **job.env}
+        logger.info("launching %d worker(s) (%s threads each)%s", job.nproc, threads,
+                    f" on devices {job.devices}" if job.devices else "")
+        try:
+            with _environ(env):
+                elastic_launch(config, sys.executable)(*args)
+        except ChildFailedError as e:
+            logger.debug("worker failures: %s", {r: (f.exitcode, f.signal_name()) for r, f in e.failures.items()})
+            raise CephaloError(first_failure(Path(error_dir), dict(e.failures))) from None
+
+
+def run_local(worker_args: Sequence[str], devices: str | None = None, nproc: int | None = None,
+              max_restarts: int = 0, env: dict[str, str] | None = None) -> None:
+    """`cephalo run` as a function: launch `cephalo train <worker_args>` on `devices`."""
+    launch(LocalJob(nproc=nproc_for(devices, nproc), worker_args=list(worker_args), devices=devices,
+                    max_restarts=max_restarts, env=dict(env or {})))

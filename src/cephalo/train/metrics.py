@@ -1,0 +1,186 @@
+"""What a training run shows and records (rank 0 only): JSONL metrics, a progress bar,
+and optional TensorBoard event files.
+
+`metrics.jsonl` holds one JSON object per line. Step records have `"kind": "step"` and the
+fields of `StepRecord`; validation results are `{"kind": "eval", "step", "val_loss"}`. Lists
+under `ranks` are per rank, in rank order. docs/training.md documents the fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from cephalo.errors import CephaloError
+from cephalo.log import logger
+
+
+@dataclass
+class RankStats:
+    """Per-rank values of one step, in rank order (gathered from every rank)."""
+
+    busy_s: list[float] = field(default_factory=list)
+    """Seconds of compute (stretched by the emulated slowdown)."""
+    comm_wait_s: list[float] = field(default_factory=list)
+    """Seconds blocked in collectives."""
+    idle_s: list[float] = field(default_factory=list)
+    """Step time minus busy time: waiting for data, collectives or slower ranks."""
+    peak_bytes: list[int] = field(default_factory=list)
+    """Peak device memory of the engine's ledger during the step."""
+
+
+@dataclass
+class StepRecord:
+    """One line of metrics.jsonl for a training step."""
+
+    step: int
+    """Steps completed, counting this one (1-based)."""
+    loss: float
+    """Mean token loss of the global batch, before the update."""
+    lr: float
+    """Learning rate used by this step."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    tokens: int
+    """Tokens with a label in the global batch."""
+    step_s: float
+    """Wall-clock seconds of the step (the slowest rank's)."""
+    tokens_per_s: float
+    """tokens / step_s."""
+    skipped: bool
+    """The update was skipped (non-finite loss or gradient)."""
+    ranks: RankStats
+    """Per-rank timings and memory."""
+    kind: str = "step"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no NaN/Infinity: write them as strings so every line stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def read_metrics(path: str | Path, kind: str | None = "step") -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (only those of `kind`, unless None)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if kind is None or record.get("kind") == kind:
+                records.append(record)
+    return records
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records after `last_step`: a run resumed from step N re-runs the steps after N,
+    and their old records (from the interrupted run) would otherwise appear twice."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
+class MetricsLog:
+    """Appends records to the JSONL file (flushed per line) and, optionally, TensorBoard."""
+
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = path.open("a")
+        self._tb = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise CephaloError(
+                    "logging.tensorboard = true needs the `tensorboard` package: pip install tensorboard "
+                    "(or set logging.tensorboard = false)"
+                ) from None
+            self._tb = SummaryWriter(str(tensorboard_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(_json_safe(record)) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            step = record["step"]
+            if record.get("kind") == "eval":
+                self._tb.add_scalar("val/loss", record["val_loss"], step)
+            else:
+                for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s"):
+                    self._tb.add_scalar(f"train/{key}", record[key], step)
+                for key, values in record["ranks"].items():
+                    for rank, v in enumerate(values):
+                        self._tb.add_scalar(f"rank{rank}/{key}", v, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class ProgressDisplay:
+    """Rank 0's view of the run: a rich progress bar on a terminal (loss, tokens/s, step
+    time), else one log line every few steps (so redirected logs stay readable)."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, description: str = "train"):
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.console = Console(file=sys.stderr)
+        self._bar: Progress | None = None
+        self._task = None
+        self._log_every = max(1, total_steps // 20)
+        self._last_log = time.monotonic()
+        if enabled and self.console.is_terminal:
+            self._bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("{task.fields[step_s]} s/step"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._task = self._bar.add_task(description, total=total_steps, completed=start_step,
+                                            loss="-", tps="-", step_s="-")
+            self._bar.start()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, step_s: float) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}",
+                             step_s=f"{step_s:.3f}")
+        elif step % self._log_every == 0 or step == self.total_steps:
+            logger.info("step %d/%d  loss %.4f  %s tok/s  %.3f s/step", step, self.total_steps, loss,
+                        f"{tokens_per_s:,.0f}", step_s)
+
+    def message(self, text: str) -> None:
+        """A line that must not be torn by the bar (validation results, checkpoints)."""
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
+            logger.info(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,429 @@
+"""The training loop: `train(cfg)` runs on every rank (under torchrun or `cephalo run`).
+
+    process group -> model (meta) -> plan -> engine -> data -> [resume] -> steps -> checkpoint
+
+Every rank builds the same model, the same plan and the same data view from the same config;
+rank i then reads only its slice of each global batch (`plan.batch_offsets()[i]`, its
+`batch_size` samples). Since the global batch of step t depends only on t, the learning
+rate only on t, and the engine's dropout masks only on (seed, t, sample), the run's loss
+trajectory is the same under any plan and continues exactly after a resume.
+
+Step numbers: step n (1-based) is the n-th optimizer step; it reads global batch n-1 and
+uses learning rate schedule(n-1). A checkpoint `step_000010` holds the state after step 10.
+
+Rank 0 writes the run directory (`logging.dir`): the resolved config.toml, plan.json,
+metrics.jsonl (docs/training.md lists the fields) and, by default, checkpoints/.
+
+Test hook (documented in docs/training.md): with `CEPHALO_TEST_KILL_AT_STEP=N`, rank
+`CEPHALO_TEST_KILL_RANK` (default 1, or 0 in a one-process job) kills itself with SIGKILL
+just before step N, to test crash recovery.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cephalo.cluster import Cluster, Device
+from cephalo.errors import CephaloError
+from cephalo.log import init_logging, logger
+from cephalo.modeling.registry import build_model
+from cephalo.modeling.units import IGNORE_INDEX, UnitModel
+from cephalo.plan import Plan, RankPlan
+from cephalo.runtime.comm import Comm
+from cephalo.runtime.dist import init_distributed
+from cephalo.runtime.engine import Engine, EngineConfig, StepStats
+from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
+from cephalo.train.config import JobConfig, config_to_toml
+from cephalo.train.data import GlobalBatches, resolve_dataset
+from cephalo.train.lr import LRSchedule
+from cephalo.train.metrics import (
+    MetricsLog,
+    ProgressDisplay,
+    RankStats,
+    StepRecord,
+    truncate_metrics,
+)
+
+KILL_AT_STEP_ENV = "CEPHALO_TEST_KILL_AT_STEP"
+KILL_RANK_ENV = "CEPHALO_TEST_KILL_RANK"
+PLAN_FILE = "plan.json"
+CONFIG_FILE = "config.toml"
+# Per-rank values gathered each step for the metrics: busy, comm wait, step time, peak bytes.
+_RANK_FIELDS = 4
+
+
+@dataclass
+class TrainResult:
+    """What `train` did (the same on every rank, except `rank`)."""
+
+    rank: int
+    world_size: int
+    run_dir: Path
+    plan: Plan
+    start_step: int
+    """Steps already done when this run started (from a resumed checkpoint), else 0."""
+    final_step: int
+    """Steps done when it ended."""
+    losses: dict[int, float] = field(default_factory=dict)
+    """Training loss of each step this run executed, by 1-based step number."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    """Validation loss by step number."""
+    last_checkpoint: Path | None = None
+    tokens_per_s: float = 0.0
+    """Mean throughput over the run's steps (the first step, which warms up, excluded if possible)."""
+
+
+# ----------------------------------------------------------------------------- cluster and plan
+def job_cluster(cfg: JobConfig, world_size: int) -> Cluster:
+    """The devices of this job, in rank order: `parallel.devices` (emulated CPU devices) if
+    set, else one plain device per rank (the CPU, or this node's GPU type)."""
+    if cfg.parallel.devices:
+        cluster = Cluster.parse(cfg.parallel.devices)
+        if cluster.world_size != world_size:
+            raise CephaloError(
+                f"parallel.devices lists {cluster.world_size} device(s) ({cfg.parallel.devices!r}) but the job "
+                f"has {world_size} process(es): give one device per rank, or launch {cluster.world_size} "
+                "processes (`cephalo run` starts one per device)"
+            )
+        return cluster
+    if torch.cuda.is_available() and cfg.parallel.backend != "gloo":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return Cluster([Device(type="cuda", memory_bytes=int(props.total_memory)) for _ in range(world_size)])
+    return Cluster.parse(",".join(["cpu"] * world_size))
+
+
+def _split(total: int, weights: list[float]) -> list[int]:
+    """`total` samples split in proportion to `weights`, largest remainders first."""
+    raw = [total * w / sum(weights) for w in weights]
+    parts = [math.floor(x) for x in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - parts[i], reverse=True)[: total - sum(parts)]:
+        parts[i] += 1
+    return parts
+
+
+def simple_plan(strategy: str, cluster: Cluster, model_name: str, seq_len: int, global_batch: int,
+                dtype: str) -> Plan:
+    """`even` (equal batches) or `proportional` (batches in proportion to each device's speed,
+    1 / slowdown) with equal state shards and one micro-batch per rank: the FSDP-style
+    baselines, made without a profile."""
+    n = cluster.world_size
+    if strategy == "even":
+        batches = _split(global_batch, [1.0] * n)
+    else:
+        if any(d.type != "cpu" for d in cluster.devices):
+            logger.warning("plan = proportional without a profile treats every GPU as equally fast; "
+                           "use plan = auto (measured speeds) for a real heterogeneous cluster")
+        batches = _split(global_batch, [1.0 / d.slowdown for d in cluster.devices])
+    ranks = [
+        RankPlan(rank=i, device=d.type_key, batch_size=b, micro_batch_size=max(b, 1),
+                 num_micro_batches=1 if b else 0, state_fraction=1.0 / n)
+        for i, (d, b) in enumerate(zip(cluster.devices, batches, strict=True))
+    ]
+    return Plan(strategy=strategy, model=model_name, seq_len=seq_len, global_batch_size=global_batch,
+                dtype=dtype, ranks=ranks, meta={"cluster": cluster.describe()})
+
+
+def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int, verbose: bool = True) -> Plan:
+    """The plan `parallel.plan` names, checked against this job (world size, model, batch).
+    `verbose`: log notices (rank 0 only, so they appear once)."""
+    choice = cfg.parallel.plan
+    seq_len, batch, dtype = cfg.data.seq_len, cfg.train.global_batch_size, cfg.model.dtype
+    if choice in ("even", "proportional"):
+        return simple_plan(choice, cluster, cfg.model.name, seq_len, batch, dtype)
+    if choice == "auto":
+        # INTEGRATION POINT (profiler, helper H): profile every rank's device (cached in
+        # cfg.profile_cache), build a CostModel from the measured profiles and
+        # `planner.make_plan(cost_model, batch, "cephalo")`, made on rank 0 and broadcast.
+        # Until the profiler lands, `auto` runs the even plan.
+        if verbose:
+            logger.warning("parallel.plan = auto: the profiler is not available yet; using the even plan")
+        plan = simple_plan("even", cluster, cfg.model.name, seq_len, batch, dtype)
+        plan.meta["requested"] = "auto"
+        return plan
+    plan = Plan.from_json(choice)
+    plan.validate(world_size=world_size, model=cfg.model.name)
+    if plan.global_batch_size != batch:
+        raise CephaloError(
+            f"plan {choice} splits a global batch of {plan.global_batch_size} but train.global_batch_size is "
+            f"{batch}: set train.global_batch_size = {plan.global_batch_size} or make a plan for {batch}"
+        )
+    return plan
+
+
+def engine_config(cfg: JobConfig, device: Device, emulated: bool) -> EngineConfig:
+    """The engine's settings from the job config and this rank's (maybe emulated) device."""
+    offload = {"auto": None, "always": True, "never": False}[cfg.parallel.offload]
+    t = cfg.train
+    return EngineConfig(
+        mode=cfg.parallel.mode,
+        compute_dtype=cfg.model.dtype,
+        betas=tuple(t.betas),
+        eps=t.eps,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        prefetch=cfg.parallel.prefetch,
+        offload=offload,
+        seed=cfg.model.seed,
+        slowdown=device.slowdown,
+        memory_budget_bytes=int(device.memory_bytes) if emulated else None,
+    )
+
+
+def build_job_model(cfg: JobConfig) -> UnitModel:
+    """The config's model on the meta device, checked against the data's sequence length."""
+    model = build_model(cfg.model.name, **cfg.model.overrides)
+    context = model.spec.max_seq_len
+    if context and cfg.data.seq_len > context:
+        raise CephaloError(
+            f"data.seq_len = {cfg.data.seq_len} is longer than model {cfg.model.name}'s context of {context} "
+            f"tokens: set data.seq_len <= {context}, or enlarge the model with --model.overrides seq_len="
+            f"{cfg.data.seq_len}"
+        )
+    return model
+
+
+# ----------------------------------------------------------------------------- the loop
+class _Trainer:
+    """One rank's training job; `train()` drives it."""
+
+    def __init__(self, cfg: JobConfig, comm: Comm):
+        self.cfg, self.comm = cfg, comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.run_dir = Path(cfg.logging.dir)
+        self.cluster = job_cluster(cfg, self.world_size)
+        self.device = self.cluster.devices[self.rank]
+        model = build_job_model(cfg)
+        self.plan = resolve_plan(cfg, self.cluster, self.world_size, verbose=self.rank == 0)
+        self.rank_plan = self.plan.ranks[self.rank]
+        self.offset = self.plan.batch_offsets()[self.rank]
+        data_path = resolve_dataset(cfg.data.path, cfg.data.tokenizer, vocab_size=model.spec.vocab_size,
+                                    val_fraction=cfg.data.val_fraction, progress=self.rank == 0)
+        self.batches = GlobalBatches(data_path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.data.seed,
+                                     cfg.data.val_fraction, model_vocab_size=model.spec.vocab_size)
+        if cfg.train.eval_every > 0 and self.batches.num_val_windows == 0:
+            raise CephaloError(
+                f"train.eval_every = {cfg.train.eval_every} but dataset {data_path} has no validation windows of "
+                f"{self.batches.window} tokens: raise data.val_fraction or set train.eval_every = 0"
+            )
+        self.engine = Engine(model, self.plan, comm, engine_config(cfg, self.device, bool(cfg.parallel.devices)))
+        t = cfg.train
+        self.schedule = LRSchedule(t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule)
+        self.step = 0
+        self.nonfinite_streak = 0
+        self.result = TrainResult(self.rank, self.world_size, self.run_dir, self.plan, 0, 0)
+        if self.rank == 0:
+            logger.info("model %s (%.2fM parameters), %d rank(s), plan %s: batches %s, micro-batches %s",
+                        cfg.model.name, model.spec.total_params / 1e6, self.world_size, self.plan.strategy,
+                        self.plan.batch_sizes, [r.micro_batch_size for r in self.plan.ranks])
+            logger.info("data: %s", self.batches.describe())
+
+    # ------------------------------------------------------------------ run directory
+    def write_run_files(self) -> None:
+        if self.rank != 0:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / CONFIG_FILE).write_text(config_to_toml(self.cfg, comments=False))
+        self.plan.to_json(self.run_dir / PLAN_FILE)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _trainer_state(self) -> dict[str, Any]:
+        return {"step": self.step, "nonfinite_streak": self.nonfinite_streak, "config": self.cfg.to_dict(),
+                "plan_strategy": self.plan.strategy}
+
+    def save(self) -> Path:
+        extra = {**self.engine.extra_state(), "rng_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            extra["rng_cuda"] = torch.cuda.get_rng_state()
+        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self.engine.sharded_state(), extra,
+                               self._trainer_state(), self.comm, keep_last=self.cfg.checkpoint.keep_last)
+        self.result.last_checkpoint = path
+        return path
+
+    def resume(self) -> None:
+        target = resume_target(self.cfg.checkpoint.resume, self.cfg.checkpoint_dir)
+        # every rank must agree on whether to load (a checkpoint root not shared between
+        # nodes would otherwise send some ranks into the load's collectives and not others)
+        found = torch.tensor([1.0 if target is not None else 0.0], dtype=torch.float64)
+        self.comm.all_reduce(found, "sum")
+        if 0 < found.item() < self.world_size:
+            raise CephaloError(
+                f"only {int(found.item())} of {self.world_size} ranks see a checkpoint under "
+                f"{self.cfg.checkpoint_dir}: the checkpoint directory must be on storage every rank shares"
+            )
+        if target is None:
+            return
+        step, extra, state = load_checkpoint(target, self.engine.sharded_state(), self.comm)
+        self.engine.load_extra_state(extra)
+        if "rng_cpu" in extra:
+            torch.set_rng_state(extra["rng_cpu"])
+        if "rng_cuda" in extra and torch.cuda.is_available():
+            torch.cuda.set_rng_state(extra["rng_cuda"])
+        self.step = int(state.get("step", step))
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        saved = state.get("config", {})
+        for section, key in (("data", "seq_len"), ("data", "seed"), ("train", "global_batch_size"),
+                             ("model", "name"), ("model", "seed")):
+            old = saved.get(section, {}).get(key)
+            new = getattr(getattr(self.cfg, section), key)
+            if old is not None and old != new and self.rank == 0:
+                logger.warning("resuming with %s.%s = %r (the checkpoint was trained with %r): the loss "
+                               "trajectory will differ from the original run", section, key, new, old)
+        if self.rank == 0:
+            logger.info("resumed from %s at step %d (saved under plan %s, now %s)", target, self.step,
+                        state.get("plan_strategy", "?"), self.plan.strategy)
+
+    # ------------------------------------------------------------------ steps
+    def _gather_rank_stats(self, stats: StepStats) -> tuple[RankStats, float]:
+        """Every rank's timings and peak memory (one small all-gather), and the step time
+        (the slowest rank's)."""
+        mine = torch.tensor([stats.busy_s, stats.comm_wait_s, stats.step_s, float(stats.peak_bytes)],
+                            dtype=torch.float64, device=self.engine.device)
+        out = torch.empty(_RANK_FIELDS * self.world_size, dtype=torch.float64, device=self.engine.device)
+        handle = self.comm.all_gather_v(out, mine, [_RANK_FIELDS] * self.world_size)
+        if handle is not None:
+            handle.wait()
+        rows = out.view(self.world_size, _RANK_FIELDS).cpu().tolist()
+        return RankStats(
+            busy_s=[r[0] for r in rows],
+            comm_wait_s=[r[1] for r in rows],
+            idle_s=[max(0.0, r[2] - r[0]) for r in rows],
+            peak_bytes=[int(r[3]) for r in rows],
+        ), max(r[2] for r in rows)
+
+    def _maybe_kill(self, step_number: int) -> None:
+        """Test hook: SIGKILL this rank just before `step_number` (see module docstring)."""
+        at = os.environ.get(KILL_AT_STEP_ENV)
+        if at is None or int(at) != step_number:
+            return
+        victim = int(os.environ.get(KILL_RANK_ENV, "1" if self.world_size > 1 else "0"))
+        if victim == self.rank:
+            logger.warning("%s=%s: killing rank %d (SIGKILL)", KILL_AT_STEP_ENV, at, self.rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def train_step(self, metrics: MetricsLog | None, progress: ProgressDisplay) -> None:
+        number = self.step + 1
+        self._maybe_kill(number)
+        lr = self.schedule(self.step)
+        input_ids, labels = self.batches.rank_slice(self.step, self.offset, self.rank_plan.batch_size)
+        stats = self.engine.train_step(input_ids, labels, lr)
+        ranks, step_s = self._gather_rank_stats(stats)
+        self.step = number
+        finite = not stats.skipped and math.isfinite(stats.loss)
+        tokens_per_s = stats.n_tokens / step_s if step_s > 0 else 0.0
+        self.result.losses[number] = stats.loss
+        if metrics is not None and (number % self.cfg.logging.log_every == 0 or number == self.cfg.train.steps):
+            record = StepRecord(step=number, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
+                                tokens=stats.n_tokens, step_s=step_s, tokens_per_s=tokens_per_s,
+                                skipped=not finite, ranks=ranks)
+            metrics.write(record.to_dict())
+        progress.update(number, stats.loss, tokens_per_s, step_s)
+        self._throughput.append(tokens_per_s)
+        if finite:
+            self.nonfinite_streak = 0
+            return
+        self.nonfinite_streak += 1
+        limit = self.cfg.train.max_nonfinite_skips
+        if self.nonfinite_streak <= limit:
+            if self.rank == 0:
+                logger.warning("step %d: loss %s / gradient norm %s not finite: update skipped (%d of %d allowed "
+                               "in a row)", number, stats.loss, stats.grad_norm, self.nonfinite_streak, limit)
+            return
+        where = self.save()
+        raise CephaloError(
+            f"the loss or gradient was not finite for {self.nonfinite_streak} steps in a row (up to step {number}; "
+            f"train.max_nonfinite_skips = {limit}); stopped with a checkpoint at {where}. Lower train.lr, raise "
+            "train.warmup_steps, or use fp32/bf16 instead of fp16"
+        )
+
+    def evaluate(self) -> float:
+        """Token-mean loss over the first `eval_batches` held-out batches (same on every plan:
+        a short last batch is padded with ignored samples so every rank keeps its plan size)."""
+        b = self.cfg.train.global_batch_size
+        count = min(self.cfg.train.eval_batches, self.batches.num_val_batches(b))
+        total, weight = 0.0, 0
+        for index in range(count):
+            windows = min(b, self.batches.num_val_windows - index * b)
+            take = max(0, min(self.rank_plan.batch_size, windows - self.offset))
+            if take:
+                x, y = self.batches.val_batch(index, b, self.offset, take)
+            else:
+                x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
+            pad = self.rank_plan.batch_size - take
+            if pad:
+                x = torch.cat([x, torch.zeros(pad, x.shape[1], dtype=x.dtype)])
+                y = torch.cat([y, torch.full((pad, y.shape[1]), IGNORE_INDEX, dtype=y.dtype)])
+            total += self.engine.eval_loss(x, y) * windows
+            weight += windows
+        return total / max(weight, 1)
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        self.write_run_files()
+        self.resume()
+        self.result.start_step = self.step
+        steps = cfg.train.steps
+        metrics = None
+        if self.rank == 0:
+            truncate_metrics(cfg.metrics_path, self.step)
+            metrics = MetricsLog(cfg.metrics_path, self.run_dir / "tb" if cfg.logging.tensorboard else None)
+        progress = ProgressDisplay(steps, self.step, enabled=cfg.logging.progress and self.rank == 0,
+                                   description=f"{cfg.model.name} x{self.world_size}")
+        self._throughput: list[float] = []
+        every, eval_every = cfg.checkpoint.every, cfg.train.eval_every
+        try:
+            while self.step < steps:
+                self.train_step(metrics, progress)
+                if eval_every and (self.step % eval_every == 0 or self.step == steps):
+                    val = self.evaluate()
+                    self.result.val_losses[self.step] = val
+                    if metrics is not None:
+                        metrics.write({"kind": "eval", "step": self.step, "val_loss": val})
+                    if self.rank == 0:
+                        progress.message(f"step {self.step}: validation loss {val:.4f}")
+                if (every and self.step % every == 0) or self.step == steps:
+                    self.save()
+        except (RuntimeError, TimeoutError) as e:
+            if isinstance(e, CephaloError) or self.world_size == 1:
+                raise
+            raise CephaloError(
+                f"rank {self.rank}: step {self.step + 1} failed in a collective ({_short(e)}); another rank probably "
+                "died or stopped (see its error); resume from the last checkpoint with checkpoint.resume = auto"
+            ) from None
+        finally:
+            progress.close()
+            if metrics is not None:
+                metrics.close()
+        self.result.final_step = self.step
+        rates = self._throughput[1:] or self._throughput
+        self.result.tokens_per_s = sum(rates) / len(rates) if rates else 0.0
+        if self.rank == 0 and self.result.losses:
+            last = max(self.result.losses)
+            logger.info("done: step %d, loss %.4f, %.0f tokens/s%s", self.step, self.result.losses[last],
+                        self.result.tokens_per_s,
+                        f", checkpoint {self.result.last_checkpoint}" if self.result.last_checkpoint else "")
+        return self.result
+
+
+def _short(error: BaseException) -> str:
+    """The gist of a backend error: gloo's start with a source location and run on."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". ")[0]
+
+
+def train(cfg: JobConfig) -> TrainResult:
+    """Run (or resume) the job on this rank; every rank of the job calls it."""
+    init_logging()
+    cfg.validate()
+    backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
+    comm = init_distributed(backend, timeout_s=cfg.parallel.timeout_s)
+    torch.manual_seed(cfg.model.seed)  # any randomness outside the engine's own streams
+    return _Trainer(cfg, comm).run()
