@@ -1,0 +1,682 @@
+"""The sharded data-parallel engine: uneven shards, uneven batches, layered gradient
+accumulation (LGA).
+
+State. Every unit's parameters form one flat buffer (`FlatLayout`); rank i owns the
+contiguous piece `shard_ranges(numel, fractions)[i]` of each and keeps, for that piece
+only, the fp32 master, the fp32 gradient and the two AdamW moments (ledger category
+`state`). Nothing else of the state outlives a step.
+
+LGA step (mode "lga"), per rank, over its micro-batches (plan `micro_batch_size`):
+  forward:  for each unit: all-gather it (the next unit's gather prefetched), run EVERY
+            micro-batch through it without a graph, keep each micro-batch's unit input
+            (device or host), release the gathered buffer. The head sums token losses.
+  backward: for each unit in reverse: all-gather it (prefetch the previous one), for each
+            micro-batch recompute the unit from its saved input with a graph, backprop
+            the output gradient, add the parameter gradients into ONE full-unit fp32
+            buffer, and keep the input gradient (in the saved input's place) as the
+            previous unit's output gradient; then ONE reduce-scatter of the unit's
+            gradient to the shard owners.
+  So each unit is gathered once per pass and reduced once per step whatever the number
+  of micro-batches. Standard mode (the baseline) runs the same per-unit machinery with
+  the micro-batch loop outermost: FSDP with per-unit activation checkpointing, whose
+  collectives grow with the number of micro-batches.
+
+Tied weights (GPT-2's wte / lm_head): the first unit holding the parameter owns it. A
+later unit that uses it (the head) gathers the owner's slice range of that parameter as a
+second, smaller all-gather in each pass, and reduce-scatters its gradient for it straight
+back into the owner's gradient slice right after its own backward (no full-size buffer
+kept across the backward). Per step, a tied model therefore does 2 x units + 2 all-gathers
+and units + 1 reduce-scatters (LGA).
+
+Loss. The gradient is that of the mean over all tokens of the GLOBAL batch: the global
+token count is all-reduced once per step before the backward and the head's output
+gradient is 1 / global_tokens (times the loss scale in fp16). The step's loss sum and the
+squared gradient norm share one more all-reduce.
+
+Dropout. Masks are drawn per sample from (seed, step, unit, call, global sample index)
+(`cephalo.runtime.dropout.SampleDropout`), so they do not depend on the plan: any plan,
+and a single-process reference running under the same mode, sees the same masks. The CPU
+and CUDA generator states are also saved before each (unit, micro-batch) forward and
+restored in its recompute, for any other randomness a model draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.func import functional_call
+
+from cephalo.errors import CephaloError
+from cephalo.log import logger
+from cephalo.modeling.units import IGNORE_INDEX, UnitModel
+from cephalo.plan import Plan
+from cephalo.runtime.comm import Comm, Handle
+from cephalo.runtime.dropout import SampleDropout
+from cephalo.runtime.emulation import ComputeEmulator
+from cephalo.runtime.flat import FlatLayout, FlatShard, ParamSlot, overlap, shard_ranges
+from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
+from cephalo.runtime.param_groups import wants_weight_decay
+from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
+
+MODES = ("lga", "standard")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs a step (the plan says who does what; this says how)."""
+
+    mode: str = "lga"
+    """`lga` (layered gradient accumulation) or `standard` (micro-batch at a time, FSDP-like)."""
+    compute_dtype: str | None = None
+    """`fp32`, `bf16` or `fp16` for gathered parameters and activations; None: the plan's dtype.
+    Gradients are accumulated and reduced in fp32; master weights and AdamW state are fp32."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied where `wants_weight_decay` says (not norms, biases)."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 = no clipping)."""
+    prefetch: bool = True
+    """Start the next unit's all-gather while computing the current one."""
+    offload: bool | None = None
+    """Keep boundary activations on the host; None: the plan's `offload_activations`."""
+    seed: int = 0
+    """Seeds the initial weights (identical on every rank) and the dropout masks."""
+    slowdown: float = 1.0
+    """CPU device emulation: compute is stretched by this factor (see emulation.py)."""
+    memory_budget_bytes: int | None = None
+    """Budget for a ledger the engine creates itself (None = unlimited)."""
+    validate_collectives: bool | None = None
+    """Cross-rank size checks before each collective; None: the comm's own setting."""
+    device: str | None = None
+    """Compute device; None: the current CUDA device under NCCL, else the CPU."""
+    per_sample_dropout: bool = True
+    """Plan-invariant dropout masks (see dropout.py); False: the global RNG stream
+    (faster on GPUs, but masks then depend on the micro-batching)."""
+    loss_scale_init: float = 2.0**16
+    """fp16 only: the initial dynamic loss scale."""
+    loss_scale_growth_interval: int = 200
+    """fp16 only: good steps before the loss scale doubles."""
+
+
+@dataclass
+class StepStats:
+    """What one `train_step` did (the same on every rank except timings and memory)."""
+
+    loss: float
+    """Mean token loss over the global batch (before the update)."""
+    grad_norm: float
+    """Global gradient norm before clipping (unscaled)."""
+    n_tokens: int
+    """Tokens with a label in the global batch."""
+    skipped: bool
+    """fp16: the step was skipped because the gradient was not finite."""
+    busy_s: float
+    """Seconds of compute (stretched by the emulated slowdown)."""
+    comm_wait_s: float
+    """Seconds blocked waiting for collectives."""
+    step_s: float
+    """Wall-clock seconds of the whole step."""
+    peak_bytes: int
+    """Ledger peak of device memory during the step."""
+    peak_by_category: dict[str, int] = field(default_factory=dict)
+    """Ledger peak per category during the step."""
+    loss_scale: float = 1.0
+    """fp16: the loss scale used for this step."""
+
+
+@dataclass
+class _Borrow:
+    """A parameter a unit uses but another unit owns (tied weights)."""
+
+    name: str
+    """Name within the borrowing unit's module."""
+    owner: _UnitShard
+    slot: ParamSlot
+    """The parameter's place in the owner's layout."""
+    sizes: list[int]
+    """Per rank: how much of the parameter lies in that rank's shard of the owner."""
+    local: tuple[int, int]
+    """[lo, hi) of this rank's part, relative to the owner's shard start."""
+
+
+class _UnitShard:
+    """One unit on this rank: its layout, its shard range, and the state slices."""
+
+    def __init__(self, index: int, unit, layout: FlatLayout, ranges: list[tuple[int, int]], rank: int):
+        self.index = index
+        self.unit = unit
+        self.layout = layout
+        self.ranges = ranges
+        self.sizes = [size for _, size in ranges]
+        self.start, self.size = ranges[rank]
+        self.borrows: list[_Borrow] = []
+        self.master: torch.Tensor
+        self.grad: torch.Tensor
+        self.exp_avg: torch.Tensor
+        self.exp_avg_sq: torch.Tensor
+
+
+@dataclass
+class _Gathered:
+    """A unit's parameters gathered in compute dtype (maybe still in flight)."""
+
+    unit: _UnitShard
+    flat: torch.Tensor
+    tied: list[torch.Tensor]
+    handles: list[Handle]
+    sources: list[torch.Tensor]
+    """Compute-dtype copies of local shards, alive until the gathers complete."""
+
+    def params(self) -> dict[str, torch.Tensor]:
+        views = self.unit.layout.views(self.flat)
+        for borrow, buf in zip(self.unit.borrows, self.tied, strict=True):
+            views[borrow.name] = buf.view(borrow.slot.shape)
+        return views
+
+
+@dataclass
+class _MicroBatch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    sample_offset: int
+    """Index of its first sample in the global batch."""
+    rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    """Generator states saved before each unit's forward, by unit index."""
+
+
+class Engine:
+    """Sharded data-parallel training of a `UnitModel` under a `Plan` (see module docstring)."""
+
+    def __init__(
+        self,
+        model: UnitModel,
+        plan: Plan,
+        comm: Comm,
+        config: EngineConfig | None = None,
+        ledger: MemoryLedger | None = None,
+    ):
+        self.config = config = config or EngineConfig()
+        if config.mode not in MODES:
+            raise CephaloError(f"engine mode {config.mode!r} is not one of {', '.join(MODES)}")
+        plan.validate(world_size=comm.world_size)
+        self.model, self.plan, self.comm = model, plan, comm
+        self.rank = comm.rank
+        self.rank_plan = plan.ranks[self.rank]
+        if config.validate_collectives is not None:
+            comm.validate = config.validate_collectives
+        self.device = torch.device(config.device) if config.device else (
+            torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
+        )
+        self.dtype = compute_dtype(config.compute_dtype or plan.dtype)
+        self.offload = self.rank_plan.offload_activations if config.offload is None else config.offload
+        self.ledger = ledger or MemoryLedger(self.rank, self.device, budget_bytes=config.memory_budget_bytes)
+        self.emulator = ComputeEmulator(config.slowdown)
+        self.scaler = (
+            DynamicLossScaler(scale=config.loss_scale_init, growth_interval=config.loss_scale_growth_interval)
+            if self.dtype == torch.float16 else None
+        )
+        self.step_index = 0
+        """Train steps run (including fp16-skipped ones): keys the dropout masks."""
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._build_shards()
+        self.optimizer = ShardedAdamW(
+            [ShardGroup(us.master, us.grad, us.exp_avg, us.exp_avg_sq, us.decay_segments) for us in self.shards],
+            AdamWHyper(betas=config.betas, eps=config.eps, weight_decay=config.weight_decay),
+        )
+        self._comm_wait_s = 0.0
+        self._busy_s = 0.0
+
+    # ------------------------------------------------------------------ setup
+    @torch.no_grad()
+    def _build_shards(self) -> None:
+        """Initial weights (identical on every rank: from `config.seed`, or the model's own
+        values if it is not on meta), this rank's slices of them, and the tie table."""
+        model = self.model
+        on_meta = any(p.is_meta for p in model.parameters())
+        # one generator drawn unit by unit in `named_unit_parameters` order = `init_weights`
+        generator = torch.Generator().manual_seed(self.config.seed)
+        owned: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        owner_of: dict[int, tuple[int, str]] = {}
+        index_of = {u.name: i for i, u in enumerate(model.units)}
+        for unit_name, pname, p in model.named_unit_parameters():
+            owned.setdefault(index_of[unit_name], []).append((pname, p))
+            owner_of[id(p)] = (index_of[unit_name], pname)
+        fractions = self.plan.state_fractions
+        self.shards: list[_UnitShard] = []
+        for i, unit in enumerate(model.units):
+            params = owned.get(i, [])
+            layout = FlatLayout(unit.name, params)
+            us = _UnitShard(i, unit, layout, shard_ranges(layout.numel, fractions), self.rank)
+            if on_meta:
+                # materialise ONE unit's initial values on the CPU (host memory: the largest
+                # unit, fp32), keep this rank's slice, drop the rest
+                values = {}
+                for name, p in params:
+                    values[name] = torch.empty(p.shape, dtype=torch.float32)
+                    model.init_parameter(unit.name, name, values[name], generator)
+            else:
+                values = dict(params)
+            full = layout.flatten(values)
+            del values
+            us.master = self._alloc_state(us.size).copy_(full[us.start : us.start + us.size])
+            us.grad = self._alloc_state(us.size).zero_()
+            us.exp_avg = self._alloc_state(us.size).zero_()
+            us.exp_avg_sq = self._alloc_state(us.size).zero_()
+            decays = [wants_weight_decay(f"{unit.name}.{name}", p) for name, p in params]
+            us.decay_segments = layout.segments_where(decays, us.start, us.size)
+            self.shards.append(us)
+        for i, unit in enumerate(model.units):
+            for pname, p in unit.module.named_parameters():
+                owner_index, owner_name = owner_of[id(p)]
+                if owner_index == i:
+                    continue
+                owner = self.shards[owner_index]
+                slot = owner.layout.slot(owner_name)
+                pieces = [overlap(s, n, slot.offset, slot.numel) for s, n in owner.ranges]
+                lo, hi = pieces[self.rank]
+                self.shards[i].borrows.append(_Borrow(
+                    pname, owner, slot, [b - a for a, b in pieces], (lo - owner.start, hi - owner.start)
+                ))
+        self._to_meta_params()
+
+    def _alloc_state(self, numel: int) -> torch.Tensor:
+        return self.ledger.alloc("state", numel, torch.float32, device=self.device)
+
+    def _to_meta_params(self) -> None:
+        """Replace every parameter by a meta tensor (ties kept: one object per parameter):
+        units only ever run on views of gathered buffers. Buffers (the unit contract says
+        there are none) would move to the compute device."""
+        replaced: dict[int, torch.nn.Parameter] = {}
+        for module in self.model.modules():
+            for name, p in module._parameters.items():
+                if p is None:
+                    continue
+                if id(p) not in replaced:
+                    replaced[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                module._parameters[name] = replaced[id(p)]
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.to(self.device)
+
+    # ------------------------------------------------------------------ collectives
+    def _wait(self, handle: Handle) -> None:
+        t0 = time.perf_counter()
+        handle.wait()
+        self._comm_wait_s += time.perf_counter() - t0
+
+    def _start_gather(self, us: _UnitShard, async_op: bool) -> _Gathered:
+        flat = self.ledger.alloc("gathered", us.layout.numel, self.dtype, device=self.device)
+        sources, handles, tied = [], [], []
+        src = us.master if self.dtype == torch.float32 else us.master.to(self.dtype)
+        sources.append(src)
+        t0 = time.perf_counter()
+        handles.append(self.comm.all_gather_v(flat, src, us.sizes, async_op=async_op))
+        for b in us.borrows:
+            buf = self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
+            piece = b.owner.master[b.local[0] : b.local[1]]
+            piece = piece if self.dtype == torch.float32 else piece.to(self.dtype)
+            sources.append(piece)
+            tied.append(buf)
+            handles.append(self.comm.all_gather_v(buf, piece, b.sizes, async_op=async_op))
+        if not async_op:
+            self._comm_wait_s += time.perf_counter() - t0
+        return _Gathered(us, flat, tied, handles, sources)
+
+    def _finish_gather(self, g: _Gathered) -> dict[str, torch.Tensor]:
+        for h in g.handles:
+            self._wait(h)
+        g.sources.clear()
+        return g.params()
+
+    def _release(self, g: _Gathered) -> None:
+        self.ledger.free(g.flat)
+        for buf in g.tied:
+            self.ledger.free(buf)
+
+    def _reduce_into(self, grad_slice: torch.Tensor, full: torch.Tensor, sizes: list[int]) -> None:
+        """grad_slice += this rank's piece of sum over ranks of `full` (fp32)."""
+        part = self.ledger.alloc("grad_accum", grad_slice.numel(), torch.float32, device=self.device)
+        t0 = time.perf_counter()
+        self.comm.reduce_scatter_v(part, full, sizes)
+        self._comm_wait_s += time.perf_counter() - t0
+        grad_slice.add_(part)
+        self.ledger.free(part)
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self.comm.all_reduce(t, "sum")
+        self._comm_wait_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ compute helpers
+    def _run_unit(self, us: _UnitShard, params: dict[str, torch.Tensor], x: torch.Tensor,
+                  mb: _MicroBatch) -> torch.Tensor:
+        args = (x, mb.labels) if us.unit.kind == "head" else (x,)
+        with self._dropout(us, mb):
+            return functional_call(us.unit.module, params, args, strict=False)
+
+    def _dropout(self, us: _UnitShard, mb: _MicroBatch) -> contextlib.AbstractContextManager:
+        if not (self.config.per_sample_dropout and self.model.training):
+            return contextlib.nullcontext()
+        return SampleDropout(self.config.seed, self.step_index, us.index, mb.sample_offset)
+
+    def _save_rng(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _restore_rng(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
+
+    @contextlib.contextmanager
+    def _compute(self) -> Iterator[None]:
+        """Time a piece of compute and stretch it by the emulated slowdown."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._busy_s += self.emulator.stretch(time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ boundaries
+    def _store(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+        """Keep a boundary tensor (a unit input, later its gradient): on the device, or on
+        the host (pinned, copied on the side stream) when offloading."""
+        t = t.detach()
+        if not self.offload:
+            buf = self.ledger.alloc("boundary", t.numel(), t.dtype, device=self.device)
+            buf.copy_(t.reshape(-1))
+            return buf, t.shape
+        pin = self.device.type == "cuda"
+        host = self.ledger.alloc("host/boundary", t.numel(), t.dtype, device="cpu", pin=pin)
+        if self._copy_stream is None:
+            host.copy_(t.reshape(-1))
+        else:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                host.copy_(t.reshape(-1), non_blocking=True)
+            t.record_stream(self._copy_stream)
+        return host, t.shape
+
+    def _load(self, stored: tuple[torch.Tensor, torch.Size]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A stored boundary as a device tensor (and the staging buffer to free, if any)."""
+        buf, shape = stored
+        if not self.offload:
+            return buf.view(shape), None
+        staging = self.ledger.alloc("staging", buf.numel(), buf.dtype, device=self.device)
+        if self._copy_stream is None:
+            staging.copy_(buf)
+        else:
+            with torch.cuda.stream(self._copy_stream):
+                staging.copy_(buf, non_blocking=True)
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+        return staging.view(shape), staging
+
+    def _drop(self, stored: tuple[torch.Tensor, torch.Size] | None) -> None:
+        if stored is not None:
+            self.ledger.free(stored[0])
+
+    # ------------------------------------------------------------------ passes
+    def _forward_pass(self, mbs: list[_MicroBatch], boundaries: dict, keep_inputs: bool) -> torch.Tensor:
+        """Every unit over every micro-batch, no graph. boundaries[(u, j)] receives unit u's
+        input for micro-batch j (u >= 1). Returns this rank's loss sum (fp32)."""
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        n = len(self.shards)
+        pending = self._start_gather(self.shards[0], async_op=self.config.prefetch)
+        for u, us in enumerate(self.shards):
+            g = pending if pending is not None else self._start_gather(us, async_op=False)
+            params = self._finish_gather(g)
+            pending = None
+            if self.config.prefetch and u + 1 < n:
+                pending = self._start_gather(self.shards[u + 1], async_op=True)
+            with self._compute(), torch.no_grad():
+                for j, mb in enumerate(mbs):
+                    if u == 0:
+                        x, staging = mb.input_ids, None
+                    else:
+                        x, staging = self._load(boundaries[(u, j)])
+                    mb.rng[u] = self._save_rng()
+                    out = self._run_unit(us, params, x, mb)
+                    if staging is not None:
+                        self.ledger.free(staging)
+                    if not keep_inputs and u > 0:
+                        self._drop(boundaries.pop((u, j)))
+                    if u == n - 1:
+                        loss_sum += out.float()
+                    else:
+                        boundaries[(u + 1, j)] = self._store(out)
+                    del out
+            self._release(g)
+        return loss_sum
+
+    def _backward_pass(self, mbs: list[_MicroBatch], boundaries: dict, head_grad: float) -> None:
+        """Units in reverse: recompute with a graph, backprop, one gradient buffer per unit,
+        one reduce-scatter per unit (plus one for a borrowed tied parameter)."""
+        n = len(self.shards)
+        pending = self._start_gather(self.shards[-1], async_op=self.config.prefetch)
+        for u in reversed(range(n)):
+            us = self.shards[u]
+            g = pending if pending is not None else self._start_gather(us, async_op=False)
+            params = self._finish_gather(g)
+            pending = None
+            if self.config.prefetch and u > 0:
+                pending = self._start_gather(self.shards[u - 1], async_op=True)
+            acc = self.ledger.alloc("grad_accum", us.layout.numel, torch.float32, device=self.device).zero_()
+            tied_acc = [
+                self.ledger.alloc("grad_accum", b.slot.numel, torch.float32, device=self.device).zero_()
+                for b in us.borrows
+            ]
+            with self._compute():
+                for j, mb in enumerate(mbs):
+                    self._backward_micro_batch(us, params, mb, j, boundaries, head_grad, acc, tied_acc)
+            self._release(g)
+            self._reduce_into(us.grad, acc, us.sizes)
+            self.ledger.free(acc)
+            for b, t_acc in zip(us.borrows, tied_acc, strict=True):
+                lo, hi = b.local
+                self._reduce_into(b.owner.grad[lo:hi], t_acc, b.sizes)
+                self.ledger.free(t_acc)
+
+    def _backward_micro_batch(self, us, params, mb, j, boundaries, head_grad, acc, tied_acc) -> None:
+        u, last = us.index, us.index == len(self.shards) - 1
+        leaves = {name: v.detach().requires_grad_() for name, v in params.items()}
+        if u == 0:
+            x, staging = mb.input_ids, None
+        else:
+            x, staging = self._load(boundaries[(u, j)])
+            x = x.detach().requires_grad_()
+        if last:
+            gout, gout_staging = torch.full((), head_grad, dtype=torch.float32, device=self.device), None
+        else:
+            gout, gout_staging = self._load(boundaries[(u + 1, j)])
+        inputs = ([x] if u > 0 else []) + list(leaves.values())
+        self._restore_rng(mb.rng[u])
+        with torch.enable_grad(), self.ledger.track_activations():
+            out = self._run_unit(us, leaves, x, mb)
+            grads = torch.autograd.grad(out, inputs, grad_outputs=gout, allow_unused=True)
+        del out
+        for t in (staging, gout_staging):
+            if t is not None:
+                self.ledger.free(t)
+        if not last:
+            self._drop(boundaries.pop((u + 1, j)))  # the output gradient is consumed
+        if u > 0:
+            self._drop(boundaries.pop((u, j)))
+            boundaries[(u, j)] = self._store(grads[0])  # becomes unit u-1's output gradient
+            grads = grads[1:]
+        borrowed = {b.name: t for b, t in zip(us.borrows, tied_acc, strict=True)}
+        for (name, _), grad in zip(leaves.items(), grads, strict=True):
+            if grad is None:
+                continue
+            if name in borrowed:
+                borrowed[name].add_(grad.reshape(-1))
+            else:
+                slot = us.layout.slot(name)
+                acc[slot.offset : slot.end].add_(grad.reshape(-1))
+
+    # ------------------------------------------------------------------ public API
+    def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> list[_MicroBatch]:
+        rp = self.rank_plan
+        if input_ids.dim() != 2 or input_ids.shape != labels.shape:
+            raise CephaloError(
+                f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
+                "must both be [batch, seq]"
+            )
+        if input_ids.shape[0] != rp.batch_size:
+            raise CephaloError(
+                f"rank {self.rank}: got {input_ids.shape[0]} samples but the plan gives this rank "
+                f"batch_size {rp.batch_size}; pass this rank's slice of the global batch"
+            )
+        input_ids = input_ids.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        first = self.plan.batch_offsets()[self.rank]
+        m = rp.micro_batch_size
+        return [
+            _MicroBatch(input_ids[a : a + m], labels[a : a + m], first + a)
+            for a in range(0, rp.batch_size, m)
+        ]
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepStats:
+        """One optimizer step on this rank's slice [B_i, s] of the global batch."""
+        t_step = time.perf_counter()
+        self._comm_wait_s = self._busy_s = 0.0
+        self.ledger.reset_peak()
+        self.model.train()
+        mbs = self._micro_batches(input_ids, labels)
+        tokens = torch.tensor(
+            [float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs))], device=self.device
+        )
+        self._all_reduce(tokens)
+        n_tokens = int(tokens.item())
+        loss_scale = self.scaler.scale if self.scaler else 1.0
+        head_grad = loss_scale / max(n_tokens, 1)
+        boundaries: dict = {}
+        if self.config.mode == "lga":
+            loss_sum = self._forward_pass(mbs, boundaries, keep_inputs=True)
+            self._backward_pass(mbs, boundaries, head_grad)
+        else:
+            # every rank must run the same number of collectives: pad with empty passes
+            rounds = max(r.num_micro_batches for r in self.plan.ranks)
+            loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+            for k in range(rounds):
+                chunk = mbs[k : k + 1]
+                loss_sum += self._forward_pass(chunk, boundaries, keep_inputs=True)
+                self._backward_pass(chunk, boundaries, head_grad)
+        assert not boundaries, "every boundary must be consumed by the backward"
+        skipped, grad_norm = self._optimizer_step(loss_sum, loss_scale, lr, n_tokens)
+        self.step_index += 1
+        peaks = self.ledger.peak_by_category
+        return StepStats(
+            loss=self._last_loss,
+            grad_norm=grad_norm,
+            n_tokens=n_tokens,
+            skipped=skipped,
+            busy_s=self._busy_s,
+            comm_wait_s=self._comm_wait_s,
+            step_s=time.perf_counter() - t_step,
+            peak_bytes=self.ledger.peak_bytes,
+            peak_by_category=dict(peaks),
+            loss_scale=loss_scale,
+        )
+
+    @torch.no_grad()
+    def _optimizer_step(self, loss_sum: torch.Tensor, loss_scale: float, lr: float, n_tokens: int) -> tuple[bool, float]:
+        opt = self.optimizer
+        if loss_scale != 1.0:
+            opt.scale_grads(1.0 / loss_scale)
+        # one all-reduce for the squared norm and the loss sum
+        red = torch.stack([opt.local_grad_sq_sum(), loss_sum.float()])
+        self._all_reduce(red)
+        grad_norm = float(red[0].sqrt())
+        self._last_loss = float(red[1]) / max(n_tokens, 1)
+        finite = math.isfinite(grad_norm)
+        if self.scaler is not None:
+            self.scaler.update(found_inf=not finite)
+        if not finite:
+            if self.scaler is None:
+                raise CephaloError(
+                    f"the gradient is not finite (norm {grad_norm}) at step {self.step_index}; "
+                    "lower the learning rate or use bf16/fp32"
+                )
+            logger.warning("fp16: non-finite gradient, step skipped; loss scale now %g", self.scaler.scale)
+            opt.zero_grad()
+            return True, grad_norm
+        if self.config.grad_clip > 0:
+            coef = self.config.grad_clip / (grad_norm + 1e-6)
+            if coef < 1.0:
+                opt.scale_grads(coef)
+        opt.step(lr)
+        opt.zero_grad()
+        return False, grad_norm
+
+    @torch.no_grad()
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Global mean token loss of this step's batch (no update, dropout off)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            mbs = self._micro_batches(input_ids, labels)
+            boundaries: dict = {}
+            loss_sum = self._forward_pass(mbs, boundaries, keep_inputs=False)
+            assert not boundaries
+            n_tok = float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs))
+            red = torch.stack([loss_sum, torch.tensor(n_tok, device=self.device)])
+            self._all_reduce(red)
+            return float(red[0]) / max(float(red[1]), 1.0)
+        finally:
+            self.model.train(was_training)
+
+    # ------------------------------------------------------------------ state
+    def sharded_state(self) -> list[FlatShard]:
+        """This rank's pieces of every parameter and AdamW moment, as live views."""
+        out: list[FlatShard] = []
+        for prefix, attr in (("", "master"), ("optim.exp_avg.", "exp_avg"), ("optim.exp_avg_sq.", "exp_avg_sq")):
+            for us in self.shards:
+                local_all = getattr(us, attr)
+                for s in us.layout.slots:
+                    lo, hi = overlap(us.start, us.size, s.offset, s.numel)
+                    out.append(FlatShard(
+                        f"{prefix}{us.unit.name}.{s.name}", s.shape,
+                        lo - s.offset if hi > lo else 0,
+                        local_all[lo - us.start : hi - us.start] if hi > lo else local_all[0:0],
+                    ))
+        return out
+
+    def extra_state(self) -> dict:
+        """Non-tensor state a checkpoint needs: optimizer step, train steps, loss scaler."""
+        return {
+            "optimizer_step": self.optimizer.step_count,
+            "train_step": self.step_index,
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_extra_state(self, d: dict) -> None:
+        self.optimizer.step_count = int(d["optimizer_step"])
+        self.step_index = int(d["train_step"])
+        if self.scaler is not None and d.get("loss_scaler"):
+            self.scaler.load_state_dict(d["loss_scaler"])
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole fp32 parameters by `<unit>.<param>` (gathered on every rank, on the CPU)."""
+        out: dict[str, torch.Tensor] = {}
+        for us in self.shards:
+            full = torch.empty(us.layout.numel, dtype=torch.float32, device=self.device)
+            self._wait(self.comm.all_gather_v(full, us.master, us.sizes))
+            for name, view in us.layout.views(full).items():
+                out[f"{us.unit.name}.{name}"] = view.detach().cpu().clone()
+        return out
+
+    def state_bytes(self) -> int:
+        """Bytes of persistent training state on this rank (master, grad, 2 moments)."""
+        return sum(4 * 4 * us.size for us in self.shards)
