@@ -1,0 +1,397 @@
+"""The cost model: time and peak memory of one rank under a plan. The ONE place these formulas live.
+
+The planner, `cephalo simulate` and the benchmarks all call into this module, so a plan is
+always judged by the same numbers it was made with. Every formula is written once, over
+numpy arrays that broadcast: the planner evaluates whole tables of (batch, micro-batch,
+offload) choices at once, `rank_cost` evaluates one choice, and both read the same code.
+
+Per rank i (its device's profile, memory M_i), for a choice of batch b, micro-batch m
+(k = ceil(b/m) micro-batches, the last one b - (k-1) m samples), state fraction s and
+offload o, one training step under layered gradient accumulation (LGA) costs:
+
+  per unit u (embedding, L blocks, head):
+    forward    fwd_u  = (k-1) F_u(m) + F_u(last)
+    backward   bwd_u  = fwd_u (recompute) + (k-1) B_u(m) + B_u(last)
+    collectives: all-gather of the unit's compute-dtype parameters in forward and again in
+    backward, reduce-scatter of its fp32 gradient once in backward; ring cost
+    (n-1)/n * bytes / slowest link + latency. They depend on the unit, not on b, m or s.
+    host copies (offload): the unit's boundary activation (b * seq * hidden * dtype bytes)
+    goes to the host in forward and comes back in backward.
+    With prefetch on a side stream the collective of the next unit and the host copy
+    (a DMA engine, not the SMs) run while this unit computes, so a unit costs
+    max(compute, collective, copy) per pass, not their sum.
+  optimizer:  s * P * optimizer_s_per_param (after the last reduce-scatter; not overlapped)
+  step time of the rank: sum over units and passes + optimizer; a rank with b = 0 still
+  takes part in every collective, so it costs the collective time.
+
+  peak memory (a sum of categories, each at its own peak, so it is an upper bound):
+    state       s * P * 16 (fp32 master + fp32 gradient shard + two fp32 Adam moments; the
+                compute-dtype copy of the parameters only exists in the gathered buffers)
+    gathered    current + prefetched unit in the compute dtype (the two largest units)
+    grad_accum  the full fp32 gradient of the unit being back-propagated (largest unit)
+    activations one block's (or the embedding's) recompute + backward at micro-batch m (profile)
+    boundary    (L + 1) boundary activations of all b samples (embedding and block outputs),
+                or one micro-batch's staging buffer when offloaded
+    logits      the head's recompute + backward at micro-batch m: its profile curve, and never
+                less than the fp32 softmax logits m * seq * vocab * 4
+    reserve     allocator fragmentation and workspace
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from cephalo.errors import CephaloError
+from cephalo.models import ModelSpec
+from cephalo.plan import Plan
+from cephalo.profile import CommProfile, DeviceProfile
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+STATE_BYTES_PER_PARAM = 16
+"""fp32 master (4) + fp32 gradient (4) + Adam exp_avg (4) + exp_avg_sq (4)."""
+GRAD_BYTES = 4
+"""Gradients are accumulated and reduced in fp32."""
+LOGIT_BYTES = 4
+"""The head's softmax runs in fp32."""
+DEFAULT_RESERVE_FRACTION = 0.05
+"""Share of each device's memory kept free for fragmentation and library workspaces."""
+MEMORY_CATEGORIES = ("state", "gathered", "grad_accum", "activations", "boundary", "logits", "reserve")
+
+
+class DeviceLike(Protocol):
+    """What the cost model reads of a device (`cephalo.cluster.Device` satisfies it)."""
+
+    type_key: str
+    memory_bytes: int
+
+
+@dataclass
+class MemoryBreakdown:
+    """Peak device memory of one rank by category, bytes (compare with the runtime's ledger)."""
+
+    state: int = 0
+    """Owned shard of fp32 master weights, gradients and Adam moments."""
+    gathered: int = 0
+    """Gathered compute-dtype parameters: current unit + prefetched unit."""
+    grad_accum: int = 0
+    """The full fp32 gradient buffer of one unit."""
+    activations: int = 0
+    """One unit's recompute + backward activations at the micro-batch size."""
+    boundary: int = 0
+    """Layer-boundary activations kept for backward (a staging buffer when offloaded)."""
+    logits: int = 0
+    """The head's fp32 logits for one micro-batch."""
+    reserve: int = 0
+    """Kept free for fragmentation and workspaces."""
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, c) for c in MEMORY_CATEGORIES)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class RankCost:
+    """The cost model's verdict on one rank of a plan."""
+
+    rank: int
+    device: str
+    step_s: float
+    """This rank's time for one step, its collectives included (the step is the max of these)."""
+    compute_s: float
+    """Forward + recompute + backward kernel time (busy time without the optimizer)."""
+    optimizer_s: float
+    comm_s: float
+    """Total collective time (mostly hidden under compute)."""
+    host_copy_s: float
+    """Total boundary-activation copy time to and from the host (0 without offload)."""
+    memory: MemoryBreakdown
+    capacity_bytes: int
+
+    @property
+    def busy_s(self) -> float:
+        return self.compute_s + self.optimizer_s
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.memory.total
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity_bytes
+
+    @property
+    def shortfall_bytes(self) -> int:
+        return max(0, self.memory.total - self.capacity_bytes)
+
+
+@dataclass
+class PlanEvaluation:
+    """A whole plan through the cost model."""
+
+    ranks: list[RankCost]
+    global_batch_size: int
+    seq_len: int
+    step_s: float = field(init=False)
+    samples_per_s: float = field(init=False)
+    tokens_per_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.step_s = max(r.step_s for r in self.ranks)
+        self.samples_per_s = self.global_batch_size / self.step_s if self.step_s > 0 else math.inf
+        self.tokens_per_s = self.samples_per_s * self.seq_len
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.ranks)
+
+
+class _CurveTable:
+    """A profile curve tabulated at integer micro-batch sizes 0..n (value 0 at 0), grown on demand."""
+
+    def __init__(self, curve, zero_at_zero: bool = True):
+        self.curve = curve
+        self.values = np.zeros(1)
+        self.zero_at_zero = zero_at_zero
+
+    def at(self, x: np.ndarray | int) -> np.ndarray:
+        x = np.asarray(x, dtype=np.int64)
+        need = int(x.max()) if x.size else 0
+        if need >= len(self.values):
+            n = max(need + 1, 2 * len(self.values))
+            start = len(self.values)
+            extra = np.array([self.curve(float(v)) for v in range(start, n)])
+            self.values = np.concatenate([self.values, extra])
+        return self.values[x]
+
+
+class _TypeTables:
+    """Tabulated curves of one device profile (one table per unit kind and quantity)."""
+
+    def __init__(self, profile: DeviceProfile):
+        self.profile = profile
+        self.fwd = {k: _CurveTable(u.fwd_s) for k, u in profile.units.items()}
+        self.bwd = {k: _CurveTable(u.bwd_s) for k, u in profile.units.items()}
+        self.act = {k: _CurveTable(u.activation_bytes) for k, u in profile.units.items()}
+
+
+class CostModel:
+    """Time and memory of each rank of a cluster for one model, sequence length and dtype."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        seq_len: int,
+        dtype: str,
+        devices: list[DeviceLike],
+        profiles: dict[str, DeviceProfile],
+        comm: CommProfile,
+        reserve_bytes: int | None = None,
+        reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
+        meta: dict[str, Any] | None = None,
+    ):
+        if dtype not in DTYPE_BYTES:
+            raise CephaloError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if seq_len < 1:
+            raise CephaloError(f"seq_len must be >= 1, got {seq_len}")
+        if not devices:
+            raise CephaloError("the cluster has no devices")
+        missing = sorted({d.type_key for d in devices} - set(profiles))
+        if missing:
+            raise CephaloError(f"no profile for device type(s) {', '.join(missing)}; profile them or use the catalog")
+        for key, p in profiles.items():
+            absent = {"embedding", "block", "head"} - set(p.units)
+            if absent:
+                raise CephaloError(f"profile of {key!r} lacks unit kind(s) {', '.join(sorted(absent))}")
+        self.model = model
+        self.seq_len = seq_len
+        self.dtype = dtype
+        self.devices = list(devices)
+        self.profiles = profiles
+        self.comm = comm
+        self.reserve_bytes = reserve_bytes
+        self.reserve_fraction = reserve_fraction
+        self.meta = dict(meta or {})
+        self.dtype_bytes = DTYPE_BYTES[dtype]
+        self.total_params = model.total_params
+        self._tables = {k: _TypeTables(p) for k, p in profiles.items()}
+
+        # Parameters each kind of unit gathers. A tied head gathers the token embedding too.
+        head_gathered = model.head_params + (model.vocab_size * model.hidden_size if model.tied_embeddings else 0)
+        self.gathered_params = {"embedding": model.embedding_params, "block": model.params_per_block,
+                                "head": head_gathered}
+        self.unit_counts = {"embedding": 1, "block": model.num_layers, "head": 1}
+        # Which passes move a boundary activation to or from the host under offload: the
+        # embedding and every block write their output in forward; every block and the head
+        # read their input back in backward.
+        self.copies_fwd = {"embedding": 1, "block": 1, "head": 0}
+        self.copies_bwd = {"embedding": 0, "block": 1, "head": 1}
+        self.num_boundaries = model.num_layers + 1
+
+        n = len(self.devices)
+        ring = (n - 1) / n if n > 1 else 0.0
+        latency = comm.latency_s if n > 1 else 0.0
+        self.comm_fwd_s: dict[str, float] = {}
+        self.comm_bwd_s: dict[str, float] = {}
+        for kind, p in self.gathered_params.items():
+            gather = ring * p * self.dtype_bytes / comm.bytes_per_s + latency
+            scatter = ring * p * GRAD_BYTES / comm.bytes_per_s + latency
+            self.comm_fwd_s[kind] = gather
+            self.comm_bwd_s[kind] = gather + scatter
+        self.comm_total_s = sum(c * (self.comm_fwd_s[k] + self.comm_bwd_s[k]) for k, c in self.unit_counts.items())
+
+        sorted_units = sorted(self.gathered_params.values(), reverse=True)
+        self.gathered_bytes = (sorted_units[0] + sorted_units[1]) * self.dtype_bytes
+        self.grad_accum_bytes = sorted_units[0] * GRAD_BYTES
+        self.sample_boundary_bytes = seq_len * model.hidden_size * self.dtype_bytes
+        self.sample_logit_bytes = seq_len * model.vocab_size * LOGIT_BYTES
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_catalog(cls, cluster, model_spec: ModelSpec, seq_len: int, dtype: str, **kw) -> CostModel:
+        """Profiles from the catalog (published measurements), links from the cluster spec."""
+        from cephalo.catalog import catalog_profile
+
+        profiles = {}
+        for d in cluster.devices:
+            if d.type_key not in profiles:
+                profiles[d.type_key] = catalog_profile(d.type, model_spec, seq_len, dtype)
+        return cls.from_profiles(cluster, model_spec, seq_len, dtype, profiles, **kw)
+
+    @classmethod
+    def from_profiles(cls, cluster, model_spec: ModelSpec, seq_len: int, dtype: str,
+                      profiles: dict[str, DeviceProfile], comm: CommProfile | None = None, **kw) -> CostModel:
+        """Any profiles (catalog or measured); collectives from `comm` or the cluster's links."""
+        if comm is None:
+            comm = CommProfile(bytes_per_s=cluster.slowest_link_bytes_per_s(), latency_s=cluster.collective_latency_s)
+        sources = sorted({p.source for p in profiles.values()})
+        meta = {"profile_source": ",".join(sources)}
+        return cls(model_spec, seq_len, dtype, list(cluster.devices), profiles, comm, meta=meta, **kw)
+
+    # ------------------------------------------------------------------ per-device constants
+    def capacity_bytes(self, rank: int) -> int:
+        return int(self.devices[rank].memory_bytes)
+
+    def reserve_for(self, capacity_bytes: int) -> int:
+        if self.reserve_bytes is not None:
+            return int(self.reserve_bytes)
+        return int(self.reserve_fraction * capacity_bytes)
+
+    def optimizer_s_per_param(self, type_key: str) -> float:
+        return self.profiles[type_key].optimizer_s_per_param
+
+    # ------------------------------------------------------------------ formulas (broadcasting)
+    def _pass_times(self, type_key: str, b, m):
+        """Per unit kind: (forward, recompute + backward) kernel time of b samples in micro-batches of m."""
+        b = np.asarray(b, dtype=np.int64)
+        m = np.maximum(np.asarray(m, dtype=np.int64), 1)
+        k = -(-b // m)  # ceil
+        full = np.maximum(k - 1, 0)
+        last = np.where(b > 0, b - full * m, 0)
+        t = self._tables[type_key]
+        out = {}
+        for kind in self.unit_counts:
+            fwd = full * t.fwd[kind].at(m) + t.fwd[kind].at(last)
+            bwd = fwd + full * t.bwd[kind].at(m) + t.bwd[kind].at(last)
+            out[kind] = (fwd, bwd)
+        return out
+
+    def step_time_parts(self, type_key: str, b, m, offload):
+        """(time without the optimizer, compute, host-copy time) of a rank; broadcasts over b, m, offload.
+
+        The optimizer (s * P * optimizer_s_per_param) is added by the caller because the
+        planner chooses s after the rest.
+        """
+        b = np.asarray(b, dtype=np.int64)
+        offload = np.asarray(offload, dtype=bool)
+        host_bw = self.profiles[type_key].host_copy_bytes_per_s
+        copy_one = np.where(offload, b * self.sample_boundary_bytes / host_bw, 0.0)
+        total = 0.0
+        compute = 0.0
+        copies = 0.0
+        for kind, (fwd, bwd) in self._pass_times(type_key, b, m).items():
+            count = self.unit_counts[kind]
+            cf = copy_one * self.copies_fwd[kind]
+            cb = copy_one * self.copies_bwd[kind]
+            total = total + count * (np.maximum(np.maximum(fwd, self.comm_fwd_s[kind]), cf)
+                                     + np.maximum(np.maximum(bwd, self.comm_bwd_s[kind]), cb))
+            compute = compute + count * (fwd + bwd)
+            copies = copies + count * (cf + cb)
+        return total, compute, copies
+
+    def memory_parts(self, type_key: str, capacity_bytes: int, b, m, offload) -> dict[str, np.ndarray]:
+        """Peak memory by category except `state` (which is s * P * 16); broadcasts over b, m, offload."""
+        b = np.asarray(b, dtype=np.int64)
+        m = np.maximum(np.asarray(m, dtype=np.int64), 1)
+        offload = np.asarray(offload, dtype=bool)
+        working = b > 0
+        # a micro-batch never holds more samples than the rank has
+        m_eff = np.where(working, np.minimum(m, np.maximum(b, 1)), 0)
+        t = self._tables[type_key]
+        # The head's recompute memory is its logits: counted under `logits`, never below the fp32
+        # softmax copy; the other kinds' recompute memory under `activations`. Both are summed
+        # although they are live in different units' backward: an upper bound, on purpose.
+        act = np.maximum(t.act["embedding"].at(m_eff), t.act["block"].at(m_eff))
+        logits = np.maximum(t.act["head"].at(m_eff), m_eff * self.sample_logit_bytes)
+        boundary = np.where(offload, m_eff * self.sample_boundary_bytes,
+                            self.num_boundaries * b * self.sample_boundary_bytes)
+        zeros = np.zeros(np.broadcast_shapes(b.shape, m.shape, offload.shape), dtype=np.float64)
+        return {
+            "gathered": zeros + self.gathered_bytes,
+            "grad_accum": zeros + self.grad_accum_bytes,
+            "activations": zeros + np.where(working, act, 0.0),
+            "boundary": zeros + boundary,
+            "logits": zeros + np.where(working, logits, 0.0),
+            "reserve": zeros + self.reserve_for(capacity_bytes),
+        }
+
+    def memory_without_state(self, type_key: str, capacity_bytes: int, b, m, offload) -> np.ndarray:
+        # whole bytes per category, exactly as `rank_cost` reports them
+        parts = self.memory_parts(type_key, capacity_bytes, b, m, offload)
+        return sum(np.ceil(v) for v in parts.values())
+
+    def state_bytes(self, fraction) -> np.ndarray:
+        return np.asarray(fraction) * self.total_params * STATE_BYTES_PER_PARAM
+
+    # ------------------------------------------------------------------ one rank, one plan
+    def rank_cost(self, rank: int, batch_size: int, micro_batch_size: int, state_fraction: float,
+                  offload: bool = False) -> RankCost:
+        dev = self.devices[rank]
+        key = dev.type_key
+        cap = self.capacity_bytes(rank)
+        total, compute, copies = self.step_time_parts(key, batch_size, micro_batch_size, offload)
+        opt = state_fraction * self.total_params * self.optimizer_s_per_param(key)
+        parts = self.memory_parts(key, cap, batch_size, micro_batch_size, offload)
+        mem = MemoryBreakdown(state=int(math.ceil(float(self.state_bytes(state_fraction)))),
+                              **{k: int(math.ceil(float(v))) for k, v in parts.items()})
+        return RankCost(rank=rank, device=key, step_s=float(total) + opt, compute_s=float(compute),
+                        optimizer_s=opt, comm_s=self.comm_total_s, host_copy_s=float(copies),
+                        memory=mem, capacity_bytes=cap)
+
+    def evaluate(self, plan: Plan) -> PlanEvaluation:
+        """Per-rank time and memory of any plan (made by the planner or by hand)."""
+        if plan.world_size != len(self.devices):
+            raise CephaloError(
+                f"the plan has {plan.world_size} ranks but the cluster has {len(self.devices)} devices; "
+                "simulate it on the cluster it was made for (--cluster)"
+            )
+        if plan.seq_len != self.seq_len or plan.dtype != self.dtype:
+            raise CephaloError(
+                f"the plan is for seq_len {plan.seq_len} / {plan.dtype} but the cost model for "
+                f"seq_len {self.seq_len} / {self.dtype}"
+            )
+        for r, d in zip(plan.ranks, self.devices, strict=True):
+            if r.device != d.type_key:
+                raise CephaloError(
+                    f"rank {r.rank} of the plan is a {r.device!r} but device {r.rank} of the cluster is a "
+                    f"{d.type_key!r}; list the devices in the plan's order"
+                )
+        costs = [self.rank_cost(r.rank, r.batch_size, r.micro_batch_size, r.state_fraction, r.offload_activations)
+                 for r in plan.ranks]
+        return PlanEvaluation(ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len)

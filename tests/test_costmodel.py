@@ -1,0 +1,120 @@
+"""The cost model's formulas on cases small enough to compute by hand (see each test's arithmetic)."""
+
+import math
+
+import pytest
+
+from cephalo import CephaloError, Plan, RankPlan
+from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
+
+# tiny model: embedding 50, 2 blocks of 100, head 20 params -> P = 270; seq 3, hidden 4, vocab 10, fp16
+# F(m) = 1.0 m, B(m) = 2.0 m seconds; activation 1000 m bytes (embedding, block), head curve 0
+# two devices, link 100 B/s, latency 0.5 s -> ring factor (n-1)/n = 1/2
+#   gather (fp16) / reduce-scatter (fp32):
+#   embedding  0.5*50*2/100 + 0.5 = 1.0    0.5*50*4/100 + 0.5 = 1.5   -> fwd 1.0, bwd 2.5
+#   block      0.5*100*2/100 + 0.5 = 1.5   0.5*100*4/100 + 0.5 = 2.5  -> fwd 1.5, bwd 4.0
+#   head       0.5*20*2/100 + 0.5 = 0.7    0.5*20*4/100 + 0.5 = 0.9   -> fwd 0.7, bwd 1.6
+
+
+def _cm(host_bytes_per_s=1e12, tied=False):
+    prof = linear_profile("x", 1.0, 2.0, 1000.0, optimizer_s_per_param=0.01, host_bytes_per_s=host_bytes_per_s)
+    devs = [FakeDevice("x", 10_000), FakeDevice("x", 10_000)]
+    return cost_model(devs, {"x": prof}, model=tiny_model(tied), bytes_per_s=100.0, latency_s=0.5, reserve_bytes=100)
+
+
+def test_compute_bound_time_and_memory():
+    # b=5, m=2: k=3 micro-batches (2, 2, 1). per unit fwd = 2*2 + 1 = 5, bwd = 5 (recompute) + 2*4 + 2 = 15;
+    # compute beats every collective, so 4 units x (5 + 15) = 80; optimizer 0.5 * 270 * 0.01 = 1.35
+    c = _cm().rank_cost(0, batch_size=5, micro_batch_size=2, state_fraction=0.5)
+    assert c.step_s == pytest.approx(81.35)
+    assert c.compute_s == pytest.approx(80.0)
+    assert c.optimizer_s == pytest.approx(1.35)
+    assert c.host_copy_s == 0.0
+    # state 0.5*270*16 = 2160; gathered (100 + 50) * 2 = 300; grad accum 100 * 4 = 400; activations 1000*2 = 2000;
+    # boundary 3 boundaries x 5 samples x (3*4*2 = 24) = 360; logits max(0, 2*3*10*4) = 240; reserve 100
+    m = c.memory
+    assert (m.state, m.gathered, m.grad_accum, m.activations, m.boundary, m.logits, m.reserve) == (
+        2160, 300, 400, 2000, 360, 240, 100)
+    assert c.peak_bytes == 5560 and c.fits
+
+
+def test_comm_bound_time_overlaps_not_adds():
+    # b=1, m=1: fwd 1, bwd 1 + 2 = 3; per unit max(compute, comm) per pass:
+    # embedding max(1, 1.0) + max(3, 2.5) = 4; blocks 2 x (max(1, 1.5) + max(3, 4.0)) = 11; head max(1, .7) + max(3, 1.6) = 4
+    c = _cm().rank_cost(0, 1, 1, 0.0)
+    assert c.step_s == pytest.approx(19.0)
+    assert c.comm_s == pytest.approx(3.5 + 2 * 5.5 + 2.3)
+
+
+def test_rank_without_samples_pays_collectives_and_needs_no_activations():
+    c = _cm().rank_cost(1, 0, 1, 0.25)
+    # comm only: 3.5 + 2 * 5.5 + 2.3 = 16.8; optimizer 0.25 * 270 * 0.01 = 0.675
+    assert c.step_s == pytest.approx(16.8 + 0.675)
+    assert c.memory.activations == c.memory.boundary == c.memory.logits == 0
+    assert c.memory.state == 1080
+
+
+def test_offload_moves_boundaries_to_host_and_costs_copies():
+    cm = _cm(host_bytes_per_s=1.0)
+    c = cm.rank_cost(0, 5, 2, 0.0, offload=True)
+    # one boundary of 5 samples = 5*24 = 120 bytes at 1 B/s = 120 s per copy, dominating compute:
+    # embedding fwd max(5, 1, 120) + bwd max(15, 2.5, 0); blocks 2 x (120 + 120); head fwd 5 + bwd 120
+    assert c.step_s == pytest.approx(120 + 15 + 480 + 5 + 120)
+    # (L + 1) = 3 boundaries out in forward and 3 back in backward
+    assert c.host_copy_s == pytest.approx(6 * 120)
+    # on the device only one micro-batch's staging buffer: 2 * 24
+    assert c.memory.boundary == 48
+    on_device = cm.rank_cost(0, 5, 2, 0.0, offload=False)
+    assert on_device.memory.boundary == 360 and on_device.step_s == pytest.approx(80.0)
+
+
+def test_tied_head_gathers_the_embedding():
+    # head gathers 20 + vocab*hidden = 60 params: two largest units 100 + 60 -> 320 bytes in fp16
+    c = _cm(tied=True).rank_cost(0, 1, 1, 0.0)
+    assert c.memory.gathered == 320
+
+
+def test_single_device_has_no_collectives():
+    prof = linear_profile("x", 1.0, 2.0, 0.0, optimizer_s_per_param=0.0)
+    cm = cost_model([FakeDevice("x", 10**6)], {"x": prof}, bytes_per_s=1.0, latency_s=10.0)
+    assert cm.rank_cost(0, 1, 1, 1.0).step_s == pytest.approx(4 * (1 + 3))
+
+
+def test_micro_batch_larger_than_batch_is_clamped_in_memory():
+    cm = _cm()
+    assert cm.rank_cost(0, 2, 8, 0.0).memory == cm.rank_cost(0, 2, 2, 0.0).memory
+
+
+def test_evaluate_plan_and_mismatches():
+    cm = _cm()
+    ranks = [RankPlan(0, "x", 5, 2, 3, 0.5), RankPlan(1, "x", 0, 1, 0, 0.5)]
+    plan = Plan("manual", "tiny", 3, 5, "fp16", ranks)
+    ev = cm.evaluate(plan)
+    assert ev.step_s == pytest.approx(81.35)
+    assert ev.samples_per_s == pytest.approx(5 / 81.35)
+    assert ev.tokens_per_s == pytest.approx(3 * 5 / 81.35)
+    assert ev.fits
+    with pytest.raises(CephaloError, match="has 1 ranks but the cluster has 2"):
+        cm.evaluate(Plan("manual", "tiny", 3, 5, "fp16", [RankPlan(0, "x", 5, 5, 1, 1.0)]))
+    wrong = Plan("manual", "tiny", 3, 5, "fp16", [RankPlan(0, "x", 5, 2, 3, 0.5), RankPlan(1, "y", 0, 1, 0, 0.5)])
+    with pytest.raises(CephaloError, match="rank 1 of the plan is a 'y'"):
+        cm.evaluate(wrong)
+
+
+def test_over_capacity_is_flagged():
+    cm = _cm()
+    c = cm.rank_cost(0, 40, 40, 1.0)
+    assert not c.fits and c.shortfall_bytes == c.peak_bytes - 10_000 > 0
+
+
+def test_missing_profile_is_a_clear_error():
+    prof = linear_profile("x", 1.0, 2.0, 0.0, 0.0)
+    with pytest.raises(CephaloError, match="no profile for device type"):
+        cost_model([FakeDevice("y", 100)], {"x": prof})
+
+
+def test_step_time_is_monotone_in_batch():
+    cm = _cm()
+    times = [min(cm.rank_cost(0, b, m, 0.0).step_s for m in range(1, max(b, 1) + 1)) for b in range(0, 12)]
+    assert all(a <= b + 1e-12 for a, b in zip(times, times[1:], strict=False))
+    assert math.isfinite(times[-1])
