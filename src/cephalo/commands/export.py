@@ -1,0 +1,133 @@
+"""`cephalo export`: a checkpoint's weights as whole tensors (safetensors), or as a `transformers` model."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EPILOG = """\
+examples:
+  cephalo export runs/demo --out demo.safetensors                 # newest checkpoint of a run
+  cephalo export --checkpoint runs/demo/checkpoints/step_000040 --out w.safetensors
+  cephalo export runs/hf-gpt2 --hf runs/hf-gpt2/export           # transformers directory
+
+The safetensors file holds every parameter once, fp32, named `<unit>.<param>` (e.g.
+`blocks.0.attn.c_attn.weight`). `--hf DIR` writes config.json + model.safetensors that
+`AutoModelForCausalLM.from_pretrained(DIR)` loads (hf-* models and the built-in GPT, as GPT-2).
+The checkpoint may come from any plan or world size: export runs in one process.
+"""
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote."""
+
+    checkpoint: Path
+    step: int
+    model: str
+    num_params: int
+    out: Path | None
+    hf_dir: Path | None
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="export a checkpoint to safetensors / transformers",
+        description=__doc__.split(":", 1)[1].strip(),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("source", nargs="?", default=None,
+                   help="a run directory, a checkpoint root, or one step_N checkpoint")
+    p.add_argument("--checkpoint", metavar="DIR", default=None, help="the same as SOURCE")
+    p.add_argument("--out", metavar="FILE", default=None, help="write the weights to this .safetensors file")
+    p.add_argument("--hf", metavar="DIR", default=None, help="write a transformers model directory")
+    p.set_defaults(func=run)
+
+
+def find_checkpoint(source: str | Path) -> Path:
+    """The checkpoint `source` names: a step_N directory, a root of them (newest complete
+    one), or a run directory (its checkpoints/)."""
+    from cephalo.errors import CephaloError
+    from cephalo.train.checkpoint import MARKER, latest_checkpoint, verify_checkpoint
+
+    path = Path(source)
+    if not path.exists():
+        raise CephaloError(f"export: {path} does not exist; give a run directory or a checkpoint")
+    if (path / MARKER).is_file():
+        verify_checkpoint(path)
+        return path
+    for root in (path / "checkpoints", path):
+        if root.is_dir():
+            found = latest_checkpoint(root)
+            if found is not None:
+                return found
+    raise CephaloError(f"export: no complete checkpoint in {path} (nor in {path / 'checkpoints'})")
+
+
+def _model_config(checkpoint: Path) -> dict[str, Any]:
+    """The [model] section the checkpoint was trained with (saved in its trainer state)."""
+    import torch
+
+    from cephalo.errors import CephaloError
+    from cephalo.train.checkpoint import TRAINER_STATE_FILE
+
+    state = torch.load(checkpoint / TRAINER_STATE_FILE, weights_only=True)
+    model = (state.get("config") or {}).get("model")
+    if not model:
+        raise CephaloError(f"export: {checkpoint} does not record its model config (not written by `cephalo train`?)")
+    return model
+
+
+def export_checkpoint(source: str | Path, out: str | Path | None = None, hf_dir: str | Path | None = None) -> ExportResult:
+    """Load a checkpoint in one process (any saved layout) and write its weights."""
+    from safetensors.torch import save_file
+
+    from cephalo.cluster import Cluster
+    from cephalo.errors import CephaloError
+    from cephalo.modeling.hf import to_hf_model
+    from cephalo.modeling.registry import build_model
+    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.train.checkpoint import load_checkpoint
+    from cephalo.train.trainer import simple_plan
+
+    if out is None and hf_dir is None:
+        raise CephaloError("export: say where to write: --out FILE.safetensors and/or --hf DIR")
+    checkpoint = find_checkpoint(source)
+    mc = _model_config(checkpoint)
+    model = build_model(mc["name"], **mc.get("overrides", {}))
+    spec = model.spec
+    plan = simple_plan("even", Cluster.parse("cpu"), mc["name"], spec.max_seq_len or 1, 1, "fp32")
+    comm = LocalComm()
+    engine = Engine(model, plan, comm, EngineConfig(compute_dtype="fp32", seed=int(mc.get("seed", 0))))
+    step, _, _ = load_checkpoint(checkpoint, engine.sharded_state(), comm)
+    state = engine.full_state_dict()
+    out_path = Path(out) if out is not None else None
+    if out_path is not None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(out_path), metadata={"format": "cephalo", "model": mc["name"], "step": str(step)})
+    hf_path = Path(hf_dir) if hf_dir is not None else None
+    if hf_path is not None:
+        to_hf_model(model, state).save_pretrained(str(hf_path))
+    return ExportResult(checkpoint, step, mc["name"], sum(t.numel() for t in state.values()), out_path, hf_path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cephalo.errors import CephaloError
+    from cephalo.log import init_logging, logger
+
+    init_logging()
+    source = args.source or args.checkpoint
+    if source is None:
+        raise CephaloError("export: give a run directory or checkpoint (SOURCE or --checkpoint DIR)")
+    if args.source and args.checkpoint and args.source != args.checkpoint:
+        raise CephaloError("export: give the checkpoint once (SOURCE or --checkpoint), not two different ones")
+    r = export_checkpoint(source, args.out, args.hf)
+    where = " and ".join(str(p) for p in (r.out, r.hf_dir) if p is not None)
+    logger.info("exported %s step %d (%s, %.2fM parameters) to %s", r.checkpoint, r.step, r.model,
+                r.num_params / 1e6, where)
+    return 0

@@ -1,0 +1,192 @@
+"""The trainer in one process: schedule, metrics, run directory, resume, non-finite steps,
+plan resolution, and the HF GPT-2 round trip through `cephalo export`."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from cephalo.cli import main as cli_main
+from cephalo.cluster import Cluster
+from cephalo.errors import CephaloError
+from cephalo.plan import Plan
+from cephalo.runtime.engine import Engine, StepStats
+from cephalo.train.config import load_config
+from cephalo.train.lr import LRSchedule
+from cephalo.train.metrics import read_metrics, truncate_metrics
+from cephalo.train.trainer import job_cluster, resolve_plan, simple_plan, train
+
+
+def tiny_config(tmp_path, *extra: str):
+    return load_config(None, [
+        f"--logging.dir={tmp_path / 'run'}", "--logging.progress=false",
+        "--model.name=gpt-tiny", "--data.seq_len=16", "--train.global_batch_size=4",
+        "--train.steps=6", "--train.warmup_steps=2", "--train.eval_every=3", "--train.eval_batches=2",
+        "--train.lr=1e-2", "--train.min_lr=1e-3", "--parallel.plan=even", "--checkpoint.every=3", *extra,
+    ])
+
+
+# ----------------------------------------------------------------------------- lr schedule
+def test_lr_warmup_then_cosine_to_min():
+    s = LRSchedule(peak_lr=1.0, min_lr=0.1, warmup_steps=4, total_steps=20)
+    assert [s(i) for i in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert s(19) == pytest.approx(0.1)
+    decay = [s(i) for i in range(3, 20)]
+    assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))
+    assert s(11.5) == pytest.approx(0.55)  # halfway through the decay: the midpoint
+
+
+def test_lr_constant_and_bad_input():
+    s = LRSchedule(1e-3, 1e-4, 0, 5, kind="constant")
+    assert [s(i) for i in range(5)] == [1e-3] * 5
+    with pytest.raises(CephaloError, match="warmup_steps"):
+        LRSchedule(1.0, 0.1, 5, 5)
+    with pytest.raises(CephaloError, match="min_lr"):
+        LRSchedule(1.0, 2.0, 0, 5)
+
+
+# ----------------------------------------------------------------------------- plans
+def test_simple_plans_split_by_speed():
+    cluster = Cluster.parse("cpu,cpu:slowdown=2,cpu:slowdown=4")
+    prop = simple_plan("proportional", cluster, "gpt-tiny", 16, 14, "fp32")
+    assert prop.batch_sizes == [8, 4, 2]
+    even = simple_plan("even", cluster, "gpt-tiny", 16, 8, "fp32")
+    assert even.batch_sizes == [3, 3, 2]
+    assert sum(even.state_fractions) == pytest.approx(1.0)
+    even.validate(world_size=3, model="gpt-tiny")
+
+
+def test_plan_file_is_checked_against_the_job(tmp_path):
+    path = tmp_path / "plan.json"
+    simple_plan("even", Cluster.parse("cpu,cpu"), "gpt-tiny", 16, 4, "fp32").to_json(path)
+    cfg = tiny_config(tmp_path, f"--parallel.plan={path}")
+    assert resolve_plan(cfg, Cluster.parse("cpu,cpu"), 2).batch_sizes == [2, 2]
+    with pytest.raises(CephaloError, match="the plan is for 2 ranks but the job has 3"):
+        resolve_plan(cfg, Cluster.parse("cpu,cpu,cpu"), 3)
+    with pytest.raises(CephaloError, match="global batch of 4"):
+        resolve_plan(tiny_config(tmp_path, f"--parallel.plan={path}", "--train.global_batch_size=6"),
+                     Cluster.parse("cpu,cpu"), 2)
+
+
+def test_devices_must_match_world_size(tmp_path):
+    cfg = tiny_config(tmp_path, "--parallel.devices=cpu,cpu:slowdown=2")
+    assert [d.slowdown for d in job_cluster(cfg, 2).devices] == [1.0, 2.0]
+    with pytest.raises(CephaloError, match="lists 2 device"):
+        job_cluster(cfg, 3)
+
+
+def test_sequence_longer_than_the_model_is_an_error(tmp_path):
+    with pytest.raises(CephaloError, match="data.seq_len = 64 is longer"):
+        train(tiny_config(tmp_path, "--data.seq_len=64"))
+
+
+# ----------------------------------------------------------------------------- a run
+def test_run_writes_metrics_config_plan_and_checkpoints(tmp_path):
+    cfg = tiny_config(tmp_path)
+    result = train(cfg)
+    run = tmp_path / "run"
+    assert sorted(result.losses) == list(range(1, 7))
+    assert all(math.isfinite(v) for v in result.losses.values())
+    assert sorted(result.val_losses) == [3, 6]
+    steps = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    first = steps[0]
+    assert first["loss"] == pytest.approx(result.losses[1])
+    assert first["lr"] == pytest.approx(cfg.train.lr / 2)  # warmup step 1 of 2
+    assert first["tokens"] == 4 * 16 and first["tokens_per_s"] > 0 and first["grad_norm"] > 0
+    assert set(first["ranks"]) == {"busy_s", "comm_wait_s", "idle_s", "peak_bytes"}
+    assert len(first["ranks"]["peak_bytes"]) == 1 and first["ranks"]["peak_bytes"][0] > 0
+    evals = read_metrics(run / "metrics.jsonl", kind="eval")
+    assert [r["step"] for r in evals] == [3, 6]
+    assert load_config(run / "config.toml").to_dict() == cfg.to_dict()
+    assert Plan.from_json(run / "plan.json").batch_sizes == [4]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
+    # the loss falls: the model learns something within a few steps
+    assert result.losses[6] < result.losses[1]
+
+
+def test_resume_continues_the_exact_trajectory(tmp_path):
+    cfg = tiny_config(tmp_path)
+    full = train(cfg)
+    run = tmp_path / "run"
+    # lose the last checkpoint, as if the job had died after step 3
+    shutil.rmtree(run / "checkpoints" / "step_000006")
+    resumed = train(tiny_config(tmp_path))
+    assert resumed.start_step == 3
+    assert sorted(resumed.losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed.losses[step] == full.losses[step]
+    assert resumed.val_losses[6] == full.val_losses[6]
+    # the metrics of the re-run steps replace the old ones instead of repeating them
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 7))
+    # resuming a finished run does nothing
+    again = train(tiny_config(tmp_path))
+    assert again.start_step == 6 and again.losses == {}
+
+
+def test_truncate_metrics_keeps_earlier_records(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"kind": "step", "step": s}) + "\n" for s in range(1, 6)))
+    truncate_metrics(path, 3)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+
+
+def test_nonfinite_steps_are_skipped_then_stop_with_a_checkpoint(tmp_path, monkeypatch):
+    real_step = Engine.train_step
+
+    def flaky_step(self, input_ids, labels, lr):
+        stats = real_step(self, input_ids, labels, lr)
+        if self.step_index >= 3:  # from the 3rd step on the loss "diverges"
+            return StepStats(**{**stats.__dict__, "loss": float("nan"), "skipped": True})
+        return stats
+
+    monkeypatch.setattr(Engine, "train_step", flaky_step)
+    cfg = tiny_config(tmp_path, "--train.max_nonfinite_skips=2", "--train.steps=10", "--train.eval_every=0",
+                      "--checkpoint.every=0")
+    with pytest.raises(CephaloError, match="not finite for 3 steps in a row"):
+        train(cfg)
+    steps = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["skipped"] for r in steps] == [False, False, True, True, True]
+    assert steps[-1]["loss"] == "nan"
+    assert (tmp_path / "run" / "checkpoints" / "step_000005").is_dir()
+
+
+# ----------------------------------------------------------------------------- HF round trip
+def test_hf_gpt2_trains_and_exports_to_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from cephalo.modeling.registry import build_model
+
+    run = tmp_path / "hf"
+    rc = cli_main(["train", "--model.name=hf-gpt2-tiny", f"--logging.dir={run}", "--logging.progress=false",
+                   "--data.seq_len=32", "--train.steps=3", "--train.warmup_steps=1", "--train.global_batch_size=4",
+                   "--train.eval_every=0", "--parallel.plan=even"])
+    assert rc == 0
+    out = tmp_path / "w.safetensors"
+    assert cli_main(["export", str(run), "--out", str(out), "--hf", str(tmp_path / "hf-model")]) == 0
+    state = load_file(str(out))
+
+    # our model with the exported weights, run unit by unit
+    model = build_model("hf-gpt2-tiny").materialize("cpu", torch.Generator().manual_seed(123))
+    with torch.no_grad():
+        for unit, name, p in model.named_unit_parameters():
+            p.copy_(state[f"{unit}.{name}"])
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        h = model.units[0].module(x)
+        for u in model.units[1:-1]:
+            h = u.module(h)
+        ours = model.units[-1].module.logits(h)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf-model")).eval()
+        theirs = hf(x).logits
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5), (ours - theirs).abs().max()
+    # and the trained weights are not the initial ones (the export carries the training)
+    init = build_model("hf-gpt2-tiny").materialize("cpu", torch.Generator().manual_seed(0))
+    first = next(iter(init.named_unit_parameters()))
+    assert not torch.equal(state[f"{first[0]}.{first[1]}"], first[2].detach())
