@@ -1,5 +1,5 @@
-"""Helpers shared by the engine tests: plans, data, a unit-by-unit single-process reference
-(with the engine's per-sample dropout masks), and the parameter comparison."""
+"""Helpers shared by the engine tests: plans, data, the reference trainers of
+tests/reference.py driven by an engine config, and the parameter comparison."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import math
 import pytest
 import torch
 
-from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX
 from cephalo.plan import Plan, RankPlan
-from cephalo.runtime.dropout import SampleDropout
 from cephalo.runtime.engine import EngineConfig
-from cephalo.runtime.param_groups import wants_weight_decay
+from reference import OptimConfig, model_factory, train_reference
 
 # AdamW eps for the equivalence tests. Some gradients are exactly zero in exact arithmetic
 # (the attention key bias: softmax is shift-invariant) and come out as ~1e-10 rounding noise
@@ -59,33 +57,15 @@ def rank_slice(plan: Plan, rank: int, x: torch.Tensor) -> torch.Tensor:
     return x[start : start + plan.ranks[rank].batch_size]
 
 
-def reference_train(model_name: str, overrides: dict, data, cfg: EngineConfig, lr: float = LR):
-    """One process, whole global batch, torch.optim.AdamW + clip_grad_norm_; the units run
-    in order under the same per-sample dropout masks as the engine. Returns (params by
-    `<unit>.<param>`, per-step losses, per-step grad norms)."""
-    model = build_model(model_name, **overrides).materialize("cpu", torch.Generator().manual_seed(cfg.seed))
-    named = [(f"{u}.{n}", p) for u, n, p in model.named_unit_parameters()]
-    decay = [p for n, p in named if wants_weight_decay(n, p)]
-    no_decay = [p for n, p in named if not wants_weight_decay(n, p)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=cfg.betas, eps=cfg.eps,
-    )
-    model.train()
-    losses, norms = [], []
-    for step, (x, y) in enumerate(data):
-        h = x
-        for i, unit in enumerate(model.units):
-            with SampleDropout(cfg.seed, step, i, 0):
-                h = unit.module(h, y) if unit.kind == "head" else unit.module(h)
-        loss = h / (y != IGNORE_INDEX).sum()
-        opt.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.grad_clip if cfg.grad_clip else math.inf)
-        opt.step()
-        losses.append(loss.item())
-        norms.append(norm.item())
-    return {n: p.detach().clone() for n, p in named}, losses, norms
+def optim_config(cfg: EngineConfig, lr: float = LR) -> OptimConfig:
+    """The reference trainers' settings for an engine config."""
+    return OptimConfig(lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                       grad_clip=cfg.grad_clip, seed=cfg.seed)
+
+
+def run_reference(model: str, overrides: dict, data, cfg: EngineConfig):
+    """`train_reference` (one process, whole global batch) for an engine config."""
+    return train_reference(model_factory(model, cfg.seed, **overrides), data, optim_config(cfg))
 
 
 def max_rel_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:

@@ -18,7 +18,7 @@ from engine_common import (
     make_plan,
     max_rel_diff,
     one_thread,
-    reference_train,
+    run_reference,
 )
 
 STEPS = 5
@@ -37,8 +37,9 @@ def test_single_rank_matches_reference(dropout, micro):
     cfg = EngineConfig(eps=TEST_EPS, weight_decay=0.1, grad_clip=0.5)
     data = make_data(STEPS, 5)
     engine, stats = _train(make_plan([5], [1.0], [micro]), cfg, data, {"dropout": dropout})
-    ref, losses, norms = reference_train("gpt-tiny", {"dropout": dropout}, data, cfg)
-    diff, worst = max_rel_diff(engine.full_state_dict(), ref)
+    ref = run_reference("gpt-tiny", {"dropout": dropout}, data, cfg)
+    losses, norms = ref.losses, ref.grad_norms
+    diff, worst = max_rel_diff(engine.full_state_dict(), ref.params)
     assert diff <= 1e-5, f"max relative difference {diff:.2e} in {worst}"
     for s, loss, norm in zip(stats, losses, norms, strict=True):
         assert s.loss == pytest.approx(loss, rel=1e-5)

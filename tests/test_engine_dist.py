@@ -1,0 +1,137 @@
+"""The engine on 3 gloo ranks (one process pool for the module): uneven plans reproduce
+the single-process reference; even plans reproduce FSDP2; state follows the fractions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cephalo.modeling.registry import build_model
+from cephalo.runtime.comm import make_comm
+from cephalo.runtime.engine import Engine, EngineConfig
+from dist_harness import dist_pool_fixture
+from engine_common import (
+    LR,
+    TEST_EPS,
+    make_data,
+    make_plan,
+    max_rel_diff,
+    one_thread,
+    optim_config,
+    rank_slice,
+    run_reference,
+)
+from reference import model_factory, train_fsdp2
+
+__all__ = ["one_thread"]
+pool3 = dist_pool_fixture(3, timeout_s=300)
+STEPS = 5
+UNEVEN = dict(batches=[5, 2, 1], fractions=[0.6, 0.3, 0.1], micro=[2, 1, 1])
+
+
+def _engine_run(model: str, overrides: dict, plan, cfg: EngineConfig, data):
+    """On every rank: train, return (params if rank 0, losses, norms, state bytes, calls)."""
+    torch.set_num_threads(1)
+    comm = make_comm("gloo")
+    engine = Engine(build_model(model, **overrides), plan, comm, cfg)
+    state_bytes = engine.ledger.current_by_category["state"]
+    comm.counters.reset()
+    stats = [
+        engine.train_step(rank_slice(plan, comm.rank, x), rank_slice(plan, comm.rank, y), lr=LR)
+        for x, y in data
+    ]
+    full = engine.full_state_dict()
+    return {
+        "params": full if comm.rank == 0 else None,
+        "losses": [s.loss for s in stats],
+        "norms": [s.grad_norm for s in stats],
+        "state_bytes": state_bytes,
+        "unit_sizes": [us.size for us in engine.shards],
+        "calls": dict(comm.counters.calls),
+    }
+
+
+def _fsdp2_run(model: str, overrides: dict, cfg: EngineConfig, data, batch_sizes):
+    torch.set_num_threads(1)
+    run = train_fsdp2(model_factory(model, cfg.seed, **overrides), data, optim_config(cfg), batch_sizes=batch_sizes)
+    return run.params
+
+
+def _check_against_reference(results, ref, label):
+    diff, worst = max_rel_diff(results[0]["params"], ref.params)
+    print(f"{label}: max relative parameter difference {diff:.2e} ({worst})")
+    assert diff <= 1e-5, f"{label}: max relative difference {diff:.2e} in {worst}"
+    for r in results:
+        assert r["losses"] == pytest.approx(ref.losses, rel=1e-5)
+        assert r["norms"] == pytest.approx(ref.grad_norms, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["lga", "standard"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_uneven_plan_matches_single_process_reference(pool3, dropout, mode):
+    plan = make_plan(**UNEVEN)
+    cfg = EngineConfig(mode=mode, eps=TEST_EPS, weight_decay=0.1, grad_clip=0.5)
+    data = make_data(STEPS, plan.global_batch_size)
+    results = pool3.run(_engine_run, "gpt-tiny", {"dropout": dropout}, plan, cfg, data)
+    ref = run_reference("gpt-tiny", {"dropout": dropout}, data, cfg)
+    assert any(n > 0.5 for n in ref.grad_norms), "clipping must be active"
+    _check_against_reference(results, ref, f"gpt-tiny dropout={dropout} {mode}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, dropout", [("hf-gpt2-tiny", 0.1), ("hf-llama-tiny", 0.0)])
+def test_uneven_plan_matches_reference_hf_models(pool3, model, dropout):
+    plan = make_plan(**UNEVEN)
+    cfg = EngineConfig(eps=TEST_EPS, weight_decay=0.1, grad_clip=0.5)
+    data = make_data(STEPS, plan.global_batch_size)
+    results = pool3.run(_engine_run, model, {"dropout": dropout}, plan, cfg, data)
+    ref = run_reference(model, {"dropout": dropout}, data, cfg)
+    _check_against_reference(results, ref, f"{model} dropout={dropout}")
+
+
+@pytest.mark.slow
+def test_memory_only_rank_and_zero_fraction_rank(pool3):
+    """A rank with batch 0 (state only) and a rank with fraction 0 (compute only)."""
+    plan = make_plan([4, 0, 2], [0.0, 0.7, 0.3], [3, 1, 2])
+    cfg = EngineConfig(eps=TEST_EPS)
+    data = make_data(3, plan.global_batch_size)
+    results = pool3.run(_engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data)
+    assert results[0]["state_bytes"] == 0
+    _check_against_reference(results, run_reference("gpt-tiny", {"dropout": 0.1}, data, cfg), "zero rank")
+
+
+@pytest.mark.slow
+def test_even_plan_matches_fsdp2(pool3):
+    plan = make_plan([2, 2, 2], [1 / 3] * 3, [1, 2, 1])
+    cfg = EngineConfig(eps=TEST_EPS, weight_decay=0.1, grad_clip=0.5)
+    data = make_data(STEPS, plan.global_batch_size)
+    ours = pool3.run(_engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data)
+    fsdp = pool3.run(_fsdp2_run, "gpt-tiny", {"dropout": 0.1}, cfg, data, plan.batch_sizes)
+    diff, worst = max_rel_diff(ours[0]["params"], fsdp[0])
+    print(f"even plan vs FSDP2: max relative parameter difference {diff:.2e} ({worst})")
+    assert diff <= 1e-5, f"{diff:.2e} in {worst}"
+
+
+@pytest.mark.slow
+def test_state_follows_fractions_and_collectives_do_not_depend_on_micro_batches(pool3):
+    fractions = [0.6, 0.3, 0.1]
+    data = make_data(1, 8)
+    runs = {}
+    for micro in (1, 2, 4):
+        plan = make_plan([4, 2, 2], fractions, [micro, min(micro, 2), 1])
+        runs[micro] = pool3.run(_engine_run, "gpt-tiny", {}, plan, EngineConfig(), data)
+    res = runs[1]
+    total = sum(r["state_bytes"] for r in res)
+    units = len(res[0]["unit_sizes"])
+    for r, f in zip(res, fractions, strict=True):
+        # 16 bytes per owned element; each unit rounds by at most one element
+        assert abs(r["state_bytes"] - f * total) <= 16 * units
+        assert r["state_bytes"] == 16 * sum(r["unit_sizes"])
+    # per step: 2 gathers per unit + 2 for the tied wte (head, both passes); 1 reduce-scatter
+    # per unit + 1 for the tied wte; all-reduce: token count, then (grad norm^2, loss sum);
+    # full_state_dict adds one gather per unit
+    expected = {"all_gather_v": 2 * units + 2 + units, "reduce_scatter_v": units + 1, "all_reduce": 2}
+    for micro, res in runs.items():
+        for r in res:
+            assert r["calls"] == expected, (micro, r["calls"])
