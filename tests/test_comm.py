@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.comm import GlooComm, LocalComm, make_comm, shard_offsets
+from cephalo.runtime.comm import GlooComm, LocalComm, NcclComm, make_comm, shard_offsets
 from cephalo.runtime.dist import check_torch_version, init_distributed, shutdown
 from dist_harness import RemoteError, dist_pool_fixture
 
@@ -367,3 +367,30 @@ def _init_in_pool_body():
 @pytest.mark.slow
 def test_init_distributed_reuses_existing_group(pool3):
     assert pool3.run(_init_in_pool_body) == [("GlooComm", r, 3, True) for r in range(3)]
+
+
+def _nccl_argument_checks_body():
+    # NCCL cannot run here (no GPU); its class still builds on a group and checks arguments
+    # locally before touching CUDA when cross-rank validation is off
+    comm = NcclComm(validate=False)
+    messages = []
+    for call in (
+        lambda: comm.all_gather_v(torch.empty(5), torch.empty(3), [2, 2, 1]),
+        lambda: comm.reduce_scatter_v(torch.empty(2), torch.empty(4), [2, 2, 1]),
+        lambda: comm.all_reduce(torch.empty(3), op="avg"),
+    ):
+        try:
+            call()
+        except CephaloError as err:
+            messages.append(str(err))
+    return comm.rank, comm.world_size, messages
+
+
+@pytest.mark.slow
+def test_nccl_comm_validates_arguments(pool3):
+    for rank, (got_rank, world, messages) in enumerate(pool3.run(_nccl_argument_checks_body)):
+        assert (got_rank, world) == (rank, 3)
+        assert len(messages) == 3
+        assert f"rank {rank}'s `shard` has 3 elements" in messages[0]
+        assert "sum(sizes) = 5" in messages[1]
+        assert "unknown op 'avg'" in messages[2]
