@@ -1,0 +1,182 @@
+"""`cephalo plan`: choose each GPU's batch, micro-batch, state fraction and offload for a cluster."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from cephalo.costmodel import CostModel, PlanEvaluation
+from cephalo.errors import CephaloError, PlanDoesNotFit
+from cephalo.plan import DTYPES, Plan
+
+STRATEGY_CHOICES = ("cephalo", "even", "proportional", "all")
+GIB = 1024**3
+
+EPILOG = """\
+examples:
+  cephalo plan --cluster 2xl4,a6000,p40 --model gpt-2.7b --global-batch 64
+  cephalo plan --cluster 2xl4,a6000,p40 --model gpt-2.7b --global-batch 64 --strategy all
+  cephalo plan --cluster 8xa100x80,16xv100x32 --model llama-7b --global-batch 512 --seq-len 2048 \\
+               --json plan.json --plot plan.png
+  cephalo plan --cluster cluster.toml --model gpt-1.3b --global-batch 128 --no-offload
+
+What it decides, per GPU (rank): how many samples of the global batch it processes
+(batch), in micro-batches of what size (layered gradient accumulation runs them one layer
+at a time), which fraction of the sharded training state (fp32 master weights, gradients,
+Adam moments) it owns, and whether its layer-boundary activations live on the host.
+It maximises samples/s under every GPU's memory, using the cost model fed by the catalog
+(published measurements of real GPUs; `cephalo catalog`) or by measured profiles
+(`cephalo profile --out P.json`, then --profiles P.json).
+
+strategies: cephalo (the optimiser), even (plain FSDP: equal batches and shards),
+proportional (batches proportional to speed, equal shards), all (compare the three).
+The plan JSON (--json) is documented in docs/plan-format.md; `cephalo simulate` evaluates it
+and `cephalo train` runs it.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="plan per-GPU batch, micro-batch, state fraction and offload for a cluster",
+        description=__doc__.split(":", 1)[1].strip(),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_cost_model_arguments(p, cluster_required=True)
+    p.add_argument("--global-batch", type=int, required=True, metavar="B",
+                   help="samples per optimizer step, summed over all GPUs")
+    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default="cephalo",
+                   help="which plan to make (default cephalo); `all` prints every strategy and keeps cephalo's")
+    p.add_argument("--no-offload", action="store_true",
+                   help="never keep activations on the host (the planner offloads only when it pays)")
+    p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="draw per GPU its batch, state fraction, memory vs capacity and busy time")
+    p.set_defaults(func=run)
+
+
+def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool) -> None:
+    """The options that build a cost model (shared with `cephalo simulate`)."""
+    p.add_argument("--cluster", required=cluster_required, metavar="SPEC|FILE",
+                   help="devices in rank order, e.g. 2xl4,a6000,p40 or a .toml/.json file (grammar: `cephalo catalog`)")
+    p.add_argument("--model", default=None if not cluster_required else "gpt-2.7b", metavar="NAME",
+                   help="model from `cephalo catalog`" + (" (default gpt-2.7b)" if cluster_required else ""))
+    p.add_argument("--seq-len", type=int, default=None if not cluster_required else 512, metavar="N",
+                   help="tokens per sample" + (" (default 512)" if cluster_required else ""))
+    p.add_argument("--dtype", choices=DTYPES, default=None if not cluster_required else "fp16",
+                   help="compute dtype" + (" (default fp16)" if cluster_required else ""))
+    p.add_argument("--profiles", metavar="PATH",
+                   help="measured profiles from `cephalo profile --out PATH` instead of the catalog")
+
+
+def build_cost_model(cluster_spec: str, model: str, seq_len: int, dtype: str,
+                     profiles_path: str | None = None) -> CostModel:
+    """A cost model for a cluster spec (or file), from the catalog or from measured profiles."""
+    from cephalo.catalog import get_model_spec
+    from cephalo.cluster import Cluster
+
+    if seq_len is not None and seq_len < 1:
+        raise CephaloError(f"--seq-len must be >= 1, got {seq_len}")
+    cluster = Cluster.from_any(cluster_spec)
+    spec = get_model_spec(model)
+    if profiles_path:
+        from cephalo.profiling.profiler import MeasuredProfiles, cost_model_from_profiles
+
+        measured = MeasuredProfiles.load(profiles_path)
+        cm = cost_model_from_profiles(cluster, spec, seq_len, dtype, measured)
+        cm.meta["profile_source"] = f"measured:{profiles_path}"
+    else:
+        cm = CostModel.from_catalog(cluster, spec, seq_len, dtype)
+        cm.meta["profile_source"] = "catalog"
+    cm.meta["cluster_spec"] = str(cluster_spec)
+    cm.meta["cluster"] = cluster.to_dict()
+    cm.meta["cluster_description"] = cluster.describe()
+    return cm
+
+
+def run(args: argparse.Namespace) -> int:
+    from cephalo.planner import make_plan
+
+    if args.global_batch < 1:
+        raise CephaloError(f"--global-batch must be >= 1, got {args.global_batch}")
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise CephaloError(f"--plot {args.plot}: the file must end in .png, .pdf or .svg")
+    cm = build_cost_model(args.cluster, args.model, args.seq_len, args.dtype, args.profiles)
+    console = make_console()
+    allow_offload = not args.no_offload
+    strategies = ("cephalo", "even", "proportional") if args.strategy == "all" else (args.strategy,)
+    plans: dict[str, Plan | PlanDoesNotFit] = {}
+    for s in strategies:
+        try:
+            plans[s] = make_plan(cm, args.global_batch, s, allow_offload=allow_offload)
+        except PlanDoesNotFit as e:
+            if len(strategies) == 1 or s == "cephalo":
+                raise
+            plans[s] = e
+    # the baselines' line needs `even` as the yardstick even when only one strategy was asked for
+    even = plans.get("even")
+    if even is None:
+        try:
+            even = make_plan(cm, args.global_batch, "even", allow_offload=allow_offload)
+        except PlanDoesNotFit as e:
+            even = e
+    main_plan = plans["cephalo"] if "cephalo" in plans else plans[strategies[0]]
+    assert isinstance(main_plan, Plan)
+    ev = cm.evaluate(main_plan)
+    console.print(f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
+                  f"{args.global_batch}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}")
+    console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))
+    for s in strategies:
+        console.print(strategy_line(s, plans[s], even), soft_wrap=True)
+    if "even" not in strategies:
+        console.print(strategy_line("even", even, even), style="dim", soft_wrap=True)
+    console.print(f"planned in {main_plan.meta['planner_wall_s'] * 1000:.1f} ms")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        main_plan.to_json(path)
+        console.print(f"wrote {path}  (evaluate it with `cephalo simulate {path}`)")
+    if args.plot:
+        from cephalo.plotting import plot_plan
+
+        console.print(f"wrote {plot_plan(main_plan, ev, args.plot)}")
+    return 0
+
+
+# ---------------------------------------------------------------- rendering (shared with simulate)
+def make_console() -> Console:
+    """A console at least 110 columns wide: the per-rank table is not readable narrower (pipes, CI)."""
+    width = Console().width
+    return Console(width=max(width, 110))
+
+
+def plan_table(plan: Plan, ev: PlanEvaluation, title: str) -> Table:
+    """One row per rank; the slowest rank's step time in bold, ranks over their memory in red."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("rank", "device", "batch", "micro x n", "state", "act", "step s", "busy s", "GiB used/cap", "fits"):
+        table.add_column(col, justify="left" if col in ("device", "act") else "right", no_wrap=True)
+    for r, c in zip(plan.ranks, ev.ranks, strict=True):
+        slowest = abs(c.step_s - ev.step_s) <= 1e-12 * max(ev.step_s, 1.0)
+        table.add_row(
+            str(r.rank), r.device, str(r.batch_size),
+            f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "-",
+            f"{r.state_fraction:.3f}", "host" if r.offload_activations else "dev",
+            f"[bold]{c.step_s:.3f}[/bold]" if slowest else f"{c.step_s:.3f}", f"{c.busy_s:.3f}",
+            f"{c.peak_bytes / GIB:.1f}/{c.capacity_bytes / GIB:.1f}",
+            "yes" if c.fits else f"[red]NO -{c.shortfall_bytes / GIB:.2f}[/red]",
+        )
+    return table
+
+
+def strategy_line(name: str, plan: Plan | PlanDoesNotFit, even: Plan | PlanDoesNotFit) -> str:
+    if isinstance(plan, PlanDoesNotFit):
+        return f"{name:>12}: does not fit ({plan})"
+    p = plan.predicted
+    ratio = (f"{p.samples_per_s / even.predicted.samples_per_s:.2f}x even" if isinstance(even, Plan)
+             else "even does not fit")
+    return f"{name:>12}: {p.samples_per_s:.4g} samples/s, {p.tokens_per_s:.4g} tokens/s, step {p.step_s:.4g} s, {ratio}"

@@ -1,0 +1,79 @@
+"""`cephalo simulate`: evaluate any plan (made by `cephalo plan` or by hand) with the cost model."""
+
+from __future__ import annotations
+
+import argparse
+
+from cephalo.commands.plan import (
+    GIB,
+    add_cost_model_arguments,
+    build_cost_model,
+    make_console,
+    plan_table,
+)
+from cephalo.errors import CephaloError
+from cephalo.plan import Plan
+
+EPILOG = """\
+examples:
+  cephalo plan --cluster 2xl4,a6000,p40 --global-batch 64 --json plan.json
+  cephalo simulate plan.json                              # cluster from the plan's meta
+  cephalo simulate my-plan.json --cluster 2xl4,a6000,p40  # a hand-written plan
+  cephalo simulate plan.json --cluster 2xl4,a6000,p40 --profiles measured.json
+
+The plan's model, seq_len and dtype are used unless --model / --seq-len / --dtype override
+them. A hand-written plan needs, per rank: rank, device (the cluster's type, e.g. l4),
+batch_size, micro_batch_size, num_micro_batches, state_fraction (and optionally
+offload_activations); see docs/plan-format.md. Ranks that exceed their memory are flagged
+and the exit status is then 1.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="evaluate a plan JSON with the cost model (time and memory per rank)",
+        description=__doc__.split(":", 1)[1].strip(),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("plan", metavar="PLAN.json", help="a plan file (`cephalo plan --json`, or hand-written)")
+    add_cost_model_arguments(p, cluster_required=False)
+    p.set_defaults(func=run)
+
+
+def cluster_spec_of(plan: Plan, override: str | None) -> str:
+    """--cluster if given, else what `cephalo plan` stored in the plan's meta."""
+    if override:
+        return override
+    spec = plan.meta.get("cluster_spec")
+    if not isinstance(spec, str) or not spec:
+        raise CephaloError("the plan does not say which cluster it is for (no meta.cluster_spec); "
+                           "pass --cluster, e.g. --cluster 2xl4,a6000,p40")
+    return spec
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = Plan.from_json(args.plan)
+    spec = cluster_spec_of(plan, args.cluster)
+    seq_len = args.seq_len or plan.seq_len
+    dtype = args.dtype or plan.dtype
+    if seq_len != plan.seq_len or dtype != plan.dtype:
+        plan.seq_len, plan.dtype = seq_len, dtype
+    cm = build_cost_model(spec, args.model or plan.model, seq_len, dtype, args.profiles)
+    ev = cm.evaluate(plan)
+    console = make_console()
+    console.print(f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
+                  f"{plan.global_batch_size}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}")
+    console.print(plan_table(plan, ev, title=f"{args.plan} ({plan.strategy})"))
+    console.print(f"simulated: {ev.samples_per_s:.4g} samples/s, {ev.tokens_per_s:.4g} tokens/s, step {ev.step_s:.4g} s")
+    if plan.predicted is not None and abs(plan.predicted.step_s - ev.step_s) > 1e-6 * ev.step_s:
+        console.print(f"(the plan's own prediction was {plan.predicted.samples_per_s:.3f} samples/s, "
+                      f"step {plan.predicted.step_s:.3f} s: different profiles or cluster)")
+    bad = [c for c in ev.ranks if not c.fits]
+    if bad:
+        console.print("[red]does not fit:[/red] " + "; ".join(
+            f"rank {c.rank} ({c.device}) needs {c.peak_bytes / GIB:.2f} GiB of {c.capacity_bytes / GIB:.2f} GiB "
+            f"(short {c.shortfall_bytes / GIB:.2f} GiB)" for c in bad))
+        return 1
+    return 0
