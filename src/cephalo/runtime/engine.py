@@ -43,6 +43,7 @@ restored in its recompute, for any other randomness a model draws.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -191,6 +192,12 @@ class _MicroBatch:
     """Index of its first sample in the global batch."""
     rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     """Generator states saved before each unit's forward, by unit index."""
+
+
+def _drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
+    """Post-accumulate hook: add a parameter's fresh gradient into its fp32 slot, free it."""
+    dst.add_(leaf.grad.reshape(-1))
+    leaf.grad = None
 
 
 class Engine:
@@ -499,12 +506,26 @@ class Engine:
             gout, gout_staging = torch.full((), head_grad, dtype=torch.float32, device=self.device), None
         else:
             gout, gout_staging = self._load(boundaries[(u + 1, j)])
-        inputs = ([x] if u > 0 else []) + list(leaves.values())
+        # Each parameter gradient goes into the fp32 accumulation buffer as soon as autograd
+        # produces it and is dropped at once, so at most about one parameter's gradient in
+        # compute dtype exists at a time (charged as `param_grad`).
+        borrowed = {b.name: t for b, t in zip(us.borrows, tied_acc, strict=True)}
+        for name, leaf in leaves.items():
+            if name in borrowed:
+                dst = borrowed[name]
+            else:
+                slot = us.layout.slot(name)
+                dst = acc[slot.offset : slot.end]
+            leaf.register_post_accumulate_grad_hook(functools.partial(_drain_grad, dst))
+        grad_bytes = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         self._restore_rng(mb.rng[u])
+        self.ledger.charge("param_grad", grad_bytes)
         with torch.enable_grad(), self.ledger.track_activations():
             out = self._run_unit(us, leaves, x, mb)
-            grads = torch.autograd.grad(out, inputs, grad_outputs=gout, allow_unused=True)
+            inputs = ([x] if u > 0 else []) + list(leaves.values())
+            torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
         del out
+        self.ledger.release("param_grad", grad_bytes)
         for t in (staging, gout_staging):
             if t is not None:
                 self.ledger.free(t)
@@ -512,17 +533,8 @@ class Engine:
             self._drop(boundaries.pop((u + 1, j)))  # the output gradient is consumed
         if u > 0:
             self._drop(boundaries.pop((u, j)))
-            boundaries[(u, j)] = self._store(grads[0])  # becomes unit u-1's output gradient
-            grads = grads[1:]
-        borrowed = {b.name: t for b, t in zip(us.borrows, tied_acc, strict=True)}
-        for (name, _), grad in zip(leaves.items(), grads, strict=True):
-            if grad is None:
-                continue
-            if name in borrowed:
-                borrowed[name].add_(grad.reshape(-1))
-            else:
-                slot = us.layout.slot(name)
-                acc[slot.offset : slot.end].add_(grad.reshape(-1))
+            boundaries[(u, j)] = self._store(x.grad)  # becomes unit u-1's output gradient
+            x.grad = None
 
     # ------------------------------------------------------------------ public API
     def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> list[_MicroBatch]:

@@ -1,0 +1,52 @@
+"""Instrumented collective counts (comm.counters) per training step.
+
+LGA: each unit is all-gathered once per pass (forward, backward) and reduce-scattered once
+per step, whatever the number of micro-batches. Tied weights add, per step, one all-gather
+of the tied parameter in each of the head's passes and one reduce-scatter of its gradient
+(straight into the owner's shard). Every step also does two all-reduces: the global token
+count, then (squared grad norm, loss sum) together.
+
+Standard mode runs the per-unit passes once per micro-batch: k times the gathers and the
+reduce-scatters.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cephalo.modeling.registry import build_model
+from cephalo.runtime.comm import LocalComm
+from cephalo.runtime.engine import Engine, EngineConfig
+from engine_common import LR, make_data, make_plan, one_thread
+
+__all__ = ["one_thread"]
+
+
+def _step_calls(model: str, overrides: dict, micro_batches: int, mode: str) -> tuple[dict, int]:
+    batch = 4
+    plan = make_plan([batch], [1.0], [batch // micro_batches])
+    comm = LocalComm()
+    engine = Engine(build_model(model, **overrides), plan, comm, EngineConfig(mode=mode))
+    (x, y), (x2, y2) = make_data(2, batch)
+    engine.train_step(x, y, lr=LR)  # count a steady-state step, not the first
+    comm.counters.reset()
+    engine.train_step(x2, y2, lr=LR)
+    return dict(comm.counters.calls), len(engine.shards)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_lga_collectives_do_not_grow_with_micro_batches(k):
+    calls, units = _step_calls("gpt-tiny", {}, k, "lga")  # tied wte / lm_head
+    assert calls == {"all_gather_v": 2 * units + 2, "reduce_scatter_v": units + 1, "all_reduce": 2}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_untied_model_has_exactly_one_gather_per_unit_per_pass(k):
+    calls, units = _step_calls("gpt-tiny", {"tie_embeddings": False}, k, "lga")
+    assert calls == {"all_gather_v": 2 * units, "reduce_scatter_v": units, "all_reduce": 2}
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_standard_mode_collectives_grow_with_micro_batches(k):
+    calls, units = _step_calls("gpt-tiny", {"tie_embeddings": False}, k, "standard")
+    assert calls == {"all_gather_v": 2 * units * k, "reduce_scatter_v": units * k, "all_reduce": 2}

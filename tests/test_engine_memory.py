@@ -1,0 +1,112 @@
+"""The engine's memory, as its ledger sees it and as the allocator does.
+
+LGA's claim: with boundary activations on the host, a rank's device memory does not depend
+on its number of micro-batches; on the device, it grows by exactly the boundary activations
+(every unit input but the embedding's, per micro-batch)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from cephalo.errors import MemoryBudgetExceeded
+from cephalo.modeling.registry import build_model
+from cephalo.runtime.comm import LocalComm
+from cephalo.runtime.engine import Engine, EngineConfig
+from engine_common import LR, make_data, make_plan, one_thread
+
+__all__ = ["one_thread"]
+MICRO, SEQ = 2, 16
+
+
+def _peak(k: int, offload: bool, model: str = "gpt-tiny", **cfg) -> tuple[Engine, int]:
+    plan = make_plan([MICRO * k], [1.0], [MICRO], seq_len=SEQ, offload=offload)
+    engine = Engine(build_model(model), plan, LocalComm(), EngineConfig(**cfg))
+    x, y = make_data(1, MICRO * k, seq_len=SEQ)[0]
+    engine.train_step(x, y, lr=LR)
+    stats = engine.train_step(x, y, lr=LR)  # peaks are reset per step
+    return engine, stats.peak_bytes
+
+
+def test_offloaded_device_peak_does_not_depend_on_micro_batches():
+    e1, p1 = _peak(1, offload=True)
+    e8, p8 = _peak(8, offload=True)
+    print(f"offload: device peak {p1} B (k=1), {p8} B (k=8)")
+    assert abs(p8 - p1) <= 0.05 * p1
+    assert "boundary" not in e8.ledger.peak_by_category
+    # the host holds the boundaries instead: 8x as many
+    assert e8.ledger.host_peak_bytes == 8 * e1.ledger.host_peak_bytes > 0
+
+
+def test_device_boundaries_are_the_only_growth():
+    e1, p1 = _peak(1, offload=False)
+    _, p8 = _peak(8, offload=False)
+    hidden = e1.model.spec.hidden_size
+    boundary_units = len(e1.shards) - 1  # every unit input except the token ids
+    extra = boundary_units * (8 - 1) * MICRO * SEQ * hidden * 4
+    print(f"device: peak {p1} B (k=1), {p8} B (k=8), growth {p8 - p1} B, boundaries {extra} B")
+    assert abs((p8 - p1) - extra) <= 0.02 * extra
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Live bytes of every storage created under the mode (freed when the storage dies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.numel()
+        }
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.numel():
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in self.live and ptr not in inputs:
+                    self.live[ptr] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._freed, ptr)
+        return out
+
+    def _freed(self, ptr: int) -> None:
+        self.now -= self.live.pop(ptr)
+
+
+@pytest.mark.parametrize("model, k", [("gpt-tiny", 1), ("gpt-nano", 4)])
+def test_ledger_peak_against_real_allocations(model, k):
+    """The ledger counts the engine's buffers and what autograd saves, not an op's own
+    temporaries nor the gradients flowing between ops in backward: a lower bound that stays
+    within 10% of the real peak (state included, as torch.cuda.max_memory_allocated sees it)."""
+    plan = make_plan([MICRO * k], [1.0], [MICRO], seq_len=SEQ)
+    engine = Engine(build_model(model), plan, LocalComm(), EngineConfig())
+    x, y = make_data(1, MICRO * k, seq_len=SEQ)[0]
+    engine.train_step(x, y, lr=LR)
+    gc.collect()
+    state = engine.ledger.current_bytes  # allocated before the mode starts recording
+    with _LiveBytes() as real:
+        stats = engine.train_step(x, y, lr=LR)
+    ledger_peak, real_peak = stats.peak_bytes, state + real.peak
+    print(f"{model} k={k}: ledger peak {ledger_peak} B, real peak {real_peak} B ({ledger_peak / real_peak:.3f})")
+    assert ledger_peak <= real_peak
+    assert ledger_peak >= 0.9 * real_peak
+
+
+def test_budget_names_rank_and_category():
+    with pytest.raises(MemoryBudgetExceeded, match="rank 0.*'state'") as err:
+        _peak(1, offload=False, memory_budget_bytes=1_000_000)
+    assert err.value.category == "state"
+    # enough for the state, not for a step
+    with pytest.raises(MemoryBudgetExceeded, match="rank 0") as err:
+        _peak(1, offload=False, memory_budget_bytes=2_000_000)
+    assert err.value.category != "state"
