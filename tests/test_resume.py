@@ -1,0 +1,75 @@
+"""Crash and resume: kill -9 one rank at step 12 of 20, resume from the step-10 checkpoint.
+
+The killed job runs under `cephalo run` (3 ranks); the test hook `CEPHALO_TEST_KILL_AT_STEP`
+makes rank 1 SIGKILL itself before step 12. Resuming under the same plan recomputes step 11
+bit for bit and continues the uninterrupted run's losses; resuming under another plan (one
+process) gives the same losses within 1e-5. The uninterrupted reference runs in this process
+(plan invariance, tested in test_plan_invariance.py, makes it the same run as 3 ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cephalo.train.config import load_config
+from cephalo.train.metrics import read_metrics
+from cephalo.train.trainer import KILL_AT_STEP_ENV, train
+
+STEPS = 20
+TOL = 1e-5
+
+
+def overrides(run_dir, *extra: str) -> list[str]:
+    return [
+        f"--logging.dir={run_dir}", "--logging.progress=false",
+        "--model.name=gpt-tiny", "--model.overrides=dropout=0.1", "--data.seq_len=16",
+        "--train.global_batch_size=6", f"--train.steps={STEPS}", "--train.warmup_steps=3",
+        "--train.lr=1e-3", "--train.min_lr=1e-4", "--train.eps=1e-6", "--train.eval_every=0",
+        "--parallel.plan=even", "--parallel.timeout_s=30", "--checkpoint.every=5", "--checkpoint.keep_last=5",
+        *extra,
+    ]
+
+
+def cephalo_run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu,cpu", *args],
+        env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=240,
+    )
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.mark.slow
+def test_kill_one_rank_then_resume(tmp_path):
+    reference = train(load_config(None, overrides(tmp_path / "reference")))
+    run = tmp_path / "killed"
+
+    killed = cephalo_run(overrides(run), env={KILL_AT_STEP_ENV: "12"})
+    assert killed.returncode == 2, killed.stderr[-3000:]
+    assert "cephalo run: error: rank 1 was killed by signal SIGKILL" in killed.stderr
+    assert "Traceback" not in killed.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000005", "step_000010"]
+    before = {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl")}
+    assert sorted(before) == list(range(1, 12))  # step 11 ran; rank 1 died before step 12
+
+    resumed = cephalo_run(overrides(run))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in after] == list(range(1, STEPS + 1))  # no step twice
+    losses = {r["step"]: r["loss"] for r in after}
+    assert losses[11] == before[11]  # same plan, same state: step 11 again, bit for bit
+    for step in range(1, STEPS + 1):
+        assert _rel(losses[step], reference.losses[step]) <= TOL, step
+
+    # another plan (one process, another world size) from the same step-10 checkpoint
+    other = train(load_config(None, overrides(
+        tmp_path / "other-plan", f"--checkpoint.resume={run / 'checkpoints' / 'step_000010'}")))
+    assert other.start_step == 10 and sorted(other.losses) == list(range(11, STEPS + 1))
+    for step in range(11, STEPS + 1):
+        assert _rel(other.losses[step], losses[step]) <= TOL, step
