@@ -1,0 +1,113 @@
+"""`cephalo run` (the local launcher) and how failures surface: one clear line, no hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cephalo.cli import main as cli_main
+from cephalo.cluster import Cluster
+from cephalo.errors import CephaloError
+from cephalo.launch import default_threads, first_failure, free_port, nproc_for
+from cephalo.train.trainer import KILL_AT_STEP_ENV, simple_plan
+
+TIMEOUT_S = 20
+
+
+def job_args(run_dir, *extra: str) -> list[str]:
+    return [
+        f"--logging.dir={run_dir}", "--logging.progress=false", "--model.name=gpt-tiny",
+        "--data.seq_len=16", "--train.global_batch_size=6", "--train.steps=6", "--train.warmup_steps=1",
+        "--train.eval_every=0", "--parallel.plan=even", f"--parallel.timeout_s={TIMEOUT_S}", *extra,
+    ]
+
+
+# ----------------------------------------------------------------------------- pieces
+def test_nproc_comes_from_the_devices():
+    assert nproc_for("cpu,cpu:slowdown=2,cpu:slowdown=4,mem=2GiB", None) == 3
+    assert nproc_for(None, None) == 1
+    assert nproc_for(None, 4) == 4
+    with pytest.raises(CephaloError, match="--nproc 3 but --devices lists 2"):
+        nproc_for("cpu,cpu", 3)
+    with pytest.raises(CephaloError):
+        nproc_for("cpu,gpu-that-does-not-exist", None)
+
+
+def test_threads_and_port():
+    assert default_threads(1) == max(1, os.cpu_count() or 1)
+    assert default_threads(10_000) == 1
+    assert 0 < free_port() < 65536
+
+
+class _Failure:
+    def __init__(self, exitcode: int, name: str = ""):
+        self.exitcode, self._name = exitcode, name
+
+    def signal_name(self) -> str:
+        return self._name
+
+
+def test_first_failure_picks_the_cause(tmp_path):
+    (tmp_path / "rank00002.txt").write_text("20.0\nrank 2: step 4 failed in a collective\n")
+    (tmp_path / "rank00000.txt").write_text("10.0\nthe plan is for 3 ranks\n")
+    assert first_failure(tmp_path) == "rank 0: the plan is for 3 ranks (1 other rank(s) failed after it)"
+    # a rank killed by a signal is the cause; the agent's SIGTERMs to the others are not
+    failures = {0: _Failure(-15, "SIGTERM"), 1: _Failure(-9, "SIGKILL"), 2: _Failure(-15, "SIGTERM")}
+    assert first_failure(tmp_path, failures).startswith("rank 1 was killed by signal SIGKILL")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "rank 1 exited with code 3" in first_failure(empty, {1: _Failure(3)})
+
+
+def test_run_rejects_mismatched_devices_before_launching(capsys):
+    assert cli_main(["run", "--devices", "cpu,cpu", "--nproc", "3"]) == 2
+    assert "--nproc 3 but --devices lists 2" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- real launches
+@pytest.mark.slow
+def test_worker_errors_surface_as_one_line(tmp_path):
+    plan = tmp_path / "plan3.json"
+    simple_plan("even", Cluster.parse("cpu,cpu,cpu"), "gpt-tiny", 16, 6, "fp32").to_json(plan)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu", *job_args(tmp_path / "run"),
+         f"--parallel.plan={plan}"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("cephalo run: error: rank "), proc.stderr[-2000:]
+    assert "the plan is for 3 ranks but the job has 2" in last
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_survivors_of_a_killed_rank_exit_with_an_error(tmp_path):
+    """Plain processes (no elastic agent to stop them): rank 1 SIGKILLs itself before step 3;
+    ranks 0 and 2 must fail with a clear error within the collective timeout, not hang."""
+    env = {**os.environ, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1", KILL_AT_STEP_ENV: "3"}
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "cephalo", "train", *job_args(tmp_path / "run")],
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for r in range(3)
+    ]
+    try:
+        assert procs[1].wait(timeout=180) == -9
+        killed_at = time.monotonic()
+        for r in (0, 2):
+            _, err = procs[r].communicate(timeout=TIMEOUT_S + 30)
+            assert time.monotonic() - killed_at < TIMEOUT_S + 15
+            assert procs[r].returncode == 2, err[-2000:]
+            assert f"rank {r}: step 3 failed in a collective" in err
+            assert "Traceback" not in err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
