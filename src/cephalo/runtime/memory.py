@@ -61,6 +61,10 @@ class _Allocation:
     """Set by `free`; kept until the tensor dies so a second `free` is a no-op."""
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 class _SavedActivation:
     """What autograd keeps for a counted saved tensor; its death releases the count."""
 
@@ -76,7 +80,10 @@ class MemoryLedger:
     def __init__(self, rank: int, device: torch.device | str, budget_bytes: int | None = None):
         self.rank = rank
         """The rank whose memory this is (named in errors)."""
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # tensors carry an index
+        self.device = device
         """The device whose memory the budget limits."""
         if budget_bytes is not None and budget_bytes < 0:
             raise CephaloError(f"memory budget must be non-negative, got {budget_bytes} bytes")
@@ -262,7 +269,7 @@ class MemoryLedger:
     def _maybe_count_activation(self, saved: torch.Tensor, excluded: set[int]) -> int | None:
         """The storage pointer if `saved` is an activation to count (charging it on first
         sight), else None."""
-        if saved.device != self.device or saved.numel() == 0:
+        if not _same_device(saved.device, self.device) or saved.numel() == 0:
             return None
         base = saved._base if saved._base is not None else saved
         if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
