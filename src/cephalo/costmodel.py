@@ -40,7 +40,7 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -166,8 +166,16 @@ class _CurveTable:
         if need >= len(self.values):
             n = max(need + 1, 2 * len(self.values))
             start = len(self.values)
-            extra = np.array([self.curve(float(v)) for v in range(start, n)])
-            self.values = np.concatenate([self.values, extra])
+            # the curve is linear beyond its last measured point: evaluate it up to one step past
+            # that point and extend the line (calling it per point would refit the slope each time)
+            last = int(math.ceil(self.curve.xs[-1])) + 1
+            direct = np.array([self.curve(float(v)) for v in range(start, min(n, last + 1))])
+            values = np.concatenate([self.values, direct])
+            if n > len(values):
+                slope = self.curve(float(last)) - self.curve(float(last - 1))
+                beyond = np.arange(len(values), n)
+                values = np.concatenate([values, self.curve(float(last)) + slope * (beyond - last)])
+            self.values = values
         return self.values[x]
 
 
@@ -392,6 +400,15 @@ class CostModel:
                     f"rank {r.rank} of the plan is a {r.device!r} but device {r.rank} of the cluster is a "
                     f"{d.type_key!r}; list the devices in the plan's order"
                 )
-        costs = [self.rank_cost(r.rank, r.batch_size, r.micro_batch_size, r.state_fraction, r.offload_activations)
-                 for r in plan.ranks]
+        # identical ranks doing identical work cost the same: compute each combination once
+        # (a 1024-GPU plan has a handful)
+        cache: dict[tuple, RankCost] = {}
+        costs = []
+        for r, d in zip(plan.ranks, self.devices, strict=True):
+            key = (d.type_key, int(d.memory_bytes), r.batch_size, r.micro_batch_size, r.state_fraction,
+                   r.offload_activations)
+            if key not in cache:
+                cache[key] = self.rank_cost(r.rank, r.batch_size, r.micro_batch_size, r.state_fraction,
+                                            r.offload_activations)
+            costs.append(replace(cache[key], rank=r.rank))
         return PlanEvaluation(ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len)
