@@ -1,0 +1,158 @@
+"""`cephalo profile`: measure the devices of a cluster and the links between them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cephalo.catalog import DTYPES
+from cephalo.cluster import Cluster
+from cephalo.errors import CephaloError
+from cephalo.profiling.database import default_db_path
+from cephalo.profiling.profiler import MeasuredProfiles, ProfileSettings, profile_devices
+
+EPILOG = """\
+examples:
+  cephalo profile --devices cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB --model gpt-tiny --seq-len 32
+  cephalo profile --devices cpu,cpu:slowdown=2 --model gpt-nano --out profile.json
+  cephalo plan --cluster cpu,cpu:slowdown=2 --model gpt-nano --profile profile.json ...
+  torchrun --nproc-per-node 4 -m cephalo profile --devices 4xl4 --model gpt2-124m --seq-len 1024 --dtype bf16
+
+Without torchrun the command starts one local gloo rank per device (CPU emulation: a
+`slowdown=` device stretches its compute, `mem=` is its memory budget). Results are kept
+in a profile database (default ~/.cache/cephalo/profiles.json, or $CEPHALO_PROFILE_DB), so
+a second run with the same devices, model, sequence length and dtype is instant;
+--refresh measures again. One rank measures at a time, so ranks do not slow each other.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "profile",
+        help="measure devices and collectives (profile database)",
+        description=__doc__.split(":", 1)[1].strip(),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--devices", "--cluster", dest="devices", required=True, metavar="SPEC",
+                   help="one device per rank: a cluster spec (cpu,cpu:slowdown=2,...) or a cluster file")
+    p.add_argument("--model", required=True, metavar="NAME", help="a runnable model (e.g. gpt-tiny, gpt-nano)")
+    p.add_argument("--seq-len", type=int, metavar="N", help="sequence length (default: the model's)")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute dtype (default fp32)")
+    p.add_argument("--out", metavar="PATH", help="also write the profiles to this JSON file (for `cephalo plan --profile`)")
+    p.add_argument("--cache", metavar="PATH", help=f"profile database (default {default_db_path()})")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the database")
+    p.add_argument("--refresh", action="store_true", help="measure again even if the database has the profiles")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per measurement (median kept)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    p.add_argument("--time-cap", type=float, default=60.0, metavar="S",
+                   help="per device type: stop measuring larger micro-batches after S seconds")
+    p.add_argument("--max-micro-batch", type=int, default=32, metavar="M", help="largest micro-batch measured")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds")
+    p.set_defaults(func=run)
+
+
+def _settings(args: argparse.Namespace) -> ProfileSettings:
+    if args.repeats < 1 or args.warmup < 0 or args.time_cap <= 0 or args.max_micro_batch < 1:
+        raise CephaloError("--repeats and --max-micro-batch must be >= 1, --warmup >= 0, --time-cap > 0")
+    return ProfileSettings(repeats=args.repeats, warmup=args.warmup, time_cap_s=args.time_cap,
+                           max_micro_batch=args.max_micro_batch)
+
+
+def profile_rank(comm, model: str, seq_len: int, dtype: str, spec: str, settings: ProfileSettings,
+                 cache: str | None, use_cache: bool, refresh: bool, progress=None) -> dict | None:
+    """One rank of `cephalo profile` (top level: the local launcher pickles it)."""
+    measured = profile_devices(model, seq_len, dtype, Cluster.from_any(spec), comm, settings=settings,
+                               cache=cache, use_cache=use_cache, refresh=refresh, progress=progress)
+    return measured.to_dict() if comm.rank == 0 else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from cephalo.modeling.registry import build_model
+
+    console = Console()
+    cluster = Cluster.from_any(args.devices)
+    spec = build_model(args.model).spec
+    seq_len = args.seq_len or spec.max_seq_len
+    settings = _settings(args)
+    common = (args.model, seq_len, args.dtype, args.devices, settings, args.cache, not args.no_cache, args.refresh)
+    if "RANK" in os.environ:  # inside torchrun: this process is one rank
+        from cephalo.runtime.dist import init_distributed, shutdown
+
+        comm = init_distributed(timeout_s=args.timeout)
+        try:
+            result = profile_rank(comm, *common)
+        finally:
+            shutdown()
+        if comm.rank != 0:
+            return 0
+    elif (hit := _cached(args, cluster, seq_len)) is not None:
+        result = hit.to_dict()  # everything known: no ranks to start
+    else:
+        from cephalo.profiling.launch import run_local
+
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task(f"profiling {cluster.describe()} ...", total=None)
+
+            def show(rank: int, text: str) -> None:
+                bar.update(task, description=f"rank {rank}: {text}")
+
+            if cluster.world_size == 1:
+                from cephalo.runtime.comm import LocalComm
+
+                result = profile_rank(LocalComm(), *common, progress=lambda t: show(0, t))
+            else:
+                result = run_local(profile_rank, cluster.world_size, *common,
+                                   timeout_s=args.timeout, on_progress=show)[0]
+    measured = MeasuredProfiles.from_dict(result)
+    for table in profile_tables(measured):
+        console.print(table)
+    if measured.comm is not None:
+        console.print(f"collectives (all_gather_v / reduce_scatter_v over {cluster.world_size} ranks): "
+                      f"{measured.comm.bytes_per_s / 1e9:.2f} GB/s, latency {measured.comm.latency_s * 1e6:.0f} us")
+    what = (f"measured {', '.join(measured.measured)}" if measured.measured else "nothing measured")
+    if measured.cached:
+        what += f"; from the database: {', '.join(measured.cached)}"
+    console.print(f"{what} ({measured.elapsed_s:.1f} s)")
+    if args.out:
+        measured.save(args.out)
+        console.print(f"wrote {Path(args.out)}")
+    return 0
+
+
+def _cached(args: argparse.Namespace, cluster: Cluster, seq_len: int) -> MeasuredProfiles | None:
+    if args.no_cache or args.refresh:
+        return None
+    from cephalo.profiling.profiler import cached_profiles
+
+    return cached_profiles(args.model, seq_len, args.dtype, cluster, backend="gloo", cache=args.cache)
+
+
+def profile_tables(measured: MeasuredProfiles) -> list[Table]:
+    """One table per device type: forward / backward ms and activation MiB per micro-batch size."""
+    tables = []
+    for key, p in measured.profiles.items():
+        t = Table(title=f"{key}: {measured.model}, seq {measured.seq_len}, {measured.dtype} ({p.source})",
+                  caption=f"optimizer {p.optimizer_s_per_param * 1e9:.2f} ns/param, host copy "
+                          f"{p.host_copy_bytes_per_s / 1e9:.1f} GB/s, {p.meta.get('torch_threads', '?')} thread(s)")
+        t.add_column("micro-batch", justify="right")
+        for kind in ("embedding", "block", "head"):
+            t.add_column(f"{kind} fwd/bwd ms", justify="right")
+        t.add_column("block act MiB", justify="right")
+        t.add_column("head act MiB", justify="right")
+        for m in p.units["block"].fwd_s.xs:
+            row = [f"{m:g}"]
+            for kind in ("embedding", "block", "head"):
+                u = p.units[kind]
+                row.append(f"{u.fwd_s(m) * 1e3:.2f} / {u.bwd_s(m) * 1e3:.2f}")
+            row.append(f"{p.units['block'].activation_bytes(m) / 2**20:.2f}")
+            row.append(f"{p.units['head'].activation_bytes(m) / 2**20:.2f}")
+            t.add_row(*row)
+        tables.append(t)
+    return tables

@@ -1,0 +1,295 @@
+"""Measurements on one device: units vs micro-batch size, optimizer, host copies, collectives.
+
+Every unit measurement replays what the engine does for one micro-batch (runtime/engine.py),
+so the cost model's numbers are the engine's numbers:
+
+- forward: parameters are views of one gathered flat buffer in the compute dtype, the unit
+  runs through `functional_call` under `no_grad` (and under the engine's per-sample dropout
+  mode), and its output is stored into a fresh ledger buffer (the boundary activation);
+- recompute + backward: parameters and input become fresh leaves, the unit runs again with
+  a graph under the ledger's `track_activations`, `autograd.grad` back-propagates the output
+  gradient, the input gradient is stored, and the parameter gradients are added into one
+  fp32 accumulation buffer. The backward time is this minus the forward (the cost model adds
+  the recompute itself);
+- activation bytes: the ledger's `activations` peak during that recompute + backward: the
+  same counter the engine's ledger reports, so a predicted peak can match the measured one.
+
+Emulated devices are measured as they appear: each timed piece of unit compute is stretched
+by the same `ComputeEmulator` the engine uses. The optimizer step is measured without
+stretching, because the engine does not stretch it either.
+
+Timing: `warmup` untimed repetitions, then `repeats` timed ones, median kept. On a CPU rank
+with one intra-op thread (what the local launcher gives each rank) compute is timed by the
+thread's CPU time, so processes sharing the cores (other ranks, other jobs) do not inflate
+it; elsewhere by the wall clock (synchronised on CUDA). A repetition
+runs the piece enough times back to back to last about `MIN_REP_S` (tiny units at
+micro-batch 1 take tens of microseconds, below the timer's useful resolution); the sleep of
+the emulation is applied once per repetition, as the engine applies it once per unit pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.func import functional_call
+
+from cephalo.modeling.units import Unit
+from cephalo.runtime.comm import Comm
+from cephalo.runtime.dropout import SampleDropout
+from cephalo.runtime.emulation import ComputeEmulator
+from cephalo.runtime.flat import FlatLayout
+from cephalo.runtime.memory import ACTIVATIONS, MemoryLedger
+from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
+
+UNMEASURABLE_BYTES_PER_S = 1e15
+"""Bandwidth reported when time does not grow with size (JSON has no infinity)."""
+MIN_REP_S = 0.01
+"""A timed repetition lasts at least this long (several calls back to back if needed)."""
+
+
+@dataclass
+class Timing:
+    """How to time one thing."""
+
+    warmup: int = 1
+    """Untimed repetitions first (allocator, caches, lazy initialisation)."""
+    repeats: int = 3
+    """Timed repetitions; the median is kept."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """This thread's CPU time on a single-threaded CPU rank (other processes sharing the
+    cores then do not inflate the numbers); wall time otherwise (GPU kernels, or several
+    intra-op threads whose CPU time adds up)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def time_piece(fn: Callable[[], object], device: torch.device, timing: Timing,
+               emulator: ComputeEmulator | None = None) -> float:
+    """Median seconds of one call of `fn`, as it appears under `emulator` (if any): the
+    compute (`_clock`), stretched by the emulator (which sleeps, as in the engine)."""
+    clock = _clock(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = time.perf_counter() - t0
+    calls = max(1, int(MIN_REP_S / max(once, 1e-7)))
+    for _ in range(max(timing.warmup - 1, 0)):
+        fn()
+    samples = []
+    for _ in range(timing.repeats):
+        _sync(device)
+        c0 = clock()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        spent = clock() - c0
+        if emulator is not None:
+            # the emulated duration as the emulator defines it: its sleep's overshoot is
+            # the host's scheduling noise, not the emulated device
+            spent = emulator.stretch(spent)
+        samples.append(spent / calls)
+    return statistics.median(samples)
+
+
+class UnitBench:
+    """One unit of a materialised model, runnable the way the engine runs it."""
+
+    def __init__(self, unit: Unit, index: int, seq_len: int, hidden: int, vocab: int,
+                 device: torch.device, dtype: torch.dtype, per_sample_dropout: bool = True):
+        self.unit, self.index, self.kind = unit, index, unit.kind
+        self.seq_len, self.hidden, self.vocab = seq_len, hidden, vocab
+        self.device, self.dtype = device, dtype
+        self.per_sample_dropout = per_sample_dropout
+        named = list(unit.module.named_parameters())
+        self.layout = FlatLayout(unit.name, named)
+        self.flat = self.layout.flatten(dict(named), dtype=dtype).to(device)
+        self.params = self.layout.views(self.flat)
+        self.acc = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+        self.ledger = MemoryLedger(0, device)
+        self._gen = torch.Generator().manual_seed(1234 + index)
+
+    # ------------------------------------------------------------------ inputs
+    def inputs(self, m: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(unit input, labels for the head, output gradient) for a micro-batch of m samples."""
+        shape = (m, self.seq_len)
+        labels = None
+        if self.kind == "embedding":
+            x = torch.randint(0, self.vocab, shape, generator=self._gen).to(self.device)
+        else:
+            x = (torch.randn((*shape, self.hidden), generator=self._gen) * 0.5).to(self.device, self.dtype)
+        if self.kind == "head":
+            labels = torch.randint(0, self.vocab, shape, generator=self._gen).to(self.device)
+            gout = torch.full((), 1.0 / (m * self.seq_len), dtype=torch.float32, device=self.device)
+        else:
+            gout = (torch.randn((*shape, self.hidden), generator=self._gen) * 1e-3).to(self.device, self.dtype)
+        return x, labels, gout
+
+    def _dropout(self) -> contextlib.AbstractContextManager:
+        if not self.per_sample_dropout:
+            return contextlib.nullcontext()
+        return SampleDropout(0, 0, self.index, 0)
+
+    def _run(self, params: dict[str, torch.Tensor], x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        args = (x, labels) if self.kind == "head" else (x,)
+        with self._dropout():
+            return functional_call(self.unit.module, params, args, strict=False)
+
+    def _store(self, t: torch.Tensor) -> None:
+        buf = self.ledger.alloc("boundary", t.numel(), t.dtype, device=self.device)
+        buf.copy_(t.reshape(-1))
+        self.ledger.free(buf)
+
+    # ------------------------------------------------------------------ the two passes
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None) -> None:
+        """The engine's forward of one micro-batch: no graph, output stored."""
+        with torch.no_grad():
+            torch.get_rng_state()  # the engine saves the RNG state before each unit forward
+            out = self._run(self.params, x, labels)
+            if self.kind != "head":
+                self._store(out)
+
+    def recompute_backward(self, x: torch.Tensor, labels: torch.Tensor | None, gout: torch.Tensor) -> None:
+        """The engine's backward of one micro-batch: recompute with a graph, backprop,
+        store the input gradient, accumulate parameter gradients in fp32."""
+        leaves = {name: v.detach().requires_grad_() for name, v in self.params.items()}
+        if self.kind != "embedding":
+            x = x.detach().requires_grad_()
+        inputs = ([x] if self.kind != "embedding" else []) + list(leaves.values())
+        with torch.enable_grad(), self.ledger.track_activations():
+            out = self._run(leaves, x, labels)
+            grads = torch.autograd.grad(out, inputs, grad_outputs=gout, allow_unused=True)
+        del out
+        if self.kind != "embedding":
+            self._store(grads[0])
+            grads = grads[1:]
+        for name, grad in zip(leaves, grads, strict=True):
+            if grad is not None:
+                slot = self.layout.slot(name)
+                self.acc[slot.offset : slot.end].add_(grad.reshape(-1))
+
+    def activation_bytes(self, m: int) -> int:
+        """Peak bytes the ledger counts as activations during one recompute + backward."""
+        x, labels, gout = self.inputs(m)
+        self.ledger.reset_peak()
+        self.recompute_backward(x, labels, gout)
+        return int(self.ledger.peak_by_category.get(ACTIVATIONS, 0))
+
+    def measure(self, m: int, timing: Timing, emulator: ComputeEmulator) -> tuple[float, float, int]:
+        """(forward s, backward s without the recompute, activation bytes) at micro-batch m."""
+        act = self.activation_bytes(m)
+        x, labels, gout = self.inputs(m)
+        fwd = time_piece(lambda: self.forward(x, labels), self.device, timing, emulator)
+        both = time_piece(lambda: self.recompute_backward(x, labels, gout), self.device, timing, emulator)
+        # on a noisy machine the difference can dip below zero at tiny sizes: the backward
+        # of a unit never costs less than a small share of its forward
+        return fwd, max(both - fwd, 0.1 * fwd), act
+
+
+def measure_optimizer(device: torch.device, numel: int, timing: Timing) -> float:
+    """Seconds per parameter of the engine's optimizer work on its shard: the squared-norm
+    sum, the AdamW step, zeroing the gradient (fp32, one flat group)."""
+    gen = torch.Generator().manual_seed(7)
+
+    def buf(scale: float) -> torch.Tensor:
+        return (torch.randn(numel, generator=gen) * scale).to(device)
+
+    group = ShardGroup(buf(0.02), buf(1e-3), torch.zeros(numel, device=device),
+                       torch.zeros(numel, device=device), [(0, numel)])
+    opt = ShardedAdamW([group], AdamWHyper())
+
+    def step() -> None:
+        opt.local_grad_sq_sum()
+        opt.step(1e-4)
+        opt.zero_grad()
+
+    return time_piece(step, device, timing) / numel
+
+
+def measure_host_copy(device: torch.device, nbytes: int, timing: Timing) -> float:
+    """Bytes per second of a device -> host -> device round trip (a memcpy on the CPU)."""
+    numel = nbytes // 4
+    src = torch.randn(numel).to(device)
+    pin = device.type == "cuda"
+    host = torch.empty(numel, pin_memory=pin)
+    back = torch.empty(numel, device=device)
+
+    def roundtrip() -> None:
+        host.copy_(src, non_blocking=pin)
+        back.copy_(host, non_blocking=pin)
+
+    return 2 * numel * 4 / time_piece(roundtrip, device, timing)
+
+
+@dataclass
+class CollectiveSample:
+    """Median time of one collective over `nbytes` in total (the gathered / reduced size)."""
+
+    name: str
+    nbytes: int
+    seconds: float
+
+
+def measure_collectives(comm: Comm, device: torch.device, sizes_bytes: tuple[int, ...],
+                        timing: Timing) -> list[CollectiveSample]:
+    """Time `all_gather_v` and `reduce_scatter_v` of fp32 buffers of each total size across
+    all ranks (uneven shards, as the engine uses them); every rank runs this together. A
+    repetition's time is the slowest rank's (all-reduced max), after a barrier."""
+    n = comm.world_size
+    out: list[CollectiveSample] = []
+    for nbytes in sizes_bytes:
+        numel = max(nbytes // 4, n)
+        # uneven on purpose: rank i gets a share proportional to i + 1
+        weights = [i + 1 for i in range(n)]
+        sizes = [numel * w // sum(weights) for w in weights]
+        sizes[-1] += numel - sum(sizes)
+        full = torch.zeros(numel, device=device)
+        shard = torch.ones(sizes[comm.rank], device=device)
+
+        def gather(full=full, shard=shard, sizes=sizes) -> None:
+            comm.all_gather_v(full, shard, sizes).wait()
+
+        def scatter(full=full, shard=shard, sizes=sizes) -> None:
+            comm.reduce_scatter_v(shard, full, sizes)
+
+        for name, fn in (("all_gather_v", gather), ("reduce_scatter_v", scatter)):
+            samples = []
+            for rep in range(timing.warmup + timing.repeats):
+                comm.barrier()
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+                comm.all_reduce(t, "max")
+                if rep >= timing.warmup:
+                    samples.append(float(t.item()))
+            out.append(CollectiveSample(name, numel * 4, statistics.median(samples)))
+    return out
+
+
+def fit_comm(samples: list[CollectiveSample], world_size: int) -> tuple[float, float]:
+    """(bytes_per_s, latency_s) of the cost model's ring formula
+    t = latency + (n-1)/n * bytes / bandwidth, fitted to the two sizes of both collectives
+    (least squares over all points; latency clamped at 0)."""
+    ring = (world_size - 1) / world_size
+    xs = [ring * s.nbytes for s in samples]
+    ys = [s.seconds for s in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0 else 0.0
+    if slope <= 0:  # no size dependence measurable: all latency
+        return UNMEASURABLE_BYTES_PER_S, max(my, 0.0)
+    return 1.0 / slope, max(my - slope * mx, 0.0)

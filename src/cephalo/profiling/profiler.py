@@ -1,0 +1,418 @@
+"""`profile_devices`: measure every device type of a cluster and the collectives between its
+ranks, inside the distributed job, with a database so a second run is instant.
+
+Every rank calls it with the same arguments. Rank 0 reads the database and says (to all)
+which device types are already known; each unknown type is then measured by the FIRST rank
+of that type while every other rank waits for its result (a blocking broadcast). One rank
+measures at a time on purpose: on a small machine running several emulated ranks, two
+ranks measuring at once would slow each other down and the profiles would describe a
+contended machine, not the devices. The collectives are measured by all ranks together.
+Rank 0 then writes the database. In one process (world size 1) the same call measures
+every distinct type of `devices` itself: emulated types differ only in their slowdown.
+
+Threads: measurements run with the caller's `torch.get_num_threads()`, which should be what
+training uses (the local launcher gives every rank its share of the cores); it is recorded
+in each profile's `meta`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cephalo.cluster import Cluster, Device
+from cephalo.errors import CephaloError
+from cephalo.log import logger
+from cephalo.modeling.registry import build_model
+from cephalo.modeling.units import UnitModel
+from cephalo.models import ModelSpec
+from cephalo.profile import CommProfile, Curve, DeviceProfile, UnitProfile
+from cephalo.profiling.database import (
+    CommKey,
+    DeviceKey,
+    ProfileDatabase,
+    host_signature,
+    model_signature,
+)
+from cephalo.profiling.measure import (
+    Timing,
+    UnitBench,
+    fit_comm,
+    measure_collectives,
+    measure_host_copy,
+    measure_optimizer,
+)
+from cephalo.runtime.comm import Comm, LocalComm
+from cephalo.runtime.emulation import ComputeEmulator
+from cephalo.runtime.precision import compute_dtype
+
+ProgressFn = Callable[[str], None]
+
+
+@dataclass
+class ProfileSettings:
+    """How thoroughly to measure (the `[profile]` config section maps onto these)."""
+
+    repeats: int = 3
+    """Timed repetitions per measurement; the median is kept."""
+    warmup: int = 1
+    """Untimed repetitions before each measurement."""
+    time_cap_s: float = 60.0
+    """Per device type: stop trying larger micro-batches once this much time is spent (the
+    curves extrapolate linearly beyond the last measured size)."""
+    max_micro_batch: int = 32
+    """Largest micro-batch measured (sizes 1, 2, 4, ... up to it)."""
+    optimizer_numel: int = 1 << 21
+    """Elements of the flat shard the AdamW step is timed on."""
+    host_copy_bytes: int = 32 << 20
+    """Buffer size of the host-copy bandwidth measurement."""
+    comm_sizes_bytes: tuple[int, int] = (256 << 10, 8 << 20)
+    """The two total message sizes the collective fit uses (latency and bandwidth)."""
+    per_sample_dropout: bool = True
+    """Run units under the engine's per-sample dropout mode (as `EngineConfig` does by default)."""
+
+    @property
+    def timing(self) -> Timing:
+        return Timing(warmup=self.warmup, repeats=self.repeats)
+
+
+@dataclass
+class MeasuredProfiles:
+    """What `profile_devices` returns, and what `cephalo profile --out` writes."""
+
+    profiles: dict[str, DeviceProfile]
+    """By device type key."""
+    comm: CommProfile | None
+    """Measured collectives; None in a single process (no links to measure)."""
+    model: str
+    seq_len: int
+    dtype: str
+    measured: list[str] = field(default_factory=list)
+    """What was measured this time (type keys, and `comm`)."""
+    cached: list[str] = field(default_factory=list)
+    """What came from the database."""
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "seq_len": self.seq_len,
+            "dtype": self.dtype,
+            "profiles": {k: p.to_dict() for k, p in self.profiles.items()},
+            "comm": None if self.comm is None else {"bytes_per_s": self.comm.bytes_per_s, "latency_s": self.comm.latency_s},
+            "measured": self.measured,
+            "cached": self.cached,
+            "elapsed_s": self.elapsed_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MeasuredProfiles:
+        return cls(
+            profiles={k: DeviceProfile.from_dict(p) for k, p in d["profiles"].items()},
+            comm=CommProfile(**d["comm"]) if d.get("comm") else None,
+            model=d["model"], seq_len=int(d["seq_len"]), dtype=d["dtype"],
+            measured=list(d.get("measured", [])), cached=list(d.get("cached", [])),
+            elapsed_s=float(d.get("elapsed_s", 0.0)),
+        )
+
+    def save(self, path: str | Path) -> None:
+        import json
+
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> MeasuredProfiles:
+        import json
+
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+            return cls.from_dict(d)
+        except OSError as e:
+            raise CephaloError(f"cannot read profile file {p}: {e.strerror or e}") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise CephaloError(
+                f"{p} is not a profile file written by `cephalo profile --out` ({type(e).__name__}: {e})"
+            ) from None
+
+
+# ====================================================================== one device type
+def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
+                   torch_device: torch.device, settings: ProfileSettings,
+                   progress: ProgressFn | None = None) -> DeviceProfile:
+    """Measure one device type on this process (the model must be materialised on `torch_device`)."""
+    started = time.perf_counter()
+    spec = model.spec
+    emulator = ComputeEmulator(device.slowdown)
+    cdtype = compute_dtype(dtype)
+    kinds = {"embedding": 0, "block": 1, "head": len(model.units) - 1}
+    benches = {
+        kind: UnitBench(model.units[i], i, seq_len, spec.hidden_size, spec.vocab_size, torch_device, cdtype,
+                        settings.per_sample_dropout)
+        for kind, i in kinds.items()
+    }
+    points: dict[str, list[tuple[int, float, float, int]]] = {k: [] for k in kinds}
+    m = 1
+    while m <= settings.max_micro_batch:
+        try:
+            for kind, bench in benches.items():
+                if progress:
+                    progress(f"{device.type_key}: {kind} at micro-batch {m}")
+                fwd, bwd, act = bench.measure(m, settings.timing, emulator)
+                points[kind].append((m, fwd, bwd, act))
+        except torch.cuda.OutOfMemoryError:
+            logger.info("%s: out of memory at micro-batch %d; stopping there", device.type_key, m)
+            break
+        finally:
+            if torch_device.type == "cuda":
+                torch.cuda.empty_cache()
+        for kind in kinds:  # keep the per-kind lists equally long (OOM mid-size)
+            del points[kind][len(points["head"]):]
+        elapsed = time.perf_counter() - started
+        act_now = points["block"][-1][3] + points["head"][-1][3]
+        if elapsed > settings.time_cap_s and len(points["block"]) >= 2:
+            logger.info("%s: time cap reached after micro-batch %d", device.type_key, m)
+            break
+        if 2 * act_now > device.memory_bytes / 2:  # the next size would not leave room for the state
+            logger.info("%s: micro-batch %d already uses %.0f MiB of activations; stopping", device.type_key, m,
+                        act_now / 2**20)
+            break
+        m *= 2
+    if not points["head"]:
+        raise CephaloError(
+            f"{device.type_key}: not even micro-batch 1 of {spec.name} fits in memory; use a smaller model or sequence"
+        )
+    units = {}
+    for kind, pts in points.items():
+        xs = [float(p[0]) for p in pts]
+        units[kind] = UnitProfile(
+            fwd_s=Curve(xs, [p[1] for p in pts]),
+            bwd_s=Curve(xs, [p[2] for p in pts]),
+            activation_bytes=Curve(xs, [float(p[3]) for p in pts]),
+        )
+    if progress:
+        progress(f"{device.type_key}: optimizer and host copies")
+    opt_s = measure_optimizer(torch_device, settings.optimizer_numel, settings.timing)
+    copy_bw = measure_host_copy(torch_device, settings.host_copy_bytes, settings.timing)
+    return DeviceProfile(
+        device_type=device.type_key,
+        memory_bytes=device.memory_bytes,
+        units=units,
+        optimizer_s_per_param=opt_s,
+        host_copy_bytes_per_s=copy_bw,
+        source="measured",
+        meta={
+            "torch_threads": torch.get_num_threads(),
+            "slowdown": device.slowdown,
+            "host": host_signature(torch_device),
+            "measure_s": round(time.perf_counter() - started, 3),
+            "repeats": settings.repeats,
+        },
+    )
+
+
+# ====================================================================== the whole cluster
+def _broadcast(obj: object, src: int, comm: Comm) -> object:
+    if comm.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _all_gather(obj: object, comm: Comm) -> list:
+    if comm.world_size == 1:
+        return [obj]
+    out: list = [None] * comm.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _torch_device(comm: Comm) -> torch.device:
+    if comm.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _measuring_ranks(devices: list[Device], world_size: int) -> dict[str, int]:
+    """Type key -> the rank that measures it: the first of that type (all 0 in one process)."""
+    first: dict[str, int] = {}
+    for i, d in enumerate(devices):
+        first.setdefault(d.type_key, i if world_size > 1 else 0)
+    return first
+
+
+def _keys(meta_model: UnitModel, seq_len: int, dtype: str, devices: list[Device], hosts: list[str],
+          first_rank: dict[str, int], backend: str) -> tuple[dict[str, DeviceKey], CommKey]:
+    signature = model_signature(meta_model, meta_model.spec)
+    keys = {k: DeviceKey(k, signature, seq_len, dtype, torch.__version__, hosts[r]) for k, r in first_rank.items()}
+    return keys, CommKey(tuple(d.type_key for d in devices), backend, torch.__version__, hosts[0])
+
+
+def cached_profiles(model: str | UnitModel, seq_len: int, dtype: str, devices: Cluster | list[Device],
+                    backend: str = "gloo", cache: str | Path | None = None, **model_overrides) -> MeasuredProfiles | None:
+    """Everything `profile_devices` would return for ranks on THIS host, if the database
+    already has all of it (else None): lets a launcher skip starting ranks at all."""
+    started = time.perf_counter()
+    devices = list(devices.devices if isinstance(devices, Cluster) else devices)
+    meta_model = build_model(model, **model_overrides) if isinstance(model, str) else model
+    host = host_signature("cpu" if backend != "nccl" else torch.device("cuda", torch.cuda.current_device()))
+    keys, comm_key = _keys(meta_model, seq_len, dtype, devices, [host] * len(devices),
+                           _measuring_ranks(devices, len(devices)), backend)
+    db = ProfileDatabase.load(cache)
+    profiles = {k: db.get_device(key) for k, key in keys.items()}
+    comm = db.get_comm(comm_key) if len(devices) > 1 else None
+    if any(p is None for p in profiles.values()) or (len(devices) > 1 and comm is None):
+        return None
+    for k, p in profiles.items():
+        p.memory_bytes = min(d.memory_bytes for d in devices if d.type_key == k)
+    return MeasuredProfiles(profiles=profiles, comm=comm, model=meta_model.spec.name, seq_len=seq_len, dtype=dtype,
+                            cached=[*profiles, *(["comm"] if comm else [])], elapsed_s=time.perf_counter() - started)
+
+
+def profile_devices(
+    model: str | UnitModel,
+    seq_len: int,
+    dtype: str,
+    devices: Cluster | list[Device],
+    comm: Comm | None = None,
+    settings: ProfileSettings | None = None,
+    cache: str | Path | None = None,
+    use_cache: bool = True,
+    refresh: bool = False,
+    progress: ProgressFn | None = None,
+    **model_overrides,
+) -> MeasuredProfiles:
+    """Profiles of every device type in `devices` (rank order) and of the collectives.
+
+    Call on every rank (see the module docstring). `model` is a registry name (with
+    `model_overrides`) or a meta-built `UnitModel` (it is copied, never materialised in
+    place). `cache` is the database file (default `default_db_path()`); `use_cache=False`
+    neither reads nor writes it; `refresh=True` re-measures and overwrites its entries.
+    """
+    started = time.perf_counter()
+    settings = settings or ProfileSettings()
+    comm = comm or LocalComm()
+    devices = list(devices.devices if isinstance(devices, Cluster) else devices)
+    if comm.world_size > 1 and len(devices) != comm.world_size:
+        raise CephaloError(
+            f"the cluster lists {len(devices)} devices but the job has {comm.world_size} ranks; "
+            "give one device per rank, in rank order"
+        )
+    if seq_len < 1:
+        raise CephaloError(f"seq_len must be >= 1, got {seq_len}")
+    compute_dtype(dtype)  # a clear error for a bad dtype
+    meta_model = build_model(model, **model_overrides) if isinstance(model, str) else model
+    spec: ModelSpec = meta_model.spec
+    if seq_len > spec.max_seq_len:
+        raise CephaloError(
+            f"seq_len {seq_len} is longer than {spec.name}'s {spec.max_seq_len} positions; "
+            "use a shorter sequence or a model built for it"
+        )
+    tdev = _torch_device(comm)
+    rank = comm.rank
+    type_keys = list(dict.fromkeys(d.type_key for d in devices))
+    first_rank = _measuring_ranks(devices, comm.world_size)
+    hosts = _all_gather(host_signature(tdev), comm)
+    keys, comm_key = _keys(meta_model, seq_len, dtype, devices, hosts, first_rank, comm.backend)
+
+    # rank 0 decides what is known; everyone learns the same answer
+    known: dict | None = None
+    if rank == 0:
+        db = ProfileDatabase.load(cache) if use_cache else None
+        known = {"devices": {}, "comm": None}
+        if db is not None and not refresh:
+            for k, key in keys.items():
+                p = db.get_device(key)
+                if p is not None:
+                    known["devices"][k] = p.to_dict()
+            c = db.get_comm(comm_key) if comm.world_size > 1 else None
+            known["comm"] = None if c is None else {"bytes_per_s": c.bytes_per_s, "latency_s": c.latency_s}
+    known = _broadcast(known, 0, comm)
+    assert known is not None
+
+    profiles: dict[str, DeviceProfile] = {k: DeviceProfile.from_dict(p) for k, p in known["devices"].items()}
+    cached = [k for k in type_keys if k in profiles]
+    measured: list[str] = []
+    materialised: UnitModel | None = None
+    for k in type_keys:
+        if k in profiles:
+            continue
+        src = first_rank[k]
+        result = None
+        if rank == src:
+            if materialised is None:
+                materialised = copy.deepcopy(meta_model).materialize(tdev, torch.Generator().manual_seed(0))
+            device = next(d for d in devices if d.type_key == k)
+            logger.info("rank %d: measuring %s (%s, seq %d, %s)", rank, k, spec.name, seq_len, dtype)
+            result = measure_device(materialised, seq_len, dtype, device, tdev, settings, progress).to_dict()
+        profiles[k] = DeviceProfile.from_dict(_broadcast(result, src, comm))
+        measured.append(k)
+    del materialised
+
+    comm_profile: CommProfile | None = None
+    comm_meta: dict = {}
+    if comm.world_size > 1:
+        if known["comm"] is not None:
+            comm_profile = CommProfile(**known["comm"])
+            cached.append("comm")
+        else:
+            if progress:
+                progress("collectives across all ranks")
+            samples = measure_collectives(comm, tdev, settings.comm_sizes_bytes, settings.timing)
+            bw, lat = fit_comm(samples, comm.world_size)
+            comm_profile = CommProfile(bytes_per_s=bw, latency_s=lat)
+            comm_meta = {"samples": [(s.name, s.nbytes, s.seconds) for s in samples]}
+            measured.append("comm")
+
+    # each type's memory is the device's (the smallest among ranks of that type)
+    for k, p in profiles.items():
+        p.memory_bytes = min(d.memory_bytes for d in devices if d.type_key == k)
+
+    if rank == 0 and use_cache and measured:
+        db = ProfileDatabase.load(cache)
+        for k in measured:
+            if k != "comm":
+                db.put_device(keys[k], profiles[k])
+        if "comm" in measured and comm_profile is not None:
+            db.put_comm(comm_key, comm_profile, comm_meta)
+        db.save()
+        logger.info("profile database %s: stored %s", db.path, ", ".join(measured))
+    if comm.world_size > 1:
+        comm.barrier()
+    return MeasuredProfiles(
+        profiles=profiles, comm=comm_profile, model=spec.name, seq_len=seq_len, dtype=dtype,
+        measured=measured, cached=cached, elapsed_s=time.perf_counter() - started,
+    )
+
+
+def cost_model_from_profiles(cluster: Cluster, model_spec: ModelSpec, seq_len: int, dtype: str,
+                             measured: MeasuredProfiles, **kw):
+    """The cost model over measured profiles (the same `CostModel` the catalog feeds).
+
+    Collectives: the measured `CommProfile` when there is one, else the cluster's links."""
+    from cephalo.costmodel import CostModel
+
+    missing = sorted({d.type_key for d in cluster.devices} - set(measured.profiles))
+    if missing:
+        raise CephaloError(
+            f"the profiles have no measurements for {', '.join(missing)} (they cover "
+            f"{', '.join(sorted(measured.profiles))}); profile this cluster with `cephalo profile --devices ...`"
+        )
+    if measured.seq_len != seq_len or measured.dtype != dtype:
+        raise CephaloError(
+            f"the profiles were measured at seq_len {measured.seq_len} / {measured.dtype}, not "
+            f"{seq_len} / {dtype}; profile again with --seq-len {seq_len} --dtype {dtype}"
+        )
+    profiles = {}
+    for k in dict.fromkeys(d.type_key for d in cluster.devices):
+        p = copy.copy(measured.profiles[k])
+        p.memory_bytes = min(d.memory_bytes for d in cluster.devices if d.type_key == k)
+        profiles[k] = p
+    return CostModel.from_profiles(cluster, model_spec, seq_len, dtype, profiles, comm=measured.comm, **kw)

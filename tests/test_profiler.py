@@ -1,0 +1,250 @@
+"""The profiler: measurements, the profile database, the CLI, and planning from measurements."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+from cephalo.cli import main
+from cephalo.cluster import Cluster
+from cephalo.errors import CephaloError
+from cephalo.modeling.registry import build_model
+from cephalo.profile import Curve, DeviceProfile, UnitProfile
+from cephalo.profiling import (
+    MeasuredProfiles,
+    ProfileDatabase,
+    ProfileSettings,
+    cost_model_from_profiles,
+    profile_devices,
+)
+from cephalo.profiling.database import DeviceKey, model_signature
+from cephalo.profiling.measure import CollectiveSample, fit_comm
+from cephalo.profiling.profiler import cached_profiles
+from dist_harness import dist_pool_fixture
+
+FAST = ProfileSettings(repeats=1, warmup=0, max_micro_batch=8, optimizer_numel=1 << 16,
+                       host_copy_bytes=1 << 20, time_cap_s=20.0)
+SEQ = 16
+
+
+def _profile(n: int = 2) -> DeviceProfile:
+    xs = [1.0, 2.0, 4.0][:n]
+    unit = UnitProfile(Curve(xs, [0.001 * x for x in xs]), Curve(xs, [0.002 * x for x in xs]),
+                       Curve(xs, [1000.0 * x for x in xs]))
+    return DeviceProfile("cpu", 1 << 30, {"embedding": unit, "block": unit, "head": unit}, 1e-8, 1e9,
+                         source="measured", meta={"torch_threads": 1})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Like every launched rank: one thread (several spinning OpenMP threads on a busy
+    2-core machine make timings meaningless)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def single(one_thread) -> MeasuredProfiles:
+    """One process, two emulated types (measured in-process, no database)."""
+    settings = ProfileSettings(repeats=3, warmup=1, max_micro_batch=8, optimizer_numel=1 << 16,
+                               host_copy_bytes=1 << 20)
+    return profile_devices("gpt-tiny", SEQ, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), settings=settings,
+                           use_cache=False)
+
+
+# ----------------------------------------------------------------------------- database
+def test_database_round_trip(tmp_path):
+    path = tmp_path / "db.json"
+    db = ProfileDatabase.load(path)
+    assert db.devices == {} and not path.exists()
+    key = DeviceKey("cpu", "abc", 32, "fp32", torch.__version__, "host")
+    db.put_device(key, _profile())
+    db.save()
+    again = ProfileDatabase.load(path)
+    got = again.get_device(key)
+    assert got is not None and got.to_dict() == _profile().to_dict()
+    # any part of the key differing is a miss
+    for other in (DeviceKey("cpu", "abc", 64, "fp32", torch.__version__, "host"),
+                  DeviceKey("cpu:slowdown=2", "abc", 32, "fp32", torch.__version__, "host"),
+                  DeviceKey("cpu", "abd", 32, "fp32", torch.__version__, "host"),
+                  DeviceKey("cpu", "abc", 32, "bf16", torch.__version__, "host"),
+                  DeviceKey("cpu", "abc", 32, "fp32", "1.0", "host"),
+                  DeviceKey("cpu", "abc", 32, "fp32", torch.__version__, "other-host")):
+        assert again.get_device(other) is None
+    assert not list(tmp_path.glob("*.tmp"))  # atomic write leaves no temporary
+
+
+def test_database_errors(tmp_path):
+    bad = tmp_path / "db.json"
+    bad.write_text("{not json")
+    with pytest.raises(CephaloError, match="delete it"):
+        ProfileDatabase.load(bad)
+    bad.write_text(json.dumps({"version": 99}))
+    with pytest.raises(CephaloError, match="version"):
+        ProfileDatabase.load(bad)
+
+
+def test_model_signature_tracks_shape_and_dropout():
+    a = build_model("gpt-tiny")
+    assert model_signature(a, a.spec) == model_signature(build_model("gpt-tiny"), a.spec)
+    b = build_model("gpt-tiny", n_embd=128)
+    c = build_model("gpt-tiny", dropout=0.1)
+    assert len({model_signature(m, m.spec) for m in (a, b, c)}) == 3
+
+
+def test_cache_hit_is_fast_and_identical(tmp_path):
+    cache = tmp_path / "db.json"
+    cluster = Cluster.parse("cpu")
+    first = profile_devices("gpt-tiny", SEQ, "fp32", cluster, settings=FAST, cache=cache)
+    assert first.measured == ["cpu"] and first.cached == []
+    t0 = time.perf_counter()
+    second = profile_devices("gpt-tiny", SEQ, "fp32", cluster, settings=FAST, cache=cache)
+    assert time.perf_counter() - t0 < 2.0
+    assert second.measured == [] and second.cached == ["cpu"]
+    assert second.profiles["cpu"].to_dict() == first.profiles["cpu"].to_dict()
+    hit = cached_profiles("gpt-tiny", SEQ, "fp32", cluster, cache=cache)
+    assert hit is not None and hit.profiles["cpu"].to_dict() == first.profiles["cpu"].to_dict()
+    assert cached_profiles("gpt-tiny", SEQ * 2, "fp32", cluster, cache=cache) is None
+    refreshed = profile_devices("gpt-tiny", SEQ, "fp32", cluster, settings=FAST, cache=cache, refresh=True)
+    assert refreshed.measured == ["cpu"]
+    # memory is not part of the key: the device's own capacity is reported
+    small = profile_devices("gpt-tiny", SEQ, "fp32", Cluster.parse("cpu:mem=1GiB"), settings=FAST, cache=cache)
+    assert small.measured == [] and small.profiles["cpu"].memory_bytes == 1 << 30
+
+
+# ----------------------------------------------------------------------------- measurements
+def test_measured_curves(single):
+    for key in ("cpu", "cpu:slowdown=2"):
+        p = single.profiles[key]
+        assert p.source == "measured" and p.optimizer_s_per_param > 0 and p.host_copy_bytes_per_s > 0
+        for kind in ("embedding", "block", "head"):
+            u = p.units[kind]
+            assert u.fwd_s.xs == [1.0, 2.0, 4.0, 8.0]
+            for curve in (u.fwd_s, u.bwd_s, u.activation_bytes):
+                assert all(b >= a for a, b in zip(curve.ys, curve.ys[1:], strict=False))
+                assert curve.ys[0] > 0
+        # activations are exact byte counts: linear in the micro-batch for a block
+        act = p.units["block"].activation_bytes
+        assert act(8) == pytest.approx(8 * act(1), rel=0.02)
+        # the head keeps at least its fp32 logits
+        assert p.units["head"].activation_bytes(4) >= 4 * SEQ * 256 * 4
+        # a bigger micro-batch costs more (gpt-tiny at micro-batch 1 is mostly Python overhead)
+        block = p.units["block"]
+        assert block.fwd_s(8) + block.bwd_s(8) > block.fwd_s(1) + block.bwd_s(1)
+
+
+def test_slowdown_is_measured(single):
+    ratio = _slowdown_ratio(single, "cpu:slowdown=2", "cpu")
+    assert 1.4 < ratio < 3.2, ratio  # generous: other processes share the 2 cores
+    # activations do not depend on speed
+    assert single.profiles["cpu"].units["block"].activation_bytes.ys == \
+        single.profiles["cpu:slowdown=2"].units["block"].activation_bytes.ys
+
+
+def _slowdown_ratio(measured: MeasuredProfiles, slow: str, fast: str) -> float:
+    """Median over the block's and head's forward and backward points of slow / fast."""
+    ratios = []
+    for kind in ("block", "head"):
+        for curve in ("fwd_s", "bwd_s"):
+            a = getattr(measured.profiles[slow].units[kind], curve).ys
+            b = getattr(measured.profiles[fast].units[kind], curve).ys
+            ratios += [x / y for x, y in zip(a, b, strict=True)]
+    return statistics.median(ratios)
+
+
+def test_fit_comm_recovers_line():
+    n, bw, lat = 3, 2e9, 3e-4
+    ring = (n - 1) / n
+    samples = [CollectiveSample(name, b, lat + ring * b / bw)
+               for name in ("all_gather_v", "reduce_scatter_v") for b in (1 << 18, 1 << 23)]
+    got_bw, got_lat = fit_comm(samples, n)
+    assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)
+
+
+def test_bad_input():
+    with pytest.raises(CephaloError, match="longer than"):
+        profile_devices("gpt-tiny", 4096, "fp32", Cluster.parse("cpu"), settings=FAST, use_cache=False)
+    with pytest.raises(CephaloError, match="dtype"):
+        profile_devices("gpt-tiny", SEQ, "fp64", Cluster.parse("cpu"), settings=FAST, use_cache=False)
+    with pytest.raises(CephaloError, match="unknown model"):
+        profile_devices("no-such-model", SEQ, "fp32", Cluster.parse("cpu"), settings=FAST, use_cache=False)
+
+
+# ----------------------------------------------------------------------------- planning
+def test_plan_from_measured_profiles(single, tmp_path):
+    from cephalo.planner import make_plan
+
+    cluster = Cluster.parse("cpu,cpu:slowdown=2")
+    spec = build_model("gpt-tiny").spec
+    path = tmp_path / "profile.json"
+    single.save(path)
+    measured = MeasuredProfiles.load(path)
+    cm = cost_model_from_profiles(cluster, spec, SEQ, "fp32", measured)
+    assert cm.meta["profile_source"] == "measured"
+    plan = make_plan(cm, 24, "cephalo")
+    fast, slow = plan.ranks
+    assert fast.batch_size + slow.batch_size == 24
+    assert fast.batch_size > slow.batch_size  # the slowed-down rank gets less work
+    with pytest.raises(CephaloError, match="no measurements for"):
+        cost_model_from_profiles(Cluster.parse("cpu,cpu:slowdown=3"), spec, SEQ, "fp32", measured)
+    with pytest.raises(CephaloError, match="seq_len"):
+        cost_model_from_profiles(cluster, spec, SEQ * 2, "fp32", measured)
+    with pytest.raises(CephaloError, match="not a profile file"):
+        (tmp_path / "junk.json").write_text("{}")
+        MeasuredProfiles.load(tmp_path / "junk.json")
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_single_device(tmp_path, capsys):
+    args = ["profile", "--devices", "cpu", "--model", "gpt-tiny", "--seq-len", str(SEQ), "--cache",
+            str(tmp_path / "db.json"), "--repeats", "1", "--max-micro-batch", "4", "--out", str(tmp_path / "p.json")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "measured cpu" in out and "cpu: gpt-tiny, seq 16, fp32" in out
+    assert MeasuredProfiles.load(tmp_path / "p.json").profiles["cpu"].units["block"].fwd_s.xs == [1, 2, 4]
+    assert main(args) == 0
+    assert "from the database: cpu" in capsys.readouterr().out
+    assert main(["profile", "--devices", "cpu", "--model", "gpt-tiny", "--repeats", "0"]) == 2
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+pool2 = dist_pool_fixture(2, timeout_s=240.0)
+
+
+def _profile_on_ranks(cache: str) -> dict:
+    from cephalo.runtime.comm import make_comm
+
+    comm = make_comm("auto")
+    settings = ProfileSettings(repeats=3, warmup=1, max_micro_batch=8, optimizer_numel=1 << 18,
+                               host_copy_bytes=4 << 20, time_cap_s=30.0)
+    first = profile_devices("gpt-tiny", 32, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), comm,
+                            settings=settings, cache=cache)
+    t0 = time.perf_counter()
+    second = profile_devices("gpt-tiny", 32, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), comm,
+                             settings=settings, cache=cache)
+    return {"first": first.to_dict(), "second": second.to_dict(), "second_s": time.perf_counter() - t0}
+
+
+@pytest.mark.slow
+def test_two_rank_profiling(pool2, tmp_path):
+    results = pool2.run(_profile_on_ranks, str(tmp_path / "db.json"), timeout_s=240.0)
+    # every rank gets the same profiles
+    assert results[0]["first"]["profiles"] == results[1]["first"]["profiles"]
+    assert results[0]["first"]["comm"] == results[1]["first"]["comm"]
+    first = MeasuredProfiles.from_dict(results[0]["first"])
+    assert sorted(first.measured) == ["comm", "cpu", "cpu:slowdown=2"]
+    assert first.comm is not None and first.comm.bytes_per_s > 1e6 and first.comm.latency_s >= 0
+
+    ratio = _slowdown_ratio(first, "cpu:slowdown=2", "cpu")
+    assert 1.4 < ratio < 3.2, ratio
+    second = MeasuredProfiles.from_dict(results[0]["second"])
+    assert second.measured == [] and sorted(second.cached) == ["comm", "cpu", "cpu:slowdown=2"]
+    assert results[0]["second_s"] < 2.0
+    db = ProfileDatabase.load(tmp_path / "db.json")
+    assert len(db.devices) == 2 and len(db.comm) == 1
