@@ -190,3 +190,18 @@ def test_hf_gpt2_trains_and_exports_to_transformers(tmp_path):
     init = build_model("hf-gpt2-tiny").materialize("cpu", torch.Generator().manual_seed(0))
     first = next(iter(init.named_unit_parameters()))
     assert not torch.equal(state[f"{first[0]}.{first[1]}"], first[2].detach())
+
+
+@pytest.mark.slow
+def test_auto_plan_profiles_then_plans(tmp_path):
+    pytest.importorskip("cephalo.profiling")
+    cfg = tiny_config(tmp_path, "--parallel.plan=auto", "--train.steps=2", "--train.warmup_steps=1",
+                      "--train.eval_every=0", "--profile.repeats=1", "--profile.warmup=0", "--profile.time_cap_s=1")
+    result = train(cfg)
+    assert result.plan.strategy == "cephalo" and result.plan.batch_sizes == [4]
+    assert result.plan.meta["profiles"]["measured"] == ["cpu"]
+    assert (tmp_path / "run" / "profile.json").is_file()
+    # the second run finds the device in the profile database instead of measuring again
+    again = train(tiny_config(tmp_path, "--parallel.plan=auto", "--train.steps=2", "--train.warmup_steps=1",
+                              "--train.eval_every=0", "--checkpoint.resume=never"))
+    assert again.plan.meta["profiles"]["cached"] == ["cpu"] and again.plan.meta["profiles"]["measured"] == []

@@ -131,23 +131,15 @@ def simple_plan(strategy: str, cluster: Cluster, model_name: str, seq_len: int, 
                 dtype=dtype, ranks=ranks, meta={"cluster": cluster.describe()})
 
 
-def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int, verbose: bool = True) -> Plan:
-    """The plan `parallel.plan` names, checked against this job (world size, model, batch).
-    `verbose`: log notices (rank 0 only, so they appear once)."""
+def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int) -> Plan:
+    """The plan `parallel.plan` names (`even`, `proportional` or a plan file), checked against
+    this job (world size, model, global batch). `auto` is `auto_plan`'s."""
     choice = cfg.parallel.plan
     seq_len, batch, dtype = cfg.data.seq_len, cfg.train.global_batch_size, cfg.model.dtype
     if choice in ("even", "proportional"):
         return simple_plan(choice, cluster, cfg.model.name, seq_len, batch, dtype)
     if choice == "auto":
-        # INTEGRATION POINT (profiler, helper H): profile every rank's device (cached in
-        # cfg.profile_cache), build a CostModel from the measured profiles and
-        # `planner.make_plan(cost_model, batch, "cephalo")`, made on rank 0 and broadcast.
-        # Until the profiler lands, `auto` runs the even plan.
-        if verbose:
-            logger.warning("parallel.plan = auto: the profiler is not available yet; using the even plan")
-        plan = simple_plan("even", cluster, cfg.model.name, seq_len, batch, dtype)
-        plan.meta["requested"] = "auto"
-        return plan
+        raise CephaloError("parallel.plan = auto is made by `auto_plan` (it profiles on every rank)")
     plan = Plan.from_json(choice)
     plan.validate(world_size=world_size, model=cfg.model.name)
     if plan.global_batch_size != batch:
@@ -155,6 +147,32 @@ def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int, verbose: boo
             f"plan {choice} splits a global batch of {plan.global_batch_size} but train.global_batch_size is "
             f"{batch}: set train.global_batch_size = {plan.global_batch_size} or make a plan for {batch}"
         )
+    return plan
+
+
+def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) -> Plan:
+    """`parallel.plan = auto`: profile every device type of the job (collective; cached in
+    the profile database `cfg.profile_cache`, so a second run is instant), then the cephalo
+    plan from the measured cost model. Every rank gets the same profiles (broadcast by the
+    profiler) and the planner is deterministic, so every rank makes the same plan; one tiny
+    all-reduce checks it."""
+    from cephalo.planner import make_plan
+    from cephalo.profiling import ProfileSettings, cost_model_from_profiles, profile_devices
+
+    seq_len, batch, dtype = cfg.data.seq_len, cfg.train.global_batch_size, cfg.model.dtype
+    settings = ProfileSettings(repeats=cfg.profile.repeats, warmup=cfg.profile.warmup,
+                               time_cap_s=cfg.profile.time_cap_s)
+    measured = profile_devices(model, seq_len, dtype, cluster, comm, settings=settings, cache=cfg.profile_cache)
+    cost_model = cost_model_from_profiles(cluster, model.spec, seq_len, dtype, measured)
+    plan = make_plan(cost_model, batch, "cephalo", model_name=cfg.model.name)
+    plan.meta["profiles"] = {"measured": measured.measured, "cached": measured.cached,
+                             "database": str(cfg.profile_cache)}
+    mine = torch.tensor(plan.batch_sizes + [r.micro_batch_size for r in plan.ranks], dtype=torch.float64)
+    agreed = mine.clone()
+    comm.all_reduce(agreed, "max")
+    if not torch.equal(mine, agreed):
+        raise CephaloError("ranks made different automatic plans (different profiles?); write one plan with "
+                           "`cephalo plan --out plan.json` and set parallel.plan to it")
     return plan
 
 
@@ -201,7 +219,10 @@ class _Trainer:
         self.cluster = job_cluster(cfg, self.world_size)
         self.device = self.cluster.devices[self.rank]
         model = build_job_model(cfg)
-        self.plan = resolve_plan(cfg, self.cluster, self.world_size, verbose=self.rank == 0)
+        if cfg.parallel.plan == "auto":
+            self.plan = auto_plan(cfg, model, self.cluster, comm)
+        else:
+            self.plan = resolve_plan(cfg, self.cluster, self.world_size)
         self.rank_plan = self.plan.ranks[self.rank]
         self.offset = self.plan.batch_offsets()[self.rank]
         data_path = resolve_dataset(cfg.data.path, cfg.data.tokenizer, vocab_size=model.spec.vocab_size,
