@@ -3,6 +3,8 @@ reference, LGA == standard, precision modes, state access, errors."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -172,3 +174,17 @@ def test_slowdown_stretches_compute(monkeypatch):
     x, y = make_data(1, 2)[0]
     stats = engine.train_step(x, y, lr=LR)
     assert sum(slept[1:]) == pytest.approx(3.0 * (stats.busy_s - sum(slept[1:])) , rel=1e-6)
+
+
+def test_gpu_check_says_why_it_skips_without_cuda():
+    """scripts/gpu_check.sh needs a CUDA GPU; without one it exits 77 with a clear message."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PY=sys.executable)
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 77, proc.stdout + proc.stderr
+    assert "SKIPPED - no CUDA GPU is visible" in proc.stdout

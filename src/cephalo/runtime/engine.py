@@ -200,6 +200,24 @@ def _drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
     leaf.grad = None
 
 
+def _largest_saved_bytes(root, ledger: MemoryLedger) -> int:
+    """Largest storage any node of the autograd graph under `root` saved for backward
+    (ledger buffers, i.e. gathered parameters and boundaries, excluded)."""
+    largest, seen, stack = 0, set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                value = getattr(node, attr)
+                if isinstance(value, torch.Tensor) and value.numel() and not ledger.owns(value):
+                    largest = max(largest, value.untyped_storage().nbytes())
+        stack.extend(fn for fn, _ in node.next_functions)
+    return largest
+
+
 class Engine:
     """Sharded data-parallel training of a `UnitModel` under a `Plan` (see module docstring)."""
 
@@ -507,8 +525,8 @@ class Engine:
         else:
             gout, gout_staging = self._load(boundaries[(u + 1, j)])
         # Each parameter gradient goes into the fp32 accumulation buffer as soon as autograd
-        # produces it and is dropped at once, so at most about one parameter's gradient in
-        # compute dtype exists at a time (charged as `param_grad`).
+        # produces it and is dropped at once (post-accumulate hook), so about one parameter's
+        # gradient in compute dtype exists at a time.
         borrowed = {b.name: t for b, t in zip(us.borrows, tied_acc, strict=True)}
         for name, leaf in leaves.items():
             if name in borrowed:
@@ -517,15 +535,21 @@ class Engine:
                 slot = us.layout.slot(name)
                 dst = acc[slot.offset : slot.end]
             leaf.register_post_accumulate_grad_hook(functools.partial(_drain_grad, dst))
-        grad_bytes = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
+        param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         self._restore_rng(mb.rng[u])
-        self.ledger.charge("param_grad", grad_bytes)
         with torch.enable_grad(), self.ledger.track_activations():
             out = self._run_unit(us, leaves, x, mb)
+            # Autograd's transient gradients are not saved tensors, so the ledger does not see
+            # them. At a backward's peak, the gradient w.r.t. the largest saved tensor coexists
+            # with the gradient it produces (the head: d log-probs and d logits, each the size
+            # of the saved log-probs) or with a parameter's gradient: charge the larger.
+            saved = _largest_saved_bytes(out.grad_fn, self.ledger)
+            transient = saved + max(saved, param_grad)
+            self.ledger.charge("grad_transient", transient)
             inputs = ([x] if u > 0 else []) + list(leaves.values())
             torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
         del out
-        self.ledger.release("param_grad", grad_bytes)
+        self.ledger.release("grad_transient", transient)
         for t in (staging, gout_staging):
             if t is not None:
                 self.ledger.free(t)
