@@ -129,9 +129,11 @@ def test_measured_curves(single):
             for curve in (u.fwd_s, u.bwd_s, u.activation_bytes):
                 assert all(b >= a for a, b in zip(curve.ys, curve.ys[1:], strict=False))
                 assert curve.ys[0] > 0
-        # activations are exact byte counts: linear in the micro-batch for a block
-        act = p.units["block"].activation_bytes
-        assert act(8) == pytest.approx(8 * act(1), rel=0.02)
+        # activations are exact byte counts that grow at least linearly with the micro-batch
+        # (on top of a constant: the transient parameter gradient the engine charges)
+        for kind in ("block", "head"):
+            act = p.units[kind].activation_bytes
+            assert act(8) - act(4) >= act(4) - act(2) > 0
         # the head keeps at least its fp32 logits
         assert p.units["head"].activation_bytes(4) >= 4 * SEQ * 256 * 4
         # a bigger micro-batch costs more (gpt-tiny at micro-batch 1 is mostly Python overhead)

@@ -8,11 +8,12 @@ so the cost model's numbers are the engine's numbers:
   mode), and its output is stored into a fresh ledger buffer (the boundary activation);
 - recompute + backward: parameters and input become fresh leaves, the unit runs again with
   a graph under the ledger's `track_activations`, `autograd.grad` back-propagates the output
-  gradient, the input gradient is stored, and the parameter gradients are added into one
-  fp32 accumulation buffer. The backward time is this minus the forward (the cost model adds
-  the recompute itself);
-- activation bytes: the ledger's `activations` peak during that recompute + backward: the
-  same counter the engine's ledger reports, so a predicted peak can match the measured one.
+  gradient, each parameter gradient is drained into one fp32 accumulation buffer as autograd
+  produces it, and the input gradient is stored. The backward time is this minus the forward
+  (the cost model adds the recompute itself);
+- activation bytes: what the engine's ledger adds during that recompute + backward (saved
+  activations and the transient gradients it charges), so a predicted peak can match the
+  ledger's.
 
 Emulated devices are measured as they appear: each timed piece of unit compute is stretched
 by the same `ComputeEmulator` the engine uses. The optimizer step is measured without
@@ -30,6 +31,7 @@ the emulation is applied once per repetition, as the engine applies it once per 
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -42,8 +44,9 @@ from cephalo.modeling.units import Unit
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dropout import SampleDropout
 from cephalo.runtime.emulation import ComputeEmulator
+from cephalo.runtime.engine import _drain_grad, _largest_saved_bytes
 from cephalo.runtime.flat import FlatLayout
-from cephalo.runtime.memory import ACTIVATIONS, MemoryLedger
+from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
 
 UNMEASURABLE_BYTES_PER_S = 1e15
@@ -163,30 +166,38 @@ class UnitBench:
                 self._store(out)
 
     def recompute_backward(self, x: torch.Tensor, labels: torch.Tensor | None, gout: torch.Tensor) -> None:
-        """The engine's backward of one micro-batch: recompute with a graph, backprop,
-        store the input gradient, accumulate parameter gradients in fp32."""
+        """The engine's backward of one micro-batch (`Engine._backward_micro_batch`):
+        recompute with a graph, drain each parameter gradient into the fp32 buffer as it is
+        produced, charge autograd's transient gradients, store the input gradient."""
         leaves = {name: v.detach().requires_grad_() for name, v in self.params.items()}
         if self.kind != "embedding":
             x = x.detach().requires_grad_()
-        inputs = ([x] if self.kind != "embedding" else []) + list(leaves.values())
+        for name, leaf in leaves.items():
+            slot = self.layout.slot(name)
+            leaf.register_post_accumulate_grad_hook(functools.partial(_drain_grad, self.acc[slot.offset : slot.end]))
+        param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         with torch.enable_grad(), self.ledger.track_activations():
             out = self._run(leaves, x, labels)
-            grads = torch.autograd.grad(out, inputs, grad_outputs=gout, allow_unused=True)
+            saved = _largest_saved_bytes(out.grad_fn, self.ledger)
+            transient = saved + max(saved, param_grad)
+            self.ledger.charge("grad_transient", transient)
+            inputs = ([x] if self.kind != "embedding" else []) + list(leaves.values())
+            torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
         del out
+        self.ledger.release("grad_transient", transient)
         if self.kind != "embedding":
-            self._store(grads[0])
-            grads = grads[1:]
-        for name, grad in zip(leaves, grads, strict=True):
-            if grad is not None:
-                slot = self.layout.slot(name)
-                self.acc[slot.offset : slot.end].add_(grad.reshape(-1))
+            self._store(x.grad)
+            x.grad = None
 
     def activation_bytes(self, m: int) -> int:
-        """Peak bytes the ledger counts as activations during one recompute + backward."""
+        """Peak bytes the engine's ledger adds during one recompute + backward: saved
+        activations plus the charged transient gradients (the stored input gradient is a
+        boundary buffer, which the cost model counts on its own)."""
         x, labels, gout = self.inputs(m)
         self.ledger.reset_peak()
+        base = self.ledger.current_bytes
         self.recompute_backward(x, labels, gout)
-        return int(self.ledger.peak_by_category.get(ACTIVATIONS, 0))
+        return int(self.ledger.peak_bytes - base)
 
     def measure(self, m: int, timing: Timing, emulator: ComputeEmulator) -> tuple[float, float, int]:
         """(forward s, backward s without the recompute, activation bytes) at micro-batch m."""
