@@ -394,3 +394,26 @@ def test_nccl_comm_validates_arguments(pool3):
         assert f"rank {rank}'s `shard` has 3 elements" in messages[0]
         assert "sum(sizes) = 5" in messages[1]
         assert "unknown op 'avg'" in messages[2]
+
+
+def _subgroup_body():
+    import torch.distributed as dist
+
+    sub = dist.new_group([0, 2])  # every rank must take part in creating it
+    if dist.get_rank() == 1:
+        return None
+    comm = make_comm(group=sub)  # group ranks 0, 1 are global ranks 0, 2
+    sizes = [2, 3]
+    out = torch.empty(5)
+    comm.all_gather_v(out, torch.full((sizes[comm.rank],), float(dist.get_rank())), sizes)
+    red = torch.empty(sizes[comm.rank])
+    comm.reduce_scatter_v(red, torch.arange(5.0), sizes)
+    return comm.rank, comm.world_size, out.tolist(), red.tolist()
+
+
+@pytest.mark.slow
+def test_comm_on_a_subgroup(pool3):
+    r0, r1, r2 = pool3.run(_subgroup_body)
+    assert r1 is None
+    assert r0 == (0, 2, [0.0, 0.0, 2.0, 2.0, 2.0], [0.0, 2.0])
+    assert r2 == (1, 2, [0.0, 0.0, 2.0, 2.0, 2.0], [4.0, 6.0, 8.0])
