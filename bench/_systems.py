@@ -1,0 +1,346 @@
+"""The two systems the engine benchmarks run side by side on every rank, and how they are
+measured the same way.
+
+- `OursTrainer`: `cephalo.runtime.engine.Engine` under a plan.
+- `Fsdp2Trainer`: PyTorch FSDP2 (`fully_shard` per unit, then the root), gradient
+  accumulation with `set_requires_gradient_sync(False)` on all but the last micro-batch,
+  optionally per-unit activation checkpointing (`checkpoint_wrapper`, the like-for-like
+  baseline: the engine always recomputes each unit in backward), and the same emulated
+  slowdown as the engine (`SlowdownUnit`).
+
+Both use the same model (from the registry, untied embeddings: FSDP2 cannot shard one
+parameter in two groups), fp32, AdamW with the same hyper-parameters and global-norm
+clipping, and the same loss (token-loss sum over the global token count).
+
+Measurements shared by both:
+- `tracked_peak_bytes`: peak of live CPU tensor storage during one step (`LiveTensorBytes`,
+  a TorchDispatchMode that follows every storage an op creates until it is freed, FSDP2's
+  `resize_` frees included), with the persistent state registered first. (torch's own
+  `MemTracker` cannot be used: its module hooks fail on the engine's `functional_call`.)
+- `CollectiveCounter`: calls and bytes of FSDP2's all-gathers and reduce-scatters, counted by
+  wrapping `torch.distributed.all_gather_single` / `reduce_scatter_single` (what FSDP2 calls
+  in torch 2.13; `CommDebugMode` crashes in its module tracker here), with the bytes in the
+  engine's `comm.counters` convention: an all-gather counts the bytes this rank receives,
+  a reduce-scatter the bytes it sends, i.e. (world - 1) / world of the full buffer.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from cephalo.modeling.registry import build_model
+from cephalo.modeling.units import IGNORE_INDEX
+from cephalo.plan import Plan, RankPlan
+from cephalo.runtime.emulation import ComputeEmulator
+from cephalo.runtime.param_groups import adamw_param_groups
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+LR = 1e-4
+
+
+def bench_model(name: str, seed: int = 0, **overrides: Any):
+    """A materialised CPU model with untied embeddings and no dropout (no randomness, so
+    neither system pays for replaying it)."""
+    overrides = {"tie_embeddings": False, "dropout": 0.0, **overrides}
+    return build_model(name, **overrides).materialize("cpu", torch.Generator().manual_seed(seed))
+
+
+def make_data(global_batch: int, seq_len: int, vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (global_batch, seq_len), generator=g)
+    y = torch.randint(0, vocab, (global_batch, seq_len), generator=g)
+    return x, y
+
+
+def manual_plan(model: str, seq_len: int, batches: list[int], micros: list[int], fractions: list[float],
+                device_keys: list[str] | None = None) -> Plan:
+    keys = device_keys or ["cpu"] * len(batches)
+    ranks = [RankPlan(i, keys[i], b, max(1, min(m, b)) if b else 1, math.ceil(b / m) if b else 0, f)
+             for i, (b, m, f) in enumerate(zip(batches, micros, fractions, strict=True))]
+    return Plan("manual", model, seq_len, sum(batches), "fp32", ranks)
+
+
+# ====================================================================== ours
+class OursTrainer:
+    """The engine, built on this rank for `plan`."""
+
+    def __init__(self, model_name: str, overrides: dict, plan: Plan, mode: str = "lga",
+                 slowdown: float = 1.0, memory_budget_bytes: int | None = None, comm_impl: str = "auto"):
+        from cephalo.runtime.comm import make_comm
+        from cephalo.runtime.engine import Engine, EngineConfig
+
+        overrides = {"tie_embeddings": False, "dropout": 0.0, **overrides}
+        model = build_model(model_name, **overrides)  # on meta: the engine materialises its shards
+        self.comm = make_comm(comm_impl, validate=False)
+        cfg = EngineConfig(mode=mode, compute_dtype="fp32", betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                           grad_clip=GRAD_CLIP, seed=0, slowdown=slowdown, memory_budget_bytes=memory_budget_bytes,
+                           validate_collectives=False, per_sample_dropout=False)
+        self.engine = Engine(model, plan, self.comm, cfg)
+        self.plan = plan
+
+    def rows(self) -> slice:
+        start = self.plan.batch_offsets()[self.comm.rank]
+        return slice(start, start + self.plan.ranks[self.comm.rank].batch_size)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor):
+        rows = self.rows()
+        return self.engine.train_step(x[rows], y[rows], LR)
+
+    def persistent_tensors(self) -> list[torch.Tensor]:
+        return [t for us in self.engine.shards for t in (us.master, us.grad, us.exp_avg, us.exp_avg_sq)]
+
+
+# ====================================================================== FSDP2
+class _StretchMark(torch.autograd.Function):
+    """Identity whose backward marks a time: at a unit's OUTPUT it records when the unit's
+    backward starts (after FSDP2's pre-backward unshard, which hooks the same tensor first);
+    at its INPUT it stretches the time since then by the slowdown."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, clock: dict, is_output: bool, emulator: ComputeEmulator) -> torch.Tensor:
+        ctx.clock, ctx.is_output, ctx.emulator = clock, is_output, emulator
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.is_output:
+            ctx.clock["bwd_start"] = time.perf_counter()
+        elif "bwd_start" in ctx.clock:
+            ctx.emulator.stretch(time.perf_counter() - ctx.clock.pop("bwd_start"))
+        return grad, None, None, None
+
+
+class SlowdownUnit(nn.Module):
+    """Runs `inner` with its compute stretched by `slowdown`, the way the engine's emulation
+    does (sleep (f - 1) x the measured compute): forward is timed around the call; backward
+    from the moment the output's gradient arrives to the moment the input's gradient leaves
+    (recompute included under activation checkpointing). A unit whose input needs no
+    gradient (the embedding: token ids) has its backward, a scatter-add of the embedding
+    gradient, left unstretched."""
+
+    def __init__(self, inner: nn.Module, slowdown: float):
+        super().__init__()
+        self.inner = inner
+        self.emulator = ComputeEmulator(slowdown)
+        self._clock: dict = {}
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:
+            x = _StretchMark.apply(x, self._clock, False, self.emulator)
+        t0 = time.perf_counter()
+        out = self.inner(x, *rest)
+        self.emulator.stretch(time.perf_counter() - t0)
+        if out.requires_grad:
+            out = _StretchMark.apply(out, self._clock, True, self.emulator)
+        return out
+
+
+class _Chain(nn.Module):
+    """The units in order: embedding(ids) -> blocks -> head(h, labels) = token-loss sum."""
+
+    def __init__(self, units: list[nn.Module]):
+        super().__init__()
+        self.units = nn.ModuleList(units)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.units[0](input_ids)
+        for unit in self.units[1:-1]:
+            h = unit(h)
+        return self.units[-1](h, labels)
+
+
+class Fsdp2Trainer:
+    """FSDP2 on the default process group: even shards, this rank's rows of the batch."""
+
+    def __init__(self, model_name: str, overrides: dict, batch_sizes: list[int], micro_batch_size: int,
+                 checkpointing: bool, slowdown: float = 1.0):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        model = bench_model(model_name, **overrides)
+        units: list[nn.Module] = []
+        for u in model.units:
+            m = checkpoint_wrapper(u.module) if checkpointing else u.module
+            units.append(SlowdownUnit(m, slowdown) if slowdown != 1.0 else m)
+        self.root = _Chain(units)
+        mesh = init_device_mesh("cpu", (world,))
+        for unit in self.root.units:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(self.root, mesh=mesh)
+        for module in self.root.modules():  # gloo has no AVG / PREMUL_SUM: plain sums
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        named = [(n, p) for n, p in self.root.named_parameters()]
+        self.params = [p for _, p in named]
+        self.opt = torch.optim.AdamW(adamw_param_groups(named, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
+        start = sum(batch_sizes[: self.rank])
+        self.rows = slice(start, start + batch_sizes[self.rank])
+        self.micro = micro_batch_size
+        self.batch = batch_sizes[self.rank]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        x, y = x[self.rows], y[self.rows]
+        tokens = torch.tensor([float((y != IGNORE_INDEX).sum())])
+        dist.all_reduce(tokens)  # the global token count, as the engine does
+        self.opt.zero_grad(set_to_none=True)
+        starts = list(range(0, self.batch, self.micro))
+        loss_sum = 0.0
+        for j, a in enumerate(starts):
+            self.root.set_requires_gradient_sync(j == len(starts) - 1)
+            loss = self.root(x[a : a + self.micro], y[a : a + self.micro]) / tokens
+            loss.backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.params, GRAD_CLIP)
+        self.opt.step()
+        return loss_sum
+
+    def persistent(self) -> list[Any]:
+        return [self.root, self.opt]
+
+
+# ====================================================================== measuring
+class CollectiveCounter:
+    """Counts FSDP2's all-gathers and reduce-scatters on this rank while `active`."""
+
+    def __init__(self):
+        self.active = False
+        self.calls = {"all_gather": 0, "reduce_scatter": 0}
+        self.bytes = {"all_gather": 0, "reduce_scatter": 0}
+        world = dist.get_world_size()
+        share = (world - 1) / world
+        self._install("all_gather_single", "all_gather", lambda a, k: k.get("output_tensor", a[0] if a else None), share)
+        self._install("reduce_scatter_single", "reduce_scatter", lambda a, k: k.get("input", a[1] if len(a) > 1 else None),
+                      share)
+
+    def _install(self, fn_name: str, key: str, full_of: Callable, share: float) -> None:
+        original = getattr(dist, fn_name)
+        if getattr(original, "_bench_counted", False):
+            original = original._bench_original
+
+        def counted(*args, **kwargs):
+            if self.active:
+                full = full_of(args, kwargs)
+                self.calls[key] += 1
+                self.bytes[key] += int(full.numel() * full.element_size() * share)
+            return original(*args, **kwargs)
+
+        counted._bench_counted = True
+        counted._bench_original = original
+        setattr(dist, fn_name, counted)
+
+    def reset(self) -> None:
+        for d in (self.calls, self.bytes):
+            for k in d:
+                d[k] = 0
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Live bytes of CPU tensor storage while active, and their peak.
+
+    Every op's outputs are looked at; a storage seen for the first time is counted with its
+    size until it is freed (a weak reference's callback: torch keeps one Python object per
+    storage). `UntypedStorage.resize_`, which FSDP2 uses to free and re-allocate its unsharded
+    parameters and which no dispatch mode sees, is patched while active. DTensor ops are
+    passed down so that their local ops are the ones counted. Storages that exist before
+    are counted only if registered with `add_existing`."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._sizes: dict[int, tuple[weakref.ref, int]] = {}
+        self._original_resize = None
+
+    def _track(self, t: torch.Tensor) -> None:
+        if type(t) is not torch.Tensor and hasattr(t, "to_local"):  # DTensor
+            t = t.to_local()
+        if t.device.type != "cpu" or t.is_sparse:
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._sizes:
+            return
+        nbytes = st.nbytes()
+
+        def freed(_ref, key=key) -> None:
+            entry = self._sizes.pop(key, None)
+            if entry is not None:
+                self.current -= entry[1]
+
+        self._sizes[key] = (weakref.ref(st, freed), nbytes)
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def add_existing(self, *objs: Any) -> None:
+        for obj in objs:
+            if isinstance(obj, torch.Tensor):
+                self._track(obj)
+            elif isinstance(obj, nn.Module):
+                for p in obj.parameters():
+                    self._track(p.detach() if type(p) is torch.Tensor else p)
+            elif isinstance(obj, torch.optim.Optimizer):
+                for state in obj.state.values():
+                    for v in state.values():
+                        if isinstance(v, torch.Tensor):
+                            self._track(v)
+
+    def _resize(self, st: torch.UntypedStorage, size: int) -> None:
+        self._original_resize(st, size)
+        entry = self._sizes.get(id(st))
+        if entry is None:
+            self._sizes[id(st)] = (weakref.ref(st), 0)
+            entry = self._sizes[id(st)]
+        self.current += size - entry[1]
+        self._sizes[id(st)] = (entry[0], size)
+        self.peak = max(self.peak, self.current)
+
+    def __enter__(self):
+        self._original_resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(st, size):
+            mode._resize(st, size)
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not torch.Tensor and hasattr(t, "to_local") for t in types):
+            return NotImplemented  # let DTensor unwrap; its local ops come back here
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+def tracked_peak_bytes(step: Callable[[], Any], persistent: list[Any]) -> int:
+    """Peak live CPU tensor bytes during `step()`; `persistent`: modules, optimizers or
+    tensors that exist before the step and count from its start."""
+    gc.collect()
+    mode = LiveTensorBytes()
+    mode.add_existing(*persistent)
+    with mode:
+        step()
+    return mode.peak
