@@ -188,3 +188,15 @@ def test_gpu_check_says_why_it_skips_without_cuda():
                           env=env, timeout=120)
     assert proc.returncode == 77, proc.stdout + proc.stderr
     assert "SKIPPED - no CUDA GPU is visible" in proc.stdout
+
+
+def test_non_finite_gradient_skips_the_update_in_fp32():
+    x, y = make_data(1, 2)[0]
+    engine = Engine(build_model("gpt-tiny"), make_plan([2], [1.0], [1]), LocalComm(), EngineConfig())
+    assert not engine.train_step(x, y, lr=1e30).skipped  # blows the weights up
+    before = engine.full_state_dict()
+    stats = engine.train_step(x, y, lr=LR)
+    assert stats.skipped and not torch.isfinite(torch.tensor(stats.grad_norm))
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert engine.optimizer.step_count == 1

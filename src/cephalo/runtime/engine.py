@@ -121,9 +121,9 @@ class StepStats:
     skipped: bool
     """fp16: the step was skipped because the gradient was not finite."""
     busy_s: float
-    """Seconds of compute (stretched by the emulated slowdown)."""
+    """Seconds of unit compute (stretched by the emulated slowdown; CUDA: stream time)."""
     comm_wait_s: float
-    """Seconds blocked waiting for collectives."""
+    """Host seconds blocked in collectives (on NCCL a wait only orders streams: ~0)."""
     step_s: float
     """Wall-clock seconds of the whole step."""
     peak_bytes: int
@@ -259,6 +259,7 @@ class Engine:
         )
         self._comm_wait_s = 0.0
         self._busy_s = 0.0
+        self._cuda_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # ------------------------------------------------------------------ setup
     @torch.no_grad()
@@ -404,7 +405,16 @@ class Engine:
 
     @contextlib.contextmanager
     def _compute(self) -> Iterator[None]:
-        """Time a piece of compute and stretch it by the emulated slowdown."""
+        """Time a piece of compute (stretched by the emulated slowdown). On CUDA, events
+        time the stream without stalling the host (summed at the end of the step), unless a
+        slowdown must be emulated, which needs the host to know the time now."""
+        if self.device.type == "cuda" and self.emulator.slowdown == 1.0:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._cuda_events.append((start, end))
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
@@ -412,6 +422,13 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._busy_s += self.emulator.stretch(time.perf_counter() - t0)
+
+    def _collect_busy(self) -> float:
+        if self._cuda_events:
+            torch.cuda.synchronize(self.device)
+            self._busy_s += sum(a.elapsed_time(b) for a, b in self._cuda_events) / 1000.0
+            self._cuda_events.clear()
+        return self._busy_s
 
     # ------------------------------------------------------------------ boundaries
     def _store(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
@@ -617,7 +634,7 @@ class Engine:
             grad_norm=grad_norm,
             n_tokens=n_tokens,
             skipped=skipped,
-            busy_s=self._busy_s,
+            busy_s=self._collect_busy(),
             comm_wait_s=self._comm_wait_s,
             step_s=time.perf_counter() - t_step,
             peak_bytes=self.ledger.peak_bytes,
@@ -639,12 +656,10 @@ class Engine:
         if self.scaler is not None:
             self.scaler.update(found_inf=not finite)
         if not finite:
-            if self.scaler is None:
-                raise CephaloError(
-                    f"the gradient is not finite (norm {grad_norm}) at step {self.step_index}; "
-                    "lower the learning rate or use bf16/fp32"
-                )
-            logger.warning("fp16: non-finite gradient, step skipped; loss scale now %g", self.scaler.scale)
+            # skip the update on every rank (the norm is global, so they all agree); fp16 has
+            # lowered its loss scale above; the trainer decides how many skips it tolerates
+            if self.scaler is not None:
+                logger.debug("fp16: non-finite gradient, step skipped; loss scale now %g", self.scaler.scale)
             opt.zero_grad()
             return True, grad_norm
         if self.config.grad_clip > 0:
