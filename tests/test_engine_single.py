@@ -70,11 +70,12 @@ def test_lga_equals_standard_mode():
     assert diff <= 1e-5, f"{diff:.2e} in {worst}"
 
 
-def test_offload_and_prefetch_do_not_change_results():
+@pytest.mark.parametrize("mode", ["lga", "standard"])
+def test_offload_and_prefetch_do_not_change_results(mode):
     data = make_data(2, 4)
     plan = make_plan([4], [1.0], [2])
-    base, _ = _train(plan, EngineConfig(eps=TEST_EPS), data, {})
-    other, _ = _train(plan, EngineConfig(eps=TEST_EPS, offload=True, prefetch=False), data, {})
+    base, _ = _train(plan, EngineConfig(eps=TEST_EPS, mode=mode), data, {})
+    other, _ = _train(plan, EngineConfig(eps=TEST_EPS, mode=mode, offload=True, prefetch=False), data, {})
     a, b = base.full_state_dict(), other.full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 

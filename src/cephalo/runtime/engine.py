@@ -160,6 +160,7 @@ class _UnitShard:
         self.sizes = [size for _, size in ranges]
         self.start, self.size = ranges[rank]
         self.borrows: list[_Borrow] = []
+        self.decay_segments: list[tuple[int, int]] = []
         self.master: torch.Tensor
         self.grad: torch.Tensor
         self.exp_avg: torch.Tensor
@@ -200,6 +201,10 @@ def _drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
     leaf.grad = None
 
 
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+"""Names of the saved-tensor attributes of each autograd node type (dir() is slow)."""
+
+
 def _largest_saved_bytes(root, ledger: MemoryLedger) -> int:
     """Largest storage any node of the autograd graph under `root` saved for backward
     (ledger buffers, i.e. gathered parameters and boundaries, excluded)."""
@@ -209,17 +214,22 @@ def _largest_saved_bytes(root, ledger: MemoryLedger) -> int:
         if node is None or node in seen:
             continue
         seen.add(node)
-        for attr in dir(node):
-            if attr.startswith("_saved_"):
-                value = getattr(node, attr)
-                if isinstance(value, torch.Tensor) and value.numel() and not ledger.owns(value):
-                    largest = max(largest, value.untyped_storage().nbytes())
+        attrs = _SAVED_ATTRS.get(type(node))
+        if attrs is None:
+            attrs = _SAVED_ATTRS[type(node)] = tuple(a for a in dir(node) if a.startswith("_saved_"))
+        for attr in attrs:
+            value = getattr(node, attr)
+            if isinstance(value, torch.Tensor) and value.numel() and not ledger.owns(value):
+                largest = max(largest, value.untyped_storage().nbytes())
         stack.extend(fn for fn, _ in node.next_functions)
     return largest
 
 
 class Engine:
-    """Sharded data-parallel training of a `UnitModel` under a `Plan` (see module docstring)."""
+    """Sharded data-parallel training of a `UnitModel` under a `Plan` (see module docstring).
+
+    The engine takes the model over: after construction its parameters are meta tensors
+    (the values live in the shards) and its units only run on gathered buffers."""
 
     def __init__(
         self,
