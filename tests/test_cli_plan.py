@@ -116,3 +116,30 @@ def test_help_teaches(capsys):
             main([cmd, "--help"])
         text = capsys.readouterr().out
         assert "examples:" in text
+
+
+def test_plan_and_simulate_from_measured_profiles(tmp_path, capsys):
+    """--profiles: a `cephalo profile --out` file feeds the same cost model (here written by hand)."""
+    from cephalo.profile import CommProfile
+    from cephalo.profiling.profiler import MeasuredProfiles
+    from planner_helpers import linear_profile
+
+    profiles = {"cpu": linear_profile("cpu", 1e-3, 2e-3, 1e5, 1e-9, memory_bytes=2**30),
+                "cpu:slowdown=3": linear_profile("cpu:slowdown=3", 3e-3, 6e-3, 1e5, 1e-9, memory_bytes=2**30)}
+    path = tmp_path / "prof.json"
+    MeasuredProfiles(profiles=profiles, comm=CommProfile(1e9, 1e-4), model="gpt-tiny", seq_len=32,
+                     dtype="fp32").save(path)
+    out = tmp_path / "plan.json"
+    spec = "cpu,cpu:slowdown=3,mem=1GiB"
+    assert main(["plan", "--cluster", spec, "--global-batch", "16", "--profiles", str(path), "--json", str(out)]) == 0
+    plan = Plan.from_json(out)
+    assert (plan.model, plan.seq_len, plan.dtype) == ("gpt-tiny", 32, "fp32")  # defaults from the profiles
+    assert plan.meta["profile_source"] == f"measured:{path}"
+    # three times slower: about a quarter of the batch
+    assert plan.batch_sizes[0] > plan.batch_sizes[1] >= 1
+    capsys.readouterr()
+    assert main(["simulate", str(out), "--profiles", str(path)]) == 0
+    assert f"{plan.predicted.samples_per_s:.4g} samples/s" in capsys.readouterr().out
+    # without profiles a cpu cluster cannot be planned, and the error says how to get them
+    assert main(["plan", "--cluster", spec, "--global-batch", "16"]) == 2
+    assert "cephalo profile --devices" in capsys.readouterr().err

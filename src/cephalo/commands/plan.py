@@ -14,6 +14,7 @@ from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.plan import DTYPES, Plan
 
 STRATEGY_CHOICES = ("cephalo", "even", "proportional", "all")
+DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_DTYPE = "gpt-2.7b", 512, "fp16"
 GIB = 1024**3
 
 EPILOG = """\
@@ -62,32 +63,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool) -> None:
     """The options that build a cost model (shared with `cephalo simulate`)."""
+    def default(value: object) -> str:
+        return "default: the plan's" if not cluster_required else f"default: the profiles' with --profiles, else {value}"
+
     p.add_argument("--cluster", required=cluster_required, metavar="SPEC|FILE",
                    help="devices in rank order, e.g. 2xl4,a6000,p40 or a .toml/.json file (grammar: `cephalo catalog`)")
-    p.add_argument("--model", default=None if not cluster_required else "gpt-2.7b", metavar="NAME",
-                   help="model from `cephalo catalog`" + (" (default gpt-2.7b)" if cluster_required else ""))
-    p.add_argument("--seq-len", type=int, default=None if not cluster_required else 512, metavar="N",
-                   help="tokens per sample" + (" (default 512)" if cluster_required else ""))
-    p.add_argument("--dtype", choices=DTYPES, default=None if not cluster_required else "fp16",
-                   help="compute dtype" + (" (default fp16)" if cluster_required else ""))
-    p.add_argument("--profiles", metavar="PATH",
+    p.add_argument("--model", metavar="NAME", help=f"model from `cephalo catalog` ({default(DEFAULT_MODEL)})")
+    p.add_argument("--seq-len", type=int, metavar="N", help=f"tokens per sample ({default(DEFAULT_SEQ_LEN)})")
+    p.add_argument("--dtype", choices=DTYPES, help=f"compute dtype ({default(DEFAULT_DTYPE)})")
+    p.add_argument("--profiles", "--profile", metavar="PATH",
                    help="measured profiles from `cephalo profile --out PATH` instead of the catalog")
 
 
-def build_cost_model(cluster_spec: str, model: str, seq_len: int, dtype: str,
+def build_cost_model(cluster_spec: str, model: str | None, seq_len: int | None, dtype: str | None,
                      profiles_path: str | None = None) -> CostModel:
-    """A cost model for a cluster spec (or file), from the catalog or from measured profiles."""
-    from cephalo.catalog import get_model_spec
+    """A cost model for a cluster spec (or file), from the catalog or from measured profiles.
+
+    Unset model / seq_len / dtype come from the measured profiles, or the defaults."""
     from cephalo.cluster import Cluster
 
     if seq_len is not None and seq_len < 1:
         raise CephaloError(f"--seq-len must be >= 1, got {seq_len}")
     cluster = Cluster.from_any(cluster_spec)
-    spec = get_model_spec(model)
+    measured = None
     if profiles_path:
-        from cephalo.profiling.profiler import MeasuredProfiles, cost_model_from_profiles
+        from cephalo.profiling.profiler import MeasuredProfiles
 
         measured = MeasuredProfiles.load(profiles_path)
+    model = model or (measured.model if measured else DEFAULT_MODEL)
+    seq_len = seq_len or (measured.seq_len if measured else DEFAULT_SEQ_LEN)
+    dtype = dtype or (measured.dtype if measured else DEFAULT_DTYPE)
+    spec = resolve_model_spec(model)
+    if measured is None and any(d.type == "cpu" for d in cluster.devices):
+        raise CephaloError(
+            "cpu devices have no catalog profile: measure them with `cephalo profile --devices "
+            f"{cluster_spec} --model {model} --out profiles.json`, then pass --profiles profiles.json"
+        )
+    if measured is not None:
+        from cephalo.profiling.profiler import cost_model_from_profiles
+
         cm = cost_model_from_profiles(cluster, spec, seq_len, dtype, measured)
         cm.meta["profile_source"] = f"measured:{profiles_path}"
     else:
@@ -96,7 +110,22 @@ def build_cost_model(cluster_spec: str, model: str, seq_len: int, dtype: str,
     cm.meta["cluster_spec"] = str(cluster_spec)
     cm.meta["cluster"] = cluster.to_dict()
     cm.meta["cluster_description"] = cluster.describe()
+    cm.meta["model_name"] = model
     return cm
+
+
+def resolve_model_spec(name: str):
+    """A catalog model, or else a runnable one (`gpt-tiny`, ...) whose shape is read off the module."""
+    from cephalo.catalog import get_model_spec
+
+    try:
+        return get_model_spec(name)
+    except CephaloError:
+        from cephalo.modeling.registry import build_model, list_runnable_models, model_spec_of
+
+        if name not in list_runnable_models():
+            raise
+        return model_spec_of(build_model(name, "meta"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     plans: dict[str, Plan | PlanDoesNotFit] = {}
     for s in strategies:
         try:
-            plans[s] = make_plan(cm, args.global_batch, s, allow_offload=allow_offload)
+            plans[s] = make_plan(cm, args.global_batch, s, allow_offload=allow_offload,
+                                 model_name=cm.meta["model_name"])
         except PlanDoesNotFit as e:
             if len(strategies) == 1 or s == "cephalo":
                 raise
@@ -122,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     even = plans.get("even")
     if even is None:
         try:
-            even = make_plan(cm, args.global_batch, "even", allow_offload=allow_offload)
+            even = make_plan(cm, args.global_batch, "even", allow_offload=allow_offload,
+                             model_name=cm.meta["model_name"])
         except PlanDoesNotFit as e:
             even = e
     main_plan = plans["cephalo"] if "cephalo" in plans else plans[strategies[0]]

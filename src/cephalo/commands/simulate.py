@@ -56,11 +56,10 @@ def cluster_spec_of(plan: Plan, override: str | None) -> str:
 def run(args: argparse.Namespace) -> int:
     plan = Plan.from_json(args.plan)
     spec = cluster_spec_of(plan, args.cluster)
-    seq_len = args.seq_len or plan.seq_len
-    dtype = args.dtype or plan.dtype
-    if seq_len != plan.seq_len or dtype != plan.dtype:
-        plan.seq_len, plan.dtype = seq_len, dtype
-    cm = build_cost_model(spec, args.model or plan.model, seq_len, dtype, args.profiles)
+    # the plan's model / seq_len / dtype unless overridden on the command line
+    plan.seq_len = args.seq_len or plan.seq_len
+    plan.dtype = args.dtype or plan.dtype
+    cm = build_cost_model(spec, args.model or plan.model, plan.seq_len, plan.dtype, args.profiles)
     ev = cm.evaluate(plan)
     console = make_console()
     console.print(f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
