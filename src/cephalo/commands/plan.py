@@ -110,7 +110,6 @@ def build_cost_model(cluster_spec: str, model: str | None, seq_len: int | None, 
     cm.meta["cluster_spec"] = str(cluster_spec)
     cm.meta["cluster"] = cluster.to_dict()
     cm.meta["cluster_description"] = cluster.describe()
-    cm.meta["model_name"] = model
     return cm
 
 
@@ -142,8 +141,7 @@ def run(args: argparse.Namespace) -> int:
     plans: dict[str, Plan | PlanDoesNotFit] = {}
     for s in strategies:
         try:
-            plans[s] = make_plan(cm, args.global_batch, s, allow_offload=allow_offload,
-                                 model_name=cm.meta["model_name"])
+            plans[s] = make_plan(cm, args.global_batch, s, allow_offload=allow_offload)
         except PlanDoesNotFit as e:
             if len(strategies) == 1 or s == "cephalo":
                 raise
@@ -152,8 +150,7 @@ def run(args: argparse.Namespace) -> int:
     even = plans.get("even")
     if even is None:
         try:
-            even = make_plan(cm, args.global_batch, "even", allow_offload=allow_offload,
-                             model_name=cm.meta["model_name"])
+            even = make_plan(cm, args.global_batch, "even", allow_offload=allow_offload)
         except PlanDoesNotFit as e:
             even = e
     main_plan = plans["cephalo"] if "cephalo" in plans else plans[strategies[0]]
