@@ -59,7 +59,9 @@ def exhaustive_best_step(cm, B: int) -> float:
                 for o in (False, True):
                     rc = cm.rank_cost(i, b, m, 0.0, o)
                     opts.append((rc.step_s, rc.peak_bytes))
-            options[i, b] = opts
+            # an option both slower and hungrier than another can never be the better one
+            options[i, b] = [a for a in set(opts)
+                             if not any(o[0] <= a[0] and o[1] <= a[1] and o != a for o in opts)]
     best = math.inf
     for split in _compositions(B, n):
         per_rank = [options[i, b] for i, b in enumerate(split)]
@@ -111,6 +113,24 @@ def test_memory_pressure_forces_micro_batching_and_offload():
     assert out is not None
     plan = out[0]
     assert any(r.offload_activations or r.num_micro_batches > 1 for r in plan.ranks)
+
+
+@pytest.mark.parametrize("B", [14, 32])
+def test_four_devices_memory_tight(B):
+    # 4 devices, 3 types, memory tight enough that micro-batching / offload / uneven shards matter
+    # (B = 32 is the largest size the exactness requirement names; its exhaustive search takes ~10 s)
+    keys = ["a", "a", "b", "c"]
+    profiles = {k: linear_profile(k, 1.0 / sp, 2.0 / sp, 250.0, 2e-4, fwd_intercept=0.6 / sp, head_act_per_sample=40.0,
+                                  host_bytes_per_s=150.0)
+                for k, sp in (("a", 1.0), ("b", 2.5), ("c", 0.6))}
+    mems = [5200, 5200, 6400, 4700]
+    cm = cost_model([FakeDevice(k, m) for k, m in zip(keys, mems, strict=True)], profiles, bytes_per_s=4000.0,
+                    latency_s=0.01)
+    out = _check_against_exhaustive(cm, B)
+    assert out is not None
+    plan = out[0]
+    assert any(r.offload_activations for r in plan.ranks) and any(r.num_micro_batches > 1 for r in plan.ranks)
+    assert len(set(plan.batch_sizes)) > 1 and len({round(f, 6) for f in plan.state_fractions}) > 1
 
 
 def test_identical_ranks_grouped_exactly():
