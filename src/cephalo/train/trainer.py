@@ -167,7 +167,9 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
     plan = make_plan(cost_model, batch, "cephalo", model_name=cfg.model.name)
     plan.meta["profiles"] = {"measured": measured.measured, "cached": measured.cached,
                              "database": str(cfg.profile_cache)}
-    mine = torch.tensor(plan.batch_sizes + [r.micro_batch_size for r in plan.ranks], dtype=torch.float64)
+    device = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
+    mine = torch.tensor(plan.batch_sizes + [r.micro_batch_size for r in plan.ranks], dtype=torch.float64,
+                        device=device)
     agreed = mine.clone()
     comm.all_reduce(agreed, "max")
     if not torch.equal(mine, agreed):
@@ -272,7 +274,7 @@ class _Trainer:
         target = resume_target(self.cfg.checkpoint.resume, self.cfg.checkpoint_dir)
         # every rank must agree on whether to load (a checkpoint root not shared between
         # nodes would otherwise send some ranks into the load's collectives and not others)
-        found = torch.tensor([1.0 if target is not None else 0.0], dtype=torch.float64)
+        found = torch.tensor([1.0 if target is not None else 0.0], dtype=torch.float64, device=self.engine.device)
         self.comm.all_reduce(found, "sum")
         if 0 < found.item() < self.world_size:
             raise CephaloError(
@@ -385,10 +387,23 @@ class _Trainer:
             weight += windows
         return total / max(weight, 1)
 
+    def _collective_failure(self, error: BaseException, what: str) -> BaseException:
+        """A backend error in a multi-rank job almost always means another rank is gone: say
+        so in one line (a one-process job, or our own error, passes through unchanged)."""
+        if isinstance(error, CephaloError) or self.world_size == 1:
+            return error
+        return CephaloError(
+            f"rank {self.rank}: {what} failed in a collective ({_short(error)}); another rank probably died or "
+            "stopped (see its error); resume from the last checkpoint with checkpoint.resume = auto"
+        )
+
     def run(self) -> TrainResult:
         cfg = self.cfg
         self.write_run_files()
-        self.resume()
+        try:
+            self.resume()
+        except (RuntimeError, TimeoutError) as e:
+            raise self._collective_failure(e, "resuming") from None
         self.result.start_step = self.step
         steps = cfg.train.steps
         metrics = None
@@ -412,12 +427,7 @@ class _Trainer:
                 if (every and self.step % every == 0) or self.step == steps:
                     self.save()
         except (RuntimeError, TimeoutError) as e:
-            if isinstance(e, CephaloError) or self.world_size == 1:
-                raise
-            raise CephaloError(
-                f"rank {self.rank}: step {self.step + 1} failed in a collective ({_short(e)}); another rank probably "
-                "died or stopped (see its error); resume from the last checkpoint with checkpoint.resume = auto"
-            ) from None
+            raise self._collective_failure(e, f"step {self.step + 1}") from None
         finally:
             progress.close()
             if metrics is not None:
