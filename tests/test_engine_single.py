@@ -159,6 +159,10 @@ def test_bad_input_is_a_clear_error():
         Engine(build_model("gpt-tiny"), make_plan([1, 2], [0.5, 0.5], [1, 1]), LocalComm(), EngineConfig())
     with pytest.raises(CephaloError, match="mode"):
         Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(mode="pipeline"))
+    with pytest.raises(CephaloError, match="betas"):
+        Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(betas=(0.9, 1.0)))
+    with pytest.raises(CephaloError, match="grad_clip"):
+        Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(grad_clip=-1.0))
 
 
 def test_slowdown_stretches_compute(monkeypatch):

@@ -107,6 +107,19 @@ class EngineConfig:
     loss_scale_growth_interval: int = 200
     """fp16 only: good steps before the loss scale doubles."""
 
+    def validate(self) -> None:
+        """Raise `CephaloError` naming the first bad field."""
+        if self.mode not in MODES:
+            raise CephaloError(f"engine mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+            raise CephaloError(f"AdamW betas must be two numbers in [0, 1), got {self.betas}")
+        for name in ("eps", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)) or (name == "eps" and value == 0):
+                raise CephaloError(f"engine setting {name} must be a finite number >= 0 (eps > 0), got {value}")
+        if self.loss_scale_init <= 0 or self.loss_scale_growth_interval < 1:
+            raise CephaloError("loss_scale_init must be > 0 and loss_scale_growth_interval >= 1")
+
 
 @dataclass
 class StepStats:
@@ -240,8 +253,7 @@ class Engine:
         ledger: MemoryLedger | None = None,
     ):
         self.config = config = config or EngineConfig()
-        if config.mode not in MODES:
-            raise CephaloError(f"engine mode {config.mode!r} is not one of {', '.join(MODES)}")
+        config.validate()
         plan.validate(world_size=comm.world_size)
         self.model, self.plan, self.comm = model, plan, comm
         self.rank = comm.rank
