@@ -43,6 +43,8 @@ from cephalo.plan import Plan, Predicted, RankPlan
 PLANNER_STRATEGIES = ("cephalo", "even", "proportional")
 MAX_MICRO_BATCH = 512
 """Largest micro-batch the planner considers (beyond it GPUs gain nothing per sample)."""
+MAX_BATCH_PER_RANK = 16384
+"""Largest batch one rank may take (the tables grow with it; 16k samples per step per GPU is far beyond use)."""
 EXACT_MICRO_BATCH = 64
 """Micro-batches up to this size are all considered; larger ones on a geometric grid."""
 MICRO_BATCH_GRID = 1.05
@@ -150,6 +152,11 @@ def _micro_batch_candidates(mmax: int) -> np.ndarray:
 
 def _tabulate(cm: CostModel, g: _Group, bmax: int, allow_offload: bool) -> None:
     """Fill the group's [b, option] tables for b = 0..bmax, keeping Pareto-optimal options."""
+    if bmax > MAX_BATCH_PER_RANK:
+        raise CephaloError(
+            f"this plan would put more than {MAX_BATCH_PER_RANK} samples per step on one {g.type_key}, beyond "
+            "what the planner tabulates; use a smaller global batch (accumulate over steps instead) or more devices"
+        )
     mmax = max(1, min(_largest_micro_batch(cm, g, allow_offload), bmax))
     bs = np.arange(bmax + 1)[:, None]
     ms = _micro_batch_candidates(mmax)[None, :]
@@ -341,7 +348,7 @@ def _fits_at_all(cm: CostModel, groups: list[_Group], B: int, allow_offload: boo
     total_speed = sum(speed[g.type_key] * g.size for g in groups)
     for g in groups:
         share = B * speed[g.type_key] / total_speed
-        _tabulate(cm, g, min(B, max(16, math.ceil(1.3 * share) + 8)), allow_offload)
+        _tabulate(cm, g, min(B, MAX_BATCH_PER_RANK, max(16, math.ceil(1.3 * share) + 8)), allow_offload)
     while True:
         found = _feasible(groups, math.inf, B, _exact(groups, B))
         if found is not None:
