@@ -9,6 +9,7 @@ under `ranks` are per rank, in rank order. docs/training.md documents the fields
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -98,6 +99,18 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     tmp.replace(path)
 
 
+def require_tensorboard() -> None:
+    """Raise the install hint now if TensorBoard is asked for but missing (every rank checks,
+    so the job stops before its first collective instead of rank 0 failing alone later)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        raise CephaloError(
+            "logging.tensorboard = true needs the `tensorboard` package: pip install tensorboard "
+            "(or set logging.tensorboard = false)"
+        ) from None
+
+
 class MetricsLog:
     """Appends records to the JSONL file (flushed per line) and, optionally, TensorBoard."""
 
@@ -107,13 +120,9 @@ class MetricsLog:
         self._file = path.open("a")
         self._tb = None
         if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise CephaloError(
-                    "logging.tensorboard = true needs the `tensorboard` package: pip install tensorboard "
-                    "(or set logging.tensorboard = false)"
-                ) from None
+            require_tensorboard()
+            from torch.utils.tensorboard import SummaryWriter
+
             self._tb = SummaryWriter(str(tensorboard_dir))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -162,6 +171,10 @@ class ProgressDisplay:
             self._task = self._bar.add_task(description, total=total_steps, completed=start_step,
                                             loss="-", tps="-", step_s="-")
             self._bar.start()
+            # log records go through the bar's console while it is live, so they print
+            # above it instead of tearing it
+            self._handlers = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
+            self._streams = [h.setStream(sys.stderr) for h in self._handlers]
 
     def update(self, step: int, loss: float, tokens_per_s: float, step_s: float) -> None:
         if not self.enabled:
@@ -184,3 +197,5 @@ class ProgressDisplay:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+            for handler, stream in zip(self._handlers, self._streams, strict=True):
+                handler.setStream(stream)

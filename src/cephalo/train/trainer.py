@@ -49,6 +49,7 @@ from cephalo.train.metrics import (
     ProgressDisplay,
     RankStats,
     StepRecord,
+    require_tensorboard,
     truncate_metrics,
 )
 
@@ -218,6 +219,8 @@ class _Trainer:
         self.cfg, self.comm = cfg, comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.run_dir = Path(cfg.logging.dir)
+        if cfg.logging.tensorboard:
+            require_tensorboard()
         self.cluster = job_cluster(cfg, self.world_size)
         self.device = self.cluster.devices[self.rank]
         model = build_job_model(cfg)
