@@ -56,6 +56,7 @@ from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
 from cephalo.plan import Plan
+from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm, Handle
 from cephalo.runtime.dropout import SampleDropout
 from cephalo.runtime.emulation import ComputeEmulator
@@ -273,7 +274,8 @@ class Engine:
         )
         self.step_index = 0
         """Train steps run (including fp16-skipped ones): keys the dropout masks."""
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._boundaries = BoundaryStore(self.ledger, self.device, self.offload)
+        """Boundary activations of the step in flight (empty between steps)."""
         self._build_shards()
         self.optimizer = ShardedAdamW(
             [ShardGroup(us.master, us.grad, us.exp_avg, us.exp_avg_sq, us.decay_segments) for us in self.shards],
@@ -452,48 +454,11 @@ class Engine:
             self._cuda_events.clear()
         return self._busy_s
 
-    # ------------------------------------------------------------------ boundaries
-    def _store(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
-        """Keep a boundary tensor (a unit input, later its gradient): on the device, or on
-        the host (pinned, copied on the side stream) when offloading."""
-        t = t.detach()
-        if not self.offload:
-            buf = self.ledger.alloc("boundary", t.numel(), t.dtype, device=self.device)
-            buf.copy_(t.reshape(-1))
-            return buf, t.shape
-        pin = self.device.type == "cuda"
-        host = self.ledger.alloc("host/boundary", t.numel(), t.dtype, device="cpu", pin=pin)
-        if self._copy_stream is None:
-            host.copy_(t.reshape(-1))
-        else:
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._copy_stream):
-                host.copy_(t.reshape(-1), non_blocking=True)
-            t.record_stream(self._copy_stream)
-        return host, t.shape
-
-    def _load(self, stored: tuple[torch.Tensor, torch.Size]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A stored boundary as a device tensor (and the staging buffer to free, if any)."""
-        buf, shape = stored
-        if not self.offload:
-            return buf.view(shape), None
-        staging = self.ledger.alloc("staging", buf.numel(), buf.dtype, device=self.device)
-        if self._copy_stream is None:
-            staging.copy_(buf)
-        else:
-            with torch.cuda.stream(self._copy_stream):
-                staging.copy_(buf, non_blocking=True)
-            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
-        return staging.view(shape), staging
-
-    def _drop(self, stored: tuple[torch.Tensor, torch.Size] | None) -> None:
-        if stored is not None:
-            self.ledger.free(stored[0])
-
     # ------------------------------------------------------------------ passes
-    def _forward_pass(self, mbs: list[_MicroBatch], boundaries: dict, keep_inputs: bool) -> torch.Tensor:
-        """Every unit over every micro-batch, no graph. boundaries[(u, j)] receives unit u's
-        input for micro-batch j (u >= 1). Returns this rank's loss sum (fp32)."""
+    def _forward_pass(self, mbs: list[_MicroBatch], store: BoundaryStore, keep_inputs: bool) -> torch.Tensor:
+        """Every unit over every micro-batch, no graph; store[(u, j)] receives unit u's input
+        for micro-batch j (u >= 1; with `keep_inputs=False`, only until unit u has run).
+        Returns this rank's loss sum (fp32)."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         n = len(self.shards)
         pending = self._start_gather(self.shards[0], async_op=self.config.prefetch)
@@ -505,25 +470,25 @@ class Engine:
                 pending = self._start_gather(self.shards[u + 1], async_op=True)
             with self._compute(), torch.no_grad():
                 for j, mb in enumerate(mbs):
-                    if u == 0:
-                        x, staging = mb.input_ids, None
-                    else:
-                        x, staging = self._load(boundaries[(u, j)])
                     mb.rng[u] = self._save_rng()
-                    out = self._run_unit(us, params, x, mb)
-                    if staging is not None:
-                        self.ledger.free(staging)
-                    if not keep_inputs and u > 0:
-                        self._drop(boundaries.pop((u, j)))
+                    with self._unit_input(store, u, j, mb) as x:
+                        out = self._run_unit(us, params, x, mb)
+                    if not keep_inputs:
+                        store.drop((u, j))
                     if u == n - 1:
                         loss_sum += out.float()
                     else:
-                        boundaries[(u + 1, j)] = self._store(out)
+                        store.put((u + 1, j), out)
                     del out
             self._release(g)
         return loss_sum
 
-    def _backward_pass(self, mbs: list[_MicroBatch], boundaries: dict, head_grad: float) -> None:
+    def _unit_input(self, store: BoundaryStore, u: int, j: int, mb: _MicroBatch):
+        """Unit u's input for micro-batch j: the token ids for the embedding, else the stored
+        boundary."""
+        return contextlib.nullcontext(mb.input_ids) if u == 0 else store.loaded((u, j))
+
+    def _backward_pass(self, mbs: list[_MicroBatch], store: BoundaryStore, head_grad: float) -> None:
         """Units in reverse: recompute with a graph, backprop, one gradient buffer per unit,
         one reduce-scatter per unit (plus one for a borrowed tied parameter)."""
         n = len(self.shards)
@@ -535,14 +500,14 @@ class Engine:
             pending = None
             if self.config.prefetch and u > 0:
                 pending = self._start_gather(self.shards[u - 1], async_op=True)
-            acc = self.ledger.alloc("grad_accum", us.layout.numel, torch.float32, device=self.device).zero_()
+            acc = self.ledger.alloc("grad_accum", us.layout.numel, torch.float32, device=self.device, zero=True)
             tied_acc = [
-                self.ledger.alloc("grad_accum", b.slot.numel, torch.float32, device=self.device).zero_()
+                self.ledger.alloc("grad_accum", b.slot.numel, torch.float32, device=self.device, zero=True)
                 for b in us.borrows
             ]
             with self._compute():
                 for j, mb in enumerate(mbs):
-                    self._backward_micro_batch(us, params, mb, j, boundaries, head_grad, acc, tied_acc)
+                    self._backward_micro_batch(us, params, mb, j, store, head_grad, acc, tied_acc)
             self._release(g)
             self._reduce_into(us.grad, acc, us.sizes)
             self.ledger.free(acc)
@@ -551,18 +516,9 @@ class Engine:
                 self._reduce_into(b.owner.grad[lo:hi], t_acc, b.sizes)
                 self.ledger.free(t_acc)
 
-    def _backward_micro_batch(self, us, params, mb, j, boundaries, head_grad, acc, tied_acc) -> None:
+    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc) -> None:
         u, last = us.index, us.index == len(self.shards) - 1
         leaves = {name: v.detach().requires_grad_() for name, v in params.items()}
-        if u == 0:
-            x, staging = mb.input_ids, None
-        else:
-            x, staging = self._load(boundaries[(u, j)])
-            x = x.detach().requires_grad_()
-        if last:
-            gout, gout_staging = torch.full((), head_grad, dtype=torch.float32, device=self.device), None
-        else:
-            gout, gout_staging = self._load(boundaries[(u + 1, j)])
         # Each parameter gradient goes into the fp32 accumulation buffer as soon as autograd
         # produces it and is dropped at once (post-accumulate hook), so about one parameter's
         # gradient in compute dtype exists at a time.
@@ -575,29 +531,30 @@ class Engine:
                 dst = acc[slot.offset : slot.end]
             leaf.register_post_accumulate_grad_hook(functools.partial(_drain_grad, dst))
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
-        self._restore_rng(mb.rng[u])
-        with torch.enable_grad(), self.ledger.track_activations():
-            out = self._run_unit(us, leaves, x, mb)
-            # Autograd's transient gradients are not saved tensors, so the ledger does not see
-            # them. At a backward's peak, the gradient w.r.t. the largest saved tensor coexists
-            # with the gradient it produces (the head: d log-probs and d logits, each the size
-            # of the saved log-probs) or with a parameter's gradient: charge the larger.
-            saved = _largest_saved_bytes(out.grad_fn, self.ledger)
-            transient = saved + max(saved, param_grad)
-            self.ledger.charge("grad_transient", transient)
-            inputs = ([x] if u > 0 else []) + list(leaves.values())
-            torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
-        del out
-        self.ledger.release("grad_transient", transient)
-        for t in (staging, gout_staging):
-            if t is not None:
-                self.ledger.free(t)
-        if not last:
-            self._drop(boundaries.pop((u + 1, j)))  # the output gradient is consumed
-        if u > 0:
-            self._drop(boundaries.pop((u, j)))
-            boundaries[(u, j)] = self._store(x.grad)  # becomes unit u-1's output gradient
-            x.grad = None
+        head_out_grad = torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
+        gout_ctx = contextlib.nullcontext(head_out_grad) if last else store.loaded((u + 1, j))
+        with self._unit_input(store, u, j, mb) as x_in:
+            x = x_in if u == 0 else x_in.detach().requires_grad_()
+            self._restore_rng(mb.rng[u])
+            with gout_ctx as gout, torch.enable_grad(), self.ledger.track_activations():
+                out = self._run_unit(us, leaves, x, mb)
+                # Autograd's transient gradients are not saved tensors, so the ledger does not
+                # see them. At a backward's peak, the gradient w.r.t. the largest saved tensor
+                # coexists with the gradient it produces (the head: d log-probs and d logits,
+                # each the size of the saved log-probs) or with a parameter's gradient: charge
+                # the larger.
+                saved = _largest_saved_bytes(out.grad_fn, self.ledger)
+                transient = saved + max(saved, param_grad)
+                self.ledger.charge("grad_transient", transient)
+                inputs = ([x] if u > 0 else []) + list(leaves.values())
+                torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
+                del out
+            self.ledger.release("grad_transient", transient)
+            if not last:
+                store.drop((u + 1, j))  # the output gradient is consumed
+            if u > 0:
+                store.put((u, j), x.grad)  # replaces the input: unit u-1's output gradient
+                x.grad = None
 
     # ------------------------------------------------------------------ public API
     def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> list[_MicroBatch]:
@@ -635,19 +592,20 @@ class Engine:
         n_tokens = int(tokens.item())
         loss_scale = self.scaler.scale if self.scaler else 1.0
         head_grad = loss_scale / max(n_tokens, 1)
-        boundaries: dict = {}
+        store = self._boundaries
+        store.clear()  # normally empty; not after a step that raised
         if self.config.mode == "lga":
-            loss_sum = self._forward_pass(mbs, boundaries, keep_inputs=True)
-            self._backward_pass(mbs, boundaries, head_grad)
+            loss_sum = self._forward_pass(mbs, store, keep_inputs=True)
+            self._backward_pass(mbs, store, head_grad)
         else:
             # every rank must run the same number of collectives: pad with empty passes
             rounds = max(r.num_micro_batches for r in self.plan.ranks)
             loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
             for k in range(rounds):
                 chunk = mbs[k : k + 1]
-                loss_sum += self._forward_pass(chunk, boundaries, keep_inputs=True)
-                self._backward_pass(chunk, boundaries, head_grad)
-        assert not boundaries, "every boundary must be consumed by the backward"
+                loss_sum += self._forward_pass(chunk, store, keep_inputs=True)
+                self._backward_pass(chunk, store, head_grad)
+        assert len(store) == 0, "the backward consumes every boundary"
         skipped, grad_norm = self._optimizer_step(loss_sum, loss_scale, lr, n_tokens)
         self.step_index += 1
         peaks = self.ledger.peak_by_category
@@ -699,9 +657,9 @@ class Engine:
         self.model.eval()
         try:
             mbs = self._micro_batches(input_ids, labels)
-            boundaries: dict = {}
-            loss_sum = self._forward_pass(mbs, boundaries, keep_inputs=False)
-            assert not boundaries
+            store = self._boundaries
+            loss_sum = self._forward_pass(mbs, store, keep_inputs=False)
+            assert len(store) == 0
             n_tok = float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs))
             red = torch.stack([loss_sum, torch.tensor(n_tok, device=self.device)])
             self._all_reduce(red)
