@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         train(config_from_args(args))
     except CephaloError as e:
         report_failure(str(e))
+        if os.environ.get(ERROR_DIR_ENV):
+            return 2  # the launcher prints the first failure once, for the whole job
         raise
     except Exception as e:
         report_failure(f"{type(e).__name__}: {e}")
