@@ -129,8 +129,8 @@ def test_resume_continues_the_exact_trajectory(tmp_path):
 
 def test_truncate_metrics_keeps_earlier_records(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_text("".join(json.dumps({"kind": "step", "step": s}) + "\n" for s in range(1, 6)))
-    truncate_metrics(path, 3)
+    path.write_text("".join(json.dumps({"kind": "step", "step": s}) + "\n" for s in range(1, 6)) + '{"kind": "st')
+    truncate_metrics(path, 3)  # the cut-off last line of a killed job is dropped too
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
 
 

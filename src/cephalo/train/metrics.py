@@ -77,15 +77,23 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) pairs of a metrics file. A line that does not parse is dropped: a job
+    killed while writing leaves its last line cut off, and that must not break a resume."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            out.append((line, record))
+    return out
+
+
 def read_metrics(path: str | Path, kind: str | None = "step") -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file (only those of `kind`, unless None)."""
-    records = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            if kind is None or record.get("kind") == kind:
-                records.append(record)
-    return records
+    return [r for _, r in _records(Path(path)) if kind is None or r.get("kind") == kind]
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -93,7 +101,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     and their old records (from the interrupted run) would otherwise appear twice."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    kept = [line for line, record in _records(path) if record.get("step", 0) <= last_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)
