@@ -189,8 +189,6 @@ class _Gathered:
     flat: torch.Tensor
     tied: list[torch.Tensor]
     handles: list[Handle]
-    sources: list[torch.Tensor]
-    """Compute-dtype copies of local shards, alive until the gathers complete."""
 
     def params(self) -> dict[str, torch.Tensor]:
         views = self.unit.layout.views(self.flat)
@@ -364,27 +362,32 @@ class Engine:
         self._comm_wait_s += time.perf_counter() - t0
 
     def _start_gather(self, us: _UnitShard, async_op: bool) -> _Gathered:
+        """All-gather a unit (and the tied parameters it borrows) in compute dtype."""
         flat = self.ledger.alloc("gathered", us.layout.numel, self.dtype, device=self.device)
-        sources, handles, tied = [], [], []
-        src = us.master if self.dtype == torch.float32 else us.master.to(self.dtype)
-        sources.append(src)
+        handles, tied = [], []
         t0 = time.perf_counter()
-        handles.append(self.comm.all_gather_v(flat, src, us.sizes, async_op=async_op))
+        handles.append(self._gather_piece(flat, us.master, us.sizes, async_op))
         for b in us.borrows:
             buf = self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
-            piece = b.owner.master[b.local[0] : b.local[1]]
-            piece = piece if self.dtype == torch.float32 else piece.to(self.dtype)
-            sources.append(piece)
             tied.append(buf)
-            handles.append(self.comm.all_gather_v(buf, piece, b.sizes, async_op=async_op))
+            handles.append(self._gather_piece(buf, b.owner.master[b.local[0] : b.local[1]], b.sizes, async_op))
         if not async_op:
             self._comm_wait_s += time.perf_counter() - t0
-        return _Gathered(us, flat, tied, handles, sources)
+        return _Gathered(us, flat, tied, handles)
+
+    def _gather_piece(self, out: torch.Tensor, master: torch.Tensor, sizes: list[int], async_op: bool) -> Handle:
+        if self.dtype == torch.float32:
+            return self.comm.all_gather_v(out, master, sizes, async_op=async_op)
+        # the shard in compute dtype; the comm contract lets us free it once the call returns
+        shard = self.ledger.alloc("gathered", master.numel(), self.dtype, device=self.device)
+        shard.copy_(master)
+        handle = self.comm.all_gather_v(out, shard, sizes, async_op=async_op)
+        self.ledger.free(shard)
+        return handle
 
     def _finish_gather(self, g: _Gathered) -> dict[str, torch.Tensor]:
         for h in g.handles:
             self._wait(h)
-        g.sources.clear()
         return g.params()
 
     def _release(self, g: _Gathered) -> None:
