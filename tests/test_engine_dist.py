@@ -92,8 +92,10 @@ def test_uneven_plan_matches_reference_hf_models(pool3, model, dropout):
 
 @pytest.mark.slow
 def test_memory_only_rank_and_zero_fraction_rank(pool3):
-    """A rank with batch 0 (state only) and a rank with fraction 0 (compute only)."""
+    """A rank with batch 0 (state only) and a rank with fraction 0 (compute only); rank 2
+    keeps its boundary activations on the host."""
     plan = make_plan([4, 0, 2], [0.0, 0.7, 0.3], [3, 1, 2])
+    plan.ranks[2].offload_activations = True
     cfg = EngineConfig(eps=TEST_EPS)
     data = make_data(3, plan.global_batch_size)
     results = pool3.run(_engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data)
