@@ -30,8 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="one device per rank, e.g. cpu,cpu:slowdown=2 (default: the config's parallel.devices)")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="ranks to start when no devices are given (default 1)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="restart the workers up to N times after a failure (default 0)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                   help="restart the workers up to N times after a failure (default: the config's "
+                        "parallel.max_restarts, 0)")
     add_config_arguments(p)
     p.set_defaults(func=run)
 
@@ -44,5 +45,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # a bad config fails here, once, not in every worker
     devices = args.devices or cfg.parallel.devices
     worker_args = (["--config", args.config] if args.config else []) + overrides_from_args(args)
-    run_local(worker_args, devices=devices, nproc=args.nproc, max_restarts=args.max_restarts)
+    max_restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
+    run_local(worker_args, devices=devices, nproc=args.nproc, max_restarts=max_restarts)
     return 0

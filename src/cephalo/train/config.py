@@ -126,6 +126,10 @@ class ParallelConfig:
     """torch.distributed backend: `auto` picks nccl on CUDA and gloo on CPU."""
     timeout_s: float = 300.0
     """Timeout of every collective, in seconds: a lost rank becomes an error instead of a hang."""
+    max_restarts: int = 0
+    """`cephalo run`: restart the whole worker group up to this many times after a failure (the
+    elastic agent); with `checkpoint.resume = auto` the restarted workers continue from the newest
+    checkpoint. `--max-restarts N` on the command line wins."""
 
 
 @dataclass
@@ -170,6 +174,8 @@ class ProfileConfig:
     """Untimed repetitions before measuring."""
     time_cap_s: float = 60.0
     """Stop profiling larger micro-batches after this many seconds per device (extrapolate beyond)."""
+    max_micro_batch: int = 32
+    """Largest micro-batch measured (sizes 1, 2, 4, ... up to it); the cost model extrapolates beyond."""
 
 
 @dataclass
@@ -495,9 +501,15 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> JobCo
         if not path.is_file():
             raise CephaloError(f"config file {str(path)!r} not found (see configs/ for examples).")
         try:
-            table = tomllib.loads(path.read_text())
+            table = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise CephaloError(f"config file {str(path)!r} is not valid TOML: {e}.") from None
+        except UnicodeDecodeError as e:
+            raise CephaloError(
+                f"config file {str(path)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8 TOML."
+            ) from None
+        except OSError as e:
+            raise CephaloError(f"cannot read config file {str(path)!r}: {e.strerror or e}.") from None
         _apply_table(cfg, table, origin=str(path))
     for section, key, value in parse_overrides(overrides):
         section_obj = getattr(cfg, section)
@@ -516,6 +528,19 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> JobCo
 
 # --------------------------------------------------------------------------------------------
 # Validation beyond types
+
+
+# Collective timeouts become a timedelta and then int64 milliseconds in c10d: inf or 1e300
+# would overflow there, long after the config was accepted.
+MAX_TIMEOUT_S = 1e7
+
+
+def _is_file(text: str) -> bool:
+    """`Path(text).is_file()`, False (not an OSError) for names the OS rejects (too long, ...)."""
+    try:
+        return Path(text).is_file()
+    except OSError:
+        return False
 
 
 def _validate(cfg: JobConfig) -> None:
@@ -565,11 +590,15 @@ def _validate(cfg: JobConfig) -> None:
     )
     if p.plan not in ("auto", "even", "proportional"):
         check(
-            Path(p.plan).is_file(),
+            _is_file(p.plan),
             f"parallel.plan = {p.plan!r} is neither `auto`, `even`, `proportional` nor an existing "
             "plan file (write one with `cephalo plan ... --out plan.json`)",
         )
-    check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
+    check(
+        0 < p.timeout_s <= MAX_TIMEOUT_S,
+        f"parallel.timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:.0e}], got {p.timeout_s}",
+    )
+    check(p.max_restarts >= 0, f"parallel.max_restarts must be >= 0, got {p.max_restarts}")
     check(
         p.devices is None or bool(p.devices.strip()),
         "parallel.devices must not be empty (leave it unset)",
@@ -586,6 +615,7 @@ def _validate(cfg: JobConfig) -> None:
     check(pr.repeats >= 1, f"profile.repeats must be >= 1, got {pr.repeats}")
     check(pr.warmup >= 0, f"profile.warmup must be >= 0, got {pr.warmup}")
     check(pr.time_cap_s > 0, f"profile.time_cap_s must be > 0, got {pr.time_cap_s}")
+    check(pr.max_micro_batch >= 1, f"profile.max_micro_batch must be >= 1, got {pr.max_micro_batch}")
     if problems:
         more = (
             f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})"
