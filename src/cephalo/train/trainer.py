@@ -162,7 +162,7 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
 
     seq_len, batch, dtype = cfg.data.seq_len, cfg.train.global_batch_size, cfg.model.dtype
     settings = ProfileSettings(repeats=cfg.profile.repeats, warmup=cfg.profile.warmup,
-                               time_cap_s=cfg.profile.time_cap_s)
+                               time_cap_s=cfg.profile.time_cap_s, max_micro_batch=cfg.profile.max_micro_batch)
     measured = profile_devices(model, seq_len, dtype, cluster, comm, settings=settings, cache=cfg.profile_cache)
     cost_model = cost_model_from_profiles(cluster, model.spec, seq_len, dtype, measured)
     plan = make_plan(cost_model, batch, "cephalo", model_name=cfg.model.name)
