@@ -119,13 +119,20 @@ class Plan:
         if not text.lstrip().startswith("{"):
             path = Path(text_or_path)
             source = str(path)
-            if not path.exists():
-                raise CephaloError(f"plan file {path} does not exist; write one with `cephalo plan --json {path}`")
-            text = path.read_text()
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                raise CephaloError(f"plan file {path} does not exist; write one with `cephalo plan --json {path}`") from None
+            except (OSError, ValueError) as e:  # a directory, unreadable, a name the OS rejects, not UTF-8
+                reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                raise CephaloError(f"cannot read plan file {str(path)[:200]!r}: {reason}; give the path of a "
+                                   "plan JSON (`cephalo plan --json plan.json`)") from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise CephaloError(f"{source}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        except RecursionError:
+            raise CephaloError(f"{source}: not a plan (JSON nested too deeply)") from None
         return _parse_plan(d, source)
 
     def validate(self, world_size: int | None = None, model: str | None = None) -> None:
@@ -154,6 +161,16 @@ def _need(d: dict, key: str, types: type | tuple, where: str) -> Any:
     return v
 
 
+def _optional_number(d: dict, key: str, where: str, kind: type = float) -> Any:
+    """An optional prediction field: absent or null -> None, else a finite number >= 0."""
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        raise CephaloError(f"{where}: field {key!r} must be a number >= 0 or null, got {v!r}")
+    return kind(v)
+
+
 def _tname(types: type | tuple) -> str:
     ts = types if isinstance(types, tuple) else (types,)
     return " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true/false",
@@ -175,7 +192,6 @@ def _parse_plan(d: Any, source: str) -> Plan:
         where = f"{source}: ranks[{i}]"
         if not isinstance(r, dict):
             raise CephaloError(f"{where}: must be an object")
-        pred_mem = r.get("predicted_peak_memory_bytes")
         ranks.append(RankPlan(
             rank=_need(r, "rank", int, where),
             device=_need(r, "device", str, where),
@@ -185,8 +201,8 @@ def _parse_plan(d: Any, source: str) -> Plan:
             state_fraction=float(_need(r, "state_fraction", (int, float), where)),
             offload_activations=bool(_need(r, "offload_activations", bool, where))
             if "offload_activations" in r else False,
-            predicted_step_s=float(r["predicted_step_s"]) if r.get("predicted_step_s") is not None else None,
-            predicted_peak_memory_bytes=int(pred_mem) if pred_mem is not None else None,
+            predicted_step_s=_optional_number(r, "predicted_step_s", where),
+            predicted_peak_memory_bytes=_optional_number(r, "predicted_peak_memory_bytes", where, int),
         ))
     pred = d.get("predicted")
     predicted = None
