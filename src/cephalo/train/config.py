@@ -596,7 +596,7 @@ def _validate(cfg: JobConfig) -> None:
         )
     check(
         0 < p.timeout_s <= MAX_TIMEOUT_S,
-        f"parallel.timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:.0e}], got {p.timeout_s}",
+        f"parallel.timeout_s must be > 0 and at most {MAX_TIMEOUT_S:.0e} seconds, got {p.timeout_s}",
     )
     check(p.max_restarts >= 0, f"parallel.max_restarts must be >= 0, got {p.max_restarts}")
     check(
