@@ -104,7 +104,7 @@ device_entries = st.fixed_dictionaries(
     {},
     optional={
         "type": device_names | json_scalars,
-        "count": st.integers(min_value=-1, max_value=4) | st.integers() | json_scalars,
+        "count": st.integers(min_value=-1, max_value=4) | st.sampled_from([10**6 + 1, 10**12]) | json_scalars,
         "memory": st.sampled_from(["20GiB", "0GB", "-1GiB", "x"]) | json_scalars,
         "memory_bytes": st.integers() | json_scalars,
         "node": st.integers(min_value=-1, max_value=3) | json_scalars,

@@ -62,6 +62,9 @@ _DEVICE_RE = re.compile(
     r"^(?:(\d+)\s*x\s*)?([a-z0-9_.\-]*?)\s*(?:@\s*(?:node)?\s*(\S*))?$", re.IGNORECASE
 )
 _OPTIONS = ("mem", "node", "slowdown")
+# More devices than any cluster has: a typo (or a fuzzer) would otherwise build a list of
+# billions of devices before anything could complain.
+MAX_DEVICES = 1_000_000
 
 
 def _spec_error(what: str) -> CephaloError:
@@ -373,7 +376,7 @@ def _parse_device(token: str, option_tokens: list[str]) -> list[Device]:
     count = int(count_text) if count_text is not None else 1
     if count < 1:
         raise _spec_error(f"bad device {token!r}: the count must be at least 1")
-    if count > 1_000_000:
+    if count > MAX_DEVICES:
         raise _spec_error(
             f"bad device {token!r}: count {count} is not a plausible number of devices"
         )
@@ -446,8 +449,10 @@ def _devices_from_entry(e: Any, where: str) -> list[Device]:
         )
     dtype = resolve_device_type(e["type"])
     count = e.get("count", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise CephaloError(f"{where}: count must be an integer >= 1, got {count!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES:
+        raise CephaloError(
+            f"{where}: count must be an integer from 1 to {MAX_DEVICES:,}, got {count!r}"
+        )
     options: dict[str, Any] = {"node": e.get("node"), "slowdown": e.get("slowdown")}
     if "memory" in e:
         options["mem"] = e["memory"]
