@@ -451,7 +451,7 @@ def _devices_from_entry(e: Any, where: str) -> list[Device]:
     count = e.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES:
         raise CephaloError(
-            f"{where}: count must be an integer from 1 to {MAX_DEVICES:,}, got {count!r}"
+            f"{where}: count must be an integer >= 1 and at most {MAX_DEVICES:,}, got {count!r}"
         )
     options: dict[str, Any] = {"node": e.get("node"), "slowdown": e.get("slowdown")}
     if "memory" in e:
