@@ -223,6 +223,7 @@ def main() -> None:
             summary_rows.append([s, r, rc.device, f"{ev.step_s:.3f}", f"{step_meas[r]:.3f}", f"{t_err:+.1%}",
                                  f"{pred_cpu:.3f}", f"{cpu:.3f}", f"{c_err:+.1%}",
                                  fmt_bytes(pred_mem), fmt_bytes(peak), f"{m_err:+.1%}"])
+    factor = {s: statistics.mean(fig_data[s]["meas_step"]) / fig_data[s]["pred_step"] for s in STRATEGIES}
     solo_tput = {x["type_key"]: SOLO_BATCH / x["step_s"] for x in solo}
     ideal = sum(solo_tput[d.type_key] for d in cluster.devices)
     speedup = measured_tput["cephalo"] / measured_tput["even"]
@@ -261,6 +262,10 @@ def main() -> None:
             f"- Each rank's own work (CPU time of the step: compute without the emulation's sleep, "
             f"optimizer) within {TIME_TOL:.0%} of predicted on every rank: {verdict(checks['cpu'])}.\n"
             f"- Peak ledger memory within {MEMORY_TOL:.0%} on every rank: {verdict(checks['memory'])}.\n"
+            f"- Measured / predicted step time: {factor['cephalo']:.2f}x (`cephalo`), {factor['even']:.2f}x "
+            f"(`even`): the same factor for both plans and all ranks, i.e. the machine ran the job that much "
+            f"slower than the profiles (CPU time, one rank at a time) say; relative to each other the "
+            f"predictions hold.\n"
             f"- Measured throughput `cephalo` / `even` = {speedup:.2f} (predicted {pred_speedup:.2f}; "
             f"target >= {SPEEDUP_TARGET}): {verdict(speedup >= SPEEDUP_TARGET)}. `cephalo` reaches "
             f"{measured_tput['cephalo'] / ideal:.0%} of the ideal bound (sum of the devices' solo throughput, "

@@ -250,3 +250,26 @@ def test_two_rank_profiling(pool2, tmp_path):
     assert results[0]["second_s"] < 2.0
     db = ProfileDatabase.load(tmp_path / "db.json")
     assert len(db.devices) == 2 and len(db.comm) == 1
+
+
+# ----------------------------------------------------------------------------- launcher
+def _rank_or_fail(comm, fail_rank: int, progress=None) -> int:
+    if progress:
+        progress("working")
+    if comm.rank == fail_rank:
+        raise CephaloError("this rank was told to fail")
+    comm.barrier()  # the healthy rank would wait here for the failed one
+    return comm.rank
+
+
+@pytest.mark.slow
+def test_run_local_results_and_errors():
+    from cephalo.profiling.launch import run_local
+
+    seen = []
+    assert run_local(_rank_or_fail, 2, -1, timeout_s=120, on_progress=lambda r, t: seen.append((r, t))) == [0, 1]
+    assert sorted(seen) == [(0, "working"), (1, "working")]
+    t0 = time.perf_counter()
+    with pytest.raises(CephaloError, match="rank 1 failed: this rank was told to fail"):
+        run_local(_rank_or_fail, 2, 1, timeout_s=120)
+    assert time.perf_counter() - t0 < 60  # no waiting for the collective timeout
