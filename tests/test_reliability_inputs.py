@@ -138,3 +138,20 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous(damage, tmp_path, c
     for step in range(6, 11):
         assert resumed.losses[step] == full.losses[step], step  # same plan, same state: bit for bit
     assert (run / "checkpoints" / "step_000010" / MARKER).is_file()  # written again, complete
+
+
+def test_restart_on_torchruns_shared_store_names_the_fix(monkeypatch):
+    """A torchrun restart on the shared rendezvous store cannot start its process group
+    (pytorch#135712); the error says which variable fixes it (tests/test_elastic.py runs
+    real restarts with it set)."""
+    from cephalo.errors import CephaloError
+    from cephalo.launch import free_port
+    from cephalo.runtime.dist import SHARED_STORE_ENV, init_distributed
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(CephaloError, match=f"could not start the gloo process group.*restart 1.*{SHARED_STORE_ENV}=1"):
+        init_distributed("gloo", timeout_s=1)

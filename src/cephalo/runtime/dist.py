@@ -71,6 +71,28 @@ def _pick_backend(backend: str | None) -> str:
     return backend
 
 
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torchrun's c10d rendezvous shares its TCPStore with the workers by default, and a restarted
+worker group reuses it without a fresh key prefix: the new process group reads the dead
+group's addresses and cannot connect (pytorch/pytorch#135712). Setting this variable to 1 for
+the agent gives every round its own store."""
+
+
+def uses_shared_store(env: dict[str, str]) -> bool:
+    """Started by a torchrun agent that shares its rendezvous store with the workers."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def restarted_on_shared_store(env: dict[str, str]) -> bool:
+    """A restarted worker group on a shared store (see `SHARED_STORE_ENV`)."""
+    return uses_shared_store(env) and env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def init_distributed(
     backend: str | None = None,
     timeout_s: float = 300.0,
@@ -110,6 +132,11 @@ def init_distributed(
                 backend,
             )
         return make_comm(comm_impl, validate=validate)
+    if rank == 0 and uses_shared_store(env) and env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        logger.warning(
+            "torchrun shares its rendezvous store with the workers: a restart will not be able to "
+            "start its process group (pytorch#135712); launch torchrun with %s=1", SHARED_STORE_ENV
+        )
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in env:
             raise CephaloError(
@@ -123,10 +150,17 @@ def init_distributed(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     except (RuntimeError, ValueError, TimeoutError) as err:
+        hint = (
+            f" This is restart {env['TORCHELASTIC_RESTART_COUNT']} under torchrun's shared rendezvous "
+            f"store, which still holds the previous attempt's addresses: launch with "
+            f"{SHARED_STORE_ENV}=1"
+            if restarted_on_shared_store(env)
+            else " Check that every rank was started with the same MASTER_ADDR/MASTER_PORT and "
+            "WORLD_SIZE and can reach rank 0"
+        )
         raise CephaloError(
             f"could not start the {backend} process group (rank {rank} of {world_size}, "
-            f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}): {err}. Check that every rank was "
-            "started with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE and can reach rank 0"
+            f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}): {_first_line(err)}.{hint}"
         ) from err
     logger.info(
         "rank %d/%d: %s process group up (timeout %.0fs)", rank, world_size, backend, timeout_s
