@@ -105,6 +105,16 @@ def test_bad_input_gets_one_clear_error(case, inputs, tmp_path, capsys):
     assert message in err, err
 
 
+def test_plan_that_does_not_fit_names_each_ranks_shortfall(capsys):
+    rc, err = run_cli(["plan", "--cluster", "t4:mem=4GiB,t4:mem=4GiB", "--model", "gpt-2.7b",
+                       "--global-batch", "64"], capsys)
+    assert rc == 2 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("cephalo plan: error: ")]
+    assert "gpt-2.7b does not fit on this cluster" in line
+    assert "rank 0 (t4) needs" in line and "rank 1 (t4) needs" in line and "short" in line
+    assert "add about" in line  # and what to do about it
+
+
 def test_unsupported_torch_version(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.3.1")
     rc, err = run_cli(["train", *job_args(tmp_path / "run")], capsys)
