@@ -1,0 +1,464 @@
+"""`cephalo demo`: the whole pipeline on four emulated devices of this machine's CPU.
+
+    profile -> plan (cephalo vs baselines) -> short baseline run -> train under the cephalo plan -> report
+
+The baseline (even plan) runs first and only for a few steps: its measured throughput is the
+comparison, and its measured step time calibrates how many steps of the cephalo run fit the
+time budget on this machine, whatever else is running on it.
+
+Every step uses the public pieces a user would: the profiler and its local launcher, the
+planner and its cost model, `cephalo run`'s elastic launcher with `cephalo train` workers, and
+the metrics the workers write. Nothing is simulated except the devices themselves: a device
+`cpu:slowdown=F` stretches its compute F times by sleeping, and `mem=SIZE` is a budget the
+engine's memory ledger enforces (an allocation over it is an error, as on a real GPU).
+
+The cluster is chosen so that memory matters: the last device is as slow as the third but has
+only DEMO_TIGHT_MEMORY, too little for an even share of the training state plus the
+activations of an even batch, so the even plan must micro-batch there (or, tighter, offload or
+not fit at all) while the cephalo plan gives that device fewer samples and a smaller state shard.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from cephalo.cluster import Cluster
+from cephalo.costmodel import CostModel, PlanEvaluation
+from cephalo.errors import CephaloError, PlanDoesNotFit
+from cephalo.plan import Plan
+from cephalo.profiling.profiler import MeasuredProfiles, ProfileSettings
+from cephalo.train.config import JobConfig, config_to_toml
+from cephalo.train.metrics import read_metrics
+
+DEMO_TIGHT_MEMORY = "32MiB"
+DEMO_DEVICES = f"cpu,cpu:slowdown=1.5,cpu:slowdown=3,cpu:slowdown=3,mem={DEMO_TIGHT_MEMORY}"
+"""Four ranks: full speed, 1.5x and 3x slower, and a 3x slower one with little memory."""
+STRATEGIES = ("cephalo", "even", "proportional")
+# Steps of the first (warm-up) steps left out of measured step times: allocator, caches, gloo pairs.
+WARMUP_STEPS_EXCLUDED = 2
+
+
+@dataclass
+class DemoOptions:
+    """What `cephalo demo` runs."""
+
+    out: Path = Path("runs/demo")
+    """Report and run directories."""
+    minutes: float = 1.25
+    """Training budget of the cephalo run (the baseline run and profiling come on top)."""
+    quick: bool = False
+    """A tiny model and a few steps (tests, smoke checks): the same pipeline in well under a minute."""
+    baseline_steps: int = 10
+    """Steps of the comparison run (its throughput is what counts, not its loss)."""
+
+
+@dataclass
+class RunSummary:
+    """One training run of the demo, read back from its metrics."""
+
+    strategy: str
+    run_dir: Path
+    steps: int
+    wall_s: float
+    """Launch to exit, including worker start-up and the final checkpoint."""
+    step_s: float
+    """Median step time without the warm-up steps."""
+    mean_step_s: float
+    """Mean step time without the warm-up steps (the per-rank busy and idle means add up to it)."""
+    samples_per_s: float
+    losses: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    busy_s: list[float] = field(default_factory=list)
+    """Per rank: mean compute seconds per step (emulated slowdown included)."""
+    idle_s: list[float] = field(default_factory=list)
+    """Per rank: mean seconds per step spent waiting (collectives, slower ranks)."""
+    peak_bytes: list[int] = field(default_factory=list)
+    """Per rank: the memory ledger's peak over the run."""
+
+
+@dataclass
+class DemoResult:
+    """Everything the report needs."""
+
+    options: DemoOptions
+    cluster: Cluster
+    config: JobConfig
+    measured: MeasuredProfiles
+    cost_model: CostModel
+    plans: dict[str, Plan | PlanDoesNotFit]
+    evaluations: dict[str, PlanEvaluation]
+    memory_note: str
+    ideal_samples_per_s: float
+    runs: dict[str, RunSummary] = field(default_factory=dict)
+    comparison: str | None = None
+    """The baseline the cephalo run is compared with (`even`, else `proportional`), None if none fits."""
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- the job
+def demo_job_config(out: Path, quick: bool = False) -> JobConfig:
+    """The demo's training job (configs/demo.toml holds the same job as a file)."""
+    cfg = JobConfig()
+    cfg.model.name = "gpt-tiny" if quick else "gpt-small-demo"
+    cfg.model.overrides = {"dropout": 0.0}
+    cfg.model.dtype = "fp32"
+    cfg.data.seq_len = 32 if quick else 128
+    cfg.data.val_fraction = 0.05
+    t = cfg.train
+    t.steps = 6 if quick else 80
+    t.global_batch_size = 8 if quick else 16
+    t.lr, t.min_lr, t.warmup_steps = 1e-3, 1e-4, 2 if quick else 8
+    t.eval_every = 3 if quick else 20
+    t.eval_batches = 2
+    p = cfg.parallel
+    p.plan = "auto"
+    p.devices = DEMO_DEVICES
+    p.backend = "gloo"
+    p.timeout_s = 120.0
+    cfg.checkpoint.every = 0  # only at the end: the demo measures training, not storage
+    cfg.checkpoint.keep_last = 1
+    cfg.checkpoint.resume = "never"
+    cfg.logging.dir = str(out)
+    cfg.logging.log_every = 1
+    pr = cfg.profile
+    pr.repeats, pr.warmup = (1, 0) if quick else (2, 1)
+    pr.time_cap_s = 3.0 if quick else 10.0
+    pr.max_micro_batch = 4 if quick else 8  # the plans use micro-batches up to ~B/2
+    return cfg
+
+
+def profile_settings(cfg: JobConfig) -> ProfileSettings:
+    pr = cfg.profile
+    return ProfileSettings(repeats=pr.repeats, warmup=pr.warmup, time_cap_s=pr.time_cap_s,
+                           max_micro_batch=pr.max_micro_batch)
+
+
+# ----------------------------------------------------------------------------- 1. profile
+def profile_cluster(cfg: JobConfig, cluster: Cluster, console: Console, in_process: bool = False) -> MeasuredProfiles:
+    """Measured profiles of the demo's device types and collectives (cached in `profile.cache`).
+
+    Normally one rank per device (the profiler's local launcher), so the collectives between
+    them are measured too. `in_process` measures the device types here, one thread, without
+    starting ranks (no collective profile: the cost model uses the cluster's nominal links)."""
+    from cephalo.profiling.launch import run_local
+    from cephalo.profiling.profiler import cached_profiles
+
+    model, seq_len, dtype = cfg.model.name, cfg.data.seq_len, cfg.model.dtype
+    cache = str(cfg.profile_cache)
+    hit = cached_profiles(model, seq_len, dtype, cluster, backend="gloo", cache=cache, **cfg.model.overrides)
+    if hit is not None:
+        return hit
+    settings = profile_settings(cfg)
+    if in_process:
+        import torch
+
+        from cephalo.profiling.profiler import profile_devices
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # what each of the job's ranks gets
+        try:
+            return profile_devices(model, seq_len, dtype, cluster, settings=settings, cache=cache,
+                                   **cfg.model.overrides)
+        finally:
+            torch.set_num_threads(threads)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task(f"starting {cluster.world_size} profiling ranks ...", total=None)
+
+        def show(rank: int, text: str) -> None:
+            bar.update(task, description=f"rank {rank} measuring {text}")
+
+        result = run_local(_profile_rank, cluster.world_size, model, dict(cfg.model.overrides), seq_len, dtype,
+                           cfg.parallel.devices, settings, cache, timeout_s=600.0, on_progress=show)[0]
+    return MeasuredProfiles.from_dict(result)
+
+
+def _profile_rank(comm, model: str, overrides: dict, seq_len: int, dtype: str, devices: str,
+                  settings: ProfileSettings, cache: str, progress=None) -> dict | None:
+    """One profiling rank (top level: the local launcher pickles it)."""
+    from cephalo.profiling.profiler import profile_devices
+
+    measured = profile_devices(model, seq_len, dtype, Cluster.parse(devices), comm, settings=settings,
+                               cache=cache, progress=progress, **overrides)
+    return measured.to_dict() if comm.rank == 0 else None
+
+
+# ----------------------------------------------------------------------------- 2. plan
+def make_plans(cost_model: CostModel, global_batch: int, model_name: str) -> dict[str, Plan | PlanDoesNotFit]:
+    from cephalo.planner import make_plan
+
+    plans: dict[str, Plan | PlanDoesNotFit] = {}
+    for strategy in STRATEGIES:
+        try:
+            plans[strategy] = make_plan(cost_model, global_batch, strategy, model_name=model_name)
+        except PlanDoesNotFit as e:
+            if strategy == "cephalo":
+                raise
+            plans[strategy] = e
+    return plans
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def memory_note(cost_model: CostModel, plans: dict[str, Plan | PlanDoesNotFit], global_batch: int) -> str:
+    """Why the smallest-memory device shapes the plans, in one paragraph, from the cost model."""
+    n = len(cost_model.devices)
+    tight = min(range(n), key=cost_model.capacity_bytes)
+    cap = cost_model.capacity_bytes(tight)
+    even_batch = math.ceil(global_batch / n)
+    plain = cost_model.rank_cost(tight, even_batch, even_batch, 1.0 / n, offload=False)
+    head = (f"Rank {tight} ({cost_model.devices[tight].type_key}) has a {_mib(cap)} memory budget. ")
+    if plain.fits:
+        head += (f"An even share of the state (1/{n}) plus the activations of {even_batch} samples needs "
+                 f"{_mib(plain.peak_bytes)}, which fits: memory does not constrain this cluster. ")
+    else:
+        head += (f"An even share of the state (1/{n}, {_mib(plain.memory.state)}) plus the activations of an "
+                 f"even batch of {even_batch} samples needs {_mib(plain.peak_bytes)}: it does not fit. ")
+        even = plans.get("even")
+        if isinstance(even, PlanDoesNotFit):
+            head += "The even plan does not fit at all, not even with micro-batch 1 and offloaded activations. "
+        elif isinstance(even, Plan):
+            r = even.ranks[tight]
+            how = f"{r.num_micro_batches} micro-batches of {r.micro_batch_size}"
+            head += (f"The even plan must run it as {how}"
+                     f"{' with its activations on the host' if r.offload_activations else ''}. ")
+    ceph = plans["cephalo"]
+    assert isinstance(ceph, Plan)
+    r = ceph.ranks[tight]
+    head += (f"The cephalo plan gives it {r.batch_size} sample(s) in micro-batches of {r.micro_batch_size} and "
+             f"{r.state_fraction:.3f} of the state"
+             f"{', activations on the host' if r.offload_activations else ''}.")
+    return head
+
+
+def ideal_samples_per_s(cost_model: CostModel, global_batch: int) -> float:
+    """Upper bound: every device computing at its best per-sample speed (any batch up to the
+    global one), with no communication, no optimizer and perfect balance."""
+    total = 0.0
+    for d in cost_model.devices:
+        best = min(float(cost_model.step_time_parts(d.type_key, b, b, False)[1]) / b
+                   for b in range(1, global_batch + 1))
+        total += 1.0 / best
+    return total
+
+
+def print_plans(console: Console, cost_model: CostModel, plans: dict[str, Plan | PlanDoesNotFit],
+                evaluations: dict[str, PlanEvaluation]) -> None:
+    from cephalo.commands.plan import strategy_line
+
+    ceph = plans["cephalo"]
+    assert isinstance(ceph, Plan)
+    console.print(plan_table_mib(ceph, evaluations["cephalo"],
+                                 title="cephalo plan (predicted by the measured cost model)"))
+    for s in STRATEGIES:
+        console.print(strategy_line(s, plans[s], plans["even"]), soft_wrap=True)
+
+
+# ----------------------------------------------------------------------------- 3-4. train
+def summarize_run(strategy: str, run_dir: Path, wall_s: float, global_batch: int) -> RunSummary:
+    """Step times, losses and per-rank timings read back from a run's metrics.jsonl."""
+    steps = read_metrics(run_dir / "metrics.jsonl", kind="step")
+    if not steps:
+        raise CephaloError(f"the {strategy} run wrote no metrics to {run_dir / 'metrics.jsonl'}")
+    evals = read_metrics(run_dir / "metrics.jsonl", kind="eval")
+    timed = steps[WARMUP_STEPS_EXCLUDED:] if len(steps) > WARMUP_STEPS_EXCLUDED + 1 else steps[-1:]
+    step_s = statistics.median(r["step_s"] for r in timed)
+    n = len(timed[0]["ranks"]["busy_s"])
+    busy = [statistics.fmean(r["ranks"]["busy_s"][i] for r in timed) for i in range(n)]
+    idle = [statistics.fmean(r["ranks"]["idle_s"][i] for r in timed) for i in range(n)]
+    peak = [max(int(r["ranks"]["peak_bytes"][i]) for r in steps) for i in range(n)]
+    return RunSummary(
+        strategy=strategy, run_dir=run_dir, steps=len(steps), wall_s=wall_s, step_s=step_s,
+        mean_step_s=statistics.fmean(r["step_s"] for r in timed),
+        samples_per_s=global_batch / step_s,
+        losses={int(r["step"]): float(r["loss"]) for r in steps},
+        val_losses={int(r["step"]): float(r["val_loss"]) for r in evals},
+        busy_s=busy, idle_s=idle, peak_bytes=peak,
+    )
+
+
+def launch_run(cfg: JobConfig, config_path: Path, quiet: bool) -> float:
+    """`cephalo run --config config_path` (one `cephalo train` worker per device); wall seconds.
+
+    quiet: the workers log warnings only (rank 0's progress bar still shows loss, speed and
+    validation); otherwise every rank's start-up lines come too."""
+    from cephalo.launch import run_local
+
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(config_to_toml(cfg))
+    started = time.perf_counter()
+    env = {"CEPHALO_LOG": "WARNING"} if quiet else {}
+    run_local(["--config", str(config_path)], devices=cfg.parallel.devices, env=env)
+    return time.perf_counter() - started
+
+
+def training_steps(options: DemoOptions, predicted_step_s: float, world_size: int,
+                   baseline: RunSummary | None = None, baseline_predicted_s: float | None = None) -> int:
+    """Steps that fill the training budget.
+
+    The cost model predicts each rank as if it had the machine to itself (profiles are measured
+    one rank at a time); in the demo all ranks share the cores, with each other and with whatever
+    else runs. So the estimate is calibrated by the baseline run just measured on this machine:
+    step = measured baseline step x (predicted cephalo / predicted baseline). Without a baseline,
+    ranks per core scale the prediction."""
+    if options.quick:
+        return 6
+    if baseline is not None and baseline_predicted_s:
+        estimate = baseline.step_s * predicted_step_s / baseline_predicted_s
+    else:
+        estimate = predicted_step_s * max(1.0, world_size / (os.cpu_count() or 1))
+    return int(min(400, max(20, options.minutes * 60.0 / estimate)))
+
+
+def describe_cluster(cluster: Cluster) -> str:
+    """`cpu, cpu:slowdown=1.5, ... (32 MiB)`: memory shown only where it is not the default."""
+    from cephalo.catalog import CPU_DEFAULT_MEMORY_BYTES
+
+    return ", ".join(d.type_key + (f" ({d.memory_bytes / 2**20:.0f} MiB)"
+                                   if d.memory_bytes != CPU_DEFAULT_MEMORY_BYTES else "")
+                     for d in cluster.devices)
+
+
+def plan_table_mib(plan: Plan, ev: PlanEvaluation, title: str):
+    """The per-rank plan table in MiB (the emulated budgets are far below a GiB)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("rank", "device", "batch", "micro x n", "state", "act", "step s", "busy s", "MiB used/cap", "fits"):
+        table.add_column(col, justify="left" if col in ("device", "act") else "right", no_wrap=True)
+    for r, c in zip(plan.ranks, ev.ranks, strict=True):
+        table.add_row(str(r.rank), r.device, str(r.batch_size),
+                      f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "-",
+                      f"{r.state_fraction:.3f}", "host" if r.offload_activations else "dev",
+                      f"{c.step_s:.3f}", f"{c.busy_s:.3f}",
+                      f"{c.peak_bytes / 2**20:.1f}/{c.capacity_bytes / 2**20:.0f}", "yes" if c.fits else "[red]NO")
+    return table
+
+
+# ----------------------------------------------------------------------------- the whole demo
+def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult:
+    """Profile, plan, train, compare, report. Returns what the report shows."""
+    from cephalo.commands.plan import make_console
+    from cephalo.profiling.profiler import cost_model_from_profiles
+    from cephalo.report import write_report
+
+    console = console or make_console()
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    cfg = demo_job_config(out, options.quick)
+    cluster = Cluster.parse(cfg.parallel.devices or DEMO_DEVICES)
+    from cephalo.modeling.registry import build_model
+
+    spec = build_model(cfg.model.name, **cfg.model.overrides).spec
+    B = cfg.train.global_batch_size
+    console.rule("[bold]cephalo demo")
+    console.print(f"cluster: {describe_cluster(cluster)}  (emulated on this CPU: slowdown = compute stretched by "
+                  "sleeping, mem = a budget the memory ledger enforces)")
+    console.print(f"model: {spec.name} ({spec.total_params / 1e6:.2f}M parameters), seq {cfg.data.seq_len}, "
+                  f"global batch {B}, {cfg.model.dtype}, the bundled pydoc corpus (byte-level)")
+
+    console.rule("[bold]1/5 profile the devices")
+    t0 = time.perf_counter()
+    measured = profile_cluster(cfg, cluster, console, in_process=options.quick)
+    timings["profile"] = time.perf_counter() - t0
+    what = (f"measured {', '.join(measured.measured)}" if measured.measured else "all from the cache")
+    console.print(f"{what} in {timings['profile']:.1f} s (database {cfg.profile_cache})")
+    if measured.comm is not None:
+        console.print(f"collectives over {cluster.world_size} ranks: {measured.comm.bytes_per_s / 1e9:.2f} GB/s, "
+                      f"latency {measured.comm.latency_s * 1e3:.1f} ms")
+
+    console.rule("[bold]2/5 plan")
+    t0 = time.perf_counter()
+    cm = cost_model_from_profiles(cluster, spec, cfg.data.seq_len, cfg.model.dtype, measured)
+    plans = make_plans(cm, B, cfg.model.name)
+    evaluations = {s: cm.evaluate(p) for s, p in plans.items() if isinstance(p, Plan)}
+    timings["plan"] = time.perf_counter() - t0
+    print_plans(console, cm, plans, evaluations)
+    note = memory_note(cm, plans, B)
+    console.print(note)
+    plan_dir = out / "plans"
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    for s, p in plans.items():
+        if isinstance(p, Plan):
+            p.to_json(plan_dir / f"{s}.json")
+    comparison = next((s for s in ("even", "proportional") if isinstance(plans[s], Plan)), None)
+    result = DemoResult(options=options, cluster=cluster, config=cfg, measured=measured, cost_model=cm,
+                        plans=plans, evaluations=evaluations, memory_note=note,
+                        ideal_samples_per_s=ideal_samples_per_s(cm, B), comparison=comparison,
+                        timings_s=timings)
+
+    ceph = plans["cephalo"]
+    assert isinstance(ceph, Plan) and ceph.predicted is not None
+    # on a terminal rank 0's progress bar tells the story; in a log file, its log lines do
+    quiet = console.is_terminal
+    baseline, baseline_predicted = None, None
+    if comparison is None:
+        console.rule("[bold]3/5 baseline")
+        console.print("neither the even nor the proportional plan fits in memory: no baseline run")
+    else:
+        # The baseline runs first: its measured speed on this machine (shared cores, other
+        # load) calibrates how many steps fit the cephalo run's time budget.
+        base_plan = plans[comparison]
+        assert isinstance(base_plan, Plan) and base_plan.predicted is not None
+        base_steps = 3 if options.quick else options.baseline_steps
+        console.rule(f"[bold]3/5 baseline: a short run under the {comparison} plan ({base_steps} steps)")
+        if comparison != "even":
+            console.print("the even plan does not fit in memory; the baseline is the proportional plan")
+        base_cfg = demo_job_config(out / comparison, options.quick)
+        base_cfg.parallel.plan = str(plan_dir / f"{comparison}.json")
+        base_cfg.train.steps = base_steps
+        base_cfg.train.warmup_steps = 1
+        base_cfg.train.eval_every = 0
+        shutil.rmtree(out / comparison, ignore_errors=True)
+        wall = launch_run(base_cfg, out / f"{comparison}.toml", quiet)
+        timings[f"train {comparison}"] = wall
+        baseline = result.runs[comparison] = summarize_run(comparison, out / comparison, wall, B)
+        baseline_predicted = base_plan.predicted.step_s
+        console.print(f"{comparison} plan: {baseline.step_s:.3f} s/step measured "
+                      f"(predicted {baseline_predicted:.3f} s/step)")
+
+    steps = training_steps(options, ceph.predicted.step_s, cluster.world_size, baseline, baseline_predicted)
+    console.rule(f"[bold]4/5 train under the cephalo plan ({steps} steps)")
+    run_cfg = demo_job_config(out / "cephalo", options.quick)
+    run_cfg.parallel.plan = str(plan_dir / "cephalo.json")
+    run_cfg.train.steps = steps
+    run_cfg.train.eval_every = max(1, steps // 4)
+    run_cfg.profile.cache = str(cfg.profile_cache)
+    shutil.rmtree(out / "cephalo", ignore_errors=True)
+    wall = launch_run(run_cfg, out / "cephalo.toml", quiet)
+    timings["train cephalo"] = wall
+    result.runs["cephalo"] = summarize_run("cephalo", out / "cephalo", wall, B)
+
+    console.rule("[bold]5/5 report")
+    timings["total"] = time.perf_counter() - started
+    report = write_report(result)
+    _print_summary(console, result, report)
+    return result
+
+
+def _print_summary(console: Console, result: DemoResult, report: Path) -> None:
+    ceph = result.runs["cephalo"]
+    console.print(f"cephalo plan: {ceph.samples_per_s:.2f} samples/s measured ({ceph.step_s:.3f} s/step)")
+    if result.comparison and result.comparison in result.runs:
+        base = result.runs[result.comparison]
+        console.print(f"{result.comparison} plan: {base.samples_per_s:.2f} samples/s measured "
+                      f"({base.step_s:.3f} s/step): cephalo is [bold]{ceph.samples_per_s / base.samples_per_s:.2f}x"
+                      f"[/bold] {result.comparison}")
+    last = max(ceph.losses)
+    val = f", validation loss {ceph.val_losses[max(ceph.val_losses)]:.3f}" if ceph.val_losses else ""
+    console.print(f"loss {ceph.losses[min(ceph.losses)]:.3f} at step 1 -> {ceph.losses[last]:.3f} at step {last}{val}")
+    console.print(f"demo took {result.timings_s['total']:.0f} s; report: [bold]{report}[/bold]")
