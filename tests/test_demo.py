@@ -1,0 +1,128 @@
+"""`cephalo demo` end to end (quick mode), its config, its step budget; the example configs
+train; `parallel.max_restarts` / `profile.max_micro_batch`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cephalo.demo import DemoOptions, RunSummary, demo_job_config, training_steps
+from cephalo.errors import CephaloError
+from cephalo.train.config import load_config
+from cephalo.train.metrics import read_metrics
+from cephalo.train.trainer import train
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+
+
+# ----------------------------------------------------------------------------- the demo itself
+@pytest.mark.slow
+def test_quick_demo_writes_the_report(tmp_path):
+    out = tmp_path / "demo"
+    env = {**os.environ, "CEPHALO_LOG": "WARNING"}
+    proc = subprocess.run([sys.executable, "-m", "cephalo", "demo", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"report: {out / 'report.md'}" in " ".join(proc.stdout.split())
+    for png in ("loss.png", "ranks.png", "throughput.png", "plan.png"):
+        assert (out / png).stat().st_size > 5000, png
+    report = (out / "report.md").read_text()
+    # the plan table: one row per emulated device, rank 3 with its 32 MiB budget
+    rows = re.findall(r"^\| (\d) \| (cpu[^|]*) \| (\d+) MiB \| (\d+) \|", report, flags=re.M)
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    assert rows[3][1].strip() == "cpu:slowdown=3" and rows[3][2] == "32"
+    assert sum(int(r[3]) for r in rows) == demo_job_config(out, quick=True).train.global_batch_size
+    # measured numbers for both runs, and the speedup read off them
+    measured = {m[0]: float(m[1]) for m in re.findall(r"^\| (cephalo|even) \| [\d.]+ \| [\d.]+ \| [^|]+ \| "
+                                                        r"[\d.]+ \| ([\d.]+) \|", report, flags=re.M)}
+    assert set(measured) == {"cephalo", "even"} and all(v > 0 for v in measured.values())
+    speedup = float(re.search(r"over the even plan: ([\d.]+)x", report).group(1))
+    assert speedup == pytest.approx(measured["cephalo"] / measured["even"], rel=0.02)
+    assert "devices are emulated" in report
+    # the runs behind it: metrics with per-rank timings, the planned batches
+    steps = read_metrics(out / "cephalo" / "metrics.jsonl")
+    assert len(steps) == 6 and len(steps[0]["ranks"]["busy_s"]) == 4
+    assert (out / "plans" / "cephalo.json").is_file() and (out / "profile.json").is_file()
+
+
+# ----------------------------------------------------------------------------- config and budget
+def test_configs_demo_toml_is_the_demo_job():
+    assert load_config(REPO / "configs" / "demo.toml").to_dict() == demo_job_config(Path("runs/demo")).to_dict()
+
+
+def _baseline(step_s: float) -> RunSummary:
+    return RunSummary(strategy="even", run_dir=Path("."), steps=10, wall_s=1.0, step_s=step_s,
+                      mean_step_s=step_s, samples_per_s=16 / step_s)
+
+
+def test_training_steps_are_calibrated_by_the_measured_baseline():
+    options = DemoOptions(minutes=1.0)
+    # predicted cephalo 0.5 s, predicted even 1.0 s, measured even 2.0 s -> about 1.0 s per step here
+    assert training_steps(options, 0.5, 4, _baseline(2.0), 1.0) == 60
+    # a busier machine (slower baseline) gets fewer steps for the same budget
+    assert training_steps(options, 0.5, 4, _baseline(4.0), 1.0) == 30
+    # without a baseline: the prediction scaled by ranks per core
+    cores = os.cpu_count() or 1
+    assert training_steps(options, 0.5, 4) == int(min(400, max(20, 60 / (0.5 * max(1.0, 4 / cores)))))
+    assert training_steps(DemoOptions(quick=True), 0.5, 4) == 6
+
+
+def test_demo_rejects_a_bad_budget(tmp_path):
+    from cephalo.commands.demo import run
+
+    with pytest.raises(CephaloError, match="--minutes"):
+        run(argparse.Namespace(out=str(tmp_path), minutes=-1.0, quick=False))
+
+
+# ----------------------------------------------------------------------------- example configs
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_example_config_trains_two_steps_in_one_process(path, tmp_path):
+    cfg = load_config(path, [
+        f"--logging.dir={tmp_path / 'run'}", "--logging.progress=false", "--logging.tensorboard=false",
+        "--train.steps=2", "--train.warmup_steps=1", "--train.eval_every=2", "--train.eval_batches=1",
+        "--train.global_batch_size=2", "--parallel.plan=even", "--checkpoint.every=0",
+    ])
+    cfg.parallel.devices = None  # one process (the configs name multi-rank clusters)
+    if cfg.model.name == "gpt2-124m":
+        # the same config on a model small enough for a unit test (only the width and depth change)
+        cfg.model.overrides = {**cfg.model.overrides, "n_layer": 1, "n_embd": 64, "n_head": 2}
+        cfg.data.seq_len = 64
+    result = train(cfg)
+    assert result.final_step == 2 and len(result.losses) == 2
+    assert all(v == v and v < 20 for v in result.losses.values())  # finite
+    assert result.val_losses and (tmp_path / "run" / "config.toml").is_file()
+
+
+def test_example_configs_fit_their_models_context():
+    from cephalo.train.trainer import build_job_model
+
+    for path in CONFIGS:
+        build_job_model(load_config(path))  # raises CephaloError if data.seq_len > the model's context
+
+
+# ----------------------------------------------------------------------------- config fields
+def test_max_restarts_and_max_micro_batch_are_checked():
+    assert load_config(None, ["--parallel.max_restarts=2"]).parallel.max_restarts == 2
+    assert load_config(None, ["--profile.max_micro_batch=4"]).profile.max_micro_batch == 4
+    with pytest.raises(CephaloError, match="parallel.max_restarts must be >= 0"):
+        load_config(None, ["--parallel.max_restarts=-1"])
+    with pytest.raises(CephaloError, match="profile.max_micro_batch must be >= 1"):
+        load_config(None, ["--profile.max_micro_batch=0"])
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], 3), (["--max-restarts", "1"], 1)])
+def test_cephalo_run_takes_max_restarts_from_the_config(argv, expected, monkeypatch):
+    import cephalo.launch
+    from cephalo.cli import main
+
+    seen = {}
+    monkeypatch.setattr(cephalo.launch, "run_local", lambda *a, **kw: seen.update(kw))
+    assert main(["run", "--nproc", "2", "--parallel.max_restarts=3", *argv]) == 0
+    assert seen["max_restarts"] == expected
