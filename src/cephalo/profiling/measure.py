@@ -44,7 +44,7 @@ from cephalo.modeling.units import Unit
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dropout import SampleDropout
 from cephalo.runtime.emulation import ComputeEmulator
-from cephalo.runtime.engine import _drain_grad, _largest_saved_bytes
+from cephalo.runtime.engine import drain_grad, largest_saved_bytes
 from cephalo.runtime.flat import FlatLayout
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
@@ -174,11 +174,11 @@ class UnitBench:
             x = x.detach().requires_grad_()
         for name, leaf in leaves.items():
             slot = self.layout.slot(name)
-            leaf.register_post_accumulate_grad_hook(functools.partial(_drain_grad, self.acc[slot.offset : slot.end]))
+            leaf.register_post_accumulate_grad_hook(functools.partial(drain_grad, self.acc[slot.offset : slot.end]))
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         with torch.enable_grad(), self.ledger.track_activations():
             out = self._run(leaves, x, labels)
-            saved = _largest_saved_bytes(out.grad_fn, self.ledger)
+            saved = largest_saved_bytes(out.grad_fn, self.ledger)
             transient = saved + max(saved, param_grad)
             self.ledger.charge("grad_transient", transient)
             inputs = ([x] if self.kind != "embedding" else []) + list(leaves.values())

@@ -207,8 +207,9 @@ class _MicroBatch:
     """Generator states saved before each unit's forward, by unit index."""
 
 
-def _drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
-    """Post-accumulate hook: add a parameter's fresh gradient into its fp32 slot, free it."""
+def drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
+    """Post-accumulate hook: add a parameter's fresh gradient into its fp32 slot, free it.
+    Public because the profiler replays the engine's backward with it (profiling/measure.py)."""
     dst.add_(leaf.grad.reshape(-1))
     leaf.grad = None
 
@@ -217,9 +218,10 @@ _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
 """Names of the saved-tensor attributes of each autograd node type (dir() is slow)."""
 
 
-def _largest_saved_bytes(root, ledger: MemoryLedger) -> int:
+def largest_saved_bytes(root, ledger: MemoryLedger) -> int:
     """Largest storage any node of the autograd graph under `root` saved for backward
-    (ledger buffers, i.e. gathered parameters and boundaries, excluded)."""
+    (ledger buffers, i.e. gathered parameters and boundaries, excluded). Public because the
+    profiler charges the same transient bytes as the engine (profiling/measure.py)."""
     largest, seen, stack = 0, set(), [root]
     while stack:
         node = stack.pop()
@@ -532,7 +534,7 @@ class Engine:
             else:
                 slot = us.layout.slot(name)
                 dst = acc[slot.offset : slot.end]
-            leaf.register_post_accumulate_grad_hook(functools.partial(_drain_grad, dst))
+            leaf.register_post_accumulate_grad_hook(functools.partial(drain_grad, dst))
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         head_out_grad = torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
         gout_ctx = contextlib.nullcontext(head_out_grad) if last else store.loaded((u + 1, j))
@@ -546,7 +548,7 @@ class Engine:
                 # coexists with the gradient it produces (the head: d log-probs and d logits,
                 # each the size of the saved log-probs) or with a parameter's gradient: charge
                 # the larger.
-                saved = _largest_saved_bytes(out.grad_fn, self.ledger)
+                saved = largest_saved_bytes(out.grad_fn, self.ledger)
                 transient = saved + max(saved, param_grad)
                 self.ledger.charge("grad_transient", transient)
                 inputs = ([x] if u > 0 else []) + list(leaves.values())
