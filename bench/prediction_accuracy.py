@@ -203,8 +203,9 @@ def main() -> None:
             wait = statistics.median(x["comm_wait_s"] for x in runs[s][r])
             peak = max(x["peak_bytes"] for x in runs[s][r])
             cpu = statistics.median(x["cpu_s"] for x in runs[s][r])
-            # the rank's own work without the emulation's sleep: compute / slowdown + optimizer
-            pred_cpu = rc.compute_s / cluster.devices[r].slowdown + rc.optimizer_s
+            # the rank's own work without the emulation's sleep (which stretches the unit
+            # compute and the optimizer step alike): (compute + optimizer) / slowdown
+            pred_cpu = (rc.compute_s + rc.optimizer_s) / cluster.devices[r].slowdown
             c_err = (pred_cpu - cpu) / cpu
             checks["cpu"] &= abs(c_err) <= TIME_TOL
             pred_mem = rc.memory.total - rc.memory.reserve
@@ -287,7 +288,7 @@ def main() -> None:
             "cost model's peak minus its reserve (fragmentation headroom the ledger does not count) "
             "against the ledger's peak over all measured steps. `CPU s`: the training thread's CPU "
             "time for the step (`time.thread_time`), i.e. the rank's own work without the emulation's "
-            "sleep and without waiting, against the prediction `compute / slowdown + optimizer`; "
+            "sleep and without waiting, against the prediction `(compute + optimizer) / slowdown`; "
             "unlike wall-clock time it does not depend on how much of the cores other processes take. "
             "`busy / pred. compute`: how much longer the engine's compute took in wall-clock time than "
             "predicted (1.0 on an otherwise idle machine). Ideal bound: each device type trained "

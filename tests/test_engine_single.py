@@ -174,12 +174,16 @@ def test_slowdown_stretches_compute(monkeypatch):
     assert slept == [pytest.approx(1.0)]
     with pytest.raises(CephaloError, match="slowdown must be >= 1"):
         ComputeEmulator(0.5)
-    # in the engine, busy time includes the stretch
+    # in the engine, busy time includes the stretch of unit compute; the optimizer step is
+    # stretched too (its last two sleeps: norm, then step), outside busy time
     plan = make_plan([2], [1.0], [1])
     engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(slowdown=4.0))
     x, y = make_data(1, 2)[0]
     stats = engine.train_step(x, y, lr=LR)
-    assert sum(slept[1:]) == pytest.approx(3.0 * (stats.busy_s - sum(slept[1:])) , rel=1e-6)
+    units, optimizer = slept[1:-2], slept[-2:]
+    assert len(units) == 2 * 4  # forward and backward of 4 units (gpt-tiny: embedding, 2 blocks, head)
+    assert sum(units) == pytest.approx(3.0 * (stats.busy_s - sum(units)), rel=1e-6)
+    assert all(s > 0 for s in optimizer)
 
 
 def test_gpu_check_says_why_it_skips_without_cuda():

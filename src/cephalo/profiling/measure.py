@@ -15,9 +15,9 @@ so the cost model's numbers are the engine's numbers:
   activations and the transient gradients it charges), so a predicted peak can match the
   ledger's.
 
-Emulated devices are measured as they appear: each timed piece of unit compute is stretched
-by the same `ComputeEmulator` the engine uses. The optimizer step is measured without
-stretching, because the engine does not stretch it either.
+Emulated devices are measured as they appear: each timed piece of unit compute, and the
+optimizer step, is stretched by the same `ComputeEmulator` the engine uses (the engine
+stretches both: a slow device is slow at its optimizer step too).
 
 Timing: `warmup` untimed repetitions, then `repeats` timed ones, median kept. On a CPU rank
 with one intra-op thread (what the local launcher gives each rank) compute is timed by the
@@ -210,9 +210,11 @@ class UnitBench:
         return fwd, max(both - fwd, 0.1 * fwd), act
 
 
-def measure_optimizer(device: torch.device, numel: int, timing: Timing) -> float:
+def measure_optimizer(device: torch.device, numel: int, timing: Timing,
+                      emulator: ComputeEmulator | None = None) -> float:
     """Seconds per parameter of the engine's optimizer work on its shard: the squared-norm
-    sum, the AdamW step, zeroing the gradient (fp32, one flat group)."""
+    sum, the AdamW step, zeroing the gradient (fp32, one flat group), as it appears under
+    `emulator` (the engine stretches its optimizer step by the same factor)."""
     gen = torch.Generator().manual_seed(7)
 
     def buf(scale: float) -> torch.Tensor:
@@ -227,7 +229,7 @@ def measure_optimizer(device: torch.device, numel: int, timing: Timing) -> float
         opt.step(1e-4)
         opt.zero_grad()
 
-    return time_piece(step, device, timing) / numel
+    return time_piece(step, device, timing, emulator) / numel
 
 
 def measure_host_copy(device: torch.device, nbytes: int, timing: Timing) -> float:

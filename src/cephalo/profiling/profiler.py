@@ -198,7 +198,7 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
         )
     if progress:
         progress(f"{device.type_key}: optimizer and host copies")
-    opt_s = measure_optimizer(torch_device, settings.optimizer_numel, settings.timing)
+    opt_s = measure_optimizer(torch_device, settings.optimizer_numel, settings.timing, emulator)
     copy_bw = measure_host_copy(torch_device, settings.host_copy_bytes, settings.timing)
     return DeviceProfile(
         device_type=device.type_key,

@@ -1,8 +1,9 @@
 """Device emulation on CPU: a CPU rank stands in for a slower device.
 
-A slowdown factor f stretches compute: after each piece of unit compute that took t
-seconds, the rank sleeps (f - 1) x t, so it looks f times slower to the rest of the job
-(collectives and waits are not stretched: links are emulated by the real transport). The
+A slowdown factor f stretches compute: after each piece of unit compute (and of the
+optimizer step) that took t seconds, the rank sleeps (f - 1) x t, so it looks f times
+slower to the rest of the job (collectives and waits are not stretched: links are emulated
+by the real transport). The profiler times the same pieces under the same emulator. The
 memory side of emulation is the ledger's budget (`MemoryLedger(budget_bytes=...)`).
 """
 

@@ -452,6 +452,23 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self._busy_s += self.emulator.stretch(time.perf_counter() - t0)
 
+    @contextlib.contextmanager
+    def _optimizer_work(self) -> Iterator[None]:
+        """Optimizer work on this rank's shard, stretched by the emulated slowdown: a slow
+        device is slow at its optimizer step too, and the profiler measures that step under
+        the same emulator (profiling/measure.py `measure_optimizer`). Not part of `busy_s`
+        (unit compute only); without emulation nothing is timed, so CUDA never stalls here."""
+        if self.emulator.slowdown == 1.0:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.emulator.stretch(time.perf_counter() - t0)
+
     def _collect_busy(self) -> float:
         if self._cuda_events:
             torch.cuda.synchronize(self.device)
@@ -630,10 +647,11 @@ class Engine:
     @torch.no_grad()
     def _optimizer_step(self, loss_sum: torch.Tensor, loss_scale: float, lr: float, n_tokens: int) -> tuple[bool, float]:
         opt = self.optimizer
-        if loss_scale != 1.0:
-            opt.scale_grads(1.0 / loss_scale)
-        # one all-reduce for the squared norm and the loss sum
-        red = torch.stack([opt.local_grad_sq_sum(), loss_sum.float()])
+        with self._optimizer_work():
+            if loss_scale != 1.0:
+                opt.scale_grads(1.0 / loss_scale)
+            # one all-reduce for the squared norm and the loss sum
+            red = torch.stack([opt.local_grad_sq_sum(), loss_sum.float()])
         self._all_reduce(red)
         grad_norm = float(red[0].sqrt())
         self._last_loss = float(red[1]) / max(n_tokens, 1)
@@ -645,14 +663,16 @@ class Engine:
             # lowered its loss scale above; the trainer decides how many skips it tolerates
             if self.scaler is not None:
                 logger.debug("fp16: non-finite gradient, step skipped; loss scale now %g", self.scaler.scale)
-            opt.zero_grad()
+            with self._optimizer_work():
+                opt.zero_grad()
             return True, grad_norm
-        if self.config.grad_clip > 0:
-            coef = self.config.grad_clip / (grad_norm + 1e-6)
-            if coef < 1.0:
-                opt.scale_grads(coef)
-        opt.step(lr)
-        opt.zero_grad()
+        with self._optimizer_work():
+            if self.config.grad_clip > 0:
+                coef = self.config.grad_clip / (grad_norm + 1e-6)
+                if coef < 1.0:
+                    opt.scale_grads(coef)
+            opt.step(lr)
+            opt.zero_grad()
         return False, grad_norm
 
     @torch.no_grad()
