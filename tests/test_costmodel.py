@@ -16,8 +16,9 @@ from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
 #   head       0.5*20*2/100 + 0.5 = 0.7    0.5*20*4/100 + 0.5 = 0.9   -> fwd 0.7, bwd 1.6
 
 
-def _cm(host_bytes_per_s=1e12, tied=False):
+def _cm(host_bytes_per_s=1e12, tied=False, async_copies=True):
     prof = linear_profile("x", 1.0, 2.0, 1000.0, optimizer_s_per_param=0.01, host_bytes_per_s=host_bytes_per_s)
+    prof.async_copies = async_copies
     devs = [FakeDevice("x", 10_000), FakeDevice("x", 10_000)]
     return cost_model(devs, {"x": prof}, model=tiny_model(tied), bytes_per_s=100.0, latency_s=0.5, reserve_bytes=100)
 
@@ -66,6 +67,39 @@ def test_offload_moves_boundaries_to_host_and_costs_copies():
     assert c.memory.boundary == 48
     on_device = cm.rank_cost(0, 5, 2, 0.0, offload=False)
     assert on_device.memory.boundary == 360 and on_device.step_s == pytest.approx(80.0)
+
+
+def test_copies_without_async_copies_add_to_compute():
+    # a CPU copies on its compute thread: per pass max(compute + copy, collective), and the
+    # copies are the staging reads only (fwd: blocks and head 1; bwd: embedding 1, blocks 2, head 1)
+    c = _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(0, 5, 2, 0.0, offload=True)
+    # copy 120 s; embedding 5 + (15 + 120); blocks 2 x ((5 + 120) + (15 + 240)); head (5 + 120) + (15 + 120)
+    assert c.step_s == pytest.approx(140 + 760 + 260)
+    assert c.host_copy_s == pytest.approx(9 * 120)
+    assert c.compute_s == pytest.approx(80 + 9 * 120)
+    # small copies: hidden under compute and collectives with async copies, added without
+    # b=1, m=1, copy 24 B at 24 B/s = 1 s; fwd 1, bwd 3; collectives as in the comm-bound test
+    hidden = _cm(host_bytes_per_s=24.0).rank_cost(0, 1, 1, 0.0, offload=True)
+    assert hidden.step_s == pytest.approx(19.0)
+    # embedding max(1, 1.0) + max(3 + 1, 2.5); blocks 2 x (max(1 + 1, 1.5) + max(3 + 2, 4.0)); head (1 + 1) + (3 + 1)
+    added = _cm(host_bytes_per_s=24.0, async_copies=False).rank_cost(0, 1, 1, 0.0, offload=True)
+    assert added.step_s == pytest.approx(5 + 14 + 6)
+    # without offload there is nothing to copy either way
+    assert _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(0, 5, 2, 0.0).step_s == pytest.approx(80.0)
+
+
+def test_async_copies_round_trip_and_default():
+    from cephalo.profile import DeviceProfile
+
+    prof = linear_profile("x", 1.0, 2.0, 0.0, 0.0)
+    prof.async_copies = False
+    assert DeviceProfile.from_dict(prof.to_dict()).async_copies is False
+    # written before the field existed: a CPU-measured profile has no async copies, others do
+    old = prof.to_dict()
+    del old["async_copies"]
+    assert DeviceProfile.from_dict(old).async_copies is True
+    old["meta"] = {"host": "cpu:Some CPU@host"}
+    assert DeviceProfile.from_dict(old).async_copies is False
 
 
 def test_tied_head_gathers_the_embedding():

@@ -75,7 +75,8 @@ def test_database_round_trip(tmp_path):
                   DeviceKey("cpu", "abd", 32, "fp32", torch.__version__, "host"),
                   DeviceKey("cpu", "abc", 32, "bf16", torch.__version__, "host"),
                   DeviceKey("cpu", "abc", 32, "fp32", "1.0", "host"),
-                  DeviceKey("cpu", "abc", 32, "fp32", torch.__version__, "other-host")):
+                  DeviceKey("cpu", "abc", 32, "fp32", torch.__version__, "other-host"),
+                  DeviceKey("cpu", "abc", 32, "fp32", torch.__version__, "host", method=1)):
         assert again.get_device(other) is None
     assert not list(tmp_path.glob("*.tmp"))  # atomic write leaves no temporary
 
@@ -123,6 +124,7 @@ def test_measured_curves(single):
     for key in ("cpu", "cpu:slowdown=2"):
         p = single.profiles[key]
         assert p.source == "measured" and p.optimizer_s_per_param > 0 and p.host_copy_bytes_per_s > 0
+        assert p.async_copies is False  # a CPU copies on its compute thread
         for kind in ("embedding", "block", "head"):
             u = p.units[kind]
             assert u.fwd_s.xs == [1.0, 2.0, 4.0, 8.0]

@@ -666,6 +666,7 @@ def catalog_profile(
         optimizer_s_per_param=optimizer_s_per_param(device),
         host_copy_bytes_per_s=host_copy_bytes_per_s(device),
         source="catalog",
+        async_copies=True,  # every catalog device is a GPU: copies on a side stream
         meta={
             "model": spec.name,
             "seq_len": seq_len,

@@ -19,7 +19,13 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     goes to the host in forward and comes back in backward.
     With prefetch on a side stream the collective of the next unit and the host copy
     (a DMA engine, not the SMs) run while this unit computes, so a unit costs
-    max(compute, collective, copy) per pass, not their sum.
+    max(compute, collective, copy) per pass, not their sum. A device without async copies
+    (a CPU: `DeviceProfile.async_copies` False) copies on its compute thread, so there a
+    unit costs max(compute + copy, collective); the boundary writes are then already part
+    of the profiled compute (a memcpy into host memory costs what one into device memory
+    does) and offload adds the staging copy of each boundary read back: the input of every
+    unit but the embedding (forward and backward) and the output gradient of every unit
+    but the head (backward).
   optimizer:  s * P * optimizer_s_per_param (after the last reduce-scatter; not overlapped)
   step time of the rank: sum over units and passes + optimizer; a rank with b = 0 still
   takes part in every collective, so it costs the collective time.
@@ -105,7 +111,8 @@ class RankCost:
     step_s: float
     """This rank's time for one step, its collectives included (the step is the max of these)."""
     compute_s: float
-    """Forward + recompute + backward kernel time (busy time without the optimizer)."""
+    """Forward + recompute + backward kernel time (busy time without the optimizer); on a
+    device without async copies, the host copies too (they run on the compute thread)."""
     optimizer_s: float
     comm_s: float
     """Total collective time (mostly hidden under compute)."""
@@ -240,6 +247,10 @@ class CostModel:
         # read their input back in backward.
         self.copies_fwd = {"embedding": 1, "block": 1, "head": 0}
         self.copies_bwd = {"embedding": 0, "block": 1, "head": 1}
+        # Without async copies (on the compute thread): the staging copies of the boundaries
+        # read back, per pass (see the module docstring).
+        self.sync_copies_fwd = {"embedding": 0, "block": 1, "head": 1}
+        self.sync_copies_bwd = {"embedding": 1, "block": 2, "head": 1}
         self.num_boundaries = model.num_layers + 1
 
         n = len(self.devices)
@@ -314,22 +325,30 @@ class CostModel:
         """(time without the optimizer, compute, host-copy time) of a rank; broadcasts over b, m, offload.
 
         The optimizer (s * P * optimizer_s_per_param) is added by the caller because the
-        planner chooses s after the rest.
+        planner chooses s after the rest. On a device without async copies the compute
+        includes the copies.
         """
         b = np.asarray(b, dtype=np.int64)
         offload = np.asarray(offload, dtype=bool)
-        host_bw = self.profiles[type_key].host_copy_bytes_per_s
-        copy_one = np.where(offload, b * self.sample_boundary_bytes / host_bw, 0.0)
+        profile = self.profiles[type_key]
+        copy_one = np.where(offload, b * self.sample_boundary_bytes / profile.host_copy_bytes_per_s, 0.0)
         total = 0.0
         compute = 0.0
         copies = 0.0
         for kind, (fwd, bwd) in self._pass_times(type_key, b, m).items():
             count = self.unit_counts[kind]
-            cf = copy_one * self.copies_fwd[kind]
-            cb = copy_one * self.copies_bwd[kind]
-            total = total + count * (np.maximum(np.maximum(fwd, self.comm_fwd_s[kind]), cf)
-                                     + np.maximum(np.maximum(bwd, self.comm_bwd_s[kind]), cb))
-            compute = compute + count * (fwd + bwd)
+            if profile.async_copies:
+                cf = copy_one * self.copies_fwd[kind]
+                cb = copy_one * self.copies_bwd[kind]
+                total = total + count * (np.maximum(np.maximum(fwd, self.comm_fwd_s[kind]), cf)
+                                         + np.maximum(np.maximum(bwd, self.comm_bwd_s[kind]), cb))
+                compute = compute + count * (fwd + bwd)
+            else:
+                cf = copy_one * self.sync_copies_fwd[kind]
+                cb = copy_one * self.sync_copies_bwd[kind]
+                total = total + count * (np.maximum(fwd + cf, self.comm_fwd_s[kind])
+                                         + np.maximum(bwd + cb, self.comm_bwd_s[kind]))
+                compute = compute + count * (fwd + bwd + cf + cb)
             copies = copies + count * (cf + cb)
         return total, compute, copies
 

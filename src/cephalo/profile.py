@@ -107,6 +107,10 @@ class DeviceProfile:
     source: str = "catalog"
     """`catalog` (published data) or `measured` (cephalo profile)."""
     meta: dict = field(default_factory=dict)
+    async_copies: bool = True
+    """Host copies run beside the compute (a GPU's copy engine on a side stream), so the cost
+    model overlaps them with it. False on a CPU: the copies are memcpys on the compute
+    thread and add to the compute time."""
 
     def to_dict(self) -> dict:
         return {
@@ -117,6 +121,7 @@ class DeviceProfile:
             "host_copy_bytes_per_s": self.host_copy_bytes_per_s,
             "source": self.source,
             "meta": self.meta,
+            "async_copies": self.async_copies,
         }
 
     @classmethod
@@ -129,6 +134,8 @@ class DeviceProfile:
             host_copy_bytes_per_s=float(d["host_copy_bytes_per_s"]),
             source=d.get("source", "catalog"),
             meta=d.get("meta", {}),
+            # profiles written before the field: measured on a CPU host means no async copies
+            async_copies=bool(d.get("async_copies", not str(d.get("meta", {}).get("host", "")).startswith("cpu:"))),
         )
 
 

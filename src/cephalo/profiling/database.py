@@ -7,7 +7,9 @@ A measurement is only reusable for the same thing measured, so every entry is ke
   device;
 - the model signature: a hash of the model's shape and module structure (dropout
   included, it costs time), so a renamed but identical model hits and a resized one misses;
-- sequence length, compute dtype and the torch version (kernels change between releases).
+- sequence length, compute dtype and the torch version (kernels change between releases);
+- the measurement method's version (`MEASURE_METHOD`): entries measured the way an older
+  cephalo measured miss and are measured again.
 
 Collective profiles are keyed by the world size, backend, the ordered device type keys
 and the host. Memory capacity is not part of any key: times do not depend on how much
@@ -43,6 +45,9 @@ from cephalo.errors import CephaloError
 from cephalo.profile import CommProfile, DeviceProfile
 
 DB_VERSION = 1
+MEASURE_METHOD = 2
+"""Bump when how a device is measured changes what a profile says. 2: the optimizer step
+and (on CPUs) the host copies are timed under the emulator; `async_copies` recorded."""
 DEFAULT_DB_PATH = Path("~/.cache/cephalo/profiles.json")
 
 
@@ -93,6 +98,8 @@ class DeviceKey:
     """torch version that measured it."""
     host: str
     """`host_signature` of the measuring device."""
+    method: int = MEASURE_METHOD
+    """How it was measured (`MEASURE_METHOD` of the cephalo that measured it)."""
 
     def text(self) -> str:
         return "|".join(str(v) for v in asdict(self).values())

@@ -232,8 +232,11 @@ def measure_optimizer(device: torch.device, numel: int, timing: Timing,
     return time_piece(step, device, timing, emulator) / numel
 
 
-def measure_host_copy(device: torch.device, nbytes: int, timing: Timing) -> float:
-    """Bytes per second of a device -> host -> device round trip (a memcpy on the CPU)."""
+def measure_host_copy(device: torch.device, nbytes: int, timing: Timing,
+                      emulator: ComputeEmulator | None = None) -> float:
+    """Bytes per second of a device -> host -> device round trip (a memcpy on the CPU), as
+    it appears under `emulator`: pass one where the copies run on the compute thread (a
+    CPU), since the engine then stretches them with the compute around them."""
     numel = nbytes // 4
     src = torch.randn(numel).to(device)
     pin = device.type == "cuda"
@@ -244,7 +247,7 @@ def measure_host_copy(device: torch.device, nbytes: int, timing: Timing) -> floa
         host.copy_(src, non_blocking=pin)
         back.copy_(host, non_blocking=pin)
 
-    return 2 * numel * 4 / time_piece(roundtrip, device, timing)
+    return 2 * numel * 4 / time_piece(roundtrip, device, timing, emulator)
 
 
 @dataclass

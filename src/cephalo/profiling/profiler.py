@@ -199,7 +199,11 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
     if progress:
         progress(f"{device.type_key}: optimizer and host copies")
     opt_s = measure_optimizer(torch_device, settings.optimizer_numel, settings.timing, emulator)
-    copy_bw = measure_host_copy(torch_device, settings.host_copy_bytes, settings.timing)
+    # the engine copies offloaded boundaries on a side stream only on CUDA (runtime/boundary.py);
+    # elsewhere they are memcpys inside the (stretched) unit compute
+    async_copies = torch_device.type == "cuda"
+    copy_bw = measure_host_copy(torch_device, settings.host_copy_bytes, settings.timing,
+                                None if async_copies else emulator)
     return DeviceProfile(
         device_type=device.type_key,
         memory_bytes=device.memory_bytes,
@@ -207,6 +211,7 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
         optimizer_s_per_param=opt_s,
         host_copy_bytes_per_s=copy_bw,
         source="measured",
+        async_copies=async_copies,
         meta={
             "torch_threads": torch.get_num_threads(),
             "slowdown": device.slowdown,
