@@ -30,6 +30,7 @@ from _common import (
     markdown_table,
     median,
     print_table,
+    raise_priority,
     save_figure,
     verdict,
 )
@@ -257,4 +258,5 @@ def _plot(rows: list[dict]) -> str:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    raise_priority()
     main()

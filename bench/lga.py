@@ -17,7 +17,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import RankPool, Result, fmt_bytes, markdown_table, print_table, save_figure
+from _common import (
+    RankPool,
+    Result,
+    fmt_bytes,
+    markdown_table,
+    print_table,
+    raise_priority,
+    save_figure,
+)
 
 SERIES = (("lga", False), ("standard", False), ("lga", True))
 
@@ -140,4 +148,5 @@ def _plot(rows: list[dict], ks: list[int]) -> str:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    raise_priority()
     main()
