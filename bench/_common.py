@@ -205,6 +205,8 @@ class Result:
     title: str
     emulated: str | None = None
     """None for real measurements; else what is emulated (printed in the header)."""
+    predicted: str | None = None
+    """For results that are predictions, not measurements: where they come from."""
     summary: list[str] = field(default_factory=list)
     """Markdown blocks: the key table and the targets met / missed."""
     details: list[str] = field(default_factory=list)
@@ -217,6 +219,8 @@ class Result:
         lines = [f"# {self.title}", "", environment_line(wall_s), ""]
         if self.emulated:
             lines += [f"> **Emulated.** {self.emulated}", ""]
+        if self.predicted:
+            lines += [f"> **Predicted, not measured.** {self.predicted}", ""]
         lines += [SUMMARY_BEGIN, ""]
         for block in self.summary:
             lines += [block.rstrip(), ""]

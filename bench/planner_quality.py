@@ -122,7 +122,7 @@ def main() -> None:
     result = Result(
         name="planner_quality",
         title="Planner quality: predicted throughput on real GPU types",
-        emulated="Predictions of the cost model fed with the catalog's published per-GPU "
+        predicted="Predictions of the cost model fed with the catalog's published per-GPU "
                  "measurements (seq 512, fp16); no GPU was used.",
         summary=[
             markdown_table(headers, table, "llrrrrrrrl"),

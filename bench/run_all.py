@@ -94,8 +94,8 @@ def summary_of(name: str) -> str | None:
         body = text.split(SUMMARY_BEGIN, 1)[1].split(SUMMARY_END, 1)[0]
         head = text.split(SUMMARY_BEGIN, 1)[0]
         provenance = next((ln for ln in head.splitlines() if ln.startswith("_")), "")
-        emulated = next((ln for ln in head.splitlines() if ln.startswith("> **Emulated")), "")
-        body = "\n\n".join(p for p in (provenance, emulated, body.strip()) if p)
+        notes = "\n\n".join(ln for ln in head.splitlines() if ln.startswith("> **"))
+        body = "\n\n".join(p for p in (provenance, notes, body.strip()) if p)
     else:
         lines = text.splitlines()
         body = "\n".join(lines[1:] if lines and lines[0].startswith("# ") else lines).strip()
@@ -157,6 +157,9 @@ def main() -> int:
         write_docs(None, None)
         return 0
     selected = [b for b in BENCHES if not args.only or b.name in args.only]
+    from _common import raise_priority
+
+    print(f"== niceness {raise_priority()} (inherited by every bench)", flush=True)
     started = time.perf_counter()
     outcomes = []
     for b in selected:
