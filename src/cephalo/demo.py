@@ -236,8 +236,9 @@ def memory_note(cost_model: CostModel, plans: dict[str, Plan | PlanDoesNotFit], 
     ceph = plans["cephalo"]
     assert isinstance(ceph, Plan)
     r = ceph.ranks[tight]
-    head += (f"The cephalo plan gives it {r.batch_size} sample(s) in micro-batches of {r.micro_batch_size} and "
-             f"{r.state_fraction:.3f} of the state"
+    work = (f"{r.batch_size} sample(s) in micro-batches of {r.micro_batch_size}" if r.batch_size
+            else "no samples (it only holds state)")
+    head += (f"The cephalo plan gives it {work} and {r.state_fraction:.3f} of the state"
              f"{', activations on the host' if r.offload_activations else ''}.")
     return head
 
