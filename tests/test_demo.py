@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from cephalo.cluster import Cluster
 from cephalo.demo import DemoOptions, RunSummary, demo_job_config, training_steps
-from cephalo.errors import CephaloError
+from cephalo.errors import CephaloError, PlanDoesNotFit
+from cephalo.plan import Plan
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
@@ -126,3 +128,77 @@ def test_cephalo_run_takes_max_restarts_from_the_config(argv, expected, monkeypa
     monkeypatch.setattr(cephalo.launch, "run_local", lambda *a, **kw: seen.update(kw))
     assert main(["run", "--nproc", "2", "--parallel.max_restarts=3", *argv]) == 0
     assert seen["max_restarts"] == expected
+
+
+# ----------------------------------------------------------------------------- plans and their story
+@pytest.fixture(scope="module")
+def tiny_profiles():
+    import torch
+
+    from cephalo.profiling.profiler import ProfileSettings, profile_devices
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return profile_devices("gpt-tiny", 32, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), use_cache=False,
+                               settings=ProfileSettings(repeats=1, warmup=0, max_micro_batch=4, time_cap_s=2))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plans_for(profiles, memory: str):
+    from cephalo.demo import make_plans
+    from cephalo.modeling.registry import build_model
+    from cephalo.profiling.profiler import cost_model_from_profiles
+
+    cm = cost_model_from_profiles(Cluster.parse(f"cpu,cpu:slowdown=2,mem={memory}"),
+                                  build_model("gpt-tiny").spec, 32, "fp32", profiles)
+    return cm, make_plans(cm, 8, "gpt-tiny")
+
+
+def test_memory_note_says_whether_memory_shapes_the_plans(tiny_profiles):
+    from cephalo.demo import memory_note
+
+    cm, plans = _plans_for(tiny_profiles, "1GiB")
+    assert "which fits: memory does not constrain" in memory_note(cm, plans, 8)
+    # the smallest budget where an even share + 4 samples of activations no longer fit, but
+    # micro-batching does: the note says how the even plan copes, from the plan itself
+    plain = cm.rank_cost(1, 4, 4, 0.5)
+    needed = plain.peak_bytes - plain.memory.reserve  # the reserve is a fraction of the budget (5%)
+    cm, plans = _plans_for(tiny_profiles, f"{int(needed / 0.96)}B")
+    even = plans["even"]
+    assert isinstance(even, Plan) and even.ranks[1].micro_batch_size < 4
+    note = memory_note(cm, plans, 8)
+    assert "it does not fit" in note and f"{even.ranks[1].num_micro_batches} micro-batches" in note
+    # below even's smallest option (micro-batch 1, activations on the host): only cephalo fits
+    least = cm.rank_cost(1, 4, 1, 0.5, offload=True)
+    cm, plans = _plans_for(tiny_profiles, f"{int((least.peak_bytes - least.memory.reserve) / 0.96)}B")
+    assert isinstance(plans["even"], PlanDoesNotFit) and isinstance(plans["cephalo"], Plan)
+    assert "does not fit at all" in memory_note(cm, plans, 8)
+
+
+def test_ideal_bound_is_above_every_plan(tiny_profiles):
+    from cephalo.demo import ideal_samples_per_s
+
+    cm, plans = _plans_for(tiny_profiles, "1GiB")
+    ideal = ideal_samples_per_s(cm, 8)
+    assert all(p.predicted.samples_per_s <= ideal for p in plans.values() if isinstance(p, Plan))
+
+
+def test_summarize_run_leaves_out_warmup_steps(tmp_path):
+    import json
+
+    from cephalo.demo import WARMUP_STEPS_EXCLUDED, summarize_run
+
+    times = [5.0, 4.0, 1.0, 2.0, 3.0]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for i, t in enumerate(times):
+            ranks = {"busy_s": [t / 2, t / 4], "idle_s": [t / 2, 3 * t / 4], "comm_wait_s": [0, 0],
+                     "peak_bytes": [100 * (i + 1), 50]}
+            f.write(json.dumps({"kind": "step", "step": i + 1, "loss": 5.0 - i, "step_s": t, "ranks": ranks}) + "\n")
+        f.write(json.dumps({"kind": "eval", "step": 5, "val_loss": 1.5}) + "\n")
+    run = summarize_run("even", tmp_path, 10.0, global_batch=8)
+    timed = times[WARMUP_STEPS_EXCLUDED:]
+    assert run.step_s == sorted(timed)[len(timed) // 2] and run.samples_per_s == 8 / run.step_s
+    assert run.busy_s[0] + run.idle_s[0] == pytest.approx(run.mean_step_s)
+    assert run.peak_bytes == [500, 50] and run.val_losses == {5: 1.5} and run.losses[5] == 1.0
