@@ -27,6 +27,10 @@ from cephalo.modeling.units import (
     spec_from_units,
 )
 
+# Every block is a module built up front (on the meta device, but still one Python object
+# graph per block): a typo like n_layer = 1e9 would otherwise build for hours.
+MAX_LAYERS = 10_000
+
 
 @dataclass
 class GPTConfig:
@@ -50,6 +54,18 @@ class GPTConfig:
     """The output projection is the token embedding matrix (the same Parameter)."""
 
     def validate(self) -> None:
+        # overrides come from TOML / the command line: check types before comparing values
+        for field_name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise CephaloError(f"GPT config: {field_name} must be an integer, got {value!r}")
+        for field_name in ("bias", "tie_embeddings"):
+            if not isinstance(getattr(self, field_name), bool):
+                raise CephaloError(f"GPT config: {field_name} must be true or false, got {getattr(self, field_name)!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float):
+            raise CephaloError(f"GPT config: dropout must be a number in [0, 1), got {self.dropout!r}")
+        if self.n_layer > MAX_LAYERS:
+            raise CephaloError(f"GPT config: n_layer = {self.n_layer} is more than {MAX_LAYERS} blocks; is it a typo?")
         for field_name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
             if getattr(self, field_name) < 1:
                 raise CephaloError(f"GPT config: {field_name} must be >= 1, got {getattr(self, field_name)}")
