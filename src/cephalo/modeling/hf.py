@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cephalo.errors import CephaloError
-from cephalo.modeling.gpt import GPT
+from cephalo.modeling.gpt import GPT, MAX_LAYERS
 from cephalo.modeling.units import IGNORE_INDEX, Unit, UnitModel, fill_normal_, spec_from_units
 
 
@@ -95,6 +95,7 @@ def make_hf_config(name: str, overrides: dict[str, Any]):
     kwargs = dict(preset.config)
     config_cls = tf.GPT2Config if preset.family == "gpt2" else tf.LlamaConfig
     known = set(config_cls().to_dict())
+    _check_generic_settings(name, overrides)
     for key, value in overrides.items():
         targets = _GENERIC_FIELDS[preset.family].get(key, (key,))
         for target in targets:
@@ -107,7 +108,35 @@ def make_hf_config(name: str, overrides: dict[str, Any]):
     # Special tokens are irrelevant to training; GPT-2's defaults (50256) fall outside tiny vocabularies.
     kwargs.setdefault("bos_token_id", None)
     kwargs.setdefault("eos_token_id", None)
-    return config_cls(**kwargs, attn_implementation="sdpa")
+    try:
+        return config_cls(**kwargs, attn_implementation="sdpa")
+    except Exception as e:  # transformers' own validation (types, ranges): say which settings
+        raise CephaloError(f"model {name}: transformers rejects the settings {overrides}: {_first_line(e)}") from None
+
+
+def _check_generic_settings(name: str, overrides: dict[str, Any]) -> None:
+    """Types and ranges of the settings every model family shares (transformers accepts some
+    bad ones, e.g. dropout 2.0, and fails only when training starts)."""
+    for key in ("seq_len", "vocab_size"):
+        value = overrides.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CephaloError(f"model {name}: {key} must be an integer >= 1, got {value!r}")
+    for key in ("n_layer", "num_hidden_layers"):
+        value = overrides.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= MAX_LAYERS):
+            raise CephaloError(f"model {name}: {key} must be an integer from 1 to {MAX_LAYERS}, got {value!r}")
+    if "dropout" in overrides:
+        value = overrides["dropout"]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+            raise CephaloError(f"model {name}: dropout must be a number in [0, 1), got {value!r}")
+    if "tie_embeddings" in overrides and not isinstance(overrides["tie_embeddings"], bool):
+        raise CephaloError(f"model {name}: tie_embeddings must be true or false, got {overrides['tie_embeddings']!r}")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class HFGPT2Embedding(nn.Module):
@@ -373,7 +402,11 @@ def to_hf_model(model: UnitModel, state: dict[str, torch.Tensor] | None = None) 
 def build_hf_unit_model(name: str, device: torch.device | str, overrides: dict[str, Any]) -> HFUnitModel:
     """Registry entry: the `transformers` preset `name` as units."""
     preset = HF_PRESETS[name]
-    return HFUnitModel(name, preset.family, make_hf_config(name, overrides), device=device)
+    config = make_hf_config(name, overrides)
+    try:
+        return HFUnitModel(name, preset.family, config, device=device)
+    except (ValueError, TypeError, ZeroDivisionError, RuntimeError) as e:  # shapes the config allowed
+        raise CephaloError(f"model {name}: cannot build it with the settings {overrides}: {_first_line(e)}") from None
 
 
 __all__ = [
