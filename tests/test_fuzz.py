@@ -277,3 +277,27 @@ def test_config_overrides(overrides):
     cfg = only_cephalo_errors(load_config, None, overrides)
     if cfg is not None:
         cfg.validate()  # what loads is valid
+
+
+# ----------------------------------------------------------------------------- model overrides
+override_keys = st.sampled_from([
+    "vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_embeddings", "block_size",
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "bogus",
+])
+override_values = (
+    st.integers(min_value=-2, max_value=70) | st.sampled_from([10**6, 10**9]) | st.floats(min_value=-1, max_value=2)
+    | json_scalars
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(["gpt-tiny", "hf-gpt2-tiny", "hf-llama-tiny"]),
+       overrides=st.dictionaries(override_keys, override_values, max_size=3))
+def test_model_overrides(name, overrides):
+    """`model.overrides` reach the model builders unchecked by the config (any table is valid
+    there); the builders must turn bad settings into one error, not a hang or a traceback."""
+    from cephalo.modeling.registry import build_model
+
+    model = only_cephalo_errors(build_model, name, **overrides)
+    if model is not None:
+        assert model.spec.total_params > 0
