@@ -29,8 +29,14 @@ CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 def test_quick_demo_writes_the_report(tmp_path):
     out = tmp_path / "demo"
     env = {**os.environ, "CEPHALO_LOG": "WARNING"}
-    proc = subprocess.run([sys.executable, "-m", "cephalo", "demo", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cephalo", "demo", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"report: {out / 'report.md'}" in " ".join(proc.stdout.split())
     for png in ("loss.png", "ranks.png", "throughput.png", "plan.png"):
@@ -42,8 +48,15 @@ def test_quick_demo_writes_the_report(tmp_path):
     assert rows[3][1].strip() == "cpu:slowdown=3" and rows[3][2] == "32"
     assert sum(int(r[3]) for r in rows) == demo_job_config(out, quick=True).train.global_batch_size
     # measured numbers for both runs, and the speedup read off them
-    measured = {m[0]: float(m[1]) for m in re.findall(r"^\| (cephalo|even) \| [\d.]+ \| [\d.]+ \| [^|]+ \| "
-                                                        r"[\d.]+ \| ([\d.]+) \|", report, flags=re.M)}
+    measured = {
+        m[0]: float(m[1])
+        for m in re.findall(
+            r"^\| (cephalo|even) \| [\d.]+ \| [\d.]+ \| [^|]+ \| "
+            r"[\d.]+ \| ([\d.]+) \|",
+            report,
+            flags=re.M,
+        )
+    }
     assert set(measured) == {"cephalo", "even"} and all(v > 0 for v in measured.values())
     speedup = float(re.search(r"over the even plan: ([\d.]+)x", report).group(1))
     assert speedup == pytest.approx(measured["cephalo"] / measured["even"], rel=0.02)
@@ -56,12 +69,22 @@ def test_quick_demo_writes_the_report(tmp_path):
 
 # ----------------------------------------------------------------------------- config and budget
 def test_configs_demo_toml_is_the_demo_job():
-    assert load_config(REPO / "configs" / "demo.toml").to_dict() == demo_job_config(Path("runs/demo")).to_dict()
+    assert (
+        load_config(REPO / "configs" / "demo.toml").to_dict()
+        == demo_job_config(Path("runs/demo")).to_dict()
+    )
 
 
 def _baseline(step_s: float) -> RunSummary:
-    return RunSummary(strategy="even", run_dir=Path("."), steps=10, wall_s=1.0, step_s=step_s,
-                      mean_step_s=step_s, samples_per_s=16 / step_s)
+    return RunSummary(
+        strategy="even",
+        run_dir=Path("."),
+        steps=10,
+        wall_s=1.0,
+        step_s=step_s,
+        mean_step_s=step_s,
+        samples_per_s=16 / step_s,
+    )
 
 
 def test_training_steps_are_calibrated_by_the_measured_baseline():
@@ -72,7 +95,9 @@ def test_training_steps_are_calibrated_by_the_measured_baseline():
     assert training_steps(options, 0.5, 4, _baseline(4.0), 1.0) == 30
     # without a baseline: the prediction scaled by ranks per core
     cores = os.cpu_count() or 1
-    assert training_steps(options, 0.5, 4) == int(min(400, max(20, 60 / (0.5 * max(1.0, 4 / cores)))))
+    assert training_steps(options, 0.5, 4) == int(
+        min(400, max(20, 60 / (0.5 * max(1.0, 4 / cores))))
+    )
     assert training_steps(DemoOptions(quick=True), 0.5, 4) == 6
 
 
@@ -86,11 +111,21 @@ def test_demo_rejects_a_bad_budget(tmp_path):
 # ----------------------------------------------------------------------------- example configs
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_example_config_trains_two_steps_in_one_process(path, tmp_path):
-    cfg = load_config(path, [
-        f"--logging.dir={tmp_path / 'run'}", "--logging.progress=false", "--logging.tensorboard=false",
-        "--train.steps=2", "--train.warmup_steps=1", "--train.eval_every=2", "--train.eval_batches=1",
-        "--train.global_batch_size=2", "--parallel.plan=even", "--checkpoint.every=0",
-    ])
+    cfg = load_config(
+        path,
+        [
+            f"--logging.dir={tmp_path / 'run'}",
+            "--logging.progress=false",
+            "--logging.tensorboard=false",
+            "--train.steps=2",
+            "--train.warmup_steps=1",
+            "--train.eval_every=2",
+            "--train.eval_batches=1",
+            "--train.global_batch_size=2",
+            "--parallel.plan=even",
+            "--checkpoint.every=0",
+        ],
+    )
     cfg.parallel.devices = None  # one process (the configs name multi-rank clusters)
     if cfg.model.name == "gpt2-124m":
         # the same config on a model small enough for a unit test (only the width and depth change)
@@ -106,7 +141,8 @@ def test_example_configs_fit_their_models_context():
     from cephalo.train.trainer import build_job_model
 
     for path in CONFIGS:
-        build_job_model(load_config(path))  # raises CephaloError if data.seq_len > the model's context
+        # raises CephaloError if data.seq_len is longer than the model's context
+        build_job_model(load_config(path))
 
 
 # ----------------------------------------------------------------------------- config fields
@@ -140,8 +176,14 @@ def tiny_profiles():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return profile_devices("gpt-tiny", 32, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), use_cache=False,
-                               settings=ProfileSettings(repeats=1, warmup=0, max_micro_batch=4, time_cap_s=2))
+        return profile_devices(
+            "gpt-tiny",
+            32,
+            "fp32",
+            Cluster.parse("cpu,cpu:slowdown=2"),
+            use_cache=False,
+            settings=ProfileSettings(repeats=1, warmup=0, max_micro_batch=4, time_cap_s=2),
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -151,8 +193,13 @@ def _plans_for(profiles, memory: str):
     from cephalo.modeling.registry import build_model
     from cephalo.profiling.profiler import cost_model_from_profiles
 
-    cm = cost_model_from_profiles(Cluster.parse(f"cpu,cpu:slowdown=2,mem={memory}"),
-                                  build_model("gpt-tiny").spec, 32, "fp32", profiles)
+    cm = cost_model_from_profiles(
+        Cluster.parse(f"cpu,cpu:slowdown=2,mem={memory}"),
+        build_model("gpt-tiny").spec,
+        32,
+        "fp32",
+        profiles,
+    )
     return cm, make_plans(cm, 8, "gpt-tiny")
 
 
@@ -172,7 +219,9 @@ def test_memory_note_says_whether_memory_shapes_the_plans(tiny_profiles):
     assert "it does not fit" in note and f"{even.ranks[1].num_micro_batches} micro-batches" in note
     # below even's smallest option (micro-batch 1, activations on the host): only cephalo fits
     least = cm.rank_cost(1, 4, 1, 0.5, offload=True)
-    cm, plans = _plans_for(tiny_profiles, f"{int((least.peak_bytes - least.memory.reserve) / 0.96)}B")
+    cm, plans = _plans_for(
+        tiny_profiles, f"{int((least.peak_bytes - least.memory.reserve) / 0.96)}B"
+    )
     assert isinstance(plans["even"], PlanDoesNotFit) and isinstance(plans["cephalo"], Plan)
     assert "does not fit at all" in memory_note(cm, plans, 8)
 
@@ -193,9 +242,18 @@ def test_summarize_run_leaves_out_warmup_steps(tmp_path):
     times = [5.0, 4.0, 1.0, 2.0, 3.0]
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for i, t in enumerate(times):
-            ranks = {"busy_s": [t / 2, t / 4], "idle_s": [t / 2, 3 * t / 4], "comm_wait_s": [0, 0],
-                     "peak_bytes": [100 * (i + 1), 50]}
-            f.write(json.dumps({"kind": "step", "step": i + 1, "loss": 5.0 - i, "step_s": t, "ranks": ranks}) + "\n")
+            ranks = {
+                "busy_s": [t / 2, t / 4],
+                "idle_s": [t / 2, 3 * t / 4],
+                "comm_wait_s": [0, 0],
+                "peak_bytes": [100 * (i + 1), 50],
+            }
+            f.write(
+                json.dumps(
+                    {"kind": "step", "step": i + 1, "loss": 5.0 - i, "step_s": t, "ranks": ranks}
+                )
+                + "\n"
+            )
         f.write(json.dumps({"kind": "eval", "step": 5, "val_loss": 1.5}) + "\n")
     run = summarize_run("even", tmp_path, 10.0, global_batch=8)
     timed = times[WARMUP_STEPS_EXCLUDED:]

@@ -138,12 +138,18 @@ def demo_job_config(out: Path, quick: bool = False) -> JobConfig:
 
 def profile_settings(cfg: JobConfig) -> ProfileSettings:
     pr = cfg.profile
-    return ProfileSettings(repeats=pr.repeats, warmup=pr.warmup, time_cap_s=pr.time_cap_s,
-                           max_micro_batch=pr.max_micro_batch)
+    return ProfileSettings(
+        repeats=pr.repeats,
+        warmup=pr.warmup,
+        time_cap_s=pr.time_cap_s,
+        max_micro_batch=pr.max_micro_batch,
+    )
 
 
 # ----------------------------------------------------------------------------- 1. profile
-def profile_cluster(cfg: JobConfig, cluster: Cluster, console: Console, in_process: bool = False) -> MeasuredProfiles:
+def profile_cluster(
+    cfg: JobConfig, cluster: Cluster, console: Console, in_process: bool = False
+) -> MeasuredProfiles:
     """Measured profiles of the demo's device types and collectives (cached in `profile.cache`).
 
     Normally one rank per device (the profiler's local launcher), so the collectives between
@@ -154,7 +160,9 @@ def profile_cluster(cfg: JobConfig, cluster: Cluster, console: Console, in_proce
 
     model, seq_len, dtype = cfg.model.name, cfg.data.seq_len, cfg.model.dtype
     cache = str(cfg.profile_cache)
-    hit = cached_profiles(model, seq_len, dtype, cluster, backend="gloo", cache=cache, **cfg.model.overrides)
+    hit = cached_profiles(
+        model, seq_len, dtype, cluster, backend="gloo", cache=cache, **cfg.model.overrides
+    )
     if hit is not None:
         return hit
     settings = profile_settings(cfg)
@@ -166,34 +174,77 @@ def profile_cluster(cfg: JobConfig, cluster: Cluster, console: Console, in_proce
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # what each of the job's ranks gets
         try:
-            return profile_devices(model, seq_len, dtype, cluster, settings=settings, cache=cache,
-                                   **cfg.model.overrides)
+            return profile_devices(
+                model,
+                seq_len,
+                dtype,
+                cluster,
+                settings=settings,
+                cache=cache,
+                **cfg.model.overrides,
+            )
         finally:
             torch.set_num_threads(threads)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=True) as bar:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
         task = bar.add_task(f"starting {cluster.world_size} profiling ranks ...", total=None)
 
         def show(rank: int, text: str) -> None:
             bar.update(task, description=f"rank {rank} measuring {text}")
 
-        result = run_local(_profile_rank, cluster.world_size, model, dict(cfg.model.overrides), seq_len, dtype,
-                           cfg.parallel.devices, settings, cache, timeout_s=600.0, on_progress=show)[0]
+        result = run_local(
+            _profile_rank,
+            cluster.world_size,
+            model,
+            dict(cfg.model.overrides),
+            seq_len,
+            dtype,
+            cfg.parallel.devices,
+            settings,
+            cache,
+            timeout_s=600.0,
+            on_progress=show,
+        )[0]
     return MeasuredProfiles.from_dict(result)
 
 
-def _profile_rank(comm, model: str, overrides: dict, seq_len: int, dtype: str, devices: str,
-                  settings: ProfileSettings, cache: str, progress=None) -> dict | None:
+def _profile_rank(
+    comm,
+    model: str,
+    overrides: dict,
+    seq_len: int,
+    dtype: str,
+    devices: str,
+    settings: ProfileSettings,
+    cache: str,
+    progress=None,
+) -> dict | None:
     """One profiling rank (top level: the local launcher pickles it)."""
     from cephalo.profiling.profiler import profile_devices
 
-    measured = profile_devices(model, seq_len, dtype, Cluster.parse(devices), comm, settings=settings,
-                               cache=cache, progress=progress, **overrides)
+    measured = profile_devices(
+        model,
+        seq_len,
+        dtype,
+        Cluster.parse(devices),
+        comm,
+        settings=settings,
+        cache=cache,
+        progress=progress,
+        **overrides,
+    )
     return measured.to_dict() if comm.rank == 0 else None
 
 
 # ----------------------------------------------------------------------------- 2. plan
-def make_plans(cost_model: CostModel, global_batch: int, model_name: str) -> dict[str, Plan | PlanDoesNotFit]:
+def make_plans(
+    cost_model: CostModel, global_batch: int, model_name: str
+) -> dict[str, Plan | PlanDoesNotFit]:
     from cephalo.planner import make_plan
 
     plans: dict[str, Plan | PlanDoesNotFit] = {}
@@ -211,35 +262,48 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def memory_note(cost_model: CostModel, plans: dict[str, Plan | PlanDoesNotFit], global_batch: int) -> str:
+def memory_note(
+    cost_model: CostModel, plans: dict[str, Plan | PlanDoesNotFit], global_batch: int
+) -> str:
     """Why the smallest-memory device shapes the plans, in one paragraph, from the cost model."""
     n = len(cost_model.devices)
     tight = min(range(n), key=cost_model.capacity_bytes)
     cap = cost_model.capacity_bytes(tight)
     even_batch = math.ceil(global_batch / n)
     plain = cost_model.rank_cost(tight, even_batch, even_batch, 1.0 / n, offload=False)
-    head = (f"Rank {tight} ({cost_model.devices[tight].type_key}) has a {_mib(cap)} memory budget. ")
+    head = f"Rank {tight} ({cost_model.devices[tight].type_key}) has a {_mib(cap)} memory budget. "
     if plain.fits:
-        head += (f"An even share of the state (1/{n}) plus the activations of {even_batch} samples needs "
-                 f"{_mib(plain.peak_bytes)}, which fits: memory does not constrain this cluster. ")
+        head += (
+            f"An even share of the state (1/{n}) plus the activations of {even_batch} samples needs "
+            f"{_mib(plain.peak_bytes)}, which fits: memory does not constrain this cluster. "
+        )
     else:
-        head += (f"An even share of the state (1/{n}, {_mib(plain.memory.state)}) plus the activations of an "
-                 f"even batch of {even_batch} samples needs {_mib(plain.peak_bytes)}: it does not fit. ")
+        head += (
+            f"An even share of the state (1/{n}, {_mib(plain.memory.state)}) plus the activations of an "
+            f"even batch of {even_batch} samples needs {_mib(plain.peak_bytes)}: it does not fit. "
+        )
         even = plans.get("even")
         if isinstance(even, PlanDoesNotFit):
             head += "The even plan does not fit at all, not even with micro-batch 1 and offloaded activations. "
         elif isinstance(even, Plan):
             r = even.ranks[tight]
             how = f"{r.num_micro_batches} micro-batches of {r.micro_batch_size}"
-            head += (f"The even plan must run it as {how}"
-                     f"{' with its activations on the host' if r.offload_activations else ''}. ")
+            head += (
+                f"The even plan must run it as {how}"
+                f"{' with its activations on the host' if r.offload_activations else ''}. "
+            )
     ceph = plans["cephalo"]
     assert isinstance(ceph, Plan)
     r = ceph.ranks[tight]
-    work = (f"{r.batch_size} sample(s) in micro-batches of {r.micro_batch_size}" if r.batch_size
-            else "no samples (it only holds state)")
-    head += (f"The cephalo plan gives it {work} and {r.state_fraction:.3f} of the state"
-             f"{', activations on the host' if r.offload_activations else ''}.")
+    work = (
+        f"{r.batch_size} sample(s) in micro-batches of {r.micro_batch_size}"
+        if r.batch_size
+        else "no samples (it only holds state)"
+    )
+    head += (
+        f"The cephalo plan gives it {work} and {r.state_fraction:.3f} of the state"
+        f"{', activations on the host' if r.offload_activations else ''}."
+    )
     return head
 
 
@@ -248,20 +312,31 @@ def ideal_samples_per_s(cost_model: CostModel, global_batch: int) -> float:
     global one), with no communication, no optimizer and perfect balance."""
     total = 0.0
     for d in cost_model.devices:
-        best = min(float(cost_model.step_time_parts(d.type_key, b, b, False)[1]) / b
-                   for b in range(1, global_batch + 1))
+        best = min(
+            float(cost_model.step_time_parts(d.type_key, b, b, False)[1]) / b
+            for b in range(1, global_batch + 1)
+        )
         total += 1.0 / best
     return total
 
 
-def print_plans(console: Console, cost_model: CostModel, plans: dict[str, Plan | PlanDoesNotFit],
-                evaluations: dict[str, PlanEvaluation]) -> None:
+def print_plans(
+    console: Console,
+    cost_model: CostModel,
+    plans: dict[str, Plan | PlanDoesNotFit],
+    evaluations: dict[str, PlanEvaluation],
+) -> None:
     from cephalo.commands.plan import strategy_line
 
     ceph = plans["cephalo"]
     assert isinstance(ceph, Plan)
-    console.print(plan_table_mib(ceph, evaluations["cephalo"],
-                                 title="cephalo plan (predicted by the measured cost model)"))
+    console.print(
+        plan_table_mib(
+            ceph,
+            evaluations["cephalo"],
+            title="cephalo plan (predicted by the measured cost model)",
+        )
+    )
     for s in STRATEGIES:
         console.print(strategy_line(s, plans[s], plans["even"]), soft_wrap=True)
 
@@ -280,12 +355,18 @@ def summarize_run(strategy: str, run_dir: Path, wall_s: float, global_batch: int
     idle = [statistics.fmean(r["ranks"]["idle_s"][i] for r in timed) for i in range(n)]
     peak = [max(int(r["ranks"]["peak_bytes"][i]) for r in steps) for i in range(n)]
     return RunSummary(
-        strategy=strategy, run_dir=run_dir, steps=len(steps), wall_s=wall_s, step_s=step_s,
+        strategy=strategy,
+        run_dir=run_dir,
+        steps=len(steps),
+        wall_s=wall_s,
+        step_s=step_s,
         mean_step_s=statistics.fmean(r["step_s"] for r in timed),
         samples_per_s=global_batch / step_s,
         losses={int(r["step"]): float(r["loss"]) for r in steps},
         val_losses={int(r["step"]): float(r["val_loss"]) for r in evals},
-        busy_s=busy, idle_s=idle, peak_bytes=peak,
+        busy_s=busy,
+        idle_s=idle,
+        peak_bytes=peak,
     )
 
 
@@ -304,8 +385,13 @@ def launch_run(cfg: JobConfig, config_path: Path, quiet: bool) -> float:
     return time.perf_counter() - started
 
 
-def training_steps(options: DemoOptions, predicted_step_s: float, world_size: int,
-                   baseline: RunSummary | None = None, baseline_predicted_s: float | None = None) -> int:
+def training_steps(
+    options: DemoOptions,
+    predicted_step_s: float,
+    world_size: int,
+    baseline: RunSummary | None = None,
+    baseline_predicted_s: float | None = None,
+) -> int:
     """Steps that fill the training budget.
 
     The cost model predicts each rank as if it had the machine to itself (profiles are measured
@@ -326,9 +412,15 @@ def describe_cluster(cluster: Cluster) -> str:
     """`cpu, cpu:slowdown=1.5, ... (32 MiB)`: memory shown only where it is not the default."""
     from cephalo.catalog import CPU_DEFAULT_MEMORY_BYTES
 
-    return ", ".join(d.type_key + (f" ({d.memory_bytes / 2**20:.0f} MiB)"
-                                   if d.memory_bytes != CPU_DEFAULT_MEMORY_BYTES else "")
-                     for d in cluster.devices)
+    return ", ".join(
+        d.type_key
+        + (
+            f" ({d.memory_bytes / 2**20:.0f} MiB)"
+            if d.memory_bytes != CPU_DEFAULT_MEMORY_BYTES
+            else ""
+        )
+        for d in cluster.devices
+    )
 
 
 def plan_table_mib(plan: Plan, ev: PlanEvaluation, title: str):
@@ -337,14 +429,32 @@ def plan_table_mib(plan: Plan, ev: PlanEvaluation, title: str):
     from rich.table import Table
 
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("rank", "device", "batch", "micro x n", "state", "act", "step s", "busy s", "MiB used/cap", "fits"):
+    for col in (
+        "rank",
+        "device",
+        "batch",
+        "micro x n",
+        "state",
+        "act",
+        "step s",
+        "busy s",
+        "MiB used/cap",
+        "fits",
+    ):
         table.add_column(col, justify="left" if col in ("device", "act") else "right", no_wrap=True)
     for r, c in zip(plan.ranks, ev.ranks, strict=True):
-        table.add_row(str(r.rank), r.device, str(r.batch_size),
-                      f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "-",
-                      f"{r.state_fraction:.3f}", "host" if r.offload_activations else "dev",
-                      f"{c.step_s:.3f}", f"{c.busy_s:.3f}",
-                      f"{c.peak_bytes / 2**20:.1f}/{c.capacity_bytes / 2**20:.0f}", "yes" if c.fits else "[red]NO")
+        table.add_row(
+            str(r.rank),
+            r.device,
+            str(r.batch_size),
+            f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "-",
+            f"{r.state_fraction:.3f}",
+            "host" if r.offload_activations else "dev",
+            f"{c.step_s:.3f}",
+            f"{c.busy_s:.3f}",
+            f"{c.peak_bytes / 2**20:.1f}/{c.capacity_bytes / 2**20:.0f}",
+            "yes" if c.fits else "[red]NO",
+        )
     return table
 
 
@@ -367,20 +477,26 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
     spec = build_model(cfg.model.name, **cfg.model.overrides).spec
     B = cfg.train.global_batch_size
     console.rule("[bold]cephalo demo")
-    console.print(f"cluster: {describe_cluster(cluster)}  (emulated on this CPU: slowdown = compute stretched by "
-                  "sleeping, mem = a budget the memory ledger enforces)")
-    console.print(f"model: {spec.name} ({spec.total_params / 1e6:.2f}M parameters), seq {cfg.data.seq_len}, "
-                  f"global batch {B}, {cfg.model.dtype}, the bundled pydoc corpus (byte-level)")
+    console.print(
+        f"cluster: {describe_cluster(cluster)}  (emulated on this CPU: slowdown = compute stretched by "
+        "sleeping, mem = a budget the memory ledger enforces)"
+    )
+    console.print(
+        f"model: {spec.name} ({spec.total_params / 1e6:.2f}M parameters), seq {cfg.data.seq_len}, "
+        f"global batch {B}, {cfg.model.dtype}, the bundled pydoc corpus (byte-level)"
+    )
 
     console.rule("[bold]1/5 profile the devices")
     t0 = time.perf_counter()
     measured = profile_cluster(cfg, cluster, console, in_process=options.quick)
     timings["profile"] = time.perf_counter() - t0
-    what = (f"measured {', '.join(measured.measured)}" if measured.measured else "all from the cache")
+    what = f"measured {', '.join(measured.measured)}" if measured.measured else "all from the cache"
     console.print(f"{what} in {timings['profile']:.1f} s (database {cfg.profile_cache})")
     if measured.comm is not None:
-        console.print(f"collectives over {cluster.world_size} ranks: {measured.comm.bytes_per_s / 1e9:.2f} GB/s, "
-                      f"latency {measured.comm.latency_s * 1e3:.1f} ms")
+        console.print(
+            f"collectives over {cluster.world_size} ranks: {measured.comm.bytes_per_s / 1e9:.2f} GB/s, "
+            f"latency {measured.comm.latency_s * 1e3:.1f} ms"
+        )
 
     console.rule("[bold]2/5 plan")
     t0 = time.perf_counter()
@@ -397,10 +513,19 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
         if isinstance(p, Plan):
             p.to_json(plan_dir / f"{s}.json")
     comparison = next((s for s in ("even", "proportional") if isinstance(plans[s], Plan)), None)
-    result = DemoResult(options=options, cluster=cluster, config=cfg, measured=measured, cost_model=cm,
-                        plans=plans, evaluations=evaluations, memory_note=note,
-                        ideal_samples_per_s=ideal_samples_per_s(cm, B), comparison=comparison,
-                        timings_s=timings)
+    result = DemoResult(
+        options=options,
+        cluster=cluster,
+        config=cfg,
+        measured=measured,
+        cost_model=cm,
+        plans=plans,
+        evaluations=evaluations,
+        memory_note=note,
+        ideal_samples_per_s=ideal_samples_per_s(cm, B),
+        comparison=comparison,
+        timings_s=timings,
+    )
 
     ceph = plans["cephalo"]
     assert isinstance(ceph, Plan) and ceph.predicted is not None
@@ -416,9 +541,13 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
         base_plan = plans[comparison]
         assert isinstance(base_plan, Plan) and base_plan.predicted is not None
         base_steps = 3 if options.quick else options.baseline_steps
-        console.rule(f"[bold]3/5 baseline: a short run under the {comparison} plan ({base_steps} steps)")
+        console.rule(
+            f"[bold]3/5 baseline: a short run under the {comparison} plan ({base_steps} steps)"
+        )
         if comparison != "even":
-            console.print("the even plan does not fit in memory; the baseline is the proportional plan")
+            console.print(
+                "the even plan does not fit in memory; the baseline is the proportional plan"
+            )
         base_cfg = demo_job_config(out / comparison, options.quick)
         base_cfg.parallel.plan = str(plan_dir / f"{comparison}.json")
         base_cfg.train.steps = base_steps
@@ -429,10 +558,14 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
         timings[f"train {comparison}"] = wall
         baseline = result.runs[comparison] = summarize_run(comparison, out / comparison, wall, B)
         baseline_predicted = base_plan.predicted.step_s
-        console.print(f"{comparison} plan: {baseline.step_s:.3f} s/step measured "
-                      f"(predicted {baseline_predicted:.3f} s/step)")
+        console.print(
+            f"{comparison} plan: {baseline.step_s:.3f} s/step measured "
+            f"(predicted {baseline_predicted:.3f} s/step)"
+        )
 
-    steps = training_steps(options, ceph.predicted.step_s, cluster.world_size, baseline, baseline_predicted)
+    steps = training_steps(
+        options, ceph.predicted.step_s, cluster.world_size, baseline, baseline_predicted
+    )
     console.rule(f"[bold]4/5 train under the cephalo plan ({steps} steps)")
     run_cfg = demo_job_config(out / "cephalo", options.quick)
     run_cfg.parallel.plan = str(plan_dir / "cephalo.json")
@@ -453,13 +586,21 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
 
 def _print_summary(console: Console, result: DemoResult, report: Path) -> None:
     ceph = result.runs["cephalo"]
-    console.print(f"cephalo plan: {ceph.samples_per_s:.2f} samples/s measured ({ceph.step_s:.3f} s/step)")
+    console.print(
+        f"cephalo plan: {ceph.samples_per_s:.2f} samples/s measured ({ceph.step_s:.3f} s/step)"
+    )
     if result.comparison and result.comparison in result.runs:
         base = result.runs[result.comparison]
-        console.print(f"{result.comparison} plan: {base.samples_per_s:.2f} samples/s measured "
-                      f"({base.step_s:.3f} s/step): cephalo is [bold]{ceph.samples_per_s / base.samples_per_s:.2f}x"
-                      f"[/bold] {result.comparison}")
+        console.print(
+            f"{result.comparison} plan: {base.samples_per_s:.2f} samples/s measured "
+            f"({base.step_s:.3f} s/step): cephalo is [bold]{ceph.samples_per_s / base.samples_per_s:.2f}x"
+            f"[/bold] {result.comparison}"
+        )
     last = max(ceph.losses)
-    val = f", validation loss {ceph.val_losses[max(ceph.val_losses)]:.3f}" if ceph.val_losses else ""
-    console.print(f"loss {ceph.losses[min(ceph.losses)]:.3f} at step 1 -> {ceph.losses[last]:.3f} at step {last}{val}")
+    val = (
+        f", validation loss {ceph.val_losses[max(ceph.val_losses)]:.3f}" if ceph.val_losses else ""
+    )
+    console.print(
+        f"loss {ceph.losses[min(ceph.losses)]:.3f} at step 1 -> {ceph.losses[last]:.3f} at step {last}{val}"
+    )
     console.print(f"demo took {result.timings_s['total']:.0f} s; report: [bold]{report}[/bold]")

@@ -1,10 +1,10 @@
 """The `cephalo demo` report: report.md and its PNGs, written from a `DemoResult`.
 
-    report.md        cluster, plans, predicted vs measured, losses, timings
-    loss.png         training and validation loss of the cephalo run
-    ranks.png        per rank: mean busy and idle seconds per step, for each measured run
-    throughput.png   measured samples/s per plan, the cost model's predictions, the ideal bound
-    plan.png         the cephalo plan per rank (batch, state, memory vs budget, busy time)
+report.md        cluster, plans, predicted vs measured, losses, timings
+loss.png         training and validation loss of the cephalo run
+ranks.png        per rank: mean busy and idle seconds per step, for each measured run
+throughput.png   measured samples/s per plan, the cost model's predictions, the ideal bound
+plan.png         the cephalo plan per rank (batch, state, memory vs budget, busy time)
 """
 
 from __future__ import annotations
@@ -53,14 +53,29 @@ def plot_ranks(result: DemoResult, path: Path) -> Path:
     """Per rank, mean busy (compute incl. emulated slowdown) and idle (waiting) seconds per step."""
     plt = _pyplot()
     runs = list(result.runs.values())
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), sharey=True, squeeze=False,
-                             constrained_layout=True)
-    labels = [f"{i}\n{d.type_key.replace('cpu:', '')}" for i, d in enumerate(result.cluster.devices)]
+    fig, axes = plt.subplots(
+        1,
+        len(runs),
+        figsize=(5.5 * len(runs), 4),
+        sharey=True,
+        squeeze=False,
+        constrained_layout=True,
+    )
+    labels = [
+        f"{i}\n{d.type_key.replace('cpu:', '')}" for i, d in enumerate(result.cluster.devices)
+    ]
     for ax, run in zip(axes[0], runs, strict=True):
         xs = range(len(run.busy_s))
         ax.bar(xs, run.busy_s, color=COLORS.get(run.strategy, "tab:green"), label="busy")
-        ax.bar(xs, run.idle_s, bottom=run.busy_s, color="lightgray", hatch="//", label="idle (waiting)")
-        ax.axhline(run.mean_step_s, color="tab:red", linestyle="--", label=f"mean step {run.mean_step_s:.2f} s")
+        ax.bar(
+            xs, run.idle_s, bottom=run.busy_s, color="lightgray", hatch="//", label="idle (waiting)"
+        )
+        ax.axhline(
+            run.mean_step_s,
+            color="tab:red",
+            linestyle="--",
+            label=f"mean step {run.mean_step_s:.2f} s",
+        )
         ax.set_xticks(list(xs))
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_title(f"{run.strategy} plan (measured)")
@@ -81,17 +96,39 @@ def plot_throughput(result: DemoResult, path: Path) -> Path:
     for x, s in zip(xs, STRATEGIES, strict=True):
         run = result.runs.get(s)
         if run is not None:
-            ax.bar(x, run.samples_per_s, color=COLORS[s], alpha=0.8,
-                   label="measured" if x == 0 else None)
-            ax.text(x, run.samples_per_s, f"{run.samples_per_s:.1f}", ha="center", va="bottom", fontsize=9)
+            ax.bar(
+                x,
+                run.samples_per_s,
+                color=COLORS[s],
+                alpha=0.8,
+                label="measured" if x == 0 else None,
+            )
+            ax.text(
+                x,
+                run.samples_per_s,
+                f"{run.samples_per_s:.1f}",
+                ha="center",
+                va="bottom",
+                fontsize=9,
+            )
         plan = result.plans[s]
         if isinstance(plan, Plan) and plan.predicted is not None:
-            ax.plot(x, plan.predicted.samples_per_s, "k_", markersize=30, markeredgewidth=2,
-                    label="predicted" if s == "cephalo" else None)
+            ax.plot(
+                x,
+                plan.predicted.samples_per_s,
+                "k_",
+                markersize=30,
+                markeredgewidth=2,
+                label="predicted" if s == "cephalo" else None,
+            )
         else:
             ax.text(x, 0, "does not fit", ha="center", va="bottom", fontsize=9, color="tab:red")
-    ax.axhline(result.ideal_samples_per_s, color="tab:purple", linestyle=":",
-               label=f"ideal bound {result.ideal_samples_per_s:.1f}")
+    ax.axhline(
+        result.ideal_samples_per_s,
+        color="tab:purple",
+        linestyle=":",
+        label=f"ideal bound {result.ideal_samples_per_s:.1f}",
+    )
     ax.set_xticks(xs)
     ax.set_xticklabels(STRATEGIES)
     ax.set_ylabel("samples / s")
@@ -120,8 +157,15 @@ def plot_plan_demo(result: DemoResult, path: Path) -> Path:
     ax_b.bar(xs, plan.batch_sizes, color="tab:blue")
     for x, r in zip(xs, plan.ranks, strict=True):
         if r.batch_size:
-            ax_b.text(x, r.batch_size, f"{r.micro_batch_size}x{r.num_micro_batches}"
-                      + (" host" if r.offload_activations else ""), ha="center", va="bottom", fontsize=8)
+            ax_b.text(
+                x,
+                r.batch_size,
+                f"{r.micro_batch_size}x{r.num_micro_batches}"
+                + (" host" if r.offload_activations else ""),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     ax_b.set_title("batch (samples per step; micro-batch x count)")
     ax_s.bar(xs, plan.state_fractions, color="tab:purple")
     ax_s.set_title("state fraction (share of weights, grads, Adam moments)")
@@ -143,26 +187,49 @@ def plot_plan_demo(result: DemoResult, path: Path) -> Path:
     for x, cap in zip(xs, caps, strict=True):
         if cap <= limit:
             ax_m.hlines(cap, x - 0.4, x + 0.4, color="tab:red", linewidth=2.5)
-            ax_m.text(x, cap, f"budget {cap:.0f}", ha="center", va="bottom", fontsize=8, color="tab:red")
+            ax_m.text(
+                x, cap, f"budget {cap:.0f}", ha="center", va="bottom", fontsize=8, color="tab:red"
+            )
         else:
-            ax_m.text(x, limit * 0.97, f"budget {cap:.0f}", ha="center", va="top", fontsize=8, color="tab:red")
+            ax_m.text(
+                x,
+                limit * 0.97,
+                f"budget {cap:.0f}",
+                ha="center",
+                va="top",
+                fontsize=8,
+                color="tab:red",
+            )
     ax_m.set_ylim(0, limit)
     ax_m.set_title("memory, MiB: predicted peak by category vs budget")
     ax_m.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.14))
 
     width = 0.38
-    ax_t.bar([x - width / 2 for x in xs], [rc.busy_s for rc in ev.ranks], width, color="tab:green",
-             label="predicted (alone on the machine)")
+    ax_t.bar(
+        [x - width / 2 for x in xs],
+        [rc.busy_s for rc in ev.ranks],
+        width,
+        color="tab:green",
+        label="predicted (alone on the machine)",
+    )
     if run is not None:
-        ax_t.bar([x + width / 2 for x in xs], run.busy_s, width, color="tab:olive", label="measured (shared cores)")
+        ax_t.bar(
+            [x + width / 2 for x in xs],
+            run.busy_s,
+            width,
+            color="tab:olive",
+            label="measured (shared cores)",
+        )
     ax_t.set_title("busy seconds per step")
     ax_t.legend(fontsize=8)
     for ax in axes.flat:
         ax.set_xticks(xs)
         ax.set_xticklabels(labels, fontsize=8)
     pred = plan.predicted.samples_per_s if plan.predicted else 0.0
-    fig.suptitle(f"cephalo plan: {plan.model}, batch {plan.global_batch_size}, seq {plan.seq_len}: "
-                 f"{pred:.3g} samples/s predicted")
+    fig.suptitle(
+        f"cephalo plan: {plan.model}, batch {plan.global_batch_size}, seq {plan.seq_len}: "
+        f"{pred:.3g} samples/s predicted"
+    )
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -174,20 +241,26 @@ def _plan_rows(result: DemoResult) -> list[str]:
     assert isinstance(plan, Plan)
     ev = result.evaluations["cephalo"]
     run = result.runs.get("cephalo")
-    rows = ["| rank | device | memory | batch | micro x n | state | activations | predicted busy s | "
-            "predicted peak MiB (+ planner reserve) / budget | measured busy s | measured idle s | "
-            "measured peak MiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| rank | device | memory | batch | micro x n | state | activations | predicted busy s | "
+        "predicted peak MiB (+ planner reserve) / budget | measured busy s | measured idle s | "
+        "measured peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for i, (r, c) in enumerate(zip(plan.ranks, ev.ranks, strict=True)):
         d = result.cluster.devices[i]
-        measured = (f"{run.busy_s[i]:.3f} | {run.idle_s[i]:.3f} | {run.peak_bytes[i] / MIB:.1f}" if run
-                    else "- | - | -")
+        measured = (
+            f"{run.busy_s[i]:.3f} | {run.idle_s[i]:.3f} | {run.peak_bytes[i] / MIB:.1f}"
+            if run
+            else "- | - | -"
+        )
         rows.append(
             f"| {r.rank} | {r.device} | {d.memory_bytes / MIB:.0f} MiB | {r.batch_size} | "
             f"{r.micro_batch_size}x{r.num_micro_batches} | {r.state_fraction:.3f} | "
             f"{'host' if r.offload_activations else 'device'} | {c.busy_s:.3f} | "
             f"{(c.peak_bytes - c.memory.reserve) / MIB:.1f} (+{c.memory.reserve / MIB:.0f}) / "
-            f"{c.capacity_bytes / MIB:.0f} | {measured} |")
+            f"{c.capacity_bytes / MIB:.0f} | {measured} |"
+        )
     return rows
 
 
@@ -197,9 +270,11 @@ def _strategy_rows(result: DemoResult) -> list[str]:
     even = result.plans["even"]
     even_pred = even.predicted.samples_per_s if isinstance(even, Plan) and even.predicted else None
     base = result.runs.get(result.comparison or "")
-    rows = ["| plan | predicted step s | predicted samples/s | predicted vs even | measured step s | "
-            "measured samples/s | measured vs " + (result.comparison or "baseline") + " |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| plan | predicted step s | predicted samples/s | predicted vs even | measured step s | "
+        "measured samples/s | measured vs " + (result.comparison or "baseline") + " |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in STRATEGIES:
         plan = result.plans[s]
         if not isinstance(plan, Plan) or plan.predicted is None:
@@ -239,8 +314,10 @@ def report_markdown(result: DemoResult, images: dict[str, str]) -> str:
         "",
         "| rank | device | slowdown | memory budget |",
         "|---|---|---|---|",
-        *[f"| {i} | {d.type_key} | {d.slowdown:g} | {d.memory_bytes / MIB:.0f} MiB |"
-          for i, d in enumerate(result.cluster.devices)],
+        *[
+            f"| {i} | {d.type_key} | {d.slowdown:g} | {d.memory_bytes / MIB:.0f} MiB |"
+            for i, d in enumerate(result.cluster.devices)
+        ],
         "",
         "## Memory",
         "",
@@ -262,20 +339,35 @@ def report_markdown(result: DemoResult, images: dict[str, str]) -> str:
     ]
     if result.comparison and result.comparison in result.runs:
         base = result.runs[result.comparison]
-        lines += [f"**Measured speedup of the cephalo plan over the {result.comparison} plan: "
-                  f"{ceph.samples_per_s / base.samples_per_s:.2f}x** "
-                  f"({ceph.samples_per_s:.2f} vs {base.samples_per_s:.2f} samples/s; median step time without "
-                  f"the first {_excluded()} steps).", ""]
+        lines += [
+            f"**Measured speedup of the cephalo plan over the {result.comparison} plan: "
+            f"{ceph.samples_per_s / base.samples_per_s:.2f}x** "
+            f"({ceph.samples_per_s:.2f} vs {base.samples_per_s:.2f} samples/s; median step time without "
+            f"the first {_excluded()} steps).",
+            "",
+        ]
     else:
-        lines += ["Neither baseline plan fits in memory, so there is no baseline run to compare with.", ""]
-    lines += [f"![throughput]({images['throughput']})", "", f"![per-rank busy and idle time]({images['ranks']})", ""]
+        lines += [
+            "Neither baseline plan fits in memory, so there is no baseline run to compare with.",
+            "",
+        ]
+    lines += [
+        f"![throughput]({images['throughput']})",
+        "",
+        f"![per-rank busy and idle time]({images['ranks']})",
+        "",
+    ]
     first, last = min(ceph.losses), max(ceph.losses)
     lines += [
         "## Training",
         "",
         f"{ceph.steps} steps under the cephalo plan: training loss {ceph.losses[first]:.3f} (step {first}) -> "
         f"{ceph.losses[last]:.3f} (step {last})"
-        + (f", final validation loss {ceph.val_losses[max(ceph.val_losses)]:.3f}" if ceph.val_losses else "")
+        + (
+            f", final validation loss {ceph.val_losses[max(ceph.val_losses)]:.3f}"
+            if ceph.val_losses
+            else ""
+        )
         + ".",
         "",
         f"![loss]({images['loss']})",
@@ -292,8 +384,11 @@ def report_markdown(result: DemoResult, images: dict[str, str]) -> str:
         "## Files",
         "",
         f"- `plans/*.json`: the plans (`cephalo simulate plans/cephalo.json --profiles {result.config.profile_cache}`)",
-        *[f"- `{name}/`: the {name} run (config.toml, plan.json, metrics.jsonl, checkpoints/); rerun it with "
-          f"`cephalo run --config {result.options.out / (name + '.toml')}`" for name in result.runs],
+        *[
+            f"- `{name}/`: the {name} run (config.toml, plan.json, metrics.jsonl, checkpoints/); rerun it with "
+            f"`cephalo run --config {result.options.out / (name + '.toml')}`"
+            for name in result.runs
+        ],
         f"- `{Path(result.config.profile_cache).name}`: the profile database",
         "",
     ]
@@ -309,7 +404,12 @@ def _excluded() -> int:
 def write_report(result: DemoResult) -> Path:
     """report.md and the PNGs under `result.options.out`; returns the report's path."""
     out = result.options.out
-    images = {"loss": "loss.png", "ranks": "ranks.png", "throughput": "throughput.png", "plan": "plan.png"}
+    images = {
+        "loss": "loss.png",
+        "ranks": "ranks.png",
+        "throughput": "throughput.png",
+        "plan": "plan.png",
+    }
     plot_loss(result.runs["cephalo"], out / images["loss"])
     plot_ranks(result, out / images["ranks"])
     plot_throughput(result, out / images["throughput"])

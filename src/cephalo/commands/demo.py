@@ -32,10 +32,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", metavar="DIR", default="runs/demo", help="report and run directory (default runs/demo)")
-    p.add_argument("--minutes", type=float, default=None, metavar="M",
-                   help="training budget of the cephalo run in minutes (default 1.25)")
-    p.add_argument("--quick", action="store_true", help="tiny model and a few steps (a smoke test, < 1 minute)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default="runs/demo",
+        help="report and run directory (default runs/demo)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        metavar="M",
+        help="training budget of the cephalo run in minutes (default 1.25)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model and a few steps (a smoke test, < 1 minute)"
+    )
     p.set_defaults(func=run)
 
 
