@@ -103,9 +103,10 @@ def parse_rate(value: Any, what: str) -> float:
     return rate
 
 
-def _format_gib(n: int) -> str:
-    g = n / 1024**3
-    return f"{g:.0f} GiB" if abs(g - round(g)) < 0.05 else f"{g:.1f} GiB"
+def _format_memory(n: int) -> str:
+    """GiB for GPU-sized memory, MiB below 1 GiB (emulated budgets are often MiB)."""
+    unit, size = ("GiB", n / 1024**3) if n >= 1024**3 else ("MiB", n / 1024**2)
+    return f"{size:.0f} {unit}" if abs(size - round(size)) < 0.05 else f"{size:.1f} {unit}"
 
 
 @dataclass
@@ -197,9 +198,9 @@ class Cluster:
             )
             where = f" @node{node}" if self.num_nodes > 1 else ""
             parts.append(
-                f"{count}x {name} ({_format_gib(mem)}){where}"
+                f"{count}x {name} ({_format_memory(mem)}){where}"
                 if count > 1
-                else f"{name} ({_format_gib(mem)}){where}"
+                else f"{name} ({_format_memory(mem)}){where}"
             )
         return " + ".join(parts)
 
