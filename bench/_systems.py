@@ -79,7 +79,8 @@ class OursTrainer:
     """The engine, built on this rank for `plan`."""
 
     def __init__(self, model_name: str, overrides: dict, plan: Plan, mode: str = "lga",
-                 slowdown: float = 1.0, memory_budget_bytes: int | None = None, comm_impl: str = "auto"):
+                 slowdown: float = 1.0, memory_budget_bytes: int | None = None, comm_impl: str = "auto",
+                 prefetch: bool = True):
         from cephalo.runtime.comm import make_comm
         from cephalo.runtime.engine import Engine, EngineConfig
 
@@ -88,7 +89,7 @@ class OursTrainer:
         self.comm = make_comm(comm_impl, validate=False)
         cfg = EngineConfig(mode=mode, compute_dtype="fp32", betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                            grad_clip=GRAD_CLIP, seed=0, slowdown=slowdown, memory_budget_bytes=memory_budget_bytes,
-                           validate_collectives=False, per_sample_dropout=False)
+                           validate_collectives=False, per_sample_dropout=False, prefetch=prefetch)
         self.engine = Engine(model, plan, self.comm, cfg)
         self.plan = plan
 

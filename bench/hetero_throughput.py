@@ -15,8 +15,10 @@ processes; a step's time is its slowest rank's; medians are compared.
 
 Ideal bound (measured): the sum over the cluster's devices of that device's SOLO
 throughput: each rank trains a world-size-1 engine (no collectives, the whole model, two
-micro-batches of 8), counted as samples / compute seconds (`StepStats.busy_s`, without
-the optimizer step). All ranks run their solo step at the same time, as a fifth column
+micro-batches of its best size: the largest up to 8 whose working memory without any
+training state, boundaries offloaded, fits the device's `mem=`, as in planner_quality's
+ideal bound), counted as samples / compute seconds (`StepStats.busy_s`, without the
+optimizer step). Memory is otherwise ignored: the whole state would not fit a small device. All ranks run their solo step at the same time, as a fifth column
 of the rotation, so the solo speeds see the same sharing of the machine's cores as the
 training steps next to them.
 
@@ -31,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -52,7 +55,7 @@ SEQ_LEN = 128
 STRATEGIES = ("cephalo", "proportional", "even")
 COLUMNS = (*STRATEGIES, "fsdp2")
 SOLO_MICRO_BATCH = 8
-"""Micro-batch of the solo runs behind the ideal bound (CPU time per sample is flat beyond ~4)."""
+"""Largest micro-batch of the solo runs behind the ideal bound (CPU time per sample is flat beyond ~4)."""
 
 
 @dataclass
@@ -67,9 +70,9 @@ class ClusterCase:
 # and the bench would measure that oversubscription instead of the emulated devices (three
 # 1-thread processes running matmuls at once each run 2-3x slower here than one alone).
 CASES = [
-    ClusterCase("A: speeds 3:1, ample memory", "cpu,cpu:slowdown=3", 24),
-    ClusterCase("B: speeds 2:1, both short of memory", "cpu:mem=44MiB,cpu:slowdown=2:mem=64MiB", 24),
-    ClusterCase("C: speeds 3:1, too little memory for equal shards", "cpu:mem=40MiB,cpu:slowdown=3:mem=48MiB", 24),
+    ClusterCase("A: speeds 3:1, ample memory", "cpu,cpu:slowdown=3", 48),
+    ClusterCase("B: speeds 2:1, both short of memory", "cpu:mem=44MiB,cpu:slowdown=2:mem=64MiB", 48),
+    ClusterCase("C: speeds 3:1, too little memory for equal shards", "cpu:mem=40MiB,cpu:slowdown=3:mem=48MiB", 48),
 ]
 
 
@@ -116,8 +119,13 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
                                     slowdown=device.slowdown)
     # The ideal column: every rank trains ALONE (world size 1, no collectives) at the same
     # time as the others, so the solo speeds share the machine as the ranks do in training.
-    solo_b = 2 * SOLO_MICRO_BATCH
-    solo_plan = manual_plan(MODEL, SEQ_LEN, [solo_b], [SOLO_MICRO_BATCH], [1.0], [device.type_key])
+    # its best micro-batch: the largest up to SOLO_MICRO_BATCH whose working memory (no state,
+    # boundaries offloaded) fits the device, as planner_quality's ideal bound has it
+    ms = np.arange(1, SOLO_MICRO_BATCH + 1)
+    fits = cm.memory_without_state(device.type_key, device.memory_bytes, ms, ms, True) <= device.memory_bytes
+    solo_m = int(ms[fits].max()) if fits.any() else 1
+    solo_b = 2 * solo_m
+    solo_plan = manual_plan(MODEL, SEQ_LEN, [solo_b], [solo_m], [1.0], [device.type_key])
     systems["ideal"] = OursTrainer(MODEL, ov, solo_plan, slowdown=device.slowdown, comm_impl="local")
     x, y = make_data(B, SEQ_LEN, 256)
     xs, ys = x[:solo_b], y[:solo_b]
@@ -145,7 +153,7 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
     peaks["fsdp2"] = tracked_peak_bytes(lambda: fsdp.step(x, y), fsdp.persistent())
     return {
         "times": times, "peaks": peaks, "budget": device.memory_bytes, "profile_s": profile_s,
-        "busy": busy, "wait": wait,
+        "busy": busy, "wait": wait, "solo_m": solo_m,
         "fsdp_micro": fsdp_micro, "misfit": misfit,
         "plans": {s: [(r.batch_size, r.micro_batch_size, r.state_fraction, r.offload_activations) for r in p.ranks]
                   for s, p in plans.items()},
@@ -186,6 +194,7 @@ def main() -> None:
             over = {s: [(i, r["peaks"][s], r["budget"]) for i, r in enumerate(per_rank) if r["peaks"][s] > r["budget"]]
                     for s in cols}
             results.append({"case": case, "tok": tok, "ideal": ideal, "over": over, "r0": per_rank[0], "solo": solo,
+                            "solo_m": [r["solo_m"] for r in per_rank],
                             "busy": {s: [r["busy"][s] for r in per_rank] for s in per_rank[0]["busy"]},
                             "wait": {s: [r["wait"][s] for r in per_rank] for s in per_rank[0]["wait"]},
                             "step_s": {s: median(v) for s, v in step.items()},
@@ -260,9 +269,10 @@ def _report(results: list[dict], args, wall: float) -> None:
             "## Plans and memory\n\n" + markdown_table(plan_headers, plan_rows, "llllrlr") + "\n\n"
             + "\n".join(budget_lines),
             "## Solo throughput (the ideal bound's terms)\n\n" + markdown_table(
-                ["cluster", "solo samples/s per rank (compute only, medians)", "profiling s"],
-                [[r["case"].label[:1], " / ".join(f"{v:.2f}" for v in r["solo"]), f"{r['profile_s']:.0f}"]
-                 for r in results], "llr"),
+                ["cluster", "solo samples/s per rank (compute only, medians)", "solo micro-batch per rank",
+                 "profiling s"],
+                [[r["case"].label[:1], " / ".join(f"{v:.2f}" for v in r["solo"]), " / ".join(map(str, r["solo_m"])),
+                  f"{r['profile_s']:.0f}"] for r in results], "llrr"),
             "## Setup\n\n"
             f"- Model `{MODEL}` (n_layer={args.n_layer}, untied embeddings, no dropout), seq {SEQ_LEN}, fp32, "
             "2 gloo ranks per cluster (one process and one torch thread each) on this 2-core machine.\n"
@@ -276,9 +286,8 @@ def _report(results: list[dict], args, wall: float) -> None:
             "batches with one micro-batch size on every rank (each micro-batch all-gathers, so ranks must "
             "agree on the count): the even plan's smallest. Its peak is the tracked live-tensor peak "
             "(`_systems.LiveTensorBytes`), so it includes temporaries the ledger does not count.\n"
-            f"- Ideal: see the module docstring; solo steps of 2 micro-batches of {SOLO_MICRO_BATCH}, one per "
-            "rotated round, all ranks at once; per round the ranks' samples/s are summed; the median round "
-            "is shown.",
+            "- Ideal: see the module docstring; solo steps of 2 micro-batches, one per rotated round, all "
+            "ranks at once; per round the ranks' samples/s are summed; the median round is shown.",
         ],
     )
     result.write(wall)
