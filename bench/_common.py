@@ -57,16 +57,22 @@ class BenchError(RuntimeError):
 
 
 # ====================================================================== process pool
-def _worker_main(rank: int, world_size: int, port: int, timeout_s: float, threads: int,
-                 tasks: Any, results: Any) -> None:
+def _worker_main(
+    rank: int, world_size: int, port: int, timeout_s: float, threads: int, tasks: Any, results: Any
+) -> None:
     # One intra-op thread per rank: N ranks on a 2-core machine would otherwise fight over
     # the cores and every timing would measure the oversubscription.
     torch.set_num_threads(threads)
     raise_priority()
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         results.put(("ready", rank, True, b""))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
         results.put(("ready", rank, False, traceback.format_exc().encode()))
@@ -107,17 +113,28 @@ class RankPool:
         self._calls = 0
 
     def __enter__(self) -> RankPool:
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True,
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False
+        )
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(self.threads)
         try:
             for rank in range(self.world_size):
-                proc = self._ctx.Process(target=_worker_main, daemon=True, args=(
-                    rank, self.world_size, self._store.port, self.timeout_s, self.threads,
-                    self._tasks[rank], self._results))
+                proc = self._ctx.Process(
+                    target=_worker_main,
+                    daemon=True,
+                    args=(
+                        rank,
+                        self.world_size,
+                        self._store.port,
+                        self.timeout_s,
+                        self.threads,
+                        self._tasks[rank],
+                        self._results,
+                    ),
+                )
                 proc.start()
                 self._procs.append(proc)
         finally:
@@ -165,11 +182,17 @@ class RankPool:
             try:
                 got, rank, ok, data = self._results.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in replies]
+                dead = [
+                    r for r, p in enumerate(self._procs) if not p.is_alive() and r not in replies
+                ]
                 late = time.monotonic() > deadline
                 if dead or late:
                     self.close()
-                    why = f"rank(s) {dead} died" if dead else f"no answer within {self.timeout_s:.0f} s"
+                    why = (
+                        f"rank(s) {dead} died"
+                        if dead
+                        else f"no answer within {self.timeout_s:.0f} s"
+                    )
                     raise BenchError(f"{what} on {self.world_size} ranks: {why}") from None
                 continue
             if got != call_id:
@@ -242,9 +265,11 @@ def environment_line(wall_s: float | None = None) -> str:
     load = ""
     with contextlib.suppress(OSError):
         load = f"; load average {os.getloadavg()[1]:.1f} (5 min) at the end, niceness {os.getpriority(os.PRIO_PROCESS, 0)}"
-    return (f"_Run {now}; torch {torch.__version__}, Python {platform.python_version()}; "
-            f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu}), "
-            f"no GPU{took}{load}. Re-run: `python bench/{Path(sys.argv[0]).name}`._")
+    return (
+        f"_Run {now}; torch {torch.__version__}, Python {platform.python_version()}; "
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu}), "
+        f"no GPU{took}{load}. Re-run: `python bench/{Path(sys.argv[0]).name}`._"
+    )
 
 
 def _cpu_model() -> str:
@@ -255,7 +280,9 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+def markdown_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None
+) -> str:
     """A GitHub markdown table; `align` is one of l/r/c per column (default: first left, rest right)."""
     align = align or ("l" + "r" * (len(headers) - 1))
     rule = {"l": ":---", "r": "---:", "c": ":---:"}
@@ -281,7 +308,9 @@ def save_figure(fig: Any, name: str, note: str | None = None) -> str:
     """Save a matplotlib figure as bench/results/<name>.png with the provenance as a footer."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-    footer = f"{now} · torch {torch.__version__} · {os.cpu_count()}-core CPU" + (f" · {note}" if note else "")
+    footer = f"{now} · torch {torch.__version__} · {os.cpu_count()}-core CPU" + (
+        f" · {note}" if note else ""
+    )
     fig.text(0.99, -0.02, footer, ha="right", va="bottom", fontsize=7, color="0.4")
     path = RESULTS_DIR / f"{name}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")

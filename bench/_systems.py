@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,10 @@ from cephalo.plan import Plan, RankPlan
 from cephalo.runtime.emulation import ComputeEmulator
 from cephalo.runtime.param_groups import adamw_param_groups
 
+# SlowdownUnit's identity marks return views of the unit's output; nothing downstream
+# modifies them in place, which is what FSDP2 warns about.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 WEIGHT_DECAY = 0.1
@@ -59,18 +64,28 @@ def bench_model(name: str, seed: int = 0, **overrides: Any):
     return build_model(name, **overrides).materialize("cpu", torch.Generator().manual_seed(seed))
 
 
-def make_data(global_batch: int, seq_len: int, vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def make_data(
+    global_batch: int, seq_len: int, vocab: int, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, vocab, (global_batch, seq_len), generator=g)
     y = torch.randint(0, vocab, (global_batch, seq_len), generator=g)
     return x, y
 
 
-def manual_plan(model: str, seq_len: int, batches: list[int], micros: list[int], fractions: list[float],
-                device_keys: list[str] | None = None) -> Plan:
+def manual_plan(
+    model: str,
+    seq_len: int,
+    batches: list[int],
+    micros: list[int],
+    fractions: list[float],
+    device_keys: list[str] | None = None,
+) -> Plan:
     keys = device_keys or ["cpu"] * len(batches)
-    ranks = [RankPlan(i, keys[i], b, max(1, min(m, b)) if b else 1, math.ceil(b / m) if b else 0, f)
-             for i, (b, m, f) in enumerate(zip(batches, micros, fractions, strict=True))]
+    ranks = [
+        RankPlan(i, keys[i], b, max(1, min(m, b)) if b else 1, math.ceil(b / m) if b else 0, f)
+        for i, (b, m, f) in enumerate(zip(batches, micros, fractions, strict=True))
+    ]
     return Plan("manual", model, seq_len, sum(batches), "fp32", ranks)
 
 
@@ -78,18 +93,37 @@ def manual_plan(model: str, seq_len: int, batches: list[int], micros: list[int],
 class OursTrainer:
     """The engine, built on this rank for `plan`."""
 
-    def __init__(self, model_name: str, overrides: dict, plan: Plan, mode: str = "lga",
-                 slowdown: float = 1.0, memory_budget_bytes: int | None = None, comm_impl: str = "auto",
-                 prefetch: bool = True):
+    def __init__(
+        self,
+        model_name: str,
+        overrides: dict,
+        plan: Plan,
+        mode: str = "lga",
+        slowdown: float = 1.0,
+        memory_budget_bytes: int | None = None,
+        comm_impl: str = "auto",
+        prefetch: bool = True,
+    ):
         from cephalo.runtime.comm import make_comm
         from cephalo.runtime.engine import Engine, EngineConfig
 
         overrides = {"tie_embeddings": False, "dropout": 0.0, **overrides}
         model = build_model(model_name, **overrides)  # on meta: the engine materialises its shards
         self.comm = make_comm(comm_impl, validate=False)
-        cfg = EngineConfig(mode=mode, compute_dtype="fp32", betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                           grad_clip=GRAD_CLIP, seed=0, slowdown=slowdown, memory_budget_bytes=memory_budget_bytes,
-                           validate_collectives=False, per_sample_dropout=False, prefetch=prefetch)
+        cfg = EngineConfig(
+            mode=mode,
+            compute_dtype="fp32",
+            betas=BETAS,
+            eps=EPS,
+            weight_decay=WEIGHT_DECAY,
+            grad_clip=GRAD_CLIP,
+            seed=0,
+            slowdown=slowdown,
+            memory_budget_bytes=memory_budget_bytes,
+            validate_collectives=False,
+            per_sample_dropout=False,
+            prefetch=prefetch,
+        )
         self.engine = Engine(model, plan, self.comm, cfg)
         self.plan = plan
 
@@ -102,7 +136,9 @@ class OursTrainer:
         return self.engine.train_step(x[rows], y[rows], LR)
 
     def persistent_tensors(self) -> list[torch.Tensor]:
-        return [t for us in self.engine.shards for t in (us.master, us.grad, us.exp_avg, us.exp_avg_sq)]
+        return [
+            t for us in self.engine.shards for t in (us.master, us.grad, us.exp_avg, us.exp_avg_sq)
+        ]
 
 
 # ====================================================================== FSDP2
@@ -112,7 +148,9 @@ class _StretchMark(torch.autograd.Function):
     at its INPUT it stretches the time since then by the slowdown."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, clock: dict, is_output: bool, emulator: ComputeEmulator) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, clock: dict, is_output: bool, emulator: ComputeEmulator
+    ) -> torch.Tensor:
         ctx.clock, ctx.is_output, ctx.emulator = clock, is_output, emulator
         return x.view_as(x)
 
@@ -167,8 +205,15 @@ class _Chain(nn.Module):
 class Fsdp2Trainer:
     """FSDP2 on the default process group: even shards, this rank's rows of the batch."""
 
-    def __init__(self, model_name: str, overrides: dict, batch_sizes: list[int], micro_batch_size: int,
-                 checkpointing: bool, slowdown: float = 1.0):
+    def __init__(
+        self,
+        model_name: str,
+        overrides: dict,
+        batch_sizes: list[int],
+        micro_batch_size: int,
+        checkpointing: bool,
+        slowdown: float = 1.0,
+    ):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -190,7 +235,9 @@ class Fsdp2Trainer:
                 module.set_force_sum_reduction_for_comms(True)
         named = [(n, p) for n, p in self.root.named_parameters()]
         self.params = [p for _, p in named]
-        self.opt = torch.optim.AdamW(adamw_param_groups(named, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
+        self.opt = torch.optim.AdamW(
+            adamw_param_groups(named, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS
+        )
         start = sum(batch_sizes[: self.rank])
         self.rows = slice(start, start + batch_sizes[self.rank])
         self.micro = micro_batch_size
@@ -226,9 +273,18 @@ class CollectiveCounter:
         self.bytes = {"all_gather": 0, "reduce_scatter": 0}
         world = dist.get_world_size()
         share = (world - 1) / world
-        self._install("all_gather_single", "all_gather", lambda a, k: k.get("output_tensor", a[0] if a else None), share)
-        self._install("reduce_scatter_single", "reduce_scatter", lambda a, k: k.get("input", a[1] if len(a) > 1 else None),
-                      share)
+        self._install(
+            "all_gather_single",
+            "all_gather",
+            lambda a, k: k.get("output_tensor", a[0] if a else None),
+            share,
+        )
+        self._install(
+            "reduce_scatter_single",
+            "reduce_scatter",
+            lambda a, k: k.get("input", a[1] if len(a) > 1 else None),
+            share,
+        )
 
     def _install(self, fn_name: str, key: str, full_of: Callable, share: float) -> None:
         original = getattr(dist, fn_name)

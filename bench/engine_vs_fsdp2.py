@@ -94,11 +94,20 @@ def _compare(setup: Setup, overrides: dict, rounds: int, warmup: int) -> dict:
             ledger_peak = max(ledger_peak, out.peak_bytes)
             busy.append(out.busy_s)
             waits.append(out.comm_wait_s)
-            comm[name] = {"all_gather": (ours_counters.calls["all_gather_v"], ours_counters.bytes["all_gather_v"]),
-                          "reduce_scatter": (ours_counters.calls["reduce_scatter_v"],
-                                             ours_counters.bytes["reduce_scatter_v"])}
+            comm[name] = {
+                "all_gather": (
+                    ours_counters.calls["all_gather_v"],
+                    ours_counters.bytes["all_gather_v"],
+                ),
+                "reduce_scatter": (
+                    ours_counters.calls["reduce_scatter_v"],
+                    ours_counters.bytes["reduce_scatter_v"],
+                ),
+            }
         else:
-            comm[name] = {c: (counter.calls[c], counter.bytes[c]) for c in ("all_gather", "reduce_scatter")}
+            comm[name] = {
+                c: (counter.calls[c], counter.bytes[c]) for c in ("all_gather", "reduce_scatter")
+            }
     counter.active = False
     times = {v: t[warmup:] for v, t in times.items()}
 
@@ -106,8 +115,14 @@ def _compare(setup: Setup, overrides: dict, rounds: int, warmup: int) -> dict:
     peaks = {"ours": tracked_peak_bytes(lambda: ours.step(x, y), ours.persistent_tensors())}
     for v in ("fsdp2_ac", "fsdp2"):
         peaks[v] = tracked_peak_bytes(lambda v=v: systems[v].step(x, y), systems[v].persistent())
-    return {"times": times, "peaks": peaks, "ledger_peak": ledger_peak, "comm": comm,
-            "busy": median(busy[warmup:]), "comm_wait": median(waits[warmup:])}
+    return {
+        "times": times,
+        "peaks": peaks,
+        "ledger_peak": ledger_peak,
+        "comm": comm,
+        "busy": median(busy[warmup:]),
+        "comm_wait": median(waits[warmup:]),
+    }
 
 
 def run(setups: list[Setup], overrides: dict, rounds: int, warmup: int) -> list[dict]:
@@ -118,19 +133,29 @@ def run(setups: list[Setup], overrides: dict, rounds: int, warmup: int) -> list[
                 t0 = time.perf_counter()
                 per_rank = pool.run(_compare, s, overrides, rounds, warmup)
                 # a synchronous step ends when its slowest rank does
-                step = {v: [max(r["times"][v][i] for r in per_rank) for i in range(rounds)] for v in VARIANTS}
+                step = {
+                    v: [max(r["times"][v][i] for r in per_rank) for i in range(rounds)]
+                    for v in VARIANTS
+                }
                 med = {v: median(step[v]) for v in VARIANTS}
-                out.append({
-                    "setup": s, "median_s": med, "steps": step,
-                    "peak": {v: max(r["peaks"][v] for r in per_rank) for v in VARIANTS},
-                    "ledger_peak": max(r["ledger_peak"] for r in per_rank),
-                    "comm": per_rank[0]["comm"],
-                    "busy": max(r["busy"] for r in per_rank),
-                    "comm_wait": max(r["comm_wait"] for r in per_rank),
-                })
-                print(f"world {world}, {s.micro_batches} micro-batches: "
-                      + ", ".join(f"{v} {med[v]:.3f}s" for v in VARIANTS)
-                      + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+                out.append(
+                    {
+                        "setup": s,
+                        "median_s": med,
+                        "steps": step,
+                        "peak": {v: max(r["peaks"][v] for r in per_rank) for v in VARIANTS},
+                        "ledger_peak": max(r["ledger_peak"] for r in per_rank),
+                        "comm": per_rank[0]["comm"],
+                        "busy": max(r["busy"] for r in per_rank),
+                        "comm_wait": max(r["comm_wait"] for r in per_rank),
+                    }
+                )
+                print(
+                    f"world {world}, {s.micro_batches} micro-batches: "
+                    + ", ".join(f"{v} {med[v]:.3f}s" for v in VARIANTS)
+                    + f" ({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
     return out
 
 
@@ -150,32 +175,85 @@ def main() -> None:
     overrides = {"n_layer": args.n_layer}
     rows = run(setups, overrides, args.rounds, args.warmup)
 
-    headers = ["ranks", "micro-batches", "ours s/step", "FSDP2+AC s/step", "FSDP2 s/step",
-               "ours / FSDP2+AC", "ours / FSDP2", "target", "met?", "ours: compute / comm wait"]
+    headers = [
+        "ranks",
+        "micro-batches",
+        "ours s/step",
+        "FSDP2+AC s/step",
+        "FSDP2 s/step",
+        "ours / FSDP2+AC",
+        "ours / FSDP2",
+        "target",
+        "met?",
+        "ours: compute / comm wait",
+    ]
     table, targets = [], []
     for r in rows:
         s, med = r["setup"], r["median_s"]
         ratio = med["ours"] / med["fsdp2_ac"]
         target = 1.0 if s.micro_batches >= 4 else 1.1
         targets.append(ratio <= target)
-        table.append([s.world, f"{s.micro_batches} x {s.batch_per_rank // s.micro_batches}",
-                      f"{med['ours']:.3f}", f"{med['fsdp2_ac']:.3f}", f"{med['fsdp2']:.3f}",
-                      f"**{ratio:.2f}**", f"{med['ours'] / med['fsdp2']:.2f}", f"<= {target}",
-                      verdict(ratio <= target), f"{r['busy']:.2f} / {r['comm_wait']:.2f} s"])
-    mem_headers = ["ranks", "micro-batches", "ours (tracked)", "ours (ledger)", "FSDP2+AC", "FSDP2",
-                   "ours / FSDP2+AC", "ours / FSDP2"]
-    mem_rows = [[r["setup"].world, r["setup"].micro_batches, fmt_bytes(r["peak"]["ours"]),
-                 fmt_bytes(r["ledger_peak"]), fmt_bytes(r["peak"]["fsdp2_ac"]), fmt_bytes(r["peak"]["fsdp2"]),
-                 f"{r['peak']['ours'] / r['peak']['fsdp2_ac']:.2f}", f"{r['peak']['ours'] / r['peak']['fsdp2']:.2f}"]
-                for r in rows]
-    comm_headers = ["ranks", "micro-batches", "system", "all-gathers", "all-gather bytes", "reduce-scatters",
-                    "reduce-scatter bytes"]
+        table.append(
+            [
+                s.world,
+                f"{s.micro_batches} x {s.batch_per_rank // s.micro_batches}",
+                f"{med['ours']:.3f}",
+                f"{med['fsdp2_ac']:.3f}",
+                f"{med['fsdp2']:.3f}",
+                f"**{ratio:.2f}**",
+                f"{med['ours'] / med['fsdp2']:.2f}",
+                f"<= {target}",
+                verdict(ratio <= target),
+                f"{r['busy']:.2f} / {r['comm_wait']:.2f} s",
+            ]
+        )
+    mem_headers = [
+        "ranks",
+        "micro-batches",
+        "ours (tracked)",
+        "ours (ledger)",
+        "FSDP2+AC",
+        "FSDP2",
+        "ours / FSDP2+AC",
+        "ours / FSDP2",
+    ]
+    mem_rows = [
+        [
+            r["setup"].world,
+            r["setup"].micro_batches,
+            fmt_bytes(r["peak"]["ours"]),
+            fmt_bytes(r["ledger_peak"]),
+            fmt_bytes(r["peak"]["fsdp2_ac"]),
+            fmt_bytes(r["peak"]["fsdp2"]),
+            f"{r['peak']['ours'] / r['peak']['fsdp2_ac']:.2f}",
+            f"{r['peak']['ours'] / r['peak']['fsdp2']:.2f}",
+        ]
+        for r in rows
+    ]
+    comm_headers = [
+        "ranks",
+        "micro-batches",
+        "system",
+        "all-gathers",
+        "all-gather bytes",
+        "reduce-scatters",
+        "reduce-scatter bytes",
+    ]
     comm_rows = []
     for r in rows:
         for v in VARIANTS:
             (ag, agb), (rs, rsb) = r["comm"][v]["all_gather"], r["comm"][v]["reduce_scatter"]
-            comm_rows.append([r["setup"].world, r["setup"].micro_batches, LABELS[v], ag, fmt_bytes(agb), rs,
-                              fmt_bytes(rsb)])
+            comm_rows.append(
+                [
+                    r["setup"].world,
+                    r["setup"].micro_batches,
+                    LABELS[v],
+                    ag,
+                    fmt_bytes(agb),
+                    rs,
+                    fmt_bytes(rsb),
+                ]
+            )
     print_table("step time (median, slowest rank)", headers, table)
     print_table("peak memory per rank", mem_headers, mem_rows)
     print_table("collectives per step (rank 0)", comm_headers, comm_rows)
@@ -193,7 +271,8 @@ def main() -> None:
         ],
         figures=[fig],
         details=[
-            "## Collectives per step (rank 0)\n\n" + markdown_table(comm_headers, comm_rows, "rrlrrrr"),
+            "## Collectives per step (rank 0)\n\n"
+            + markdown_table(comm_headers, comm_rows, "rrlrrrr"),
             "## Setup\n\n"
             f"- Model `{s0.model}` with n_layer={args.n_layer}, untied embeddings, no dropout "
             f"({n_params / 1e6:.1f} M parameters), seq {s0.seq_len}, {b} samples per rank, fp32.\n"
@@ -245,8 +324,20 @@ def _plot(rows: list[dict]) -> str:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"ours": "tab:blue", "fsdp2_ac": "tab:orange", "fsdp2": "tab:gray"}
     for i, v in enumerate(VARIANTS):
-        ax1.bar(x + (i - 1) * 0.27, [r["median_s"][v] for r in rows], 0.27, label=LABELS[v], color=colors[v])
-        ax2.bar(x + (i - 1) * 0.27, [r["peak"][v] / 2**20 for r in rows], 0.27, label=LABELS[v], color=colors[v])
+        ax1.bar(
+            x + (i - 1) * 0.27,
+            [r["median_s"][v] for r in rows],
+            0.27,
+            label=LABELS[v],
+            color=colors[v],
+        )
+        ax2.bar(
+            x + (i - 1) * 0.27,
+            [r["peak"][v] / 2**20 for r in rows],
+            0.27,
+            label=LABELS[v],
+            color=colors[v],
+        )
     ax1.set_ylabel("median step time (s)")
     ax2.set_ylabel("peak live tensor memory per rank (MiB)")
     for ax in (ax1, ax2):

@@ -71,8 +71,14 @@ class ClusterCase:
 # 1-thread processes running matmuls at once each run 2-3x slower here than one alone).
 CASES = [
     ClusterCase("A: speeds 3:1, ample memory", "cpu,cpu:slowdown=3", 48),
-    ClusterCase("B: speeds 2:1, both short of memory", "cpu:mem=44MiB,cpu:slowdown=2:mem=64MiB", 48),
-    ClusterCase("C: speeds 3:1, too little memory for equal shards", "cpu:mem=40MiB,cpu:slowdown=3:mem=48MiB", 48),
+    ClusterCase(
+        "B: speeds 2:1, both short of memory", "cpu:mem=44MiB,cpu:slowdown=2:mem=64MiB", 48
+    ),
+    ClusterCase(
+        "C: speeds 3:1, too little memory for equal shards",
+        "cpu:mem=40MiB,cpu:slowdown=3:mem=48MiB",
+        48,
+    ),
 ]
 
 
@@ -94,10 +100,20 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
     cluster = Cluster.parse(case.spec)
     device = cluster.devices[rank]
     ov = _overrides(n_layer)
-    settings = ProfileSettings(repeats=2, warmup=1, time_cap_s=6.0, max_micro_batch=8, per_sample_dropout=False)
+    settings = ProfileSettings(
+        repeats=2, warmup=1, time_cap_s=6.0, max_micro_batch=8, per_sample_dropout=False
+    )
     t0 = time.perf_counter()
-    measured = profile_devices(MODEL, SEQ_LEN, "fp32", cluster, make_comm("auto", validate=False), settings,
-                               cache=cache, **ov)
+    measured = profile_devices(
+        MODEL,
+        SEQ_LEN,
+        "fp32",
+        cluster,
+        make_comm("auto", validate=False),
+        settings,
+        cache=cache,
+        **ov,
+    )
     profile_s = time.perf_counter() - t0
     cm = cost_model_from_profiles(cluster, build_model(MODEL, **ov).spec, SEQ_LEN, "fp32", measured)
     plans, misfit = {}, {}
@@ -108,25 +124,33 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
             misfit[s] = str(err)
 
     B = case.global_batch
-    even_batches = [B // cluster.world_size + (1 if i < B % cluster.world_size else 0)
-                    for i in range(cluster.world_size)]
+    even_batches = [
+        B // cluster.world_size + (1 if i < B % cluster.world_size else 0)
+        for i in range(cluster.world_size)
+    ]
     # FSDP2 needs the same number of micro-batches on every rank (each one all-gathers):
     # the even plan's smallest micro-batch, so that its tightest rank fits as well as it can
     fsdp_micro = min(r.micro_batch_size for r in plans["even"].ranks) if "even" in plans else 1
     fsdp_micro = max(1, min(fsdp_micro, min(even_batches)))
     systems = {s: OursTrainer(MODEL, ov, p, slowdown=device.slowdown) for s, p in plans.items()}
-    systems["fsdp2"] = Fsdp2Trainer(MODEL, ov, even_batches, fsdp_micro, checkpointing=False,
-                                    slowdown=device.slowdown)
+    systems["fsdp2"] = Fsdp2Trainer(
+        MODEL, ov, even_batches, fsdp_micro, checkpointing=False, slowdown=device.slowdown
+    )
     # The ideal column: every rank trains ALONE (world size 1, no collectives) at the same
     # time as the others, so the solo speeds share the machine as the ranks do in training.
     # its best micro-batch: the largest up to SOLO_MICRO_BATCH whose working memory (no state,
     # boundaries offloaded) fits the device, as planner_quality's ideal bound has it
     ms = np.arange(1, SOLO_MICRO_BATCH + 1)
-    fits = cm.memory_without_state(device.type_key, device.memory_bytes, ms, ms, True) <= device.memory_bytes
+    fits = (
+        cm.memory_without_state(device.type_key, device.memory_bytes, ms, ms, True)
+        <= device.memory_bytes
+    )
     solo_m = int(ms[fits].max()) if fits.any() else 1
     solo_b = 2 * solo_m
     solo_plan = manual_plan(MODEL, SEQ_LEN, [solo_b], [solo_m], [1.0], [device.type_key])
-    systems["ideal"] = OursTrainer(MODEL, ov, solo_plan, slowdown=device.slowdown, comm_impl="local")
+    systems["ideal"] = OursTrainer(
+        MODEL, ov, solo_plan, slowdown=device.slowdown, comm_impl="local"
+    )
     x, y = make_data(B, SEQ_LEN, 256)
     xs, ys = x[:solo_b], y[:solo_b]
     times: dict[str, list[float]] = {s: [] for s in systems}
@@ -152,11 +176,22 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
     fsdp = systems["fsdp2"]
     peaks["fsdp2"] = tracked_peak_bytes(lambda: fsdp.step(x, y), fsdp.persistent())
     return {
-        "times": times, "peaks": peaks, "budget": device.memory_bytes, "profile_s": profile_s,
-        "busy": busy, "wait": wait, "solo_m": solo_m,
-        "fsdp_micro": fsdp_micro, "misfit": misfit,
-        "plans": {s: [(r.batch_size, r.micro_batch_size, r.state_fraction, r.offload_activations) for r in p.ranks]
-                  for s, p in plans.items()},
+        "times": times,
+        "peaks": peaks,
+        "budget": device.memory_bytes,
+        "profile_s": profile_s,
+        "busy": busy,
+        "wait": wait,
+        "solo_m": solo_m,
+        "fsdp_micro": fsdp_micro,
+        "misfit": misfit,
+        "plans": {
+            s: [
+                (r.batch_size, r.micro_batch_size, r.state_fraction, r.offload_activations)
+                for r in p.ranks
+            ]
+            for s, p in plans.items()
+        },
         "predicted_tok_s": {s: p.predicted.tokens_per_s for s, p in plans.items()},
         "profile_source": "measured" if measured.measured else "database",
     }
@@ -167,8 +202,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--clusters", default="".join(c.label[0] for c in CASES), help="which clusters, e.g. AC")
-    ap.add_argument("--batch", type=int, default=None, help="global batch (default: each cluster's)")
+    ap.add_argument(
+        "--clusters", default="".join(c.label[0] for c in CASES), help="which clusters, e.g. AC"
+    )
+    ap.add_argument(
+        "--batch", type=int, default=None, help="global batch (default: each cluster's)"
+    )
     args = ap.parse_args()
     started = time.perf_counter()
     from cephalo.cluster import Cluster
@@ -186,30 +225,64 @@ def main() -> None:
             t0 = time.perf_counter()
             per_rank = pool.run(_cluster_run, case, args.n_layer, args.rounds, args.warmup, cache)
             cols = [c for c in per_rank[0]["times"] if c != "ideal"]
-            step = {s: [max(r["times"][s][i] for r in per_rank) for i in range(args.rounds)] for s in cols}
+            step = {
+                s: [max(r["times"][s][i] for r in per_rank) for i in range(args.rounds)]
+                for s in cols
+            }
             tok = {s: case.global_batch * SEQ_LEN / median(step[s]) for s in cols}
             # ideal: per round, the sum of the ranks' concurrent solo samples/s
-            ideal = median([sum(r["times"]["ideal"][i] for r in per_rank) for i in range(args.rounds)]) * SEQ_LEN
+            ideal = (
+                median([sum(r["times"]["ideal"][i] for r in per_rank) for i in range(args.rounds)])
+                * SEQ_LEN
+            )
             solo = [median(r["times"]["ideal"]) for r in per_rank]
-            over = {s: [(i, r["peaks"][s], r["budget"]) for i, r in enumerate(per_rank) if r["peaks"][s] > r["budget"]]
-                    for s in cols}
-            results.append({"case": case, "tok": tok, "ideal": ideal, "over": over, "r0": per_rank[0], "solo": solo,
-                            "solo_m": [r["solo_m"] for r in per_rank],
-                            "busy": {s: [r["busy"][s] for r in per_rank] for s in per_rank[0]["busy"]},
-                            "wait": {s: [r["wait"][s] for r in per_rank] for s in per_rank[0]["wait"]},
-                            "step_s": {s: median(v) for s, v in step.items()},
-                            "profile_s": per_rank[0]["profile_s"],
-                            "peaks": {s: [r["peaks"][s] for r in per_rank] for s in cols},
-                            "budgets": [r["budget"] for r in per_rank]})
-            print(f"{case.label}: " + ", ".join(f"{s} {v:,.0f}" for s, v in tok.items())
-                  + f", ideal {ideal:,.0f} tok/s (profiling {per_rank[0]['profile_s']:.0f} s, "
-                  f"all {time.perf_counter() - t0:.0f} s)", flush=True)
+            over = {
+                s: [
+                    (i, r["peaks"][s], r["budget"])
+                    for i, r in enumerate(per_rank)
+                    if r["peaks"][s] > r["budget"]
+                ]
+                for s in cols
+            }
+            results.append(
+                {
+                    "case": case,
+                    "tok": tok,
+                    "ideal": ideal,
+                    "over": over,
+                    "r0": per_rank[0],
+                    "solo": solo,
+                    "solo_m": [r["solo_m"] for r in per_rank],
+                    "busy": {s: [r["busy"][s] for r in per_rank] for s in per_rank[0]["busy"]},
+                    "wait": {s: [r["wait"][s] for r in per_rank] for s in per_rank[0]["wait"]},
+                    "step_s": {s: median(v) for s, v in step.items()},
+                    "profile_s": per_rank[0]["profile_s"],
+                    "peaks": {s: [r["peaks"][s] for r in per_rank] for s in cols},
+                    "budgets": [r["budget"] for r in per_rank],
+                }
+            )
+            print(
+                f"{case.label}: "
+                + ", ".join(f"{s} {v:,.0f}" for s, v in tok.items())
+                + f", ideal {ideal:,.0f} tok/s (profiling {per_rank[0]['profile_s']:.0f} s, "
+                f"all {time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
     _report(results, args, time.perf_counter() - started)
 
 
 def _report(results: list[dict], args, wall: float) -> None:
-    headers = ["cluster", "cephalo", "proportional", "even", "FSDP2 (even)", "ideal", "cephalo / ideal",
-               "ahead of all?", "target met?"]
+    headers = [
+        "cluster",
+        "cephalo",
+        "proportional",
+        "even",
+        "FSDP2 (even)",
+        "ideal",
+        "cephalo / ideal",
+        "ahead of all?",
+        "target met?",
+    ]
     table, met = [], []
     for r in results:
         tok = r["tok"]
@@ -225,9 +298,16 @@ def _report(results: list[dict], args, wall: float) -> None:
         ahead = c is not None and all(c > v for s, v in tok.items() if s != "cephalo")
         ok = frac >= 0.9 and ahead
         met.append(ok)
-        table.append([f"{r['case'].label} (`{r['case'].spec}`), B={r['case'].global_batch}",
-                      *(cell(s) for s in COLUMNS), f"{r['ideal']:,.0f}", f"**{frac:.2f}**",
-                      "yes" if ahead else "no", verdict(ok)])
+        table.append(
+            [
+                f"{r['case'].label} (`{r['case'].spec}`), B={r['case'].global_batch}",
+                *(cell(s) for s in COLUMNS),
+                f"{r['ideal']:,.0f}",
+                f"**{frac:.2f}**",
+                "yes" if ahead else "no",
+                verdict(ok),
+            ]
+        )
     print_table("measured tokens/s (emulated clusters)", headers, table)
 
     plan_rows = []
@@ -238,41 +318,83 @@ def _report(results: list[dict], args, wall: float) -> None:
                 desc = f"even batches, micro-batch {r0['fsdp_micro']} on every rank, even shards"
                 pred = "—"
             elif s in r0["plans"]:
-                desc = "; ".join(f"b={b} m={m} s={f:.2f}{' off' if o else ''}" for b, m, f, o in r0["plans"][s])
+                desc = "; ".join(
+                    f"b={b} m={m} s={f:.2f}{' off' if o else ''}" for b, m, f, o in r0["plans"][s]
+                )
                 pred = f"{r0['predicted_tok_s'][s]:,.0f}"
             else:
                 desc, pred = "does not fit: " + r0["misfit"][s][:160], "—"
             peaks = " / ".join(fmt_bytes(p) for p in r["peaks"].get(s, [])) or "—"
             step = f"{r['step_s'][s]:.2f}" if s in r["step_s"] else "—"
-            split = (" / ".join(f"{b:.2f}+{w:.2f}" for b, w in zip(r["busy"][s], r["wait"][s], strict=True))
-                     if s in r["busy"] else "—")
+            split = (
+                " / ".join(
+                    f"{b:.2f}+{w:.2f}" for b, w in zip(r["busy"][s], r["wait"][s], strict=True)
+                )
+                if s in r["busy"]
+                else "—"
+            )
             plan_rows.append([r["case"].label[:1], s, desc, pred, step, split, peaks])
-    plan_headers = ["cluster", "column", "per rank: batch, micro-batch, state fraction (off = offload)",
-                    "predicted tok/s", "step s", "per rank: compute + comm wait s", "peak per rank (ledger; FSDP2: tracked)"]
-    budget_lines = [f"- {r['case'].label[:1]}: budgets " + " / ".join(fmt_bytes(b) for b in r["budgets"])
-                    + "; over budget: " + (", ".join(f"{s} rank {i} ({fmt_bytes(p)} > {fmt_bytes(b)})"
-                                                     for s, lst in r["over"].items() for i, p, b in lst) or "none")
-                    for r in results]
+    plan_headers = [
+        "cluster",
+        "column",
+        "per rank: batch, micro-batch, state fraction (off = offload)",
+        "predicted tok/s",
+        "step s",
+        "per rank: compute + comm wait s",
+        "peak per rank (ledger; FSDP2: tracked)",
+    ]
+    budget_lines = [
+        f"- {r['case'].label[:1]}: budgets "
+        + " / ".join(fmt_bytes(b) for b in r["budgets"])
+        + "; over budget: "
+        + (
+            ", ".join(
+                f"{s} rank {i} ({fmt_bytes(p)} > {fmt_bytes(b)})"
+                for s, lst in r["over"].items()
+                for i, p, b in lst
+            )
+            or "none"
+        )
+        for r in results
+    ]
     fig = _plot(results)
     result = Result(
         name="hetero_throughput",
         title="Measured throughput on emulated heterogeneous clusters",
         emulated="CPU ranks stand in for slower devices: `slowdown=f` sleeps (f-1) x each compute piece "
-                 "(engine: runtime/emulation.py; FSDP2: the same stretch around each unit's forward and "
-                 "backward); `mem=` is a budget checked against the ledger, not a real device limit.",
-        summary=[markdown_table(headers, table, "lrrrrrrll") + "\n\n(tokens/s, medians of "
-                 f"{args.rounds} rotated rounds; 'over budget': some rank's peak exceeded its `mem=`)",
-                 f"- Target (cephalo >= 0.9 x ideal and ahead of every other column): {sum(met)} of {len(met)} "
-                 "clusters met."],
+        "(engine: runtime/emulation.py; FSDP2: the same stretch around each unit's forward and "
+        "backward); `mem=` is a budget checked against the ledger, not a real device limit.",
+        summary=[
+            markdown_table(headers, table, "lrrrrrrll") + "\n\n(tokens/s, medians of "
+            f"{args.rounds} rotated rounds; 'over budget': some rank's peak exceeded its `mem=`)",
+            f"- Target (cephalo >= 0.9 x ideal and ahead of every other column): {sum(met)} of {len(met)} "
+            "clusters met.",
+        ],
         figures=[fig],
         details=[
-            "## Plans and memory\n\n" + markdown_table(plan_headers, plan_rows, "llllrlr") + "\n\n"
+            "## Plans and memory\n\n"
+            + markdown_table(plan_headers, plan_rows, "llllrlr")
+            + "\n\n"
             + "\n".join(budget_lines),
-            "## Solo throughput (the ideal bound's terms)\n\n" + markdown_table(
-                ["cluster", "solo samples/s per rank (compute only, medians)", "solo micro-batch per rank",
-                 "profiling s"],
-                [[r["case"].label[:1], " / ".join(f"{v:.2f}" for v in r["solo"]), " / ".join(map(str, r["solo_m"])),
-                  f"{r['profile_s']:.0f}"] for r in results], "llrr"),
+            "## Solo throughput (the ideal bound's terms)\n\n"
+            + markdown_table(
+                [
+                    "cluster",
+                    "solo samples/s per rank (compute only, medians)",
+                    "solo micro-batch per rank",
+                    "profiling s",
+                ],
+                [
+                    [
+                        r["case"].label[:1],
+                        " / ".join(f"{v:.2f}" for v in r["solo"]),
+                        " / ".join(map(str, r["solo_m"])),
+                        f"{r['profile_s']:.0f}",
+                    ]
+                    for r in results
+                ],
+                "llrr",
+            ),
             "## Setup\n\n"
             f"- Model `{MODEL}` (n_layer={args.n_layer}, untied embeddings, no dropout), seq {SEQ_LEN}, fp32, "
             "2 gloo ranks per cluster (one process and one torch thread each) on this 2-core machine.\n"
@@ -303,18 +425,31 @@ def _plot(results: list[dict]) -> str:
     fig, ax = plt.subplots(figsize=(10, 4.5))
     x = np.arange(len(results))
     series = [*COLUMNS, "ideal"]
-    colors = {"cephalo": "tab:blue", "proportional": "tab:orange", "even": "tab:gray", "fsdp2": "tab:red",
-              "ideal": "black"}
+    colors = {
+        "cephalo": "tab:blue",
+        "proportional": "tab:orange",
+        "even": "tab:gray",
+        "fsdp2": "tab:red",
+        "ideal": "black",
+    }
     w = 0.16
     for k, s in enumerate(series):
         vals = [(r["ideal"] if s == "ideal" else r["tok"].get(s, 0.0)) for r in results]
-        ax.bar(x + (k - 2) * w, vals, w, label="FSDP2 (even)" if s == "fsdp2" else s, color=colors[s],
-               alpha=0.35 if s == "ideal" else 1.0)
+        ax.bar(
+            x + (k - 2) * w,
+            vals,
+            w,
+            label="FSDP2 (even)" if s == "fsdp2" else s,
+            color=colors[s],
+            alpha=0.35 if s == "ideal" else 1.0,
+        )
     ax.set_xticks(x, [r["case"].label for r in results], fontsize=8)
     ax.set_ylabel("tokens/s (measured, emulated devices)")
     ax.set_title("Emulated heterogeneous clusters: measured throughput")
     ax.legend(fontsize=8, ncol=5)
-    return save_figure(fig, "hetero_throughput", "EMULATED devices (CPU ranks with slowdown / memory budgets)")
+    return save_figure(
+        fig, "hetero_throughput", "EMULATED devices (CPU ranks with slowdown / memory budgets)"
+    )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ def _sweep(model: str, overrides: dict, seq_len: int, batch: int, ks: list[int])
         for k in ks:
             m = batch // k
             plan = manual_plan(model, seq_len, [batch] * world, [m] * world, [1.0 / world] * world)
-            plan.ranks = [r.__class__(**{**r.__dict__, "offload_activations": offload}) for r in plan.ranks]
+            plan.ranks = [
+                r.__class__(**{**r.__dict__, "offload_activations": offload}) for r in plan.ranks
+            ]
             trainer = OursTrainer(model, overrides, plan, mode=mode)
             trainer.comm.counters.reset()
             dist.barrier()
@@ -54,14 +56,23 @@ def _sweep(model: str, overrides: dict, seq_len: int, batch: int, ks: list[int])
             stats = trainer.step(x, y)
             wall = time.perf_counter() - t0
             c = trainer.comm.counters
-            out.append({
-                "mode": mode, "offload": offload, "k": k, "m": m, "wall_s": wall,
-                "ag_calls": c.calls["all_gather_v"], "ag_bytes": c.bytes["all_gather_v"],
-                "rs_calls": c.calls["reduce_scatter_v"], "rs_bytes": c.bytes["reduce_scatter_v"],
-                "ar_bytes": c.bytes["all_reduce"],
-                "peak": stats.peak_bytes, "by_cat": dict(stats.peak_by_category),
-                "host_peak": trainer.engine.ledger.host_peak_bytes,
-            })
+            out.append(
+                {
+                    "mode": mode,
+                    "offload": offload,
+                    "k": k,
+                    "m": m,
+                    "wall_s": wall,
+                    "ag_calls": c.calls["all_gather_v"],
+                    "ag_bytes": c.bytes["all_gather_v"],
+                    "rs_calls": c.calls["reduce_scatter_v"],
+                    "rs_bytes": c.bytes["reduce_scatter_v"],
+                    "ar_bytes": c.bytes["all_reduce"],
+                    "peak": stats.peak_bytes,
+                    "by_cat": dict(stats.peak_by_category),
+                    "host_peak": trainer.engine.ledger.host_peak_bytes,
+                }
+            )
     return out
 
 
@@ -77,20 +88,44 @@ def main() -> None:
     with RankPool(world, timeout_s=600) as pool:
         rows = pool.run(_sweep, model, overrides, seq_len, args.batch_per_rank, ks)[0]  # rank 0
 
-    headers = ["accumulation", "micro-batches", "all-gathers", "all-gather bytes", "reduce-scatters",
-               "reduce-scatter bytes", "device peak (ledger)", "host peak", "step s (one run)"]
-    table = [[_label(r["mode"], r["offload"]), f"{r['k']} x {r['m']}", r["ag_calls"], fmt_bytes(r["ag_bytes"]),
-              r["rs_calls"], fmt_bytes(r["rs_bytes"]), fmt_bytes(r["peak"]), fmt_bytes(r["host_peak"]),
-              f"{r['wall_s']:.2f}"] for r in rows]
+    headers = [
+        "accumulation",
+        "micro-batches",
+        "all-gathers",
+        "all-gather bytes",
+        "reduce-scatters",
+        "reduce-scatter bytes",
+        "device peak (ledger)",
+        "host peak",
+        "step s (one run)",
+    ]
+    table = [
+        [
+            _label(r["mode"], r["offload"]),
+            f"{r['k']} x {r['m']}",
+            r["ag_calls"],
+            fmt_bytes(r["ag_bytes"]),
+            r["rs_calls"],
+            fmt_bytes(r["rs_bytes"]),
+            fmt_bytes(r["peak"]),
+            fmt_bytes(r["host_peak"]),
+            f"{r['wall_s']:.2f}",
+        ]
+        for r in rows
+    ]
     print_table("LGA vs standard accumulation (rank 0)", headers, table)
 
     def pick(mode: str, offload: bool, k: int) -> dict:
-        return next(r for r in rows if r["mode"] == mode and r["offload"] == offload and r["k"] == k)
+        return next(
+            r for r in rows if r["mode"] == mode and r["offload"] == offload and r["k"] == k
+        )
 
     kmax = ks[-1]
     lga, std = pick("lga", False, kmax), pick("standard", False, kmax)
     comm_ratio = (std["ag_bytes"] + std["rs_bytes"]) / (lga["ag_bytes"] + lga["rs_bytes"])
-    lga_flat = all(pick("lga", False, k)["ag_bytes"] == pick("lga", False, 1)["ag_bytes"] for k in ks)
+    lga_flat = all(
+        pick("lga", False, k)["ag_bytes"] == pick("lga", False, 1)["ag_bytes"] for k in ks
+    )
     off = pick("lga", True, kmax)
     fig = _plot(rows, ks)
     result = Result(
@@ -127,13 +162,23 @@ def _plot(rows: list[dict], ks: list[int]) -> str:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = {("lga", False): ("tab:blue", "o-"), ("standard", False): ("tab:orange", "s-"),
-              ("lga", True): ("tab:green", "^--")}
+    styles = {
+        ("lga", False): ("tab:blue", "o-"),
+        ("standard", False): ("tab:orange", "s-"),
+        ("lga", True): ("tab:green", "^--"),
+    }
     for (mode, offload), (color, style) in styles.items():
         sel = [r for r in rows if r["mode"] == mode and r["offload"] == offload]
-        ax1.plot(ks, [(r["ag_bytes"] + r["rs_bytes"]) / 2**20 for r in sel], style, color=color,
-                 label=_label(mode, offload))
-        ax2.plot(ks, [r["peak"] / 2**20 for r in sel], style, color=color, label=_label(mode, offload))
+        ax1.plot(
+            ks,
+            [(r["ag_bytes"] + r["rs_bytes"]) / 2**20 for r in sel],
+            style,
+            color=color,
+            label=_label(mode, offload),
+        )
+        ax2.plot(
+            ks, [r["peak"] / 2**20 for r in sel], style, color=color, label=_label(mode, offload)
+        )
     ax1.set_ylabel("all-gather + reduce-scatter MiB per step (rank 0)")
     ax2.set_ylabel("device peak MiB (ledger, rank 0)")
     for ax in (ax1, ax2):

@@ -91,8 +91,18 @@ def main() -> None:
     started = time.perf_counter()
     rows = [plan_case(c) for c in CASES]
 
-    headers = ["cluster", "model, batch", "cephalo tok/s", "proportional tok/s", "even tok/s",
-               "ideal tok/s", "cephalo / ideal", "cephalo / even", "cephalo / prop.", "do not fit"]
+    headers = [
+        "cluster",
+        "model, batch",
+        "cephalo tok/s",
+        "proportional tok/s",
+        "even tok/s",
+        "ideal tok/s",
+        "cephalo / ideal",
+        "cephalo / even",
+        "cephalo / prop.",
+        "do not fit",
+    ]
     table = []
     for r in rows:
         c, tp = r["case"], r["tokens_per_s"]
@@ -104,17 +114,33 @@ def main() -> None:
             return fmt_ratio(tp[a] / tp[b]) if tp[a] and tp[b] else "—"
 
         misfits = ", ".join(s for s in STRATEGIES if tp[s] is None) or "none"
-        table.append([f"{c.label} (`{c.cluster}`)", f"{c.model}, {c.global_batch}",
-                      *(cell(s) for s in STRATEGIES), f"{r['ideal']:,.0f}",
-                      fmt_ratio(tp["cephalo"] / r["ideal"]) if tp["cephalo"] else "—",
-                      ratio("cephalo", "even"), ratio("cephalo", "proportional"), misfits])
+        table.append(
+            [
+                f"{c.label} (`{c.cluster}`)",
+                f"{c.model}, {c.global_batch}",
+                *(cell(s) for s in STRATEGIES),
+                f"{r['ideal']:,.0f}",
+                fmt_ratio(tp["cephalo"] / r["ideal"]) if tp["cephalo"] else "—",
+                ratio("cephalo", "even"),
+                ratio("cephalo", "proportional"),
+                misfits,
+            ]
+        )
     print_table("planner quality (predicted, catalog profiles)", headers, table)
 
     # cephalo should beat or match every baseline that fits, and fit whenever any does
-    beats = all(r["tokens_per_s"]["cephalo"] is not None and all(
-        r["tokens_per_s"][s] is None or r["tokens_per_s"]["cephalo"] >= r["tokens_per_s"][s] * (1 - 1e-9)
-        for s in ("proportional", "even")) for r in rows)
-    worst = min(r["tokens_per_s"]["cephalo"] / r["ideal"] for r in rows if r["tokens_per_s"]["cephalo"])
+    beats = all(
+        r["tokens_per_s"]["cephalo"] is not None
+        and all(
+            r["tokens_per_s"][s] is None
+            or r["tokens_per_s"]["cephalo"] >= r["tokens_per_s"][s] * (1 - 1e-9)
+            for s in ("proportional", "even")
+        )
+        for r in rows
+    )
+    worst = min(
+        r["tokens_per_s"]["cephalo"] / r["ideal"] for r in rows if r["tokens_per_s"]["cephalo"]
+    )
     plan_times = max(max(r["plan_s"].values()) for r in rows)
 
     fig_name = _plot(rows)
@@ -123,7 +149,7 @@ def main() -> None:
         name="planner_quality",
         title="Planner quality: predicted throughput on real GPU types",
         predicted="Predictions of the cost model fed with the catalog's published per-GPU "
-                 "measurements (seq 512, fp16); no GPU was used.",
+        "measurements (seq 512, fp16); no GPU was used.",
         summary=[
             markdown_table(headers, table, "llrrrrrrrl"),
             f"- `cephalo` fits every case and predicts at least the throughput of every baseline "
@@ -138,7 +164,7 @@ def main() -> None:
             "(global batch x seq_len / predicted step time). `even`: equal batches and shards "
             "(plain FSDP). `proportional`: batches proportional to each device's speed, equal "
             "shards (earlier heterogeneous systems). Both pick the fewest micro-batches that fit "
-            "(offloading activations only if needed). \"does not fit\": `PlanDoesNotFit`, "
+            '(offloading activations only if needed). "does not fit": `PlanDoesNotFit`, '
             "even at micro-batch 1 with offloaded activations.\n\n"
             "**Ideal bound** = sum over devices of max_m m / C_i(m), with C_i(m) the cost "
             "model's compute time (forward + recompute + backward, all units) of one micro-batch "
@@ -157,9 +183,14 @@ def _plot(rows: list[dict]) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [textwrap.fill(f'{r["case"].label} ({r["case"].model})', 18) for r in rows]
+    labels = [textwrap.fill(f"{r['case'].label} ({r['case'].model})", 18) for r in rows]
     series = [*STRATEGIES, "ideal"]
-    colors = {"cephalo": "tab:blue", "proportional": "tab:orange", "even": "tab:gray", "ideal": "black"}
+    colors = {
+        "cephalo": "tab:blue",
+        "proportional": "tab:orange",
+        "even": "tab:gray",
+        "ideal": "black",
+    }
     x = np.arange(len(rows))
     width = 0.2
     fig, ax = plt.subplots(figsize=(12, 5.2))
@@ -169,12 +200,21 @@ def _plot(rows: list[dict]) -> str:
             v = r["ideal"] if s == "ideal" else r["tokens_per_s"][s]
             vals.append(0.0 if v is None else v / r["ideal"])
         pos = x + (k - 1.5) * width
-        bars = ax.bar(pos, vals, width, label=s, color=colors[s],
-                      alpha=0.35 if s == "ideal" else 1.0)
+        bars = ax.bar(
+            pos, vals, width, label=s, color=colors[s], alpha=0.35 if s == "ideal" else 1.0
+        )
         for b, r in zip(bars, rows, strict=True):
             if s != "ideal" and r["tokens_per_s"][s] is None:
-                ax.text(b.get_x() + width / 2, 0.02, "no fit", rotation=90, ha="center",
-                        va="bottom", fontsize=7, color="tab:red")
+                ax.text(
+                    b.get_x() + width / 2,
+                    0.02,
+                    "no fit",
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    color="tab:red",
+                )
     ax.set_xticks(x, labels, fontsize=7)
     ax.set_ylabel("predicted throughput / ideal bound")
     ax.set_ylim(0, 1.1)

@@ -110,14 +110,19 @@ def summary_of(name: str) -> str | None:
 
 def run_table(outcomes: list[Outcome], total_s: float) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    rows = [f"| `bench/{o.bench.name}.py` | {o.status} | {o.wall_s:.0f} s | {o.bench.timeout_s} s |" for o in outcomes]
-    return "\n".join([
-        f"_Last `make bench` ({now}): {total_s / 60:.1f} min in total (budget {TOTAL_BUDGET_S // 60} min)._",
-        "",
-        "| bench | status | wall time | limit |",
-        "| :--- | :--- | ---: | ---: |",
-        *rows,
-    ])
+    rows = [
+        f"| `bench/{o.bench.name}.py` | {o.status} | {o.wall_s:.0f} s | {o.bench.timeout_s} s |"
+        for o in outcomes
+    ]
+    return "\n".join(
+        [
+            f"_Last `make bench` ({now}): {total_s / 60:.1f} min in total (budget {TOTAL_BUDGET_S // 60} min)._",
+            "",
+            "| bench | status | wall time | limit |",
+            "| :--- | :--- | ---: | ---: |",
+            *rows,
+        ]
+    )
 
 
 def replace_block(doc: str, key: str, title: str, body: str) -> str:
@@ -165,7 +170,10 @@ def main() -> int:
     for b in selected:
         left = TOTAL_BUDGET_S - (time.perf_counter() - started)
         if left < 30:
-            print(f"== {b.name}: skipped, the {TOTAL_BUDGET_S // 60}-minute budget is spent", flush=True)
+            print(
+                f"== {b.name}: skipped, the {TOTAL_BUDGET_S // 60}-minute budget is spent",
+                flush=True,
+            )
             outcomes.append(Outcome(b, "skipped (budget spent)"))
             continue
         outcomes.append(run_bench(b, min(b.timeout_s, left)))
