@@ -255,6 +255,36 @@ def test_two_rank_profiling(pool2, tmp_path):
     assert results[0]["second_s"] < 2.0
     db = ProfileDatabase.load(tmp_path / "db.json")
     assert len(db.devices) == 2 and len(db.comm) == 1
+    # co-located CPU ranks are measured together, and the database says so
+    assert all(p.meta["concurrent"] for p in first.profiles.values())
+    assert {e["key"]["peers"] for e in db.devices.values()} == {"cpu,cpu:slowdown=2"}
+
+
+def _profile_uneven_sweeps(cache: str) -> dict:
+    """Rank 1's memory ends its sweep at micro-batch 2; rank 0 goes on to 8. Then the same
+    cluster measured one rank at a time, into the same database."""
+    from cephalo.runtime.comm import make_comm
+
+    comm = make_comm("auto")
+    settings = ProfileSettings(repeats=1, warmup=0, max_micro_batch=8, optimizer_numel=1 << 16,
+                               host_copy_bytes=1 << 20, time_cap_s=30.0)
+    cluster = Cluster.parse("cpu,cpu:slowdown=2,mem=3MiB")
+    together = profile_devices("gpt-tiny", 32, "fp32", cluster, comm, settings=settings, cache=cache)
+    settings.concurrent = False
+    alone = profile_devices("gpt-tiny", 32, "fp32", cluster, comm, settings=settings, cache=cache)
+    return {"together": together.to_dict(), "alone": alone.to_dict()}
+
+
+@pytest.mark.slow
+def test_concurrent_profiling_with_uneven_sweeps(pool2, tmp_path):
+    results = pool2.run(_profile_uneven_sweeps, str(tmp_path / "db.json"), timeout_s=240.0)
+    together = MeasuredProfiles.from_dict(results[0]["together"])
+    assert together.profiles["cpu"].units["block"].fwd_s.xs == [1.0, 2.0, 4.0, 8.0]
+    assert together.profiles["cpu:slowdown=2"].units["block"].fwd_s.xs == [1.0, 2.0]
+    alone = MeasuredProfiles.from_dict(results[0]["alone"])
+    assert sorted(alone.measured) == ["cpu", "cpu:slowdown=2"]  # another key: not a cache hit
+    assert not any(p.meta["concurrent"] for p in alone.profiles.values())
+    assert len(ProfileDatabase.load(tmp_path / "db.json").devices) == 4
 
 
 # ----------------------------------------------------------------------------- launcher

@@ -9,7 +9,9 @@ A measurement is only reusable for the same thing measured, so every entry is ke
   included, it costs time), so a renamed but identical model hits and a resized one misses;
 - sequence length, compute dtype and the torch version (kernels change between releases);
 - the measurement method's version (`MEASURE_METHOD`): entries measured the way an older
-  cephalo measured miss and are measured again.
+  cephalo measured miss and are measured again;
+- the peers it was measured with (`DeviceKey.peers`): co-located CPU ranks are measured
+  concurrently, and their contention for the cores is part of the numbers.
 
 Collective profiles are keyed by the world size, backend, the ordered device type keys
 and the host. Memory capacity is not part of any key: times do not depend on how much
@@ -45,9 +47,10 @@ from cephalo.errors import CephaloError
 from cephalo.profile import CommProfile, DeviceProfile
 
 DB_VERSION = 1
-MEASURE_METHOD = 2
+MEASURE_METHOD = 3
 """Bump when how a device is measured changes what a profile says. 2: the optimizer step
-and (on CPUs) the host copies are timed under the emulator; `async_copies` recorded."""
+and (on CPUs) the host copies are timed under the emulator; `async_copies` recorded.
+3: co-located CPU ranks measured concurrently by the wall clock (`DeviceKey.peers`)."""
 DEFAULT_DB_PATH = Path("~/.cache/cephalo/profiles.json")
 
 
@@ -100,6 +103,9 @@ class DeviceKey:
     """`host_signature` of the measuring device."""
     method: int = MEASURE_METHOD
     """How it was measured (`MEASURE_METHOD` of the cephalo that measured it)."""
+    peers: str = ""
+    """Measured concurrently with these ranks (their type keys, in rank order, comma
+    separated), which shared its host's cores; empty when measured alone."""
 
     def text(self) -> str:
         return "|".join(str(v) for v in asdict(self).values())

@@ -20,9 +20,11 @@ optimizer step, is stretched by the same `ComputeEmulator` the engine uses (the 
 stretches both: a slow device is slow at its optimizer step too).
 
 Timing: `warmup` untimed repetitions, then `repeats` timed ones, median kept. On a CPU rank
-with one intra-op thread (what the local launcher gives each rank) compute is timed by the
-thread's CPU time, so processes sharing the cores (other ranks, other jobs) do not inflate
-it; elsewhere by the wall clock (synchronised on CUDA). A repetition
+with one intra-op thread (what the local launcher gives each rank) measured alone, compute
+is timed by the thread's CPU time, so other jobs sharing the cores do not inflate it; by the
+wall clock when co-located ranks are measured together (`Timing.wall_clock`: their
+contention is then what is measured, as in training) and elsewhere (synchronised on CUDA).
+A repetition
 runs the piece enough times back to back to last about `MIN_REP_S` (tiny units at
 micro-batch 1 take tens of microseconds, below the timer's useful resolution); the sleep of
 the emulation is applied once per repetition, as the engine applies it once per unit pass.
@@ -63,6 +65,13 @@ class Timing:
     """Untimed repetitions first (allocator, caches, lazy initialisation)."""
     repeats: int = 3
     """Timed repetitions; the median is kept."""
+    wall_clock: bool = False
+    """Time compute by the wall clock even on a single-threaded CPU rank: what the engine
+    measures and stretches, so contention with co-located ranks is part of the number."""
+    start_together: Callable[[], None] | None = None
+    """Called before each timed repetition (a barrier across concurrently measuring ranks):
+    each repetition then starts on all ranks at once, as unit passes do in lockstep
+    training (every unit starts when its all-gather completes on all ranks)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -70,11 +79,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
-    """This thread's CPU time on a single-threaded CPU rank (other processes sharing the
-    cores then do not inflate the numbers); wall time otherwise (GPU kernels, or several
-    intra-op threads whose CPU time adds up)."""
-    if device.type == "cpu" and torch.get_num_threads() == 1:
+def _clock(device: torch.device, wall_clock: bool = False) -> Callable[[], float]:
+    """This thread's CPU time on a single-threaded CPU rank measured alone (other processes
+    sharing the cores then do not inflate the numbers); wall time otherwise (GPU kernels,
+    several intra-op threads whose CPU time adds up, or ranks measured concurrently)."""
+    if not wall_clock and device.type == "cpu" and torch.get_num_threads() == 1:
         return time.thread_time
     return time.perf_counter
 
@@ -83,7 +92,7 @@ def time_piece(fn: Callable[[], object], device: torch.device, timing: Timing,
                emulator: ComputeEmulator | None = None) -> float:
     """Median seconds of one call of `fn`, as it appears under `emulator` (if any): the
     compute (`_clock`), stretched by the emulator (which sleeps, as in the engine)."""
-    clock = _clock(device)
+    clock = _clock(device, timing.wall_clock)
     _sync(device)
     t0 = time.perf_counter()
     fn()
@@ -94,6 +103,8 @@ def time_piece(fn: Callable[[], object], device: torch.device, timing: Timing,
         fn()
     samples = []
     for _ in range(timing.repeats):
+        if timing.start_together is not None:
+            timing.start_together()
         _sync(device)
         c0 = clock()
         for _ in range(calls):

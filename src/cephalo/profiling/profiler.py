@@ -2,13 +2,19 @@
 ranks, inside the distributed job, with a database so a second run is instant.
 
 Every rank calls it with the same arguments. Rank 0 reads the database and says (to all)
-which device types are already known; each unknown type is then measured by the FIRST rank
-of that type while every other rank waits for its result (a blocking broadcast). One rank
-measures at a time on purpose: on a small machine running several emulated ranks, two
-ranks measuring at once would slow each other down and the profiles would describe a
-contended machine, not the devices. The collectives are measured by all ranks together.
-Rank 0 then writes the database. In one process (world size 1) the same call measures
-every distinct type of `devices` itself: emulated types differ only in their slowdown.
+which device types are already known. When the ranks are CPU processes on one host (the
+emulated clusters), every rank then measures its own device type at the same time, by the
+wall clock, each timed repetition started on all ranks together: in training these ranks
+share the cores in lockstep (each unit starts on all ranks when its all-gather completes),
+so each one's unit compute is slower in wall time than measured alone, and the emulator
+stretches that wall time by its slowdown. Measured one at a time, the profiles predicted
+about a third of the measured step on a 2-core host; together, about 0.7 (docs/profiling.md).
+Such profiles hold for this set of co-located ranks, which is part of their database key.
+Otherwise (ranks on several hosts, GPUs, or `concurrent=False`) each unknown type is
+measured by the FIRST rank of that type while every other rank waits for its result (a
+blocking broadcast). The collectives are measured by all ranks together. Rank 0 then writes
+the database. In one process (world size 1) the same call measures every distinct type
+itself: emulated types differ only in their slowdown.
 
 Threads: measurements run with the caller's `torch.get_num_threads()`, which should be what
 training uses (the local launcher gives every rank its share of the cores); it is recorded
@@ -76,6 +82,10 @@ class ProfileSettings:
     """The two total message sizes the collective fit uses (latency and bandwidth)."""
     per_sample_dropout: bool = True
     """Run units under the engine's per-sample dropout mode (as `EngineConfig` does by default)."""
+    concurrent: bool | None = None
+    """Measure every rank's device at the same time, by the wall clock, each timed
+    repetition started on all ranks together (see the module docstring). None: when all
+    ranks are CPU processes on one host, where they contend for the cores in training."""
 
     @property
     def timing(self) -> Timing:
@@ -145,9 +155,27 @@ class MeasuredProfiles:
 # ====================================================================== one device type
 def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
                    torch_device: torch.device, settings: ProfileSettings,
-                   progress: ProgressFn | None = None) -> DeviceProfile:
-    """Measure one device type on this process (the model must be materialised on `torch_device`)."""
+                   progress: ProgressFn | None = None, together: Comm | None = None) -> DeviceProfile:
+    """Measure one device type on this process (the model must be materialised on `torch_device`).
+
+    `together`: every rank of this job calls this at once (concurrent profiling): timed by
+    the wall clock and each repetition started on all ranks together. All ranks then run
+    the same sequence of measurements: a rank done with its sizes (memory, time cap) keeps
+    repeating its last size, unrecorded, until every rank is done, so the others are still
+    measured under the load they will see in training."""
     started = time.perf_counter()
+    timing = settings.timing
+    if together is not None:
+        timing = Timing(warmup=timing.warmup, repeats=timing.repeats, wall_clock=True,
+                        start_together=together.barrier)
+
+    def all_ranks(done: bool) -> bool:
+        if together is None:
+            return done
+        flag = torch.tensor([float(not done)], device=torch_device)
+        together.all_reduce(flag, "max")
+        return flag.item() == 0.0
+
     spec = model.spec
     emulator = ComputeEmulator(device.slowdown)
     cdtype = compute_dtype(dtype)
@@ -158,14 +186,16 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
         for kind, i in kinds.items()
     }
     points: dict[str, list[tuple[int, float, float, int]]] = {k: [] for k in kinds}
-    m = 1
+    m, done = 1, False
     while m <= settings.max_micro_batch:
+        size = int(points["head"][-1][0]) if done else m  # a done rank only loads the cores
         try:
             for kind, bench in benches.items():
-                if progress:
+                if progress and not done:
                     progress(f"{device.type_key}: {kind} at micro-batch {m}")
-                fwd, bwd, act = bench.measure(m, settings.timing, emulator)
-                points[kind].append((m, fwd, bwd, act))
+                fwd, bwd, act = bench.measure(size, timing, emulator)
+                if not done:
+                    points[kind].append((m, fwd, bwd, act))
         except torch.cuda.OutOfMemoryError:
             logger.info("%s: out of memory at micro-batch %d; stopping there", device.type_key, m)
             break
@@ -174,14 +204,17 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
                 torch.cuda.empty_cache()
         for kind in kinds:  # keep the per-kind lists equally long (OOM mid-size)
             del points[kind][len(points["head"]):]
-        elapsed = time.perf_counter() - started
-        act_now = points["block"][-1][3] + points["head"][-1][3]
-        if elapsed > settings.time_cap_s and len(points["block"]) >= 2:
-            logger.info("%s: time cap reached after micro-batch %d", device.type_key, m)
-            break
-        if 2 * act_now > device.memory_bytes / 2:  # the next size would not leave room for the state
-            logger.info("%s: micro-batch %d already uses %.0f MiB of activations; stopping", device.type_key, m,
-                        act_now / 2**20)
+        if not done:
+            elapsed = time.perf_counter() - started
+            act_now = points["block"][-1][3] + points["head"][-1][3]
+            if elapsed > settings.time_cap_s and len(points["block"]) >= 2:
+                logger.info("%s: time cap reached after micro-batch %d", device.type_key, m)
+                done = True
+            elif 2 * act_now > device.memory_bytes / 2:  # the next size would not leave room for the state
+                logger.info("%s: micro-batch %d already uses %.0f MiB of activations; stopping", device.type_key,
+                            m, act_now / 2**20)
+                done = True
+        if all_ranks(done):
             break
         m *= 2
     if not points["head"]:
@@ -198,11 +231,11 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
         )
     if progress:
         progress(f"{device.type_key}: optimizer and host copies")
-    opt_s = measure_optimizer(torch_device, settings.optimizer_numel, settings.timing, emulator)
+    opt_s = measure_optimizer(torch_device, settings.optimizer_numel, timing, emulator)
     # the engine copies offloaded boundaries on a side stream only on CUDA (runtime/boundary.py);
     # elsewhere they are memcpys inside the (stretched) unit compute
     async_copies = torch_device.type == "cuda"
-    copy_bw = measure_host_copy(torch_device, settings.host_copy_bytes, settings.timing,
+    copy_bw = measure_host_copy(torch_device, settings.host_copy_bytes, timing,
                                 None if async_copies else emulator)
     return DeviceProfile(
         device_type=device.type_key,
@@ -218,6 +251,7 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
             "host": host_signature(torch_device),
             "measure_s": round(time.perf_counter() - started, 3),
             "repeats": settings.repeats,
+            "concurrent": together is not None,
         },
     )
 
@@ -253,23 +287,37 @@ def _measuring_ranks(devices: list[Device], world_size: int) -> dict[str, int]:
     return first
 
 
+def _concurrent(setting: bool | None, hosts: list[str], backend: str) -> bool:
+    """Whether to measure all ranks at once: asked for, or (None) when several CPU ranks
+    share one host, where in training they compete for its cores."""
+    if len(hosts) < 2:
+        return False
+    if setting is not None:
+        return setting
+    return backend != "nccl" and len(set(hosts)) == 1
+
+
 def _keys(meta_model: UnitModel, seq_len: int, dtype: str, devices: list[Device], hosts: list[str],
-          first_rank: dict[str, int], backend: str) -> tuple[dict[str, DeviceKey], CommKey]:
+          first_rank: dict[str, int], backend: str, concurrent: bool = False) -> tuple[dict[str, DeviceKey], CommKey]:
     signature = model_signature(meta_model, meta_model.spec)
-    keys = {k: DeviceKey(k, signature, seq_len, dtype, torch.__version__, hosts[r]) for k, r in first_rank.items()}
+    peers = ",".join(d.type_key for d in devices) if concurrent else ""
+    keys = {k: DeviceKey(k, signature, seq_len, dtype, torch.__version__, hosts[r], peers=peers)
+            for k, r in first_rank.items()}
     return keys, CommKey(tuple(d.type_key for d in devices), backend, torch.__version__, hosts[0])
 
 
 def cached_profiles(model: str | UnitModel, seq_len: int, dtype: str, devices: Cluster | list[Device],
-                    backend: str = "gloo", cache: str | Path | None = None, **model_overrides) -> MeasuredProfiles | None:
+                    backend: str = "gloo", cache: str | Path | None = None, concurrent: bool | None = None,
+                    **model_overrides) -> MeasuredProfiles | None:
     """Everything `profile_devices` would return for ranks on THIS host, if the database
     already has all of it (else None): lets a launcher skip starting ranks at all."""
     started = time.perf_counter()
     devices = list(devices.devices if isinstance(devices, Cluster) else devices)
     meta_model = build_model(model, **model_overrides) if isinstance(model, str) else model
     host = host_signature("cpu" if backend != "nccl" else torch.device("cuda", torch.cuda.current_device()))
-    keys, comm_key = _keys(meta_model, seq_len, dtype, devices, [host] * len(devices),
-                           _measuring_ranks(devices, len(devices)), backend)
+    hosts = [host] * len(devices)
+    keys, comm_key = _keys(meta_model, seq_len, dtype, devices, hosts, _measuring_ranks(devices, len(devices)),
+                           backend, _concurrent(concurrent, hosts, backend))
     db = ProfileDatabase.load(cache)
     profiles = {k: db.get_device(key) for k, key in keys.items()}
     comm = db.get_comm(comm_key) if len(devices) > 1 else None
@@ -325,7 +373,8 @@ def profile_devices(
     type_keys = list(dict.fromkeys(d.type_key for d in devices))
     first_rank = _measuring_ranks(devices, comm.world_size)
     hosts = _all_gather(host_signature(tdev), comm)
-    keys, comm_key = _keys(meta_model, seq_len, dtype, devices, hosts, first_rank, comm.backend)
+    together = _concurrent(settings.concurrent, hosts, comm.backend)
+    keys, comm_key = _keys(meta_model, seq_len, dtype, devices, hosts, first_rank, comm.backend, together)
 
     # rank 0 decides what is known; everyone learns the same answer
     known: dict | None = None
@@ -345,6 +394,20 @@ def profile_devices(
     profiles: dict[str, DeviceProfile] = {k: DeviceProfile.from_dict(p) for k, p in known["devices"].items()}
     cached = [k for k in type_keys if k in profiles]
     measured: list[str] = []
+    if together and len(profiles) < len(type_keys):
+        # every rank measures its own device at once (ranks of one type too: they load the
+        # cores in training); the first rank of each type speaks for it
+        materialised = copy.deepcopy(meta_model).materialize(tdev, torch.Generator().manual_seed(0))
+        logger.info("rank %d: measuring %s with %d concurrent ranks (%s, seq %d, %s)", rank,
+                    devices[rank].type_key, comm.world_size, spec.name, seq_len, dtype)
+        mine = measure_device(materialised, seq_len, dtype, devices[rank], tdev, settings, progress,
+                              together=comm).to_dict()
+        del materialised
+        results = _all_gather(mine, comm)
+        for k in type_keys:
+            profiles[k] = DeviceProfile.from_dict(results[first_rank[k]])
+            measured.append(k)
+        cached = []
     materialised: UnitModel | None = None
     for k in type_keys:
         if k in profiles:
