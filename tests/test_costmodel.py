@@ -11,9 +11,11 @@ from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
 # F(m) = 1.0 m, B(m) = 2.0 m seconds; activation 1000 m bytes (embedding, block), head curve 0
 # two devices, link 100 B/s, latency 0.5 s -> ring factor (n-1)/n = 1/2
 #   gather (fp16) / reduce-scatter (fp32):
-#   embedding  0.5*50*2/100 + 0.5 = 1.0    0.5*50*4/100 + 0.5 = 1.5   -> fwd 1.0, bwd 2.5
-#   block      0.5*100*2/100 + 0.5 = 1.5   0.5*100*4/100 + 0.5 = 2.5  -> fwd 1.5, bwd 4.0
-#   head       0.5*20*2/100 + 0.5 = 0.7    0.5*20*4/100 + 0.5 = 0.9   -> fwd 0.7, bwd 1.6
+#   embedding  0.5*50*2/100 + 0.5 = 1.0    0.5*50*4/100 + 0.5 = 1.5
+#   block      0.5*100*2/100 + 0.5 = 1.5   0.5*100*4/100 + 0.5 = 2.5
+#   head       0.5*20*2/100 + 0.5 = 0.7    0.5*20*4/100 + 0.5 = 0.9
+# the gathers overlap compute (prefetch); the reduce-scatters add to the backward pass:
+# 1.5 + 2 * 2.5 + 0.9 = 7.4 per step
 
 
 def _cm(host_bytes_per_s=1e12, tied=False, async_copies=True):
@@ -25,9 +27,10 @@ def _cm(host_bytes_per_s=1e12, tied=False, async_copies=True):
 
 def test_compute_bound_time_and_memory():
     # b=5, m=2: k=3 micro-batches (2, 2, 1). per unit fwd = 2*2 + 1 = 5, bwd = 5 (recompute) + 2*4 + 2 = 15;
-    # compute beats every collective, so 4 units x (5 + 15) = 80; optimizer 0.5 * 270 * 0.01 = 1.35
+    # compute beats every gather, so 4 units x (5 + 15) = 80, + the reduce-scatters 7.4;
+    # optimizer 0.5 * 270 * 0.01 = 1.35
     c = _cm().rank_cost(0, batch_size=5, micro_batch_size=2, state_fraction=0.5)
-    assert c.step_s == pytest.approx(81.35)
+    assert c.step_s == pytest.approx(80 + 7.4 + 1.35)
     assert c.compute_s == pytest.approx(80.0)
     assert c.optimizer_s == pytest.approx(1.35)
     assert c.host_copy_s == 0.0
@@ -39,17 +42,18 @@ def test_compute_bound_time_and_memory():
     assert c.peak_bytes == 5560 and c.fits
 
 
-def test_comm_bound_time_overlaps_not_adds():
-    # b=1, m=1: fwd 1, bwd 1 + 2 = 3; per unit max(compute, comm) per pass:
-    # embedding max(1, 1.0) + max(3, 2.5) = 4; blocks 2 x (max(1, 1.5) + max(3, 4.0)) = 11; head max(1, .7) + max(3, 1.6) = 4
+def test_gathers_overlap_reduce_scatters_add():
+    # b=1, m=1: fwd 1, bwd 1 + 2 = 3; per unit max(compute, gather) per pass, + the scatter:
+    # embedding max(1, 1.0) + max(3, 1.0) + 1.5 = 5.5; blocks 2 x (max(1, 1.5) + max(3, 1.5) + 2.5) = 14;
+    # head max(1, .7) + max(3, .7) + .9 = 4.9
     c = _cm().rank_cost(0, 1, 1, 0.0)
-    assert c.step_s == pytest.approx(19.0)
+    assert c.step_s == pytest.approx(24.4)
     assert c.comm_s == pytest.approx(3.5 + 2 * 5.5 + 2.3)
 
 
 def test_rank_without_samples_pays_collectives_and_needs_no_activations():
     c = _cm().rank_cost(1, 0, 1, 0.25)
-    # comm only: 3.5 + 2 * 5.5 + 2.3 = 16.8; optimizer 0.25 * 270 * 0.01 = 0.675
+    # comm only (2 gathers + 1 scatter per unit): 3.5 + 2 * 5.5 + 2.3 = 16.8; optimizer 0.25 * 270 * 0.01 = 0.675
     assert c.step_s == pytest.approx(16.8 + 0.675)
     assert c.memory.activations == c.memory.boundary == c.memory.logits == 0
     assert c.memory.state == 1080
@@ -59,33 +63,36 @@ def test_offload_moves_boundaries_to_host_and_costs_copies():
     cm = _cm(host_bytes_per_s=1.0)
     c = cm.rank_cost(0, 5, 2, 0.0, offload=True)
     # one boundary of 5 samples = 5*24 = 120 bytes at 1 B/s = 120 s per copy, dominating compute:
-    # embedding fwd max(5, 1, 120) + bwd max(15, 2.5, 0); blocks 2 x (120 + 120); head fwd 5 + bwd 120
-    assert c.step_s == pytest.approx(120 + 15 + 480 + 5 + 120)
+    # embedding fwd max(5, 1, 120) + bwd max(15, 1, 0); blocks 2 x (120 + 120); head fwd 5 + bwd 120;
+    # + the scatters 7.4
+    assert c.step_s == pytest.approx(120 + 15 + 480 + 5 + 120 + 7.4)
     # (L + 1) = 3 boundaries out in forward and 3 back in backward
     assert c.host_copy_s == pytest.approx(6 * 120)
     # on the device only one micro-batch's staging buffer: 2 * 24
     assert c.memory.boundary == 48
     on_device = cm.rank_cost(0, 5, 2, 0.0, offload=False)
-    assert on_device.memory.boundary == 360 and on_device.step_s == pytest.approx(80.0)
+    assert on_device.memory.boundary == 360 and on_device.step_s == pytest.approx(80 + 7.4)
 
 
 def test_copies_without_async_copies_add_to_compute():
     # a CPU copies on its compute thread: per pass max(compute + copy, collective), and the
     # copies are the staging reads only (fwd: blocks and head 1; bwd: embedding 1, blocks 2, head 1)
     c = _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(0, 5, 2, 0.0, offload=True)
-    # copy 120 s; embedding 5 + (15 + 120); blocks 2 x ((5 + 120) + (15 + 240)); head (5 + 120) + (15 + 120)
-    assert c.step_s == pytest.approx(140 + 760 + 260)
+    # copy 120 s; embedding 5 + (15 + 120); blocks 2 x ((5 + 120) + (15 + 240)); head (5 + 120) + (15 + 120);
+    # + the scatters 7.4
+    assert c.step_s == pytest.approx(140 + 760 + 260 + 7.4)
     assert c.host_copy_s == pytest.approx(9 * 120)
     assert c.compute_s == pytest.approx(80 + 9 * 120)
     # small copies: hidden under compute and collectives with async copies, added without
-    # b=1, m=1, copy 24 B at 24 B/s = 1 s; fwd 1, bwd 3; collectives as in the comm-bound test
+    # b=1, m=1, copy 24 B at 24 B/s = 1 s; fwd 1, bwd 3; collectives as in the gather/scatter test
     hidden = _cm(host_bytes_per_s=24.0).rank_cost(0, 1, 1, 0.0, offload=True)
-    assert hidden.step_s == pytest.approx(19.0)
-    # embedding max(1, 1.0) + max(3 + 1, 2.5); blocks 2 x (max(1 + 1, 1.5) + max(3 + 2, 4.0)); head (1 + 1) + (3 + 1)
+    assert hidden.step_s == pytest.approx(24.4)
+    # embedding max(1, 1.0) + max(3 + 1, 1.0) + 1.5; blocks 2 x (max(1 + 1, 1.5) + max(3 + 2, 1.5) + 2.5);
+    # head (1 + 1) + (3 + 1) + .9
     added = _cm(host_bytes_per_s=24.0, async_copies=False).rank_cost(0, 1, 1, 0.0, offload=True)
-    assert added.step_s == pytest.approx(5 + 14 + 6)
+    assert added.step_s == pytest.approx(6.5 + 19 + 6.9)
     # without offload there is nothing to copy either way
-    assert _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(0, 5, 2, 0.0).step_s == pytest.approx(80.0)
+    assert _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(0, 5, 2, 0.0).step_s == pytest.approx(87.4)
 
 
 def test_async_copies_round_trip_and_default():
@@ -124,9 +131,9 @@ def test_evaluate_plan_and_mismatches():
     ranks = [RankPlan(0, "x", 5, 2, 3, 0.5), RankPlan(1, "x", 0, 1, 0, 0.5)]
     plan = Plan("manual", "tiny", 3, 5, "fp16", ranks)
     ev = cm.evaluate(plan)
-    assert ev.step_s == pytest.approx(81.35)
-    assert ev.samples_per_s == pytest.approx(5 / 81.35)
-    assert ev.tokens_per_s == pytest.approx(3 * 5 / 81.35)
+    assert ev.step_s == pytest.approx(88.75)
+    assert ev.samples_per_s == pytest.approx(5 / 88.75)
+    assert ev.tokens_per_s == pytest.approx(3 * 5 / 88.75)
     assert ev.fits
     with pytest.raises(CephaloError, match="has 1 ranks but the cluster has 2"):
         cm.evaluate(Plan("manual", "tiny", 3, 5, "fp16", [RankPlan(0, "x", 5, 5, 1, 1.0)]))

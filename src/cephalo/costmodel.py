@@ -15,13 +15,16 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     collectives: all-gather of the unit's compute-dtype parameters in forward and again in
     backward, reduce-scatter of its fp32 gradient once in backward; ring cost
     (n-1)/n * bytes / slowest link + latency. They depend on the unit, not on b, m or s.
+    The all-gathers are prefetched (overlapped, below); the reduce-scatter is not: the engine
+    issues it when the unit's gradient is complete and waits for it before the next unit's
+    backward (runtime/engine.py `_reduce_into`), so it adds to the backward pass.
     host copies (offload): the unit's boundary activation (b * seq * hidden * dtype bytes)
     goes to the host in forward and comes back in backward.
-    With prefetch on a side stream the collective of the next unit and the host copy
+    With prefetch on a side stream the all-gather of the next unit and the host copy
     (a DMA engine, not the SMs) run while this unit computes, so a unit costs
-    max(compute, collective, copy) per pass, not their sum. A device without async copies
-    (a CPU: `DeviceProfile.async_copies` False) copies on its compute thread, so there a
-    unit costs max(compute + copy, collective); the boundary writes are then already part
+    max(compute, gather, copy) per pass (+ the reduce-scatter in backward), not their sum. A
+    device without async copies (a CPU: `DeviceProfile.async_copies` False) copies on its
+    compute thread, so there a unit costs max(compute + copy, gather); the boundary writes are then already part
     of the profiled compute (a memcpy into host memory costs what one into device memory
     does) and offload adds the staging copy of each boundary read back: the input of every
     unit but the embedding (forward and backward) and the output gradient of every unit
@@ -256,14 +259,14 @@ class CostModel:
         n = len(self.devices)
         ring = (n - 1) / n if n > 1 else 0.0
         latency = comm.latency_s if n > 1 else 0.0
-        self.comm_fwd_s: dict[str, float] = {}
-        self.comm_bwd_s: dict[str, float] = {}
+        self.gather_s: dict[str, float] = {}
+        """Per unit kind: one all-gather (overlapped with compute by the prefetch)."""
+        self.scatter_s: dict[str, float] = {}
+        """Per unit kind: the reduce-scatter of its gradient (waited for: not overlapped)."""
         for kind, p in self.gathered_params.items():
-            gather = ring * p * self.dtype_bytes / comm.bytes_per_s + latency
-            scatter = ring * p * GRAD_BYTES / comm.bytes_per_s + latency
-            self.comm_fwd_s[kind] = gather
-            self.comm_bwd_s[kind] = gather + scatter
-        self.comm_total_s = sum(c * (self.comm_fwd_s[k] + self.comm_bwd_s[k]) for k, c in self.unit_counts.items())
+            self.gather_s[kind] = ring * p * self.dtype_bytes / comm.bytes_per_s + latency
+            self.scatter_s[kind] = ring * p * GRAD_BYTES / comm.bytes_per_s + latency
+        self.comm_total_s = sum(c * (2 * self.gather_s[k] + self.scatter_s[k]) for k, c in self.unit_counts.items())
 
         sorted_units = sorted(self.gathered_params.values(), reverse=True)
         self.gathered_bytes = (sorted_units[0] + sorted_units[1]) * self.dtype_bytes
@@ -337,17 +340,17 @@ class CostModel:
         copies = 0.0
         for kind, (fwd, bwd) in self._pass_times(type_key, b, m).items():
             count = self.unit_counts[kind]
+            gather, scatter = self.gather_s[kind], self.scatter_s[kind]
             if profile.async_copies:
                 cf = copy_one * self.copies_fwd[kind]
                 cb = copy_one * self.copies_bwd[kind]
-                total = total + count * (np.maximum(np.maximum(fwd, self.comm_fwd_s[kind]), cf)
-                                         + np.maximum(np.maximum(bwd, self.comm_bwd_s[kind]), cb))
+                total = total + count * (np.maximum(np.maximum(fwd, gather), cf)
+                                         + np.maximum(np.maximum(bwd, gather), cb) + scatter)
                 compute = compute + count * (fwd + bwd)
             else:
                 cf = copy_one * self.sync_copies_fwd[kind]
                 cb = copy_one * self.sync_copies_bwd[kind]
-                total = total + count * (np.maximum(fwd + cf, self.comm_fwd_s[kind])
-                                         + np.maximum(bwd + cb, self.comm_bwd_s[kind]))
+                total = total + count * (np.maximum(fwd + cf, gather) + np.maximum(bwd + cb, gather) + scatter)
                 compute = compute + count * (fwd + bwd + cf + cb)
             copies = copies + count * (cf + cb)
         return total, compute, copies
