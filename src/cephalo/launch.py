@@ -30,6 +30,7 @@ from cephalo.cluster import Cluster
 from cephalo.commands.train import ERROR_DIR_ENV
 from cephalo.errors import CephaloError
 from cephalo.log import logger
+from cephalo.runtime.dist import SHARED_STORE_ENV
 
 
 @dataclass
@@ -152,7 +153,10 @@ def launch(job: LocalJob) -> None:
     # message below says the same thing once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="cephalo-errors-") as error_dir:
-        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, ERROR_DIR_ENV: error_dir, **job.env}
+        # SHARED_STORE_ENV=1: the agent (in this process) gives each restart its own rendezvous
+        # store; on torch's shared one a restarted group cannot connect (pytorch#135712).
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, ERROR_DIR_ENV: error_dir,
+               SHARED_STORE_ENV: "1", **job.env}
         logger.info("launching %d worker(s) (%s threads each)%s", job.nproc, threads,
                     f" on devices {job.devices}" if job.devices else "")
         try:
