@@ -34,6 +34,7 @@ import pytest
 
 from cephalo.launch import free_port
 from cephalo.plan import Plan
+from cephalo.runtime.dist import SHARED_STORE_ENV
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
@@ -133,7 +134,8 @@ def torchrun(nnodes: str, nproc: int, port: int, rdzv_id: str, run_dir: Path, lo
         f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
         "-m", "cephalo", "train", *job_args(run_dir),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    # SHARED_STORE_ENV=1: torchrun restarts need it (docs/reliability.md, pytorch#135712)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", SHARED_STORE_ENV: "1",
            "LOGLEVEL": agent_log_level}
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
 
@@ -164,9 +166,7 @@ def test_restart_resumes_from_last_checkpoint(tmp_path, reference):
     run = tmp_path / "run"
     log = tmp_path / "run.log"
     cmd = [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu,cpu", "--max-restarts", "1", *job_args(run)]
-    # Until the launcher sets it itself: torch's shared rendezvous store keeps the previous
-    # attempt's process-group keys, so restarted gloo workers connect to dead peers (pytorch#135712).
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {k: v for k, v in os.environ.items() if k != SHARED_STORE_ENV}  # the launcher sets it itself
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, env=env)
     wait_until(checkpoint_exists(run, 5), "the step-5 checkpoint", [proc])
     victim = worker_pids(proc.pid)[1]
