@@ -75,7 +75,7 @@ SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """torchrun's c10d rendezvous shares its TCPStore with the workers by default, and a restarted
 worker group reuses it without a fresh key prefix: the new process group reads the dead
 group's addresses and cannot connect (pytorch/pytorch#135712). Setting this variable to 1 for
-the agent gives every round its own store."""
+the agent gives every round its own store; `cephalo run` sets it, torchrun users must."""
 
 
 def uses_shared_store(env: dict[str, str]) -> bool:
@@ -153,7 +153,7 @@ def init_distributed(
         hint = (
             f" This is restart {env['TORCHELASTIC_RESTART_COUNT']} under torchrun's shared rendezvous "
             f"store, which still holds the previous attempt's addresses: launch with "
-            f"{SHARED_STORE_ENV}=1"
+            f"{SHARED_STORE_ENV}=1 (`cephalo run` sets it)"
             if restarted_on_shared_store(env)
             else " Check that every rank was started with the same MASTER_ADDR/MASTER_PORT and "
             "WORLD_SIZE and can reach rank 0"
