@@ -30,6 +30,7 @@ from cephalo.modeling.units import (
 # Every block is a module built up front (on the meta device, but still one Python object
 # graph per block): a typo like n_layer = 1e9 would otherwise build for hours.
 MAX_LAYERS = 10_000
+MAX_PARAMS = 10**13
 
 
 @dataclass
@@ -64,6 +65,14 @@ class GPTConfig:
                 raise CephaloError(f"GPT config: {field_name} must be true or false, got {getattr(self, field_name)!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float):
             raise CephaloError(f"GPT config: dropout must be a number in [0, 1), got {self.dropout!r}")
+        # ~12 d^2 per block plus the embeddings: a typo like n_embd = 1e9 fails here, not as a
+        # storage-size overflow inside torch
+        approx_params = 12 * self.n_layer * self.n_embd**2 + (self.vocab_size + self.seq_len) * self.n_embd
+        if approx_params > MAX_PARAMS:
+            raise CephaloError(
+                f"GPT config: about {approx_params:.2e} parameters (n_layer {self.n_layer}, n_embd {self.n_embd}, "
+                f"vocab_size {self.vocab_size}, seq_len {self.seq_len}) is more than {MAX_PARAMS:.0e}; is it a typo?"
+            )
         if self.n_layer > MAX_LAYERS:
             raise CephaloError(f"GPT config: n_layer = {self.n_layer} is more than {MAX_LAYERS} blocks; is it a typo?")
         for field_name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
