@@ -42,11 +42,16 @@ SWEEP = [Case(n, min(6, max(2, n // 4)), 32 * n) for n in (4, 8, 32, 64, 128, 51
 
 def spec_for(case: Case) -> str:
     """`n` devices spread over the first `types` device types, as equally as possible."""
-    counts = [case.devices // case.types + (1 if i < case.devices % case.types else 0) for i in range(case.types)]
+    counts = [
+        case.devices // case.types + (1 if i < case.devices % case.types else 0)
+        for i in range(case.types)
+    ]
     return ",".join(f"{c}x{t}" for t, c in zip(TYPES[: case.types], counts, strict=True) if c)
 
 
-def plan_time(cluster: Cluster, B: int, strategy: str = "cephalo") -> tuple[float, object, CostModel]:
+def plan_time(
+    cluster: Cluster, B: int, strategy: str = "cephalo"
+) -> tuple[float, object, CostModel]:
     times, plan, cm = [], None, None
     for _ in range(RUNS):
         cm = CostModel.from_catalog(cluster, get_model_spec(MODEL), SEQ_LEN, DTYPE)
@@ -85,14 +90,34 @@ def main() -> None:
         gap = exact_gap(cluster, case.global_batch) if case.devices <= 16 else None
         met = None if case.target_s is None else t < case.target_s
         all_met = all_met and met is not False
-        rows.append([f"{case.devices}", f"{case.types}", f"{case.global_batch}", f"{t * 1000:.1f}",
-                     "—" if case.target_s is None else f"< {case.target_s * 1000:.0f} {verdict(met)}",
-                     f"{ceph:.1f}", f"{ceph / prop:.3f}", f"{ceph / even:.2f}",
-                     "—" if gap is None else f"{gap:.4f}"])
+        rows.append(
+            [
+                f"{case.devices}",
+                f"{case.types}",
+                f"{case.global_batch}",
+                f"{t * 1000:.1f}",
+                "—" if case.target_s is None else f"< {case.target_s * 1000:.0f} {verdict(met)}",
+                f"{ceph:.1f}",
+                f"{ceph / prop:.3f}",
+                f"{ceph / even:.2f}",
+                "—" if gap is None else f"{gap:.4f}",
+            ]
+        )
         points.append((case.devices, t, case.target_s))
-        print(f"{case.devices:5d} devices, {case.types} types, batch {case.global_batch:6d}: {t * 1000:8.1f} ms")
-    headers = ["devices", "types", "global batch", "planner ms (median)", "target ms", "cephalo samples/s",
-               "vs proportional", "vs even", "hull / exact"]
+        print(
+            f"{case.devices:5d} devices, {case.types} types, batch {case.global_batch:6d}: {t * 1000:8.1f} ms"
+        )
+    headers = [
+        "devices",
+        "types",
+        "global batch",
+        "planner ms (median)",
+        "target ms",
+        "cephalo samples/s",
+        "vs proportional",
+        "vs even",
+        "hull / exact",
+    ]
     print_table("planner scaling", headers, rows)
 
     import matplotlib
@@ -130,8 +155,10 @@ def main() -> None:
         "small instances and a concave-hull greedy on large ones (docs/planner.md)."
     )
     load = os.getloadavg()[0]
-    result.details.append(f"Load average (1 min) at the end of the run: {load:.1f} on {os.cpu_count()} cores "
-                          "(other jobs shared the machine when above the core count; times are then inflated).")
+    result.details.append(
+        f"Load average (1 min) at the end of the run: {load:.1f} on {os.cpu_count()} cores "
+        "(other jobs shared the machine when above the core count; times are then inflated)."
+    )
     path = result.write(wall_s=time.perf_counter() - started)
     print(f"wrote {path}")
 

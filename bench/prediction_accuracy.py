@@ -76,14 +76,20 @@ def _profile(cache: str) -> dict:
     cluster = Cluster.parse(CLUSTER)
     comm.barrier()
     t0 = time.perf_counter()
-    first = profile_devices(MODEL, SEQ_LEN, DTYPE, cluster, comm, settings=SETTINGS, cache=cache, refresh=True)
+    first = profile_devices(
+        MODEL, SEQ_LEN, DTYPE, cluster, comm, settings=SETTINGS, cache=cache, refresh=True
+    )
     fresh_s = time.perf_counter() - t0
     comm.barrier()
     t0 = time.perf_counter()
     second = profile_devices(MODEL, SEQ_LEN, DTYPE, cluster, comm, settings=SETTINGS, cache=cache)
     cached_s = time.perf_counter() - t0
-    return {"measured": first.to_dict(), "fresh_s": fresh_s, "cached_s": cached_s,
-            "cached_measured": second.measured}
+    return {
+        "measured": first.to_dict(),
+        "fresh_s": fresh_s,
+        "cached_s": cached_s,
+        "cached_measured": second.measured,
+    }
 
 
 def _batches(steps: int, batch: int, seed: int = 0):
@@ -100,8 +106,12 @@ def _train(plan_dict: dict, steps: int, warmup: int) -> list[dict]:
     comm = make_comm("auto")
     plan = Plan.from_dict(plan_dict)
     device = Cluster.parse(CLUSTER).devices[comm.rank]
-    engine = Engine(build_model(MODEL), plan, comm,
-                    EngineConfig(slowdown=device.slowdown, memory_budget_bytes=device.memory_bytes, seed=0))
+    engine = Engine(
+        build_model(MODEL),
+        plan,
+        comm,
+        EngineConfig(slowdown=device.slowdown, memory_budget_bytes=device.memory_bytes, seed=0),
+    )
     start = plan.batch_offsets()[comm.rank]
     size = plan.ranks[comm.rank].batch_size
     out = []
@@ -110,8 +120,17 @@ def _train(plan_dict: dict, steps: int, warmup: int) -> list[dict]:
         s = engine.train_step(x[start : start + size], y[start : start + size], LR)
         cpu_s = time.thread_time() - cpu0  # this rank's own work: no sleeps, no waits
         if i >= warmup:
-            out.append({"step_s": s.step_s, "busy_s": s.busy_s, "comm_wait_s": s.comm_wait_s, "cpu_s": cpu_s,
-                        "peak_bytes": s.peak_bytes, "peak_by_category": s.peak_by_category, "loss": s.loss})
+            out.append(
+                {
+                    "step_s": s.step_s,
+                    "busy_s": s.busy_s,
+                    "comm_wait_s": s.comm_wait_s,
+                    "cpu_s": cpu_s,
+                    "peak_bytes": s.peak_bytes,
+                    "peak_by_category": s.peak_by_category,
+                    "loss": s.loss,
+                }
+            )
     return out
 
 
@@ -127,9 +146,17 @@ def _solo(steps: int, warmup: int) -> dict | None:
         comm.barrier()
         if r != comm.rank:
             continue
-        plan = Plan("manual", MODEL, SEQ_LEN, SOLO_BATCH, DTYPE,
-                    [RankPlan(0, device.type_key, SOLO_BATCH, SOLO_BATCH, 1, 1.0)])
-        engine = Engine(build_model(MODEL), plan, LocalComm(), EngineConfig(slowdown=device.slowdown, seed=0))
+        plan = Plan(
+            "manual",
+            MODEL,
+            SEQ_LEN,
+            SOLO_BATCH,
+            DTYPE,
+            [RankPlan(0, device.type_key, SOLO_BATCH, SOLO_BATCH, 1, 1.0)],
+        )
+        engine = Engine(
+            build_model(MODEL), plan, LocalComm(), EngineConfig(slowdown=device.slowdown, seed=0)
+        )
         times = []
         for i, (x, y) in enumerate(_batches(warmup + steps, SOLO_BATCH, seed=1)):
             s = engine.train_step(x, y, LR)
@@ -142,13 +169,29 @@ def _solo(steps: int, warmup: int) -> dict | None:
 
 # ====================================================================== in the parent
 def _cli_cached_s(cache: str) -> float:
-    cmd = [sys.executable, "-m", "cephalo", "profile", "--devices", CLUSTER, "--model", MODEL,
-           "--seq-len", str(SEQ_LEN), "--dtype", DTYPE, "--cache", cache]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cephalo",
+        "profile",
+        "--devices",
+        CLUSTER,
+        "--model",
+        MODEL,
+        "--seq-len",
+        str(SEQ_LEN),
+        "--dtype",
+        DTYPE,
+        "--cache",
+        cache,
+    ]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"})
     took = time.perf_counter() - t0
     if done.returncode != 0 or "nothing measured" not in done.stdout:
-        raise RuntimeError(f"cached `cephalo profile` did not hit the database:\n{done.stdout}\n{done.stderr}")
+        raise RuntimeError(
+            f"cached `cephalo profile` did not hit the database:\n{done.stdout}\n{done.stderr}"
+        )
     return took
 
 
@@ -164,9 +207,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="measured steps per plan and round")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the plans")
-    ap.add_argument("--nice", type=int, default=-10,
-                    help="scheduling priority of this process and its ranks (negative: ahead of other jobs "
-                         "sharing the machine; needs privileges, ignored without)")
+    ap.add_argument(
+        "--nice",
+        type=int,
+        default=-10,
+        help="scheduling priority of this process and its ranks (negative: ahead of other jobs "
+        "sharing the machine; needs privileges, ignored without)",
+    )
     args = ap.parse_args()
     nice = _raise_priority(args.nice)
     started = time.perf_counter()
@@ -180,7 +227,9 @@ def main() -> None:
         measured = MeasuredProfiles.from_dict(prof["measured"])
         cm = cost_model_from_profiles(cluster, spec, SEQ_LEN, DTYPE, measured)
         plans = {s: make_plan(cm, GLOBAL_BATCH, s, model_name=MODEL) for s in STRATEGIES}
-        runs: dict[str, list[list[dict]]] = {s: [[] for _ in range(cluster.world_size)] for s in STRATEGIES}
+        runs: dict[str, list[list[dict]]] = {
+            s: [[] for _ in range(cluster.world_size)] for s in STRATEGIES
+        }
         for _ in range(args.rounds):
             for s in STRATEGIES:
                 per_rank = pool.run(_train, plans[s].to_dict(), args.steps, args.warmup)
@@ -194,9 +243,16 @@ def main() -> None:
     fig_data = {}
     for s in STRATEGIES:
         ev = cm.evaluate(plans[s])
-        step_meas = [statistics.median(x["step_s"] for x in runs[s][r]) for r in range(cluster.world_size)]
+        step_meas = [
+            statistics.median(x["step_s"] for x in runs[s][r]) for r in range(cluster.world_size)
+        ]
         measured_tput[s] = GLOBAL_BATCH / max(step_meas)
-        fig_data[s] = {"pred_step": ev.step_s, "meas_step": step_meas, "pred_mem": [], "meas_mem": []}
+        fig_data[s] = {
+            "pred_step": ev.step_s,
+            "meas_step": step_meas,
+            "pred_mem": [],
+            "meas_mem": [],
+        }
         for r, rc in enumerate(ev.ranks):
             rp = plans[s].ranks[r]
             busy = statistics.median(x["busy_s"] for x in runs[s][r])
@@ -215,48 +271,137 @@ def main() -> None:
             checks["memory"] &= abs(m_err) <= MEMORY_TOL
             fig_data[s]["pred_mem"].append(pred_mem)
             fig_data[s]["meas_mem"].append(peak)
-            rows.append([s, r, rc.device, rp.batch_size, rp.micro_batch_size, f"{rp.state_fraction:.3f}",
-                         "yes" if rp.offload_activations else "no",
-                         f"{rc.step_s:.3f}", f"{rc.compute_s:.3f}", f"{busy:.3f}", f"{wait:.3f}",
-                         f"{ev.step_s:.3f}", f"{step_meas[r]:.3f}", f"{t_err:+.1%}",
-                         f"{pred_cpu:.3f}", f"{cpu:.3f}", f"{c_err:+.1%}", f"{busy / rc.compute_s:.2f}",
-                         fmt_bytes(pred_mem), fmt_bytes(peak), f"{m_err:+.1%}"])
-            summary_rows.append([s, r, rc.device, f"{ev.step_s:.3f}", f"{step_meas[r]:.3f}", f"{t_err:+.1%}",
-                                 f"{pred_cpu:.3f}", f"{cpu:.3f}", f"{c_err:+.1%}",
-                                 fmt_bytes(pred_mem), fmt_bytes(peak), f"{m_err:+.1%}"])
-    factor = {s: statistics.mean(fig_data[s]["meas_step"]) / fig_data[s]["pred_step"] for s in STRATEGIES}
+            rows.append(
+                [
+                    s,
+                    r,
+                    rc.device,
+                    rp.batch_size,
+                    rp.micro_batch_size,
+                    f"{rp.state_fraction:.3f}",
+                    "yes" if rp.offload_activations else "no",
+                    f"{rc.step_s:.3f}",
+                    f"{rc.compute_s:.3f}",
+                    f"{busy:.3f}",
+                    f"{wait:.3f}",
+                    f"{ev.step_s:.3f}",
+                    f"{step_meas[r]:.3f}",
+                    f"{t_err:+.1%}",
+                    f"{pred_cpu:.3f}",
+                    f"{cpu:.3f}",
+                    f"{c_err:+.1%}",
+                    f"{busy / rc.compute_s:.2f}",
+                    fmt_bytes(pred_mem),
+                    fmt_bytes(peak),
+                    f"{m_err:+.1%}",
+                ]
+            )
+            summary_rows.append(
+                [
+                    s,
+                    r,
+                    rc.device,
+                    f"{ev.step_s:.3f}",
+                    f"{step_meas[r]:.3f}",
+                    f"{t_err:+.1%}",
+                    f"{pred_cpu:.3f}",
+                    f"{cpu:.3f}",
+                    f"{c_err:+.1%}",
+                    fmt_bytes(pred_mem),
+                    fmt_bytes(peak),
+                    f"{m_err:+.1%}",
+                ]
+            )
+    factor = {
+        s: statistics.mean(fig_data[s]["meas_step"]) / fig_data[s]["pred_step"] for s in STRATEGIES
+    }
     solo_tput = {x["type_key"]: SOLO_BATCH / x["step_s"] for x in solo}
     ideal = sum(solo_tput[d.type_key] for d in cluster.devices)
     speedup = measured_tput["cephalo"] / measured_tput["even"]
     pred_speedup = plans["cephalo"].predicted.samples_per_s / plans["even"].predicted.samples_per_s
 
-    headers = ["plan", "rank", "device", "b", "m", "state", "offload", "pred. rank s", "pred. compute s",
-               "meas. busy s", "meas. comm wait s", "pred. step s", "meas. step s", "time err",
-               "pred. CPU s", "meas. CPU s", "CPU err", "busy / pred. compute", "pred. peak", "ledger peak", "mem err"]
+    headers = [
+        "plan",
+        "rank",
+        "device",
+        "b",
+        "m",
+        "state",
+        "offload",
+        "pred. rank s",
+        "pred. compute s",
+        "meas. busy s",
+        "meas. comm wait s",
+        "pred. step s",
+        "meas. step s",
+        "time err",
+        "pred. CPU s",
+        "meas. CPU s",
+        "CPU err",
+        "busy / pred. compute",
+        "pred. peak",
+        "ledger peak",
+        "mem err",
+    ]
     print_table("prediction accuracy (per rank)", headers, rows)
-    tput_rows = [["cephalo", f"{measured_tput['cephalo']:.2f}", f"{plans['cephalo'].predicted.samples_per_s:.2f}"],
-                 ["even", f"{measured_tput['even']:.2f}", f"{plans['even'].predicted.samples_per_s:.2f}"],
-                 ["ideal (sum of solo)", f"{ideal:.2f}", "—"]]
+    tput_rows = [
+        [
+            "cephalo",
+            f"{measured_tput['cephalo']:.2f}",
+            f"{plans['cephalo'].predicted.samples_per_s:.2f}",
+        ],
+        ["even", f"{measured_tput['even']:.2f}", f"{plans['even'].predicted.samples_per_s:.2f}"],
+        ["ideal (sum of solo)", f"{ideal:.2f}", "—"],
+    ]
     print_table("throughput (samples/s)", ["", "measured", "predicted"], tput_rows)
 
     fig_name = _plot(fig_data, measured_tput, ideal, cluster)
     wall = time.perf_counter() - started
-    prof_rows = [["profile (3 types + collectives), fresh", f"{prof['fresh_s']:.1f} s", "< 60 s",
-                  verdict(prof["fresh_s"] < 60)],
-                 ["profile, cached (`profile_devices` on the ranks)", f"{prof['cached_s']:.2f} s", "< 2 s",
-                  verdict(prof["cached_s"] < 2 and not prof["cached_measured"])],
-                 ["`cephalo profile`, cached (whole CLI process, no ranks started)", f"{cli_cached_s:.1f} s",
-                  "(< 2 s)", verdict(cli_cached_s < 2)]]
+    prof_rows = [
+        [
+            "profile (3 types + collectives), fresh",
+            f"{prof['fresh_s']:.1f} s",
+            "< 60 s",
+            verdict(prof["fresh_s"] < 60),
+        ],
+        [
+            "profile, cached (`profile_devices` on the ranks)",
+            f"{prof['cached_s']:.2f} s",
+            "< 2 s",
+            verdict(prof["cached_s"] < 2 and not prof["cached_measured"]),
+        ],
+        [
+            "`cephalo profile`, cached (whole CLI process, no ranks started)",
+            f"{cli_cached_s:.1f} s",
+            "(< 2 s)",
+            verdict(cli_cached_s < 2),
+        ],
+    ]
     result = Result(
         name="prediction_accuracy",
         title="Prediction accuracy: measured profiles -> plan -> engine",
         emulated=f"Three CPU ranks on one 2-core host stand in for devices of different speed "
-                 f"(compute stretched by sleeping, `slowdown=`) and memory (ledger budget, `mem=`): "
-                 f"`{CLUSTER}`. Model {MODEL} ({spec.total_params / 1e6:.1f} M parameters), "
-                 f"seq {SEQ_LEN}, {DTYPE}, global batch {GLOBAL_BATCH}.",
+        f"(compute stretched by sleeping, `slowdown=`) and memory (ledger budget, `mem=`): "
+        f"`{CLUSTER}`. Model {MODEL} ({spec.total_params / 1e6:.1f} M parameters), "
+        f"seq {SEQ_LEN}, {DTYPE}, global batch {GLOBAL_BATCH}.",
         summary=[
-            markdown_table(["plan", "rank", "device", "pred. step s", "meas. step s", "error",
-                            "pred. CPU s", "meas. CPU s", "error", "pred. peak", "ledger peak", "error"], summary_rows),
+            markdown_table(
+                [
+                    "plan",
+                    "rank",
+                    "device",
+                    "pred. step s",
+                    "meas. step s",
+                    "error",
+                    "pred. CPU s",
+                    "meas. CPU s",
+                    "error",
+                    "pred. peak",
+                    "ledger peak",
+                    "error",
+                ],
+                summary_rows,
+            ),
             markdown_table(["throughput, samples/s", "measured", "predicted"], tput_rows),
             markdown_table(["profiling", "took", "target", ""], prof_rows),
             f"- Step time (wall clock) within {TIME_TOL:.0%} of measured on every rank: {verdict(checks['time'])}.\n"
@@ -310,19 +455,35 @@ def _plot(fig_data: dict, tput: dict, ideal: float, cluster: Cluster) -> str:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     ranks = np.arange(cluster.world_size)
     labels = [f"{r}: {d.type_key}" for r, d in enumerate(cluster.devices)]
-    for ax, key, unit, scale in ((axes[0], "step", "step time (s)", 1.0), (axes[1], "mem", "peak memory (MiB)", 2**20)):
+    for ax, key, unit, scale in (
+        (axes[0], "step", "step time (s)", 1.0),
+        (axes[1], "mem", "peak memory (MiB)", 2**20),
+    ):
         for k, s in enumerate(STRATEGIES):
             pred = fig_data[s][f"pred_{key}"]
             pred = [pred] * len(ranks) if np.isscalar(pred) else pred
             meas = fig_data[s][f"meas_{key}"]
             off = (k - 0.5) * 0.4
-            ax.bar(ranks + off - 0.1, np.array(meas) / scale, 0.2, label=f"{s} measured", color=f"C{k}")
-            ax.bar(ranks + off + 0.1, np.array(pred) / scale, 0.2, label=f"{s} predicted", color=f"C{k}",
-                   alpha=0.45, hatch="//")
+            ax.bar(
+                ranks + off - 0.1, np.array(meas) / scale, 0.2, label=f"{s} measured", color=f"C{k}"
+            )
+            ax.bar(
+                ranks + off + 0.1,
+                np.array(pred) / scale,
+                0.2,
+                label=f"{s} predicted",
+                color=f"C{k}",
+                alpha=0.45,
+                hatch="//",
+            )
         ax.set_xticks(ranks, labels, fontsize=8)
         ax.set_ylabel(unit)
         ax.legend(fontsize=7)
-    axes[2].bar(["even", "cephalo", "ideal"], [tput["even"], tput["cephalo"], ideal], color=["C1", "C0", "0.6"])
+    axes[2].bar(
+        ["even", "cephalo", "ideal"],
+        [tput["even"], tput["cephalo"], ideal],
+        color=["C1", "C0", "0.6"],
+    )
     axes[2].set_ylabel("samples/s (measured)")
     axes[0].set_title("step time per rank")
     axes[1].set_title("peak memory per rank (ledger)")

@@ -35,18 +35,28 @@ def main() -> int:
     comm = init_distributed(backend="nccl", comm_impl="nccl", timeout_s=120)
     device = torch.device("cuda", torch.cuda.current_device())
     model_name, seq, batch, micro, steps = "gpt2-124m", 512, 8, 4, 8
-    print(f"gpu_check: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-          f"comm {type(comm).__name__} (world size {comm.world_size}), {model_name}, bf16, "
-          f"batch {batch} x {seq} tokens in micro-batches of {micro}")
+    print(
+        f"gpu_check: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+        f"comm {type(comm).__name__} (world size {comm.world_size}), {model_name}, bf16, "
+        f"batch {batch} x {seq} tokens in micro-batches of {micro}"
+    )
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, 50257, (batch, seq), generator=gen)
     labels = torch.roll(input_ids, -1, dims=1)
     failures: list[str] = []
 
     def run(offload: bool, n_steps: int) -> tuple[list[float], list[float], list[int]]:
-        plan = Plan("manual", model_name, seq, batch, "bf16",
-                    [RankPlan(0, "gpu", batch, micro, batch // micro, 1.0, offload_activations=offload)])
-        engine = Engine(build_model(model_name), plan, comm, EngineConfig(device=str(device), seed=0))
+        plan = Plan(
+            "manual",
+            model_name,
+            seq,
+            batch,
+            "bf16",
+            [RankPlan(0, "gpu", batch, micro, batch // micro, 1.0, offload_activations=offload)],
+        )
+        engine = Engine(
+            build_model(model_name), plan, comm, EngineConfig(device=str(device), seed=0)
+        )
         losses, ratios, peaks = [], [], []
         for step in range(n_steps):
             torch.cuda.synchronize(device)
@@ -58,9 +68,11 @@ def main() -> int:
             losses.append(stats.loss)
             ratios.append(stats.peak_bytes / real)
             peaks.append(stats.peak_bytes)
-            print(f"  offload={offload} step {step}: loss {stats.loss:.4f}  grad_norm {stats.grad_norm:.3f}  "
-                  f"{time.perf_counter() - t0:.2f}s  ledger peak {stats.peak_bytes / 2**20:.0f} MiB  "
-                  f"max_memory_allocated {real / 2**20:.0f} MiB  ratio {ratios[-1]:.3f}")
+            print(
+                f"  offload={offload} step {step}: loss {stats.loss:.4f}  grad_norm {stats.grad_norm:.3f}  "
+                f"{time.perf_counter() - t0:.2f}s  ledger peak {stats.peak_bytes / 2**20:.0f} MiB  "
+                f"max_memory_allocated {real / 2**20:.0f} MiB  ratio {ratios[-1]:.3f}"
+            )
         del engine
         torch.cuda.empty_cache()
         return losses, ratios, peaks
@@ -76,7 +88,9 @@ def main() -> int:
     if max(abs(a - b) for a, b in zip(off_losses, losses, strict=False)) > 1e-3:
         failures.append(f"offload changed the losses: {off_losses} vs {losses[:3]}")
     if not off_peaks[-1] < peaks[-1]:
-        failures.append(f"offload did not lower the device peak ({off_peaks[-1]} vs {peaks[-1]} bytes)")
+        failures.append(
+            f"offload did not lower the device peak ({off_peaks[-1]} vs {peaks[-1]} bytes)"
+        )
     elapsed = time.perf_counter() - t_start
     print(f"gpu_check: {elapsed:.0f}s")
     if elapsed > 300:

@@ -32,7 +32,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def make_plan(batches, fractions, micro, seq_len=16, dtype="fp32", offload=False, model="gpt-tiny") -> Plan:
+def make_plan(
+    batches, fractions, micro, seq_len=16, dtype="fp32", offload=False, model="gpt-tiny"
+) -> Plan:
     ranks = [
         RankPlan(i, "cpu", b, m, math.ceil(b / m), f, offload_activations=offload)
         for i, (b, f, m) in enumerate(zip(batches, fractions, micro, strict=True))
@@ -59,8 +61,14 @@ def rank_slice(plan: Plan, rank: int, x: torch.Tensor) -> torch.Tensor:
 
 def optim_config(cfg: EngineConfig, lr: float = LR) -> OptimConfig:
     """The reference trainers' settings for an engine config."""
-    return OptimConfig(lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                       grad_clip=cfg.grad_clip, seed=cfg.seed)
+    return OptimConfig(
+        lr=lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        grad_clip=cfg.grad_clip,
+        seed=cfg.seed,
+    )
 
 
 def run_reference(model: str, overrides: dict, data, cfg: EngineConfig):

@@ -12,18 +12,44 @@ from cephalo.cluster import Cluster
 from cephalo.costmodel import CostModel
 from cephalo.planner import make_plan
 
-PAPER = ["--cluster", "2xl4,a6000,p40", "--model", "gpt-2.7b", "--global-batch", "64", "--seq-len", "512",
-         "--dtype", "fp16"]
+PAPER = [
+    "--cluster",
+    "2xl4,a6000,p40",
+    "--model",
+    "gpt-2.7b",
+    "--global-batch",
+    "64",
+    "--seq-len",
+    "512",
+    "--dtype",
+    "fp16",
+]
 
 
 def _reference_plan_json(path, with_meta=False):
     """The authors' plan (data README): batches [13, 12, 34, 5], micro-batches per GPU [1, 2, 1, 1]
     (a count: the second L4 runs 2 micro-batches of 6), equal shards."""
     types, batches, counts = ["l4", "l4", "a6000", "p40"], [13, 12, 34, 5], [1, 2, 1, 1]
-    ranks = [{"rank": i, "device": t, "batch_size": b, "micro_batch_size": math.ceil(b / k), "num_micro_batches": k,
-              "state_fraction": 0.25} for i, (t, b, k) in enumerate(zip(types, batches, counts, strict=True))]
-    d = {"version": 1, "strategy": "manual", "model": "gpt-2.7b", "seq_len": 512, "global_batch_size": 64,
-         "dtype": "fp16", "ranks": ranks}
+    ranks = [
+        {
+            "rank": i,
+            "device": t,
+            "batch_size": b,
+            "micro_batch_size": math.ceil(b / k),
+            "num_micro_batches": k,
+            "state_fraction": 0.25,
+        }
+        for i, (t, b, k) in enumerate(zip(types, batches, counts, strict=True))
+    ]
+    d = {
+        "version": 1,
+        "strategy": "manual",
+        "model": "gpt-2.7b",
+        "seq_len": 512,
+        "global_batch_size": 64,
+        "dtype": "fp16",
+        "ranks": ranks,
+    }
     if with_meta:
         d["meta"] = {"cluster_spec": "2xl4,a6000,p40"}
     path.write_text(json.dumps(d))
@@ -32,7 +58,9 @@ def _reference_plan_json(path, with_meta=False):
 
 @pytest.fixture(scope="module")
 def paper_cm():
-    return CostModel.from_catalog(Cluster.parse("2xl4,a6000,p40"), get_model_spec("gpt-2.7b"), 512, "fp16")
+    return CostModel.from_catalog(
+        Cluster.parse("2xl4,a6000,p40"), get_model_spec("gpt-2.7b"), 512, "fp16"
+    )
 
 
 def test_paper_cluster_beats_reference_and_even(paper_cm, tmp_path):
@@ -78,7 +106,9 @@ def test_simulate_flags_ranks_that_do_not_fit(tmp_path, capsys):
     # everything on the P40: 64 samples on one 24 GiB device, the whole state too
     for r in d["ranks"]:
         r.update(batch_size=0, micro_batch_size=1, num_micro_batches=0, state_fraction=0.0)
-    d["ranks"][3].update(batch_size=64, micro_batch_size=64, num_micro_batches=1, state_fraction=1.0)
+    d["ranks"][3].update(
+        batch_size=64, micro_batch_size=64, num_micro_batches=1, state_fraction=1.0
+    )
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(d))
     assert main(["simulate", str(path), "--cluster", "2xl4,a6000,p40"]) == 1
@@ -91,7 +121,10 @@ def test_plan_command_errors(tmp_path, capsys):
     assert "warp9" in capsys.readouterr().err
     assert main(["plan", "--cluster", "l4", "--global-batch", "0"]) == 2
     assert "--global-batch must be >= 1" in capsys.readouterr().err
-    assert main(["plan", "--cluster", "l4", "--global-batch", "8", "--plot", str(tmp_path / "x.txt")]) == 2
+    assert (
+        main(["plan", "--cluster", "l4", "--global-batch", "8", "--plot", str(tmp_path / "x.txt")])
+        == 2
+    )
     # a 7B model on one 24 GiB GPU: the message gives the shortfall and what would fit
     assert main(["plan", "--cluster", "l4", "--model", "llama-7b", "--global-batch", "8"]) == 2
     err = capsys.readouterr().err
@@ -102,7 +135,17 @@ def test_plan_command_errors(tmp_path, capsys):
 
 def test_baseline_that_does_not_fit_is_reported_not_raised(capsys):
     # gpt-6.7b's state is 102 GiB: a fifth of it does not fit a 16 GiB T4, uneven shards do
-    args = ["plan", "--cluster", "2xt4,2xa6000", "--model", "gpt-6.7b", "--global-batch", "32", "--strategy", "all"]
+    args = [
+        "plan",
+        "--cluster",
+        "2xt4,2xa6000",
+        "--model",
+        "gpt-6.7b",
+        "--global-batch",
+        "32",
+        "--strategy",
+        "all",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "cephalo:" in out and "even does not fit" in out
@@ -124,16 +167,40 @@ def test_plan_and_simulate_from_measured_profiles(tmp_path, capsys):
     from cephalo.profiling.profiler import MeasuredProfiles
     from planner_helpers import linear_profile
 
-    profiles = {"cpu": linear_profile("cpu", 1e-3, 2e-3, 1e5, 1e-9, memory_bytes=2**30),
-                "cpu:slowdown=3": linear_profile("cpu:slowdown=3", 3e-3, 6e-3, 1e5, 1e-9, memory_bytes=2**30)}
+    profiles = {
+        "cpu": linear_profile("cpu", 1e-3, 2e-3, 1e5, 1e-9, memory_bytes=2**30),
+        "cpu:slowdown=3": linear_profile(
+            "cpu:slowdown=3", 3e-3, 6e-3, 1e5, 1e-9, memory_bytes=2**30
+        ),
+    }
     path = tmp_path / "prof.json"
-    MeasuredProfiles(profiles=profiles, comm=CommProfile(1e9, 1e-4), model="gpt-tiny", seq_len=32,
-                     dtype="fp32").save(path)
+    MeasuredProfiles(
+        profiles=profiles, comm=CommProfile(1e9, 1e-4), model="gpt-tiny", seq_len=32, dtype="fp32"
+    ).save(path)
     out = tmp_path / "plan.json"
     spec = "cpu,cpu:slowdown=3,mem=1GiB"
-    assert main(["plan", "--cluster", spec, "--global-batch", "16", "--profiles", str(path), "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--cluster",
+                spec,
+                "--global-batch",
+                "16",
+                "--profiles",
+                str(path),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plan = Plan.from_json(out)
-    assert (plan.model, plan.seq_len, plan.dtype) == ("gpt-tiny", 32, "fp32")  # defaults from the profiles
+    assert (plan.model, plan.seq_len, plan.dtype) == (
+        "gpt-tiny",
+        32,
+        "fp32",
+    )  # defaults from the profiles
     assert plan.meta["profile_source"] == f"measured:{path}"
     # three times slower: about a quarter of the batch
     assert plan.batch_sizes[0] > plan.batch_sizes[1] >= 1

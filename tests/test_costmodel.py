@@ -19,10 +19,19 @@ from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
 
 
 def _cm(host_bytes_per_s=1e12, tied=False, async_copies=True):
-    prof = linear_profile("x", 1.0, 2.0, 1000.0, optimizer_s_per_param=0.01, host_bytes_per_s=host_bytes_per_s)
+    prof = linear_profile(
+        "x", 1.0, 2.0, 1000.0, optimizer_s_per_param=0.01, host_bytes_per_s=host_bytes_per_s
+    )
     prof.async_copies = async_copies
     devs = [FakeDevice("x", 10_000), FakeDevice("x", 10_000)]
-    return cost_model(devs, {"x": prof}, model=tiny_model(tied), bytes_per_s=100.0, latency_s=0.5, reserve_bytes=100)
+    return cost_model(
+        devs,
+        {"x": prof},
+        model=tiny_model(tied),
+        bytes_per_s=100.0,
+        latency_s=0.5,
+        reserve_bytes=100,
+    )
 
 
 def test_compute_bound_time_and_memory():
@@ -38,7 +47,14 @@ def test_compute_bound_time_and_memory():
     # boundary 3 boundaries x 5 samples x (3*4*2 = 24) = 360; logits max(0, 2*3*10*4) = 240; reserve 100
     m = c.memory
     assert (m.state, m.gathered, m.grad_accum, m.activations, m.boundary, m.logits, m.reserve) == (
-        2160, 300, 400, 2000, 360, 240, 100)
+        2160,
+        300,
+        400,
+        2000,
+        360,
+        240,
+        100,
+    )
     assert c.peak_bytes == 5560 and c.fits
 
 
@@ -92,7 +108,9 @@ def test_copies_without_async_copies_add_to_compute():
     added = _cm(host_bytes_per_s=24.0, async_copies=False).rank_cost(0, 1, 1, 0.0, offload=True)
     assert added.step_s == pytest.approx(6.5 + 19 + 6.9)
     # without offload there is nothing to copy either way
-    assert _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(0, 5, 2, 0.0).step_s == pytest.approx(87.4)
+    assert _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(
+        0, 5, 2, 0.0
+    ).step_s == pytest.approx(87.4)
 
 
 def test_async_copies_round_trip_and_default():
@@ -137,7 +155,14 @@ def test_evaluate_plan_and_mismatches():
     assert ev.fits
     with pytest.raises(CephaloError, match="has 1 ranks but the cluster has 2"):
         cm.evaluate(Plan("manual", "tiny", 3, 5, "fp16", [RankPlan(0, "x", 5, 5, 1, 1.0)]))
-    wrong = Plan("manual", "tiny", 3, 5, "fp16", [RankPlan(0, "x", 5, 2, 3, 0.5), RankPlan(1, "y", 0, 1, 0, 0.5)])
+    wrong = Plan(
+        "manual",
+        "tiny",
+        3,
+        5,
+        "fp16",
+        [RankPlan(0, "x", 5, 2, 3, 0.5), RankPlan(1, "y", 0, 1, 0, 0.5)],
+    )
     with pytest.raises(CephaloError, match="rank 1 of the plan is a 'y'"):
         cm.evaluate(wrong)
 
@@ -156,6 +181,9 @@ def test_missing_profile_is_a_clear_error():
 
 def test_step_time_is_monotone_in_batch():
     cm = _cm()
-    times = [min(cm.rank_cost(0, b, m, 0.0).step_s for m in range(1, max(b, 1) + 1)) for b in range(0, 12)]
+    times = [
+        min(cm.rank_cost(0, b, m, 0.0).step_s for m in range(1, max(b, 1) + 1))
+        for b in range(0, 12)
+    ]
     assert all(a <= b + 1e-12 for a, b in zip(times, times[1:], strict=False))
     assert math.isfinite(times[-1])

@@ -39,7 +39,9 @@ from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds workers through /proc")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/environ").exists(), reason="finds workers through /proc"
+)
 
 STEPS = 20
 TOL = 1e-5
@@ -54,11 +56,22 @@ RDZV_CONF = "join_timeout=60,last_call_timeout=2,close_timeout=5,keep_alive_inte
 
 def job_args(run_dir: Path, *extra: str) -> list[str]:
     return [
-        f"--logging.dir={run_dir}", "--logging.progress=false",
-        "--model.name=gpt-tiny", "--model.overrides=dropout=0.1", "--data.seq_len=16",
-        "--train.global_batch_size=6", f"--train.steps={STEPS}", "--train.warmup_steps=3",
-        "--train.lr=1e-3", "--train.min_lr=1e-4", "--train.eps=1e-6", "--train.eval_every=0",
-        "--parallel.plan=even", "--parallel.timeout_s=20", "--checkpoint.every=5", "--checkpoint.keep_last=3",
+        f"--logging.dir={run_dir}",
+        "--logging.progress=false",
+        "--model.name=gpt-tiny",
+        "--model.overrides=dropout=0.1",
+        "--data.seq_len=16",
+        "--train.global_batch_size=6",
+        f"--train.steps={STEPS}",
+        "--train.warmup_steps=3",
+        "--train.lr=1e-3",
+        "--train.min_lr=1e-4",
+        "--train.eps=1e-6",
+        "--train.eval_every=0",
+        "--parallel.plan=even",
+        "--parallel.timeout_s=20",
+        "--checkpoint.every=5",
+        "--checkpoint.keep_last=3",
         *extra,
     ]
 
@@ -76,7 +89,11 @@ def assert_same_losses(run_dir: Path, reference: dict[int, float]) -> None:
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
         step, loss = r["step"], r["loss"]
-        assert abs(loss - reference[step]) <= TOL * abs(reference[step]), (step, loss, reference[step])
+        assert abs(loss - reference[step]) <= TOL * abs(reference[step]), (
+            step,
+            loss,
+            reference[step],
+        )
 
 
 # ----------------------------------------------------------------------------- processes
@@ -98,7 +115,9 @@ def _environ(pid: int) -> dict[str, str]:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+    return dict(
+        item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
+    )
 
 
 def worker_pids(agent_pid: int) -> dict[int, int]:
@@ -125,18 +144,42 @@ def checkpoint_exists(run_dir: Path, step: int):
     return lambda: (run_dir / "checkpoints" / f"step_{step:06d}").is_dir()
 
 
-def torchrun(nnodes: str, nproc: int, port: int, rdzv_id: str, run_dir: Path, log: Path,
-             max_restarts: int = 0, agent_log_level: str = "WARNING") -> subprocess.Popen:
+def torchrun(
+    nnodes: str,
+    nproc: int,
+    port: int,
+    rdzv_id: str,
+    run_dir: Path,
+    log: Path,
+    max_restarts: int = 0,
+    agent_log_level: str = "WARNING",
+) -> subprocess.Popen:
     """One torchrun agent (a node) of a c10d-rendezvous job on 127.0.0.1."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
-        f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-        "-m", "cephalo", "train", *job_args(run_dir),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf={RDZV_CONF}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.1",
+        "-m",
+        "cephalo",
+        "train",
+        *job_args(run_dir),
     ]
     # SHARED_STORE_ENV=1: torchrun restarts need it (docs/reliability.md, pytorch#135712)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", SHARED_STORE_ENV: "1",
-           "LOGLEVEL": agent_log_level}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        SHARED_STORE_ENV: "1",
+        "LOGLEVEL": agent_log_level,
+    }
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
 
 
@@ -157,7 +200,9 @@ def finish(procs: list[subprocess.Popen], logs: list[Path]) -> list[int]:
 
 def world_sizes(log_text: str) -> list[int]:
     """World sizes of each (re)start, from rank 0's 'model ... N rank(s), plan ...' lines."""
-    return [int(n) for n in re.findall(r"\[rank0\] INFO model \S+ \([^)]*\), (\d+) rank\(s\)", log_text)]
+    return [
+        int(n) for n in re.findall(r"\[rank0\] INFO model \S+ \([^)]*\), (\d+) rank\(s\)", log_text)
+    ]
 
 
 # ----------------------------------------------------------------------------- tests
@@ -165,8 +210,20 @@ def world_sizes(log_text: str) -> list[int]:
 def test_restart_resumes_from_last_checkpoint(tmp_path, reference):
     run = tmp_path / "run"
     log = tmp_path / "run.log"
-    cmd = [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu,cpu", "--max-restarts", "1", *job_args(run)]
-    env = {k: v for k, v in os.environ.items() if k != SHARED_STORE_ENV}  # the launcher sets it itself
+    cmd = [
+        sys.executable,
+        "-m",
+        "cephalo",
+        "run",
+        "--devices",
+        "cpu,cpu,cpu",
+        "--max-restarts",
+        "1",
+        *job_args(run),
+    ]
+    env = {
+        k: v for k, v in os.environ.items() if k != SHARED_STORE_ENV
+    }  # the launcher sets it itself
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, env=env)
     wait_until(checkpoint_exists(run, 5), "the step-5 checkpoint", [proc])
     victim = worker_pids(proc.pid)[1]
@@ -187,8 +244,11 @@ def test_node_removed_training_replans_and_finishes(tmp_path, reference):
     node0 = torchrun("1:2", 2, port, rdzv, run, logs[0], max_restarts=2)
     time.sleep(1.0)
     node1 = torchrun("1:2", 1, port, rdzv, run, logs[1])
-    wait_until(lambda: (run / "plan.json").is_file() and len(Plan.from_json(run / "plan.json").ranks) == 3,
-               "the 3-rank job to start", [node0, node1])
+    wait_until(
+        lambda: (run / "plan.json").is_file() and len(Plan.from_json(run / "plan.json").ranks) == 3,
+        "the 3-rank job to start",
+        [node0, node1],
+    )
     wait_until(checkpoint_exists(run, 5), "the step-5 checkpoint", [node0, node1])
     # a node dies: its agent first (so nothing restarts its worker), then the worker
     workers = worker_pids(node1.pid)
@@ -200,7 +260,9 @@ def test_node_removed_training_replans_and_finishes(tmp_path, reference):
     text = logs[0].read_text() + logs[1].read_text()
     sizes = world_sizes(text)
     assert sizes[0] == 3 and sizes[-1] == 2, sizes
-    assert re.search(r"resumed from \S+ at step (5|10|15) \(saved under plan even, now even\)", text), text[-3000:]
+    assert re.search(
+        r"resumed from \S+ at step (5|10|15) \(saved under plan even, now even\)", text
+    ), text[-3000:]
     assert [r.batch_size for r in Plan.from_json(run / "plan.json").ranks] == [3, 3]
     assert_same_losses(run, reference)
 
@@ -220,16 +282,23 @@ def test_node_added_training_replans_and_finishes(tmp_path, reference):
         os.kill(pid, signal.SIGSTOP)
     try:
         node1 = torchrun("1:2", 1, port, rdzv, run, logs[1])
-        wait_until(lambda: "will restart worker group" in logs[0].read_text(), "node 0 to see node 1",
-                   [node0, node1])
+        wait_until(
+            lambda: "will restart worker group" in logs[0].read_text(),
+            "node 0 to see node 1",
+            [node0, node1],
+        )
     finally:
         for pid in paused.values():
             os.kill(pid, signal.SIGCONT)
-    assert finish([node0, node1], logs) == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    assert finish([node0, node1], logs) == [0, 0], "\n".join(
+        log.read_text()[-3000:] for log in logs
+    )
     text = logs[0].read_text() + logs[1].read_text()
     sizes = world_sizes(text)
     assert sizes[0] == 2 and sizes[-1] == 3, sizes
-    assert re.search(r"resumed from \S+ at step 5 \(saved under plan even, now even\)", text), text[-3000:]
+    assert re.search(r"resumed from \S+ at step 5 \(saved under plan even, now even\)", text), text[
+        -3000:
+    ]
     assert [r.batch_size for r in Plan.from_json(run / "plan.json").ranks] == [2, 2, 2]
     assert_same_losses(run, reference)
 
@@ -241,6 +310,8 @@ def test_two_nodes_with_different_process_counts(tmp_path, reference):
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     node0 = torchrun("2", 2, port, rdzv, run, logs[0])
     node1 = torchrun("2", 1, port, rdzv, run, logs[1])
-    assert finish([node0, node1], logs) == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    assert finish([node0, node1], logs) == [0, 0], "\n".join(
+        log.read_text()[-3000:] for log in logs
+    )
     assert world_sizes(logs[0].read_text() + logs[1].read_text()) == [3]
     assert_same_losses(run, reference)

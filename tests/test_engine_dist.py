@@ -53,7 +53,12 @@ def _engine_run(model: str, overrides: dict, plan, cfg: EngineConfig, data):
 
 def _fsdp2_run(model: str, overrides: dict, cfg: EngineConfig, data, batch_sizes):
     torch.set_num_threads(1)
-    run = train_fsdp2(model_factory(model, cfg.seed, **overrides), data, optim_config(cfg), batch_sizes=batch_sizes)
+    run = train_fsdp2(
+        model_factory(model, cfg.seed, **overrides),
+        data,
+        optim_config(cfg),
+        batch_sizes=batch_sizes,
+    )
     return run.params
 
 
@@ -100,7 +105,9 @@ def test_memory_only_rank_and_zero_fraction_rank(pool3):
     data = make_data(3, plan.global_batch_size)
     results = pool3.run(_engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data)
     assert results[0]["state_bytes"] == 0
-    _check_against_reference(results, run_reference("gpt-tiny", {"dropout": 0.1}, data, cfg), "zero rank")
+    _check_against_reference(
+        results, run_reference("gpt-tiny", {"dropout": 0.1}, data, cfg), "zero rank"
+    )
 
 
 @pytest.mark.slow
@@ -133,7 +140,11 @@ def test_state_follows_fractions_and_collectives_do_not_depend_on_micro_batches(
     # per step: 2 gathers per unit + 2 for the tied wte (head, both passes); 1 reduce-scatter
     # per unit + 1 for the tied wte; all-reduce: token count, then (grad norm^2, loss sum);
     # full_state_dict adds one gather per unit
-    expected = {"all_gather_v": 2 * units + 2 + units, "reduce_scatter_v": units + 1, "all_reduce": 2}
+    expected = {
+        "all_gather_v": 2 * units + 2 + units,
+        "reduce_scatter_v": units + 1,
+        "all_reduce": 2,
+    }
     for micro, res in runs.items():
         for r in res:
             assert r["calls"] == expected, (micro, r["calls"])

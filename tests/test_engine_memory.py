@@ -85,7 +85,12 @@ class _LiveBytes(TorchDispatchMode):
 
 @pytest.mark.parametrize(
     "model, overrides, k",
-    [("gpt-tiny", {}, 1), ("gpt-nano", {}, 4), ("hf-llama-tiny", {}, 2), ("gpt-tiny", {"vocab_size": 8192}, 2)],
+    [
+        ("gpt-tiny", {}, 1),
+        ("gpt-nano", {}, 4),
+        ("hf-llama-tiny", {}, 2),
+        ("gpt-tiny", {"vocab_size": 8192}, 2),
+    ],
 )
 def test_ledger_peak_against_real_allocations(model, overrides, k):
     """The ledger counts the engine's buffers, what autograd saves, and an estimate of the
@@ -103,7 +108,9 @@ def test_ledger_peak_against_real_allocations(model, overrides, k):
         stats = engine.train_step(x, y, lr=LR)
     ledger_peak, real_peak = stats.peak_bytes, state + real.peak
     ratio = ledger_peak / real_peak
-    print(f"{model} {overrides} k={k}: ledger peak {ledger_peak} B, real peak {real_peak} B ({ratio:.3f})")
+    print(
+        f"{model} {overrides} k={k}: ledger peak {ledger_peak} B, real peak {real_peak} B ({ratio:.3f})"
+    )
     assert 0.9 <= ratio <= 1.1
 
 

@@ -76,7 +76,9 @@ def test_offload_and_prefetch_do_not_change_results(mode):
     data = make_data(2, 4)
     plan = make_plan([4], [1.0], [2])
     base, _ = _train(plan, EngineConfig(eps=TEST_EPS, mode=mode), data, {})
-    other, _ = _train(plan, EngineConfig(eps=TEST_EPS, mode=mode, offload=True, prefetch=False), data, {})
+    other, _ = _train(
+        plan, EngineConfig(eps=TEST_EPS, mode=mode, offload=True, prefetch=False), data, {}
+    )
     a, b = base.full_state_dict(), other.full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -104,7 +106,9 @@ def test_low_precision_trains_and_stays_close_to_fp32(dtype):
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     x, y = make_data(1, 2)[0]
     plan = make_plan([2], [1.0], [1], dtype="fp16")
-    engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(loss_scale_init=2.0**40))
+    engine = Engine(
+        build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(loss_scale_init=2.0**40)
+    )
     before = engine.full_state_dict()
     stats = engine.train_step(x, y, lr=1e-3)
     assert stats.skipped and engine.scaler.scale == 2.0**39
@@ -157,7 +161,12 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(CephaloError, match="must both be"):
         engine.train_step(x[0], y[0], lr=LR)
     with pytest.raises(CephaloError, match="plan is for 2 ranks"):
-        Engine(build_model("gpt-tiny"), make_plan([1, 2], [0.5, 0.5], [1, 1]), LocalComm(), EngineConfig())
+        Engine(
+            build_model("gpt-tiny"),
+            make_plan([1, 2], [0.5, 0.5], [1, 1]),
+            LocalComm(),
+            EngineConfig(),
+        )
     with pytest.raises(CephaloError, match="mode"):
         Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(mode="pipeline"))
     with pytest.raises(CephaloError, match="betas"):
@@ -181,7 +190,9 @@ def test_slowdown_stretches_compute(monkeypatch):
     x, y = make_data(1, 2)[0]
     stats = engine.train_step(x, y, lr=LR)
     units, optimizer = slept[1:-2], slept[-2:]
-    assert len(units) == 2 * 4  # forward and backward of 4 units (gpt-tiny: embedding, 2 blocks, head)
+    assert (
+        len(units) == 2 * 4
+    )  # forward and backward of 4 units (gpt-tiny: embedding, 2 blocks, head)
     assert sum(units) == pytest.approx(3.0 * (stats.busy_s - sum(units)), rel=1e-6)
     assert all(s > 0 for s in optimizer)
 
@@ -194,15 +205,22 @@ def test_gpu_check_says_why_it_skips_without_cuda():
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PY=sys.executable)
-    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 77, proc.stdout + proc.stderr
     assert "SKIPPED - no CUDA GPU is visible" in proc.stdout
 
 
 def test_non_finite_gradient_skips_the_update_in_fp32():
     x, y = make_data(1, 2)[0]
-    engine = Engine(build_model("gpt-tiny"), make_plan([2], [1.0], [1]), LocalComm(), EngineConfig())
+    engine = Engine(
+        build_model("gpt-tiny"), make_plan([2], [1.0], [1]), LocalComm(), EngineConfig()
+    )
     assert not engine.train_step(x, y, lr=1e30).skipped  # blows the weights up
     before = engine.full_state_dict()
     stats = engine.train_step(x, y, lr=LR)
@@ -219,10 +237,16 @@ def test_global_rng_dropout_is_replayed_in_recompute():
     match a reference seeded the same way only if every recompute replays its mask."""
     cfg = EngineConfig(eps=TEST_EPS, grad_clip=0.0, per_sample_dropout=False)
     data = make_data(3, 3)
-    engine = Engine(build_model("gpt-tiny", dropout=0.2), make_plan([3], [1.0], [3]), LocalComm(), cfg)
-    ref = build_model("gpt-tiny", dropout=0.2).materialize("cpu", torch.Generator().manual_seed(cfg.seed))
+    engine = Engine(
+        build_model("gpt-tiny", dropout=0.2), make_plan([3], [1.0], [3]), LocalComm(), cfg
+    )
+    ref = build_model("gpt-tiny", dropout=0.2).materialize(
+        "cpu", torch.Generator().manual_seed(cfg.seed)
+    )
     named = [(f"{u}.{n}", p) for u, n, p in ref.named_unit_parameters()]
-    opt = torch.optim.AdamW(adamw_param_groups(named, cfg.weight_decay), lr=LR, betas=cfg.betas, eps=cfg.eps)
+    opt = torch.optim.AdamW(
+        adamw_param_groups(named, cfg.weight_decay), lr=LR, betas=cfg.betas, eps=cfg.eps
+    )
     ref.train()
     for step, (x, y) in enumerate(data):
         torch.manual_seed(100 + step)

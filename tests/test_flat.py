@@ -16,7 +16,9 @@ from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
 
 @given(
     numel=st.integers(0, 10_000),
-    fractions=st.lists(st.floats(0.0, 1.0, allow_nan=False), min_size=1, max_size=8).filter(lambda f: sum(f) > 1e-6),
+    fractions=st.lists(st.floats(0.0, 1.0, allow_nan=False), min_size=1, max_size=8).filter(
+        lambda f: sum(f) > 1e-6
+    ),
 )
 @settings(max_examples=200, deadline=None)
 def test_shard_ranges_cover_exactly_and_follow_fractions(numel, fractions):
@@ -45,7 +47,11 @@ def test_flat_layout_views_and_segments():
     params = [("w", torch.zeros(2, 3)), ("b", torch.zeros(3)), ("g", torch.zeros(4))]
     layout = FlatLayout("u", params)
     assert layout.numel == 13
-    assert [(s.name, s.offset, s.numel) for s in layout.slots] == [("w", 0, 6), ("b", 6, 3), ("g", 9, 4)]
+    assert [(s.name, s.offset, s.numel) for s in layout.slots] == [
+        ("w", 0, 6),
+        ("b", 6, 3),
+        ("g", 9, 4),
+    ]
     flat = torch.arange(13.0)
     views = layout.views(flat)
     assert views["w"].shape == (2, 3) and views["b"].tolist() == [6.0, 7.0, 8.0]
@@ -68,17 +74,24 @@ def test_sharded_adamw_matches_torch_adamw():
     ref = [torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())]
     opt_ref = torch.optim.AdamW(
         [{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],
-        lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     layout = FlatLayout("u", [("w", w), ("b", b)])
     flat = layout.flatten({"w": w, "b": b})
     # two "ranks" with shards [0, 17) and [17, 27): the second straddles nothing, the first both
     groups = []
     for start, size in shard_ranges(layout.numel, [0.63, 0.37]):
-        groups.append(ShardGroup(
-            flat[start : start + size].clone(), torch.zeros(size), torch.zeros(size), torch.zeros(size),
-            layout.segments_where([True, False], start, size),
-        ))
+        groups.append(
+            ShardGroup(
+                flat[start : start + size].clone(),
+                torch.zeros(size),
+                torch.zeros(size),
+                torch.zeros(size),
+                layout.segments_where([True, False], start, size),
+            )
+        )
     opt = ShardedAdamW(groups, AdamWHyper(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
     for step in range(4):
         grads = [torch.randn(5, 4), torch.randn(7)]
@@ -86,7 +99,9 @@ def test_sharded_adamw_matches_torch_adamw():
             p.grad = g.clone()
         opt_ref.step()
         gflat = layout.flatten({"w": grads[0], "b": grads[1]})
-        for grp, (start, size) in zip(groups, shard_ranges(layout.numel, [0.63, 0.37]), strict=True):
+        for grp, (start, size) in zip(
+            groups, shard_ranges(layout.numel, [0.63, 0.37]), strict=True
+        ):
             grp.grad.copy_(gflat[start : start + size])
         opt.step(lr=1e-2)
         assert opt.step_count == step + 1
@@ -126,8 +141,14 @@ def test_sample_dropout_is_per_sample_and_replayable():
     q = torch.randn(2, 2, 5, 4)
     with SampleDropout(0, 0, 0, 0):
         a = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        d1 = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.3, is_causal=True)
+        d1 = torch.nn.functional.scaled_dot_product_attention(
+            q, q, q, dropout_p=0.3, is_causal=True
+        )
     with SampleDropout(0, 0, 0, 1):
-        d2 = torch.nn.functional.scaled_dot_product_attention(q[1:], q[1:], q[1:], dropout_p=0.3, is_causal=True)
-    assert torch.allclose(a, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+        d2 = torch.nn.functional.scaled_dot_product_attention(
+            q[1:], q[1:], q[1:], dropout_p=0.3, is_causal=True
+        )
+    assert torch.allclose(
+        a, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    )
     assert torch.allclose(d1[1:], d2) and not torch.allclose(d1, a)

@@ -43,7 +43,9 @@ json_scalars = (
 )
 json_values = st.recursive(
     json_scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 # Path-like text: long names (over the 255-byte file-name limit), NUL bytes, directories.
@@ -65,28 +67,35 @@ def only_cephalo_errors(fn, *args, **kwargs) -> Any:
 
 # ----------------------------------------------------------------------------- cluster specs
 device_names = st.sampled_from([*DEVICE_ALIASES, "gpu", "L4", "A100", "cpu ", "", "x", "h100-nvl"])
-option_values = (
-    st.sampled_from(["1", "2.5", "0", "-1", "nan", "inf", "1e400", "4GiB", "0GiB", "1e308TiB", "12 GB", "", "x"])
-    | st.text(max_size=8)
-)
+option_values = st.sampled_from(
+    ["1", "2.5", "0", "-1", "nan", "inf", "1e400", "4GiB", "0GiB", "1e308TiB", "12 GB", "", "x"]
+) | st.text(max_size=8)
 option_keys = st.sampled_from(["mem", "node", "slowdown", "MEM", "speed", ""])
 
 
 @st.composite
 def device_tokens(draw) -> str:
     token = draw(device_names)
-    count = draw(st.none() | st.integers(min_value=-2, max_value=10**7).map(str) | st.sampled_from(["x", "2 x", ""]))
+    count = draw(
+        st.none()
+        | st.integers(min_value=-2, max_value=10**7).map(str)
+        | st.sampled_from(["x", "2 x", ""])
+    )
     if count is not None:
         token = f"{count}x{token}"
     if draw(st.booleans()):
-        token += "@" + draw(st.sampled_from(["node", "node1", "1", "node-1", "nodex", ""]) | st.text(max_size=4))
+        token += "@" + draw(
+            st.sampled_from(["node", "node1", "1", "node-1", "nodex", ""]) | st.text(max_size=4)
+        )
     options = draw(st.lists(st.tuples(option_keys, option_values), max_size=3))
     for key, value in options:
         token += draw(st.sampled_from([":", ","])) + f"{key}={value}"
     return token
 
 
-cluster_specs = st.lists(device_tokens(), min_size=0, max_size=4).map(",".join) | st.text(max_size=40)
+cluster_specs = st.lists(device_tokens(), min_size=0, max_size=4).map(",".join) | st.text(
+    max_size=40
+)
 
 
 @FUZZ
@@ -96,7 +105,9 @@ def test_cluster_spec(spec):
     if cluster is not None:
         assert cluster.world_size >= 1
         for d in cluster.devices:
-            assert d.memory_bytes > 0 and d.node >= 0 and math.isfinite(d.slowdown) and d.slowdown >= 1
+            assert (
+                d.memory_bytes > 0 and d.node >= 0 and math.isfinite(d.slowdown) and d.slowdown >= 1
+            )
         assert cluster.describe()
 
 
@@ -104,7 +115,9 @@ device_entries = st.fixed_dictionaries(
     {},
     optional={
         "type": device_names | json_scalars,
-        "count": st.integers(min_value=-1, max_value=4) | st.sampled_from([10**6 + 1, 10**12]) | json_scalars,
+        "count": st.integers(min_value=-1, max_value=4)
+        | st.sampled_from([10**6 + 1, 10**12])
+        | json_scalars,
         "memory": st.sampled_from(["20GiB", "0GB", "-1GiB", "x"]) | json_scalars,
         "memory_bytes": st.integers() | json_scalars,
         "node": st.integers(min_value=-1, max_value=3) | json_scalars,
@@ -112,16 +125,20 @@ device_entries = st.fixed_dictionaries(
         "colour": json_scalars,
     },
 )
-cluster_dicts = st.fixed_dictionaries(
-    {},
-    optional={
-        "devices": st.lists(device_entries, max_size=3) | cluster_specs | json_values,
-        "intra_node_bandwidth": st.sampled_from(["24GB/s", "0GB/s", "1e400GB/s", "fast"]) | json_scalars,
-        "inter_node_bytes_per_s": json_scalars,
-        "collective_latency_s": json_scalars,
-        "links": json_values,
-    },
-) | json_values
+cluster_dicts = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "devices": st.lists(device_entries, max_size=3) | cluster_specs | json_values,
+            "intra_node_bandwidth": st.sampled_from(["24GB/s", "0GB/s", "1e400GB/s", "fast"])
+            | json_scalars,
+            "inter_node_bytes_per_s": json_scalars,
+            "collective_latency_s": json_scalars,
+            "links": json_values,
+        },
+    )
+    | json_values
+)
 
 
 @FUZZ
@@ -140,8 +157,15 @@ def valid_plan_dict() -> dict[str, Any]:
         RankPlan(1, "cpu:slowdown=2", 3, 3, 1, 0.5, offload_activations=True),
         RankPlan(2, "p40", 0, 1, 0, 0.0),
     ]
-    plan = Plan(strategy="cephalo", model="gpt-tiny", seq_len=16, global_batch_size=8, dtype="fp32",
-                ranks=ranks, meta={"cluster": "l4 + cpu + p40"})
+    plan = Plan(
+        strategy="cephalo",
+        model="gpt-tiny",
+        seq_len=16,
+        global_batch_size=8,
+        dtype="fp32",
+        ranks=ranks,
+        meta={"cluster": "l4 + cpu + p40"},
+    )
     return json.loads(plan.to_json())
 
 
@@ -168,7 +192,9 @@ def mutated_plans(draw) -> dict[str, Any] | list:
         op = draw(st.sampled_from(["replace", "delete", "add"] if keys else ["add"]))
         if op == "add":
             if isinstance(node, dict):
-                node[draw(st.text(max_size=10) | st.sampled_from(list(valid_plan_dict())))] = draw(json_values)
+                node[draw(st.text(max_size=10) | st.sampled_from(list(valid_plan_dict())))] = draw(
+                    json_values
+                )
             else:
                 node.append(draw(json_values | st.just(valid_plan_dict()["ranks"][0])))
         else:
@@ -177,16 +203,23 @@ def mutated_plans(draw) -> dict[str, Any] | list:
                 del node[key]
             else:
                 old = node[key]
-                nearby = (st.integers(min_value=-2, max_value=12) if isinstance(old, int) and not isinstance(old, bool)
-                          else st.floats(min_value=-0.5, max_value=1.5) if isinstance(old, float)
-                          else st.nothing())
+                nearby = (
+                    st.integers(min_value=-2, max_value=12)
+                    if isinstance(old, int) and not isinstance(old, bool)
+                    else st.floats(min_value=-0.5, max_value=1.5)
+                    if isinstance(old, float)
+                    else st.nothing()
+                )
                 node[key] = draw(nearby | json_values)
     return doc
 
 
 @FUZZ
-@given(doc=mutated_plans() | json_values, world_size=st.integers(min_value=-1, max_value=5),
-       model=st.sampled_from(["gpt-tiny", "gpt-small-demo", ""]))
+@given(
+    doc=mutated_plans() | json_values,
+    world_size=st.integers(min_value=-1, max_value=5),
+    model=st.sampled_from(["gpt-tiny", "gpt-small-demo", ""]),
+)
 def test_plan_json_mutations(doc, world_size, model):
     plan = only_cephalo_errors(Plan.from_json, json.dumps(doc))
     if plan is None:
@@ -200,7 +233,11 @@ def test_plan_json_mutations(doc, world_size, model):
 
 
 @FUZZ
-@given(text=st.text(max_size=60) | pathish | st.text(alphabet="{}[]\":,0123456789.eE-truefalsn ", max_size=60))
+@given(
+    text=st.text(max_size=60)
+    | pathish
+    | st.text(alphabet='{}[]":,0123456789.eE-truefalsn ', max_size=60)
+)
 def test_plan_json_any_text(text):
     only_cephalo_errors(Plan.from_json, text)
 
@@ -211,14 +248,40 @@ KEYS = {s: list(field_types(section_class(s))) for s in SECTIONS}
 toml_scalars = (
     st.integers().map(str)
     | st.integers(min_value=-2, max_value=200).map(str)
-    | st.floats(allow_nan=True, allow_infinity=True).map(lambda f: "nan" if math.isnan(f) else repr(f).replace("inf", "inf"))
-    | st.sampled_from(["true", "false", "1e400", "-0.0", "inf", "-inf", "nan", '""', '"auto"', '"even"', '"fp16"',
-                       '"gloo"', '"never"', "[0.9, 0.95]", "[1, 2, 3]", "[]", "{ dropout = 0.1 }", "{}", "0x10"])
+    | st.floats(allow_nan=True, allow_infinity=True).map(
+        lambda f: "nan" if math.isnan(f) else repr(f).replace("inf", "inf")
+    )
+    | st.sampled_from(
+        [
+            "true",
+            "false",
+            "1e400",
+            "-0.0",
+            "inf",
+            "-inf",
+            "nan",
+            '""',
+            '"auto"',
+            '"even"',
+            '"fp16"',
+            '"gloo"',
+            '"never"',
+            "[0.9, 0.95]",
+            "[1, 2, 3]",
+            "[]",
+            "{ dropout = 0.1 }",
+            "{}",
+            "0x10",
+        ]
+    )
     | st.text(alphabet=string.printable, max_size=15).map(json.dumps)
     | pathish.map(json.dumps)
 )
-toml_values = st.recursive(toml_scalars, lambda inner: st.lists(inner, max_size=3).map(lambda v: f"[{', '.join(v)}]"),
-                           max_leaves=4)
+toml_values = st.recursive(
+    toml_scalars,
+    lambda inner: st.lists(inner, max_size=3).map(lambda v: f"[{', '.join(v)}]"),
+    max_leaves=4,
+)
 
 
 @st.composite
@@ -280,19 +343,38 @@ def test_config_overrides(overrides):
 
 
 # ----------------------------------------------------------------------------- model overrides
-override_keys = st.sampled_from([
-    "vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_embeddings", "block_size",
-    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "bogus",
-])
+override_keys = st.sampled_from(
+    [
+        "vocab_size",
+        "seq_len",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "dropout",
+        "bias",
+        "tie_embeddings",
+        "block_size",
+        "num_hidden_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "bogus",
+    ]
+)
 override_values = (
-    st.integers(min_value=-2, max_value=70) | st.sampled_from([10**6, 10**9]) | st.floats(min_value=-1, max_value=2)
+    st.integers(min_value=-2, max_value=70)
+    | st.sampled_from([10**6, 10**9])
+    | st.floats(min_value=-1, max_value=2)
     | json_scalars
 )
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(name=st.sampled_from(["gpt-tiny", "hf-gpt2-tiny", "hf-llama-tiny"]),
-       overrides=st.dictionaries(override_keys, override_values, max_size=3))
+@given(
+    name=st.sampled_from(["gpt-tiny", "hf-gpt2-tiny", "hf-llama-tiny"]),
+    overrides=st.dictionaries(override_keys, override_values, max_size=3),
+)
 def test_model_overrides(name, overrides):
     """`model.overrides` reach the model builders unchecked by the config (any table is valid
     there); the builders must turn bad settings into one error, not a hang or a traceback."""

@@ -20,9 +20,17 @@ TIMEOUT_S = 20
 
 def job_args(run_dir, *extra: str) -> list[str]:
     return [
-        f"--logging.dir={run_dir}", "--logging.progress=false", "--model.name=gpt-tiny",
-        "--data.seq_len=16", "--train.global_batch_size=6", "--train.steps=6", "--train.warmup_steps=1",
-        "--train.eval_every=0", "--parallel.plan=even", f"--parallel.timeout_s={TIMEOUT_S}", *extra,
+        f"--logging.dir={run_dir}",
+        "--logging.progress=false",
+        "--model.name=gpt-tiny",
+        "--data.seq_len=16",
+        "--train.global_batch_size=6",
+        "--train.steps=6",
+        "--train.warmup_steps=1",
+        "--train.eval_every=0",
+        "--parallel.plan=even",
+        f"--parallel.timeout_s={TIMEOUT_S}",
+        *extra,
     ]
 
 
@@ -54,9 +62,16 @@ class _Failure:
 def test_first_failure_picks_the_cause(tmp_path):
     (tmp_path / "rank00002.txt").write_text("20.0\nrank 2: step 4 failed in a collective\n")
     (tmp_path / "rank00000.txt").write_text("10.0\nthe plan is for 3 ranks\n")
-    assert first_failure(tmp_path) == "rank 0: the plan is for 3 ranks (1 other rank(s) failed after it)"
+    assert (
+        first_failure(tmp_path)
+        == "rank 0: the plan is for 3 ranks (1 other rank(s) failed after it)"
+    )
     # a rank killed by a signal is the cause; the agent's SIGTERMs to the others are not
-    failures = {0: _Failure(-15, "SIGTERM"), 1: _Failure(-9, "SIGKILL"), 2: _Failure(-15, "SIGTERM")}
+    failures = {
+        0: _Failure(-15, "SIGTERM"),
+        1: _Failure(-9, "SIGKILL"),
+        2: _Failure(-15, "SIGTERM"),
+    }
     assert first_failure(tmp_path, failures).startswith("rank 1 was killed by signal SIGKILL")
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -74,9 +89,19 @@ def test_worker_errors_surface_as_one_line(tmp_path):
     plan = tmp_path / "plan3.json"
     simple_plan("even", Cluster.parse("cpu,cpu,cpu"), "gpt-tiny", 16, 6, "fp32").to_json(plan)
     proc = subprocess.run(
-        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu", *job_args(tmp_path / "run"),
-         f"--parallel.plan={plan}"],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "cephalo",
+            "run",
+            "--devices",
+            "cpu,cpu",
+            *job_args(tmp_path / "run"),
+            f"--parallel.plan={plan}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
@@ -89,12 +114,22 @@ def test_worker_errors_surface_as_one_line(tmp_path):
 def test_survivors_of_a_killed_rank_exit_with_an_error(tmp_path):
     """Plain processes (no elastic agent to stop them): rank 1 SIGKILLs itself before step 3;
     ranks 0 and 2 must fail with a clear error within the collective timeout, not hang."""
-    env = {**os.environ, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1", KILL_AT_STEP_ENV: "3"}
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        KILL_AT_STEP_ENV: "3",
+    }
     procs = [
-        subprocess.Popen([sys.executable, "-m", "cephalo", "train", *job_args(tmp_path / "run")],
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "cephalo", "train", *job_args(tmp_path / "run")],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(3)
     ]
     try:

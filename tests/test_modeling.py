@@ -53,7 +53,9 @@ def manual_gpt_loss(model, input_ids, labels):
         h = h + x @ w("mlp.c_proj.weight").T + w("mlp.c_proj.bias")
     h = F.layer_norm(h, (d,), p["head.ln_f.weight"], p["head.ln_f.bias"])
     logits = h @ p["embedding.wte.weight"].T
-    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), ignore_index=IGNORE_INDEX
+    )
 
 
 # ---------------------------------------------------------------- built-in GPT
@@ -134,7 +136,9 @@ def test_gpt_init_is_deterministic_and_device_independent():
     sa, sb, sc, sd = (m.state_dict() for m in (a, b, c, direct))
     for k in sa:
         assert torch.equal(sa[k], sb[k]) and torch.equal(sa[k], sd[k]), k
-    assert not torch.equal(sa["unit_modules.embedding.wte.weight"], sc["unit_modules.embedding.wte.weight"])
+    assert not torch.equal(
+        sa["unit_modules.embedding.wte.weight"], sc["unit_modules.embedding.wte.weight"]
+    )
 
 
 def test_gpt_init_follows_gpt2_scheme():
@@ -258,7 +262,9 @@ def test_hf_units_hold_no_buffers_and_init_is_deterministic(name):
     torch.manual_seed(99)
     b = build_model(name).materialize("cpu", gen(5))
     c = build_model(name).materialize("cpu", gen(6))
-    for (k, ta), tb, tc in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values(), strict=True):
+    for (k, ta), tb, tc in zip(
+        a.state_dict().items(), b.state_dict().values(), c.state_dict().values(), strict=True
+    ):
         assert torch.equal(ta, tb), k
         if "weight" in k and ta.dim() == 2:
             assert not torch.equal(ta, tc), k
@@ -272,11 +278,15 @@ def test_builtin_gpt_exports_as_gpt2_with_the_same_loss():
     hf_model = to_hf_model(model)
     assert hf_model.lm_head.weight is hf_model.transformer.wte.weight
     input_ids, hf_labels, labels = hf_batch(model.spec.vocab_size)
-    torch.testing.assert_close(model(input_ids, labels), hf_model(input_ids, labels=hf_labels).loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        model(input_ids, labels), hf_model(input_ids, labels=hf_labels).loss, rtol=1e-5, atol=1e-5
+    )
     untied = tiny_gpt(seed=4, tie_embeddings=False).eval()
     hf_untied = to_hf_model(untied)
     assert hf_untied.lm_head.weight is not hf_untied.transformer.wte.weight
-    torch.testing.assert_close(unit_logits(untied, input_ids), hf_untied(input_ids).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        unit_logits(untied, input_ids), hf_untied(input_ids).logits, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_hf_gpt2_tied_weight_is_one_parameter():
@@ -284,7 +294,10 @@ def test_hf_gpt2_tied_weight_is_one_parameter():
     assert model.units[-1].module.lm_head.weight is model.units[0].module.wte.weight
     names = [f"{u}.{n}" for u, n, _ in model.named_unit_parameters()]
     assert "head.lm_head.weight" not in names
-    assert sorted(model.hf_names["embedding.wte.weight"]) == ["lm_head.weight", "transformer.wte.weight"]
+    assert sorted(model.hf_names["embedding.wte.weight"]) == [
+        "lm_head.weight",
+        "transformer.wte.weight",
+    ]
     assert model_spec_of(model).tied_embeddings
 
 
@@ -306,7 +319,9 @@ def test_export_after_training_loads_strictly_into_transformers(name):
     # through the `state=` path, as `cephalo export` does with Engine.full_state_dict()
     state = {f"{u}.{n}": p.detach().clone() for u, n, p in model.named_unit_parameters()}
     hf_model = to_hf_model(model, state)
-    torch.testing.assert_close(hf_model(input_ids).logits, unit_logits(model, input_ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        hf_model(input_ids).logits, unit_logits(model, input_ids), rtol=1e-5, atol=1e-5
+    )
     with pytest.raises(CephaloError, match="missing"):
         export_hf_state_dict(model, {})
     with pytest.raises(CephaloError, match="no biases"):
@@ -331,7 +346,9 @@ def test_hf_bad_settings_and_missing_transformers(monkeypatch):
     with pytest.raises(CephaloError, match="unknown setting"):
         build_model("hf-gpt2-tiny", n_layers=3)
     with pytest.raises(CephaloError, match="maximum 32"):
-        build_model("hf-llama-tiny").materialize("cpu", gen(0)).units[0].module(torch.zeros(1, 40, dtype=torch.long))
+        build_model("hf-llama-tiny").materialize("cpu", gen(0)).units[0].module(
+            torch.zeros(1, 40, dtype=torch.long)
+        )
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     with pytest.raises(CephaloError, match=r"pip install 'cephalo\[hf\]'"):
         build_model("hf-gpt2-tiny")

@@ -27,16 +27,30 @@ TOL = 1e-5
 
 
 def job_config(run_dir, plan: str):
-    return load_config(None, [
-        f"--logging.dir={run_dir}", "--logging.progress=false",
-        "--model.name=gpt-tiny", "--model.overrides", "dropout=0.1", "--model.dtype=fp32",
-        "--data.seq_len=16", "--train.global_batch_size=8", f"--train.steps={STEPS}",
-        "--train.warmup_steps=3", "--train.lr=1e-3", "--train.min_lr=1e-4",
-        # eps well above the rounding noise of gradients that are exactly zero in exact
-        # arithmetic (tests/engine_common.py explains why)
-        "--train.eps=1e-6", "--train.eval_every=10", "--train.eval_batches=2",
-        f"--parallel.plan={plan}", "--checkpoint.every=0",
-    ])
+    return load_config(
+        None,
+        [
+            f"--logging.dir={run_dir}",
+            "--logging.progress=false",
+            "--model.name=gpt-tiny",
+            "--model.overrides",
+            "dropout=0.1",
+            "--model.dtype=fp32",
+            "--data.seq_len=16",
+            "--train.global_batch_size=8",
+            f"--train.steps={STEPS}",
+            "--train.warmup_steps=3",
+            "--train.lr=1e-3",
+            "--train.min_lr=1e-4",
+            # eps well above the rounding noise of gradients that are exactly zero in exact
+            # arithmetic (tests/engine_common.py explains why)
+            "--train.eps=1e-6",
+            "--train.eval_every=10",
+            "--train.eval_batches=2",
+            f"--parallel.plan={plan}",
+            "--checkpoint.every=0",
+        ],
+    )
 
 
 def uneven_plan(path) -> str:
@@ -67,7 +81,10 @@ def _params(checkpoint, out):
 def test_same_run_under_any_plan(pool3, tmp_path):
     ref = train(job_config(tmp_path / "one", "even"))
     runs = {"one process": (ref.losses, ref.val_losses, str(ref.last_checkpoint))}
-    for name, plan in (("3 ranks even", "even"), ("3 ranks uneven", uneven_plan(tmp_path / "uneven.json"))):
+    for name, plan in (
+        ("3 ranks even", "even"),
+        ("3 ranks uneven", uneven_plan(tmp_path / "uneven.json")),
+    ):
         per_rank = pool3.run(_train_on_rank, job_config(tmp_path / name.replace(" ", "-"), plan))
         assert all(r[0] == per_rank[0][0] for r in per_rank), "ranks disagree on the losses"
         runs[name] = per_rank[0]
@@ -90,4 +107,6 @@ def test_same_run_under_any_plan(pool3, tmp_path):
             for key, ref_t in ref_params.items()
         }
         worst_key = max(diffs, key=diffs.get)
-        assert diffs[worst_key] <= TOL, f"{name}: parameter {worst_key} differs by {diffs[worst_key]:.2e} (relative)"
+        assert diffs[worst_key] <= TOL, (
+            f"{name}: parameter {worst_key} differs by {diffs[worst_key]:.2e} (relative)"
+        )

@@ -11,7 +11,14 @@ def _plan(**kw):
         RankPlan(1, "p40", 2, 1, 2, 0.3, offload_activations=True),
         RankPlan(2, "a6000", 1, 1, 1, 0.1),
     ]
-    d = dict(strategy="manual", model="gpt-tiny", seq_len=16, global_batch_size=8, dtype="fp32", ranks=ranks)
+    d = dict(
+        strategy="manual",
+        model="gpt-tiny",
+        seq_len=16,
+        global_batch_size=8,
+        dtype="fp32",
+        ranks=ranks,
+    )
     d.update(kw)
     return Plan(**d)
 
@@ -32,7 +39,10 @@ def test_round_trip(tmp_path):
         (lambda d: d.update(version=99), "version 99 is not supported"),
         (lambda d: d.update(global_batch_size=9), "sum to 8, not global_batch_size 9"),
         (lambda d: d["ranks"][0].update(state_fraction=0.7), "sum to"),
-        (lambda d: d["ranks"][0].update(num_micro_batches=2), "ceil(batch_size / micro_batch_size)"),
+        (
+            lambda d: d["ranks"][0].update(num_micro_batches=2),
+            "ceil(batch_size / micro_batch_size)",
+        ),
         (lambda d: d["ranks"][1].update(rank=5), "in order"),
         (lambda d: d["ranks"][1].update(batch_size="2"), "must be an integer"),
         (lambda d: d.update(dtype="fp8"), "dtype 'fp8'"),

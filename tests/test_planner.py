@@ -60,8 +60,11 @@ def exhaustive_best_step(cm, B: int) -> float:
                     rc = cm.rank_cost(i, b, m, 0.0, o)
                     opts.append((rc.step_s, rc.peak_bytes))
             # an option both slower and hungrier than another can never be the better one
-            options[i, b] = [a for a in set(opts)
-                             if not any(o[0] <= a[0] and o[1] <= a[1] and o != a for o in opts)]
+            options[i, b] = [
+                a
+                for a in set(opts)
+                if not any(o[0] <= a[0] and o[1] <= a[1] and o != a for o in opts)
+            ]
     best = math.inf
     for split in _compositions(B, n):
         per_rank = [options[i, b] for i, b in enumerate(split)]
@@ -94,9 +97,20 @@ def _check_against_exhaustive(cm, B):
 # ---------------------------------------------------------------- small exact instances
 def _hetero(mem=(6000, 6000, 9000), speeds=(1.0, 0.5, 2.0), opt=1e-4, act=300.0, head_act=0.0):
     keys = [f"d{i}" for i in range(len(speeds))]
-    profiles = {k: linear_profile(k, 1.0 / s, 2.0 / s, act, opt, fwd_intercept=0.3 / s, bwd_intercept=0.2 / s,
-                                  head_act_per_sample=head_act, host_bytes_per_s=200.0)
-                for k, s in zip(keys, speeds, strict=True)}
+    profiles = {
+        k: linear_profile(
+            k,
+            1.0 / s,
+            2.0 / s,
+            act,
+            opt,
+            fwd_intercept=0.3 / s,
+            bwd_intercept=0.2 / s,
+            head_act_per_sample=head_act,
+            host_bytes_per_s=200.0,
+        )
+        for k, s in zip(keys, speeds, strict=True)
+    }
     devices = [FakeDevice(k, m) for k, m in zip(keys, mem, strict=True)]
     return cost_model(devices, profiles, bytes_per_s=5000.0, latency_s=0.01)
 
@@ -120,23 +134,41 @@ def test_four_devices_memory_tight(B):
     # 4 devices, 3 types, memory tight enough that micro-batching / offload / uneven shards matter
     # (B = 32 is the largest size the exactness requirement names; its exhaustive search takes ~10 s)
     keys = ["a", "a", "b", "c"]
-    profiles = {k: linear_profile(k, 1.0 / sp, 2.0 / sp, 250.0, 2e-4, fwd_intercept=0.6 / sp, head_act_per_sample=40.0,
-                                  host_bytes_per_s=150.0)
-                for k, sp in (("a", 1.0), ("b", 2.5), ("c", 0.6))}
+    profiles = {
+        k: linear_profile(
+            k,
+            1.0 / sp,
+            2.0 / sp,
+            250.0,
+            2e-4,
+            fwd_intercept=0.6 / sp,
+            head_act_per_sample=40.0,
+            host_bytes_per_s=150.0,
+        )
+        for k, sp in (("a", 1.0), ("b", 2.5), ("c", 0.6))
+    }
     mems = [5200, 5200, 6400, 4700]
-    cm = cost_model([FakeDevice(k, m) for k, m in zip(keys, mems, strict=True)], profiles, bytes_per_s=4000.0,
-                    latency_s=0.01)
+    cm = cost_model(
+        [FakeDevice(k, m) for k, m in zip(keys, mems, strict=True)],
+        profiles,
+        bytes_per_s=4000.0,
+        latency_s=0.01,
+    )
     out = _check_against_exhaustive(cm, B)
     assert out is not None
     plan = out[0]
-    assert any(r.offload_activations for r in plan.ranks) and any(r.num_micro_batches > 1 for r in plan.ranks)
+    assert any(r.offload_activations for r in plan.ranks) and any(
+        r.num_micro_batches > 1 for r in plan.ranks
+    )
     assert len(set(plan.batch_sizes)) > 1 and len({round(f, 6) for f in plan.state_fractions}) > 1
 
 
 def test_identical_ranks_grouped_exactly():
     keys = ["a", "a", "b", "b"]
-    profiles = {"a": linear_profile("a", 1.0, 2.0, 200.0, 2e-4, fwd_intercept=0.5),
-                "b": linear_profile("b", 0.4, 0.8, 200.0, 1e-4, fwd_intercept=0.5)}
+    profiles = {
+        "a": linear_profile("a", 1.0, 2.0, 200.0, 2e-4, fwd_intercept=0.5),
+        "b": linear_profile("b", 0.4, 0.8, 200.0, 1e-4, fwd_intercept=0.5),
+    }
     cm = cost_model([FakeDevice(k, 7000) for k in keys], profiles, bytes_per_s=1e4, latency_s=0.01)
     _check_against_exhaustive(cm, 7)
 
@@ -152,8 +184,12 @@ def test_identical_ranks_grouped_exactly():
 )
 def test_property_matches_exhaustive(speeds, mems, intercept, opt, act, B):
     keys = [f"d{i}" for i in range(len(speeds))]
-    profiles = {k: linear_profile(k, 1.0 / s, 2.0 / s, act, opt, fwd_intercept=intercept / s, host_bytes_per_s=300.0)
-                for k, s in zip(keys, speeds, strict=True)}
+    profiles = {
+        k: linear_profile(
+            k, 1.0 / s, 2.0 / s, act, opt, fwd_intercept=intercept / s, host_bytes_per_s=300.0
+        )
+        for k, s in zip(keys, speeds, strict=True)
+    }
     devices = [FakeDevice(k, m) for k, m in zip(keys, mems, strict=False)]
     cm = cost_model(devices, profiles, bytes_per_s=3000.0, latency_s=0.02)
     _check_against_exhaustive(cm, B)
@@ -162,9 +198,13 @@ def test_property_matches_exhaustive(speeds, mems, intercept, opt, act, B):
 def test_four_devices_batch_32():
     # the size the brief names: 4 devices, global batch 32 (2 types so the exhaustive search stays quick)
     keys = ["a", "a", "a", "b"]
-    profiles = {"a": linear_profile("a", 1.0, 2.0, 100.0, 1e-4, fwd_intercept=2.0),
-                "b": linear_profile("b", 0.3, 0.6, 100.0, 1e-4, fwd_intercept=2.0)}
-    cm = cost_model([FakeDevice(k, 20_000) for k in keys], profiles, bytes_per_s=1e5, latency_s=0.001)
+    profiles = {
+        "a": linear_profile("a", 1.0, 2.0, 100.0, 1e-4, fwd_intercept=2.0),
+        "b": linear_profile("b", 0.3, 0.6, 100.0, 1e-4, fwd_intercept=2.0),
+    }
+    cm = cost_model(
+        [FakeDevice(k, 20_000) for k in keys], profiles, bytes_per_s=1e5, latency_s=0.001
+    )
     ref = _exhaustive_fast_identical(cm, 32)
     plan = make_plan(cm, 32)
     assert cm.evaluate(plan).step_s <= ref * 1.005
@@ -176,8 +216,11 @@ def _exhaustive_fast_identical(cm, B):
     n = len(cm.devices)
     P = cm.total_params
     opt_s = [P * cm.optimizer_s_per_param(d.type_key) for d in cm.devices]
-    fastest = {(i, b): min(cm.rank_cost(i, b, m, 0.0).step_s for m in range(1, max(b, 1) + 1))
-               for i in range(n) for b in range(B + 1)}
+    fastest = {
+        (i, b): min(cm.rank_cost(i, b, m, 0.0).step_s for m in range(1, max(b, 1) + 1))
+        for i in range(n)
+        for b in range(B + 1)
+    }
     best = math.inf
     for split in _compositions(B, n):
         combo = [(fastest[i, b], 0) for i, b in enumerate(split)]
@@ -192,8 +235,10 @@ def test_hull_path_close_to_exact(monkeypatch):
     import cephalo.planner as planner
 
     keys = ["a"] * 5 + ["b"] * 3
-    profiles = {"a": linear_profile("a", 1.0, 2.0, 200.0, 2e-4, fwd_intercept=0.8),
-                "b": linear_profile("b", 0.35, 0.7, 200.0, 1e-4, fwd_intercept=0.8)}
+    profiles = {
+        "a": linear_profile("a", 1.0, 2.0, 200.0, 2e-4, fwd_intercept=0.8),
+        "b": linear_profile("b", 0.35, 0.7, 200.0, 1e-4, fwd_intercept=0.8),
+    }
     cm = cost_model([FakeDevice(k, 9000) for k in keys], profiles, bytes_per_s=1e4, latency_s=0.01)
     exact = cm.evaluate(make_plan(cm, 40)).step_s
     monkeypatch.setattr(planner, "EXACT_DP_MAX_WORK", 0)
@@ -238,8 +283,18 @@ def test_baseline_that_does_not_fit_raises_with_shortfall():
 
 # ---------------------------------------------------------------- does not fit
 def test_infeasible_cluster_message_names_shortfall_and_fix():
-    big = ModelSpec(name="big", arch="gpt", num_layers=2, hidden_size=4, num_heads=1, vocab_size=10,
-                    ffn_hidden_size=16, params_per_block=10_000, embedding_params=50, head_params=20)
+    big = ModelSpec(
+        name="big",
+        arch="gpt",
+        num_layers=2,
+        hidden_size=4,
+        num_heads=1,
+        vocab_size=10,
+        ffn_hidden_size=16,
+        params_per_block=10_000,
+        embedding_params=50,
+        head_params=20,
+    )
     prof = linear_profile("g", 1.0, 2.0, 10.0, 1e-4)
     cm = cost_model([FakeDevice("g", 100_000), FakeDevice("g", 100_000)], {"g": prof}, model=big)
     with pytest.raises(PlanDoesNotFit) as e:
@@ -256,7 +311,9 @@ def test_infeasible_cluster_message_names_shortfall_and_fix():
     assert grown.evaluate(make_plan(grown, 4)).fits
     if more > 1:
         with pytest.raises(PlanDoesNotFit):
-            make_plan(cost_model([FakeDevice("g", 100_000)] * (1 + more), {"g": prof}, model=big), 4)
+            make_plan(
+                cost_model([FakeDevice("g", 100_000)] * (1 + more), {"g": prof}, model=big), 4
+            )
 
 
 def test_infeasible_batch_suggests_largest_that_fits_and_offload():

@@ -26,17 +26,33 @@ from cephalo.profiling.measure import CollectiveSample, fit_comm
 from cephalo.profiling.profiler import cached_profiles
 from dist_harness import dist_pool_fixture
 
-FAST = ProfileSettings(repeats=1, warmup=0, max_micro_batch=8, optimizer_numel=1 << 16,
-                       host_copy_bytes=1 << 20, time_cap_s=20.0)
+FAST = ProfileSettings(
+    repeats=1,
+    warmup=0,
+    max_micro_batch=8,
+    optimizer_numel=1 << 16,
+    host_copy_bytes=1 << 20,
+    time_cap_s=20.0,
+)
 SEQ = 16
 
 
 def _profile(n: int = 2) -> DeviceProfile:
     xs = [1.0, 2.0, 4.0][:n]
-    unit = UnitProfile(Curve(xs, [0.001 * x for x in xs]), Curve(xs, [0.002 * x for x in xs]),
-                       Curve(xs, [1000.0 * x for x in xs]))
-    return DeviceProfile("cpu", 1 << 30, {"embedding": unit, "block": unit, "head": unit}, 1e-8, 1e9,
-                         source="measured", meta={"torch_threads": 1})
+    unit = UnitProfile(
+        Curve(xs, [0.001 * x for x in xs]),
+        Curve(xs, [0.002 * x for x in xs]),
+        Curve(xs, [1000.0 * x for x in xs]),
+    )
+    return DeviceProfile(
+        "cpu",
+        1 << 30,
+        {"embedding": unit, "block": unit, "head": unit},
+        1e-8,
+        1e9,
+        source="measured",
+        meta={"torch_threads": 1},
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,10 +68,17 @@ def one_thread():
 @pytest.fixture(scope="module")
 def single(one_thread) -> MeasuredProfiles:
     """One process, two emulated types (measured in-process, no database)."""
-    settings = ProfileSettings(repeats=3, warmup=1, max_micro_batch=8, optimizer_numel=1 << 16,
-                               host_copy_bytes=1 << 20)
-    return profile_devices("gpt-tiny", SEQ, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), settings=settings,
-                           use_cache=False)
+    settings = ProfileSettings(
+        repeats=3, warmup=1, max_micro_batch=8, optimizer_numel=1 << 16, host_copy_bytes=1 << 20
+    )
+    return profile_devices(
+        "gpt-tiny",
+        SEQ,
+        "fp32",
+        Cluster.parse("cpu,cpu:slowdown=2"),
+        settings=settings,
+        use_cache=False,
+    )
 
 
 # ----------------------------------------------------------------------------- database
@@ -70,13 +93,15 @@ def test_database_round_trip(tmp_path):
     got = again.get_device(key)
     assert got is not None and got.to_dict() == _profile().to_dict()
     # any part of the key differing is a miss
-    for other in (DeviceKey("cpu", "abc", 64, "fp32", torch.__version__, "host"),
-                  DeviceKey("cpu:slowdown=2", "abc", 32, "fp32", torch.__version__, "host"),
-                  DeviceKey("cpu", "abd", 32, "fp32", torch.__version__, "host"),
-                  DeviceKey("cpu", "abc", 32, "bf16", torch.__version__, "host"),
-                  DeviceKey("cpu", "abc", 32, "fp32", "1.0", "host"),
-                  DeviceKey("cpu", "abc", 32, "fp32", torch.__version__, "other-host"),
-                  DeviceKey("cpu", "abc", 32, "fp32", torch.__version__, "host", method=1)):
+    for other in (
+        DeviceKey("cpu", "abc", 64, "fp32", torch.__version__, "host"),
+        DeviceKey("cpu:slowdown=2", "abc", 32, "fp32", torch.__version__, "host"),
+        DeviceKey("cpu", "abd", 32, "fp32", torch.__version__, "host"),
+        DeviceKey("cpu", "abc", 32, "bf16", torch.__version__, "host"),
+        DeviceKey("cpu", "abc", 32, "fp32", "1.0", "host"),
+        DeviceKey("cpu", "abc", 32, "fp32", torch.__version__, "other-host"),
+        DeviceKey("cpu", "abc", 32, "fp32", torch.__version__, "host", method=1),
+    ):
         assert again.get_device(other) is None
     assert not list(tmp_path.glob("*.tmp"))  # atomic write leaves no temporary
 
@@ -112,10 +137,14 @@ def test_cache_hit_is_fast_and_identical(tmp_path):
     hit = cached_profiles("gpt-tiny", SEQ, "fp32", cluster, cache=cache)
     assert hit is not None and hit.profiles["cpu"].to_dict() == first.profiles["cpu"].to_dict()
     assert cached_profiles("gpt-tiny", SEQ * 2, "fp32", cluster, cache=cache) is None
-    refreshed = profile_devices("gpt-tiny", SEQ, "fp32", cluster, settings=FAST, cache=cache, refresh=True)
+    refreshed = profile_devices(
+        "gpt-tiny", SEQ, "fp32", cluster, settings=FAST, cache=cache, refresh=True
+    )
     assert refreshed.measured == ["cpu"]
     # memory is not part of the key: the device's own capacity is reported
-    small = profile_devices("gpt-tiny", SEQ, "fp32", Cluster.parse("cpu:mem=1GiB"), settings=FAST, cache=cache)
+    small = profile_devices(
+        "gpt-tiny", SEQ, "fp32", Cluster.parse("cpu:mem=1GiB"), settings=FAST, cache=cache
+    )
     assert small.measured == [] and small.profiles["cpu"].memory_bytes == 1 << 30
 
 
@@ -123,7 +152,9 @@ def test_cache_hit_is_fast_and_identical(tmp_path):
 def test_measured_curves(single):
     for key in ("cpu", "cpu:slowdown=2"):
         p = single.profiles[key]
-        assert p.source == "measured" and p.optimizer_s_per_param > 0 and p.host_copy_bytes_per_s > 0
+        assert (
+            p.source == "measured" and p.optimizer_s_per_param > 0 and p.host_copy_bytes_per_s > 0
+        )
         assert p.async_copies is False  # a CPU copies on its compute thread
         for kind in ("embedding", "block", "head"):
             u = p.units[kind]
@@ -147,11 +178,16 @@ def test_slowdown_is_measured(single):
     ratio = _slowdown_ratio(single, "cpu:slowdown=2", "cpu")
     assert 1.4 < ratio < 3.2, ratio  # generous: other processes share the 2 cores
     # the optimizer step is stretched too, as the engine stretches it
-    opt_ratio = single.profiles["cpu:slowdown=2"].optimizer_s_per_param / single.profiles["cpu"].optimizer_s_per_param
+    opt_ratio = (
+        single.profiles["cpu:slowdown=2"].optimizer_s_per_param
+        / single.profiles["cpu"].optimizer_s_per_param
+    )
     assert 1.4 < opt_ratio < 3.2, opt_ratio
     # activations do not depend on speed
-    assert single.profiles["cpu"].units["block"].activation_bytes.ys == \
-        single.profiles["cpu:slowdown=2"].units["block"].activation_bytes.ys
+    assert (
+        single.profiles["cpu"].units["block"].activation_bytes.ys
+        == single.profiles["cpu:slowdown=2"].units["block"].activation_bytes.ys
+    )
 
 
 def _slowdown_ratio(measured: MeasuredProfiles, slow: str, fast: str) -> float:
@@ -168,19 +204,28 @@ def _slowdown_ratio(measured: MeasuredProfiles, slow: str, fast: str) -> float:
 def test_fit_comm_recovers_line():
     n, bw, lat = 3, 2e9, 3e-4
     ring = (n - 1) / n
-    samples = [CollectiveSample(name, b, lat + ring * b / bw)
-               for name in ("all_gather_v", "reduce_scatter_v") for b in (1 << 18, 1 << 23)]
+    samples = [
+        CollectiveSample(name, b, lat + ring * b / bw)
+        for name in ("all_gather_v", "reduce_scatter_v")
+        for b in (1 << 18, 1 << 23)
+    ]
     got_bw, got_lat = fit_comm(samples, n)
     assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)
 
 
 def test_bad_input():
     with pytest.raises(CephaloError, match="longer than"):
-        profile_devices("gpt-tiny", 4096, "fp32", Cluster.parse("cpu"), settings=FAST, use_cache=False)
+        profile_devices(
+            "gpt-tiny", 4096, "fp32", Cluster.parse("cpu"), settings=FAST, use_cache=False
+        )
     with pytest.raises(CephaloError, match="dtype"):
-        profile_devices("gpt-tiny", SEQ, "fp64", Cluster.parse("cpu"), settings=FAST, use_cache=False)
+        profile_devices(
+            "gpt-tiny", SEQ, "fp64", Cluster.parse("cpu"), settings=FAST, use_cache=False
+        )
     with pytest.raises(CephaloError, match="unknown model"):
-        profile_devices("no-such-model", SEQ, "fp32", Cluster.parse("cpu"), settings=FAST, use_cache=False)
+        profile_devices(
+            "no-such-model", SEQ, "fp32", Cluster.parse("cpu"), settings=FAST, use_cache=False
+        )
 
 
 # ----------------------------------------------------------------------------- planning
@@ -209,12 +254,31 @@ def test_plan_from_measured_profiles(single, tmp_path):
 
 # ----------------------------------------------------------------------------- CLI
 def test_cli_single_device(tmp_path, capsys):
-    args = ["profile", "--devices", "cpu", "--model", "gpt-tiny", "--seq-len", str(SEQ), "--cache",
-            str(tmp_path / "db.json"), "--repeats", "1", "--max-micro-batch", "4", "--out", str(tmp_path / "p.json")]
+    args = [
+        "profile",
+        "--devices",
+        "cpu",
+        "--model",
+        "gpt-tiny",
+        "--seq-len",
+        str(SEQ),
+        "--cache",
+        str(tmp_path / "db.json"),
+        "--repeats",
+        "1",
+        "--max-micro-batch",
+        "4",
+        "--out",
+        str(tmp_path / "p.json"),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "measured cpu" in out and "cpu: gpt-tiny, seq 16, fp32" in out
-    assert MeasuredProfiles.load(tmp_path / "p.json").profiles["cpu"].units["block"].fwd_s.xs == [1, 2, 4]
+    assert MeasuredProfiles.load(tmp_path / "p.json").profiles["cpu"].units["block"].fwd_s.xs == [
+        1,
+        2,
+        4,
+    ]
     assert main(args) == 0
     assert "from the database: cpu" in capsys.readouterr().out
     assert main(["profile", "--devices", "cpu", "--model", "gpt-tiny", "--repeats", "0"]) == 2
@@ -228,14 +292,38 @@ def _profile_on_ranks(cache: str) -> dict:
     from cephalo.runtime.comm import make_comm
 
     comm = make_comm("auto")
-    settings = ProfileSettings(repeats=3, warmup=1, max_micro_batch=8, optimizer_numel=1 << 18,
-                               host_copy_bytes=4 << 20, time_cap_s=30.0)
-    first = profile_devices("gpt-tiny", 32, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), comm,
-                            settings=settings, cache=cache)
+    settings = ProfileSettings(
+        repeats=3,
+        warmup=1,
+        max_micro_batch=8,
+        optimizer_numel=1 << 18,
+        host_copy_bytes=4 << 20,
+        time_cap_s=30.0,
+    )
+    first = profile_devices(
+        "gpt-tiny",
+        32,
+        "fp32",
+        Cluster.parse("cpu,cpu:slowdown=2"),
+        comm,
+        settings=settings,
+        cache=cache,
+    )
     t0 = time.perf_counter()
-    second = profile_devices("gpt-tiny", 32, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), comm,
-                             settings=settings, cache=cache)
-    return {"first": first.to_dict(), "second": second.to_dict(), "second_s": time.perf_counter() - t0}
+    second = profile_devices(
+        "gpt-tiny",
+        32,
+        "fp32",
+        Cluster.parse("cpu,cpu:slowdown=2"),
+        comm,
+        settings=settings,
+        cache=cache,
+    )
+    return {
+        "first": first.to_dict(),
+        "second": second.to_dict(),
+        "second_s": time.perf_counter() - t0,
+    }
 
 
 @pytest.mark.slow
@@ -266,10 +354,18 @@ def _profile_uneven_sweeps(cache: str) -> dict:
     from cephalo.runtime.comm import make_comm
 
     comm = make_comm("auto")
-    settings = ProfileSettings(repeats=1, warmup=0, max_micro_batch=8, optimizer_numel=1 << 16,
-                               host_copy_bytes=1 << 20, time_cap_s=30.0)
+    settings = ProfileSettings(
+        repeats=1,
+        warmup=0,
+        max_micro_batch=8,
+        optimizer_numel=1 << 16,
+        host_copy_bytes=1 << 20,
+        time_cap_s=30.0,
+    )
     cluster = Cluster.parse("cpu,cpu:slowdown=2,mem=3MiB")
-    together = profile_devices("gpt-tiny", 32, "fp32", cluster, comm, settings=settings, cache=cache)
+    together = profile_devices(
+        "gpt-tiny", 32, "fp32", cluster, comm, settings=settings, cache=cache
+    )
     settings.concurrent = False
     alone = profile_devices("gpt-tiny", 32, "fp32", cluster, comm, settings=settings, cache=cache)
     return {"together": together.to_dict(), "alone": alone.to_dict()}
@@ -302,7 +398,9 @@ def test_run_local_results_and_errors():
     from cephalo.profiling.launch import run_local
 
     seen = []
-    assert run_local(_rank_or_fail, 2, -1, timeout_s=120, on_progress=lambda r, t: seen.append((r, t))) == [0, 1]
+    assert run_local(
+        _rank_or_fail, 2, -1, timeout_s=120, on_progress=lambda r, t: seen.append((r, t))
+    ) == [0, 1]
     assert sorted(seen) == [(0, "working"), (1, "working")]
     t0 = time.perf_counter()
     with pytest.raises(CephaloError, match="rank 1 failed: this rank was told to fail"):

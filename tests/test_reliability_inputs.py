@@ -30,9 +30,17 @@ from cephalo.train.trainer import simple_plan, train
 
 def job_args(run_dir, *extra: str) -> list[str]:
     return [
-        f"--logging.dir={run_dir}", "--logging.progress=false", "--model.name=gpt-tiny",
-        "--data.seq_len=16", "--train.global_batch_size=4", "--train.steps=10", "--train.warmup_steps=2",
-        "--train.eval_every=0", "--parallel.plan=even", "--parallel.timeout_s=20", "--checkpoint.every=5",
+        f"--logging.dir={run_dir}",
+        "--logging.progress=false",
+        "--model.name=gpt-tiny",
+        "--data.seq_len=16",
+        "--train.global_batch_size=4",
+        "--train.steps=10",
+        "--train.warmup_steps=2",
+        "--train.eval_every=0",
+        "--parallel.plan=even",
+        "--parallel.timeout_s=20",
+        "--checkpoint.every=5",
         *extra,
     ]
 
@@ -41,9 +49,15 @@ def job_args(run_dir, *extra: str) -> list[str]:
 def inputs(tmp_path_factory):
     """Files the bad-input cases point at."""
     root = tmp_path_factory.mktemp("inputs")
-    simple_plan("even", Cluster.parse("cpu,cpu"), "gpt-tiny", 16, 4, "fp32").to_json(root / "plan-2-ranks.json")
-    simple_plan("even", Cluster.parse("cpu"), "hf-gpt2-tiny", 16, 4, "fp32").to_json(root / "plan-other-model.json")
-    simple_plan("even", Cluster.parse("cpu"), "gpt-tiny", 16, 6, "fp32").to_json(root / "plan-batch-6.json")
+    simple_plan("even", Cluster.parse("cpu,cpu"), "gpt-tiny", 16, 4, "fp32").to_json(
+        root / "plan-2-ranks.json"
+    )
+    simple_plan("even", Cluster.parse("cpu"), "hf-gpt2-tiny", 16, 4, "fp32").to_json(
+        root / "plan-other-model.json"
+    )
+    simple_plan("even", Cluster.parse("cpu"), "gpt-tiny", 16, 6, "fp32").to_json(
+        root / "plan-batch-6.json"
+    )
     (root / "plan-broken.json").write_text('{"version": 1, "ranks": [')
     (root / "tiny-corpus").mkdir()
     (root / "tiny-corpus" / "a.txt").write_text("a corpus far smaller than one global batch\n")
@@ -52,31 +66,53 @@ def inputs(tmp_path_factory):
 
 CASES = {
     # cluster spec
-    "unknown device type": (["--parallel.devices=h200x"], "unknown device type 'h200x'. Did you mean"),
+    "unknown device type": (
+        ["--parallel.devices=h200x"],
+        "unknown device type 'h200x'. Did you mean",
+    ),
     "malformed device spec": (["--parallel.devices=cpu:slowdown=0"], "bad slowdown '0'"),
     "devices vs processes": (["--parallel.devices=cpu,cpu"], "parallel.devices lists 2 device(s)"),
     # plan
-    "plan for another world size": (["--parallel.plan={root}/plan-2-ranks.json"],
-                                    "the plan is for 2 ranks but the job has 1"),
-    "plan for another model": (["--parallel.plan={root}/plan-other-model.json"],
-                               "the plan is for model 'hf-gpt2-tiny' but the job trains 'gpt-tiny'"),
-    "plan for another global batch": (["--parallel.plan={root}/plan-batch-6.json"],
-                                      "splits a global batch of 6 but train.global_batch_size is 4"),
+    "plan for another world size": (
+        ["--parallel.plan={root}/plan-2-ranks.json"],
+        "the plan is for 2 ranks but the job has 1",
+    ),
+    "plan for another model": (
+        ["--parallel.plan={root}/plan-other-model.json"],
+        "the plan is for model 'hf-gpt2-tiny' but the job trains 'gpt-tiny'",
+    ),
+    "plan for another global batch": (
+        ["--parallel.plan={root}/plan-batch-6.json"],
+        "splits a global batch of 6 but train.global_batch_size is 4",
+    ),
     "plan not JSON": (["--parallel.plan={root}/plan-broken.json"], "not valid JSON"),
-    "plan path is a directory": (["--parallel.plan={root}"], "is neither `auto`, `even`, `proportional` nor"),
+    "plan path is a directory": (
+        ["--parallel.plan={root}"],
+        "is neither `auto`, `even`, `proportional` nor",
+    ),
     # data
-    "dataset smaller than a global batch": (["--data.path={root}/tiny-corpus"],
-                                            "but one global batch needs 4: use a smaller seq_len"),
+    "dataset smaller than a global batch": (
+        ["--data.path={root}/tiny-corpus"],
+        "but one global batch needs 4: use a smaller seq_len",
+    ),
     "missing data": (["--data.path={root}/nothing-here"], "does not exist"),
     # memory
-    "rank over its memory budget": (["--parallel.devices=cpu:mem=600KiB"],
-                                    "rank 0 ran out of its memory budget on cpu: 'state' requested"),
+    "rank over its memory budget": (
+        ["--parallel.devices=cpu:mem=600KiB"],
+        "rank 0 ran out of its memory budget on cpu: 'state' requested",
+    ),
     # runtime
     "backend without its hardware": (["--parallel.backend=nccl"], "backend 'nccl' needs CUDA GPUs"),
-    "checkpoint that does not exist": (["--checkpoint.resume={root}/step_000005"], "no such checkpoint"),
+    "checkpoint that does not exist": (
+        ["--checkpoint.resume={root}/step_000005"],
+        "no such checkpoint",
+    ),
     # config and model
     "config value out of range": (["--train.lr=-1"], "train.lr must be a positive number"),
-    "config key misspelt": (["--train.setps=3"], "unknown config key in [train] 'setps'. Did you mean 'steps'?"),
+    "config key misspelt": (
+        ["--train.setps=3"],
+        "unknown config key in [train] 'setps'. Did you mean 'steps'?",
+    ),
     "unknown model": (["--model.name=gpt-huge"], "unknown model 'gpt-huge'"),
     "bad model override": (["--model.overrides=n_layer=-1"], "n_layer must be >= 1"),
 }
@@ -97,7 +133,9 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_gets_one_clear_error(case, inputs, tmp_path, capsys):
     extra, message = CASES[case]
-    rc, err = run_cli(["train", *job_args(tmp_path / "run", *(e.format(root=inputs) for e in extra))], capsys)
+    rc, err = run_cli(
+        ["train", *job_args(tmp_path / "run", *(e.format(root=inputs) for e in extra))], capsys
+    )
     assert rc == 2, err
     assert "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("cephalo train: error: ")]
@@ -106,8 +144,18 @@ def test_bad_input_gets_one_clear_error(case, inputs, tmp_path, capsys):
 
 
 def test_plan_that_does_not_fit_names_each_ranks_shortfall(capsys):
-    rc, err = run_cli(["plan", "--cluster", "t4:mem=4GiB,t4:mem=4GiB", "--model", "gpt-2.7b",
-                       "--global-batch", "64"], capsys)
+    rc, err = run_cli(
+        [
+            "plan",
+            "--cluster",
+            "t4:mem=4GiB,t4:mem=4GiB",
+            "--model",
+            "gpt-2.7b",
+            "--global-batch",
+            "64",
+        ],
+        capsys,
+    )
     assert rc == 2 and "Traceback" not in err
     (line,) = [line for line in err.splitlines() if line.startswith("cephalo plan: error: ")]
     assert "gpt-2.7b does not fit on this cluster" in line
@@ -134,7 +182,9 @@ def _unpublished(step_dir):
     shutil.copytree(step_dir, step_dir.with_name("step_000015.tmp"))
 
 
-@pytest.mark.parametrize("damage", [_truncate_data, _unpublished], ids=["truncated-data", "no-marker"])
+@pytest.mark.parametrize(
+    "damage", [_truncate_data, _unpublished], ids=["truncated-data", "no-marker"]
+)
 def test_damaged_newest_checkpoint_resumes_from_the_previous(damage, tmp_path, caplog):
     run = tmp_path / "run"
     full = train(load_config(None, job_args(run)))
@@ -158,10 +208,20 @@ def test_restart_on_torchruns_shared_store_names_the_fix(monkeypatch):
     from cephalo.launch import free_port
     from cephalo.runtime.dist import SHARED_STORE_ENV, init_distributed
 
-    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "True",
-           "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(CephaloError, match=f"could not start the gloo process group.*restart 1.*{SHARED_STORE_ENV}=1"):
+    with pytest.raises(
+        CephaloError,
+        match=f"could not start the gloo process group.*restart 1.*{SHARED_STORE_ENV}=1",
+    ):
         init_distributed("gloo", timeout_s=1)

@@ -25,11 +25,22 @@ TOL = 1e-5
 
 def overrides(run_dir, *extra: str) -> list[str]:
     return [
-        f"--logging.dir={run_dir}", "--logging.progress=false",
-        "--model.name=gpt-tiny", "--model.overrides=dropout=0.1", "--data.seq_len=16",
-        "--train.global_batch_size=6", f"--train.steps={STEPS}", "--train.warmup_steps=3",
-        "--train.lr=1e-3", "--train.min_lr=1e-4", "--train.eps=1e-6", "--train.eval_every=0",
-        "--parallel.plan=even", "--parallel.timeout_s=30", "--checkpoint.every=5", "--checkpoint.keep_last=5",
+        f"--logging.dir={run_dir}",
+        "--logging.progress=false",
+        "--model.name=gpt-tiny",
+        "--model.overrides=dropout=0.1",
+        "--data.seq_len=16",
+        "--train.global_batch_size=6",
+        f"--train.steps={STEPS}",
+        "--train.warmup_steps=3",
+        "--train.lr=1e-3",
+        "--train.min_lr=1e-4",
+        "--train.eps=1e-6",
+        "--train.eval_every=0",
+        "--parallel.plan=even",
+        "--parallel.timeout_s=30",
+        "--checkpoint.every=5",
+        "--checkpoint.keep_last=5",
         *extra,
     ]
 
@@ -37,7 +48,10 @@ def overrides(run_dir, *extra: str) -> list[str]:
 def cephalo_run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu,cpu", *args],
-        env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=240,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
 
 
@@ -68,8 +82,15 @@ def test_kill_one_rank_then_resume(tmp_path):
         assert _rel(losses[step], reference.losses[step]) <= TOL, step
 
     # another plan (one process, another world size) from the same step-10 checkpoint
-    other = train(load_config(None, overrides(
-        tmp_path / "other-plan", f"--checkpoint.resume={run / 'checkpoints' / 'step_000010'}")))
+    other = train(
+        load_config(
+            None,
+            overrides(
+                tmp_path / "other-plan",
+                f"--checkpoint.resume={run / 'checkpoints' / 'step_000010'}",
+            ),
+        )
+    )
     assert other.start_step == 10 and sorted(other.losses) == list(range(11, STEPS + 1))
     for step in range(11, STEPS + 1):
         assert _rel(other.losses[step], losses[step]) <= TOL, step

@@ -32,7 +32,9 @@ STEPS = 500
 EARLY, LATE = range(91, 111), range(481, 501)
 RSS_FLOOR = 8 << 20
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc"
+)
 pool2 = dist_pool_fixture(2, timeout_s=60)
 
 
@@ -58,13 +60,26 @@ def _soak(run_dir: str) -> list[tuple[int, int, int]]:
         samples.append((_rss_anon_bytes(), self.ledger.peak_bytes, self.ledger.current_bytes))
         return stats
 
-    cfg = load_config(None, [
-        f"--logging.dir={run_dir}", "--logging.progress=false", "--logging.log_every=1",
-        "--model.name=gpt-tiny", "--data.seq_len=16", "--train.global_batch_size=4", f"--train.steps={STEPS}",
-        "--train.warmup_steps=10", "--train.eval_every=50", "--train.eval_batches=1", "--parallel.plan=even",
-        "--parallel.devices=cpu:mem=64MiB,cpu:mem=64MiB", "--parallel.timeout_s=60",
-        "--checkpoint.every=50", "--checkpoint.keep_last=2",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"--logging.dir={run_dir}",
+            "--logging.progress=false",
+            "--logging.log_every=1",
+            "--model.name=gpt-tiny",
+            "--data.seq_len=16",
+            "--train.global_batch_size=4",
+            f"--train.steps={STEPS}",
+            "--train.warmup_steps=10",
+            "--train.eval_every=50",
+            "--train.eval_batches=1",
+            "--parallel.plan=even",
+            "--parallel.devices=cpu:mem=64MiB,cpu:mem=64MiB",
+            "--parallel.timeout_s=60",
+            "--checkpoint.every=50",
+            "--checkpoint.keep_last=2",
+        ],
+    )
     Engine.train_step = recording_train_step
     try:
         result = train(cfg)
@@ -85,10 +100,12 @@ def test_500_steps_without_memory_growth(pool2, tmp_path):
         late = statistics.median(rss[i - 1] for i in LATE)
         spread = max(rss[100:200]) - min(rss[100:200])
         bound = max(RSS_FLOOR, 3 * spread)
-        print(f"rank {rank}: RssAnon median {early / 2**20:.1f} MiB (steps 91-110) -> {late / 2**20:.1f} MiB "
-              f"(steps 481-500), growth {(late - early) / 2**20:+.2f} MiB, bound {bound / 2**20:.1f} MiB "
-              f"(spread 101-200: {spread / 2**20:.2f} MiB); ledger peak {peak[100]} B at step 100, "
-              f"{peak[STEPS]} B at step {STEPS}; in use after a step: {sorted(in_use)} B")
+        print(
+            f"rank {rank}: RssAnon median {early / 2**20:.1f} MiB (steps 91-110) -> {late / 2**20:.1f} MiB "
+            f"(steps 481-500), growth {(late - early) / 2**20:+.2f} MiB, bound {bound / 2**20:.1f} MiB "
+            f"(spread 101-200: {spread / 2**20:.2f} MiB); ledger peak {peak[100]} B at step 100, "
+            f"{peak[STEPS]} B at step {STEPS}; in use after a step: {sorted(in_use)} B"
+        )
         assert peak[STEPS] == peak[100], (rank, peak)
         assert len(in_use) == 1, (rank, sorted(in_use))
         assert late - early <= bound, (rank, early, late, bound)

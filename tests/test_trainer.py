@@ -21,12 +21,25 @@ from cephalo.train.trainer import job_cluster, resolve_plan, simple_plan, train
 
 
 def tiny_config(tmp_path, *extra: str):
-    return load_config(None, [
-        f"--logging.dir={tmp_path / 'run'}", "--logging.progress=false",
-        "--model.name=gpt-tiny", "--data.seq_len=16", "--train.global_batch_size=4",
-        "--train.steps=6", "--train.warmup_steps=2", "--train.eval_every=3", "--train.eval_batches=2",
-        "--train.lr=1e-2", "--train.min_lr=1e-3", "--parallel.plan=even", "--checkpoint.every=3", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"--logging.dir={tmp_path / 'run'}",
+            "--logging.progress=false",
+            "--model.name=gpt-tiny",
+            "--data.seq_len=16",
+            "--train.global_batch_size=4",
+            "--train.steps=6",
+            "--train.warmup_steps=2",
+            "--train.eval_every=3",
+            "--train.eval_batches=2",
+            "--train.lr=1e-2",
+            "--train.min_lr=1e-3",
+            "--parallel.plan=even",
+            "--checkpoint.every=3",
+            *extra,
+        ],
+    )
 
 
 # ----------------------------------------------------------------------------- lr schedule
@@ -67,8 +80,11 @@ def test_plan_file_is_checked_against_the_job(tmp_path):
     with pytest.raises(CephaloError, match="the plan is for 2 ranks but the job has 3"):
         resolve_plan(cfg, Cluster.parse("cpu,cpu,cpu"), 3)
     with pytest.raises(CephaloError, match="global batch of 4"):
-        resolve_plan(tiny_config(tmp_path, f"--parallel.plan={path}", "--train.global_batch_size=6"),
-                     Cluster.parse("cpu,cpu"), 2)
+        resolve_plan(
+            tiny_config(tmp_path, f"--parallel.plan={path}", "--train.global_batch_size=6"),
+            Cluster.parse("cpu,cpu"),
+            2,
+        )
 
 
 def test_devices_must_match_world_size(tmp_path):
@@ -129,16 +145,27 @@ def test_resume_continues_the_exact_trajectory(tmp_path):
 
 def test_truncate_metrics_keeps_earlier_records(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_text("".join(json.dumps({"kind": "step", "step": s}) + "\n" for s in range(1, 6)) + '{"kind": "st')
+    path.write_text(
+        "".join(json.dumps({"kind": "step", "step": s}) + "\n" for s in range(1, 6))
+        + '{"kind": "st'
+    )
     truncate_metrics(path, 3)  # the cut-off last line of a killed job is dropped too
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
 
 
 def test_nonfinite_steps_are_skipped_then_stop_with_a_checkpoint(tmp_path):
     # an absurd learning rate: step 1's update overflows the weights, every later loss is NaN
-    cfg = tiny_config(tmp_path, "--train.max_nonfinite_skips=3", "--train.steps=10", "--train.eval_every=0",
-                      "--train.warmup_steps=0", "--train.lr=1e30", "--train.min_lr=1e30", "--train.grad_clip=0",
-                      "--checkpoint.every=0")
+    cfg = tiny_config(
+        tmp_path,
+        "--train.max_nonfinite_skips=3",
+        "--train.steps=10",
+        "--train.eval_every=0",
+        "--train.warmup_steps=0",
+        "--train.lr=1e30",
+        "--train.min_lr=1e30",
+        "--train.grad_clip=0",
+        "--checkpoint.every=0",
+    )
     with pytest.raises(CephaloError, match="not finite for 4 steps in a row"):
         train(cfg)
     steps = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -155,12 +182,25 @@ def test_hf_gpt2_trains_and_exports_to_transformers(tmp_path):
     from cephalo.modeling.registry import build_model
 
     run = tmp_path / "hf"
-    rc = cli_main(["train", "--model.name=hf-gpt2-tiny", f"--logging.dir={run}", "--logging.progress=false",
-                   "--data.seq_len=32", "--train.steps=3", "--train.warmup_steps=1", "--train.global_batch_size=4",
-                   "--train.eval_every=0", "--parallel.plan=even"])
+    rc = cli_main(
+        [
+            "train",
+            "--model.name=hf-gpt2-tiny",
+            f"--logging.dir={run}",
+            "--logging.progress=false",
+            "--data.seq_len=32",
+            "--train.steps=3",
+            "--train.warmup_steps=1",
+            "--train.global_batch_size=4",
+            "--train.eval_every=0",
+            "--parallel.plan=even",
+        ]
+    )
     assert rc == 0
     out = tmp_path / "w.safetensors"
-    assert cli_main(["export", str(run), "--out", str(out), "--hf", str(tmp_path / "hf-model")]) == 0
+    assert (
+        cli_main(["export", str(run), "--out", str(out), "--hf", str(tmp_path / "hf-model")]) == 0
+    )
     state = load_file(str(out))
 
     # our model with the exported weights, run unit by unit
@@ -187,13 +227,32 @@ def test_hf_gpt2_trains_and_exports_to_transformers(tmp_path):
 @pytest.mark.slow
 def test_auto_plan_profiles_then_plans(tmp_path):
     pytest.importorskip("cephalo.profiling")
-    cfg = tiny_config(tmp_path, "--parallel.plan=auto", "--train.steps=2", "--train.warmup_steps=1",
-                      "--train.eval_every=0", "--profile.repeats=1", "--profile.warmup=0", "--profile.time_cap_s=1")
+    cfg = tiny_config(
+        tmp_path,
+        "--parallel.plan=auto",
+        "--train.steps=2",
+        "--train.warmup_steps=1",
+        "--train.eval_every=0",
+        "--profile.repeats=1",
+        "--profile.warmup=0",
+        "--profile.time_cap_s=1",
+    )
     result = train(cfg)
     assert result.plan.strategy == "cephalo" and result.plan.batch_sizes == [4]
     assert result.plan.meta["profiles"]["measured"] == ["cpu"]
     assert (tmp_path / "run" / "profile.json").is_file()
     # the second run finds the device in the profile database instead of measuring again
-    again = train(tiny_config(tmp_path, "--parallel.plan=auto", "--train.steps=2", "--train.warmup_steps=1",
-                              "--train.eval_every=0", "--checkpoint.resume=never"))
-    assert again.plan.meta["profiles"]["cached"] == ["cpu"] and again.plan.meta["profiles"]["measured"] == []
+    again = train(
+        tiny_config(
+            tmp_path,
+            "--parallel.plan=auto",
+            "--train.steps=2",
+            "--train.warmup_steps=1",
+            "--train.eval_every=0",
+            "--checkpoint.resume=never",
+        )
+    )
+    assert (
+        again.plan.meta["profiles"]["cached"] == ["cpu"]
+        and again.plan.meta["profiles"]["measured"] == []
+    )

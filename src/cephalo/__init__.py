@@ -11,4 +11,13 @@ from cephalo.plan import Plan, RankPlan
 
 __version__ = "0.1.0"
 
-__all__ = ["CephaloError", "Cluster", "Device", "ModelSpec", "Plan", "RankPlan", "build_model", "__version__"]
+__all__ = [
+    "CephaloError",
+    "Cluster",
+    "Device",
+    "ModelSpec",
+    "Plan",
+    "RankPlan",
+    "build_model",
+    "__version__",
+]

@@ -14,7 +14,17 @@ import sys
 from cephalo.errors import CephaloError
 
 # order = order in `cephalo --help`
-COMMANDS = ["demo", "run", "train", "plan", "simulate", "profile", "catalog", "prepare_data", "export"]
+COMMANDS = [
+    "demo",
+    "run",
+    "train",
+    "plan",
+    "simulate",
+    "profile",
+    "catalog",
+    "prepare_data",
+    "export",
+]
 
 DESCRIPTION = """\
 Cephalo trains Transformer models on heterogeneous GPU clusters: each GPU gets its own
@@ -33,7 +43,9 @@ typical use:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cephalo", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="cephalo",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
@@ -68,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     return int(rc or 0)
 
 
-def _config_overrides(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
+def _config_overrides(
+    args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser
+) -> list[str]:
     """Arguments argparse did not know: for commands that take a config they are checked as
     `--section.key=value` overrides (unknown keys get a did-you-mean message); elsewhere they
     are an error."""

@@ -68,7 +68,15 @@ LOGIT_BYTES = 4
 """The head's softmax runs in fp32."""
 DEFAULT_RESERVE_FRACTION = 0.05
 """Share of each device's memory kept free for fragmentation and library workspaces."""
-MEMORY_CATEGORIES = ("state", "gathered", "grad_accum", "activations", "boundary", "logits", "reserve")
+MEMORY_CATEGORIES = (
+    "state",
+    "gathered",
+    "grad_accum",
+    "activations",
+    "boundary",
+    "logits",
+    "reserve",
+)
 
 
 class DeviceLike(Protocol):
@@ -222,11 +230,15 @@ class CostModel:
             raise CephaloError("the cluster has no devices")
         missing = sorted({d.type_key for d in devices} - set(profiles))
         if missing:
-            raise CephaloError(f"no profile for device type(s) {', '.join(missing)}; profile them or use the catalog")
+            raise CephaloError(
+                f"no profile for device type(s) {', '.join(missing)}; profile them or use the catalog"
+            )
         for key, p in profiles.items():
             absent = {"embedding", "block", "head"} - set(p.units)
             if absent:
-                raise CephaloError(f"profile of {key!r} lacks unit kind(s) {', '.join(sorted(absent))}")
+                raise CephaloError(
+                    f"profile of {key!r} lacks unit kind(s) {', '.join(sorted(absent))}"
+                )
         self.model = model
         self.seq_len = seq_len
         self.dtype = dtype
@@ -241,9 +253,14 @@ class CostModel:
         self._tables = {k: _TypeTables(p) for k, p in profiles.items()}
 
         # Parameters each kind of unit gathers. A tied head gathers the token embedding too.
-        head_gathered = model.head_params + (model.vocab_size * model.hidden_size if model.tied_embeddings else 0)
-        self.gathered_params = {"embedding": model.embedding_params, "block": model.params_per_block,
-                                "head": head_gathered}
+        head_gathered = model.head_params + (
+            model.vocab_size * model.hidden_size if model.tied_embeddings else 0
+        )
+        self.gathered_params = {
+            "embedding": model.embedding_params,
+            "block": model.params_per_block,
+            "head": head_gathered,
+        }
         self.unit_counts = {"embedding": 1, "block": model.num_layers, "head": 1}
         # Which passes move a boundary activation to or from the host under offload: the
         # embedding and every block write their output in forward; every block and the head
@@ -266,7 +283,9 @@ class CostModel:
         for kind, p in self.gathered_params.items():
             self.gather_s[kind] = ring * p * self.dtype_bytes / comm.bytes_per_s + latency
             self.scatter_s[kind] = ring * p * GRAD_BYTES / comm.bytes_per_s + latency
-        self.comm_total_s = sum(c * (2 * self.gather_s[k] + self.scatter_s[k]) for k, c in self.unit_counts.items())
+        self.comm_total_s = sum(
+            c * (2 * self.gather_s[k] + self.scatter_s[k]) for k, c in self.unit_counts.items()
+        )
 
         sorted_units = sorted(self.gathered_params.values(), reverse=True)
         self.gathered_bytes = (sorted_units[0] + sorted_units[1]) * self.dtype_bytes
@@ -276,7 +295,9 @@ class CostModel:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_catalog(cls, cluster, model_spec: ModelSpec, seq_len: int, dtype: str, **kw) -> CostModel:
+    def from_catalog(
+        cls, cluster, model_spec: ModelSpec, seq_len: int, dtype: str, **kw
+    ) -> CostModel:
         """Profiles from the catalog (published measurements), links from the cluster spec."""
         from cephalo.catalog import catalog_profile
 
@@ -287,14 +308,27 @@ class CostModel:
         return cls.from_profiles(cluster, model_spec, seq_len, dtype, profiles, **kw)
 
     @classmethod
-    def from_profiles(cls, cluster, model_spec: ModelSpec, seq_len: int, dtype: str,
-                      profiles: dict[str, DeviceProfile], comm: CommProfile | None = None, **kw) -> CostModel:
+    def from_profiles(
+        cls,
+        cluster,
+        model_spec: ModelSpec,
+        seq_len: int,
+        dtype: str,
+        profiles: dict[str, DeviceProfile],
+        comm: CommProfile | None = None,
+        **kw,
+    ) -> CostModel:
         """Any profiles (catalog or measured); collectives from `comm` or the cluster's links."""
         if comm is None:
-            comm = CommProfile(bytes_per_s=cluster.slowest_link_bytes_per_s(), latency_s=cluster.collective_latency_s)
+            comm = CommProfile(
+                bytes_per_s=cluster.slowest_link_bytes_per_s(),
+                latency_s=cluster.collective_latency_s,
+            )
         sources = sorted({p.source for p in profiles.values()})
         meta = {"profile_source": ",".join(sources)}
-        return cls(model_spec, seq_len, dtype, list(cluster.devices), profiles, comm, meta=meta, **kw)
+        return cls(
+            model_spec, seq_len, dtype, list(cluster.devices), profiles, comm, meta=meta, **kw
+        )
 
     # ------------------------------------------------------------------ per-device constants
     def capacity_bytes(self, rank: int) -> int:
@@ -334,7 +368,9 @@ class CostModel:
         b = np.asarray(b, dtype=np.int64)
         offload = np.asarray(offload, dtype=bool)
         profile = self.profiles[type_key]
-        copy_one = np.where(offload, b * self.sample_boundary_bytes / profile.host_copy_bytes_per_s, 0.0)
+        copy_one = np.where(
+            offload, b * self.sample_boundary_bytes / profile.host_copy_bytes_per_s, 0.0
+        )
         total = 0.0
         compute = 0.0
         copies = 0.0
@@ -344,18 +380,25 @@ class CostModel:
             if profile.async_copies:
                 cf = copy_one * self.copies_fwd[kind]
                 cb = copy_one * self.copies_bwd[kind]
-                total = total + count * (np.maximum(np.maximum(fwd, gather), cf)
-                                         + np.maximum(np.maximum(bwd, gather), cb) + scatter)
+                total = total + count * (
+                    np.maximum(np.maximum(fwd, gather), cf)
+                    + np.maximum(np.maximum(bwd, gather), cb)
+                    + scatter
+                )
                 compute = compute + count * (fwd + bwd)
             else:
                 cf = copy_one * self.sync_copies_fwd[kind]
                 cb = copy_one * self.sync_copies_bwd[kind]
-                total = total + count * (np.maximum(fwd + cf, gather) + np.maximum(bwd + cb, gather) + scatter)
+                total = total + count * (
+                    np.maximum(fwd + cf, gather) + np.maximum(bwd + cb, gather) + scatter
+                )
                 compute = compute + count * (fwd + bwd + cf + cb)
             copies = copies + count * (cf + cb)
         return total, compute, copies
 
-    def memory_parts(self, type_key: str, capacity_bytes: int, b, m, offload) -> dict[str, np.ndarray]:
+    def memory_parts(
+        self, type_key: str, capacity_bytes: int, b, m, offload
+    ) -> dict[str, np.ndarray]:
         """Peak memory by category except `state` (which is s * P * 16); broadcasts over b, m, offload."""
         b = np.asarray(b, dtype=np.int64)
         m = np.maximum(np.asarray(m, dtype=np.int64), 1)
@@ -369,8 +412,11 @@ class CostModel:
         # although they are live in different units' backward: an upper bound, on purpose.
         act = np.maximum(t.act["embedding"].at(m_eff), t.act["block"].at(m_eff))
         logits = np.maximum(t.act["head"].at(m_eff), m_eff * self.sample_logit_bytes)
-        boundary = np.where(offload, m_eff * self.sample_boundary_bytes,
-                            self.num_boundaries * b * self.sample_boundary_bytes)
+        boundary = np.where(
+            offload,
+            m_eff * self.sample_boundary_bytes,
+            self.num_boundaries * b * self.sample_boundary_bytes,
+        )
         zeros = np.zeros(np.broadcast_shapes(b.shape, m.shape, offload.shape), dtype=np.float64)
         return {
             "gathered": zeros + self.gathered_bytes,
@@ -390,19 +436,35 @@ class CostModel:
         return np.asarray(fraction) * self.total_params * STATE_BYTES_PER_PARAM
 
     # ------------------------------------------------------------------ one rank, one plan
-    def rank_cost(self, rank: int, batch_size: int, micro_batch_size: int, state_fraction: float,
-                  offload: bool = False) -> RankCost:
+    def rank_cost(
+        self,
+        rank: int,
+        batch_size: int,
+        micro_batch_size: int,
+        state_fraction: float,
+        offload: bool = False,
+    ) -> RankCost:
         dev = self.devices[rank]
         key = dev.type_key
         cap = self.capacity_bytes(rank)
         total, compute, copies = self.step_time_parts(key, batch_size, micro_batch_size, offload)
         opt = state_fraction * self.total_params * self.optimizer_s_per_param(key)
         parts = self.memory_parts(key, cap, batch_size, micro_batch_size, offload)
-        mem = MemoryBreakdown(state=int(math.ceil(float(self.state_bytes(state_fraction)))),
-                              **{k: int(math.ceil(float(v))) for k, v in parts.items()})
-        return RankCost(rank=rank, device=key, step_s=float(total) + opt, compute_s=float(compute),
-                        optimizer_s=opt, comm_s=self.comm_total_s, host_copy_s=float(copies),
-                        memory=mem, capacity_bytes=cap)
+        mem = MemoryBreakdown(
+            state=int(math.ceil(float(self.state_bytes(state_fraction)))),
+            **{k: int(math.ceil(float(v))) for k, v in parts.items()},
+        )
+        return RankCost(
+            rank=rank,
+            device=key,
+            step_s=float(total) + opt,
+            compute_s=float(compute),
+            optimizer_s=opt,
+            comm_s=self.comm_total_s,
+            host_copy_s=float(copies),
+            memory=mem,
+            capacity_bytes=cap,
+        )
 
     def evaluate(self, plan: Plan) -> PlanEvaluation:
         """Per-rank time and memory of any plan (made by the planner or by hand)."""
@@ -427,10 +489,23 @@ class CostModel:
         cache: dict[tuple, RankCost] = {}
         costs = []
         for r, d in zip(plan.ranks, self.devices, strict=True):
-            key = (d.type_key, int(d.memory_bytes), r.batch_size, r.micro_batch_size, r.state_fraction,
-                   r.offload_activations)
+            key = (
+                d.type_key,
+                int(d.memory_bytes),
+                r.batch_size,
+                r.micro_batch_size,
+                r.state_fraction,
+                r.offload_activations,
+            )
             if key not in cache:
-                cache[key] = self.rank_cost(r.rank, r.batch_size, r.micro_batch_size, r.state_fraction,
-                                            r.offload_activations)
+                cache[key] = self.rank_cost(
+                    r.rank,
+                    r.batch_size,
+                    r.micro_batch_size,
+                    r.state_fraction,
+                    r.offload_activations,
+                )
             costs.append(replace(cache[key], rank=r.rank))
-        return PlanEvaluation(ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len)
+        return PlanEvaluation(
+            ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len
+        )

@@ -65,7 +65,9 @@ def nproc_for(devices: str | None, nproc: int | None) -> int:
     if devices:
         count = Cluster.parse(devices).world_size
         if nproc is not None and nproc != count:
-            raise CephaloError(f"--nproc {nproc} but --devices lists {count} device(s): give one or make them agree")
+            raise CephaloError(
+                f"--nproc {nproc} but --devices lists {count} device(s): give one or make them agree"
+            )
         return count
     if nproc is None:
         return 1
@@ -106,8 +108,11 @@ def first_failure(error_dir: Path, failures: dict[int, object] | None = None) ->
     failures = failures or {}
     # A rank killed by a signal writes nothing and is the cause; SIGTERM is how the agent
     # stops the other ranks after a failure, so those are consequences.
-    killed = {r: f for r, f in failures.items()
-              if getattr(f, "exitcode", 0) < 0 and -f.exitcode not in (signal.SIGTERM, signal.SIGINT)}
+    killed = {
+        r: f
+        for r, f in failures.items()
+        if getattr(f, "exitcode", 0) < 0 and -f.exitcode not in (signal.SIGTERM, signal.SIGINT)
+    }
     if killed:
         rank = min(killed)
         name = killed[rank].signal_name()
@@ -117,7 +122,9 @@ def first_failure(error_dir: Path, failures: dict[int, object] | None = None) ->
         _, rank, message = reports[0]
         more = len({r for _, r, _ in reports}) - 1
         tail = f" ({more} other rank(s) failed after it)" if more > 0 else ""
-        return f"{message}{tail}" if message.startswith("rank ") else f"rank {rank}: {message}{tail}"
+        return (
+            f"{message}{tail}" if message.startswith("rank ") else f"rank {rank}: {message}{tail}"
+        )
     if failures:
         rank = min(failures)
         code = getattr(failures[rank], "exitcode", "?")
@@ -155,20 +162,44 @@ def launch(job: LocalJob) -> None:
     with tempfile.TemporaryDirectory(prefix="cephalo-errors-") as error_dir:
         # SHARED_STORE_ENV=1: the agent (in this process) gives each restart its own rendezvous
         # store; on torch's shared one a restarted group cannot connect (pytorch#135712).
-        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, ERROR_DIR_ENV: error_dir,
-               SHARED_STORE_ENV: "1", **job.env}
-        logger.info("launching %d worker(s) (%s threads each)%s", job.nproc, threads,
-                    f" on devices {job.devices}" if job.devices else "")
+        env = {
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            ERROR_DIR_ENV: error_dir,
+            SHARED_STORE_ENV: "1",
+            **job.env,
+        }
+        logger.info(
+            "launching %d worker(s) (%s threads each)%s",
+            job.nproc,
+            threads,
+            f" on devices {job.devices}" if job.devices else "",
+        )
         try:
             with _environ(env):
                 elastic_launch(config, sys.executable)(*args)
         except ChildFailedError as e:
-            logger.debug("worker failures: %s", {r: (f.exitcode, f.signal_name()) for r, f in e.failures.items()})
+            logger.debug(
+                "worker failures: %s",
+                {r: (f.exitcode, f.signal_name()) for r, f in e.failures.items()},
+            )
             raise CephaloError(first_failure(Path(error_dir), dict(e.failures))) from None
 
 
-def run_local(worker_args: Sequence[str], devices: str | None = None, nproc: int | None = None,
-              max_restarts: int = 0, env: dict[str, str] | None = None) -> None:
+def run_local(
+    worker_args: Sequence[str],
+    devices: str | None = None,
+    nproc: int | None = None,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
+) -> None:
     """`cephalo run` as a function: launch `cephalo train <worker_args>` on `devices`."""
-    launch(LocalJob(nproc=nproc_for(devices, nproc), worker_args=list(worker_args), devices=devices,
-                    max_restarts=max_restarts, env=dict(env or {})))
+    launch(
+        LocalJob(
+            nproc=nproc_for(devices, nproc),
+            worker_args=list(worker_args),
+            devices=devices,
+            max_restarts=max_restarts,
+            env=dict(env or {}),
+        )
+    )

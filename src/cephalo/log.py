@@ -16,7 +16,9 @@ def init_logging(level: str | int | None = None) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank{rank}] " if rank is not None else ""
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S")
+    )
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False

@@ -48,7 +48,9 @@ class ModelSpec:
 
     def unit_params(self) -> list[int]:
         """Parameters owned by each unit, in unit order (tied weights counted once, in the embedding)."""
-        return [self.embedding_params] + [self.params_per_block] * self.num_layers + [self.head_params]
+        return (
+            [self.embedding_params] + [self.params_per_block] * self.num_layers + [self.head_params]
+        )
 
     @property
     def total_params(self) -> int:

@@ -122,15 +122,24 @@ class Plan:
             try:
                 text = path.read_text()
             except FileNotFoundError:
-                raise CephaloError(f"plan file {path} does not exist; write one with `cephalo plan --json {path}`") from None
-            except (OSError, ValueError) as e:  # a directory, unreadable, a name the OS rejects, not UTF-8
+                raise CephaloError(
+                    f"plan file {path} does not exist; write one with `cephalo plan --json {path}`"
+                ) from None
+            except (
+                OSError,
+                ValueError,
+            ) as e:  # a directory, unreadable, a name the OS rejects, not UTF-8
                 reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-                raise CephaloError(f"cannot read plan file {str(path)[:200]!r}: {reason}; give the path of a "
-                                   "plan JSON (`cephalo plan --json plan.json`)") from None
+                raise CephaloError(
+                    f"cannot read plan file {str(path)[:200]!r}: {reason}; give the path of a "
+                    "plan JSON (`cephalo plan --json plan.json`)"
+                ) from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise CephaloError(f"{source}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+            raise CephaloError(
+                f"{source}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+            ) from None
         except RecursionError:
             raise CephaloError(f"{source}: not a plan (JSON nested too deeply)") from None
         return _parse_plan(d, source)
@@ -157,7 +166,9 @@ def _need(d: dict, key: str, types: type | tuple, where: str) -> Any:
     if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise CephaloError(f"{where}: field {key!r} must be {_tname(types)}, got {v!r}")
     if not isinstance(v, types):
-        raise CephaloError(f"{where}: field {key!r} must be {_tname(types)}, got {type(v).__name__} {v!r}")
+        raise CephaloError(
+            f"{where}: field {key!r} must be {_tname(types)}, got {type(v).__name__} {v!r}"
+        )
     return v
 
 
@@ -173,8 +184,18 @@ def _optional_number(d: dict, key: str, where: str, kind: type = float) -> Any:
 
 def _tname(types: type | tuple) -> str:
     ts = types if isinstance(types, tuple) else (types,)
-    return " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true/false",
-                        list: "a list", dict: "an object", type(None): "null"}.get(t, t.__name__) for t in ts)
+    return " or ".join(
+        {
+            int: "an integer",
+            float: "a number",
+            str: "a string",
+            bool: "true/false",
+            list: "a list",
+            dict: "an object",
+            type(None): "null",
+        }.get(t, t.__name__)
+        for t in ts
+    )
 
 
 def _parse_plan(d: Any, source: str) -> Plan:
@@ -192,18 +213,23 @@ def _parse_plan(d: Any, source: str) -> Plan:
         where = f"{source}: ranks[{i}]"
         if not isinstance(r, dict):
             raise CephaloError(f"{where}: must be an object")
-        ranks.append(RankPlan(
-            rank=_need(r, "rank", int, where),
-            device=_need(r, "device", str, where),
-            batch_size=_need(r, "batch_size", int, where),
-            micro_batch_size=_need(r, "micro_batch_size", int, where),
-            num_micro_batches=_need(r, "num_micro_batches", int, where),
-            state_fraction=float(_need(r, "state_fraction", (int, float), where)),
-            offload_activations=bool(_need(r, "offload_activations", bool, where))
-            if "offload_activations" in r else False,
-            predicted_step_s=_optional_number(r, "predicted_step_s", where),
-            predicted_peak_memory_bytes=_optional_number(r, "predicted_peak_memory_bytes", where, int),
-        ))
+        ranks.append(
+            RankPlan(
+                rank=_need(r, "rank", int, where),
+                device=_need(r, "device", str, where),
+                batch_size=_need(r, "batch_size", int, where),
+                micro_batch_size=_need(r, "micro_batch_size", int, where),
+                num_micro_batches=_need(r, "num_micro_batches", int, where),
+                state_fraction=float(_need(r, "state_fraction", (int, float), where)),
+                offload_activations=bool(_need(r, "offload_activations", bool, where))
+                if "offload_activations" in r
+                else False,
+                predicted_step_s=_optional_number(r, "predicted_step_s", where),
+                predicted_peak_memory_bytes=_optional_number(
+                    r, "predicted_peak_memory_bytes", where, int
+                ),
+            )
+        )
     pred = d.get("predicted")
     predicted = None
     if pred is not None:
@@ -234,19 +260,25 @@ def _parse_plan(d: Any, source: str) -> Plan:
 
 def _validate(plan: Plan, source: str) -> None:
     if plan.strategy not in STRATEGIES:
-        raise CephaloError(f"{source}: strategy {plan.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        raise CephaloError(
+            f"{source}: strategy {plan.strategy!r} is not one of {', '.join(STRATEGIES)}"
+        )
     if plan.dtype not in DTYPES:
         raise CephaloError(f"{source}: dtype {plan.dtype!r} is not one of {', '.join(DTYPES)}")
     if plan.seq_len < 1:
         raise CephaloError(f"{source}: seq_len must be >= 1, got {plan.seq_len}")
     if plan.global_batch_size < 1:
-        raise CephaloError(f"{source}: global_batch_size must be >= 1, got {plan.global_batch_size}")
+        raise CephaloError(
+            f"{source}: global_batch_size must be >= 1, got {plan.global_batch_size}"
+        )
     if not plan.ranks:
         raise CephaloError(f"{source}: 'ranks' is empty; a plan needs at least one rank")
     for i, r in enumerate(plan.ranks):
         where = f"{source}: ranks[{i}]"
         if r.rank != i:
-            raise CephaloError(f"{where}: rank is {r.rank} but ranks must be listed in order 0..{len(plan.ranks) - 1}")
+            raise CephaloError(
+                f"{where}: rank is {r.rank} but ranks must be listed in order 0..{len(plan.ranks) - 1}"
+            )
         if r.batch_size < 0:
             raise CephaloError(f"{where}: batch_size must be >= 0, got {r.batch_size}")
         if r.micro_batch_size < 1:
@@ -267,4 +299,6 @@ def _validate(plan: Plan, source: str) -> None:
         )
     fsum = sum(plan.state_fractions)
     if abs(fsum - 1.0) > FRACTION_SUM_TOL:
-        raise CephaloError(f"{source}: state fractions {plan.state_fractions} sum to {fsum:.6g}, not 1")
+        raise CephaloError(
+            f"{source}: state fractions {plan.state_fractions} sum to {fsum:.6g}, not 1"
+        )

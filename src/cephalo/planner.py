@@ -92,25 +92,40 @@ class _Group:
         return len(self.ranks)
 
 
-def make_plan(cost_model: CostModel, global_batch: int, strategy: str = "cephalo",
-              allow_offload: bool = True, model_name: str | None = None) -> Plan:
+def make_plan(
+    cost_model: CostModel,
+    global_batch: int,
+    strategy: str = "cephalo",
+    allow_offload: bool = True,
+    model_name: str | None = None,
+) -> Plan:
     """Make a plan for `global_batch` samples per step (see the module docstring)."""
     if global_batch < 1:
         raise CephaloError(f"the global batch must be >= 1, got {global_batch}")
     if strategy not in PLANNER_STRATEGIES:
-        raise CephaloError(f"unknown strategy {strategy!r}; choose one of {', '.join(PLANNER_STRATEGIES)}")
+        raise CephaloError(
+            f"unknown strategy {strategy!r}; choose one of {', '.join(PLANNER_STRATEGIES)}"
+        )
     started = time.perf_counter()
     if strategy == "cephalo":
         choice = _optimise(cost_model, global_batch, allow_offload)
     else:
-        batches = (_even_batches(len(cost_model.devices), global_batch) if strategy == "even"
-                   else _proportional_batches(cost_model, global_batch))
+        batches = (
+            _even_batches(len(cost_model.devices), global_batch)
+            if strategy == "even"
+            else _proportional_batches(cost_model, global_batch)
+        )
         choice = _equal_shards(cost_model, batches, allow_offload, strategy)
     elapsed = time.perf_counter() - started
     plan = _to_plan(cost_model, global_batch, strategy, choice, model_name)
     plan.meta["planner_wall_s"] = round(elapsed, 6)
-    logger.debug("planned %s for %d devices, batch %d, in %.3f s", strategy, len(cost_model.devices),
-                 global_batch, elapsed)
+    logger.debug(
+        "planned %s for %d devices, batch %d, in %.3f s",
+        strategy,
+        len(cost_model.devices),
+        global_batch,
+        elapsed,
+    )
     return plan
 
 
@@ -145,7 +160,9 @@ def _micro_batch_candidates(mmax: int) -> np.ndarray:
     exact = np.arange(1, min(mmax, EXACT_MICRO_BATCH) + 1)
     if mmax <= EXACT_MICRO_BATCH:
         return exact
-    grid = np.unique(np.round(EXACT_MICRO_BATCH * MICRO_BATCH_GRID ** np.arange(1, 200)).astype(np.int64))
+    grid = np.unique(
+        np.round(EXACT_MICRO_BATCH * MICRO_BATCH_GRID ** np.arange(1, 200)).astype(np.int64)
+    )
     grid = grid[(grid > EXACT_MICRO_BATCH) & (grid < mmax)]
     return np.concatenate([exact, grid, [mmax]])
 
@@ -166,7 +183,7 @@ def _tabulate(cm: CostModel, g: _Group, bmax: int, allow_offload: bool) -> None:
         t, _, _ = cm.step_time_parts(g.type_key, bs, ms, o)
         mem = cm.memory_without_state(g.type_key, g.capacity, bs, ms, o)
         # an option is valid when m <= b (or the single dummy option m = 1 of a rank without samples)
-        valid = (ms <= np.maximum(bs, 1))
+        valid = ms <= np.maximum(bs, 1)
         times.append(np.where(valid, t, np.inf))
         mems.append(np.where(valid, mem, np.inf))
         micro.append(np.broadcast_to(ms, t.shape))
@@ -175,7 +192,9 @@ def _tabulate(cm: CostModel, g: _Group, bmax: int, allow_offload: bool) -> None:
     mem_all = np.concatenate(mems, axis=1)
     micro_all = np.concatenate(micro, axis=1)
     off_all = np.concatenate(offl, axis=1)
-    memcap_all = (g.capacity - MEMORY_SLACK_BYTES - mem_all) / (cm.total_params * STATE_BYTES_PER_PARAM)
+    memcap_all = (g.capacity - MEMORY_SLACK_BYTES - mem_all) / (
+        cm.total_params * STATE_BYTES_PER_PARAM
+    )
     memcap_all = np.where(np.isfinite(time_all), memcap_all, -np.inf)
 
     # Pareto filter per row: sorted by time, an option survives only if it leaves more memory
@@ -183,8 +202,9 @@ def _tabulate(cm: CostModel, g: _Group, bmax: int, allow_offload: bool) -> None:
     order = np.argsort(time_all, axis=1, kind="stable")
     t_sorted = np.take_along_axis(time_all, order, axis=1)
     c_sorted = np.take_along_axis(memcap_all, order, axis=1)
-    best_before = np.maximum.accumulate(np.concatenate([np.full((bmax + 1, 1), -np.inf), c_sorted[:, :-1]], axis=1),
-                                        axis=1)
+    best_before = np.maximum.accumulate(
+        np.concatenate([np.full((bmax + 1, 1), -np.inf), c_sorted[:, :-1]], axis=1), axis=1
+    )
     keep = (c_sorted > best_before) & np.isfinite(t_sorted) & (c_sorted >= 0)
     width = max(1, int(keep.sum(axis=1).max()))
     # pack the kept options to the left, in time order
@@ -208,7 +228,9 @@ def _capacity(g: _Group, T: float) -> tuple[np.ndarray, np.ndarray]:
     if math.isinf(T):
         timecap = np.where(np.isfinite(g.time), np.inf, -np.inf)
     elif g.opt_s_per_fraction > 0:
-        with np.errstate(over="ignore", invalid="ignore"):  # a vanishing optimizer cost: +inf is right
+        with np.errstate(
+            over="ignore", invalid="ignore"
+        ):  # a vanishing optimizer cost: +inf is right
             timecap = (T - g.time) / g.opt_s_per_fraction
     else:
         timecap = np.where(g.time <= T, np.inf, -np.inf)
@@ -265,7 +287,9 @@ def _upper_hull(f: np.ndarray) -> list[int]:
     return hull
 
 
-def _split_hull(groups: list[_Group], fs: list[np.ndarray], B: int) -> tuple[float, list[list[int]]] | None:
+def _split_hull(
+    groups: list[_Group], fs: list[np.ndarray], B: int
+) -> tuple[float, list[list[int]]] | None:
     """Greedy over the groups' concave hulls: cheapest capacity per sample first."""
     segments = []  # (slope, group index, start, end)
     for gi, f in enumerate(fs):
@@ -276,7 +300,9 @@ def _split_hull(groups: list[_Group], fs: list[np.ndarray], B: int) -> tuple[flo
         return None
     segments.sort(key=lambda s: -s[0])
     level = [0] * len(groups)  # every rank of the group has reached this hull vertex
-    partial = [None] * len(groups)  # (ranks fully through the segment, one rank's extra, segment end)
+    partial = [None] * len(
+        groups
+    )  # (ranks fully through the segment, one rank's extra, segment end)
     remaining = B
     for _, gi, a, b in segments:
         if remaining == 0:
@@ -344,11 +370,15 @@ def _fits_at_all(cm: CostModel, groups: list[_Group], B: int, allow_offload: boo
     """A split that fits memory when time is no object (tabulating larger batches as needed), or None."""
     # First batch range per group: 1.3 x its share by solo speed (plus a margin); the
     # callers grow it whenever the optimum might lie beyond.
-    speed = {g.type_key: _solo_speed(cm, g.type_key, max(1, round(B / len(cm.devices)))) for g in groups}
+    speed = {
+        g.type_key: _solo_speed(cm, g.type_key, max(1, round(B / len(cm.devices)))) for g in groups
+    }
     total_speed = sum(speed[g.type_key] * g.size for g in groups)
     for g in groups:
         share = B * speed[g.type_key] / total_speed
-        _tabulate(cm, g, min(B, MAX_BATCH_PER_RANK, max(16, math.ceil(1.3 * share) + 8)), allow_offload)
+        _tabulate(
+            cm, g, min(B, MAX_BATCH_PER_RANK, max(16, math.ceil(1.3 * share) + 8)), allow_offload
+        )
     while True:
         found = _feasible(groups, math.inf, B, _exact(groups, B))
         if found is not None:
@@ -389,11 +419,15 @@ def _optimise(cm: CostModel, B: int, allow_offload: bool) -> _Choice:
             break
         for g in grow:
             _tabulate(cm, g, min(B, 2 * g.bmax), allow_offload)
-        found = _feasible(groups, T_hi, B, _exact(groups, B)) or _fits_at_all(cm, groups, B, allow_offload)
+        found = _feasible(groups, T_hi, B, _exact(groups, B)) or _fits_at_all(
+            cm, groups, B, allow_offload
+        )
     return _water_fill(cm, groups, found)
 
 
-def _rank_options(cm: CostModel, groups: list[_Group], found) -> tuple[list[int], list[int], list[bool], list[float], list[float]]:
+def _rank_options(
+    cm: CostModel, groups: list[_Group], found
+) -> tuple[list[int], list[int], list[bool], list[float], list[float]]:
     """Per rank: batch, micro-batch, offload, time without optimizer, memory cap of the chosen option."""
     splits, bests = found
     n = len(cm.devices)
@@ -410,8 +444,10 @@ def _step_time_of(cm: CostModel, groups: list[_Group], found) -> float:
     """Step time of a split once its fractions are water-filled (the same terms as `rank_cost`)."""
     choice = _water_fill(cm, groups, found)
     _, _, _, t, _ = _rank_options(cm, groups, found)
-    return max(t[i] + choice.fraction[i] * cm.total_params * cm.optimizer_s_per_param(d.type_key)
-               for i, d in enumerate(cm.devices))
+    return max(
+        t[i] + choice.fraction[i] * cm.total_params * cm.optimizer_s_per_param(d.type_key)
+        for i, d in enumerate(cm.devices)
+    )
 
 
 def _water_fill(cm: CostModel, groups: list[_Group], found) -> _Choice:
@@ -423,8 +459,11 @@ def _water_fill(cm: CostModel, groups: list[_Group], found) -> _Choice:
 
     def caps(T: float) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            timecap = np.where(opt_arr > 0, (T - t_arr) / np.where(opt_arr > 0, opt_arr, 1.0),
-                               np.where(t_arr <= T, np.inf, -np.inf))
+            timecap = np.where(
+                opt_arr > 0,
+                (T - t_arr) / np.where(opt_arr > 0, opt_arr, 1.0),
+                np.where(t_arr <= T, np.inf, -np.inf),
+            )
         return np.clip(np.minimum(mc_arr, timecap), 0.0, None)
 
     if not np.any(opt_arr > 0):
@@ -493,12 +532,14 @@ def _equal_shards(cm: CostModel, batches: list[int], allow_offload: bool, strate
     for i, (d, b) in enumerate(zip(cm.devices, batches, strict=True)):
         cap = cm.capacity_bytes(i)
         chosen = None
-        for o in ([False, True] if allow_offload else [False]):
+        for o in [False, True] if allow_offload else [False]:
             if b == 0:
                 ms = np.array([1])
             else:
                 ks = np.arange(1, b + 1)
-                ms = np.unique(-(-b // ks))[::-1]  # largest micro-batch (fewest micro-batches) first
+                ms = np.unique(-(-b // ks))[
+                    ::-1
+                ]  # largest micro-batch (fewest micro-batches) first
             mem = cm.memory_without_state(d.type_key, cap, b, ms, o) + state
             ok = np.nonzero(mem <= cap)[0]
             if ok.size:
@@ -513,10 +554,15 @@ def _equal_shards(cm: CostModel, batches: list[int], allow_offload: bool, strate
             micro.append(chosen[0])
             off.append(chosen[1])
     if short:
-        per_rank = "; ".join(f"rank {i} ({cm.devices[i].type_key}, batch {batches[i]}) short "
-                             f"{_gib(s)}" for i, s in short.items())
-        raise PlanDoesNotFit(f"the {strategy} plan does not fit even with micro-batch 1"
-                             f"{' and offloaded activations' if allow_offload else ''}: {per_rank}", short)
+        per_rank = "; ".join(
+            f"rank {i} ({cm.devices[i].type_key}, batch {batches[i]}) short {_gib(s)}"
+            for i, s in short.items()
+        )
+        raise PlanDoesNotFit(
+            f"the {strategy} plan does not fit even with micro-batch 1"
+            f"{' and offloaded activations' if allow_offload else ''}: {per_rank}",
+            short,
+        )
     return _Choice(batch=list(batches), micro=micro, offload=off, fraction=[fraction] * n)
 
 
@@ -526,11 +572,26 @@ def _to_plan(cm: CostModel, B: int, strategy: str, c: _Choice, model_name: str |
     for i, d in enumerate(cm.devices):
         b = c.batch[i]
         m = max(1, min(c.micro[i], b)) if b > 0 else 1
-        ranks.append(RankPlan(rank=i, device=d.type_key, batch_size=b, micro_batch_size=m,
-                              num_micro_batches=math.ceil(b / m), state_fraction=c.fraction[i],
-                              offload_activations=bool(c.offload[i] and b > 0)))
-    plan = Plan(strategy=strategy, model=model_name or cm.model.name, seq_len=cm.seq_len, global_batch_size=B,
-                dtype=cm.dtype, ranks=ranks, meta=dict(cm.meta))
+        ranks.append(
+            RankPlan(
+                rank=i,
+                device=d.type_key,
+                batch_size=b,
+                micro_batch_size=m,
+                num_micro_batches=math.ceil(b / m),
+                state_fraction=c.fraction[i],
+                offload_activations=bool(c.offload[i] and b > 0),
+            )
+        )
+    plan = Plan(
+        strategy=strategy,
+        model=model_name or cm.model.name,
+        seq_len=cm.seq_len,
+        global_batch_size=B,
+        dtype=cm.dtype,
+        ranks=ranks,
+        meta=dict(cm.meta),
+    )
     fill_predictions(cm, plan)
     return plan
 
@@ -541,7 +602,9 @@ def fill_predictions(cm: CostModel, plan: Plan) -> None:
     for r, cost in zip(plan.ranks, ev.ranks, strict=True):
         r.predicted_step_s = cost.step_s
         r.predicted_peak_memory_bytes = cost.peak_bytes
-    plan.predicted = Predicted(step_s=ev.step_s, samples_per_s=ev.samples_per_s, tokens_per_s=ev.tokens_per_s)
+    plan.predicted = Predicted(
+        step_s=ev.step_s, samples_per_s=ev.samples_per_s, tokens_per_s=ev.tokens_per_s
+    )
 
 
 # ====================================================================== does not fit
@@ -565,15 +628,25 @@ def _does_not_fit(cm: CostModel, B: int, allow_offload: bool) -> PlanDoesNotFit:
         need = least + even_state
         if need > cap:
             short[i] = int(need - cap)
-            lines.append(f"rank {i} ({d.type_key}) needs {_gib(need)} of {_gib(cap)} (short {_gib(need - cap)})")
-    msg = [f"{cm.model.name} does not fit on this cluster: its training state alone is "
-           f"{_gib(state_total)} (16 bytes x {P:,} parameters)"]
+            lines.append(
+                f"rank {i} ({d.type_key}) needs {_gib(need)} of {_gib(cap)} (short {_gib(need - cap)})"
+            )
+    msg = [
+        f"{cm.model.name} does not fit on this cluster: its training state alone is "
+        f"{_gib(state_total)} (16 bytes x {P:,} parameters)"
+    ]
     if lines:
-        msg.append("with micro-batch 1" + (", offloaded activations" if allow_offload else "")
-                   + " and equal shards: " + "; ".join(lines))
+        msg.append(
+            "with micro-batch 1"
+            + (", offloaded activations" if allow_offload else "")
+            + " and equal shards: "
+            + "; ".join(lines)
+        )
     missing = state_total - leftover_total
     if missing > 0:
-        msg.append(f"after buffers the devices have {_gib(leftover_total)} left for it, {_gib(missing)} too little")
+        msg.append(
+            f"after buffers the devices have {_gib(leftover_total)} left for it, {_gib(missing)} too little"
+        )
     if not allow_offload and _memory_only_fits(cm, B, True):
         msg.append("offloading activations to the host would fit (allow offload)")
     # the largest global batch that fits (memory only)
@@ -590,13 +663,19 @@ def _does_not_fit(cm: CostModel, B: int, allow_offload: bool) -> PlanDoesNotFit:
         smallest = min(range(n), key=lambda i: cm.capacity_bytes(i))
         d = cm.devices[smallest]
         cap = cm.capacity_bytes(smallest)
-        per_device = cap - float(cm.memory_without_state(d.type_key, cap, 0, 1, False)) - MEMORY_SLACK_BYTES
+        per_device = (
+            cap - float(cm.memory_without_state(d.type_key, cap, 0, 1, False)) - MEMORY_SLACK_BYTES
+        )
         if missing > 0 and per_device > 0:
             more = math.ceil(missing / per_device)
-            msg.append(f"no smaller batch helps: add about {more} more {d.type_key} "
-                       f"({_gib(cap)} each), or {_gib(missing)} more device memory in total, "
-                       "or train a smaller model")
+            msg.append(
+                f"no smaller batch helps: add about {more} more {d.type_key} "
+                f"({_gib(cap)} each), or {_gib(missing)} more device memory in total, "
+                "or train a smaller model"
+            )
         else:
-            msg.append("no smaller batch helps: add devices with more memory, shorten the sequence, "
-                       "or train a smaller model")
+            msg.append(
+                "no smaller batch helps: add devices with more memory, shorten the sequence, "
+                "or train a smaller model"
+            )
     return PlanDoesNotFit("; ".join(msg), short)

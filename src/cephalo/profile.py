@@ -45,7 +45,9 @@ class Curve:
         xs, ys = (self.xs[-half:], self.ys[-half:]) if upper else (self.xs[:2], self.ys[:2])
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         var = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0 else 0.0
+        slope = (
+            sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0 else 0.0
+        )
         return max(slope, 0.0)
 
     def __call__(self, x: float) -> float:
@@ -61,7 +63,10 @@ class Curve:
     @classmethod
     def linear(cls, slope: float, intercept: float, upto: int = 16) -> Curve:
         """A curve from a fitted line (y = slope * x + intercept), sampled at 1..upto."""
-        return cls([float(x) for x in range(1, upto + 1)], [max(slope * x + intercept, 0.0) for x in range(1, upto + 1)])
+        return cls(
+            [float(x) for x in range(1, upto + 1)],
+            [max(slope * x + intercept, 0.0) for x in range(1, upto + 1)],
+        )
 
     def to_dict(self) -> dict:
         return {"xs": self.xs, "ys": self.ys}
@@ -135,7 +140,9 @@ class DeviceProfile:
             source=d.get("source", "catalog"),
             meta=d.get("meta", {}),
             # profiles written before the field: measured on a CPU host means no async copies
-            async_copies=bool(d.get("async_copies", not str(d.get("meta", {}).get("host", "")).startswith("cpu:"))),
+            async_copies=bool(
+                d.get("async_copies", not str(d.get("meta", {}).get("host", "")).startswith("cpu:"))
+            ),
         )
 
 

@@ -40,10 +40,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("source", nargs="?", default=None,
-                   help="a run directory, a checkpoint root, or one step_N checkpoint")
+    p.add_argument(
+        "source",
+        nargs="?",
+        default=None,
+        help="a run directory, a checkpoint root, or one step_N checkpoint",
+    )
     p.add_argument("--checkpoint", metavar="DIR", default=None, help="the same as SOURCE")
-    p.add_argument("--out", metavar="FILE", default=None, help="write the weights to this .safetensors file")
+    p.add_argument(
+        "--out", metavar="FILE", default=None, help="write the weights to this .safetensors file"
+    )
     p.add_argument("--hf", metavar="DIR", default=None, help="write a transformers model directory")
     p.set_defaults(func=run)
 
@@ -78,11 +84,15 @@ def _model_config(checkpoint: Path) -> dict[str, Any]:
     state = torch.load(checkpoint / TRAINER_STATE_FILE, weights_only=True)
     model = (state.get("config") or {}).get("model")
     if not model:
-        raise CephaloError(f"export: {checkpoint} does not record its model config (not written by `cephalo train`?)")
+        raise CephaloError(
+            f"export: {checkpoint} does not record its model config (not written by `cephalo train`?)"
+        )
     return model
 
 
-def export_checkpoint(source: str | Path, out: str | Path | None = None, hf_dir: str | Path | None = None) -> ExportResult:
+def export_checkpoint(
+    source: str | Path, out: str | Path | None = None, hf_dir: str | Path | None = None
+) -> ExportResult:
     """Load a checkpoint in one process (any saved layout) and write its weights."""
     from safetensors.torch import save_file
 
@@ -103,17 +113,25 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, hf_dir:
     spec = model.spec
     plan = simple_plan("even", Cluster.parse("cpu"), mc["name"], spec.max_seq_len or 1, 1, "fp32")
     comm = LocalComm()
-    engine = Engine(model, plan, comm, EngineConfig(compute_dtype="fp32", seed=int(mc.get("seed", 0))))
+    engine = Engine(
+        model, plan, comm, EngineConfig(compute_dtype="fp32", seed=int(mc.get("seed", 0)))
+    )
     step, _, _ = load_checkpoint(checkpoint, engine.sharded_state(), comm)
     state = engine.full_state_dict()
     out_path = Path(out) if out is not None else None
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(out_path), metadata={"format": "cephalo", "model": mc["name"], "step": str(step)})
+        save_file(
+            state,
+            str(out_path),
+            metadata={"format": "cephalo", "model": mc["name"], "step": str(step)},
+        )
     hf_path = Path(hf_dir) if hf_dir is not None else None
     if hf_path is not None:
         to_hf_model(model, state).save_pretrained(str(hf_path))
-    return ExportResult(checkpoint, step, mc["name"], sum(t.numel() for t in state.values()), out_path, hf_path)
+    return ExportResult(
+        checkpoint, step, mc["name"], sum(t.numel() for t in state.values()), out_path, hf_path
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,11 +141,21 @@ def run(args: argparse.Namespace) -> int:
     init_logging()
     source = args.source or args.checkpoint
     if source is None:
-        raise CephaloError("export: give a run directory or checkpoint (SOURCE or --checkpoint DIR)")
+        raise CephaloError(
+            "export: give a run directory or checkpoint (SOURCE or --checkpoint DIR)"
+        )
     if args.source and args.checkpoint and args.source != args.checkpoint:
-        raise CephaloError("export: give the checkpoint once (SOURCE or --checkpoint), not two different ones")
+        raise CephaloError(
+            "export: give the checkpoint once (SOURCE or --checkpoint), not two different ones"
+        )
     r = export_checkpoint(source, args.out, args.hf)
     where = " and ".join(str(p) for p in (r.out, r.hf_dir) if p is not None)
-    logger.info("exported %s step %d (%s, %.2fM parameters) to %s", r.checkpoint, r.step, r.model,
-                r.num_params / 1e6, where)
+    logger.info(
+        "exported %s step %d (%s, %.2fM parameters) to %s",
+        r.checkpoint,
+        r.step,
+        r.model,
+        r.num_params / 1e6,
+        where,
+    )
     return 0

@@ -49,34 +49,71 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_cost_model_arguments(p, cluster_required=True)
-    p.add_argument("--global-batch", type=int, required=True, metavar="B",
-                   help="samples per optimizer step, summed over all GPUs")
-    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default="cephalo",
-                   help="which plan to make (default cephalo); `all` prints every strategy and keeps cephalo's")
-    p.add_argument("--no-offload", action="store_true",
-                   help="never keep activations on the host (the planner offloads only when it pays)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        required=True,
+        metavar="B",
+        help="samples per optimizer step, summed over all GPUs",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGY_CHOICES,
+        default="cephalo",
+        help="which plan to make (default cephalo); `all` prints every strategy and keeps cephalo's",
+    )
+    p.add_argument(
+        "--no-offload",
+        action="store_true",
+        help="never keep activations on the host (the planner offloads only when it pays)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
-    p.add_argument("--plot", metavar="PATH.png",
-                   help="draw per GPU its batch, state fraction, memory vs capacity and busy time")
+    p.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        help="draw per GPU its batch, state fraction, memory vs capacity and busy time",
+    )
     p.set_defaults(func=run)
 
 
 def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool) -> None:
     """The options that build a cost model (shared with `cephalo simulate`)."""
+
     def default(value: object) -> str:
-        return "default: the plan's" if not cluster_required else f"default: the profiles' with --profiles, else {value}"
+        return (
+            "default: the plan's"
+            if not cluster_required
+            else f"default: the profiles' with --profiles, else {value}"
+        )
 
-    p.add_argument("--cluster", required=cluster_required, metavar="SPEC|FILE",
-                   help="devices in rank order, e.g. 2xl4,a6000,p40 or a .toml/.json file (grammar: `cephalo catalog`)")
-    p.add_argument("--model", metavar="NAME", help=f"model from `cephalo catalog` ({default(DEFAULT_MODEL)})")
-    p.add_argument("--seq-len", type=int, metavar="N", help=f"tokens per sample ({default(DEFAULT_SEQ_LEN)})")
+    p.add_argument(
+        "--cluster",
+        required=cluster_required,
+        metavar="SPEC|FILE",
+        help="devices in rank order, e.g. 2xl4,a6000,p40 or a .toml/.json file (grammar: `cephalo catalog`)",
+    )
+    p.add_argument(
+        "--model", metavar="NAME", help=f"model from `cephalo catalog` ({default(DEFAULT_MODEL)})"
+    )
+    p.add_argument(
+        "--seq-len", type=int, metavar="N", help=f"tokens per sample ({default(DEFAULT_SEQ_LEN)})"
+    )
     p.add_argument("--dtype", choices=DTYPES, help=f"compute dtype ({default(DEFAULT_DTYPE)})")
-    p.add_argument("--profiles", "--profile", metavar="PATH",
-                   help="measured profiles from `cephalo profile --out PATH` instead of the catalog")
+    p.add_argument(
+        "--profiles",
+        "--profile",
+        metavar="PATH",
+        help="measured profiles from `cephalo profile --out PATH` instead of the catalog",
+    )
 
 
-def build_cost_model(cluster_spec: str, model: str | None, seq_len: int | None, dtype: str | None,
-                     profiles_path: str | None = None) -> CostModel:
+def build_cost_model(
+    cluster_spec: str,
+    model: str | None,
+    seq_len: int | None,
+    dtype: str | None,
+    profiles_path: str | None = None,
+) -> CostModel:
     """A cost model for a cluster spec (or file), from the catalog or from measured profiles.
 
     Unset model / seq_len / dtype come from the measured profiles, or the defaults."""
@@ -156,8 +193,10 @@ def run(args: argparse.Namespace) -> int:
     main_plan = plans["cephalo"] if "cephalo" in plans else plans[strategies[0]]
     assert isinstance(main_plan, Plan)
     ev = cm.evaluate(main_plan)
-    console.print(f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
-                  f"{args.global_batch}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}")
+    console.print(
+        f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
+        f"{args.global_batch}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}"
+    )
     console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))
     for s in strategies:
         console.print(strategy_line(s, plans[s], even), soft_wrap=True)
@@ -186,15 +225,30 @@ def make_console() -> Console:
 def plan_table(plan: Plan, ev: PlanEvaluation, title: str) -> Table:
     """One row per rank; the slowest rank's step time in bold, ranks over their memory in red."""
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("rank", "device", "batch", "micro x n", "state", "act", "step s", "busy s", "GiB used/cap", "fits"):
+    for col in (
+        "rank",
+        "device",
+        "batch",
+        "micro x n",
+        "state",
+        "act",
+        "step s",
+        "busy s",
+        "GiB used/cap",
+        "fits",
+    ):
         table.add_column(col, justify="left" if col in ("device", "act") else "right", no_wrap=True)
     for r, c in zip(plan.ranks, ev.ranks, strict=True):
         slowest = abs(c.step_s - ev.step_s) <= 1e-12 * max(ev.step_s, 1.0)
         table.add_row(
-            str(r.rank), r.device, str(r.batch_size),
+            str(r.rank),
+            r.device,
+            str(r.batch_size),
             f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "-",
-            f"{r.state_fraction:.3f}", "host" if r.offload_activations else "dev",
-            f"[bold]{c.step_s:.3f}[/bold]" if slowest else f"{c.step_s:.3f}", f"{c.busy_s:.3f}",
+            f"{r.state_fraction:.3f}",
+            "host" if r.offload_activations else "dev",
+            f"[bold]{c.step_s:.3f}[/bold]" if slowest else f"{c.step_s:.3f}",
+            f"{c.busy_s:.3f}",
             f"{c.peak_bytes / GIB:.1f}/{c.capacity_bytes / GIB:.1f}",
             "yes" if c.fits else f"[red]NO -{c.shortfall_bytes / GIB:.2f}[/red]",
         )
@@ -205,6 +259,9 @@ def strategy_line(name: str, plan: Plan | PlanDoesNotFit, even: Plan | PlanDoesN
     if isinstance(plan, PlanDoesNotFit):
         return f"{name:>12}: does not fit ({plan})"
     p = plan.predicted
-    ratio = (f"{p.samples_per_s / even.predicted.samples_per_s:.2f}x even" if isinstance(even, Plan)
-             else "even does not fit")
+    ratio = (
+        f"{p.samples_per_s / even.predicted.samples_per_s:.2f}x even"
+        if isinstance(even, Plan)
+        else "even does not fit"
+    )
     return f"{name:>12}: {p.samples_per_s:.4g} samples/s, {p.tokens_per_s:.4g} tokens/s, step {p.step_s:.4g} s, {ratio}"

@@ -39,36 +39,91 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--devices", "--cluster", dest="devices", required=True, metavar="SPEC",
-                   help="one device per rank: a cluster spec (cpu,cpu:slowdown=2,...) or a cluster file")
-    p.add_argument("--model", required=True, metavar="NAME", help="a runnable model (e.g. gpt-tiny, gpt-nano)")
-    p.add_argument("--seq-len", type=int, metavar="N", help="sequence length (default: the model's)")
+    p.add_argument(
+        "--devices",
+        "--cluster",
+        dest="devices",
+        required=True,
+        metavar="SPEC",
+        help="one device per rank: a cluster spec (cpu,cpu:slowdown=2,...) or a cluster file",
+    )
+    p.add_argument(
+        "--model", required=True, metavar="NAME", help="a runnable model (e.g. gpt-tiny, gpt-nano)"
+    )
+    p.add_argument(
+        "--seq-len", type=int, metavar="N", help="sequence length (default: the model's)"
+    )
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute dtype (default fp32)")
-    p.add_argument("--out", metavar="PATH", help="also write the profiles to this JSON file (for `cephalo plan --profile`)")
-    p.add_argument("--cache", metavar="PATH", help=f"profile database (default {default_db_path()})")
+    p.add_argument(
+        "--out",
+        metavar="PATH",
+        help="also write the profiles to this JSON file (for `cephalo plan --profile`)",
+    )
+    p.add_argument(
+        "--cache", metavar="PATH", help=f"profile database (default {default_db_path()})"
+    )
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the database")
-    p.add_argument("--refresh", action="store_true", help="measure again even if the database has the profiles")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per measurement (median kept)")
+    p.add_argument(
+        "--refresh", action="store_true", help="measure again even if the database has the profiles"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed repetitions per measurement (median kept)"
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
-    p.add_argument("--time-cap", type=float, default=60.0, metavar="S",
-                   help="per device type: stop measuring larger micro-batches after S seconds")
-    p.add_argument("--max-micro-batch", type=int, default=32, metavar="M", help="largest micro-batch measured")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds")
+    p.add_argument(
+        "--time-cap",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="per device type: stop measuring larger micro-batches after S seconds",
+    )
+    p.add_argument(
+        "--max-micro-batch", type=int, default=32, metavar="M", help="largest micro-batch measured"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds"
+    )
     p.set_defaults(func=run)
 
 
 def _settings(args: argparse.Namespace) -> ProfileSettings:
     if args.repeats < 1 or args.warmup < 0 or args.time_cap <= 0 or args.max_micro_batch < 1:
-        raise CephaloError("--repeats and --max-micro-batch must be >= 1, --warmup >= 0, --time-cap > 0")
-    return ProfileSettings(repeats=args.repeats, warmup=args.warmup, time_cap_s=args.time_cap,
-                           max_micro_batch=args.max_micro_batch)
+        raise CephaloError(
+            "--repeats and --max-micro-batch must be >= 1, --warmup >= 0, --time-cap > 0"
+        )
+    return ProfileSettings(
+        repeats=args.repeats,
+        warmup=args.warmup,
+        time_cap_s=args.time_cap,
+        max_micro_batch=args.max_micro_batch,
+    )
 
 
-def profile_rank(comm, model: str, seq_len: int, dtype: str, spec: str, settings: ProfileSettings,
-                 cache: str | None, use_cache: bool, refresh: bool, progress=None) -> dict | None:
+def profile_rank(
+    comm,
+    model: str,
+    seq_len: int,
+    dtype: str,
+    spec: str,
+    settings: ProfileSettings,
+    cache: str | None,
+    use_cache: bool,
+    refresh: bool,
+    progress=None,
+) -> dict | None:
     """One rank of `cephalo profile` (top level: the local launcher pickles it)."""
-    measured = profile_devices(model, seq_len, dtype, Cluster.from_any(spec), comm, settings=settings,
-                               cache=cache, use_cache=use_cache, refresh=refresh, progress=progress)
+    measured = profile_devices(
+        model,
+        seq_len,
+        dtype,
+        Cluster.from_any(spec),
+        comm,
+        settings=settings,
+        cache=cache,
+        use_cache=use_cache,
+        refresh=refresh,
+        progress=progress,
+    )
     return measured.to_dict() if comm.rank == 0 else None
 
 
@@ -80,7 +135,16 @@ def run(args: argparse.Namespace) -> int:
     spec = build_model(args.model).spec
     seq_len = args.seq_len or spec.max_seq_len
     settings = _settings(args)
-    common = (args.model, seq_len, args.dtype, args.devices, settings, args.cache, not args.no_cache, args.refresh)
+    common = (
+        args.model,
+        seq_len,
+        args.dtype,
+        args.devices,
+        settings,
+        args.cache,
+        not args.no_cache,
+        args.refresh,
+    )
     if "RANK" in os.environ:  # inside torchrun: this process is one rank
         from cephalo.runtime.dist import init_distributed, shutdown
 
@@ -96,8 +160,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         from cephalo.profiling.launch import run_local
 
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=console, transient=True) as bar:
+        with Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as bar:
             task = bar.add_task(f"profiling {cluster.describe()} ...", total=None)
 
             def show(rank: int, text: str) -> None:
@@ -108,15 +177,22 @@ def run(args: argparse.Namespace) -> int:
 
                 result = profile_rank(LocalComm(), *common, progress=lambda t: show(0, t))
             else:
-                result = run_local(profile_rank, cluster.world_size, *common,
-                                   timeout_s=args.timeout, on_progress=show)[0]
+                result = run_local(
+                    profile_rank,
+                    cluster.world_size,
+                    *common,
+                    timeout_s=args.timeout,
+                    on_progress=show,
+                )[0]
     measured = MeasuredProfiles.from_dict(result)
     for table in profile_tables(measured):
         console.print(table)
     if measured.comm is not None:
-        console.print(f"collectives (all_gather_v / reduce_scatter_v over {cluster.world_size} ranks): "
-                      f"{measured.comm.bytes_per_s / 1e9:.2f} GB/s, latency {measured.comm.latency_s * 1e6:.0f} us")
-    what = (f"measured {', '.join(measured.measured)}" if measured.measured else "nothing measured")
+        console.print(
+            f"collectives (all_gather_v / reduce_scatter_v over {cluster.world_size} ranks): "
+            f"{measured.comm.bytes_per_s / 1e9:.2f} GB/s, latency {measured.comm.latency_s * 1e6:.0f} us"
+        )
+    what = f"measured {', '.join(measured.measured)}" if measured.measured else "nothing measured"
     if measured.cached:
         what += f"; from the database: {', '.join(measured.cached)}"
     console.print(f"{what} ({measured.elapsed_s:.1f} s)")
@@ -131,16 +207,20 @@ def _cached(args: argparse.Namespace, cluster: Cluster, seq_len: int) -> Measure
         return None
     from cephalo.profiling.profiler import cached_profiles
 
-    return cached_profiles(args.model, seq_len, args.dtype, cluster, backend="gloo", cache=args.cache)
+    return cached_profiles(
+        args.model, seq_len, args.dtype, cluster, backend="gloo", cache=args.cache
+    )
 
 
 def profile_tables(measured: MeasuredProfiles) -> list[Table]:
     """One table per device type: forward / backward ms and activation MiB per micro-batch size."""
     tables = []
     for key, p in measured.profiles.items():
-        t = Table(title=f"{key}: {measured.model}, seq {measured.seq_len}, {measured.dtype} ({p.source})",
-                  caption=f"optimizer {p.optimizer_s_per_param * 1e9:.2f} ns/param, host copy "
-                          f"{p.host_copy_bytes_per_s / 1e9:.1f} GB/s, {p.meta.get('torch_threads', '?')} thread(s)")
+        t = Table(
+            title=f"{key}: {measured.model}, seq {measured.seq_len}, {measured.dtype} ({p.source})",
+            caption=f"optimizer {p.optimizer_s_per_param * 1e9:.2f} ns/param, host copy "
+            f"{p.host_copy_bytes_per_s / 1e9:.1f} GB/s, {p.meta.get('torch_threads', '?')} thread(s)",
+        )
         t.add_column("micro-batch", justify="right")
         for kind in ("embedding", "block", "head"):
             t.add_column(f"{kind} fwd/bwd ms", justify="right")

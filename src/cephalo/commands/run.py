@@ -26,13 +26,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--devices", metavar="SPEC", default=None,
-                   help="one device per rank, e.g. cpu,cpu:slowdown=2 (default: the config's parallel.devices)")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="ranks to start when no devices are given (default 1)")
-    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
-                   help="restart the workers up to N times after a failure (default: the config's "
-                        "parallel.max_restarts, 0)")
+    p.add_argument(
+        "--devices",
+        metavar="SPEC",
+        default=None,
+        help="one device per rank, e.g. cpu,cpu:slowdown=2 (default: the config's parallel.devices)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks to start when no devices are given (default 1)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restart the workers up to N times after a failure (default: the config's "
+        "parallel.max_restarts, 0)",
+    )
     add_config_arguments(p)
     p.set_defaults(func=run)
 

@@ -37,7 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("plan", metavar="PLAN.json", help="a plan file (`cephalo plan --json`, or hand-written)")
+    p.add_argument(
+        "plan", metavar="PLAN.json", help="a plan file (`cephalo plan --json`, or hand-written)"
+    )
     add_cost_model_arguments(p, cluster_required=False)
     p.set_defaults(func=run)
 
@@ -48,8 +50,10 @@ def cluster_spec_of(plan: Plan, override: str | None) -> str:
         return override
     spec = plan.meta.get("cluster_spec")
     if not isinstance(spec, str) or not spec:
-        raise CephaloError("the plan does not say which cluster it is for (no meta.cluster_spec); "
-                           "pass --cluster, e.g. --cluster 2xl4,a6000,p40")
+        raise CephaloError(
+            "the plan does not say which cluster it is for (no meta.cluster_spec); "
+            "pass --cluster, e.g. --cluster 2xl4,a6000,p40"
+        )
     return spec
 
 
@@ -62,17 +66,28 @@ def run(args: argparse.Namespace) -> int:
     cm = build_cost_model(spec, args.model or plan.model, plan.seq_len, plan.dtype, args.profiles)
     ev = cm.evaluate(plan)
     console = make_console()
-    console.print(f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
-                  f"{plan.global_batch_size}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}")
+    console.print(
+        f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
+        f"{plan.global_batch_size}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}"
+    )
     console.print(plan_table(plan, ev, title=f"{args.plan} ({plan.strategy})"))
-    console.print(f"simulated: {ev.samples_per_s:.4g} samples/s, {ev.tokens_per_s:.4g} tokens/s, step {ev.step_s:.4g} s")
+    console.print(
+        f"simulated: {ev.samples_per_s:.4g} samples/s, {ev.tokens_per_s:.4g} tokens/s, step {ev.step_s:.4g} s"
+    )
     if plan.predicted is not None and abs(plan.predicted.step_s - ev.step_s) > 1e-6 * ev.step_s:
-        console.print(f"(the plan's own prediction was {plan.predicted.samples_per_s:.3f} samples/s, "
-                      f"step {plan.predicted.step_s:.3f} s: different profiles or cluster)")
+        console.print(
+            f"(the plan's own prediction was {plan.predicted.samples_per_s:.3f} samples/s, "
+            f"step {plan.predicted.step_s:.3f} s: different profiles or cluster)"
+        )
     bad = [c for c in ev.ranks if not c.fits]
     if bad:
-        console.print("[red]does not fit:[/red] " + "; ".join(
-            f"rank {c.rank} ({c.device}) needs {c.peak_bytes / GIB:.2f} GiB of {c.capacity_bytes / GIB:.2f} GiB "
-            f"(short {c.shortfall_bytes / GIB:.2f} GiB)" for c in bad))
+        console.print(
+            "[red]does not fit:[/red] "
+            + "; ".join(
+                f"rank {c.rank} ({c.device}) needs {c.peak_bytes / GIB:.2f} GiB of {c.capacity_bytes / GIB:.2f} GiB "
+                f"(short {c.shortfall_bytes / GIB:.2f} GiB)"
+                for c in bad
+            )
+        )
         return 1
     return 0

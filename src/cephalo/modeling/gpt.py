@@ -62,22 +62,32 @@ class GPTConfig:
                 raise CephaloError(f"GPT config: {field_name} must be an integer, got {value!r}")
         for field_name in ("bias", "tie_embeddings"):
             if not isinstance(getattr(self, field_name), bool):
-                raise CephaloError(f"GPT config: {field_name} must be true or false, got {getattr(self, field_name)!r}")
+                raise CephaloError(
+                    f"GPT config: {field_name} must be true or false, got {getattr(self, field_name)!r}"
+                )
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float):
-            raise CephaloError(f"GPT config: dropout must be a number in [0, 1), got {self.dropout!r}")
+            raise CephaloError(
+                f"GPT config: dropout must be a number in [0, 1), got {self.dropout!r}"
+            )
         # ~12 d^2 per block plus the embeddings: a typo like n_embd = 1e9 fails here, not as a
         # storage-size overflow inside torch
-        approx_params = 12 * self.n_layer * self.n_embd**2 + (self.vocab_size + self.seq_len) * self.n_embd
+        approx_params = (
+            12 * self.n_layer * self.n_embd**2 + (self.vocab_size + self.seq_len) * self.n_embd
+        )
         if approx_params > MAX_PARAMS:
             raise CephaloError(
                 f"GPT config: about {approx_params:.2e} parameters (n_layer {self.n_layer}, n_embd {self.n_embd}, "
                 f"vocab_size {self.vocab_size}, seq_len {self.seq_len}) is more than {MAX_PARAMS:.0e}; is it a typo?"
             )
         if self.n_layer > MAX_LAYERS:
-            raise CephaloError(f"GPT config: n_layer = {self.n_layer} is more than {MAX_LAYERS} blocks; is it a typo?")
+            raise CephaloError(
+                f"GPT config: n_layer = {self.n_layer} is more than {MAX_LAYERS} blocks; is it a typo?"
+            )
         for field_name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
             if getattr(self, field_name) < 1:
-                raise CephaloError(f"GPT config: {field_name} must be >= 1, got {getattr(self, field_name)}")
+                raise CephaloError(
+                    f"GPT config: {field_name} must be >= 1, got {getattr(self, field_name)}"
+                )
         if self.n_embd % self.n_head != 0:
             raise CephaloError(
                 f"GPT config: n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})"
@@ -207,7 +217,9 @@ class GPT(UnitModel):
         )
         super().__init__(spec, units)
 
-    def init_parameter(self, unit_name: str, param_name: str, param: nn.Parameter, generator: torch.Generator) -> None:
+    def init_parameter(
+        self, unit_name: str, param_name: str, param: nn.Parameter, generator: torch.Generator
+    ) -> None:
         """GPT-2 init: N(0, 0.02) for matrices and embeddings, N(0, 0.02/sqrt(2 n_layer)) for
         the projections that write into the residual stream, zero biases, unit LayerNorm
         scales. Drawn on the CPU from `generator` (see `fill_normal_`), so the values do not
@@ -228,7 +240,9 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     # ~0.8M: fast multi-process runs on CPU.
     "gpt-nano": GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=128),
     # ~3.3M, byte-level: trains visibly on 2 CPU cores in a couple of minutes.
-    "gpt-small-demo": GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256, dropout=0.1),
+    "gpt-small-demo": GPTConfig(
+        vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256, dropout=0.1
+    ),
     # GPT-2 small (124M; vocab padded to a multiple of 64): GPU checks.
     "gpt2-124m": GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, n_embd=768),
 }

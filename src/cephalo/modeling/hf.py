@@ -55,35 +55,71 @@ class HFPreset:
 HF_PRESETS: dict[str, HFPreset] = {
     "hf-gpt2-tiny": HFPreset(
         "gpt2",
-        dict(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2,
-             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        dict(
+            vocab_size=256,
+            n_positions=32,
+            n_embd=64,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
     ),
     "hf-llama-tiny": HFPreset(
         "llama",
         # 4 query heads over 2 key/value heads: exercises grouped-query attention.
-        dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=176,
-             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             tie_word_embeddings=False),
+        dict(
+            vocab_size=256,
+            max_position_embeddings=32,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
     ),
     "hf-gpt2-124m": HFPreset(
         "gpt2",
-        dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        dict(
+            vocab_size=50257,
+            n_positions=1024,
+            n_embd=768,
+            n_layer=12,
+            n_head=12,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
     ),
     "hf-llama-160m": HFPreset(
         "llama",
-        dict(vocab_size=32000, max_position_embeddings=1024, hidden_size=768, intermediate_size=2048,
-             num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-             tie_word_embeddings=False),
+        dict(
+            vocab_size=32000,
+            max_position_embeddings=1024,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=12,
+            tie_word_embeddings=False,
+        ),
     ),
 }
 
 # Generic override names -> the config fields they set, per family.
 _GENERIC_FIELDS = {
-    "gpt2": {"seq_len": ("n_positions",), "dropout": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
-             "tie_embeddings": ("tie_word_embeddings",)},
-    "llama": {"seq_len": ("max_position_embeddings",), "dropout": ("attention_dropout",),
-              "tie_embeddings": ("tie_word_embeddings",)},
+    "gpt2": {
+        "seq_len": ("n_positions",),
+        "dropout": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+        "tie_embeddings": ("tie_word_embeddings",),
+    },
+    "llama": {
+        "seq_len": ("max_position_embeddings",),
+        "dropout": ("attention_dropout",),
+        "tie_embeddings": ("tie_word_embeddings",),
+    },
 }
 
 
@@ -111,7 +147,9 @@ def make_hf_config(name: str, overrides: dict[str, Any]):
     try:
         return config_cls(**kwargs, attn_implementation="sdpa")
     except Exception as e:  # transformers' own validation (types, ranges): say which settings
-        raise CephaloError(f"model {name}: transformers rejects the settings {overrides}: {_first_line(e)}") from None
+        raise CephaloError(
+            f"model {name}: transformers rejects the settings {overrides}: {_first_line(e)}"
+        ) from None
 
 
 def _check_generic_settings(name: str, overrides: dict[str, Any]) -> None:
@@ -119,19 +157,26 @@ def _check_generic_settings(name: str, overrides: dict[str, Any]) -> None:
     bad ones, e.g. dropout 2.0, and fails only when training starts)."""
     for key in ("seq_len", "vocab_size"):
         value = overrides.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
             raise CephaloError(f"model {name}: {key} must be an integer >= 1, got {value!r}")
     for key in ("n_layer", "num_hidden_layers"):
         value = overrides.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 1 <= value <= MAX_LAYERS):
-            raise CephaloError(f"model {name}: {key} must be an integer from 1 to {MAX_LAYERS}, got {value!r}")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LAYERS
+        ):
+            raise CephaloError(
+                f"model {name}: {key} must be an integer from 1 to {MAX_LAYERS}, got {value!r}"
+            )
     if "dropout" in overrides:
         value = overrides["dropout"]
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
             raise CephaloError(f"model {name}: dropout must be a number in [0, 1), got {value!r}")
     if "tie_embeddings" in overrides and not isinstance(overrides["tie_embeddings"], bool):
-        raise CephaloError(f"model {name}: tie_embeddings must be true or false, got {overrides['tie_embeddings']!r}")
+        raise CephaloError(
+            f"model {name}: tie_embeddings must be true or false, got {overrides['tie_embeddings']!r}"
+        )
 
 
 def _first_line(error: BaseException) -> str:
@@ -180,14 +225,19 @@ class RotaryTable:
         tf = _transformers()
         with torch.device("cpu"):
             self.rotary = tf.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
-        self.cache: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cache: dict[
+            tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]
+        ] = {}
 
     def __call__(self, seq_len: int, device: torch.device, dtype: torch.dtype):
         key = (device, dtype, seq_len)
         if key not in self.cache:
             positions = torch.arange(seq_len).unsqueeze(0)
             cos, sin = self.rotary(torch.empty(0, dtype=torch.float32), positions)
-            self.cache[key] = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
+            self.cache[key] = (
+                cos.to(device=device, dtype=dtype),
+                sin.to(device=device, dtype=dtype),
+            )
         return self.cache[key]
 
 
@@ -199,7 +249,9 @@ class HFLlamaBlock(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         position_embeddings = self.rotary(h.shape[1], h.device, h.dtype)
-        return self.layer(h, attention_mask=None, position_embeddings=position_embeddings, use_cache=False)
+        return self.layer(
+            h, attention_mask=None, position_embeddings=position_embeddings, use_cache=False
+        )
 
 
 class HFHead(nn.Module):
@@ -246,7 +298,9 @@ class HFUnitModel(UnitModel):
         if family == "gpt2":
             body = hf_model.transformer
             units = [Unit("embedding", "embedding", HFGPT2Embedding(body.wte, body.wpe, body.drop))]
-            units += [Unit(f"blocks.{i}", "block", HFGPT2Block(layer)) for i, layer in enumerate(body.h)]
+            units += [
+                Unit(f"blocks.{i}", "block", HFGPT2Block(layer)) for i, layer in enumerate(body.h)
+            ]
             units.append(Unit("head", "head", HFHead(body.ln_f, hf_model.lm_head)))
             hidden, heads = hf_config.n_embd, hf_config.n_head
             ffn = hf_config.n_inner or 4 * hidden
@@ -256,14 +310,27 @@ class HFUnitModel(UnitModel):
             rotary = RotaryTable(hf_config)
             seq = hf_config.max_position_embeddings
             units = [Unit("embedding", "embedding", HFLlamaEmbedding(body.embed_tokens, seq))]
-            units += [Unit(f"blocks.{i}", "block", HFLlamaBlock(layer, rotary)) for i, layer in enumerate(body.layers)]
+            units += [
+                Unit(f"blocks.{i}", "block", HFLlamaBlock(layer, rotary))
+                for i, layer in enumerate(body.layers)
+            ]
             units.append(Unit("head", "head", HFHead(body.norm, hf_model.lm_head)))
-            hidden, heads, ffn = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.intermediate_size
+            hidden, heads, ffn = (
+                hf_config.hidden_size,
+                hf_config.num_attention_heads,
+                hf_config.intermediate_size,
+            )
         tied = hf_model.lm_head.weight is hf_model.get_input_embeddings().weight
         spec = spec_from_units(
-            units, name=name, arch="gpt" if family == "gpt2" else "llama", hidden_size=hidden,
-            num_heads=heads, vocab_size=hf_config.vocab_size, ffn_hidden_size=ffn,
-            tied_embeddings=tied, max_seq_len=seq,
+            units,
+            name=name,
+            arch="gpt" if family == "gpt2" else "llama",
+            hidden_size=hidden,
+            num_heads=heads,
+            vocab_size=hf_config.vocab_size,
+            ffn_hidden_size=ffn,
+            tied_embeddings=tied,
+            max_seq_len=seq,
         )
         super().__init__(spec, units)
         self.hf_names = _hf_name_map(hf_model, units)
@@ -280,12 +347,18 @@ class HFUnitModel(UnitModel):
         for u in units:
             for mname, module in u.module.named_modules():
                 if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                    self._padding_rows.setdefault(u.name, {})[f"{mname}.weight" if mname else "weight"] = module.padding_idx
+                    self._padding_rows.setdefault(u.name, {})[
+                        f"{mname}.weight" if mname else "weight"
+                    ] = module.padding_idx
         unexpected = [n for n, _ in self.named_buffers()]
         if unexpected:  # a transformers version that adds buffers to layers would need init here
-            raise CephaloError(f"{name}: unit modules hold buffers {unexpected}; cephalo cannot initialise them")
+            raise CephaloError(
+                f"{name}: unit modules hold buffers {unexpected}; cephalo cannot initialise them"
+            )
 
-    def init_parameter(self, unit_name: str, param_name: str, param: nn.Parameter, generator: torch.Generator) -> None:
+    def init_parameter(
+        self, unit_name: str, param_name: str, param: nn.Parameter, generator: torch.Generator
+    ) -> None:
         """HF's scheme, drawn from `generator` on the CPU: N(0, initializer_range) for
         matrices and embeddings (GPT-2's residual projections c_proj scaled by
         1/sqrt(2 n_layer)), zero biases, unit norm scales, zero padding rows."""
@@ -330,17 +403,31 @@ def hf_config_of(model: UnitModel):
             )
         tf = _transformers()
         return tf.GPT2Config(
-            vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.n_embd,
-            n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu",
-            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-            layer_norm_epsilon=1e-5, tie_word_embeddings=cfg.tie_embeddings,
-            bos_token_id=None, eos_token_id=None, attn_implementation="sdpa",
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.seq_len,
+            n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            activation_function="gelu",
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=cfg.tie_embeddings,
+            bos_token_id=None,
+            eos_token_id=None,
+            attn_implementation="sdpa",
         )
     raise CephaloError(f"model {model.spec.name} has no transformers equivalent to export to")
 
 
 # Built-in GPT parameters stored by transformers' GPT-2 as Conv1D ([in, out]: transposed).
-_CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_CONV1D_SUFFIXES = (
+    "attn.c_attn.weight",
+    "attn.c_proj.weight",
+    "mlp.c_fc.weight",
+    "mlp.c_proj.weight",
+)
 
 
 def _gpt_hf_names(model: GPT) -> dict[str, list[str]]:
@@ -379,7 +466,9 @@ def export_hf_state_dict(
         raise CephaloError(f"cannot export {model.spec.name}: missing tensors {missing[:5]}")
     out = {}
     for ours, hf_names in names.items():
-        tensor = state[ours].t().contiguous() if ours.endswith(transpose) and transpose else state[ours]
+        tensor = (
+            state[ours].t().contiguous() if ours.endswith(transpose) and transpose else state[ours]
+        )
         for hf_name in hf_names:
             out[hf_name] = tensor
     return out
@@ -399,14 +488,23 @@ def to_hf_model(model: UnitModel, state: dict[str, torch.Tensor] | None = None) 
     return hf_model.eval()
 
 
-def build_hf_unit_model(name: str, device: torch.device | str, overrides: dict[str, Any]) -> HFUnitModel:
+def build_hf_unit_model(
+    name: str, device: torch.device | str, overrides: dict[str, Any]
+) -> HFUnitModel:
     """Registry entry: the `transformers` preset `name` as units."""
     preset = HF_PRESETS[name]
     config = make_hf_config(name, overrides)
     try:
         return HFUnitModel(name, preset.family, config, device=device)
-    except (ValueError, TypeError, ZeroDivisionError, RuntimeError) as e:  # shapes the config allowed
-        raise CephaloError(f"model {name}: cannot build it with the settings {overrides}: {_first_line(e)}") from None
+    except (
+        ValueError,
+        TypeError,
+        ZeroDivisionError,
+        RuntimeError,
+    ) as e:  # shapes the config allowed
+        raise CephaloError(
+            f"model {name}: cannot build it with the settings {overrides}: {_first_line(e)}"
+        ) from None
 
 
 __all__ = [

@@ -67,7 +67,9 @@ class UnitModel(nn.Module):
     def units(self) -> list[Unit]:
         return self.unit_list
 
-    def init_parameter(self, unit_name: str, param_name: str, param: nn.Parameter, generator: torch.Generator) -> None:  # pragma: no cover - abstract
+    def init_parameter(
+        self, unit_name: str, param_name: str, param: nn.Parameter, generator: torch.Generator
+    ) -> None:  # pragma: no cover - abstract
         """Initialise one parameter in place (under no_grad), drawing only from `generator`."""
         raise NotImplementedError
 
@@ -148,11 +150,15 @@ def retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 @torch.no_grad()
-def fill_normal_(param: torch.Tensor, std: float, generator: torch.Generator, mean: float = 0.0) -> None:
+def fill_normal_(
+    param: torch.Tensor, std: float, generator: torch.Generator, mean: float = 0.0
+) -> None:
     """Fill `param` with N(mean, std^2) drawn in fp32 on the CPU from `generator`, so that the
     values are the same whatever the parameter's device and dtype."""
     if generator.device.type != "cpu":
-        raise CephaloError("init_weights needs a CPU torch.Generator (values must not depend on the device)")
+        raise CephaloError(
+            "init_weights needs a CPU torch.Generator (values must not depend on the device)"
+        )
     values = torch.empty(param.shape, dtype=torch.float32).normal_(mean, std, generator=generator)
     param.copy_(values)
 
@@ -192,7 +198,9 @@ def spec_from_units(
     counts = unit_param_counts(units)
     block_counts = set(counts[1:-1])
     if len(block_counts) > 1:
-        raise CephaloError(f"model {name}: blocks differ in size ({sorted(block_counts)}); the cost model assumes equal blocks")
+        raise CephaloError(
+            f"model {name}: blocks differ in size ({sorted(block_counts)}); the cost model assumes equal blocks"
+        )
     return ModelSpec(
         name=name,
         arch=arch,

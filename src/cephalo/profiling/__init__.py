@@ -1,8 +1,8 @@
 """Measuring devices and collectives (`cephalo profile`), and the profile database.
 
-    from cephalo.profiling import profile_devices, cost_model_from_profiles
-    measured = profile_devices("gpt-tiny", 32, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), comm)
-    cm = cost_model_from_profiles(cluster, model.spec, 32, "fp32", measured)
+from cephalo.profiling import profile_devices, cost_model_from_profiles
+measured = profile_devices("gpt-tiny", 32, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), comm)
+cm = cost_model_from_profiles(cluster, model.spec, 32, "fp32", measured)
 """
 
 from cephalo.profiling.database import ProfileDatabase, default_db_path

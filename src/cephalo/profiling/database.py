@@ -172,7 +172,11 @@ class ProfileDatabase:
         return DeviceProfile.from_dict(entry["profile"]) if entry else None
 
     def put_device(self, key: DeviceKey, profile: DeviceProfile) -> None:
-        self.devices[key.text()] = {"key": asdict(key), "profile": profile.to_dict(), "measured_at": _now()}
+        self.devices[key.text()] = {
+            "key": asdict(key),
+            "profile": profile.to_dict(),
+            "measured_at": _now(),
+        }
 
     def get_comm(self, key: CommKey) -> CommProfile | None:
         entry = self.comm.get(key.text())

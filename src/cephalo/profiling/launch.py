@@ -39,10 +39,20 @@ def threads_per_rank(world_size: int) -> int:
 def _rank_main(fn, args, kwargs, rank, world_size, port, timeout_s, threads, results) -> None:
     torch.set_num_threads(threads)
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size + 1,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         comm = make_comm("auto")
 
         def progress(text: str) -> None:
@@ -58,15 +68,27 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, timeout_s, threads, res
             dist.destroy_process_group()
 
 
-def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0,
-              on_progress: Callable[[int, str], None] | None = None, **kwargs: Any) -> list[Any]:
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 600.0,
+    on_progress: Callable[[int, str], None] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """`fn(comm, *args, progress=..., **kwargs)` on `world_size` local gloo ranks; returns
     the per-rank results in rank order. `fn` must be importable (top level of a module)."""
     if world_size < 1:
         raise CephaloError(f"world size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size + 1,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     results = ctx.Queue()
     threads = threads_per_rank(world_size)
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -74,8 +96,11 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     procs = []
     try:
         for rank in range(world_size):
-            p = ctx.Process(target=_rank_main, daemon=True,
-                            args=(fn, args, kwargs, rank, world_size, store.port, timeout_s, threads, results))
+            p = ctx.Process(
+                target=_rank_main,
+                daemon=True,
+                args=(fn, args, kwargs, rank, world_size, store.port, timeout_s, threads, results),
+            )
             p.start()
             procs.append(p)
     finally:
@@ -92,7 +117,11 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             try:
                 kind, rank, payload = results.get(timeout=0.2)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in done and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in done and r not in errors
+                ]
                 if dead and results.empty():
                     time.sleep(0.5)  # a last message may still be in flight
                     if results.empty():
@@ -100,7 +129,9 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                             f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
                         ) from None
                 if time.monotonic() > deadline:
-                    raise CephaloError(f"the local ranks did not finish within {timeout_s:.0f} s") from None
+                    raise CephaloError(
+                        f"the local ranks did not finish within {timeout_s:.0f} s"
+                    ) from None
                 continue
             if kind == "progress":
                 if on_progress:

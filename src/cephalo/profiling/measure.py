@@ -88,8 +88,12 @@ def _clock(device: torch.device, wall_clock: bool = False) -> Callable[[], float
     return time.perf_counter
 
 
-def time_piece(fn: Callable[[], object], device: torch.device, timing: Timing,
-               emulator: ComputeEmulator | None = None) -> float:
+def time_piece(
+    fn: Callable[[], object],
+    device: torch.device,
+    timing: Timing,
+    emulator: ComputeEmulator | None = None,
+) -> float:
     """Median seconds of one call of `fn`, as it appears under `emulator` (if any): the
     compute (`_clock`), stretched by the emulator (which sleeps, as in the engine)."""
     clock = _clock(device, timing.wall_clock)
@@ -122,8 +126,17 @@ def time_piece(fn: Callable[[], object], device: torch.device, timing: Timing,
 class UnitBench:
     """One unit of a materialised model, runnable the way the engine runs it."""
 
-    def __init__(self, unit: Unit, index: int, seq_len: int, hidden: int, vocab: int,
-                 device: torch.device, dtype: torch.dtype, per_sample_dropout: bool = True):
+    def __init__(
+        self,
+        unit: Unit,
+        index: int,
+        seq_len: int,
+        hidden: int,
+        vocab: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        per_sample_dropout: bool = True,
+    ):
         self.unit, self.index, self.kind = unit, index, unit.kind
         self.seq_len, self.hidden, self.vocab = seq_len, hidden, vocab
         self.device, self.dtype = device, dtype
@@ -144,12 +157,16 @@ class UnitBench:
         if self.kind == "embedding":
             x = torch.randint(0, self.vocab, shape, generator=self._gen).to(self.device)
         else:
-            x = (torch.randn((*shape, self.hidden), generator=self._gen) * 0.5).to(self.device, self.dtype)
+            x = (torch.randn((*shape, self.hidden), generator=self._gen) * 0.5).to(
+                self.device, self.dtype
+            )
         if self.kind == "head":
             labels = torch.randint(0, self.vocab, shape, generator=self._gen).to(self.device)
             gout = torch.full((), 1.0 / (m * self.seq_len), dtype=torch.float32, device=self.device)
         else:
-            gout = (torch.randn((*shape, self.hidden), generator=self._gen) * 1e-3).to(self.device, self.dtype)
+            gout = (torch.randn((*shape, self.hidden), generator=self._gen) * 1e-3).to(
+                self.device, self.dtype
+            )
         return x, labels, gout
 
     def _dropout(self) -> contextlib.AbstractContextManager:
@@ -157,7 +174,9 @@ class UnitBench:
             return contextlib.nullcontext()
         return SampleDropout(0, 0, self.index, 0)
 
-    def _run(self, params: dict[str, torch.Tensor], x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        self, params: dict[str, torch.Tensor], x: torch.Tensor, labels: torch.Tensor | None
+    ) -> torch.Tensor:
         args = (x, labels) if self.kind == "head" else (x,)
         with self._dropout():
             return functional_call(self.unit.module, params, args, strict=False)
@@ -176,7 +195,9 @@ class UnitBench:
             if self.kind != "head":
                 self._store(out)
 
-    def recompute_backward(self, x: torch.Tensor, labels: torch.Tensor | None, gout: torch.Tensor) -> None:
+    def recompute_backward(
+        self, x: torch.Tensor, labels: torch.Tensor | None, gout: torch.Tensor
+    ) -> None:
         """The engine's backward of one micro-batch (`Engine._backward_micro_batch`):
         recompute with a graph, drain each parameter gradient into the fp32 buffer as it is
         produced, charge autograd's transient gradients, store the input gradient."""
@@ -185,7 +206,9 @@ class UnitBench:
             x = x.detach().requires_grad_()
         for name, leaf in leaves.items():
             slot = self.layout.slot(name)
-            leaf.register_post_accumulate_grad_hook(functools.partial(drain_grad, self.acc[slot.offset : slot.end]))
+            leaf.register_post_accumulate_grad_hook(
+                functools.partial(drain_grad, self.acc[slot.offset : slot.end])
+            )
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         with torch.enable_grad(), self.ledger.track_activations():
             out = self._run(leaves, x, labels)
@@ -210,19 +233,24 @@ class UnitBench:
         self.recompute_backward(x, labels, gout)
         return int(self.ledger.peak_bytes - base)
 
-    def measure(self, m: int, timing: Timing, emulator: ComputeEmulator) -> tuple[float, float, int]:
+    def measure(
+        self, m: int, timing: Timing, emulator: ComputeEmulator
+    ) -> tuple[float, float, int]:
         """(forward s, backward s without the recompute, activation bytes) at micro-batch m."""
         act = self.activation_bytes(m)
         x, labels, gout = self.inputs(m)
         fwd = time_piece(lambda: self.forward(x, labels), self.device, timing, emulator)
-        both = time_piece(lambda: self.recompute_backward(x, labels, gout), self.device, timing, emulator)
+        both = time_piece(
+            lambda: self.recompute_backward(x, labels, gout), self.device, timing, emulator
+        )
         # on a noisy machine the difference can dip below zero at tiny sizes: the backward
         # of a unit never costs less than a small share of its forward
         return fwd, max(both - fwd, 0.1 * fwd), act
 
 
-def measure_optimizer(device: torch.device, numel: int, timing: Timing,
-                      emulator: ComputeEmulator | None = None) -> float:
+def measure_optimizer(
+    device: torch.device, numel: int, timing: Timing, emulator: ComputeEmulator | None = None
+) -> float:
     """Seconds per parameter of the engine's optimizer work on its shard: the squared-norm
     sum, the AdamW step, zeroing the gradient (fp32, one flat group), as it appears under
     `emulator` (the engine stretches its optimizer step by the same factor)."""
@@ -231,8 +259,13 @@ def measure_optimizer(device: torch.device, numel: int, timing: Timing,
     def buf(scale: float) -> torch.Tensor:
         return (torch.randn(numel, generator=gen) * scale).to(device)
 
-    group = ShardGroup(buf(0.02), buf(1e-3), torch.zeros(numel, device=device),
-                       torch.zeros(numel, device=device), [(0, numel)])
+    group = ShardGroup(
+        buf(0.02),
+        buf(1e-3),
+        torch.zeros(numel, device=device),
+        torch.zeros(numel, device=device),
+        [(0, numel)],
+    )
     opt = ShardedAdamW([group], AdamWHyper())
 
     def step() -> None:
@@ -243,8 +276,9 @@ def measure_optimizer(device: torch.device, numel: int, timing: Timing,
     return time_piece(step, device, timing, emulator) / numel
 
 
-def measure_host_copy(device: torch.device, nbytes: int, timing: Timing,
-                      emulator: ComputeEmulator | None = None) -> float:
+def measure_host_copy(
+    device: torch.device, nbytes: int, timing: Timing, emulator: ComputeEmulator | None = None
+) -> float:
     """Bytes per second of a device -> host -> device round trip (a memcpy on the CPU), as
     it appears under `emulator`: pass one where the copies run on the compute thread (a
     CPU), since the engine then stretches them with the compute around them."""
@@ -270,8 +304,9 @@ class CollectiveSample:
     seconds: float
 
 
-def measure_collectives(comm: Comm, device: torch.device, sizes_bytes: tuple[int, ...],
-                        timing: Timing) -> list[CollectiveSample]:
+def measure_collectives(
+    comm: Comm, device: torch.device, sizes_bytes: tuple[int, ...], timing: Timing
+) -> list[CollectiveSample]:
     """Time `all_gather_v` and `reduce_scatter_v` of fp32 buffers of each total size across
     all ranks (uneven shards, as the engine uses them); every rank runs this together. A
     repetition's time is the slowest rank's (all-reduced max), after a barrier."""

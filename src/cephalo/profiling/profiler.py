@@ -115,7 +115,9 @@ class MeasuredProfiles:
             "seq_len": self.seq_len,
             "dtype": self.dtype,
             "profiles": {k: p.to_dict() for k, p in self.profiles.items()},
-            "comm": None if self.comm is None else {"bytes_per_s": self.comm.bytes_per_s, "latency_s": self.comm.latency_s},
+            "comm": None
+            if self.comm is None
+            else {"bytes_per_s": self.comm.bytes_per_s, "latency_s": self.comm.latency_s},
             "measured": self.measured,
             "cached": self.cached,
             "elapsed_s": self.elapsed_s,
@@ -126,8 +128,11 @@ class MeasuredProfiles:
         return cls(
             profiles={k: DeviceProfile.from_dict(p) for k, p in d["profiles"].items()},
             comm=CommProfile(**d["comm"]) if d.get("comm") else None,
-            model=d["model"], seq_len=int(d["seq_len"]), dtype=d["dtype"],
-            measured=list(d.get("measured", [])), cached=list(d.get("cached", [])),
+            model=d["model"],
+            seq_len=int(d["seq_len"]),
+            dtype=d["dtype"],
+            measured=list(d.get("measured", [])),
+            cached=list(d.get("cached", [])),
             elapsed_s=float(d.get("elapsed_s", 0.0)),
         )
 
@@ -153,9 +158,16 @@ class MeasuredProfiles:
 
 
 # ====================================================================== one device type
-def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
-                   torch_device: torch.device, settings: ProfileSettings,
-                   progress: ProgressFn | None = None, together: Comm | None = None) -> DeviceProfile:
+def measure_device(
+    model: UnitModel,
+    seq_len: int,
+    dtype: str,
+    device: Device,
+    torch_device: torch.device,
+    settings: ProfileSettings,
+    progress: ProgressFn | None = None,
+    together: Comm | None = None,
+) -> DeviceProfile:
     """Measure one device type on this process (the model must be materialised on `torch_device`).
 
     `together`: every rank of this job calls this at once (concurrent profiling): timed by
@@ -166,8 +178,12 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
     started = time.perf_counter()
     timing = settings.timing
     if together is not None:
-        timing = Timing(warmup=timing.warmup, repeats=timing.repeats, wall_clock=True,
-                        start_together=together.barrier)
+        timing = Timing(
+            warmup=timing.warmup,
+            repeats=timing.repeats,
+            wall_clock=True,
+            start_together=together.barrier,
+        )
 
     def all_ranks(done: bool) -> bool:
         if together is None:
@@ -181,8 +197,16 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
     cdtype = compute_dtype(dtype)
     kinds = {"embedding": 0, "block": 1, "head": len(model.units) - 1}
     benches = {
-        kind: UnitBench(model.units[i], i, seq_len, spec.hidden_size, spec.vocab_size, torch_device, cdtype,
-                        settings.per_sample_dropout)
+        kind: UnitBench(
+            model.units[i],
+            i,
+            seq_len,
+            spec.hidden_size,
+            spec.vocab_size,
+            torch_device,
+            cdtype,
+            settings.per_sample_dropout,
+        )
         for kind, i in kinds.items()
     }
     points: dict[str, list[tuple[int, float, float, int]]] = {k: [] for k in kinds}
@@ -203,16 +227,22 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
             if torch_device.type == "cuda":
                 torch.cuda.empty_cache()
         for kind in kinds:  # keep the per-kind lists equally long (OOM mid-size)
-            del points[kind][len(points["head"]):]
+            del points[kind][len(points["head"]) :]
         if not done:
             elapsed = time.perf_counter() - started
             act_now = points["block"][-1][3] + points["head"][-1][3]
             if elapsed > settings.time_cap_s and len(points["block"]) >= 2:
                 logger.info("%s: time cap reached after micro-batch %d", device.type_key, m)
                 done = True
-            elif 2 * act_now > device.memory_bytes / 2:  # the next size would not leave room for the state
-                logger.info("%s: micro-batch %d already uses %.0f MiB of activations; stopping", device.type_key,
-                            m, act_now / 2**20)
+            elif (
+                2 * act_now > device.memory_bytes / 2
+            ):  # the next size would not leave room for the state
+                logger.info(
+                    "%s: micro-batch %d already uses %.0f MiB of activations; stopping",
+                    device.type_key,
+                    m,
+                    act_now / 2**20,
+                )
                 done = True
         if all_ranks(done):
             break
@@ -235,8 +265,9 @@ def measure_device(model: UnitModel, seq_len: int, dtype: str, device: Device,
     # the engine copies offloaded boundaries on a side stream only on CUDA (runtime/boundary.py);
     # elsewhere they are memcpys inside the (stretched) unit compute
     async_copies = torch_device.type == "cuda"
-    copy_bw = measure_host_copy(torch_device, settings.host_copy_bytes, timing,
-                                None if async_copies else emulator)
+    copy_bw = measure_host_copy(
+        torch_device, settings.host_copy_bytes, timing, None if async_copies else emulator
+    )
     return DeviceProfile(
         device_type=device.type_key,
         memory_bytes=device.memory_bytes,
@@ -297,27 +328,54 @@ def _concurrent(setting: bool | None, hosts: list[str], backend: str) -> bool:
     return backend != "nccl" and len(set(hosts)) == 1
 
 
-def _keys(meta_model: UnitModel, seq_len: int, dtype: str, devices: list[Device], hosts: list[str],
-          first_rank: dict[str, int], backend: str, concurrent: bool = False) -> tuple[dict[str, DeviceKey], CommKey]:
+def _keys(
+    meta_model: UnitModel,
+    seq_len: int,
+    dtype: str,
+    devices: list[Device],
+    hosts: list[str],
+    first_rank: dict[str, int],
+    backend: str,
+    concurrent: bool = False,
+) -> tuple[dict[str, DeviceKey], CommKey]:
     signature = model_signature(meta_model, meta_model.spec)
     peers = ",".join(d.type_key for d in devices) if concurrent else ""
-    keys = {k: DeviceKey(k, signature, seq_len, dtype, torch.__version__, hosts[r], peers=peers)
-            for k, r in first_rank.items()}
+    keys = {
+        k: DeviceKey(k, signature, seq_len, dtype, torch.__version__, hosts[r], peers=peers)
+        for k, r in first_rank.items()
+    }
     return keys, CommKey(tuple(d.type_key for d in devices), backend, torch.__version__, hosts[0])
 
 
-def cached_profiles(model: str | UnitModel, seq_len: int, dtype: str, devices: Cluster | list[Device],
-                    backend: str = "gloo", cache: str | Path | None = None, concurrent: bool | None = None,
-                    **model_overrides) -> MeasuredProfiles | None:
+def cached_profiles(
+    model: str | UnitModel,
+    seq_len: int,
+    dtype: str,
+    devices: Cluster | list[Device],
+    backend: str = "gloo",
+    cache: str | Path | None = None,
+    concurrent: bool | None = None,
+    **model_overrides,
+) -> MeasuredProfiles | None:
     """Everything `profile_devices` would return for ranks on THIS host, if the database
     already has all of it (else None): lets a launcher skip starting ranks at all."""
     started = time.perf_counter()
     devices = list(devices.devices if isinstance(devices, Cluster) else devices)
     meta_model = build_model(model, **model_overrides) if isinstance(model, str) else model
-    host = host_signature("cpu" if backend != "nccl" else torch.device("cuda", torch.cuda.current_device()))
+    host = host_signature(
+        "cpu" if backend != "nccl" else torch.device("cuda", torch.cuda.current_device())
+    )
     hosts = [host] * len(devices)
-    keys, comm_key = _keys(meta_model, seq_len, dtype, devices, hosts, _measuring_ranks(devices, len(devices)),
-                           backend, _concurrent(concurrent, hosts, backend))
+    keys, comm_key = _keys(
+        meta_model,
+        seq_len,
+        dtype,
+        devices,
+        hosts,
+        _measuring_ranks(devices, len(devices)),
+        backend,
+        _concurrent(concurrent, hosts, backend),
+    )
     db = ProfileDatabase.load(cache)
     profiles = {k: db.get_device(key) for k, key in keys.items()}
     comm = db.get_comm(comm_key) if len(devices) > 1 else None
@@ -325,8 +383,15 @@ def cached_profiles(model: str | UnitModel, seq_len: int, dtype: str, devices: C
         return None
     for k, p in profiles.items():
         p.memory_bytes = min(d.memory_bytes for d in devices if d.type_key == k)
-    return MeasuredProfiles(profiles=profiles, comm=comm, model=meta_model.spec.name, seq_len=seq_len, dtype=dtype,
-                            cached=[*profiles, *(["comm"] if comm else [])], elapsed_s=time.perf_counter() - started)
+    return MeasuredProfiles(
+        profiles=profiles,
+        comm=comm,
+        model=meta_model.spec.name,
+        seq_len=seq_len,
+        dtype=dtype,
+        cached=[*profiles, *(["comm"] if comm else [])],
+        elapsed_s=time.perf_counter() - started,
+    )
 
 
 def profile_devices(
@@ -374,7 +439,9 @@ def profile_devices(
     first_rank = _measuring_ranks(devices, comm.world_size)
     hosts = _all_gather(host_signature(tdev), comm)
     together = _concurrent(settings.concurrent, hosts, comm.backend)
-    keys, comm_key = _keys(meta_model, seq_len, dtype, devices, hosts, first_rank, comm.backend, together)
+    keys, comm_key = _keys(
+        meta_model, seq_len, dtype, devices, hosts, first_rank, comm.backend, together
+    )
 
     # rank 0 decides what is known; everyone learns the same answer
     known: dict | None = None
@@ -387,21 +454,33 @@ def profile_devices(
                 if p is not None:
                     known["devices"][k] = p.to_dict()
             c = db.get_comm(comm_key) if comm.world_size > 1 else None
-            known["comm"] = None if c is None else {"bytes_per_s": c.bytes_per_s, "latency_s": c.latency_s}
+            known["comm"] = (
+                None if c is None else {"bytes_per_s": c.bytes_per_s, "latency_s": c.latency_s}
+            )
     known = _broadcast(known, 0, comm)
     assert known is not None
 
-    profiles: dict[str, DeviceProfile] = {k: DeviceProfile.from_dict(p) for k, p in known["devices"].items()}
+    profiles: dict[str, DeviceProfile] = {
+        k: DeviceProfile.from_dict(p) for k, p in known["devices"].items()
+    }
     cached = [k for k in type_keys if k in profiles]
     measured: list[str] = []
     if together and len(profiles) < len(type_keys):
         # every rank measures its own device at once (ranks of one type too: they load the
         # cores in training); the first rank of each type speaks for it
         materialised = copy.deepcopy(meta_model).materialize(tdev, torch.Generator().manual_seed(0))
-        logger.info("rank %d: measuring %s with %d concurrent ranks (%s, seq %d, %s)", rank,
-                    devices[rank].type_key, comm.world_size, spec.name, seq_len, dtype)
-        mine = measure_device(materialised, seq_len, dtype, devices[rank], tdev, settings, progress,
-                              together=comm).to_dict()
+        logger.info(
+            "rank %d: measuring %s with %d concurrent ranks (%s, seq %d, %s)",
+            rank,
+            devices[rank].type_key,
+            comm.world_size,
+            spec.name,
+            seq_len,
+            dtype,
+        )
+        mine = measure_device(
+            materialised, seq_len, dtype, devices[rank], tdev, settings, progress, together=comm
+        ).to_dict()
         del materialised
         results = _all_gather(mine, comm)
         for k in type_keys:
@@ -416,10 +495,16 @@ def profile_devices(
         result = None
         if rank == src:
             if materialised is None:
-                materialised = copy.deepcopy(meta_model).materialize(tdev, torch.Generator().manual_seed(0))
+                materialised = copy.deepcopy(meta_model).materialize(
+                    tdev, torch.Generator().manual_seed(0)
+                )
             device = next(d for d in devices if d.type_key == k)
-            logger.info("rank %d: measuring %s (%s, seq %d, %s)", rank, k, spec.name, seq_len, dtype)
-            result = measure_device(materialised, seq_len, dtype, device, tdev, settings, progress).to_dict()
+            logger.info(
+                "rank %d: measuring %s (%s, seq %d, %s)", rank, k, spec.name, seq_len, dtype
+            )
+            result = measure_device(
+                materialised, seq_len, dtype, device, tdev, settings, progress
+            ).to_dict()
         profiles[k] = DeviceProfile.from_dict(_broadcast(result, src, comm))
         measured.append(k)
     del materialised
@@ -455,13 +540,25 @@ def profile_devices(
     if comm.world_size > 1:
         comm.barrier()
     return MeasuredProfiles(
-        profiles=profiles, comm=comm_profile, model=spec.name, seq_len=seq_len, dtype=dtype,
-        measured=measured, cached=cached, elapsed_s=time.perf_counter() - started,
+        profiles=profiles,
+        comm=comm_profile,
+        model=spec.name,
+        seq_len=seq_len,
+        dtype=dtype,
+        measured=measured,
+        cached=cached,
+        elapsed_s=time.perf_counter() - started,
     )
 
 
-def cost_model_from_profiles(cluster: Cluster, model_spec: ModelSpec, seq_len: int, dtype: str,
-                             measured: MeasuredProfiles, **kw):
+def cost_model_from_profiles(
+    cluster: Cluster,
+    model_spec: ModelSpec,
+    seq_len: int,
+    dtype: str,
+    measured: MeasuredProfiles,
+    **kw,
+):
     """The cost model over measured profiles (the same `CostModel` the catalog feeds).
 
     Collectives: the measured `CommProfile` when there is one, else the cluster's links."""
@@ -483,4 +580,6 @@ def cost_model_from_profiles(cluster: Cluster, model_spec: ModelSpec, seq_len: i
         p = copy.copy(measured.profiles[k])
         p.memory_bytes = min(d.memory_bytes for d in cluster.devices if d.type_key == k)
         profiles[k] = p
-    return CostModel.from_profiles(cluster, model_spec, seq_len, dtype, profiles, comm=measured.comm, **kw)
+    return CostModel.from_profiles(
+        cluster, model_spec, seq_len, dtype, profiles, comm=measured.comm, **kw
+    )

@@ -42,7 +42,9 @@ class BoundaryStore:
             buf = self.ledger.alloc("boundary", t.numel(), t.dtype, device=self.device)
             buf.copy_(t.reshape(-1))
         else:
-            buf = self.ledger.alloc("host/boundary", t.numel(), t.dtype, pin=self._stream is not None)
+            buf = self.ledger.alloc(
+                "host/boundary", t.numel(), t.dtype, pin=self._stream is not None
+            )
             if self._stream is None:
                 buf.copy_(t.reshape(-1))
             else:

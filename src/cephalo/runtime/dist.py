@@ -135,7 +135,8 @@ def init_distributed(
     if rank == 0 and uses_shared_store(env) and env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
         logger.warning(
             "torchrun shares its rendezvous store with the workers: a restart will not be able to "
-            "start its process group (pytorch#135712); launch torchrun with %s=1", SHARED_STORE_ENV
+            "start its process group (pytorch#135712); launch torchrun with %s=1",
+            SHARED_STORE_ENV,
         )
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in env:

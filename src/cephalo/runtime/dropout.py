@@ -53,7 +53,9 @@ class SampleDropout(TorchFunctionMode):
         mask = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         gen = torch.Generator(device=like.device)
         for j in range(like.shape[0]):
-            gen.manual_seed(sample_key(self.seed, self.step, self.unit, call, self.sample_offset + j))
+            gen.manual_seed(
+                sample_key(self.seed, self.step, self.unit, call, self.sample_offset + j)
+            )
             mask[j].bernoulli_(keep, generator=gen)
         return mask
 
@@ -63,8 +65,16 @@ class SampleDropout(TorchFunctionMode):
             return self._dropout(*args, **kwargs)
         if func in _SDPA:
             return self._sdpa(*args, **kwargs)
-        if func in (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout):
-            raise CephaloError(f"{func.__name__} is not supported under per-sample dropout; use F.dropout")
+        if func in (
+            F.dropout1d,
+            F.dropout2d,
+            F.dropout3d,
+            F.alpha_dropout,
+            F.feature_alpha_dropout,
+        ):
+            raise CephaloError(
+                f"{func.__name__} is not supported under per-sample dropout; use F.dropout"
+            )
         return func(*args, **kwargs)
 
     def _dropout(self, input, p: float = 0.5, training: bool = True, inplace: bool = False):
@@ -77,10 +87,26 @@ class SampleDropout(TorchFunctionMode):
             return input.copy_(out)
         return out
 
-    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def _sdpa(
+        self,
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ):
         if dropout_p == 0.0:
             return F.scaled_dot_product_attention(
-                query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=0.0,
+                is_causal=is_causal,
+                scale=scale,
                 enable_gqa=enable_gqa,
             )
         # SDPA's own dropout draws from the global stream: spell the attention out instead

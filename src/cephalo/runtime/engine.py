@@ -117,7 +117,9 @@ class EngineConfig:
         for name in ("eps", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)) or (name == "eps" and value == 0):
-                raise CephaloError(f"engine setting {name} must be a finite number >= 0 (eps > 0), got {value}")
+                raise CephaloError(
+                    f"engine setting {name} must be a finite number >= 0 (eps > 0), got {value}"
+                )
         if self.loss_scale_init <= 0 or self.loss_scale_growth_interval < 1:
             raise CephaloError("loss_scale_init must be > 0 and loss_scale_growth_interval >= 1")
 
@@ -166,7 +168,9 @@ class _Borrow:
 class _UnitShard:
     """One unit on this rank: its layout, its shard range, and the state slices."""
 
-    def __init__(self, index: int, unit, layout: FlatLayout, ranges: list[tuple[int, int]], rank: int):
+    def __init__(
+        self, index: int, unit, layout: FlatLayout, ranges: list[tuple[int, int]], rank: int
+    ):
         self.index = index
         self.unit = unit
         self.layout = layout
@@ -230,7 +234,9 @@ def largest_saved_bytes(root, ledger: MemoryLedger) -> int:
         seen.add(node)
         attrs = _SAVED_ATTRS.get(type(node))
         if attrs is None:
-            attrs = _SAVED_ATTRS[type(node)] = tuple(a for a in dir(node) if a.startswith("_saved_"))
+            attrs = _SAVED_ATTRS[type(node)] = tuple(
+                a for a in dir(node) if a.startswith("_saved_")
+            )
         for attr in attrs:
             value = getattr(node, attr)
             if isinstance(value, torch.Tensor) and value.numel() and not ledger.owns(value):
@@ -261,16 +267,29 @@ class Engine:
         self.rank_plan = plan.ranks[self.rank]
         if config.validate_collectives is not None:
             comm.validate = config.validate_collectives
-        self.device = torch.device(config.device) if config.device else (
-            torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
+        self.device = (
+            torch.device(config.device)
+            if config.device
+            else (
+                torch.device("cuda", torch.cuda.current_device())
+                if comm.backend == "nccl"
+                else torch.device("cpu")
+            )
         )
         self.dtype = compute_dtype(config.compute_dtype or plan.dtype)
-        self.offload = self.rank_plan.offload_activations if config.offload is None else config.offload
-        self.ledger = ledger or MemoryLedger(self.rank, self.device, budget_bytes=config.memory_budget_bytes)
+        self.offload = (
+            self.rank_plan.offload_activations if config.offload is None else config.offload
+        )
+        self.ledger = ledger or MemoryLedger(
+            self.rank, self.device, budget_bytes=config.memory_budget_bytes
+        )
         self.emulator = ComputeEmulator(config.slowdown)
         self.scaler = (
-            DynamicLossScaler(scale=config.loss_scale_init, growth_interval=config.loss_scale_growth_interval)
-            if self.dtype == torch.float16 else None
+            DynamicLossScaler(
+                scale=config.loss_scale_init, growth_interval=config.loss_scale_growth_interval
+            )
+            if self.dtype == torch.float16
+            else None
         )
         self.step_index = 0
         """Train steps run (including fp16-skipped ones): keys the dropout masks."""
@@ -278,7 +297,10 @@ class Engine:
         """Boundary activations of the step in flight (empty between steps)."""
         self._build_shards()
         self.optimizer = ShardedAdamW(
-            [ShardGroup(us.master, us.grad, us.exp_avg, us.exp_avg_sq, us.decay_segments) for us in self.shards],
+            [
+                ShardGroup(us.master, us.grad, us.exp_avg, us.exp_avg_sq, us.decay_segments)
+                for us in self.shards
+            ],
             AdamWHyper(betas=config.betas, eps=config.eps, weight_decay=config.weight_decay),
         )
         self._comm_wait_s = 0.0
@@ -333,9 +355,15 @@ class Engine:
                 slot = owner.layout.slot(owner_name)
                 pieces = [overlap(s, n, slot.offset, slot.numel) for s, n in owner.ranges]
                 lo, hi = pieces[self.rank]
-                self.shards[i].borrows.append(_Borrow(
-                    pname, owner, slot, [b - a for a, b in pieces], (lo - owner.start, hi - owner.start)
-                ))
+                self.shards[i].borrows.append(
+                    _Borrow(
+                        pname,
+                        owner,
+                        slot,
+                        [b - a for a, b in pieces],
+                        (lo - owner.start, hi - owner.start),
+                    )
+                )
         self._to_meta_params()
 
     def _alloc_state(self, numel: int) -> torch.Tensor:
@@ -351,7 +379,9 @@ class Engine:
                 if p is None:
                     continue
                 if id(p) not in replaced:
-                    replaced[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                    replaced[id(p)] = torch.nn.Parameter(
+                        torch.empty_like(p, device="meta"), p.requires_grad
+                    )
                 module._parameters[name] = replaced[id(p)]
             for name, b in module._buffers.items():
                 if b is not None:
@@ -372,12 +402,16 @@ class Engine:
         for b in us.borrows:
             buf = self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
             tied.append(buf)
-            handles.append(self._gather_piece(buf, b.owner.master[b.local[0] : b.local[1]], b.sizes, async_op))
+            handles.append(
+                self._gather_piece(buf, b.owner.master[b.local[0] : b.local[1]], b.sizes, async_op)
+            )
         if not async_op:
             self._comm_wait_s += time.perf_counter() - t0
         return _Gathered(us, flat, tied, handles)
 
-    def _gather_piece(self, out: torch.Tensor, master: torch.Tensor, sizes: list[int], async_op: bool) -> Handle:
+    def _gather_piece(
+        self, out: torch.Tensor, master: torch.Tensor, sizes: list[int], async_op: bool
+    ) -> Handle:
         if self.dtype == torch.float32:
             return self.comm.all_gather_v(out, master, sizes, async_op=async_op)
         # the shard in compute dtype; the comm contract lets us free it once the call returns
@@ -399,7 +433,9 @@ class Engine:
 
     def _reduce_into(self, grad_slice: torch.Tensor, full: torch.Tensor, sizes: list[int]) -> None:
         """grad_slice += this rank's piece of sum over ranks of `full` (fp32)."""
-        part = self.ledger.alloc("grad_accum", grad_slice.numel(), torch.float32, device=self.device)
+        part = self.ledger.alloc(
+            "grad_accum", grad_slice.numel(), torch.float32, device=self.device
+        )
         t0 = time.perf_counter()
         self.comm.reduce_scatter_v(part, full, sizes)
         self._comm_wait_s += time.perf_counter() - t0
@@ -412,8 +448,9 @@ class Engine:
         self._comm_wait_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ compute helpers
-    def _run_unit(self, us: _UnitShard, params: dict[str, torch.Tensor], x: torch.Tensor,
-                  mb: _MicroBatch) -> torch.Tensor:
+    def _run_unit(
+        self, us: _UnitShard, params: dict[str, torch.Tensor], x: torch.Tensor, mb: _MicroBatch
+    ) -> torch.Tensor:
         args = (x, mb.labels) if us.unit.kind == "head" else (x,)
         with self._dropout(us, mb):
             return functional_call(us.unit.module, params, args, strict=False)
@@ -477,7 +514,9 @@ class Engine:
         return self._busy_s
 
     # ------------------------------------------------------------------ passes
-    def _forward_pass(self, mbs: list[_MicroBatch], store: BoundaryStore, keep_inputs: bool) -> torch.Tensor:
+    def _forward_pass(
+        self, mbs: list[_MicroBatch], store: BoundaryStore, keep_inputs: bool
+    ) -> torch.Tensor:
         """Every unit over every micro-batch, no graph; store[(u, j)] receives unit u's input
         for micro-batch j (u >= 1; with `keep_inputs=False`, only until unit u has run).
         Returns this rank's loss sum (fp32)."""
@@ -510,7 +549,9 @@ class Engine:
         boundary."""
         return contextlib.nullcontext(mb.input_ids) if u == 0 else store.loaded((u, j))
 
-    def _backward_pass(self, mbs: list[_MicroBatch], store: BoundaryStore, head_grad: float) -> None:
+    def _backward_pass(
+        self, mbs: list[_MicroBatch], store: BoundaryStore, head_grad: float
+    ) -> None:
         """Units in reverse: recompute with a graph, backprop, one gradient buffer per unit,
         one reduce-scatter per unit (plus one for a borrowed tied parameter)."""
         n = len(self.shards)
@@ -522,9 +563,13 @@ class Engine:
             pending = None
             if self.config.prefetch and u > 0:
                 pending = self._start_gather(self.shards[u - 1], async_op=True)
-            acc = self.ledger.alloc("grad_accum", us.layout.numel, torch.float32, device=self.device, zero=True)
+            acc = self.ledger.alloc(
+                "grad_accum", us.layout.numel, torch.float32, device=self.device, zero=True
+            )
             tied_acc = [
-                self.ledger.alloc("grad_accum", b.slot.numel, torch.float32, device=self.device, zero=True)
+                self.ledger.alloc(
+                    "grad_accum", b.slot.numel, torch.float32, device=self.device, zero=True
+                )
                 for b in us.borrows
             ]
             with self._compute():
@@ -553,7 +598,9 @@ class Engine:
                 dst = acc[slot.offset : slot.end]
             leaf.register_post_accumulate_grad_hook(functools.partial(drain_grad, dst))
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
-        head_out_grad = torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
+        head_out_grad = (
+            torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
+        )
         gout_ctx = contextlib.nullcontext(head_out_grad) if last else store.loaded((u + 1, j))
         with self._unit_input(store, u, j, mb) as x_in:
             x = x_in if u == 0 else x_in.detach().requires_grad_()
@@ -645,7 +692,9 @@ class Engine:
         )
 
     @torch.no_grad()
-    def _optimizer_step(self, loss_sum: torch.Tensor, loss_scale: float, lr: float, n_tokens: int) -> tuple[bool, float]:
+    def _optimizer_step(
+        self, loss_sum: torch.Tensor, loss_scale: float, lr: float, n_tokens: int
+    ) -> tuple[bool, float]:
         opt = self.optimizer
         with self._optimizer_work():
             if loss_scale != 1.0:
@@ -662,7 +711,9 @@ class Engine:
             # skip the update on every rank (the norm is global, so they all agree); fp16 has
             # lowered its loss scale above; the trainer decides how many skips it tolerates
             if self.scaler is not None:
-                logger.debug("fp16: non-finite gradient, step skipped; loss scale now %g", self.scaler.scale)
+                logger.debug(
+                    "fp16: non-finite gradient, step skipped; loss scale now %g", self.scaler.scale
+                )
             with self._optimizer_work():
                 opt.zero_grad()
             return True, grad_norm
@@ -696,16 +747,23 @@ class Engine:
     def sharded_state(self) -> list[FlatShard]:
         """This rank's pieces of every parameter and AdamW moment, as live views."""
         out: list[FlatShard] = []
-        for prefix, attr in (("", "master"), ("optim.exp_avg.", "exp_avg"), ("optim.exp_avg_sq.", "exp_avg_sq")):
+        for prefix, attr in (
+            ("", "master"),
+            ("optim.exp_avg.", "exp_avg"),
+            ("optim.exp_avg_sq.", "exp_avg_sq"),
+        ):
             for us in self.shards:
                 local_all = getattr(us, attr)
                 for s in us.layout.slots:
                     lo, hi = overlap(us.start, us.size, s.offset, s.numel)
-                    out.append(FlatShard(
-                        f"{prefix}{us.unit.name}.{s.name}", s.shape,
-                        lo - s.offset if hi > lo else 0,
-                        local_all[lo - us.start : hi - us.start] if hi > lo else local_all[0:0],
-                    ))
+                    out.append(
+                        FlatShard(
+                            f"{prefix}{us.unit.name}.{s.name}",
+                            s.shape,
+                            lo - s.offset if hi > lo else 0,
+                            local_all[lo - us.start : hi - us.start] if hi > lo else local_all[0:0],
+                        )
+                    )
         return out
 
     def extra_state(self) -> dict:

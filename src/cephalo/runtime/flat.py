@@ -72,14 +72,18 @@ class FlatLayout:
             )
         return {s.name: flat[s.offset : s.end].view(s.shape) for s in self.slots}
 
-    def flatten(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def flatten(
+        self, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Copy whole tensors (by name) into a new flat buffer in this layout."""
         flat = torch.empty(self.numel, dtype=dtype)
         for s in self.slots:
             flat[s.offset : s.end].copy_(tensors[s.name].detach().reshape(-1))
         return flat
 
-    def segments_where(self, predicate: Sequence[bool], start: int, size: int) -> list[tuple[int, int]]:
+    def segments_where(
+        self, predicate: Sequence[bool], start: int, size: int
+    ) -> list[tuple[int, int]]:
         """Runs [a, b) of the shard [start, start+size), relative to `start`, covered by the
         slots whose entry in `predicate` is true (adjacent runs merged)."""
         runs: list[tuple[int, int]] = []
@@ -108,7 +112,9 @@ def shard_ranges(numel: int, fractions: Sequence[float]) -> list[tuple[int, int]
         raise CephaloError(f"state fractions must be finite and >= 0, got {list(fractions)}")
     total = math.fsum(fractions)
     if total <= 0:
-        raise CephaloError(f"state fractions {list(fractions)} sum to 0; at least one rank must hold state")
+        raise CephaloError(
+            f"state fractions {list(fractions)} sum to 0; at least one rank must hold state"
+        )
     ideal = [numel * f / total for f in fractions]
     sizes = [math.floor(x) for x in ideal]
     remainder = numel - sum(sizes)

@@ -509,7 +509,9 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> JobCo
                 f"config file {str(path)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8 TOML."
             ) from None
         except OSError as e:
-            raise CephaloError(f"cannot read config file {str(path)!r}: {e.strerror or e}.") from None
+            raise CephaloError(
+                f"cannot read config file {str(path)!r}: {e.strerror or e}."
+            ) from None
         _apply_table(cfg, table, origin=str(path))
     for section, key, value in parse_overrides(overrides):
         section_obj = getattr(cfg, section)
@@ -615,7 +617,9 @@ def _validate(cfg: JobConfig) -> None:
     check(pr.repeats >= 1, f"profile.repeats must be >= 1, got {pr.repeats}")
     check(pr.warmup >= 0, f"profile.warmup must be >= 0, got {pr.warmup}")
     check(pr.time_cap_s > 0, f"profile.time_cap_s must be > 0, got {pr.time_cap_s}")
-    check(pr.max_micro_batch >= 1, f"profile.max_micro_batch must be >= 1, got {pr.max_micro_batch}")
+    check(
+        pr.max_micro_batch >= 1, f"profile.max_micro_batch must be >= 1, got {pr.max_micro_batch}"
+    )
     if problems:
         more = (
             f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})"

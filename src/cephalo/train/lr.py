@@ -31,13 +31,17 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
-            raise CephaloError(f"unknown lr schedule {self.kind!r}; use one of {', '.join(SCHEDULES)}")
+            raise CephaloError(
+                f"unknown lr schedule {self.kind!r}; use one of {', '.join(SCHEDULES)}"
+            )
         if self.total_steps < 1 or not 0 <= self.warmup_steps < max(self.total_steps, 1):
             raise CephaloError(
                 f"lr schedule needs 0 <= warmup_steps ({self.warmup_steps}) < total_steps ({self.total_steps})"
             )
         if not 0 <= self.min_lr <= self.peak_lr:
-            raise CephaloError(f"lr schedule needs 0 <= min_lr ({self.min_lr}) <= peak lr ({self.peak_lr})")
+            raise CephaloError(
+                f"lr schedule needs 0 <= min_lr ({self.min_lr}) <= peak lr ({self.peak_lr})"
+            )
 
     def __call__(self, step: int) -> float:
         if step < 0:
@@ -49,4 +53,6 @@ class LRSchedule:
             return self.peak_lr
         decay_steps = self.total_steps - 1 - self.warmup_steps
         progress = 1.0 if decay_steps <= 0 else min(1.0, (step - self.warmup_steps) / decay_steps)
-        return self.min_lr + 0.5 * (self.peak_lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr + 0.5 * (self.peak_lr - self.min_lr) * (
+            1.0 + math.cos(math.pi * progress)
+        )

@@ -157,7 +157,9 @@ class ProgressDisplay:
     """Rank 0's view of the run: a rich progress bar on a terminal (loss, tokens/s, step
     time), else one log line every few steps (so redirected logs stay readable)."""
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool, description: str = "train"):
+    def __init__(
+        self, total_steps: int, start_step: int, enabled: bool, description: str = "train"
+    ):
         self.total_steps = total_steps
         self.enabled = enabled
         self.console = Console(file=sys.stderr)
@@ -176,8 +178,9 @@ class ProgressDisplay:
                 TimeRemainingColumn(),
                 console=self.console,
             )
-            self._task = self._bar.add_task(description, total=total_steps, completed=start_step,
-                                            loss="-", tps="-", step_s="-")
+            self._task = self._bar.add_task(
+                description, total=total_steps, completed=start_step, loss="-", tps="-", step_s="-"
+            )
             self._bar.start()
             # log records go through the bar's console while it is live, so they print
             # above it instead of tearing it
@@ -188,11 +191,22 @@ class ProgressDisplay:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}",
-                             step_s=f"{step_s:.3f}")
+            self._bar.update(
+                self._task,
+                completed=step,
+                loss=f"{loss:.4f}",
+                tps=f"{tokens_per_s:,.0f}",
+                step_s=f"{step_s:.3f}",
+            )
         elif step % self._log_every == 0 or step == self.total_steps:
-            logger.info("step %d/%d  loss %.4f  %s tok/s  %.3f s/step", step, self.total_steps, loss,
-                        f"{tokens_per_s:,.0f}", step_s)
+            logger.info(
+                "step %d/%d  loss %.4f  %s tok/s  %.3f s/step",
+                step,
+                self.total_steps,
+                loss,
+                f"{tokens_per_s:,.0f}",
+                step_s,
+            )
 
     def message(self, text: str) -> None:
         """A line that must not be torn by the bar (validation results, checkpoints)."""

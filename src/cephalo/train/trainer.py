@@ -97,7 +97,9 @@ def job_cluster(cfg: JobConfig, world_size: int) -> Cluster:
         return cluster
     if torch.cuda.is_available() and cfg.parallel.backend != "gloo":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return Cluster([Device(type="cuda", memory_bytes=int(props.total_memory)) for _ in range(world_size)])
+        return Cluster(
+            [Device(type="cuda", memory_bytes=int(props.total_memory)) for _ in range(world_size)]
+        )
     return Cluster.parse(",".join(["cpu"] * world_size))
 
 
@@ -105,13 +107,16 @@ def _split(total: int, weights: list[float]) -> list[int]:
     """`total` samples split in proportion to `weights`, largest remainders first."""
     raw = [total * w / sum(weights) for w in weights]
     parts = [math.floor(x) for x in raw]
-    for i in sorted(range(len(raw)), key=lambda i: raw[i] - parts[i], reverse=True)[: total - sum(parts)]:
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - parts[i], reverse=True)[
+        : total - sum(parts)
+    ]:
         parts[i] += 1
     return parts
 
 
-def simple_plan(strategy: str, cluster: Cluster, model_name: str, seq_len: int, global_batch: int,
-                dtype: str) -> Plan:
+def simple_plan(
+    strategy: str, cluster: Cluster, model_name: str, seq_len: int, global_batch: int, dtype: str
+) -> Plan:
     """`even` (equal batches) or `proportional` (batches in proportion to each device's speed,
     1 / slowdown) with equal state shards and one micro-batch per rank: the FSDP-style
     baselines, made without a profile."""
@@ -120,16 +125,31 @@ def simple_plan(strategy: str, cluster: Cluster, model_name: str, seq_len: int, 
         batches = _split(global_batch, [1.0] * n)
     else:
         if any(d.type != "cpu" for d in cluster.devices):
-            logger.warning("plan = proportional without a profile treats every GPU as equally fast; "
-                           "use plan = auto (measured speeds) for a real heterogeneous cluster")
+            logger.warning(
+                "plan = proportional without a profile treats every GPU as equally fast; "
+                "use plan = auto (measured speeds) for a real heterogeneous cluster"
+            )
         batches = _split(global_batch, [1.0 / d.slowdown for d in cluster.devices])
     ranks = [
-        RankPlan(rank=i, device=d.type_key, batch_size=b, micro_batch_size=max(b, 1),
-                 num_micro_batches=1 if b else 0, state_fraction=1.0 / n)
+        RankPlan(
+            rank=i,
+            device=d.type_key,
+            batch_size=b,
+            micro_batch_size=max(b, 1),
+            num_micro_batches=1 if b else 0,
+            state_fraction=1.0 / n,
+        )
         for i, (d, b) in enumerate(zip(cluster.devices, batches, strict=True))
     ]
-    return Plan(strategy=strategy, model=model_name, seq_len=seq_len, global_batch_size=global_batch,
-                dtype=dtype, ranks=ranks, meta={"cluster": cluster.describe()})
+    return Plan(
+        strategy=strategy,
+        model=model_name,
+        seq_len=seq_len,
+        global_batch_size=global_batch,
+        dtype=dtype,
+        ranks=ranks,
+        meta={"cluster": cluster.describe()},
+    )
 
 
 def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int) -> Plan:
@@ -140,7 +160,9 @@ def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int) -> Plan:
     if choice in ("even", "proportional"):
         return simple_plan(choice, cluster, cfg.model.name, seq_len, batch, dtype)
     if choice == "auto":
-        raise CephaloError("parallel.plan = auto is made by `auto_plan` (it profiles on every rank)")
+        raise CephaloError(
+            "parallel.plan = auto is made by `auto_plan` (it profiles on every rank)"
+        )
     plan = Plan.from_json(choice)
     plan.validate(world_size=world_size, model=cfg.model.name)
     if plan.global_batch_size != batch:
@@ -161,21 +183,39 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
     from cephalo.profiling import ProfileSettings, cost_model_from_profiles, profile_devices
 
     seq_len, batch, dtype = cfg.data.seq_len, cfg.train.global_batch_size, cfg.model.dtype
-    settings = ProfileSettings(repeats=cfg.profile.repeats, warmup=cfg.profile.warmup,
-                               time_cap_s=cfg.profile.time_cap_s, max_micro_batch=cfg.profile.max_micro_batch)
-    measured = profile_devices(model, seq_len, dtype, cluster, comm, settings=settings, cache=cfg.profile_cache)
+    settings = ProfileSettings(
+        repeats=cfg.profile.repeats,
+        warmup=cfg.profile.warmup,
+        time_cap_s=cfg.profile.time_cap_s,
+        max_micro_batch=cfg.profile.max_micro_batch,
+    )
+    measured = profile_devices(
+        model, seq_len, dtype, cluster, comm, settings=settings, cache=cfg.profile_cache
+    )
     cost_model = cost_model_from_profiles(cluster, model.spec, seq_len, dtype, measured)
     plan = make_plan(cost_model, batch, "cephalo", model_name=cfg.model.name)
-    plan.meta["profiles"] = {"measured": measured.measured, "cached": measured.cached,
-                             "database": str(cfg.profile_cache)}
-    device = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
-    mine = torch.tensor(plan.batch_sizes + [r.micro_batch_size for r in plan.ranks], dtype=torch.float64,
-                        device=device)
+    plan.meta["profiles"] = {
+        "measured": measured.measured,
+        "cached": measured.cached,
+        "database": str(cfg.profile_cache),
+    }
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if comm.backend == "nccl"
+        else torch.device("cpu")
+    )
+    mine = torch.tensor(
+        plan.batch_sizes + [r.micro_batch_size for r in plan.ranks],
+        dtype=torch.float64,
+        device=device,
+    )
     agreed = mine.clone()
     comm.all_reduce(agreed, "max")
     if not torch.equal(mine, agreed):
-        raise CephaloError("ranks made different automatic plans (different profiles?); write one plan with "
-                           "`cephalo plan --out plan.json` and set parallel.plan to it")
+        raise CephaloError(
+            "ranks made different automatic plans (different profiles?); write one plan with "
+            "`cephalo plan --out plan.json` and set parallel.plan to it"
+        )
     return plan
 
 
@@ -230,25 +270,44 @@ class _Trainer:
             self.plan = resolve_plan(cfg, self.cluster, self.world_size)
         self.rank_plan = self.plan.ranks[self.rank]
         self.offset = self.plan.batch_offsets()[self.rank]
-        data_path = resolve_dataset(cfg.data.path, cfg.data.tokenizer, vocab_size=model.spec.vocab_size,
-                                    val_fraction=cfg.data.val_fraction, progress=self.rank == 0)
-        self.batches = GlobalBatches(data_path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.data.seed,
-                                     cfg.data.val_fraction, model_vocab_size=model.spec.vocab_size)
+        data_path = resolve_dataset(
+            cfg.data.path,
+            cfg.data.tokenizer,
+            vocab_size=model.spec.vocab_size,
+            val_fraction=cfg.data.val_fraction,
+            progress=self.rank == 0,
+        )
+        self.batches = GlobalBatches(
+            data_path,
+            cfg.data.seq_len,
+            cfg.train.global_batch_size,
+            cfg.data.seed,
+            cfg.data.val_fraction,
+            model_vocab_size=model.spec.vocab_size,
+        )
         if cfg.train.eval_every > 0 and self.batches.num_val_windows == 0:
             raise CephaloError(
                 f"train.eval_every = {cfg.train.eval_every} but dataset {data_path} has no validation windows of "
                 f"{self.batches.window} tokens: raise data.val_fraction or set train.eval_every = 0"
             )
-        self.engine = Engine(model, self.plan, comm, engine_config(cfg, self.device, bool(cfg.parallel.devices)))
+        self.engine = Engine(
+            model, self.plan, comm, engine_config(cfg, self.device, bool(cfg.parallel.devices))
+        )
         t = cfg.train
         self.schedule = LRSchedule(t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule)
         self.step = 0
         self.nonfinite_streak = 0
         self.result = TrainResult(self.rank, self.world_size, self.run_dir, self.plan, 0, 0)
         if self.rank == 0:
-            logger.info("model %s (%.2fM parameters), %d rank(s), plan %s: batches %s, micro-batches %s",
-                        cfg.model.name, model.spec.total_params / 1e6, self.world_size, self.plan.strategy,
-                        self.plan.batch_sizes, [r.micro_batch_size for r in self.plan.ranks])
+            logger.info(
+                "model %s (%.2fM parameters), %d rank(s), plan %s: batches %s, micro-batches %s",
+                cfg.model.name,
+                model.spec.total_params / 1e6,
+                self.world_size,
+                self.plan.strategy,
+                self.plan.batch_sizes,
+                [r.micro_batch_size for r in self.plan.ranks],
+            )
             logger.info("data: %s", self.batches.describe())
 
     # ------------------------------------------------------------------ run directory
@@ -261,15 +320,26 @@ class _Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _trainer_state(self) -> dict[str, Any]:
-        return {"step": self.step, "nonfinite_streak": self.nonfinite_streak, "config": self.cfg.to_dict(),
-                "plan_strategy": self.plan.strategy}
+        return {
+            "step": self.step,
+            "nonfinite_streak": self.nonfinite_streak,
+            "config": self.cfg.to_dict(),
+            "plan_strategy": self.plan.strategy,
+        }
 
     def save(self) -> Path:
         extra = {**self.engine.extra_state(), "rng_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             extra["rng_cuda"] = torch.cuda.get_rng_state()
-        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self.engine.sharded_state(), extra,
-                               self._trainer_state(), self.comm, keep_last=self.cfg.checkpoint.keep_last)
+        path = save_checkpoint(
+            self.cfg.checkpoint_dir,
+            self.step,
+            self.engine.sharded_state(),
+            extra,
+            self._trainer_state(),
+            self.comm,
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
         self.result.last_checkpoint = path
         return path
 
@@ -277,7 +347,9 @@ class _Trainer:
         target = resume_target(self.cfg.checkpoint.resume, self.cfg.checkpoint_dir)
         # every rank must agree on whether to load (a checkpoint root not shared between
         # nodes would otherwise send some ranks into the load's collectives and not others)
-        found = torch.tensor([1.0 if target is not None else 0.0], dtype=torch.float64, device=self.engine.device)
+        found = torch.tensor(
+            [1.0 if target is not None else 0.0], dtype=torch.float64, device=self.engine.device
+        )
         self.comm.all_reduce(found, "sum")
         if 0 < found.item() < self.world_size:
             raise CephaloError(
@@ -295,24 +367,45 @@ class _Trainer:
         self.step = int(state.get("step", step))
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         saved = state.get("config", {})
-        for section, key in (("data", "seq_len"), ("data", "seed"), ("train", "global_batch_size"),
-                             ("model", "name"), ("model", "seed")):
+        for section, key in (
+            ("data", "seq_len"),
+            ("data", "seed"),
+            ("train", "global_batch_size"),
+            ("model", "name"),
+            ("model", "seed"),
+        ):
             old = saved.get(section, {}).get(key)
             new = getattr(getattr(self.cfg, section), key)
             if old is not None and old != new and self.rank == 0:
-                logger.warning("resuming with %s.%s = %r (the checkpoint was trained with %r): the loss "
-                               "trajectory will differ from the original run", section, key, new, old)
+                logger.warning(
+                    "resuming with %s.%s = %r (the checkpoint was trained with %r): the loss "
+                    "trajectory will differ from the original run",
+                    section,
+                    key,
+                    new,
+                    old,
+                )
         if self.rank == 0:
-            logger.info("resumed from %s at step %d (saved under plan %s, now %s)", target, self.step,
-                        state.get("plan_strategy", "?"), self.plan.strategy)
+            logger.info(
+                "resumed from %s at step %d (saved under plan %s, now %s)",
+                target,
+                self.step,
+                state.get("plan_strategy", "?"),
+                self.plan.strategy,
+            )
 
     # ------------------------------------------------------------------ steps
     def _gather_rank_stats(self, stats: StepStats) -> tuple[RankStats, float]:
         """Every rank's timings and peak memory (one small all-gather), and the step time
         (the slowest rank's)."""
-        mine = torch.tensor([stats.busy_s, stats.comm_wait_s, stats.step_s, float(stats.peak_bytes)],
-                            dtype=torch.float64, device=self.engine.device)
-        out = torch.empty(_RANK_FIELDS * self.world_size, dtype=torch.float64, device=self.engine.device)
+        mine = torch.tensor(
+            [stats.busy_s, stats.comm_wait_s, stats.step_s, float(stats.peak_bytes)],
+            dtype=torch.float64,
+            device=self.engine.device,
+        )
+        out = torch.empty(
+            _RANK_FIELDS * self.world_size, dtype=torch.float64, device=self.engine.device
+        )
         handle = self.comm.all_gather_v(out, mine, [_RANK_FIELDS] * self.world_size)
         if handle is not None:
             handle.wait()
@@ -338,17 +431,29 @@ class _Trainer:
         number = self.step + 1
         self._maybe_kill(number)
         lr = self.schedule(self.step)
-        input_ids, labels = self.batches.rank_slice(self.step, self.offset, self.rank_plan.batch_size)
+        input_ids, labels = self.batches.rank_slice(
+            self.step, self.offset, self.rank_plan.batch_size
+        )
         stats = self.engine.train_step(input_ids, labels, lr)
         ranks, step_s = self._gather_rank_stats(stats)
         self.step = number
         finite = not stats.skipped and math.isfinite(stats.loss)
         tokens_per_s = stats.n_tokens / step_s if step_s > 0 else 0.0
         self.result.losses[number] = stats.loss
-        if metrics is not None and (number % self.cfg.logging.log_every == 0 or number == self.cfg.train.steps):
-            record = StepRecord(step=number, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
-                                tokens=stats.n_tokens, step_s=step_s, tokens_per_s=tokens_per_s,
-                                skipped=not finite, ranks=ranks)
+        if metrics is not None and (
+            number % self.cfg.logging.log_every == 0 or number == self.cfg.train.steps
+        ):
+            record = StepRecord(
+                step=number,
+                loss=stats.loss,
+                lr=lr,
+                grad_norm=stats.grad_norm,
+                tokens=stats.n_tokens,
+                step_s=step_s,
+                tokens_per_s=tokens_per_s,
+                skipped=not finite,
+                ranks=ranks,
+            )
             metrics.write(record.to_dict())
         progress.update(number, stats.loss, tokens_per_s, step_s)
         self._throughput.append(tokens_per_s)
@@ -359,8 +464,15 @@ class _Trainer:
         limit = self.cfg.train.max_nonfinite_skips
         if self.nonfinite_streak <= limit:
             if self.rank == 0:
-                logger.warning("step %d: loss %s / gradient norm %s not finite: update skipped (%d of %d allowed "
-                               "in a row)", number, stats.loss, stats.grad_norm, self.nonfinite_streak, limit)
+                logger.warning(
+                    "step %d: loss %s / gradient norm %s not finite: update skipped (%d of %d allowed "
+                    "in a row)",
+                    number,
+                    stats.loss,
+                    stats.grad_norm,
+                    self.nonfinite_streak,
+                    limit,
+                )
             return
         where = self.save()
         raise CephaloError(
@@ -412,9 +524,15 @@ class _Trainer:
         metrics = None
         if self.rank == 0:
             truncate_metrics(cfg.metrics_path, self.step)
-            metrics = MetricsLog(cfg.metrics_path, self.run_dir / "tb" if cfg.logging.tensorboard else None)
-        progress = ProgressDisplay(steps, self.step, enabled=cfg.logging.progress and self.rank == 0,
-                                   description=f"{cfg.model.name} x{self.world_size}")
+            metrics = MetricsLog(
+                cfg.metrics_path, self.run_dir / "tb" if cfg.logging.tensorboard else None
+            )
+        progress = ProgressDisplay(
+            steps,
+            self.step,
+            enabled=cfg.logging.progress and self.rank == 0,
+            description=f"{cfg.model.name} x{self.world_size}",
+        )
         self._throughput: list[float] = []
         every, eval_every = cfg.checkpoint.every, cfg.train.eval_every
         try:
@@ -440,9 +558,15 @@ class _Trainer:
         self.result.tokens_per_s = sum(rates) / len(rates) if rates else 0.0
         if self.rank == 0 and self.result.losses:
             last = max(self.result.losses)
-            logger.info("done: step %d, loss %.4f, %.0f tokens/s%s", self.step, self.result.losses[last],
-                        self.result.tokens_per_s,
-                        f", checkpoint {self.result.last_checkpoint}" if self.result.last_checkpoint else "")
+            logger.info(
+                "done: step %d, loss %.4f, %.0f tokens/s%s",
+                self.step,
+                self.result.losses[last],
+                self.result.tokens_per_s,
+                f", checkpoint {self.result.last_checkpoint}"
+                if self.result.last_checkpoint
+                else "",
+            )
         return self.result
 
 
