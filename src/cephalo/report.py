@@ -307,8 +307,9 @@ def report_markdown(result: DemoResult, images: dict[str, str]) -> str:
         "> **The devices are emulated.** Every rank is a process on the same CPU. `slowdown=F` stretches the "
         "rank's compute F times by sleeping after each unit; `mem=SIZE` is a budget enforced by the engine's "
         "memory ledger (an allocation over it fails, as an out-of-memory error would on a GPU); other devices "
-        "have the default CPU budget. The ranks share the machine's cores, so measured step times are longer "
-        "than the cost model predicts from profiles measured one rank at a time.",
+        "have the default CPU budget. The ranks share the machine's cores and run in lockstep per unit, "
+        "which per-device profiles (measured concurrently, each rank on its own device) capture only in part: "
+        "measured step times are longer than predicted; compare plans by their ratios.",
         "",
         "## Cluster",
         "",
