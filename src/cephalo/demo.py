@@ -326,15 +326,16 @@ def print_plans(
     plans: dict[str, Plan | PlanDoesNotFit],
     evaluations: dict[str, PlanEvaluation],
 ) -> None:
-    from cephalo.commands.plan import strategy_line
+    from cephalo.commands.plan import plan_table, strategy_line
 
     ceph = plans["cephalo"]
     assert isinstance(ceph, Plan)
     console.print(
-        plan_table_mib(
+        plan_table(
             ceph,
             evaluations["cephalo"],
             title="cephalo plan (predicted by the measured cost model)",
+            memory_unit="MiB",
         )
     )
     for s in STRATEGIES:
@@ -421,41 +422,6 @@ def describe_cluster(cluster: Cluster) -> str:
         )
         for d in cluster.devices
     )
-
-
-def plan_table_mib(plan: Plan, ev: PlanEvaluation, title: str):
-    """The per-rank plan table in MiB (the emulated budgets are far below a GiB)."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in (
-        "rank",
-        "device",
-        "batch",
-        "micro x n",
-        "state",
-        "act",
-        "step s",
-        "busy s",
-        "MiB used/cap",
-        "fits",
-    ):
-        table.add_column(col, justify="left" if col in ("device", "act") else "right", no_wrap=True)
-    for r, c in zip(plan.ranks, ev.ranks, strict=True):
-        table.add_row(
-            str(r.rank),
-            r.device,
-            str(r.batch_size),
-            f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "-",
-            f"{r.state_fraction:.3f}",
-            "host" if r.offload_activations else "dev",
-            f"{c.step_s:.3f}",
-            f"{c.busy_s:.3f}",
-            f"{c.peak_bytes / 2**20:.1f}/{c.capacity_bytes / 2**20:.0f}",
-            "yes" if c.fits else "[red]NO",
-        )
-    return table
 
 
 # ----------------------------------------------------------------------------- the whole demo

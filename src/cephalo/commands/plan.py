@@ -222,8 +222,10 @@ def make_console() -> Console:
     return Console(width=max(width, 110))
 
 
-def plan_table(plan: Plan, ev: PlanEvaluation, title: str) -> Table:
-    """One row per rank; the slowest rank's step time in bold, ranks over their memory in red."""
+def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "GiB") -> Table:
+    """One row per rank; the slowest rank's step time in bold, ranks over their memory in red.
+    `memory_unit` "MiB" suits emulated budgets far below a GiB."""
+    unit = {"GiB": GIB, "MiB": 2**20}[memory_unit]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in (
         "rank",
@@ -234,7 +236,7 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str) -> Table:
         "act",
         "step s",
         "busy s",
-        "GiB used/cap",
+        f"{memory_unit} used/cap",
         "fits",
     ):
         table.add_column(col, justify="left" if col in ("device", "act") else "right", no_wrap=True)
@@ -249,8 +251,8 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str) -> Table:
             "host" if r.offload_activations else "dev",
             f"[bold]{c.step_s:.3f}[/bold]" if slowest else f"{c.step_s:.3f}",
             f"{c.busy_s:.3f}",
-            f"{c.peak_bytes / GIB:.1f}/{c.capacity_bytes / GIB:.1f}",
-            "yes" if c.fits else f"[red]NO -{c.shortfall_bytes / GIB:.2f}[/red]",
+            f"{c.peak_bytes / unit:.1f}/{c.capacity_bytes / unit:.1f}",
+            "yes" if c.fits else f"[red]NO -{c.shortfall_bytes / unit:.2f}[/red]",
         )
     return table
 
