@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cephalo.cluster import Cluster
 from cephalo.costmodel import CostModel, PlanEvaluation
@@ -155,7 +154,6 @@ def profile_cluster(
     Normally one rank per device (the profiler's local launcher), so the collectives between
     them are measured too. `in_process` measures the device types here, one thread, without
     starting ranks (no collective profile: the cost model uses the cluster's nominal links)."""
-    from cephalo.profiling.launch import run_local
     from cephalo.profiling.profiler import cached_profiles
 
     model, seq_len, dtype = cfg.model.name, cfg.data.seq_len, cfg.model.dtype
@@ -185,60 +183,22 @@ def profile_cluster(
             )
         finally:
             torch.set_num_threads(threads)
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task(f"starting {cluster.world_size} profiling ranks ...", total=None)
+    from cephalo.commands.profile import profile_local_ranks
 
-        def show(rank: int, text: str) -> None:
-            bar.update(task, description=f"rank {rank} measuring {text}")
-
-        result = run_local(
-            _profile_rank,
-            cluster.world_size,
-            model,
-            dict(cfg.model.overrides),
-            seq_len,
-            dtype,
-            cfg.parallel.devices,
-            settings,
-            cache,
-            timeout_s=600.0,
-            on_progress=show,
-        )[0]
-    return MeasuredProfiles.from_dict(result)
-
-
-def _profile_rank(
-    comm,
-    model: str,
-    overrides: dict,
-    seq_len: int,
-    dtype: str,
-    devices: str,
-    settings: ProfileSettings,
-    cache: str,
-    progress=None,
-) -> dict | None:
-    """One profiling rank (top level: the local launcher pickles it)."""
-    from cephalo.profiling.profiler import profile_devices
-
-    measured = profile_devices(
+    # profile_rank(comm, model, seq_len, dtype, devices, settings, cache, use_cache, refresh, overrides)
+    rank_args = (
         model,
         seq_len,
         dtype,
-        Cluster.parse(devices),
-        comm,
-        settings=settings,
-        cache=cache,
-        progress=progress,
-        **overrides,
+        cfg.parallel.devices,
+        settings,
+        cache,
+        True,
+        False,
+        dict(cfg.model.overrides),
     )
-    return measured.to_dict() if comm.rank == 0 else None
+    result = profile_local_ranks(console, cluster, rank_args, timeout_s=600.0)
+    return MeasuredProfiles.from_dict(result)
 
 
 # ----------------------------------------------------------------------------- 2. plan

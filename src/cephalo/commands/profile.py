@@ -109,9 +109,11 @@ def profile_rank(
     cache: str | None,
     use_cache: bool,
     refresh: bool,
+    overrides: dict | None = None,
     progress=None,
 ) -> dict | None:
-    """One rank of `cephalo profile` (top level: the local launcher pickles it)."""
+    """One profiling rank, for `cephalo profile` and the demo (top level: the local launcher
+    pickles it). `overrides` are the model's config overrides."""
     measured = profile_devices(
         model,
         seq_len,
@@ -123,8 +125,37 @@ def profile_rank(
         use_cache=use_cache,
         refresh=refresh,
         progress=progress,
+        **(overrides or {}),
     )
     return measured.to_dict() if comm.rank == 0 else None
+
+
+def profile_local_ranks(
+    console: Console, cluster: Cluster, rank_args: tuple, timeout_s: float
+) -> dict:
+    """Start one local rank per device, run `profile_rank(comm, *rank_args)` on each behind a
+    spinner that shows what each rank measures, and return rank 0's result."""
+    from cephalo.profiling.launch import run_local
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(f"profiling {cluster.describe()} ...", total=None)
+
+        def show(rank: int, text: str) -> None:
+            bar.update(task, description=f"rank {rank}: {text}")
+
+        if cluster.world_size == 1:
+            from cephalo.runtime.comm import LocalComm
+
+            return profile_rank(LocalComm(), *rank_args, progress=lambda t: show(0, t))
+        return run_local(
+            profile_rank, cluster.world_size, *rank_args, timeout_s=timeout_s, on_progress=show
+        )[0]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,32 +189,7 @@ def run(args: argparse.Namespace) -> int:
     elif (hit := _cached(args, cluster, seq_len)) is not None:
         result = hit.to_dict()  # everything known: no ranks to start
     else:
-        from cephalo.profiling.launch import run_local
-
-        with Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        ) as bar:
-            task = bar.add_task(f"profiling {cluster.describe()} ...", total=None)
-
-            def show(rank: int, text: str) -> None:
-                bar.update(task, description=f"rank {rank}: {text}")
-
-            if cluster.world_size == 1:
-                from cephalo.runtime.comm import LocalComm
-
-                result = profile_rank(LocalComm(), *common, progress=lambda t: show(0, t))
-            else:
-                result = run_local(
-                    profile_rank,
-                    cluster.world_size,
-                    *common,
-                    timeout_s=args.timeout,
-                    on_progress=show,
-                )[0]
+        result = profile_local_ranks(console, cluster, common, args.timeout)
     measured = MeasuredProfiles.from_dict(result)
     for table in profile_tables(measured):
         console.print(table)
