@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import gc
 import math
-import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX
 from cephalo.plan import Plan, RankPlan
-from cephalo.runtime.emulation import ComputeEmulator
+from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.param_groups import adamw_param_groups
 
 # SlowdownUnit's identity marks return views of the unit's output; nothing downstream
@@ -157,15 +156,15 @@ class _StretchMark(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.is_output:
-            ctx.clock["bwd_start"] = time.perf_counter()
+            ctx.clock["bwd_start"] = ctx.emulator.start()
         elif "bwd_start" in ctx.clock:
-            ctx.emulator.stretch(time.perf_counter() - ctx.clock.pop("bwd_start"))
+            ctx.emulator.finish(ctx.clock.pop("bwd_start"))
         return grad, None, None, None
 
 
 class SlowdownUnit(nn.Module):
     """Runs `inner` with its compute stretched by `slowdown`, the way the engine's emulation
-    does (sleep (f - 1) x the measured compute): forward is timed around the call; backward
+    does (runtime/emulation.py): forward is timed around the call; backward
     from the moment the output's gradient arrives to the moment the input's gradient leaves
     (recompute included under activation checkpointing). A unit whose input needs no
     gradient (the embedding: token ids) has its backward, a scatter-add of the embedding
@@ -174,15 +173,19 @@ class SlowdownUnit(nn.Module):
     def __init__(self, inner: nn.Module, slowdown: float):
         super().__init__()
         self.inner = inner
-        self.emulator = ComputeEmulator(slowdown)
+        # CPU-only autograd runs the backward on the calling thread, so its CPU time is
+        # the unit's work as in the engine
+        self.emulator = ComputeEmulator(
+            slowdown, use_cpu_time=thread_cpu_measures_work(torch.device("cpu"))
+        )
         self._clock: dict = {}
 
     def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         if x.requires_grad:
             x = _StretchMark.apply(x, self._clock, False, self.emulator)
-        t0 = time.perf_counter()
+        mark = self.emulator.start()
         out = self.inner(x, *rest)
-        self.emulator.stretch(time.perf_counter() - t0)
+        self.emulator.finish(mark)
         if out.requires_grad:
             out = _StretchMark.apply(out, self._clock, True, self.emulator)
         return out

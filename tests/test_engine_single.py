@@ -179,21 +179,45 @@ def test_slowdown_stretches_compute(monkeypatch):
     slept = []
     monkeypatch.setattr("cephalo.runtime.emulation.time.sleep", slept.append)
     emu = ComputeEmulator(3.0)
+    # by the wall clock: 3 x the wall time
     assert emu.stretch(0.5) == pytest.approx(1.5)
     assert slept == [pytest.approx(1.0)]
+    # by the CPU time: 3 x the piece's own work, whatever contention added to its wall time
+    assert emu.stretch(0.5, cpu_s=0.4) == pytest.approx(1.2)
+    assert slept[-1] == pytest.approx(0.7)
+    # contention already made it longer than the target: no sleep
+    assert emu.stretch(0.5, cpu_s=0.1) == pytest.approx(0.5)
+    assert len(slept) == 2
+    assert ComputeEmulator(1.0).stretch(0.5, cpu_s=0.2) == pytest.approx(0.5)
     with pytest.raises(CephaloError, match="slowdown must be >= 1"):
         ComputeEmulator(0.5)
-    # in the engine, busy time includes the stretch of unit compute; the optimizer step is
-    # stretched too (its last two sleeps: norm, then step), outside busy time
+
+
+def test_engine_stretches_by_cpu_time(monkeypatch):
+    """The engine stretches each unit pass to slowdown x its CPU time, and the optimizer
+    step too (outside busy time). A fake thread clock running at half the wall clock makes
+    every piece's target 4 x wall / 2 = 2 x wall: each sleep equals the piece's wall time."""
+    import time as real_time
+    from types import SimpleNamespace
+
+    slept = []
+    fake = SimpleNamespace(
+        perf_counter=real_time.perf_counter,
+        thread_time=lambda: real_time.perf_counter() / 2,
+        sleep=slept.append,
+    )
+    monkeypatch.setattr("cephalo.runtime.emulation.time", fake)
+    monkeypatch.setattr("cephalo.runtime.engine.thread_cpu_measures_work", lambda device: True)
     plan = make_plan([2], [1.0], [1])
     engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(slowdown=4.0))
+    assert engine.emulator.use_cpu_time
     x, y = make_data(1, 2)[0]
     stats = engine.train_step(x, y, lr=LR)
-    units, optimizer = slept[1:-2], slept[-2:]
-    assert (
-        len(units) == 2 * 4
-    )  # forward and backward of 4 units (gpt-tiny: embedding, 2 blocks, head)
-    assert sum(units) == pytest.approx(3.0 * (stats.busy_s - sum(units)), rel=1e-6)
+    # forward and backward of 4 units (gpt-tiny: embedding, 2 blocks, head), then the
+    # optimizer's two pieces (norm, step)
+    units, optimizer = slept[:-2], slept[-2:]
+    assert len(units) == 2 * 4
+    assert stats.busy_s == pytest.approx(2 * sum(units), rel=1e-2)  # clocks read apart
     assert all(s > 0 for s in optimizer)
 
 

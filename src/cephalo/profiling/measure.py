@@ -16,18 +16,18 @@ so the cost model's numbers are the engine's numbers:
   ledger's.
 
 Emulated devices are measured as they appear: each timed piece of unit compute, and the
-optimizer step, is stretched by the same `ComputeEmulator` the engine uses (the engine
+optimizer step, is stretched by the same `ComputeEmulator` rule the engine uses (the engine
 stretches both: a slow device is slow at its optimizer step too).
 
-Timing: `warmup` untimed repetitions, then `repeats` timed ones, median kept. On a CPU rank
-with one intra-op thread (what the local launcher gives each rank) measured alone, compute
-is timed by the thread's CPU time, so other jobs sharing the cores do not inflate it; by the
-wall clock when co-located ranks are measured together (`Timing.wall_clock`: their
-contention is then what is measured, as in training) and elsewhere (synchronised on CUDA).
-A repetition
-runs the piece enough times back to back to last about `MIN_REP_S` (tiny units at
-micro-batch 1 take tens of microseconds, below the timer's useful resolution); the sleep of
-the emulation is applied once per repetition, as the engine applies it once per unit pass.
+Timing: `warmup` untimed repetitions, then `repeats` timed ones, median kept (`time_piece`).
+On a CPU rank with one intra-op thread (what the local launcher gives each rank) measured
+alone, compute is timed by the thread's CPU time, so other jobs sharing the cores do not
+inflate it; when co-located ranks are measured together (`Timing.wall_clock`) each runs as
+in training and their contention is part of the numbers; on CUDA by the synchronised wall
+clock. A repetition runs the piece enough times back to back to last about `MIN_REP_S`
+(tiny units at micro-batch 1 take tens of microseconds, below the timer's useful
+resolution); the sleep of the emulation is applied once per repetition, as the engine
+applies it once per unit pass.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from torch.func import functional_call
 from cephalo.modeling.units import Unit
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dropout import SampleDropout
-from cephalo.runtime.emulation import ComputeEmulator
+from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.engine import drain_grad, largest_saved_bytes
 from cephalo.runtime.flat import FlatLayout
 from cephalo.runtime.memory import MemoryLedger
@@ -79,24 +79,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _clock(device: torch.device, wall_clock: bool = False) -> Callable[[], float]:
-    """This thread's CPU time on a single-threaded CPU rank measured alone (other processes
-    sharing the cores then do not inflate the numbers); wall time otherwise (GPU kernels,
-    several intra-op threads whose CPU time adds up, or ranks measured concurrently)."""
-    if not wall_clock and device.type == "cpu" and torch.get_num_threads() == 1:
-        return time.thread_time
-    return time.perf_counter
-
-
 def time_piece(
     fn: Callable[[], object],
     device: torch.device,
     timing: Timing,
     emulator: ComputeEmulator | None = None,
 ) -> float:
-    """Median seconds of one call of `fn`, as it appears under `emulator` (if any): the
-    compute (`_clock`), stretched by the emulator (which sleeps, as in the engine)."""
-    clock = _clock(device, timing.wall_clock)
+    """Median seconds of one call of `fn`, as it appears under `emulator` (if any).
+
+    Where this thread's CPU time is the piece's whole work (`thread_cpu_measures_work`), a
+    rank measured alone counts that CPU time (other processes sharing the cores then do not
+    inflate the numbers), times the slowdown, without sleeping: exactly the duration the
+    engine's emulator gives the piece on an otherwise idle host. Ranks measured together
+    (`Timing.wall_clock`) run the piece as in training, sleep included, so their contention
+    for the cores is part of the numbers. Elsewhere (GPU kernels, several intra-op threads):
+    wall time, stretched by the emulator."""
+    cpu_clock = thread_cpu_measures_work(device)
+    emulator = emulator or ComputeEmulator(1.0)
+    emulator = ComputeEmulator(emulator.slowdown, use_cpu_time=cpu_clock)
     _sync(device)
     t0 = time.perf_counter()
     fn()
@@ -110,15 +110,18 @@ def time_piece(
         if timing.start_together is not None:
             timing.start_together()
         _sync(device)
-        c0 = clock()
+        w0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             fn()
         _sync(device)
-        spent = clock() - c0
-        if emulator is not None:
-            # the emulated duration as the emulator defines it: its sleep's overshoot is
-            # the host's scheduling noise, not the emulated device
-            spent = emulator.stretch(spent)
+        wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
+        if cpu_clock and not timing.wall_clock:
+            spent = emulator.slowdown * min(cpu, wall)
+        else:
+            # the emulated duration as the emulator defines it (the sleep applied once per
+            # repetition, as the engine applies it once per unit pass); its overshoot is the
+            # host's scheduling noise, not the emulated device
+            spent = emulator.stretch(wall, cpu if cpu_clock else None)
         samples.append(spent / calls)
     return statistics.median(samples)
 

@@ -23,7 +23,10 @@ collective per call, i.e. one small-message latency (measured with 3 gloo ranks 
 network, one round trip), and it synchronises the ranks even for `async_op=True` (the data
 transfer still overlaps). On NCCL it also costs one device-to-host sync per call. Off with
 `validate=False` or the environment variable `CEPHALO_COMM_VALIDATE=0` (local checks remain;
-a cross-rank mismatch then hangs until the process-group timeout).
+a cross-rank mismatch then hangs until the process-group timeout), or for a stretch of calls
+inside `with comm.unvalidated():`. The engine uses the latter: its sequence of collectives is
+fixed by the plan, so it checks every collective of its first step and then stops paying for
+(and being synchronised by) the fingerprints.
 
 Counters. Every call adds 1 to `counters.calls[name]` and this rank's traffic to
 `counters.bytes[name]`, counted as the algorithm-independent volume this rank exchanges with
@@ -35,9 +38,10 @@ first two. Validation fingerprints are not counted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -196,6 +200,18 @@ class Comm(ABC):
     @abstractmethod
     def barrier(self) -> None:
         """Block until every rank reaches this point."""
+
+    @contextlib.contextmanager
+    def unvalidated(self) -> Iterator[None]:
+        """No cross-rank fingerprint exchange inside (local checks remain). For a sequence of
+        calls already validated once, e.g. the engine's steps after the first: every rank
+        must enter and leave it at the same point of the call sequence."""
+        saved = self.validate
+        self.validate = False
+        try:
+            yield
+        finally:
+            self.validate = saved
 
     # ---------------------------------------------------------- implementations
     @abstractmethod

@@ -1,10 +1,18 @@
 """Device emulation on CPU: a CPU rank stands in for a slower device.
 
-A slowdown factor f stretches compute: after each piece of unit compute (and of the
-optimizer step) that took t seconds, the rank sleeps (f - 1) x t, so it looks f times
+A slowdown factor f stretches compute: a piece of unit compute (or of the optimizer step)
+is made to last f times its own work, by sleeping after it, so the rank looks f times
 slower to the rest of the job (collectives and waits are not stretched: links are emulated
 by the real transport). The profiler times the same pieces under the same emulator. The
 memory side of emulation is the ledger's budget (`MemoryLedger(budget_bytes=...)`).
+
+What "its own work" is. Where this thread's CPU time covers the whole piece (a CPU device
+computing on one intra-op thread, which is what the local launcher gives each rank), the
+target is f x that CPU time: co-located ranks share the host's cores, and a piece slowed by
+them is not slowed again f times over; an emulated device is f times slower than the host
+running the piece alone. The sleep fills the gap between the wall time the piece took and
+that target (none if contention already made it longer). Elsewhere (CUDA, several intra-op
+threads) the target is f x the wall time.
 """
 
 from __future__ import annotations
@@ -12,15 +20,26 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from cephalo.errors import CephaloError
+
+
+def thread_cpu_measures_work(device: torch.device) -> bool:
+    """Whether this thread's CPU time is the whole work of a compute piece on `device`: a
+    CPU device computing on one intra-op thread."""
+    return device.type == "cpu" and torch.get_num_threads() == 1
 
 
 @dataclass
 class ComputeEmulator:
-    """Stretches measured compute time by `slowdown`."""
+    """Stretches compute pieces to `slowdown` times their own work."""
 
     slowdown: float = 1.0
     """1.0 = run at native speed; 3.0 = look three times slower."""
+    use_cpu_time: bool = False
+    """Measure a piece's own work by this thread's CPU time (see the module docstring);
+    only where `thread_cpu_measures_work` holds."""
     stretched_s: float = 0.0
     """Total sleep added so far."""
 
@@ -30,11 +49,28 @@ class ComputeEmulator:
                 f"slowdown must be >= 1 (a CPU rank can only emulate a slower device), got {self.slowdown}"
             )
 
-    def stretch(self, measured_s: float) -> float:
-        """Sleep so that a compute piece of `measured_s` lasts `slowdown` times as long;
-        returns the emulated duration."""
-        extra = (self.slowdown - 1.0) * measured_s
+    def start(self) -> tuple[float, float]:
+        """Mark the start of a piece (pass the mark to `finish`)."""
+        return time.perf_counter(), time.thread_time() if self.use_cpu_time else 0.0
+
+    def finish(self, mark: tuple[float, float]) -> float:
+        """Stretch the piece started at `mark`; returns its emulated duration."""
+        wall = time.perf_counter() - mark[0]
+        cpu = time.thread_time() - mark[1] if self.use_cpu_time else None
+        return self.stretch(wall, cpu)
+
+    def target(self, wall_s: float, cpu_s: float | None = None) -> float:
+        """The emulated duration of a piece that took `wall_s` (and `cpu_s` of this thread's
+        CPU time, when that is its whole work), without sleeping."""
+        work = wall_s if cpu_s is None else min(cpu_s, wall_s)
+        return max(wall_s, self.slowdown * work)
+
+    def stretch(self, wall_s: float, cpu_s: float | None = None) -> float:
+        """Sleep so that a piece that took `wall_s` lasts `target(wall_s, cpu_s)`; returns
+        that emulated duration."""
+        duration = self.target(wall_s, cpu_s)
+        extra = duration - wall_s
         if extra > 0:
             time.sleep(extra)
             self.stretched_s += extra
-        return measured_s + extra
+        return duration

@@ -59,7 +59,7 @@ from cephalo.plan import Plan
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm, Handle
 from cephalo.runtime.dropout import SampleDropout
-from cephalo.runtime.emulation import ComputeEmulator
+from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.flat import FlatLayout, FlatShard, ParamSlot, overlap, shard_ranges
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
@@ -98,6 +98,10 @@ class EngineConfig:
     """Budget for a ledger the engine creates itself (None = unlimited)."""
     validate_collectives: bool | None = None
     """Cross-rank size checks before each collective; None: the comm's own setting."""
+    validate_every_step: bool = False
+    """With validation on: check the collectives of every step. False: of the first training
+    step and the first evaluation only; the plan fixes the call sequence after that, and the
+    check's small blocking exchange would otherwise synchronise the ranks at every prefetch."""
     device: str | None = None
     """Compute device; None: the current CUDA device under NCCL, else the CPU."""
     per_sample_dropout: bool = True
@@ -283,7 +287,9 @@ class Engine:
         self.ledger = ledger or MemoryLedger(
             self.rank, self.device, budget_bytes=config.memory_budget_bytes
         )
-        self.emulator = ComputeEmulator(config.slowdown)
+        self.emulator = ComputeEmulator(
+            config.slowdown, use_cpu_time=thread_cpu_measures_work(self.device)
+        )
         self.scaler = (
             DynamicLossScaler(
                 scale=config.loss_scale_init, growth_interval=config.loss_scale_growth_interval
@@ -305,6 +311,8 @@ class Engine:
         )
         self._comm_wait_s = 0.0
         self._busy_s = 0.0
+        self._validated: set[str] = set()
+        """Kinds of pass ("train", "eval") whose collectives every rank has cross-checked."""
         self._cuda_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # ------------------------------------------------------------------ setup
@@ -483,11 +491,11 @@ class Engine:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
+        mark = self.emulator.start()
         yield
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._busy_s += self.emulator.stretch(time.perf_counter() - t0)
+        self._busy_s += self.emulator.finish(mark)
 
     @contextlib.contextmanager
     def _optimizer_work(self) -> Iterator[None]:
@@ -500,11 +508,11 @@ class Engine:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
+        mark = self.emulator.start()
         yield
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.emulator.stretch(time.perf_counter() - t0)
+        self.emulator.finish(mark)
 
     def _collect_busy(self) -> float:
         if self._cuda_events:
@@ -647,8 +655,24 @@ class Engine:
             for a in range(0, rp.batch_size, m)
         ]
 
+    @contextlib.contextmanager
+    def _validated_once(self, kind: str) -> Iterator[None]:
+        """Cross-check the collectives of the first pass of each kind, not of later ones
+        (`EngineConfig.validate_every_step`). Every rank runs the same passes, so they agree
+        on when to stop checking."""
+        if self.config.validate_every_step or kind not in self._validated:
+            yield
+            self._validated.add(kind)
+            return
+        with self.comm.unvalidated():
+            yield
+
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepStats:
         """One optimizer step on this rank's slice [B_i, s] of the global batch."""
+        with self._validated_once("train"):
+            return self._train_step(input_ids, labels, lr)
+
+    def _train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepStats:
         t_step = time.perf_counter()
         self._comm_wait_s = self._busy_s = 0.0
         self.ledger.reset_peak()
@@ -729,6 +753,10 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """Global mean token loss of this step's batch (no update, dropout off)."""
+        with self._validated_once("eval"):
+            return self._eval_loss(input_ids, labels)
+
+    def _eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         was_training = self.model.training
         self.model.eval()
         try:
