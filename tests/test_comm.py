@@ -92,12 +92,15 @@ def _gather_scatter_body(impl: str, dtype_name: str, cases: list[list[int]]):
     comm = make_comm(impl)
     dtype = getattr(torch, dtype_name)
     results = []
-    for sizes in cases:
+    for i, sizes in enumerate(cases):
         shard, full = _rank_data(sizes, dtype, dist.get_rank())
         gathered = torch.full((sum(sizes),), float("nan"), dtype=dtype)
-        comm.all_gather_v(gathered, shard, sizes).wait()
+        gather = comm.all_gather_v(gathered, shard, sizes, async_op=True)
         reduced = torch.full((sizes[comm.rank],), float("nan"), dtype=dtype)
-        comm.reduce_scatter_v(reduced, full.clone(), sizes)
+        # every other case: the reduce-scatter in flight together with the gather
+        scatter = comm.reduce_scatter_v(reduced, full.clone(), sizes, async_op=i % 2 == 1)
+        gather.wait()
+        scatter.wait()
         results.append((gathered, reduced))
     return results, comm.counters.calls, comm.counters.bytes, comm.backend
 

@@ -14,8 +14,8 @@ from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
 #   embedding  0.5*50*2/100 + 0.5 = 1.0    0.5*50*4/100 + 0.5 = 1.5
 #   block      0.5*100*2/100 + 0.5 = 1.5   0.5*100*4/100 + 0.5 = 2.5
 #   head       0.5*20*2/100 + 0.5 = 0.7    0.5*20*4/100 + 0.5 = 0.9
-# the gathers overlap compute (prefetch); the reduce-scatters add to the backward pass:
-# 1.5 + 2 * 2.5 + 0.9 = 7.4 per step
+# the gathers overlap compute (prefetch), each reduce-scatter the next unit's backward; the
+# embedding's, the last of the backward, is exposed: + 1.5 per step
 
 
 def _cm(host_bytes_per_s=1e12, tied=False, async_copies=True):
@@ -36,41 +36,59 @@ def _cm(host_bytes_per_s=1e12, tied=False, async_copies=True):
 
 def test_compute_bound_time_and_memory():
     # b=5, m=2: k=3 micro-batches (2, 2, 1). per unit fwd = 2*2 + 1 = 5, bwd = 5 (recompute) + 2*4 + 2 = 15;
-    # compute beats every gather, so 4 units x (5 + 15) = 80, + the reduce-scatters 7.4;
+    # compute beats every collective, so 4 units x (5 + 15) = 80, + the last reduce-scatter 1.5;
     # optimizer 0.5 * 270 * 0.01 = 1.35
     c = _cm().rank_cost(0, batch_size=5, micro_batch_size=2, state_fraction=0.5)
-    assert c.step_s == pytest.approx(80 + 7.4 + 1.35)
+    assert c.step_s == pytest.approx(80 + 1.5 + 1.35)
     assert c.compute_s == pytest.approx(80.0)
     assert c.optimizer_s == pytest.approx(1.35)
     assert c.host_copy_s == 0.0
-    # state 0.5*270*16 = 2160; gathered (100 + 50) * 2 = 300; grad accum 100 * 4 = 400; activations 1000*2 = 2000;
+    # state 0.5*270*16 = 2160; gathered (100 + 50) * 2 = 300; grad accum: two units (100 + 50) * 4
+    # and the reduce-scatter output 0.5 * 100 * 4 = 800; activations 1000*2 = 2000;
     # boundary 3 boundaries x 5 samples x (3*4*2 = 24) = 360; logits max(0, 2*3*10*4) = 240; reserve 100
     m = c.memory
     assert (m.state, m.gathered, m.grad_accum, m.activations, m.boundary, m.logits, m.reserve) == (
         2160,
         300,
-        400,
+        800,
         2000,
         360,
         240,
         100,
     )
-    assert c.peak_bytes == 5560 and c.fits
+    assert c.peak_bytes == 5960 and c.fits
+    # what grows with the fraction: the state and the reduce-scatter output
+    cm = _cm()
+    assert cm.bytes_per_fraction == 270 * 16 + 100 * 4
+    assert cm.fraction_bytes(0.5) == m.state + 200
 
 
-def test_gathers_overlap_reduce_scatters_add():
-    # b=1, m=1: fwd 1, bwd 1 + 2 = 3; per unit max(compute, gather) per pass, + the scatter:
-    # embedding max(1, 1.0) + max(3, 1.0) + 1.5 = 5.5; blocks 2 x (max(1, 1.5) + max(3, 1.5) + 2.5) = 14;
-    # head max(1, .7) + max(3, .7) + .9 = 4.9
+def test_collectives_overlap_compute_but_the_last_reduce_scatter():
+    # b=1, m=1: fwd 1, bwd 1 + 2 = 3; per unit max(compute, gather) forward, max(compute,
+    # gather, scatter) backward: embedding max(1, 1.0) + max(3, 1.0, 1.5) = 4;
+    # blocks 2 x (max(1, 1.5) + max(3, 1.5, 2.5)) = 9; head max(1, .7) + max(3, .7, .9) = 4;
+    # + the embedding's reduce-scatter 1.5
     c = _cm().rank_cost(0, 1, 1, 0.0)
-    assert c.step_s == pytest.approx(24.4)
+    assert c.step_s == pytest.approx(18.5)
     assert c.comm_s == pytest.approx(3.5 + 2 * 5.5 + 2.3)
+    # a slow link (10 B/s): gather / scatter embedding 5.5 / 10.5, block 10.5 / 20.5, head 2.5 / 4.5;
+    # embedding 5.5 + 10.5, blocks 2 x (10.5 + 20.5), head 2.5 + 4.5, + 10.5
+    prof = linear_profile("x", 1.0, 2.0, 1000.0, optimizer_s_per_param=0.0)
+    slow = cost_model(
+        [FakeDevice("x", 10_000), FakeDevice("x", 10_000)],
+        {"x": prof},
+        model=tiny_model(False),
+        bytes_per_s=10.0,
+        latency_s=0.5,
+    )
+    assert slow.rank_cost(0, 1, 1, 0.0).step_s == pytest.approx(16 + 62 + 7 + 10.5)
 
 
 def test_rank_without_samples_pays_collectives_and_needs_no_activations():
     c = _cm().rank_cost(1, 0, 1, 0.25)
-    # comm only (2 gathers + 1 scatter per unit): 3.5 + 2 * 5.5 + 2.3 = 16.8; optimizer 0.25 * 270 * 0.01 = 0.675
-    assert c.step_s == pytest.approx(16.8 + 0.675)
+    # comm only: per unit a gather, then max(gather, scatter): embedding 1.0 + 1.5, blocks
+    # 2 x (1.5 + 2.5), head .7 + .9, + the last scatter 1.5 = 13.6; optimizer 0.25 * 270 * 0.01 = 0.675
+    assert c.step_s == pytest.approx(13.6 + 0.675)
     assert c.memory.activations == c.memory.boundary == c.memory.logits == 0
     assert c.memory.state == 1080
 
@@ -79,15 +97,15 @@ def test_offload_moves_boundaries_to_host_and_costs_copies():
     cm = _cm(host_bytes_per_s=1.0)
     c = cm.rank_cost(0, 5, 2, 0.0, offload=True)
     # one boundary of 5 samples = 5*24 = 120 bytes at 1 B/s = 120 s per copy, dominating compute:
-    # embedding fwd max(5, 1, 120) + bwd max(15, 1, 0); blocks 2 x (120 + 120); head fwd 5 + bwd 120;
-    # + the scatters 7.4
-    assert c.step_s == pytest.approx(120 + 15 + 480 + 5 + 120 + 7.4)
+    # embedding fwd max(5, 1, 120) + bwd max(15, 1, 0, 1.5); blocks 2 x (120 + 120); head fwd 5 +
+    # bwd 120; + the last scatter 1.5
+    assert c.step_s == pytest.approx(120 + 15 + 480 + 5 + 120 + 1.5)
     # (L + 1) = 3 boundaries out in forward and 3 back in backward
     assert c.host_copy_s == pytest.approx(6 * 120)
     # on the device only one micro-batch's staging buffer: 2 * 24
     assert c.memory.boundary == 48
     on_device = cm.rank_cost(0, 5, 2, 0.0, offload=False)
-    assert on_device.memory.boundary == 360 and on_device.step_s == pytest.approx(80 + 7.4)
+    assert on_device.memory.boundary == 360 and on_device.step_s == pytest.approx(80 + 1.5)
 
 
 def test_copies_without_async_copies_add_to_compute():
@@ -95,22 +113,22 @@ def test_copies_without_async_copies_add_to_compute():
     # copies are the staging reads only (fwd: blocks and head 1; bwd: embedding 1, blocks 2, head 1)
     c = _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(0, 5, 2, 0.0, offload=True)
     # copy 120 s; embedding 5 + (15 + 120); blocks 2 x ((5 + 120) + (15 + 240)); head (5 + 120) + (15 + 120);
-    # + the scatters 7.4
-    assert c.step_s == pytest.approx(140 + 760 + 260 + 7.4)
+    # + the last scatter 1.5
+    assert c.step_s == pytest.approx(140 + 760 + 260 + 1.5)
     assert c.host_copy_s == pytest.approx(9 * 120)
     assert c.compute_s == pytest.approx(80 + 9 * 120)
     # small copies: hidden under compute and collectives with async copies, added without
     # b=1, m=1, copy 24 B at 24 B/s = 1 s; fwd 1, bwd 3; collectives as in the gather/scatter test
     hidden = _cm(host_bytes_per_s=24.0).rank_cost(0, 1, 1, 0.0, offload=True)
-    assert hidden.step_s == pytest.approx(24.4)
-    # embedding max(1, 1.0) + max(3 + 1, 1.0) + 1.5; blocks 2 x (max(1 + 1, 1.5) + max(3 + 2, 1.5) + 2.5);
-    # head (1 + 1) + (3 + 1) + .9
+    assert hidden.step_s == pytest.approx(18.5)
+    # embedding max(1, 1.0) + max(3 + 1, 1.0, 1.5); blocks 2 x (max(1 + 1, 1.5) + max(3 + 2, 1.5, 2.5));
+    # head (1 + 1) + max(3 + 1, .7, .9); + 1.5
     added = _cm(host_bytes_per_s=24.0, async_copies=False).rank_cost(0, 1, 1, 0.0, offload=True)
-    assert added.step_s == pytest.approx(6.5 + 19 + 6.9)
+    assert added.step_s == pytest.approx(5 + 14 + 6 + 1.5)
     # without offload there is nothing to copy either way
     assert _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(
         0, 5, 2, 0.0
-    ).step_s == pytest.approx(87.4)
+    ).step_s == pytest.approx(81.5)
 
 
 def test_async_copies_round_trip_and_default():
@@ -149,9 +167,9 @@ def test_evaluate_plan_and_mismatches():
     ranks = [RankPlan(0, "x", 5, 2, 3, 0.5), RankPlan(1, "x", 0, 1, 0, 0.5)]
     plan = Plan("manual", "tiny", 3, 5, "fp16", ranks)
     ev = cm.evaluate(plan)
-    assert ev.step_s == pytest.approx(88.75)
-    assert ev.samples_per_s == pytest.approx(5 / 88.75)
-    assert ev.tokens_per_s == pytest.approx(3 * 5 / 88.75)
+    assert ev.step_s == pytest.approx(82.85)
+    assert ev.samples_per_s == pytest.approx(5 / 82.85)
+    assert ev.tokens_per_s == pytest.approx(3 * 5 / 82.85)
     assert ev.fits
     with pytest.raises(CephaloError, match="has 1 ranks but the cluster has 2"):
         cm.evaluate(Plan("manual", "tiny", 3, 5, "fp16", [RankPlan(0, "x", 5, 5, 1, 1.0)]))

@@ -69,7 +69,10 @@ def exhaustive_best_step(cm, B: int) -> float:
     for split in _compositions(B, n):
         per_rank = [options[i, b] for i, b in enumerate(split)]
         for combo in itertools.product(*per_rank):
-            caps = [(cm.capacity_bytes(i) - mem - 1) / (16 * P) for i, (_, mem) in enumerate(combo)]
+            caps = [
+                (cm.capacity_bytes(i) - mem - 1) / cm.bytes_per_fraction
+                for i, (_, mem) in enumerate(combo)
+            ]
             if any(c < 0 for c in caps) or sum(min(c, 1.0) for c in caps) < 1.0:
                 continue
             if max(t for t, _ in combo) >= best:

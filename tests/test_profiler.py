@@ -176,13 +176,15 @@ def test_measured_curves(single):
 
 def test_slowdown_is_measured(single):
     ratio = _slowdown_ratio(single, "cpu:slowdown=2", "cpu")
-    assert 1.4 < ratio < 3.2, ratio  # generous: other processes share the 2 cores
+    # generous: other processes share the 2 cores, and a busy sibling hyperthread slows
+    # even a thread's CPU time (measured up to 1.75x)
+    assert 1.4 < ratio < 4.0, ratio
     # the optimizer step is stretched too, as the engine stretches it
     opt_ratio = (
         single.profiles["cpu:slowdown=2"].optimizer_s_per_param
         / single.profiles["cpu"].optimizer_s_per_param
     )
-    assert 1.4 < opt_ratio < 3.2, opt_ratio
+    assert 1.4 < opt_ratio < 4.0, opt_ratio
     # activations do not depend on speed
     assert (
         single.profiles["cpu"].units["block"].activation_bytes.ys

@@ -15,14 +15,17 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     collectives: all-gather of the unit's compute-dtype parameters in forward and again in
     backward, reduce-scatter of its fp32 gradient once in backward; ring cost
     (n-1)/n * bytes / slowest link + latency. They depend on the unit, not on b, m or s.
-    The all-gathers are prefetched (overlapped, below); the reduce-scatter is not: the engine
-    issues it when the unit's gradient is complete and waits for it before the next unit's
-    backward (runtime/engine.py `_reduce_into`), so it adds to the backward pass.
+    All are overlapped with compute: the all-gather of the next unit is prefetched while
+    this one computes, and the engine's reduce-scatter of a unit's gradient runs while the
+    next unit's backward computes (runtime/engine.py `_backward_pass`). Each unit's
+    backward is charged max(its compute, a gather, a reduce-scatter) of its own kind (the
+    neighbour whose collective it hides is of the same kind but at the ends of the model);
+    the last reduce-scatter (the embedding's, before the optimizer) is not hidden.
     host copies (offload): the unit's boundary activation (b * seq * hidden * dtype bytes)
     goes to the host in forward and comes back in backward.
     With prefetch on a side stream the all-gather of the next unit and the host copy
     (a DMA engine, not the SMs) run while this unit computes, so a unit costs
-    max(compute, gather, copy) per pass (+ the reduce-scatter in backward), not their sum. A
+    max(compute, gather, copy) per pass (the reduce-scatter too in backward), not their sum. A
     device without async copies (a CPU: `DeviceProfile.async_copies` False) copies on its
     compute thread, so there a unit costs max(compute + copy, gather); the boundary writes are then already part
     of the profiled compute (a memcpy into host memory costs what one into device memory
@@ -37,7 +40,10 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     state       s * P * 16 (fp32 master + fp32 gradient shard + two fp32 Adam moments; the
                 compute-dtype copy of the parameters only exists in the gathered buffers)
     gathered    current + prefetched unit in the compute dtype (the two largest units)
-    grad_accum  the full fp32 gradient of the unit being back-propagated (largest unit)
+    grad_accum  the full fp32 gradients of the unit being back-propagated and of the one
+                whose reduce-scatter is in flight (the two largest units), plus that
+                reduce-scatter's output, this rank's piece: s * (largest unit) * 4. With the
+                state, the bytes that grow with s are s * `bytes_per_fraction`.
     activations one block's (or the embedding's) recompute + backward at micro-batch m (profile)
     boundary    (L + 1) boundary activations of all b samples (embedding and block outputs),
                 or one micro-batch's staging buffer when offloaded
@@ -95,7 +101,7 @@ class MemoryBreakdown:
     gathered: int = 0
     """Gathered compute-dtype parameters: current unit + prefetched unit."""
     grad_accum: int = 0
-    """The full fp32 gradient buffer of one unit."""
+    """Full fp32 gradient buffers of two units and one reduce-scatter output."""
     activations: int = 0
     """One unit's recompute + backward activations at the micro-batch size."""
     boundary: int = 0
@@ -279,7 +285,7 @@ class CostModel:
         self.gather_s: dict[str, float] = {}
         """Per unit kind: one all-gather (overlapped with compute by the prefetch)."""
         self.scatter_s: dict[str, float] = {}
-        """Per unit kind: the reduce-scatter of its gradient (waited for: not overlapped)."""
+        """Per unit kind: the reduce-scatter of its gradient (overlapped with the next backward)."""
         for kind, p in self.gathered_params.items():
             self.gather_s[kind] = ring * p * self.dtype_bytes / comm.bytes_per_s + latency
             self.scatter_s[kind] = ring * p * GRAD_BYTES / comm.bytes_per_s + latency
@@ -289,7 +295,15 @@ class CostModel:
 
         sorted_units = sorted(self.gathered_params.values(), reverse=True)
         self.gathered_bytes = (sorted_units[0] + sorted_units[1]) * self.dtype_bytes
-        self.grad_accum_bytes = sorted_units[0] * GRAD_BYTES
+        self.grad_accum_bytes = (sorted_units[0] + sorted_units[1]) * GRAD_BYTES
+        """Two units' full fp32 gradients (one being reduced while the next accumulates)."""
+        self.reduce_out_bytes_per_fraction = sorted_units[0] * GRAD_BYTES
+        """The largest unit's reduce-scatter output at state fraction 1 (a rank receives s of it)."""
+        self.bytes_per_fraction = (
+            self.total_params * STATE_BYTES_PER_PARAM + self.reduce_out_bytes_per_fraction
+        )
+        """Device bytes that grow with the state fraction s, per unit of s: the state and the
+        reduce-scatter output."""
         self.sample_boundary_bytes = seq_len * model.hidden_size * self.dtype_bytes
         self.sample_logit_bytes = seq_len * model.vocab_size * LOGIT_BYTES
 
@@ -382,24 +396,25 @@ class CostModel:
                 cb = copy_one * self.copies_bwd[kind]
                 total = total + count * (
                     np.maximum(np.maximum(fwd, gather), cf)
-                    + np.maximum(np.maximum(bwd, gather), cb)
-                    + scatter
+                    + np.maximum(np.maximum(np.maximum(bwd, gather), cb), scatter)
                 )
                 compute = compute + count * (fwd + bwd)
             else:
                 cf = copy_one * self.sync_copies_fwd[kind]
                 cb = copy_one * self.sync_copies_bwd[kind]
                 total = total + count * (
-                    np.maximum(fwd + cf, gather) + np.maximum(bwd + cb, gather) + scatter
+                    np.maximum(fwd + cf, gather) + np.maximum(np.maximum(bwd + cb, gather), scatter)
                 )
                 compute = compute + count * (fwd + bwd + cf + cb)
             copies = copies + count * (cf + cb)
-        return total, compute, copies
+        # the embedding's reduce-scatter, last of the backward, has no compute left to hide under
+        return total + self.scatter_s["embedding"], compute, copies
 
     def memory_parts(
         self, type_key: str, capacity_bytes: int, b, m, offload
     ) -> dict[str, np.ndarray]:
-        """Peak memory by category except `state` (which is s * P * 16); broadcasts over b, m, offload."""
+        """Peak memory by category without what grows with the state fraction (`state` and
+        the reduce-scatter output in `grad_accum`); broadcasts over b, m, offload."""
         b = np.asarray(b, dtype=np.int64)
         m = np.maximum(np.asarray(m, dtype=np.int64), 1)
         offload = np.asarray(offload, dtype=bool)
@@ -433,7 +448,13 @@ class CostModel:
         return sum(np.ceil(v) for v in parts.values())
 
     def state_bytes(self, fraction) -> np.ndarray:
+        """The `state` category at state fraction `fraction`."""
         return np.asarray(fraction) * self.total_params * STATE_BYTES_PER_PARAM
+
+    def fraction_bytes(self, fraction) -> np.ndarray:
+        """All bytes that grow with the state fraction (state + reduce-scatter output): what
+        `memory_without_state` leaves out."""
+        return np.asarray(fraction) * self.bytes_per_fraction
 
     # ------------------------------------------------------------------ one rank, one plan
     def rank_cost(
@@ -450,6 +471,9 @@ class CostModel:
         total, compute, copies = self.step_time_parts(key, batch_size, micro_batch_size, offload)
         opt = state_fraction * self.total_params * self.optimizer_s_per_param(key)
         parts = self.memory_parts(key, cap, batch_size, micro_batch_size, offload)
+        parts["grad_accum"] = (
+            parts["grad_accum"] + state_fraction * self.reduce_out_bytes_per_fraction
+        )
         mem = MemoryBreakdown(
             state=int(math.ceil(float(self.state_bytes(state_fraction)))),
             **{k: int(math.ceil(float(v))) for k, v in parts.items()},

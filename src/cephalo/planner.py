@@ -192,9 +192,7 @@ def _tabulate(cm: CostModel, g: _Group, bmax: int, allow_offload: bool) -> None:
     mem_all = np.concatenate(mems, axis=1)
     micro_all = np.concatenate(micro, axis=1)
     off_all = np.concatenate(offl, axis=1)
-    memcap_all = (g.capacity - MEMORY_SLACK_BYTES - mem_all) / (
-        cm.total_params * STATE_BYTES_PER_PARAM
-    )
+    memcap_all = (g.capacity - MEMORY_SLACK_BYTES - mem_all) / cm.bytes_per_fraction
     memcap_all = np.where(np.isfinite(time_all), memcap_all, -np.inf)
 
     # Pareto filter per row: sorted by time, an option survives only if it leaves more memory
@@ -527,7 +525,7 @@ def _equal_shards(cm: CostModel, batches: list[int], allow_offload: bool, strate
     """Equal state fractions; per rank the fewest micro-batches that fit, offloading only if needed."""
     n = len(cm.devices)
     fraction = 1.0 / n
-    state = float(cm.state_bytes(fraction))
+    state = float(cm.fraction_bytes(fraction))
     micro, off, short = [], [], {}
     for i, (d, b) in enumerate(zip(cm.devices, batches, strict=True)):
         cap = cm.capacity_bytes(i)
@@ -616,7 +614,9 @@ def _does_not_fit(cm: CostModel, B: int, allow_offload: bool) -> PlanDoesNotFit:
     n = len(cm.devices)
     P = cm.total_params
     state_total = P * STATE_BYTES_PER_PARAM
-    even_state = state_total / n
+    # what the shards need in all: the state and the reduce-scatter output that grows with it
+    sharded_total = cm.bytes_per_fraction
+    even_state = sharded_total / n
     lines, short = [], {}
     leftover_total = 0.0
     for i, d in enumerate(cm.devices):
@@ -642,7 +642,7 @@ def _does_not_fit(cm: CostModel, B: int, allow_offload: bool) -> PlanDoesNotFit:
             + " and equal shards: "
             + "; ".join(lines)
         )
-    missing = state_total - leftover_total
+    missing = sharded_total - leftover_total
     if missing > 0:
         msg.append(
             f"after buffers the devices have {_gib(leftover_total)} left for it, {_gib(missing)} too little"

@@ -7,6 +7,9 @@ zero), so it needs variable-size collectives. One small interface, several imple
 - `GlooComm`: CPU. `dist.all_gather` rejects uneven sizes on gloo (torch 2.13), so the
   gather is one async broadcast per source rank into that rank's view of `out`. The list
   form of `dist.reduce_scatter` accepts uneven sizes, zero sizes and fp32/bf16/fp16 (measured).
+
+Both `all_gather_v` and `reduce_scatter_v` can run asynchronously (`async_op=True`: the
+returned `Handle` is waited for later), so the engine overlaps them with compute.
 - `NcclComm`: CUDA. `dist.all_gather` / `dist.reduce_scatter` with lists of uneven views;
   NCCL runs them as grouped broadcasts / reduces.
 - `PaddedComm`: pads every shard to `max(sizes)` and uses the even tensor collectives. More
@@ -181,14 +184,17 @@ class Comm(ABC):
         self.counters.add(name, (sum(sizes) - own) * out.element_size())
         return self._all_gather_v(out, shard, sizes, async_op)
 
-    def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None:
+    def reduce_scatter_v(
+        self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int], async_op: bool = False
+    ) -> Handle:
         """Sum `full` over ranks; rank r receives elements [off_r, off_r + sizes[r]) into
-        `out`. `full` may be clobbered."""
+        `out`, valid after `wait()`. `full` may be clobbered, and must stay untouched (and
+        alive) until then."""
         name = "reduce_scatter_v"
         sizes = self._agreed_sizes(name, sizes, [("out", out), ("full", full)], full, None)
         own = sizes[self.rank]
         self.counters.add(name, (sum(sizes) - own) * full.element_size())
-        self._reduce_scatter_v(out, full, sizes)
+        return self._reduce_scatter_v(out, full, sizes, async_op)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         """Reduce `t` (any shape, contiguous) in place over ranks with `op` ("sum" or "max")."""
@@ -218,7 +224,7 @@ class Comm(ABC):
     def _all_gather_v(self, out, shard, sizes: list[int], async_op: bool) -> Handle: ...
 
     @abstractmethod
-    def _reduce_scatter_v(self, out, full, sizes: list[int]) -> None: ...
+    def _reduce_scatter_v(self, out, full, sizes: list[int], async_op: bool) -> Handle: ...
 
     @abstractmethod
     def _all_reduce(self, t, op: str) -> None: ...
@@ -368,9 +374,10 @@ class LocalComm(Comm):
             out.copy_(shard)
         return Handle()
 
-    def _reduce_scatter_v(self, out, full, sizes):
+    def _reduce_scatter_v(self, out, full, sizes, async_op):
         if out.data_ptr() != full.data_ptr():
             out.copy_(full)
+        return Handle()
 
     def _all_reduce(self, t, op):
         return None
@@ -423,9 +430,19 @@ def _all_gather_even(out: torch.Tensor, inp: torch.Tensor, group) -> object:
     return fn(out, inp, group=group, async_op=True)
 
 
-def _reduce_scatter_even(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def _reduce_scatter_even(out: torch.Tensor, inp: torch.Tensor, group) -> object:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+    return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def _list_reduce_scatter(out, full, sizes, group, async_op: bool) -> Handle:
+    """`dist.reduce_scatter` over uneven views of `full` (kept referenced until done)."""
+    views = list(full.split(sizes))
+    work = dist.reduce_scatter(out, views, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    handle = Handle([work], finish=lambda: views.clear())
+    if not async_op:
+        handle.wait()
+    return handle
 
 
 class GlooComm(_ProcessGroupComm):
@@ -446,8 +463,8 @@ class GlooComm(_ProcessGroupComm):
             handle.wait()
         return handle
 
-    def _reduce_scatter_v(self, out, full, sizes):
-        dist.reduce_scatter(out, list(full.split(sizes)), op=dist.ReduceOp.SUM, group=self.group)
+    def _reduce_scatter_v(self, out, full, sizes, async_op):
+        return _list_reduce_scatter(out, full, sizes, self.group, async_op)
 
 
 class NcclComm(_ProcessGroupComm):
@@ -465,9 +482,9 @@ class NcclComm(_ProcessGroupComm):
             handle.wait()
         return handle
 
-    def _reduce_scatter_v(self, out, full, sizes):
+    def _reduce_scatter_v(self, out, full, sizes, async_op):
         # NCCL may overwrite the input list's tensors: allowed by the contract.
-        dist.reduce_scatter(out, list(full.split(sizes)), op=dist.ReduceOp.SUM, group=self.group)
+        return _list_reduce_scatter(out, full, sizes, self.group, async_op)
 
 
 class PaddedComm(_ProcessGroupComm):
@@ -500,16 +517,23 @@ class PaddedComm(_ProcessGroupComm):
             handle.wait()
         return handle
 
-    def _reduce_scatter_v(self, out, full, sizes):
+    def _reduce_scatter_v(self, out, full, sizes, async_op):
         pad = max(sizes)
         if pad == 0:
-            return
+            return Handle()
         padded_full = torch.zeros(self.world_size, pad, dtype=full.dtype, device=full.device)
         for r, (piece, n) in enumerate(zip(full.split(sizes), sizes, strict=True)):
             padded_full[r, :n].copy_(piece)
         padded_out = torch.empty(pad, dtype=out.dtype, device=out.device)
-        _reduce_scatter_even(padded_out, padded_full.view(-1), self.group)
-        out.copy_(padded_out[: out.numel()])
+        work = _reduce_scatter_even(padded_out, padded_full.view(-1), self.group)
+
+        def unpad() -> None:
+            out.copy_(padded_out[: out.numel()])
+
+        handle = Handle([work], finish=unpad)
+        if not async_op:
+            handle.wait()
+        return handle
 
 
 _IMPLS = {"local": LocalComm, "gloo": GlooComm, "nccl": NcclComm, "padded": PaddedComm}

@@ -88,6 +88,9 @@ class EngineConfig:
     """Max global gradient norm (0 = no clipping)."""
     prefetch: bool = True
     """Start the next unit's all-gather while computing the current one."""
+    overlap_reduce: bool = True
+    """Reduce-scatter a unit's gradient while the next unit's backward computes (one more
+    fp32 unit gradient is then alive at a time); False: wait for it at once."""
     offload: bool | None = None
     """Keep boundary activations on the host; None: the plan's `offload_activations`."""
     seed: int = 0
@@ -203,6 +206,17 @@ class _Gathered:
         for borrow, buf in zip(self.unit.borrows, self.tied, strict=True):
             views[borrow.name] = buf.view(borrow.slot.shape)
         return views
+
+
+@dataclass
+class _Reduce:
+    """A reduce-scatter in flight: `part` receives this rank's piece of the sum of `full`,
+    then is added into `grad_slice`."""
+
+    handle: Handle
+    part: torch.Tensor
+    grad_slice: torch.Tensor
+    full: torch.Tensor
 
 
 @dataclass
@@ -439,16 +453,24 @@ class Engine:
         for buf in g.tied:
             self.ledger.free(buf)
 
-    def _reduce_into(self, grad_slice: torch.Tensor, full: torch.Tensor, sizes: list[int]) -> None:
-        """grad_slice += this rank's piece of sum over ranks of `full` (fp32)."""
+    def _start_reduce(
+        self, grad_slice: torch.Tensor, full: torch.Tensor, sizes: list[int]
+    ) -> _Reduce:
+        """Start grad_slice += this rank's piece of the sum over ranks of `full` (fp32, a
+        ledger buffer that `_finish_reduce` frees)."""
         part = self.ledger.alloc(
             "grad_accum", grad_slice.numel(), torch.float32, device=self.device
         )
         t0 = time.perf_counter()
-        self.comm.reduce_scatter_v(part, full, sizes)
-        self._comm_wait_s += time.perf_counter() - t0
-        grad_slice.add_(part)
-        self.ledger.free(part)
+        handle = self.comm.reduce_scatter_v(part, full, sizes, async_op=True)
+        self._comm_wait_s += time.perf_counter() - t0  # the call itself (and any validation)
+        return _Reduce(handle, part, grad_slice, full)
+
+    def _finish_reduce(self, r: _Reduce) -> None:
+        self._wait(r.handle)
+        r.grad_slice.add_(r.part)
+        self.ledger.free(r.part)
+        self.ledger.free(r.full)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
@@ -561,8 +583,10 @@ class Engine:
         self, mbs: list[_MicroBatch], store: BoundaryStore, head_grad: float
     ) -> None:
         """Units in reverse: recompute with a graph, backprop, one gradient buffer per unit,
-        one reduce-scatter per unit (plus one for a borrowed tied parameter)."""
+        one reduce-scatter per unit (plus one for a borrowed tied parameter), in flight
+        during the next unit's backward (`EngineConfig.overlap_reduce`)."""
         n = len(self.shards)
+        reducing: list[_Reduce] = []
         pending = self._start_gather(self.shards[-1], async_op=self.config.prefetch)
         for u in reversed(range(n)):
             us = self.shards[u]
@@ -584,12 +608,19 @@ class Engine:
                 for j, mb in enumerate(mbs):
                     self._backward_micro_batch(us, params, mb, j, store, head_grad, acc, tied_acc)
             self._release(g)
-            self._reduce_into(us.grad, acc, us.sizes)
-            self.ledger.free(acc)
+            # the previous unit's reduce-scatters ran while this unit's backward computed
+            for r in reducing:
+                self._finish_reduce(r)
+            reducing = [self._start_reduce(us.grad, acc, us.sizes)]
             for b, t_acc in zip(us.borrows, tied_acc, strict=True):
                 lo, hi = b.local
-                self._reduce_into(b.owner.grad[lo:hi], t_acc, b.sizes)
-                self.ledger.free(t_acc)
+                reducing.append(self._start_reduce(b.owner.grad[lo:hi], t_acc, b.sizes))
+            if not self.config.overlap_reduce:
+                for r in reducing:
+                    self._finish_reduce(r)
+                reducing = []
+        for r in reducing:
+            self._finish_reduce(r)
 
     def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc) -> None:
         u, last = us.index, us.index == len(self.shards) - 1
