@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark scripts: a gloo process pool, timing helpers, and the
+"""Shared pieces of the benchmark scripts: the gloo process pool, timing helpers, and the
 writer of `bench/results/<name>.md` / `.png`.
 
 Benchmarks measure; tests check. Every number a bench writes is taken in ONE run on the
@@ -15,26 +15,22 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import pickle
 import platform
-import queue
 import statistics
 import sys
-import time
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from cephalo.runtime.pool import RankFailure
+from cephalo.runtime.pool import RankPool as _RankPool
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 REPO_ROOT = BENCH_DIR.parent
-_STOP = "__stop__"
 SUMMARY_BEGIN = "<!-- summary -->"
 SUMMARY_END = "<!-- /summary -->"
 """Markers around the part of a result file that `run_all.py` copies into docs/benchmarks.md."""
@@ -52,156 +48,15 @@ def raise_priority(nice: int = BENCH_NICE) -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-class BenchError(RuntimeError):
-    """A benchmark could not run (a rank raised, died or hung)."""
+BenchError = RankFailure
+"""A benchmark could not run (a rank raised, died or hung)."""
 
 
-# ====================================================================== process pool
-def _worker_main(
-    rank: int, world_size: int, port: int, timeout_s: float, threads: int, tasks: Any, results: Any
-) -> None:
-    # One intra-op thread per rank: N ranks on a 2-core machine would otherwise fight over
-    # the cores and every timing would measure the oversubscription.
-    torch.set_num_threads(threads)
-    raise_priority()
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        results.put(("ready", rank, True, b""))
-    except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
-        results.put(("ready", rank, False, traceback.format_exc().encode()))
-        return
-    while True:
-        task = tasks.get()
-        if task == _STOP:
-            break
-        call_id, payload = task
-        try:
-            fn, args, kwargs = pickle.loads(payload)
-            results.put((call_id, rank, True, pickle.dumps(fn(*args, **kwargs))))
-        except BaseException:  # noqa: BLE001 - the parent raises with this text
-            results.put((call_id, rank, False, traceback.format_exc().encode()))
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-
-
-class RankPool:
-    """`world_size` gloo processes started once; `run(fn, ...)` calls fn on every rank.
-
-    A rank that raises, dies or does not answer within the timeout makes `run` raise
-    `BenchError` (after killing the workers): a bench fails loudly instead of hanging.
-    """
-
-    def __init__(self, world_size: int, timeout_s: float = 300.0, threads: int = 1):
-        self.world_size = world_size
-        """Number of ranks."""
-        self.timeout_s = timeout_s
-        """Per-call timeout, and the process group's collective timeout."""
-        self.threads = threads
-        """torch intra-op threads per rank."""
-        self._ctx = mp.get_context("spawn")
-        self._procs: list[Any] = []
-        self._tasks: list[Any] = []
-        self._results: Any = None
-        self._store: dist.TCPStore | None = None
-        self._calls = 0
-
-    def __enter__(self) -> RankPool:
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False
-        )
-        self._results = self._ctx.Queue()
-        self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
-        saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(self.threads)
-        try:
-            for rank in range(self.world_size):
-                proc = self._ctx.Process(
-                    target=_worker_main,
-                    daemon=True,
-                    args=(
-                        rank,
-                        self.world_size,
-                        self._store.port,
-                        self.timeout_s,
-                        self.threads,
-                        self._tasks[rank],
-                        self._results,
-                    ),
-                )
-                proc.start()
-                self._procs.append(proc)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        self._collect("ready", "start-up")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for q in self._tasks:
-            with contextlib.suppress(OSError, ValueError):
-                q.put(_STOP)
-        deadline = time.monotonic() + 10.0
-        for proc in self._procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5.0)
-        for q in [*self._tasks, self._results]:
-            if q is not None:
-                q.close()
-                q.cancel_join_thread()
-        self._procs, self._tasks, self._results, self._store = [], [], None, None
-
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """fn(*args, **kwargs) on every rank; the per-rank results in rank order."""
-        call_id = self._calls
-        self._calls += 1
-        payload = pickle.dumps((fn, args, kwargs))
-        for q in self._tasks:
-            q.put((call_id, payload))
-        replies = self._collect(call_id, getattr(fn, "__name__", "call"))
-        return [pickle.loads(replies[r]) for r in range(self.world_size)]
-
-    def _collect(self, call_id: object, what: str) -> dict[int, bytes]:
-        replies: dict[int, bytes] = {}
-        deadline = time.monotonic() + self.timeout_s
-        while len(replies) < self.world_size:
-            try:
-                got, rank, ok, data = self._results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [
-                    r for r, p in enumerate(self._procs) if not p.is_alive() and r not in replies
-                ]
-                late = time.monotonic() > deadline
-                if dead or late:
-                    self.close()
-                    why = (
-                        f"rank(s) {dead} died"
-                        if dead
-                        else f"no answer within {self.timeout_s:.0f} s"
-                    )
-                    raise BenchError(f"{what} on {self.world_size} ranks: {why}") from None
-                continue
-            if got != call_id:
-                continue
-            if not ok:
-                self.close()
-                raise BenchError(f"{what} failed on rank {rank}:\n{data.decode(errors='replace')}")
-            replies[rank] = data
-        return replies
+def RankPool(world_size: int, timeout_s: float = 300.0, threads: int = 1) -> _RankPool:  # noqa: N802
+    """The package's local gloo pool (`cephalo.runtime.pool`), its ranks at the benches'
+    priority (`BENCH_NICE`) with one intra-op thread each by default: N ranks on a 2-core
+    machine would otherwise fight over the cores and every timing would measure that."""
+    return _RankPool(world_size, timeout_s=timeout_s, threads=threads, nice=BENCH_NICE)
 
 
 # ====================================================================== measuring

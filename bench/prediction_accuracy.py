@@ -263,7 +263,10 @@ def main() -> None:
             # compute and the optimizer step alike): (compute + optimizer) / slowdown
             pred_cpu = (rc.compute_s + rc.optimizer_s) / cluster.devices[r].slowdown
             c_err = (pred_cpu - cpu) / cpu
-            checks["cpu"] &= abs(c_err) <= TIME_TOL
+            if (
+                cluster.devices[r].slowdown > 1
+            ):  # see the Method: the host-speed rank's profile is wall time
+                checks["cpu"] &= abs(c_err) <= TIME_TOL
             pred_mem = rc.memory.total - rc.memory.reserve
             t_err = (ev.step_s - step_meas[r]) / step_meas[r]
             m_err = (pred_mem - peak) / peak
@@ -405,13 +408,11 @@ def main() -> None:
             markdown_table(["throughput, samples/s", "measured", "predicted"], tput_rows),
             markdown_table(["profiling", "took", "target", ""], prof_rows),
             f"- Step time (wall clock) within {TIME_TOL:.0%} of measured on every rank: {verdict(checks['time'])}.\n"
-            f"- Each rank's own work (CPU time of the step: compute without the emulation's sleep, "
-            f"optimizer) within {TIME_TOL:.0%} of predicted on every rank: {verdict(checks['cpu'])}.\n"
+            f"- Each emulated rank's own work (CPU time of the step: compute without the emulation's "
+            f"sleep, optimizer) within {TIME_TOL:.0%} of predicted: {verdict(checks['cpu'])}.\n"
             f"- Peak ledger memory within {MEMORY_TOL:.0%} on every rank: {verdict(checks['memory'])}.\n"
             f"- Measured / predicted step time: {factor['cephalo']:.2f}x (`cephalo`), {factor['even']:.2f}x "
-            f"(`even`): the same factor for both plans and all ranks, i.e. the machine ran the job that much "
-            f"slower than the profiles (CPU time, one rank at a time) say; relative to each other the "
-            f"predictions hold.\n"
+            f"(`even`).\n"
             f"- Measured throughput `cephalo` / `even` = {speedup:.2f} (predicted {pred_speedup:.2f}; "
             f"target >= {SPEEDUP_TARGET}): {verdict(speedup >= SPEEDUP_TARGET)}. `cephalo` reaches "
             f"{measured_tput['cephalo'] / ideal:.0%} of the ideal bound (sum of the devices' solo throughput, "
@@ -421,9 +422,11 @@ def main() -> None:
         details=[
             "## Per rank\n\n" + markdown_table(headers, rows),
             "## Method\n\n"
-            f"Profiles: `profile_devices` on the three ranks (one measures at a time, CPU thread time, "
-            f"{SETTINGS.repeats} repeats after {SETTINGS.warmup} warm-up, median; micro-batches 1..{SETTINGS.max_micro_batch}), "
-            "collectives fitted from two message sizes. Plans: `make_plan(cost_model_from_profiles(...), "
+            f"Profiles: `profile_devices` on the three ranks, measured concurrently as they run in "
+            "training (each repetition started on all ranks together; the emulated ranks sleep to "
+            "slowdown x their CPU time, so the host-speed rank's numbers carry the contention for the "
+            f"cores), {SETTINGS.repeats} repeats after {SETTINGS.warmup} warm-up, median; micro-batches "
+            f"1..{SETTINGS.max_micro_batch}; collectives fitted from two message sizes. Plans: `make_plan(cost_model_from_profiles(...), "
             f"{GLOBAL_BATCH}, strategy)`. Training: `Engine.train_step`, {args.warmup} warm-up steps then "
             f"{args.steps} measured, {args.rounds} alternating rounds per plan; medians per rank. "
             f"All processes ran at niceness {nice} (other jobs shared the 2 cores). "
@@ -435,6 +438,8 @@ def main() -> None:
             "time for the step (`time.thread_time`), i.e. the rank's own work without the emulation's "
             "sleep and without waiting, against the prediction `(compute + optimizer) / slowdown`; "
             "unlike wall-clock time it does not depend on how much of the cores other processes take. "
+            "It is checked on the emulated ranks only: the emulator stretches their CPU time, while "
+            "the host-speed rank's profile is its wall time under contention (more than its CPU time). "
             "`busy / pred. compute`: how much longer the engine's compute took in wall-clock time than "
             "predicted (1.0 on an otherwise idle machine). Ideal bound: each device type trained "
             f"alone (batch {SOLO_BATCH}, one micro-batch, whole state, no memory budget), samples/s "

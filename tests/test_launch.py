@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -60,12 +61,20 @@ class _Failure:
 
 
 def test_first_failure_picks_the_cause(tmp_path):
-    (tmp_path / "rank00002.txt").write_text("20.0\nrank 2: step 4 failed in a collective\n")
-    (tmp_path / "rank00000.txt").write_text("10.0\nthe plan is for 3 ranks\n")
+    (tmp_path / "attempt000-rank00002.txt").write_text(
+        "20.0\nrank 2: step 4 failed in a collective\n"
+    )
+    (tmp_path / "attempt000-rank00000.txt").write_text("10.0\nthe plan is for 3 ranks\n")
     assert (
         first_failure(tmp_path)
         == "rank 0: the plan is for 3 ranks (1 other rank(s) failed after it)"
     )
+    # after a restart only the last attempt's reports count, however early the old ones were
+    retried = tmp_path / "retried"
+    retried.mkdir()
+    (retried / "attempt000-rank00001.txt").write_text("5.0\nrank 1: killed in the first try\n")
+    (retried / "attempt001-rank00000.txt").write_text("30.0\ncheckpoint directory is full\n")
+    assert first_failure(retried) == "rank 0: checkpoint directory is full"
     # a rank killed by a signal is the cause; the agent's SIGTERMs to the others are not
     failures = {
         0: _Failure(-15, "SIGTERM"),
@@ -146,3 +155,25 @@ def test_survivors_of_a_killed_rank_exit_with_an_error(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_kill_hook_fires_in_the_first_attempt_only(monkeypatch):
+    """The crash hook kills once per job: a restarted attempt resuming before step N passes it."""
+    from types import SimpleNamespace
+
+    from cephalo.train.trainer import _Trainer
+
+    killed = []
+    monkeypatch.setattr("cephalo.train.trainer.os.kill", lambda pid, sig: killed.append(sig))
+    monkeypatch.setenv(KILL_AT_STEP_ENV, "3")
+    rank1 = SimpleNamespace(world_size=2, rank=1)
+    _Trainer._maybe_kill(rank1, 2)
+    assert killed == []
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _Trainer._maybe_kill(rank1, 3)
+    assert killed == []
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    _Trainer._maybe_kill(SimpleNamespace(world_size=2, rank=0), 3)  # not the victim
+    assert killed == []
+    _Trainer._maybe_kill(rank1, 3)
+    assert killed == [signal.SIGKILL]

@@ -7,8 +7,9 @@ rank i emulates device i. Workers are whole processes (not forked functions): th
 exactly as it would under torchrun.
 
 Failures: each failing worker writes its one-line error into a directory the launcher gives
-it (`CEPHALO_ERROR_DIR`); the launcher raises ONE `CephaloError` with the first failure
-(by time) instead of every rank's traceback. A worker killed by a signal, which writes
+it (`CEPHALO_ERROR_DIR`), tagged with the restart it belongs to; the launcher raises ONE
+`CephaloError` with the first failure (by time) of the last attempt instead of every rank's
+traceback. A worker killed by a signal, which writes
 nothing, is reported by its exit signal.
 """
 
@@ -98,13 +99,17 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 
 def first_failure(error_dir: Path, failures: dict[int, object] | None = None) -> str:
-    """One message for a failed job: the earliest error a worker reported, else the
-    exit code or signal of the failed ranks."""
-    reports = []
-    for path in sorted(error_dir.glob("rank*.txt")):
+    """One message for a failed job: the earliest error a worker reported in the job's last
+    attempt (restarts run again in the same directory), else the exit code or signal of the
+    failed ranks."""
+    by_attempt: dict[int, list[tuple[float, int, str]]] = {}
+    for path in error_dir.glob("attempt*-rank*.txt"):
+        attempt, _, rank = path.stem.partition("-")
         stamp, _, message = path.read_text().partition("\n")
         with contextlib.suppress(ValueError):
-            reports.append((float(stamp), int(path.stem.removeprefix("rank")), message.strip()))
+            report = (float(stamp), int(rank.removeprefix("rank")), message.strip())
+            by_attempt.setdefault(int(attempt.removeprefix("attempt")), []).append(report)
+    reports = by_attempt[max(by_attempt)] if by_attempt else []
     failures = failures or {}
     # A rank killed by a signal writes nothing and is the cause; SIGTERM is how the agent
     # stops the other ranks after a failure, so those are consequences.

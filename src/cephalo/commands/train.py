@@ -47,10 +47,13 @@ def report_failure(message: str) -> None:
     if not where:
         return
     rank = os.environ.get("RANK", "0")
+    # which restart of the job this is: the launcher reads the last attempt's reports only
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     # the timestamp orders failures: the first one is usually the cause, the rest follow from
     # it; if the file cannot be written the launcher falls back to exit codes
-    with contextlib.suppress(OSError):
-        Path(where, f"rank{int(rank):05d}.txt").write_text(f"{time.time():.6f}\n{message}\n")
+    with contextlib.suppress(OSError, ValueError):
+        name = f"attempt{int(attempt):03d}-rank{int(rank):05d}.txt"
+        Path(where, name).write_text(f"{time.time():.6f}\n{message}\n")
 
 
 def run(args: argparse.Namespace) -> int:

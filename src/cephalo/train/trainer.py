@@ -16,7 +16,8 @@ metrics.jsonl (docs/training.md lists the fields) and, by default, checkpoints/.
 
 Test hook (documented in docs/training.md): with `CEPHALO_TEST_KILL_AT_STEP=N`, rank
 `CEPHALO_TEST_KILL_RANK` (default 1, or 0 in a one-process job) kills itself with SIGKILL
-just before step N, to test crash recovery.
+just before step N, to test crash recovery (in the first attempt only: under restarts the
+resumed job gets past it).
 """
 
 from __future__ import annotations
@@ -422,6 +423,8 @@ class _Trainer:
         at = os.environ.get(KILL_AT_STEP_ENV)
         if at is None or int(at) != step_number:
             return
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return  # once per job: a restarted attempt that resumes before step N goes past it
         victim = int(os.environ.get(KILL_RANK_ENV, "1" if self.world_size > 1 else "0"))
         if victim == self.rank:
             logger.warning("%s=%s: killing rank %d (SIGKILL)", KILL_AT_STEP_ENV, at, self.rank)
