@@ -2,7 +2,7 @@
 `even` plans run by the engine, and FSDP2 with even shards, next to the ideal bound.
 
 EMULATED: every rank is a process on this CPU. A `cpu:slowdown=f` rank stretches its
-compute by f (it sleeps (f - 1) x each measured compute piece; `runtime/emulation.py`), and
+compute by f (each compute piece made to last f x its CPU time by sleeping; `runtime/emulation.py`), and
 `mem=` is that rank's memory budget, checked against the engine's ledger peak.
 
 Per cluster, on its ranks: `profile_devices` measures every device type (the profiler the
@@ -361,7 +361,7 @@ def _report(results: list[dict], args, wall: float) -> None:
     result = Result(
         name="hetero_throughput",
         title="Measured throughput on emulated heterogeneous clusters",
-        emulated="CPU ranks stand in for slower devices: `slowdown=f` sleeps (f-1) x each compute piece "
+        emulated="CPU ranks stand in for slower devices: `slowdown=f` makes each compute piece last f x its CPU time (sleeping the difference) "
         "(engine: runtime/emulation.py; FSDP2: the same stretch around each unit's forward and "
         "backward); `mem=` is a budget checked against the ledger, not a real device limit.",
         summary=[

@@ -356,8 +356,8 @@ def training_steps(
     """Steps that fill the training budget.
 
     The cost model predicts each rank from per-device profiles; in the demo all ranks share the
-    cores and run in lockstep per unit, with each other and with whatever else runs, which the
-    profiles capture only in part. So the estimate is calibrated by the baseline run just measured on this machine:
+    cores, with each other and with whatever else runs, which the profiles capture only in
+    part. So the estimate is calibrated by the baseline run just measured on this machine:
     step = measured baseline step x (predicted cephalo / predicted baseline). Without a baseline,
     ranks per core scale the prediction."""
     if options.quick:

@@ -304,12 +304,13 @@ def report_markdown(result: DemoResult, images: dict[str, str]) -> str:
         f"`{cfg.model.name}`, sequence length {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, "
         f"{cfg.model.dtype}, trained on the bundled pydoc corpus (byte-level tokens).",
         "",
-        "> **The devices are emulated.** Every rank is a process on the same CPU. `slowdown=F` stretches the "
-        "rank's compute F times by sleeping after each unit; `mem=SIZE` is a budget enforced by the engine's "
-        "memory ledger (an allocation over it fails, as an out-of-memory error would on a GPU); other devices "
-        "have the default CPU budget. The ranks share the machine's cores and run in lockstep per unit, "
-        "which per-device profiles (measured concurrently, each rank on its own device) capture only in part: "
-        "measured step times are longer than predicted; compare plans by their ratios.",
+        "> **The devices are emulated.** Every rank is a process on the same CPU. `slowdown=F` makes each "
+        "piece of the rank's compute last F times its CPU time by sleeping after it; `mem=SIZE` is a budget "
+        "enforced by the engine's memory ledger (an allocation over it fails, as an out-of-memory error would "
+        "on a GPU); other devices have the default CPU budget. The ranks share the machine's cores: the "
+        "profiles are measured with all ranks running at once, but the contention in training differs from "
+        "plan to plan, so expect measured step times within 10-20% of the predictions; compare plans by "
+        "their ratios.",
         "",
         "## Cluster",
         "",
