@@ -17,12 +17,12 @@ class FakeDevice:
     memory_bytes: int
 
 
-def tiny_model(tied: bool = False, num_layers: int = 2) -> ModelSpec:
+def tiny_model(tied: bool = False) -> ModelSpec:
     """2 blocks of 100 params, embedding 50, head 20: P = 270 (hidden 4, vocab 10)."""
     return ModelSpec(
         name="tiny",
         arch="gpt",
-        num_layers=num_layers,
+        num_layers=2,
         hidden_size=4,
         num_heads=1,
         vocab_size=10,

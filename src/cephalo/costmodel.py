@@ -293,12 +293,7 @@ class CostModel:
             c * (2 * self.gather_s[k] + self.scatter_s[k]) for k, c in self.unit_counts.items()
         )
 
-        # every unit instance (L blocks, not one per kind): with two or more layers the two
-        # largest are usually two blocks (the current unit and its neighbour)
-        sorted_units = sorted(
-            (p for kind, p in self.gathered_params.items() for _ in range(self.unit_counts[kind])),
-            reverse=True,
-        )
+        sorted_units = sorted(self.gathered_params.values(), reverse=True)
         self.gathered_bytes = (sorted_units[0] + sorted_units[1]) * self.dtype_bytes
         self.grad_accum_bytes = (sorted_units[0] + sorted_units[1]) * GRAD_BYTES
         """Two units' full fp32 gradients (one being reduced while the next accumulates)."""
