@@ -1,7 +1,9 @@
 """The cost model's formulas on cases small enough to compute by hand (see each test's arithmetic)."""
 
 import math
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from cephalo import CephaloError, Plan, RankPlan
@@ -43,20 +45,26 @@ def test_compute_bound_time_and_memory():
     assert c.compute_s == pytest.approx(80.0)
     assert c.optimizer_s == pytest.approx(1.35)
     assert c.host_copy_s == 0.0
-    # state 0.5*270*16 = 2160; gathered (100 + 50) * 2 = 300; grad accum: two units (100 + 50) * 4
-    # and the reduce-scatter output 0.5 * 100 * 4 = 800; activations 1000*2 = 2000;
-    # boundary 3 boundaries x 5 samples x (3*4*2 = 24) = 360; logits max(0, 2*3*10*4) = 240; reserve 100
+    # the peak is the largest of the step's phases (boundary 3*4*2 = 24 bytes per sample, act
+    # 1000 per sample, logits 3*10*4 = 120 per sample), without the state and the s-part:
+    #   head backward:     gathered (20 + 100)*2 + grads 20*4 + logits 2*120 + 3 x 5 boundaries 360 = 920
+    #   last block:        (100 + 100)*2 + (100 + 20)*4 + act 2000 + 3 x 5 x 24 = 3240
+    #   block before it:   (100 + 50)*2 + (100 + 100)*4 + act 2000 + 2 x 5 x 24 = 3340  <- peak
+    #   embedding:         50*2 + (50 + 100)*4 + act 2000 + 1 x 5 x 24 = 2820
+    #   end of forward:    (20 + 100)*2 + 360 = 600
+    # state 0.5*270*16 = 2160; grad accum 800 + the reduce-scatter output 0.5 * 100 * 4 = 1000;
+    # reserve 100
     m = c.memory
     assert (m.state, m.gathered, m.grad_accum, m.activations, m.boundary, m.logits, m.reserve) == (
         2160,
         300,
-        800,
+        1000,
         2000,
-        360,
         240,
+        0,
         100,
     )
-    assert c.peak_bytes == 5960 and c.fits
+    assert c.peak_bytes == 5800 and c.fits
     # what grows with the fraction: the state and the reduce-scatter output
     cm = _cm()
     assert cm.bytes_per_fraction == 270 * 16 + 100 * 4
@@ -102,10 +110,13 @@ def test_offload_moves_boundaries_to_host_and_costs_copies():
     assert c.step_s == pytest.approx(120 + 15 + 480 + 5 + 120 + 1.5)
     # (L + 1) = 3 boundaries out in forward and 3 back in backward
     assert c.host_copy_s == pytest.approx(6 * 120)
-    # on the device only one micro-batch's staging buffer: 2 * 24
-    assert c.memory.boundary == 48
+    # on the device only a block backward's two staging buffers (its input and its output
+    # gradient) of one micro-batch: 2 x 2 * 24, at the peak (the block before the last)
+    assert c.memory.boundary == 96
     on_device = cm.rank_cost(0, 5, 2, 0.0, offload=False)
-    assert on_device.memory.boundary == 360 and on_device.step_s == pytest.approx(80 + 1.5)
+    # there: the inputs of units 1..1 and the output gradients at 2, of all 5 samples
+    assert on_device.memory.boundary == 2 * 5 * 24
+    assert on_device.step_s == pytest.approx(80 + 1.5)
 
 
 def test_copies_without_async_copies_add_to_compute():
@@ -146,9 +157,30 @@ def test_async_copies_round_trip_and_default():
 
 
 def test_tied_head_gathers_the_embedding():
-    # head gathers 20 + vocab*hidden = 60 params: two largest units 100 + 60 -> 320 bytes in fp16
-    c = _cm(tied=True).rank_cost(0, 1, 1, 0.0)
-    assert c.memory.gathered == 320
+    # head gathers 20 + vocab*hidden = 60 params, and its backward holds the tied gradient
+    cm = _cm(tied=True)
+    assert cm.gathered_params["head"] == 60
+    head = cm._phases("x", np.array(1), np.array(1), np.array(False))[0]
+    assert head["gathered"] == (60 + 100) * 2 and head["grad_accum"] == 60 * 4
+    # the last block's backward holds the head's gradient (tied part included) in flight
+    last_block = cm._phases("x", np.array(1), np.array(1), np.array(False))[1]
+    assert last_block["grad_accum"] == (100 + 60) * 4
+
+
+def test_peak_is_the_largest_phase():
+    # a head with huge logits moves the peak into the head's backward
+    cm = _cm()
+    big_vocab = cost_model(
+        [FakeDevice("x", 10**9), FakeDevice("x", 10**9)],
+        {"x": linear_profile("x", 1.0, 2.0, 1000.0, optimizer_s_per_param=0.0)},
+        model=replace(tiny_model(False), vocab_size=1000),
+    )
+    c = big_vocab.rank_cost(0, 5, 2, 0.0)
+    # logits 2 * 3 * 1000 * 4 = 24000 beat any block's 2000 activations
+    assert c.memory.logits == 24_000 and c.memory.activations == 0
+    # the boundaries then held: every unit input, 3 x 5 x 24
+    assert c.memory.boundary == 360
+    assert cm.rank_cost(0, 5, 2, 0.0).memory.logits == 0
 
 
 def test_single_device_has_no_collectives():

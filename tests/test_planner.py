@@ -299,7 +299,9 @@ def test_infeasible_cluster_message_names_shortfall_and_fix():
         head_params=20,
     )
     prof = linear_profile("g", 1.0, 2.0, 10.0, 1e-4)
-    cm = cost_model([FakeDevice("g", 100_000), FakeDevice("g", 100_000)], {"g": prof}, model=big)
+    # 200 kB devices: the unit buffers (two blocks gathered and two fp32 block gradients,
+    # 120 kB) fit, the state (321 kB) does not
+    cm = cost_model([FakeDevice("g", 200_000), FakeDevice("g", 200_000)], {"g": prof}, model=big)
     with pytest.raises(PlanDoesNotFit) as e:
         make_plan(cm, 4)
     msg = str(e.value)
@@ -310,12 +312,12 @@ def test_infeasible_cluster_message_names_shortfall_and_fix():
     assert m is not None, msg
     # the advice is honest: that many more devices fit, one fewer does not
     more = int(m.group(1))
-    grown = cost_model([FakeDevice("g", 100_000)] * (2 + more), {"g": prof}, model=big)
+    grown = cost_model([FakeDevice("g", 200_000)] * (2 + more), {"g": prof}, model=big)
     assert grown.evaluate(make_plan(grown, 4)).fits
     if more > 1:
         with pytest.raises(PlanDoesNotFit):
             make_plan(
-                cost_model([FakeDevice("g", 100_000)] * (1 + more), {"g": prof}, model=big), 4
+                cost_model([FakeDevice("g", 200_000)] * (1 + more), {"g": prof}, model=big), 4
             )
 
 

@@ -364,7 +364,7 @@ def _profile_uneven_sweeps(cache: str) -> dict:
         host_copy_bytes=1 << 20,
         time_cap_s=30.0,
     )
-    cluster = Cluster.parse("cpu,cpu:slowdown=2,mem=3MiB")
+    cluster = Cluster.parse("cpu,cpu:slowdown=2,mem=2MiB")
     together = profile_devices(
         "gpt-tiny", 32, "fp32", cluster, comm, settings=settings, cache=cache
     )

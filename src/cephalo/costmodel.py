@@ -36,19 +36,22 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
   step time of the rank: sum over units and passes + optimizer; a rank with b = 0 still
   takes part in every collective, so it costs the collective time.
 
-  peak memory (a sum of categories, each at its own peak, so it is an upper bound):
+  peak memory: the largest of the device's totals at the moments where the peak can fall
+  (each unit's backward, the end of the forward: `CostModel._phases`), by category at that
+  moment, plus what is there throughout:
     state       s * P * 16 (fp32 master + fp32 gradient shard + two fp32 Adam moments; the
                 compute-dtype copy of the parameters only exists in the gathered buffers)
-    gathered    current + prefetched unit in the compute dtype (the two largest units)
+    gathered    the unit computing + the prefetched one, in the compute dtype
     grad_accum  the full fp32 gradients of the unit being back-propagated and of the one
-                whose reduce-scatter is in flight (the two largest units), plus that
-                reduce-scatter's output, this rank's piece: s * (largest unit) * 4. With the
-                state, the bytes that grow with s are s * `bytes_per_fraction`.
-    activations one block's (or the embedding's) recompute + backward at micro-batch m (profile)
-    boundary    (L + 1) boundary activations of all b samples (embedding and block outputs),
-                or one micro-batch's staging buffer when offloaded
-    logits      the head's recompute + backward at micro-batch m: its profile curve, and never
-                less than the fp32 softmax logits m * seq * vocab * 4
+                whose reduce-scatter is in flight, plus that reduce-scatter's output, this
+                rank's piece, bounded by s * (largest unit) * 4. With the state, the bytes
+                that grow with s are s * `bytes_per_fraction`.
+    activations the unit's recompute + backward at micro-batch m (profile curve, the
+                transient gradients the ledger charges included)
+    boundary    boundary activations still held (b samples each), or the micro-batch staging
+                buffers in use when offloaded
+    logits      in the head's backward: its profile curve, never less than the fp32 softmax
+                logits m * seq * vocab * 4
     reserve     allocator fragmentation and workspace
 """
 
@@ -94,7 +97,9 @@ class DeviceLike(Protocol):
 
 @dataclass
 class MemoryBreakdown:
-    """Peak device memory of one rank by category, bytes (compare with the runtime's ledger)."""
+    """Device memory of one rank by category at its predicted peak, bytes (compare with the
+    runtime ledger's `at_peak_by_category`, where `activations` here also holds the ledger's
+    `grad_transient` and `boundary` its `staging`)."""
 
     state: int = 0
     """Owned shard of fp32 master weights, gradients and Adam moments."""
@@ -105,9 +110,10 @@ class MemoryBreakdown:
     activations: int = 0
     """One unit's recompute + backward activations at the micro-batch size."""
     boundary: int = 0
-    """Layer-boundary activations kept for backward (a staging buffer when offloaded)."""
+    """Layer-boundary activations still held (staging buffers when offloaded)."""
     logits: int = 0
-    """The head's fp32 logits for one micro-batch."""
+    """The head's recompute + backward for one micro-batch (at least its fp32 logits); 0
+    unless the peak falls in the head's backward."""
     reserve: int = 0
     """Kept free for fragmentation and workspaces."""
 
@@ -277,7 +283,6 @@ class CostModel:
         # read back, per pass (see the module docstring).
         self.sync_copies_fwd = {"embedding": 0, "block": 1, "head": 1}
         self.sync_copies_bwd = {"embedding": 1, "block": 2, "head": 1}
-        self.num_boundaries = model.num_layers + 1
 
         n = len(self.devices)
         ring = (n - 1) / n if n > 1 else 0.0
@@ -293,12 +298,9 @@ class CostModel:
             c * (2 * self.gather_s[k] + self.scatter_s[k]) for k, c in self.unit_counts.items()
         )
 
-        sorted_units = sorted(self.gathered_params.values(), reverse=True)
-        self.gathered_bytes = (sorted_units[0] + sorted_units[1]) * self.dtype_bytes
-        self.grad_accum_bytes = (sorted_units[0] + sorted_units[1]) * GRAD_BYTES
-        """Two units' full fp32 gradients (one being reduced while the next accumulates)."""
-        self.reduce_out_bytes_per_fraction = sorted_units[0] * GRAD_BYTES
-        """The largest unit's reduce-scatter output at state fraction 1 (a rank receives s of it)."""
+        self.reduce_out_bytes_per_fraction = max(self.gathered_params.values()) * GRAD_BYTES
+        """The largest unit's reduce-scatter output at state fraction 1 (a rank receives s of
+        it); counted in every phase of the peak, an upper bound that keeps memory linear in s."""
         self.bytes_per_fraction = (
             self.total_params * STATE_BYTES_PER_PARAM + self.reduce_out_bytes_per_fraction
         )
@@ -413,34 +415,78 @@ class CostModel:
     def memory_parts(
         self, type_key: str, capacity_bytes: int, b, m, offload
     ) -> dict[str, np.ndarray]:
-        """Peak memory by category without what grows with the state fraction (`state` and
-        the reduce-scatter output in `grad_accum`); broadcasts over b, m, offload."""
+        """Device memory by category at the predicted peak of a step, without what grows
+        with the state fraction (`state` and the reduce-scatter output in `grad_accum`);
+        broadcasts over b, m, offload. See `_phases` for the moments compared."""
         b = np.asarray(b, dtype=np.int64)
         m = np.maximum(np.asarray(m, dtype=np.int64), 1)
         offload = np.asarray(offload, dtype=bool)
+        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape)
+        phases = self._phases(type_key, b, m, offload)
+        totals = np.stack([sum(np.broadcast_to(v, shape) for v in ph.values()) for ph in phases])
+        peak = np.argmax(totals, axis=0)  # the first of equal phases
+        out = {}
+        for c in ("gathered", "grad_accum", "activations", "boundary", "logits"):
+            stacked = np.stack([np.broadcast_to(ph.get(c, 0.0), shape) for ph in phases])
+            out[c] = np.take_along_axis(stacked, peak[None], axis=0)[0].astype(np.float64)
+        out["reserve"] = np.zeros(shape) + self.reserve_for(capacity_bytes)
+        return out
+
+    def _phases(self, type_key: str, b, m, offload) -> list[dict[str, np.ndarray]]:
+        """Device bytes by category at the moments of a step where the peak can fall (the
+        ledger's view, runtime/engine.py). Units in order: embedding, L blocks, head.
+
+        - backward of a unit: its gathered parameters and the next one's (prefetched), its
+          fp32 gradient and the previous unit's (whose reduce-scatter is in flight), its
+          recompute + backward activations at micro-batch m (the profile's curve, transient
+          gradients included; the head's never below its fp32 logits), and the boundaries
+          still held: the inputs of every unit before it and the output gradients it reads
+          (one micro-batch's staging buffers per read entry when offloaded). Checked for the
+          head, the last block, the block before it (two block gradients) and the embedding;
+          the other blocks hold fewer boundaries than the block before the last.
+        - end of the forward: the last block and the head gathered, every boundary stored.
+        """
+        L = self.model.num_layers
+        kinds = ["embedding"] + ["block"] * L + ["head"]
+        params = [self.gathered_params[k] for k in kinds]
         working = b > 0
-        # a micro-batch never holds more samples than the rank has
         m_eff = np.where(working, np.minimum(m, np.maximum(b, 1)), 0)
         t = self._tables[type_key]
-        # The head's recompute memory is its logits: counted under `logits`, never below the fp32
-        # softmax copy; the other kinds' recompute memory under `activations`. Both are summed
-        # although they are live in different units' backward: an upper bound, on purpose.
-        act = np.maximum(t.act["embedding"].at(m_eff), t.act["block"].at(m_eff))
-        logits = np.maximum(t.act["head"].at(m_eff), m_eff * self.sample_logit_bytes)
-        boundary = np.where(
-            offload,
-            m_eff * self.sample_boundary_bytes,
-            self.num_boundaries * b * self.sample_boundary_bytes,
+        beta = self.sample_boundary_bytes
+        d = self.dtype_bytes
+
+        def held(sets: int, staged: int) -> np.ndarray:
+            """Boundaries on the device: `sets` of all b samples, or `staged` staging buffers."""
+            return np.where(offload, staged * m_eff * beta, sets * b * beta)
+
+        def backward(u: int) -> dict[str, np.ndarray]:
+            kind = kinds[u]
+            act = t.act[kind].at(m_eff)
+            phase = {
+                "gathered": (params[u] + (params[u - 1] if u > 0 else 0)) * d,
+                "grad_accum": (params[u] + (params[u + 1] if u + 1 < len(kinds) else 0))
+                * GRAD_BYTES,
+            }
+            if kind == "head":
+                logits = np.maximum(act, m_eff * self.sample_logit_bytes)
+                phase["logits"] = np.where(working, logits, 0.0)
+                phase["boundary"] = held(L + 1, 1)  # every unit input; its own staged
+            else:
+                phase["activations"] = np.where(working, act, 0.0)
+                # inputs of units 1..u and the output gradients at u + 1
+                phase["boundary"] = held(u + 1, 1 if kind == "embedding" else 2)
+            return phase
+
+        last_block = L  # index of the last block (L >= 1)
+        candidates = {len(kinds) - 1, last_block, max(last_block - 1, 1), 0}
+        phases = [backward(u) for u in sorted(candidates, reverse=True)]
+        phases.append(
+            {
+                "gathered": (params[-1] + params[-2]) * d,
+                "boundary": held(L + 1, 1),
+            }
         )
-        zeros = np.zeros(np.broadcast_shapes(b.shape, m.shape, offload.shape), dtype=np.float64)
-        return {
-            "gathered": zeros + self.gathered_bytes,
-            "grad_accum": zeros + self.grad_accum_bytes,
-            "activations": zeros + np.where(working, act, 0.0),
-            "boundary": zeros + boundary,
-            "logits": zeros + np.where(working, logits, 0.0),
-            "reserve": zeros + self.reserve_for(capacity_bytes),
-        }
+        return phases
 
     def memory_without_state(self, type_key: str, capacity_bytes: int, b, m, offload) -> np.ndarray:
         # whole bytes per category, exactly as `rank_cost` reports them

@@ -47,11 +47,13 @@ from cephalo.errors import CephaloError
 from cephalo.profile import CommProfile, DeviceProfile
 
 DB_VERSION = 1
-MEASURE_METHOD = 4
+MEASURE_METHOD = 5
 """Bump when how a device is measured changes what a profile says. 2: the optimizer step
 and (on CPUs) the host copies are timed under the emulator; `async_copies` recorded.
 3: co-located CPU ranks measured concurrently by the wall clock (`DeviceKey.peers`).
-4: emulated CPU devices stretched to slowdown x the thread's CPU time, not its wall time."""
+4: emulated CPU devices stretched to slowdown x the thread's CPU time, not its wall time.
+5: activation bytes no longer count saved views of the unit's parameters (the engine's
+ledger does not: they live in its gathered buffer); small micro-batches were overstated."""
 DEFAULT_DB_PATH = Path("~/.cache/cephalo/profiles.json")
 
 

@@ -146,10 +146,13 @@ class UnitBench:
         self.per_sample_dropout = per_sample_dropout
         named = list(unit.module.named_parameters())
         self.layout = FlatLayout(unit.name, named)
-        self.flat = self.layout.flatten(dict(named), dtype=dtype).to(device)
+        self.ledger = MemoryLedger(0, device)
+        # a ledger buffer, as the engine's gathered parameters are: what autograd saves of
+        # them is then not counted as activations (in the engine it is not either)
+        self.flat = self.ledger.alloc("gathered", self.layout.numel, dtype, device=device)
+        self.flat.copy_(self.layout.flatten(dict(named), dtype=dtype))
         self.params = self.layout.views(self.flat)
         self.acc = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
-        self.ledger = MemoryLedger(0, device)
         self._gen = torch.Generator().manual_seed(1234 + index)
 
     # ------------------------------------------------------------------ inputs
