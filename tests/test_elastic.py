@@ -38,12 +38,12 @@ from cephalo.runtime.dist import SHARED_STORE_ENV
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
+from run_common import STEPS, tiny_job_args
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/environ").exists(), reason="finds workers through /proc"
 )
 
-STEPS = 20
 TOL = 1e-5
 JOB_TIMEOUT_S = 150
 # Rendezvous settings for the elastic (1:2 node) jobs: a node is declared dead after
@@ -55,25 +55,7 @@ RDZV_CONF = "join_timeout=60,last_call_timeout=2,close_timeout=5,keep_alive_inte
 
 
 def job_args(run_dir: Path, *extra: str) -> list[str]:
-    return [
-        f"--logging.dir={run_dir}",
-        "--logging.progress=false",
-        "--model.name=gpt-tiny",
-        "--model.overrides=dropout=0.1",
-        "--data.seq_len=16",
-        "--train.global_batch_size=6",
-        f"--train.steps={STEPS}",
-        "--train.warmup_steps=3",
-        "--train.lr=1e-3",
-        "--train.min_lr=1e-4",
-        "--train.eps=1e-6",
-        "--train.eval_every=0",
-        "--parallel.plan=even",
-        "--parallel.timeout_s=20",
-        "--checkpoint.every=5",
-        "--checkpoint.keep_last=3",
-        *extra,
-    ]
+    return tiny_job_args(run_dir, *extra, timeout_s=20, keep_last=3)
 
 
 @pytest.fixture(scope="module")

@@ -18,31 +18,13 @@ import pytest
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import KILL_AT_STEP_ENV, train
+from run_common import STEPS, tiny_job_args
 
-STEPS = 20
 TOL = 1e-5
 
 
 def overrides(run_dir, *extra: str) -> list[str]:
-    return [
-        f"--logging.dir={run_dir}",
-        "--logging.progress=false",
-        "--model.name=gpt-tiny",
-        "--model.overrides=dropout=0.1",
-        "--data.seq_len=16",
-        "--train.global_batch_size=6",
-        f"--train.steps={STEPS}",
-        "--train.warmup_steps=3",
-        "--train.lr=1e-3",
-        "--train.min_lr=1e-4",
-        "--train.eps=1e-6",
-        "--train.eval_every=0",
-        "--parallel.plan=even",
-        "--parallel.timeout_s=30",
-        "--checkpoint.every=5",
-        "--checkpoint.keep_last=5",
-        *extra,
-    ]
+    return tiny_job_args(run_dir, *extra, timeout_s=30, keep_last=5)
 
 
 def cephalo_run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -23,12 +23,13 @@ import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cephalo.cluster import Cluster
 from cephalo.commands.train import ERROR_DIR_ENV
+from cephalo.envvars import scoped_environ
 from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.runtime.dist import SHARED_STORE_ENV
@@ -81,21 +82,6 @@ def default_threads(nproc: int) -> int:
     """Cores per worker: N workers x T threads should not exceed the cores (oversubscribed
     OpenMP threads spin against each other and every rank slows down)."""
     return max(1, (os.cpu_count() or 1) // nproc)
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the workers (they inherit the launcher's environment)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def first_failure(error_dir: Path, failures: dict[int, object] | None = None) -> str:
@@ -181,7 +167,7 @@ def launch(job: LocalJob) -> None:
             f" on devices {job.devices}" if job.devices else "",
         )
         try:
-            with _environ(env):
+            with scoped_environ(env):
                 elastic_launch(config, sys.executable)(*args)
         except ChildFailedError as e:
             logger.debug(

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cephalo.envvars import scoped_environ
 from cephalo.errors import CephaloError
 
 _STOP = "__stop__"
@@ -150,9 +151,8 @@ class RankPool:
         )
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
-        saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(self.threads)
-        try:  # children inherit the environment at spawn
+        threads = {"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        with scoped_environ(threads):  # children inherit the environment at spawn
             for rank in range(self.world_size):
                 proc = self._ctx.Process(
                     target=_worker_main,
@@ -170,12 +170,6 @@ class RankPool:
                 )
                 proc.start()
                 self._procs.append(proc)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self._collect("ready", "start-up", self.start_timeout_s, None)
         return self
 
