@@ -385,3 +385,22 @@ def test_bf16_compute_gives_an_fp32_loss_close_to_fp32(name):
     assert loss_sum.dtype == torch.float32
     n_tokens = (labels != IGNORE_INDEX).sum()
     assert (loss_sum / n_tokens).item() == pytest.approx(loss32.item(), rel=2e-2)
+
+
+def test_meta_build_skips_and_restores_torch_init():
+    """A meta build runs no `torch.nn.init` filler (they are no-ops inside) and leaves them
+    as they were; a build on the CPU runs them."""
+    import torch.nn.init as init
+
+    from cephalo.modeling.units import skip_init_on_meta
+
+    original = init.normal_
+    with skip_init_on_meta("meta"):
+        assert init.normal_ is not original
+        t = torch.empty(3, device="meta")
+        assert init.normal_(t) is t
+    assert init.normal_ is original
+    with skip_init_on_meta("cpu"):
+        assert init.normal_ is original
+    build_model("gpt-tiny")
+    assert init.normal_ is original

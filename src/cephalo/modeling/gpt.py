@@ -24,6 +24,7 @@ from cephalo.modeling.units import (
     Unit,
     UnitModel,
     fill_normal_,
+    skip_init_on_meta,
     spec_from_units,
 )
 
@@ -193,7 +194,7 @@ class GPT(UnitModel):
         self.config = config
         # fork_rng: a non-meta build runs nn.Linear's default init; keep the global RNG
         # (dropout's source) untouched by construction.
-        with torch.random.fork_rng(devices=[]), torch.device(device):
+        with torch.random.fork_rng(devices=[]), torch.device(device), skip_init_on_meta(device):
             embedding = GPTEmbedding(config)
             blocks = [GPTBlock(config) for _ in range(config.n_layer)]
             head = GPTHead(config)

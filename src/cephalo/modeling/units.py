@@ -29,6 +29,7 @@ by other means must do the same (see `tied_parameter_slots`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -147,6 +148,39 @@ def retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
         shared = first_module._parameters[first_attr]
         for module, attr in group[1:]:
             module._parameters[attr] = shared
+
+
+_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+)
+
+
+@contextlib.contextmanager
+def skip_init_on_meta(device: torch.device | str) -> Iterator[None]:
+    """Building on the meta device: make `torch.nn.init`'s fillers no-ops inside, as modules'
+    `reset_parameters` call them. Meta tensors hold no values (`materialize` initialises the
+    real ones), and the first call of a filler imports torch's compiler stack (about a second
+    and a half), which a command that only reads the model's shape never needs."""
+    if torch.device(device).type != "meta":
+        yield
+        return
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 @torch.no_grad()
