@@ -276,3 +276,26 @@ def test_docs_config_md_is_generated_and_current():
         text=True,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_parallel_settings_reach_the_engine():
+    from cephalo.cluster import Cluster
+    from cephalo.train.trainer import engine_config
+
+    device = Cluster.parse("cpu:slowdown=2,mem=64MiB").devices[0]
+    default = engine_config(load_config(None, []), device, emulated=True)
+    assert default.overlap_reduce and default.validate_collectives is None
+    assert not default.validate_every_step
+    assert default.slowdown == 2 and default.memory_budget_bytes == 64 << 20
+    every = engine_config(
+        load_config(None, ["--parallel.check_collectives=every_step"]), device, emulated=False
+    )
+    assert every.validate_every_step and every.memory_budget_bytes is None
+    off = engine_config(
+        load_config(None, ["--parallel.check_collectives=off", "--parallel.overlap_reduce=false"]),
+        device,
+        emulated=False,
+    )
+    assert off.validate_collectives is False and not off.overlap_reduce
+    with pytest.raises(CephaloError, match="check_collectives"):
+        load_config(None, ["--parallel.check_collectives=sometimes"])

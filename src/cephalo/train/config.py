@@ -117,6 +117,15 @@ class ParallelConfig:
     `standard` (one forward/backward per micro-batch, as FSDP does)."""
     prefetch: bool = True
     """Gather the next unit's parameters while the current one computes."""
+    overlap_reduce: bool = True
+    """Reduce-scatter a unit's gradient while the next unit's backward computes (faster; one
+    more unit's fp32 gradient in memory). The planner assumes it on: off, a step takes a little
+    longer and a little less memory than planned."""
+    check_collectives: Literal["first_step", "every_step", "off"] = "first_step"
+    """Cross-check every collective's sizes across ranks (a mismatch is an error on every rank,
+    not a hang): in the first training step and evaluation only (the plan fixes the calls after
+    that), in `every_step` (a small blocking exchange per collective), or `off` (also
+    `CEPHALO_COMM_VALIDATE=0`)."""
     offload: Literal["auto", "always", "never"] = "auto"
     """Keep layer-boundary activations on the host: `auto` (as the plan says), `always`, `never`."""
     devices: str | None = None
