@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from cephalo.runtime.pool import RankFailure
-from cephalo.runtime.pool import RankPool as _RankPool
+from cephalo.launch.pool import RankFailure
+from cephalo.launch.pool import RankPool as _RankPool
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -53,7 +53,7 @@ BenchError = RankFailure
 
 
 def RankPool(world_size: int, timeout_s: float = 300.0, threads: int = 1) -> _RankPool:  # noqa: N802
-    """The package's local gloo pool (`cephalo.runtime.pool`), its ranks at the benches'
+    """The package's local gloo pool (`cephalo.launch.pool`), its ranks at the benches'
     priority (`BENCH_NICE`) with one intra-op thread each by default: N ranks on a 2-core
     machine would otherwise fight over the cores and every timing would measure that."""
     return _RankPool(world_size, timeout_s=timeout_s, threads=threads, nice=BENCH_NICE)

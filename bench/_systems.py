@@ -26,22 +26,17 @@ Measurements shared by both:
 
 from __future__ import annotations
 
-import gc
-import math
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX
-from cephalo.plan import Plan, RankPlan
+from cephalo.planning.plan import Plan
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.param_groups import adamw_param_groups
 
@@ -70,22 +65,6 @@ def make_data(
     x = torch.randint(0, vocab, (global_batch, seq_len), generator=g)
     y = torch.randint(0, vocab, (global_batch, seq_len), generator=g)
     return x, y
-
-
-def manual_plan(
-    model: str,
-    seq_len: int,
-    batches: list[int],
-    micros: list[int],
-    fractions: list[float],
-    device_keys: list[str] | None = None,
-) -> Plan:
-    keys = device_keys or ["cpu"] * len(batches)
-    ranks = [
-        RankPlan(i, keys[i], b, max(1, min(m, b)) if b else 1, math.ceil(b / m) if b else 0, f)
-        for i, (b, m, f) in enumerate(zip(batches, micros, fractions, strict=True))
-    ]
-    return Plan("manual", model, seq_len, sum(batches), "fp32", ranks)
 
 
 # ====================================================================== ours
@@ -309,98 +288,3 @@ class CollectiveCounter:
         for d in (self.calls, self.bytes):
             for k in d:
                 d[k] = 0
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Live bytes of CPU tensor storage while active, and their peak.
-
-    Every op's outputs are looked at; a storage seen for the first time is counted with its
-    size until it is freed (a weak reference's callback: torch keeps one Python object per
-    storage). `UntypedStorage.resize_`, which FSDP2 uses to free and re-allocate its unsharded
-    parameters and which no dispatch mode sees, is patched while active. DTensor ops are
-    passed down so that their local ops are the ones counted. Storages that exist before
-    are counted only if registered with `add_existing`."""
-
-    def __init__(self):
-        super().__init__()
-        self.current = 0
-        self.peak = 0
-        self._sizes: dict[int, tuple[weakref.ref, int]] = {}
-        self._original_resize = None
-
-    def _track(self, t: torch.Tensor) -> None:
-        if type(t) is not torch.Tensor and hasattr(t, "to_local"):  # DTensor
-            t = t.to_local()
-        if t.device.type != "cpu" or t.is_sparse:
-            return
-        st = t.untyped_storage()
-        key = id(st)
-        if key in self._sizes:
-            return
-        nbytes = st.nbytes()
-
-        def freed(_ref, key=key) -> None:
-            entry = self._sizes.pop(key, None)
-            if entry is not None:
-                self.current -= entry[1]
-
-        self._sizes[key] = (weakref.ref(st, freed), nbytes)
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-
-    def add_existing(self, *objs: Any) -> None:
-        for obj in objs:
-            if isinstance(obj, torch.Tensor):
-                self._track(obj)
-            elif isinstance(obj, nn.Module):
-                for p in obj.parameters():
-                    self._track(p.detach() if type(p) is torch.Tensor else p)
-            elif isinstance(obj, torch.optim.Optimizer):
-                for state in obj.state.values():
-                    for v in state.values():
-                        if isinstance(v, torch.Tensor):
-                            self._track(v)
-
-    def _resize(self, st: torch.UntypedStorage, size: int) -> None:
-        self._original_resize(st, size)
-        entry = self._sizes.get(id(st))
-        if entry is None:
-            self._sizes[id(st)] = (weakref.ref(st), 0)
-            entry = self._sizes[id(st)]
-        self.current += size - entry[1]
-        self._sizes[id(st)] = (entry[0], size)
-        self.peak = max(self.peak, self.current)
-
-    def __enter__(self):
-        self._original_resize = torch.UntypedStorage.resize_
-        mode = self
-
-        def resize_(st, size):
-            mode._resize(st, size)
-
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._original_resize
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is not torch.Tensor and hasattr(t, "to_local") for t in types):
-            return NotImplemented  # let DTensor unwrap; its local ops come back here
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
-
-
-def tracked_peak_bytes(step: Callable[[], Any], persistent: list[Any]) -> int:
-    """Peak live CPU tensor bytes during `step()`; `persistent`: modules, optimizers or
-    tensors that exist before the step and count from its start."""
-    gc.collect()
-    mode = LiveTensorBytes()
-    mode.add_existing(*persistent)
-    with mode:
-        step()
-    return mode.peak

@@ -60,9 +60,9 @@ def _compare(setup: Setup, overrides: dict, rounds: int, warmup: int) -> dict:
         Fsdp2Trainer,
         OursTrainer,
         make_data,
-        manual_plan,
-        tracked_peak_bytes,
     )
+    from cephalo.planning.planner import manual_plan
+    from cephalo.runtime.live_bytes import tracked_peak_bytes
 
     world = dist.get_world_size()
     b, k = setup.batch_per_rank, setup.micro_batches

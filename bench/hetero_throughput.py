@@ -88,13 +88,16 @@ def _overrides(n_layer: int) -> dict:
 
 def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cache: str) -> dict:
     """Runs on every rank: profile, plan, then time the four columns in rotated order."""
-    from _systems import Fsdp2Trainer, OursTrainer, make_data, manual_plan, tracked_peak_bytes
-    from cephalo.cluster import Cluster
+    from _systems import Fsdp2Trainer, OursTrainer, make_data
     from cephalo.errors import PlanDoesNotFit
     from cephalo.modeling.registry import build_model
-    from cephalo.planner import make_plan
-    from cephalo.profiling import ProfileSettings, cost_model_from_profiles, profile_devices
+    from cephalo.planning.planner import make_plan, manual_plan
+    from cephalo.planning.sources import measured_cost_model
+    from cephalo.profiling.profiler import profile_devices
+    from cephalo.profiling.settings import ProfileSettings
     from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.live_bytes import tracked_peak_bytes
+    from cephalo.specs.cluster import Cluster
 
     rank = dist.get_rank()
     cluster = Cluster.parse(case.spec)
@@ -115,7 +118,7 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
         **ov,
     )
     profile_s = time.perf_counter() - t0
-    cm = cost_model_from_profiles(cluster, build_model(MODEL, **ov).spec, SEQ_LEN, "fp32", measured)
+    cm = measured_cost_model(cluster, build_model(MODEL, **ov).spec, SEQ_LEN, "fp32", measured)
     plans, misfit = {}, {}
     for s in STRATEGIES:
         try:
@@ -210,7 +213,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     started = time.perf_counter()
-    from cephalo.cluster import Cluster
+    from cephalo.specs.cluster import Cluster
 
     world = 2
     assert all(Cluster.parse(c.spec).world_size == world for c in CASES)
@@ -400,7 +403,7 @@ def _report(results: list[dict], args, wall: float) -> None:
             "2 gloo ranks per cluster (one process and one torch thread each) on this 2-core machine.\n"
             "- Profiles: `cephalo.profiling.profile_devices` (repeats 2, micro-batches up to 8, a 6 s cap per "
             "type), measured in this run (database in a temporary directory, shared by the clusters); the "
-            "plans: `make_plan` on `cost_model_from_profiles`.\n"
+            "plans: `make_plan` on `measured_cost_model`.\n"
             "- The engine runs every plan in mode `lga` with collective validation off; its memory budget is "
             "not enforced during the run (one rank raising would hang the others until the timeout): the "
             "ledger peak is compared with `mem=` afterwards instead.\n"

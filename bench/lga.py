@@ -37,7 +37,8 @@ def _label(mode: str, offload: bool) -> str:
 def _sweep(model: str, overrides: dict, seq_len: int, batch: int, ks: list[int]) -> list[dict]:
     """Runs on every rank: for each (series, k) one warm-up-free step (bytes and ledger
     peaks are deterministic), its counters, ledger peaks and wall time."""
-    from _systems import OursTrainer, make_data, manual_plan
+    from _systems import OursTrainer, make_data
+    from cephalo.planning.planner import manual_plan
 
     world = dist.get_world_size()
     x, y = make_data(world * batch, seq_len, overrides.get("vocab_size", 256))

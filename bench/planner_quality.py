@@ -1,7 +1,7 @@
 """Planner quality on real GPU types (catalog profiles): predicted throughput of the
 `cephalo` plan against the `proportional` and `even` baselines and the ideal bound.
 
-Everything here is a PREDICTION of one cost model (`cephalo.costmodel`) fed with the
+Everything here is a PREDICTION of one cost model (`cephalo.planning.costmodel`) fed with the
 published per-GPU measurements shipped in the catalog; nothing runs on a GPU. The ideal
 bound comes from the same cost model:
 
@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from _common import Result, fmt_ratio, markdown_table, print_table, save_figure, verdict
-from cephalo.catalog import get_model_spec
-from cephalo.cluster import Cluster
-from cephalo.costmodel import CostModel
 from cephalo.errors import PlanDoesNotFit
-from cephalo.planner import MAX_MICRO_BATCH, make_plan
+from cephalo.planning.costmodel import CostModel
+from cephalo.planning.planner import MAX_MICRO_BATCH, make_plan
+from cephalo.planning.sources import catalog_cost_model
+from cephalo.specs.catalog import get_model_spec
+from cephalo.specs.cluster import Cluster
 
 STRATEGIES = ("cephalo", "proportional", "even")
 
@@ -72,7 +73,7 @@ def ideal_samples_per_s(cm: CostModel, global_batch: int) -> float:
 
 def plan_case(case: Case) -> dict:
     cluster = Cluster.parse(case.cluster)
-    cm = CostModel.from_catalog(cluster, get_model_spec(case.model), case.seq_len, case.dtype)
+    cm = catalog_cost_model(cluster, get_model_spec(case.model), case.seq_len, case.dtype)
     row: dict = {"case": case, "tokens_per_s": {}, "plan_s": {}, "short": {}}
     for strategy in STRATEGIES:
         t0 = time.perf_counter()

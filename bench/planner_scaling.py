@@ -17,11 +17,12 @@ import os
 import time
 from dataclasses import dataclass
 
-import cephalo.planner as planner
+import cephalo.planning.planner as planner
 from _common import Result, markdown_table, median, print_table, save_figure, verdict
-from cephalo.catalog import get_model_spec
-from cephalo.cluster import Cluster
-from cephalo.costmodel import CostModel
+from cephalo.planning.costmodel import CostModel
+from cephalo.planning.sources import catalog_cost_model
+from cephalo.specs.catalog import get_model_spec
+from cephalo.specs.cluster import Cluster
 
 MODEL, SEQ_LEN, DTYPE = "gpt-2.7b", 512, "fp16"
 TYPES = ["l4", "a6000", "p40", "t4", "v100x32", "rtx3090"]
@@ -54,7 +55,7 @@ def plan_time(
 ) -> tuple[float, object, CostModel]:
     times, plan, cm = [], None, None
     for _ in range(RUNS):
-        cm = CostModel.from_catalog(cluster, get_model_spec(MODEL), SEQ_LEN, DTYPE)
+        cm = catalog_cost_model(cluster, get_model_spec(MODEL), SEQ_LEN, DTYPE)
         t0 = time.perf_counter()
         plan = planner.make_plan(cm, B, strategy)
         times.append(time.perf_counter() - t0)
@@ -64,7 +65,7 @@ def plan_time(
 def exact_gap(cluster: Cluster, B: int) -> float | None:
     """Throughput of the hull path / the exact DP path on the same instance (1.0 = identical)."""
     saved = planner.EXACT_DP_MAX_WORK
-    cm = CostModel.from_catalog(cluster, get_model_spec(MODEL), SEQ_LEN, DTYPE)
+    cm = catalog_cost_model(cluster, get_model_spec(MODEL), SEQ_LEN, DTYPE)
     try:
         planner.EXACT_DP_MAX_WORK = 0
         hull = planner.make_plan(cm, B).predicted.samples_per_s

@@ -45,16 +45,14 @@ from _common import (
     save_figure,
     verdict,
 )
-from cephalo.cluster import Cluster
 from cephalo.modeling.registry import build_model
-from cephalo.plan import Plan, RankPlan
-from cephalo.planner import make_plan
-from cephalo.profiling import (
-    MeasuredProfiles,
-    ProfileSettings,
-    cost_model_from_profiles,
-    profile_devices,
-)
+from cephalo.planning.plan import Plan, RankPlan
+from cephalo.planning.planner import make_plan
+from cephalo.planning.sources import measured_cost_model
+from cephalo.profiling.profiler import profile_devices
+from cephalo.profiling.settings import ProfileSettings
+from cephalo.specs.cluster import Cluster
+from cephalo.specs.profile import MeasuredProfiles
 
 CLUSTER = "cpu:mem=96MiB,cpu:slowdown=2:mem=256MiB,cpu:slowdown=4:mem=1GiB"
 MODEL = "gpt-small-demo"
@@ -225,7 +223,7 @@ def main() -> None:
         prof = pool.run(_profile, cache)[0]
         cli_cached_s = _cli_cached_s(cache)
         measured = MeasuredProfiles.from_dict(prof["measured"])
-        cm = cost_model_from_profiles(cluster, spec, SEQ_LEN, DTYPE, measured)
+        cm = measured_cost_model(cluster, spec, SEQ_LEN, DTYPE, measured)
         plans = {s: make_plan(cm, GLOBAL_BATCH, s, model_name=MODEL) for s in STRATEGIES}
         runs: dict[str, list[list[dict]]] = {
             s: [[] for _ in range(cluster.world_size)] for s in STRATEGIES
@@ -426,7 +424,7 @@ def main() -> None:
             "training (each repetition started on all ranks together; the emulated ranks sleep to "
             "slowdown x their CPU time, so the host-speed rank's numbers carry the contention for the "
             f"cores), {SETTINGS.repeats} repeats after {SETTINGS.warmup} warm-up, median; micro-batches "
-            f"1..{SETTINGS.max_micro_batch}; collectives fitted from two message sizes. Plans: `make_plan(cost_model_from_profiles(...), "
+            f"1..{SETTINGS.max_micro_batch}; collectives fitted from two message sizes. Plans: `make_plan(measured_cost_model(...), "
             f"{GLOBAL_BATCH}, strategy)`. Training: `Engine.train_step`, {args.warmup} warm-up steps then "
             f"{args.steps} measured, {args.rounds} alternating rounds per plan; medians per rank. "
             f"All processes ran at niceness {nice} (other jobs shared the 2 cores). "

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from cephalo.catalog import DEVICE_ALIASES, MODELS  # noqa: E402
+from cephalo.specs.catalog import DEVICE_ALIASES, MODELS  # noqa: E402
 
 DEFAULT_SRC = ROOT.parent / "shared" / "data" / "published-profiles" / "cephalo"
 DEFAULT_OUT = ROOT / "src" / "cephalo" / "_data" / "catalog.json"

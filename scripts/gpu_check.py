@@ -28,7 +28,7 @@ def main() -> int:
         return SKIP
 
     from cephalo.modeling.registry import build_model
-    from cephalo.plan import Plan, RankPlan
+    from cephalo.planning.plan import Plan, RankPlan
     from cephalo.runtime.dist import init_distributed
     from cephalo.runtime.engine import Engine, EngineConfig
 

@@ -11,7 +11,7 @@
     def test_x(pool3):
         assert pool3.run(_body, "gloo") == [0, 1, 2]
 
-The pool is the package's own `cephalo.runtime.pool.RankPool` (the profiler's local launch and
+The pool is the package's own `cephalo.launch.pool.RankPool` (the profiler's local launch and
 the benchmarks use it too): gloo workers with a collective timeout, results pickled back, a
 raising, dying or hung rank reported as `RankFailure` with the ranks' tracebacks (a hung or
 dead pool restarts on the next `run`, so one broken test does not break the rest of the
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from cephalo.runtime.pool import RankFailure, RankPool
+from cephalo.launch.pool import RankFailure, RankPool
 
 RemoteError = RankFailure
 """What a failing body raises in the test (the ranks' tracebacks in its message)."""

@@ -3,13 +3,12 @@ tests/reference.py driven by an engine config, and the parameter comparison."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from cephalo.modeling.units import IGNORE_INDEX
-from cephalo.plan import Plan, RankPlan
+from cephalo.planning.plan import Plan
+from cephalo.planning.planner import manual_plan
 from cephalo.runtime.engine import EngineConfig
 from reference import OptimConfig, model_factory, train_reference
 
@@ -35,11 +34,7 @@ def one_thread():
 def make_plan(
     batches, fractions, micro, seq_len=16, dtype="fp32", offload=False, model="gpt-tiny"
 ) -> Plan:
-    ranks = [
-        RankPlan(i, "cpu", b, m, math.ceil(b / m), f, offload_activations=offload)
-        for i, (b, f, m) in enumerate(zip(batches, fractions, micro, strict=True))
-    ]
-    return Plan("manual", model, seq_len, sum(batches), dtype, ranks)
+    return manual_plan(model, seq_len, batches, micro, fractions, offload=offload, dtype=dtype)
 
 
 def make_data(steps: int, batch: int, seq_len: int = 16, vocab: int = 256, seed: int = 1):
@@ -63,9 +58,9 @@ def optim_config(cfg: EngineConfig, lr: float = LR) -> OptimConfig:
     """The reference trainers' settings for an engine config."""
     return OptimConfig(
         lr=lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
+        betas=cfg.adamw.betas,
+        eps=cfg.adamw.eps,
+        weight_decay=cfg.adamw.weight_decay,
         grad_clip=cfg.grad_clip,
         seed=cfg.seed,
     )

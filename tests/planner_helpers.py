@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cephalo.costmodel import CostModel
-from cephalo.models import ModelSpec
-from cephalo.profile import CommProfile, Curve, DeviceProfile, UnitProfile
+from cephalo.planning.costmodel import CostModel
+from cephalo.specs.model import ModelSpec
+from cephalo.specs.profile import CommProfile, Curve, DeviceProfile, UnitProfile
 
 
 @dataclass
 class FakeDevice:
-    """Stands in for `cephalo.cluster.Device`: the cost model reads only these two fields."""
+    """Stands in for `cephalo.specs.cluster.Device`: the cost model reads only these two fields."""
 
     type_key: str
     memory_bytes: int

@@ -2,8 +2,9 @@ import json
 
 import pytest
 
-from cephalo import catalog
-from cephalo.catalog import (
+from cephalo.errors import CephaloError
+from cephalo.specs import catalog
+from cephalo.specs.catalog import (
     GiB,
     available_profiles,
     catalog_profile,
@@ -15,8 +16,7 @@ from cephalo.catalog import (
     published_total_params,
     skipped_entries,
 )
-from cephalo.errors import CephaloError
-from cephalo.profile import DeviceProfile
+from cephalo.specs.profile import DeviceProfile
 
 PAPER_DEVICES = ("l4", "a6000", "p40")
 
@@ -281,8 +281,17 @@ def test_catalog_command(capsys, monkeypatch):
 
     assert main(["catalog"]) == 0
     out = capsys.readouterr().out
-    for word in ("a6000", "RTX A6000", "48 GiB", "gpt-2.7b", "deepspeedgpt_2.7b", "h100-nvl"):
+    for word in ("a6000", "RTX A6000", "48 GiB", "h100-nvl", "cephalo catalog --models"):
         assert word in out
+    assert main(["catalog", "--models"]) == 0
+    out = capsys.readouterr().out
+    for word in ("gpt-2.7b", "deepspeedgpt_2.7b", "llama-7b"):
+        assert word in out
+    assert main(["catalog", "--device", "rtx-a6000"]) == 0
+    out = capsys.readouterr().out
+    assert "RTX A6000" in out and "gpt-2.7b" in out and "512/fp16" in out
+    assert main(["catalog", "--device", "a6001"]) == 2
+    assert "a6000" in capsys.readouterr().err
     assert main(["catalog", "--model", "gpt-2.7b", "--dtype", "fp16"]) == 0
     out = capsys.readouterr().out
     assert "p40" in out and "b=16" in out and "fp32" not in out.split("b=16")[1]

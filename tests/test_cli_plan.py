@@ -6,11 +6,11 @@ import math
 import pytest
 
 from cephalo import Plan
-from cephalo.catalog import get_model_spec
 from cephalo.cli import main
-from cephalo.cluster import Cluster
-from cephalo.costmodel import CostModel
-from cephalo.planner import make_plan
+from cephalo.planning.planner import make_plan
+from cephalo.planning.sources import catalog_cost_model
+from cephalo.specs.catalog import get_model_spec
+from cephalo.specs.cluster import Cluster
 
 PAPER = [
     "--cluster",
@@ -58,7 +58,7 @@ def _reference_plan_json(path, with_meta=False):
 
 @pytest.fixture(scope="module")
 def paper_cm():
-    return CostModel.from_catalog(
+    return catalog_cost_model(
         Cluster.parse("2xl4,a6000,p40"), get_model_spec("gpt-2.7b"), 512, "fp16"
     )
 
@@ -163,8 +163,7 @@ def test_help_teaches(capsys):
 
 def test_plan_and_simulate_from_measured_profiles(tmp_path, capsys):
     """--profiles: a `cephalo profile --out` file feeds the same cost model (here written by hand)."""
-    from cephalo.profile import CommProfile
-    from cephalo.profiling.profiler import MeasuredProfiles
+    from cephalo.specs.profile import CommProfile, MeasuredProfiles
     from planner_helpers import linear_profile
 
     profiles = {

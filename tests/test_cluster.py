@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cephalo.catalog import GiB, device_memory_bytes
-from cephalo.cluster import DEFAULT_INTER_NODE_BYTES_PER_S, Cluster, Device
 from cephalo.errors import CephaloError
+from cephalo.specs.catalog import GiB, device_memory_bytes
+from cephalo.specs.cluster import DEFAULT_INTER_NODE_BYTES_PER_S, Cluster, Device
 
 
 def test_paper_cluster():

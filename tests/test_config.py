@@ -279,7 +279,7 @@ def test_docs_config_md_is_generated_and_current():
 
 
 def test_parallel_settings_reach_the_engine():
-    from cephalo.cluster import Cluster
+    from cephalo.specs.cluster import Cluster
     from cephalo.train.trainer import engine_config
 
     device = Cluster.parse("cpu:slowdown=2,mem=64MiB").devices[0]

@@ -143,7 +143,7 @@ def test_copies_without_async_copies_add_to_compute():
 
 
 def test_async_copies_round_trip_and_default():
-    from cephalo.profile import DeviceProfile
+    from cephalo.specs.profile import DeviceProfile
 
     prof = linear_profile("x", 1.0, 2.0, 0.0, 0.0)
     prof.async_copies = False

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from cephalo.cluster import Cluster
-from cephalo.demo import DemoOptions, RunSummary, demo_job_config, training_steps
+from cephalo.demo.pipeline import demo_job_config, training_steps
+from cephalo.demo.result import DemoOptions, RunSummary
 from cephalo.errors import CephaloError, PlanDoesNotFit
-from cephalo.plan import Plan
+from cephalo.planning.plan import Plan
+from cephalo.specs.cluster import Cluster
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
@@ -157,11 +158,11 @@ def test_max_restarts_and_max_micro_batch_are_checked():
 
 @pytest.mark.parametrize(("argv", "expected"), [([], 3), (["--max-restarts", "1"], 1)])
 def test_cephalo_run_takes_max_restarts_from_the_config(argv, expected, monkeypatch):
-    import cephalo.launch
+    import cephalo.launch.elastic
     from cephalo.cli import main
 
     seen = {}
-    monkeypatch.setattr(cephalo.launch, "run_local", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(cephalo.launch.elastic, "run_elastic", lambda *a, **kw: seen.update(kw))
     assert main(["run", "--nproc", "2", "--parallel.max_restarts=3", *argv]) == 0
     assert seen["max_restarts"] == expected
 
@@ -171,7 +172,8 @@ def test_cephalo_run_takes_max_restarts_from_the_config(argv, expected, monkeypa
 def tiny_profiles():
     import torch
 
-    from cephalo.profiling.profiler import ProfileSettings, profile_devices
+    from cephalo.profiling.profiler import profile_devices
+    from cephalo.profiling.settings import ProfileSettings
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -189,11 +191,11 @@ def tiny_profiles():
 
 
 def _plans_for(profiles, memory: str):
-    from cephalo.demo import make_plans
+    from cephalo.demo.pipeline import make_plans
     from cephalo.modeling.registry import build_model
-    from cephalo.profiling.profiler import cost_model_from_profiles
+    from cephalo.planning.sources import measured_cost_model
 
-    cm = cost_model_from_profiles(
+    cm = measured_cost_model(
         Cluster.parse(f"cpu,cpu:slowdown=2,mem={memory}"),
         build_model("gpt-tiny").spec,
         32,
@@ -204,7 +206,7 @@ def _plans_for(profiles, memory: str):
 
 
 def test_memory_note_says_whether_memory_shapes_the_plans(tiny_profiles):
-    from cephalo.demo import memory_note
+    from cephalo.demo.pipeline import memory_note
 
     cm, plans = _plans_for(tiny_profiles, "1GiB")
     assert "which fits: memory does not constrain" in memory_note(cm, plans, 8)
@@ -227,7 +229,7 @@ def test_memory_note_says_whether_memory_shapes_the_plans(tiny_profiles):
 
 
 def test_ideal_bound_is_above_every_plan(tiny_profiles):
-    from cephalo.demo import ideal_samples_per_s
+    from cephalo.demo.pipeline import ideal_samples_per_s
 
     cm, plans = _plans_for(tiny_profiles, "1GiB")
     ideal = ideal_samples_per_s(cm, 8)
@@ -237,7 +239,8 @@ def test_ideal_bound_is_above_every_plan(tiny_profiles):
 def test_summarize_run_leaves_out_warmup_steps(tmp_path):
     import json
 
-    from cephalo.demo import WARMUP_STEPS_EXCLUDED, summarize_run
+    from cephalo.demo.pipeline import summarize_run
+    from cephalo.demo.result import WARMUP_STEPS_EXCLUDED
 
     times = [5.0, 4.0, 1.0, 2.0, 3.0]
     with open(tmp_path / "metrics.jsonl", "w") as f:

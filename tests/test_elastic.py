@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from cephalo.launch import free_port
-from cephalo.plan import Plan
+from cephalo.launch.elastic import free_port
+from cephalo.planning.plan import Plan
 from cephalo.runtime.dist import SHARED_STORE_ENV
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics

@@ -9,6 +9,7 @@ import torch
 from cephalo.modeling.registry import build_model
 from cephalo.runtime.comm import make_comm
 from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.optim import AdamWHyper
 from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,
@@ -76,7 +77,7 @@ def _check_against_reference(results, ref, label):
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_uneven_plan_matches_single_process_reference(pool3, dropout, mode):
     plan = make_plan(**UNEVEN)
-    cfg = EngineConfig(mode=mode, eps=TEST_EPS, weight_decay=0.1, grad_clip=0.5)
+    cfg = EngineConfig(mode=mode, grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
     data = make_data(STEPS, plan.global_batch_size)
     results = pool3.run(_engine_run, "gpt-tiny", {"dropout": dropout}, plan, cfg, data)
     ref = run_reference("gpt-tiny", {"dropout": dropout}, data, cfg)
@@ -88,7 +89,7 @@ def test_uneven_plan_matches_single_process_reference(pool3, dropout, mode):
 @pytest.mark.parametrize("model, dropout", [("hf-gpt2-tiny", 0.1), ("hf-llama-tiny", 0.0)])
 def test_uneven_plan_matches_reference_hf_models(pool3, model, dropout):
     plan = make_plan(**UNEVEN)
-    cfg = EngineConfig(eps=TEST_EPS, weight_decay=0.1, grad_clip=0.5)
+    cfg = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
     data = make_data(STEPS, plan.global_batch_size)
     results = pool3.run(_engine_run, model, {"dropout": dropout}, plan, cfg, data)
     ref = run_reference(model, {"dropout": dropout}, data, cfg)
@@ -101,7 +102,7 @@ def test_memory_only_rank_and_zero_fraction_rank(pool3):
     keeps its boundary activations on the host."""
     plan = make_plan([4, 0, 2], [0.0, 0.7, 0.3], [3, 1, 2])
     plan.ranks[2].offload_activations = True
-    cfg = EngineConfig(eps=TEST_EPS)
+    cfg = EngineConfig(adamw=AdamWHyper(eps=TEST_EPS))
     data = make_data(3, plan.global_batch_size)
     results = pool3.run(_engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data)
     assert results[0]["state_bytes"] == 0
@@ -113,7 +114,7 @@ def test_memory_only_rank_and_zero_fraction_rank(pool3):
 @pytest.mark.slow
 def test_even_plan_matches_fsdp2(pool3):
     plan = make_plan([2, 2, 2], [1 / 3] * 3, [1, 2, 1])
-    cfg = EngineConfig(eps=TEST_EPS, weight_decay=0.1, grad_clip=0.5)
+    cfg = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
     data = make_data(STEPS, plan.global_batch_size)
     ours = pool3.run(_engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data)
     fsdp = pool3.run(_fsdp2_run, "gpt-tiny", {"dropout": 0.1}, cfg, data, plan.batch_sizes)

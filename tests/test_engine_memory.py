@@ -7,17 +7,14 @@ on its number of micro-batches; on the device, it grows by exactly the boundary 
 from __future__ import annotations
 
 import gc
-import weakref
 
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from cephalo.errors import MemoryBudgetExceeded
 from cephalo.modeling.registry import build_model
 from cephalo.runtime.comm import LocalComm
 from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.live_bytes import LiveTensorBytes
 from engine_common import LR, make_data, make_plan, one_thread
 
 __all__ = ["one_thread"]
@@ -62,36 +59,6 @@ def test_device_boundaries_are_the_only_growth():
     assert 0 < q8 - q1 <= extra * 1.02
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Live bytes of every storage created under the mode (freed when the storage dies)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and t.numel()
-        }
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.numel():
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in self.live and ptr not in inputs:
-                    self.live[ptr] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._freed, ptr)
-        return out
-
-    def _freed(self, ptr: int) -> None:
-        self.now -= self.live.pop(ptr)
-
-
 @pytest.mark.parametrize(
     "model, overrides, k",
     [
@@ -113,7 +80,7 @@ def test_ledger_peak_against_real_allocations(model, overrides, k):
     engine.train_step(x, y, lr=LR)
     gc.collect()
     state = engine.ledger.current_bytes  # allocated before the mode starts recording
-    with _LiveBytes() as real:
+    with LiveTensorBytes() as real:
         stats = engine.train_step(x, y, lr=LR)
     ledger_peak, real_peak = stats.peak_bytes, state + real.peak
     ratio = ledger_peak / real_peak

@@ -13,6 +13,7 @@ from cephalo.modeling.registry import build_model
 from cephalo.runtime.comm import LocalComm
 from cephalo.runtime.emulation import ComputeEmulator
 from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.optim import AdamWHyper
 from cephalo.runtime.param_groups import adamw_param_groups
 from engine_common import (
     LR,
@@ -37,7 +38,7 @@ def _train(plan, cfg, data, overrides, model="gpt-tiny"):
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("micro", [1, 2, 5])
 def test_single_rank_matches_reference(dropout, micro):
-    cfg = EngineConfig(eps=TEST_EPS, weight_decay=0.1, grad_clip=0.5)
+    cfg = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
     data = make_data(STEPS, 5)
     engine, stats = _train(make_plan([5], [1.0], [micro]), cfg, data, {"dropout": dropout})
     ref = run_reference("gpt-tiny", {"dropout": dropout}, data, cfg)
@@ -55,7 +56,7 @@ def test_dropout_changes_training_and_recompute_replays_it():
     recompute in backward sees the forward's masks: otherwise the reference match above
     could not hold. Here: the loss reported by the engine (from the no-graph forward) equals
     the reference's (from a graph forward), step after step."""
-    cfg = EngineConfig(eps=TEST_EPS)
+    cfg = EngineConfig(adamw=AdamWHyper(eps=TEST_EPS))
     data = make_data(3, 4)
     _, on = _train(make_plan([4], [1.0], [2]), cfg, data, {"dropout": 0.3})
     _, off = _train(make_plan([4], [1.0], [2]), cfg, data, {"dropout": 0.0})
@@ -65,8 +66,12 @@ def test_dropout_changes_training_and_recompute_replays_it():
 def test_lga_equals_standard_mode():
     data = make_data(3, 6)
     plan = make_plan([6], [1.0], [2])
-    a, _ = _train(plan, EngineConfig(eps=TEST_EPS, mode="lga"), data, {"dropout": 0.1})
-    b, _ = _train(plan, EngineConfig(eps=TEST_EPS, mode="standard"), data, {"dropout": 0.1})
+    a, _ = _train(
+        plan, EngineConfig(mode="lga", adamw=AdamWHyper(eps=TEST_EPS)), data, {"dropout": 0.1}
+    )
+    b, _ = _train(
+        plan, EngineConfig(mode="standard", adamw=AdamWHyper(eps=TEST_EPS)), data, {"dropout": 0.1}
+    )
     diff, worst = max_rel_diff(a.full_state_dict(), b.full_state_dict())
     assert diff <= 1e-5, f"{diff:.2e} in {worst}"
 
@@ -75,9 +80,12 @@ def test_lga_equals_standard_mode():
 def test_offload_and_prefetch_do_not_change_results(mode):
     data = make_data(2, 4)
     plan = make_plan([4], [1.0], [2])
-    base, _ = _train(plan, EngineConfig(eps=TEST_EPS, mode=mode), data, {})
+    base, _ = _train(plan, EngineConfig(mode=mode, adamw=AdamWHyper(eps=TEST_EPS)), data, {})
     other, _ = _train(
-        plan, EngineConfig(eps=TEST_EPS, mode=mode, offload=True, prefetch=False), data, {}
+        plan,
+        EngineConfig(mode=mode, offload=True, prefetch=False, adamw=AdamWHyper(eps=TEST_EPS)),
+        data,
+        {},
     )
     a, b = base.full_state_dict(), other.full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -89,7 +97,7 @@ def test_low_precision_trains_and_stays_close_to_fp32(dtype):
     data = [(x, y)] * 20
     plan32 = make_plan([4], [1.0], [2])
     plan_lp = make_plan([4], [1.0], [2], dtype=dtype)
-    cfg = EngineConfig(weight_decay=0.0)
+    cfg = EngineConfig(adamw=AdamWHyper(weight_decay=0.0))
     e32 = Engine(build_model("gpt-tiny"), plan32, LocalComm(), cfg)
     elp = Engine(build_model("gpt-tiny"), plan_lp, LocalComm(), cfg)
     l32 = [e32.train_step(a, b, lr=3e-3).loss for a, b in data]
@@ -118,7 +126,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
 
 
 def test_eval_loss_state_views_and_extra_state():
-    cfg = EngineConfig(eps=TEST_EPS)
+    cfg = EngineConfig(adamw=AdamWHyper(eps=TEST_EPS))
     data = make_data(2, 3)
     engine, stats = _train(make_plan([3], [1.0], [2]), cfg, data, {"dropout": 0.2})
     x, y = data[0]
@@ -170,7 +178,12 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(CephaloError, match="mode"):
         Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(mode="pipeline"))
     with pytest.raises(CephaloError, match="betas"):
-        Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(betas=(0.9, 1.0)))
+        Engine(
+            build_model("gpt-tiny"),
+            plan,
+            LocalComm(),
+            EngineConfig(adamw=AdamWHyper(betas=(0.9, 1.0))),
+        )
     with pytest.raises(CephaloError, match="grad_clip"):
         Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(grad_clip=-1.0))
 
@@ -259,7 +272,7 @@ def test_global_rng_dropout_is_replayed_in_recompute():
     micro-batch, the engine's forward draws the masks in the same order as a plain model
     forward; the backward recompute restores the saved generator state, so the gradients
     match a reference seeded the same way only if every recompute replays its mask."""
-    cfg = EngineConfig(eps=TEST_EPS, grad_clip=0.0, per_sample_dropout=False)
+    cfg = EngineConfig(grad_clip=0.0, per_sample_dropout=False, adamw=AdamWHyper(eps=TEST_EPS))
     data = make_data(3, 3)
     engine = Engine(
         build_model("gpt-tiny", dropout=0.2), make_plan([3], [1.0], [3]), LocalComm(), cfg
@@ -269,7 +282,10 @@ def test_global_rng_dropout_is_replayed_in_recompute():
     )
     named = [(f"{u}.{n}", p) for u, n, p in ref.named_unit_parameters()]
     opt = torch.optim.AdamW(
-        adamw_param_groups(named, cfg.weight_decay), lr=LR, betas=cfg.betas, eps=cfg.eps
+        adamw_param_groups(named, cfg.adamw.weight_decay),
+        lr=LR,
+        betas=cfg.adamw.betas,
+        eps=cfg.adamw.eps,
     )
     ref.train()
     for step, (x, y) in enumerate(data):

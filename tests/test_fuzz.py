@@ -24,10 +24,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cephalo.catalog import DEVICE_ALIASES
-from cephalo.cluster import Cluster
 from cephalo.errors import CephaloError
-from cephalo.plan import Plan, RankPlan
+from cephalo.planning.plan import Plan, RankPlan
+from cephalo.specs.catalog import DEVICE_ALIASES
+from cephalo.specs.cluster import Cluster
 from cephalo.train.config import field_types, load_config, section_class, section_names
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

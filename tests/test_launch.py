@@ -10,11 +10,13 @@ import time
 
 import pytest
 
+from cephalo import envvars
 from cephalo.cli import main as cli_main
-from cephalo.cluster import Cluster
 from cephalo.errors import CephaloError
-from cephalo.launch import default_threads, first_failure, free_port, nproc_for
-from cephalo.train.trainer import KILL_AT_STEP_ENV, simple_plan
+from cephalo.launch.elastic import first_failure, free_port, nproc_for
+from cephalo.launch.pool import threads_per_rank
+from cephalo.planning.planner import simple_plan
+from cephalo.specs.cluster import Cluster
 
 TIMEOUT_S = 20
 
@@ -47,8 +49,8 @@ def test_nproc_comes_from_the_devices():
 
 
 def test_threads_and_port():
-    assert default_threads(1) == max(1, os.cpu_count() or 1)
-    assert default_threads(10_000) == 1
+    assert threads_per_rank(1) == max(1, os.cpu_count() or 1)
+    assert threads_per_rank(10_000) == 1
     assert 0 < free_port() < 65536
 
 
@@ -129,7 +131,7 @@ def test_survivors_of_a_killed_rank_exit_with_an_error(tmp_path):
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
-        KILL_AT_STEP_ENV: "3",
+        envvars.KILL_AT_STEP: "3",
     }
     procs = [
         subprocess.Popen(
@@ -165,7 +167,7 @@ def test_kill_hook_fires_in_the_first_attempt_only(monkeypatch):
 
     killed = []
     monkeypatch.setattr("cephalo.train.trainer.os.kill", lambda pid, sig: killed.append(sig))
-    monkeypatch.setenv(KILL_AT_STEP_ENV, "3")
+    monkeypatch.setenv(envvars.KILL_AT_STEP, "3")
     rank1 = SimpleNamespace(world_size=2, rank=1)
     _Trainer._maybe_kill(rank1, 2)
     assert killed == []

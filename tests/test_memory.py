@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import gc
-import weakref
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from cephalo.errors import CephaloError, MemoryBudgetExceeded
+from cephalo.runtime.live_bytes import LiveTensorBytes
 from cephalo.runtime.memory import MemoryLedger
 
 MIB = 1 << 20
@@ -126,39 +124,6 @@ def test_activation_tracking_skips_ledger_buffers_and_respects_budget():
     assert ledger.current_by_category["activations"] == 0
 
 
-class _LiveAllocations(TorchDispatchMode):
-    """Records every storage an op creates and frees it from the count when it dies, so the
-    live bytes at any moment are the real memory allocated under the mode."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.live_bytes = 0
-        self.peak_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # views and in-place results share an input's storage: not a new allocation
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and t.numel()
-        }
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.numel() and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in self.live and ptr not in inputs:
-                    self.live[ptr] = storage.nbytes()
-                    self.live_bytes += storage.nbytes()
-                    self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-                    weakref.finalize(storage, self._freed, ptr)
-        return out
-
-    def _freed(self, ptr: int) -> None:
-        self.live_bytes -= self.live.pop(ptr)
-
-
 class _TinyLM(nn.Module):
     def __init__(self, vocab: int = 64, width: int = 48, depth: int = 2):
         super().__init__()
@@ -187,17 +152,17 @@ def test_ledger_matches_real_allocations_under_dispatch_mode():
     torch.manual_seed(0)
     model = _TinyLM()
     ledger = MemoryLedger(rank=0, device="cpu")
-    real = _LiveAllocations()
+    real = LiveTensorBytes()
     with real:
         ids = torch.randint(0, 64, (4, 16))
         labels = torch.randint(0, 64, (4, 16))
-        base = real.live_bytes  # the inputs
+        base = real.current  # the inputs
         with ledger.track_activations():
             loss = model(ids, labels)
         gc.collect()
         # after forward, what is still alive besides the inputs is what autograd saved (and
         # the scalar loss): every other intermediate died with its last Python reference
-        saved_real = real.live_bytes - base
+        saved_real = real.current - base
         saved_ledger = ledger.current_by_category["activations"]
         loss.backward()
         del loss

@@ -9,10 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cephalo.cluster import Cluster
 from cephalo.modeling.registry import build_model
-from cephalo.plan import Plan, RankPlan
-from cephalo.profiling import ProfileSettings, cost_model_from_profiles, profile_devices
+from cephalo.planning.plan import Plan
+from cephalo.planning.planner import manual_plan
+from cephalo.planning.sources import measured_cost_model
+from cephalo.profiling.profiler import profile_devices
+from cephalo.profiling.settings import ProfileSettings
+from cephalo.specs.cluster import Cluster
 from dist_harness import dist_pool_fixture
 from engine_common import one_thread
 
@@ -30,11 +33,8 @@ PLANS = {
 
 
 def _plan(spec: list[tuple[int, int, bool, float]]) -> Plan:
-    ranks = [
-        RankPlan(i, "cpu", b, m, -(-b // m) if b else 0, s, o)
-        for i, (b, m, o, s) in enumerate(spec)
-    ]
-    return Plan("manual", MODEL, SEQ, sum(r.batch_size for r in ranks), "fp32", ranks)
+    batches, micros, offloads, fractions = zip(*spec, strict=True)
+    return manual_plan(MODEL, SEQ, batches, micros, fractions, offload=list(offloads))
 
 
 def _ledger_peaks(spec):
@@ -61,7 +61,7 @@ def cost_model(one_thread):
         MODEL, SEQ, "fp32", Cluster.parse("cpu"), settings=settings, use_cache=False
     )
     spec = build_model(MODEL).spec
-    return cost_model_from_profiles(Cluster.parse("cpu,cpu,cpu"), spec, SEQ, "fp32", measured)
+    return measured_cost_model(Cluster.parse("cpu,cpu,cpu"), spec, SEQ, "fp32", measured)
 
 
 @pytest.mark.slow

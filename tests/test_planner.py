@@ -12,8 +12,8 @@ from scipy.optimize import linprog
 
 from cephalo import CephaloError, Plan, RankPlan
 from cephalo.errors import PlanDoesNotFit
-from cephalo.models import ModelSpec
-from cephalo.planner import make_plan
+from cephalo.planning.planner import make_plan
+from cephalo.specs.model import ModelSpec
 from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
 
 
@@ -235,7 +235,7 @@ def _exhaustive_fast_identical(cm, B):
 
 # ---------------------------------------------------------------- larger instances: the hull path
 def test_hull_path_close_to_exact(monkeypatch):
-    import cephalo.planner as planner
+    import cephalo.planning.planner as planner
 
     keys = ["a"] * 5 + ["b"] * 3
     profiles = {

@@ -10,20 +10,15 @@ import pytest
 import torch
 
 from cephalo.cli import main
-from cephalo.cluster import Cluster
 from cephalo.errors import CephaloError
 from cephalo.modeling.registry import build_model
-from cephalo.profile import Curve, DeviceProfile, UnitProfile
-from cephalo.profiling import (
-    MeasuredProfiles,
-    ProfileDatabase,
-    ProfileSettings,
-    cost_model_from_profiles,
-    profile_devices,
-)
-from cephalo.profiling.database import DeviceKey, model_signature
+from cephalo.planning.sources import measured_cost_model
+from cephalo.profiling.database import DeviceKey, ProfileDatabase, model_signature
 from cephalo.profiling.measure import CollectiveSample, fit_comm
-from cephalo.profiling.profiler import cached_profiles
+from cephalo.profiling.profiler import cached_profiles, profile_devices
+from cephalo.profiling.settings import ProfileSettings
+from cephalo.specs.cluster import Cluster
+from cephalo.specs.profile import Curve, DeviceProfile, MeasuredProfiles, UnitProfile
 from dist_harness import dist_pool_fixture
 
 FAST = ProfileSettings(
@@ -232,23 +227,23 @@ def test_bad_input():
 
 # ----------------------------------------------------------------------------- planning
 def test_plan_from_measured_profiles(single, tmp_path):
-    from cephalo.planner import make_plan
+    from cephalo.planning.planner import make_plan
 
     cluster = Cluster.parse("cpu,cpu:slowdown=2")
     spec = build_model("gpt-tiny").spec
     path = tmp_path / "profile.json"
     single.save(path)
     measured = MeasuredProfiles.load(path)
-    cm = cost_model_from_profiles(cluster, spec, SEQ, "fp32", measured)
+    cm = measured_cost_model(cluster, spec, SEQ, "fp32", measured)
     assert cm.meta["profile_source"] == "measured"
     plan = make_plan(cm, 24, "cephalo")
     fast, slow = plan.ranks
     assert fast.batch_size + slow.batch_size == 24
     assert fast.batch_size > slow.batch_size  # the slowed-down rank gets less work
     with pytest.raises(CephaloError, match="no measurements for"):
-        cost_model_from_profiles(Cluster.parse("cpu,cpu:slowdown=3"), spec, SEQ, "fp32", measured)
+        measured_cost_model(Cluster.parse("cpu,cpu:slowdown=3"), spec, SEQ, "fp32", measured)
     with pytest.raises(CephaloError, match="seq_len"):
-        cost_model_from_profiles(cluster, spec, SEQ * 2, "fp32", measured)
+        measured_cost_model(cluster, spec, SEQ * 2, "fp32", measured)
     with pytest.raises(CephaloError, match="not a profile file"):
         (tmp_path / "junk.json").write_text("{}")
         MeasuredProfiles.load(tmp_path / "junk.json")
@@ -396,15 +391,15 @@ def _rank_or_fail(comm, fail_rank: int, progress=None) -> int:
 
 
 @pytest.mark.slow
-def test_run_local_results_and_errors():
-    from cephalo.profiling.launch import run_local
+def test_run_ranks_results_and_errors():
+    from cephalo.launch.ranks import run_ranks
 
     seen = []
-    assert run_local(
+    assert run_ranks(
         _rank_or_fail, 2, -1, timeout_s=120, on_progress=lambda r, t: seen.append((r, t))
     ) == [0, 1]
     assert sorted(seen) == [(0, "working"), (1, "working")]
     t0 = time.perf_counter()
     with pytest.raises(CephaloError, match="rank 1 failed: this rank was told to fail"):
-        run_local(_rank_or_fail, 2, 1, timeout_s=120)
+        run_ranks(_rank_or_fail, 2, 1, timeout_s=120)
     assert time.perf_counter() - t0 < 60  # no waiting for the collective timeout

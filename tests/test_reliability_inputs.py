@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from cephalo.cli import main as cli_main
-from cephalo.cluster import Cluster
 from cephalo.log import logger
+from cephalo.planning.planner import simple_plan
+from cephalo.specs.cluster import Cluster
 from cephalo.train.checkpoint import MARKER
 from cephalo.train.config import load_config
-from cephalo.train.trainer import simple_plan, train
+from cephalo.train.trainer import train
 
 
 def job_args(run_dir, *extra: str) -> list[str]:
@@ -205,7 +206,7 @@ def test_restart_on_torchruns_shared_store_names_the_fix(monkeypatch):
     (pytorch#135712); the error says which variable fixes it (tests/test_elastic.py runs
     real restarts with it set)."""
     from cephalo.errors import CephaloError
-    from cephalo.launch import free_port
+    from cephalo.launch.elastic import free_port
     from cephalo.runtime.dist import SHARED_STORE_ENV, init_distributed
 
     env = {

@@ -15,9 +15,10 @@ import sys
 
 import pytest
 
+from cephalo import envvars
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
-from cephalo.train.trainer import KILL_AT_STEP_ENV, train
+from cephalo.train.trainer import train
 from run_common import STEPS, tiny_job_args
 
 TOL = 1e-5
@@ -46,7 +47,7 @@ def test_kill_one_rank_then_resume(tmp_path):
     reference = train(load_config(None, overrides(tmp_path / "reference")))
     run = tmp_path / "killed"
 
-    killed = cephalo_run(overrides(run), env={KILL_AT_STEP_ENV: "12"})
+    killed = cephalo_run(overrides(run), env={envvars.KILL_AT_STEP: "12"})
     assert killed.returncode == 2, killed.stderr[-3000:]
     assert "cephalo run: error: rank 1 was killed by signal SIGKILL" in killed.stderr
     assert "Traceback" not in killed.stderr

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from cephalo.cli import main as cli_main
-from cephalo.cluster import Cluster
 from cephalo.errors import CephaloError
-from cephalo.plan import Plan
+from cephalo.planning.plan import Plan
+from cephalo.planning.planner import simple_plan
+from cephalo.specs.cluster import Cluster
 from cephalo.train.config import load_config
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import read_metrics, truncate_metrics
-from cephalo.train.trainer import job_cluster, resolve_plan, simple_plan, train
+from cephalo.train.trainer import job_cluster, resolve_plan, train
 
 
 def tiny_config(tmp_path, *extra: str):

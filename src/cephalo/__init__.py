@@ -3,11 +3,11 @@
 The public API is kept small; everything else is importable from its module but may change.
 """
 
-from cephalo.cluster import Cluster, Device
 from cephalo.errors import CephaloError
 from cephalo.modeling.registry import build_model
-from cephalo.models import ModelSpec
-from cephalo.plan import Plan, RankPlan
+from cephalo.planning.plan import Plan, RankPlan
+from cephalo.specs.cluster import Cluster, Device
+from cephalo.specs.model import ModelSpec
 
 __version__ = "0.1.0"
 

@@ -1,10 +1,31 @@
-"""Environment variables set for a stretch of code (the processes it starts inherit them)."""
+"""Every `CEPHALO_*` environment variable the package reads, and `scoped_environ`.
+
+One home for the names, so a reader (and `docs/`) finds them all here:
+
+| variable | read by | meaning |
+|---|---|---|
+| `CEPHALO_LOG` | `cephalo.log` | log level (`INFO` by default) |
+| `CEPHALO_COMM_VALIDATE` | `runtime.comm` | `0` turns off the cross-rank collective checks |
+| `CEPHALO_PROFILE_DB` | `profiling.database` | profile database file |
+| `CEPHALO_CACHE` | `train.data` | cache root of prepared datasets |
+| `CEPHALO_ERROR_DIR` | `commands.train`, `launch.elastic` | where workers of `cephalo run` write their error reports |
+| `CEPHALO_TEST_KILL_AT_STEP`, `CEPHALO_TEST_KILL_RANK` | `train.trainer` | test hook: SIGKILL a rank before a step |
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Iterator
+
+LOG_LEVEL = "CEPHALO_LOG"
+COMM_VALIDATE = "CEPHALO_COMM_VALIDATE"
+PROFILE_DB = "CEPHALO_PROFILE_DB"
+CACHE_ROOT = "CEPHALO_CACHE"
+ERROR_DIR = "CEPHALO_ERROR_DIR"
+"""Set by `cephalo run` for its workers: each failing worker writes its error report there."""
+KILL_AT_STEP = "CEPHALO_TEST_KILL_AT_STEP"
+KILL_RANK = "CEPHALO_TEST_KILL_RANK"
 
 
 @contextlib.contextmanager

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+from cephalo import envvars
+
 logger = logging.getLogger("cephalo")
 
 
@@ -12,7 +14,7 @@ def init_logging(level: str | int | None = None) -> None:
     """Configure the cephalo logger once (rank-aware prefix under torchrun)."""
     if logger.handlers:
         return
-    level = level or os.environ.get("CEPHALO_LOG", "INFO")
+    level = level or os.environ.get(envvars.LOG_LEVEL, "INFO")
     rank = os.environ.get("RANK")
     prefix = f"[rank{rank}] " if rank is not None else ""
     handler = logging.StreamHandler()

@@ -52,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cephalo.demo import DemoOptions, run_demo
+    from cephalo.demo.pipeline import run_demo
+    from cephalo.demo.result import DemoOptions
     from cephalo.log import init_logging
 
     init_logging()

@@ -96,14 +96,14 @@ def export_checkpoint(
     """Load a checkpoint in one process (any saved layout) and write its weights."""
     from safetensors.torch import save_file
 
-    from cephalo.cluster import Cluster
     from cephalo.errors import CephaloError
     from cephalo.modeling.hf import to_hf_model
     from cephalo.modeling.registry import build_model
+    from cephalo.planning.planner import simple_plan
     from cephalo.runtime.comm import LocalComm
     from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.specs.cluster import Cluster
     from cephalo.train.checkpoint import load_checkpoint
-    from cephalo.train.trainer import simple_plan
 
     if out is None and hf_dir is None:
         raise CephaloError("export: say where to write: --out FILE.safetensors and/or --hf DIR")

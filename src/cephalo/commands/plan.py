@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
-
-from cephalo.costmodel import CostModel, PlanEvaluation
 from cephalo.errors import CephaloError, PlanDoesNotFit
-from cephalo.plan import DTYPES, Plan
+from cephalo.modeling.registry import model_spec_for
+from cephalo.planning.costmodel import CostModel
+from cephalo.planning.plan import DTYPES, Plan
+from cephalo.planning.sources import catalog_cost_model
+from cephalo.views.tables import make_console, plan_table, strategy_line
 
 STRATEGY_CHOICES = ("cephalo", "even", "proportional", "all")
 DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_DTYPE = "gpt-2.7b", 512, "fp16"
@@ -117,32 +116,32 @@ def build_cost_model(
     """A cost model for a cluster spec (or file), from the catalog or from measured profiles.
 
     Unset model / seq_len / dtype come from the measured profiles, or the defaults."""
-    from cephalo.cluster import Cluster
+    from cephalo.specs.cluster import Cluster
 
     if seq_len is not None and seq_len < 1:
         raise CephaloError(f"--seq-len must be >= 1, got {seq_len}")
     cluster = Cluster.from_any(cluster_spec)
     measured = None
     if profiles_path:
-        from cephalo.profiling.profiler import MeasuredProfiles
+        from cephalo.specs.profile import MeasuredProfiles
 
         measured = MeasuredProfiles.load(profiles_path)
     model = model or (measured.model if measured else DEFAULT_MODEL)
     seq_len = seq_len or (measured.seq_len if measured else DEFAULT_SEQ_LEN)
     dtype = dtype or (measured.dtype if measured else DEFAULT_DTYPE)
-    spec = resolve_model_spec(model)
+    spec = model_spec_for(model)
     if measured is None and any(d.type == "cpu" for d in cluster.devices):
         raise CephaloError(
             "cpu devices have no catalog profile: measure them with `cephalo profile --devices "
             f"{cluster_spec} --model {model} --out profiles.json`, then pass --profiles profiles.json"
         )
     if measured is not None:
-        from cephalo.profiling.profiler import cost_model_from_profiles
+        from cephalo.planning.sources import measured_cost_model
 
-        cm = cost_model_from_profiles(cluster, spec, seq_len, dtype, measured)
+        cm = measured_cost_model(cluster, spec, seq_len, dtype, measured)
         cm.meta["profile_source"] = f"measured:{profiles_path}"
     else:
-        cm = CostModel.from_catalog(cluster, spec, seq_len, dtype)
+        cm = catalog_cost_model(cluster, spec, seq_len, dtype)
         cm.meta["profile_source"] = "catalog"
     cm.meta["cluster_spec"] = str(cluster_spec)
     cm.meta["cluster"] = cluster.to_dict()
@@ -150,22 +149,8 @@ def build_cost_model(
     return cm
 
 
-def resolve_model_spec(name: str):
-    """A catalog model, or else a runnable one (`gpt-tiny`, ...) whose shape is read off the module."""
-    from cephalo.catalog import get_model_spec
-
-    try:
-        return get_model_spec(name)
-    except CephaloError:
-        from cephalo.modeling.registry import build_model, list_runnable_models, model_spec_of
-
-        if name not in list_runnable_models():
-            raise
-        return model_spec_of(build_model(name, "meta"))
-
-
 def run(args: argparse.Namespace) -> int:
-    from cephalo.planner import make_plan
+    from cephalo.planning.planner import make_plan
 
     if args.global_batch < 1:
         raise CephaloError(f"--global-batch must be >= 1, got {args.global_batch}")
@@ -209,61 +194,7 @@ def run(args: argparse.Namespace) -> int:
         main_plan.to_json(path)
         console.print(f"wrote {path}  (evaluate it with `cephalo simulate {path}`)")
     if args.plot:
-        from cephalo.plotting import plot_plan
+        from cephalo.views.plots import plot_plan
 
         console.print(f"wrote {plot_plan(main_plan, ev, args.plot)}")
     return 0
-
-
-# ---------------------------------------------------------------- rendering (shared with simulate)
-def make_console() -> Console:
-    """A console at least 110 columns wide: the per-rank table is not readable narrower (pipes, CI)."""
-    width = Console().width
-    return Console(width=max(width, 110))
-
-
-def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "GiB") -> Table:
-    """One row per rank; the slowest rank's step time in bold, ranks over their memory in red.
-    `memory_unit` "MiB" suits emulated budgets far below a GiB."""
-    unit = {"GiB": GIB, "MiB": 2**20}[memory_unit]
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in (
-        "rank",
-        "device",
-        "batch",
-        "micro x n",
-        "state",
-        "act",
-        "step s",
-        "busy s",
-        f"{memory_unit} used/cap",
-        "fits",
-    ):
-        table.add_column(col, justify="left" if col in ("device", "act") else "right", no_wrap=True)
-    for r, c in zip(plan.ranks, ev.ranks, strict=True):
-        slowest = abs(c.step_s - ev.step_s) <= 1e-12 * max(ev.step_s, 1.0)
-        table.add_row(
-            str(r.rank),
-            r.device,
-            str(r.batch_size),
-            f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "-",
-            f"{r.state_fraction:.3f}",
-            "host" if r.offload_activations else "dev",
-            f"[bold]{c.step_s:.3f}[/bold]" if slowest else f"{c.step_s:.3f}",
-            f"{c.busy_s:.3f}",
-            f"{c.peak_bytes / unit:.1f}/{c.capacity_bytes / unit:.1f}",
-            "yes" if c.fits else f"[red]NO -{c.shortfall_bytes / unit:.2f}[/red]",
-        )
-    return table
-
-
-def strategy_line(name: str, plan: Plan | PlanDoesNotFit, even: Plan | PlanDoesNotFit) -> str:
-    if isinstance(plan, PlanDoesNotFit):
-        return f"{name:>12}: does not fit ({plan})"
-    p = plan.predicted
-    ratio = (
-        f"{p.samples_per_s / even.predicted.samples_per_s:.2f}x even"
-        if isinstance(even, Plan)
-        else "even does not fit"
-    )
-    return f"{name:>12}: {p.samples_per_s:.4g} samples/s, {p.tokens_per_s:.4g} tokens/s, step {p.step_s:.4g} s, {ratio}"

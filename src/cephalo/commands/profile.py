@@ -7,14 +7,15 @@ import os
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from cephalo.catalog import DTYPES
-from cephalo.cluster import Cluster
 from cephalo.errors import CephaloError
 from cephalo.profiling.database import default_db_path
-from cephalo.profiling.profiler import MeasuredProfiles, ProfileSettings, profile_devices
+from cephalo.profiling.local import profile_local_ranks, profile_rank
+from cephalo.profiling.settings import ProfileSettings
+from cephalo.specs.catalog import DTYPES
+from cephalo.specs.cluster import Cluster
+from cephalo.specs.profile import MeasuredProfiles
+from cephalo.views.tables import profile_tables
 
 EPILOG = """\
 examples:
@@ -87,75 +88,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _settings(args: argparse.Namespace) -> ProfileSettings:
-    if args.repeats < 1 or args.warmup < 0 or args.time_cap <= 0 or args.max_micro_batch < 1:
-        raise CephaloError(
-            "--repeats and --max-micro-batch must be >= 1, --warmup >= 0, --time-cap > 0"
-        )
-    return ProfileSettings(
+    settings = ProfileSettings(
         repeats=args.repeats,
         warmup=args.warmup,
         time_cap_s=args.time_cap,
         max_micro_batch=args.max_micro_batch,
     )
-
-
-def profile_rank(
-    comm,
-    model: str,
-    seq_len: int,
-    dtype: str,
-    spec: str,
-    settings: ProfileSettings,
-    cache: str | None,
-    use_cache: bool,
-    refresh: bool,
-    overrides: dict | None = None,
-    progress=None,
-) -> dict | None:
-    """One profiling rank, for `cephalo profile` and the demo (top level: the local launcher
-    pickles it). `overrides` are the model's config overrides."""
-    measured = profile_devices(
-        model,
-        seq_len,
-        dtype,
-        Cluster.from_any(spec),
-        comm,
-        settings=settings,
-        cache=cache,
-        use_cache=use_cache,
-        refresh=refresh,
-        progress=progress,
-        **(overrides or {}),
-    )
-    return measured.to_dict() if comm.rank == 0 else None
-
-
-def profile_local_ranks(
-    console: Console, cluster: Cluster, rank_args: tuple, timeout_s: float
-) -> dict:
-    """Start one local rank per device, run `profile_rank(comm, *rank_args)` on each behind a
-    spinner that shows what each rank measures, and return rank 0's result."""
-    from cephalo.profiling.launch import run_local
-
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task(f"profiling {cluster.describe()} ...", total=None)
-
-        def show(rank: int, text: str) -> None:
-            bar.update(task, description=f"rank {rank}: {text}")
-
-        if cluster.world_size == 1:
-            from cephalo.runtime.comm import LocalComm
-
-            return profile_rank(LocalComm(), *rank_args, progress=lambda t: show(0, t))
-        return run_local(
-            profile_rank, cluster.world_size, *rank_args, timeout_s=timeout_s, on_progress=show
-        )[0]
+    if settings.problems():
+        raise CephaloError(
+            "--repeats and --max-micro-batch must be >= 1, --warmup >= 0, --time-cap > 0"
+        )
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
@@ -216,29 +159,3 @@ def _cached(args: argparse.Namespace, cluster: Cluster, seq_len: int) -> Measure
     return cached_profiles(
         args.model, seq_len, args.dtype, cluster, backend="gloo", cache=args.cache
     )
-
-
-def profile_tables(measured: MeasuredProfiles) -> list[Table]:
-    """One table per device type: forward / backward ms and activation MiB per micro-batch size."""
-    tables = []
-    for key, p in measured.profiles.items():
-        t = Table(
-            title=f"{key}: {measured.model}, seq {measured.seq_len}, {measured.dtype} ({p.source})",
-            caption=f"optimizer {p.optimizer_s_per_param * 1e9:.2f} ns/param, host copy "
-            f"{p.host_copy_bytes_per_s / 1e9:.1f} GB/s, {p.meta.get('torch_threads', '?')} thread(s)",
-        )
-        t.add_column("micro-batch", justify="right")
-        for kind in ("embedding", "block", "head"):
-            t.add_column(f"{kind} fwd/bwd ms", justify="right")
-        t.add_column("block act MiB", justify="right")
-        t.add_column("head act MiB", justify="right")
-        for m in p.units["block"].fwd_s.xs:
-            row = [f"{m:g}"]
-            for kind in ("embedding", "block", "head"):
-                u = p.units[kind]
-                row.append(f"{u.fwd_s(m) * 1e3:.2f} / {u.bwd_s(m) * 1e3:.2f}")
-            row.append(f"{p.units['block'].activation_bytes(m) / 2**20:.2f}")
-            row.append(f"{p.units['head'].activation_bytes(m) / 2**20:.2f}")
-            t.add_row(*row)
-        tables.append(t)
-    return tables

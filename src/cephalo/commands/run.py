@@ -52,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cephalo.launch import run_local
+    from cephalo.launch.elastic import run_elastic
     from cephalo.log import init_logging
 
     init_logging()
@@ -60,5 +60,5 @@ def run(args: argparse.Namespace) -> int:
     devices = args.devices or cfg.parallel.devices
     worker_args = (["--config", args.config] if args.config else []) + overrides_from_args(args)
     max_restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
-    run_local(worker_args, devices=devices, nproc=args.nproc, max_restarts=max_restarts)
+    run_elastic(worker_args, devices=devices, nproc=args.nproc, max_restarts=max_restarts)
     return 0

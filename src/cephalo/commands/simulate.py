@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from cephalo.commands.plan import (
-    GIB,
-    add_cost_model_arguments,
-    build_cost_model,
-    make_console,
-    plan_table,
-)
+from cephalo.commands.plan import GIB, add_cost_model_arguments, build_cost_model
 from cephalo.errors import CephaloError
-from cephalo.plan import Plan
+from cephalo.planning.plan import Plan
+from cephalo.views.tables import make_console, plan_table
 
 EPILOG = """\
 examples:

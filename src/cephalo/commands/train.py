@@ -8,13 +8,10 @@ import os
 import time
 from pathlib import Path
 
+from cephalo import envvars
 from cephalo.errors import CephaloError
 from cephalo.runtime.dist import shutdown
 from cephalo.train.config import add_config_arguments, config_from_args
-
-ERROR_DIR_ENV = "CEPHALO_ERROR_DIR"
-"""Set by `cephalo run`: each failing worker writes its one-line error there, so the launcher
-can show the first failure instead of every rank's traceback."""
 
 EPILOG = """\
 examples:
@@ -43,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def report_failure(message: str) -> None:
     """Leave this rank's error where `cephalo run` looks for it (no-op outside the launcher)."""
-    where = os.environ.get(ERROR_DIR_ENV)
+    where = os.environ.get(envvars.ERROR_DIR)
     if not where:
         return
     rank = os.environ.get("RANK", "0")
@@ -63,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         train(config_from_args(args))
     except CephaloError as e:
         report_failure(str(e))
-        if os.environ.get(ERROR_DIR_ENV):
+        if os.environ.get(envvars.ERROR_DIR):
             return 2  # the launcher prints the first failure once, for the whole job
         raise
     except Exception as e:

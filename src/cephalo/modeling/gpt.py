@@ -20,7 +20,7 @@ from torch import nn
 
 from cephalo.errors import CephaloError
 from cephalo.modeling.units import (
-    IGNORE_INDEX,
+    LMHead,
     Unit,
     UnitModel,
     fill_normal_,
@@ -166,7 +166,7 @@ class GPTBlock(nn.Module):
         return h + self.mlp(self.ln_2(h))
 
 
-class GPTHead(nn.Module):
+class GPTHead(LMHead):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -174,16 +174,6 @@ class GPTHead(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(h))
-
-    def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(h)
-        # fp32 loss whatever the compute dtype: the engine sums these across micro-batches.
-        return F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]),
-            labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
 
 
 class GPT(UnitModel):

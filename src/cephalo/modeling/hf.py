@@ -24,12 +24,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cephalo.errors import CephaloError
 from cephalo.modeling.gpt import GPT, MAX_LAYERS
-from cephalo.modeling.units import IGNORE_INDEX, Unit, UnitModel, fill_normal_, spec_from_units
+from cephalo.modeling.units import (
+    LMHead,
+    Unit,
+    UnitModel,
+    fill_normal_,
+    spec_from_units,
+)
 
 
 def _transformers():
@@ -254,22 +259,13 @@ class HFLlamaBlock(nn.Module):
         )
 
 
-class HFHead(nn.Module):
+class HFHead(LMHead):
     def __init__(self, norm: nn.Module, lm_head: nn.Linear):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
-
-    def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(h)
-        return F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]),
-            labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
 
 
 def _check_seq_len(seq: int, limit: int) -> None:

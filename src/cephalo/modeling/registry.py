@@ -11,7 +11,8 @@ import torch
 from cephalo.errors import CephaloError
 from cephalo.modeling.gpt import GPT, GPT_PRESETS, GPTConfig
 from cephalo.modeling.units import UnitModel
-from cephalo.models import ModelSpec
+from cephalo.specs.catalog import get_model_spec
+from cephalo.specs.model import ModelSpec
 
 
 def _build_gpt(name: str, device: torch.device | str, overrides: dict[str, Any]) -> UnitModel:
@@ -67,4 +68,15 @@ def model_spec_of(model: UnitModel) -> ModelSpec:
     return model.spec
 
 
-__all__ = ["GPTConfig", "build_model", "list_runnable_models", "model_spec_of"]
+def model_spec_for(name: str) -> ModelSpec:
+    """What the planner needs of a model name: a catalog model's published shape, or else a
+    runnable model's, read off its modules (built on the meta device: no weights)."""
+    try:
+        return get_model_spec(name)
+    except CephaloError:
+        if name not in list_runnable_models():
+            raise
+        return model_spec_of(build_model(name, "meta"))
+
+
+__all__ = ["GPTConfig", "build_model", "list_runnable_models", "model_spec_for", "model_spec_of"]

@@ -37,9 +37,28 @@ import torch
 from torch import nn
 
 from cephalo.errors import CephaloError
-from cephalo.models import ModelSpec
+from cephalo.specs.model import ModelSpec
 
 IGNORE_INDEX = -100
+
+
+class LMHead(nn.Module):
+    """The head unit of a causal LM, shared by every family: `logits(h)` (the family's final
+    norm and output projection, defined by the subclass) and the loss every head returns,
+    the SUM of the token cross-entropies in fp32 whatever the compute dtype (the engine sums
+    these across micro-batches and ranks, then divides by the global token count)."""
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(h)
+        return torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
 
 
 @dataclass

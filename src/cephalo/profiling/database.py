@@ -43,8 +43,9 @@ from typing import Any
 
 import torch
 
+from cephalo import envvars
 from cephalo.errors import CephaloError
-from cephalo.profile import CommProfile, DeviceProfile
+from cephalo.specs.profile import CommProfile, DeviceProfile
 
 DB_VERSION = 1
 MEASURE_METHOD = 5
@@ -59,7 +60,7 @@ DEFAULT_DB_PATH = Path("~/.cache/cephalo/profiles.json")
 
 def default_db_path() -> Path:
     """`$CEPHALO_PROFILE_DB` if set, else `~/.cache/cephalo/profiles.json`."""
-    env = os.environ.get("CEPHALO_PROFILE_DB")
+    env = os.environ.get(envvars.PROFILE_DB)
     return Path(env).expanduser() if env else DEFAULT_DB_PATH.expanduser()
 
 

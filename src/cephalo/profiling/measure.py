@@ -43,10 +43,10 @@ import torch
 from torch.func import functional_call
 
 from cephalo.modeling.units import Unit
+from cephalo.runtime.autograd import drain_grad, largest_saved_bytes
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dropout import SampleDropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
-from cephalo.runtime.engine import drain_grad, largest_saved_bytes
 from cephalo.runtime.flat import FlatLayout
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup

@@ -26,19 +26,15 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from cephalo.cluster import Cluster, Device
 from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import UnitModel
-from cephalo.models import ModelSpec
-from cephalo.profile import CommProfile, Curve, DeviceProfile, UnitProfile
 from cephalo.profiling.database import (
     CommKey,
     DeviceKey,
@@ -54,107 +50,15 @@ from cephalo.profiling.measure import (
     measure_host_copy,
     measure_optimizer,
 )
+from cephalo.profiling.settings import ProfileSettings
 from cephalo.runtime.comm import Comm, LocalComm
 from cephalo.runtime.emulation import ComputeEmulator
 from cephalo.runtime.precision import compute_dtype
+from cephalo.specs.cluster import Cluster, Device
+from cephalo.specs.model import ModelSpec
+from cephalo.specs.profile import CommProfile, Curve, DeviceProfile, MeasuredProfiles, UnitProfile
 
 ProgressFn = Callable[[str], None]
-
-
-@dataclass
-class ProfileSettings:
-    """How thoroughly to measure (the `[profile]` config section maps onto these)."""
-
-    repeats: int = 3
-    """Timed repetitions per measurement; the median is kept."""
-    warmup: int = 1
-    """Untimed repetitions before each measurement."""
-    time_cap_s: float = 60.0
-    """Per device type: stop trying larger micro-batches once this much time is spent (the
-    curves extrapolate linearly beyond the last measured size)."""
-    max_micro_batch: int = 32
-    """Largest micro-batch measured (sizes 1, 2, 4, ... up to it)."""
-    optimizer_numel: int = 1 << 21
-    """Elements of the flat shard the AdamW step is timed on."""
-    host_copy_bytes: int = 32 << 20
-    """Buffer size of the host-copy bandwidth measurement."""
-    comm_sizes_bytes: tuple[int, int] = (256 << 10, 8 << 20)
-    """The two total message sizes the collective fit uses (latency and bandwidth)."""
-    per_sample_dropout: bool = True
-    """Run units under the engine's per-sample dropout mode (as `EngineConfig` does by default)."""
-    concurrent: bool | None = None
-    """Measure every rank's device at the same time, by the wall clock, each timed
-    repetition started on all ranks together (see the module docstring). None: when all
-    ranks are CPU processes on one host, where they contend for the cores in training."""
-
-    @property
-    def timing(self) -> Timing:
-        return Timing(warmup=self.warmup, repeats=self.repeats)
-
-
-@dataclass
-class MeasuredProfiles:
-    """What `profile_devices` returns, and what `cephalo profile --out` writes."""
-
-    profiles: dict[str, DeviceProfile]
-    """By device type key."""
-    comm: CommProfile | None
-    """Measured collectives; None in a single process (no links to measure)."""
-    model: str
-    seq_len: int
-    dtype: str
-    measured: list[str] = field(default_factory=list)
-    """What was measured this time (type keys, and `comm`)."""
-    cached: list[str] = field(default_factory=list)
-    """What came from the database."""
-    elapsed_s: float = 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "model": self.model,
-            "seq_len": self.seq_len,
-            "dtype": self.dtype,
-            "profiles": {k: p.to_dict() for k, p in self.profiles.items()},
-            "comm": None
-            if self.comm is None
-            else {"bytes_per_s": self.comm.bytes_per_s, "latency_s": self.comm.latency_s},
-            "measured": self.measured,
-            "cached": self.cached,
-            "elapsed_s": self.elapsed_s,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> MeasuredProfiles:
-        return cls(
-            profiles={k: DeviceProfile.from_dict(p) for k, p in d["profiles"].items()},
-            comm=CommProfile(**d["comm"]) if d.get("comm") else None,
-            model=d["model"],
-            seq_len=int(d["seq_len"]),
-            dtype=d["dtype"],
-            measured=list(d.get("measured", [])),
-            cached=list(d.get("cached", [])),
-            elapsed_s=float(d.get("elapsed_s", 0.0)),
-        )
-
-    def save(self, path: str | Path) -> None:
-        import json
-
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path) -> MeasuredProfiles:
-        import json
-
-        p = Path(path)
-        try:
-            d = json.loads(p.read_text())
-            return cls.from_dict(d)
-        except OSError as e:
-            raise CephaloError(f"cannot read profile file {p}: {e.strerror or e}") from None
-        except (ValueError, KeyError, TypeError) as e:
-            raise CephaloError(
-                f"{p} is not a profile file written by `cephalo profile --out` ({type(e).__name__}: {e})"
-            ) from None
 
 
 # ====================================================================== one device type
@@ -176,7 +80,7 @@ def measure_device(
     repeating its last size, unrecorded, until every rank is done, so the others are still
     measured under the load they will see in training."""
     started = time.perf_counter()
-    timing = settings.timing
+    timing = Timing(warmup=settings.warmup, repeats=settings.repeats)
     if together is not None:
         timing = Timing(
             warmup=timing.warmup,
@@ -518,7 +422,12 @@ def profile_devices(
         else:
             if progress:
                 progress("collectives across all ranks")
-            samples = measure_collectives(comm, tdev, settings.comm_sizes_bytes, settings.timing)
+            samples = measure_collectives(
+                comm,
+                tdev,
+                settings.comm_sizes_bytes,
+                Timing(warmup=settings.warmup, repeats=settings.repeats),
+            )
             bw, lat = fit_comm(samples, comm.world_size)
             comm_profile = CommProfile(bytes_per_s=bw, latency_s=lat)
             comm_meta = {"samples": [(s.name, s.nbytes, s.seconds) for s in samples]}
@@ -548,38 +457,4 @@ def profile_devices(
         measured=measured,
         cached=cached,
         elapsed_s=time.perf_counter() - started,
-    )
-
-
-def cost_model_from_profiles(
-    cluster: Cluster,
-    model_spec: ModelSpec,
-    seq_len: int,
-    dtype: str,
-    measured: MeasuredProfiles,
-    **kw,
-):
-    """The cost model over measured profiles (the same `CostModel` the catalog feeds).
-
-    Collectives: the measured `CommProfile` when there is one, else the cluster's links."""
-    from cephalo.costmodel import CostModel
-
-    missing = sorted({d.type_key for d in cluster.devices} - set(measured.profiles))
-    if missing:
-        raise CephaloError(
-            f"the profiles have no measurements for {', '.join(missing)} (they cover "
-            f"{', '.join(sorted(measured.profiles))}); profile this cluster with `cephalo profile --devices ...`"
-        )
-    if measured.seq_len != seq_len or measured.dtype != dtype:
-        raise CephaloError(
-            f"the profiles were measured at seq_len {measured.seq_len} / {measured.dtype}, not "
-            f"{seq_len} / {dtype}; profile again with --seq-len {seq_len} --dtype {dtype}"
-        )
-    profiles = {}
-    for k in dict.fromkeys(d.type_key for d in cluster.devices):
-        p = copy.copy(measured.profiles[k])
-        p.memory_bytes = min(d.memory_bytes for d in cluster.devices if d.type_key == k)
-        profiles[k] = p
-    return CostModel.from_profiles(
-        cluster, model_spec, seq_len, dtype, profiles, comm=measured.comm, **kw
     )

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from cephalo import envvars
 from cephalo.errors import CephaloError
 
 COLLECTIVES = ("all_gather_v", "reduce_scatter_v", "all_reduce")
@@ -73,7 +74,7 @@ _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
 def validate_by_default() -> bool:
     """Whether cross-rank validation is on unless a caller says otherwise
     (`CEPHALO_COMM_VALIDATE=0` turns it off)."""
-    return os.environ.get("CEPHALO_COMM_VALIDATE", "1").strip().lower() not in (
+    return os.environ.get(envvars.COMM_VALIDATE, "1").strip().lower() not in (
         "0",
         "false",
         "no",

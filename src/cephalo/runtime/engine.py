@@ -55,7 +55,8 @@ from torch.func import functional_call
 from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
-from cephalo.plan import Plan
+from cephalo.planning.plan import Plan
+from cephalo.runtime.autograd import drain_grad, largest_saved_bytes
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm, Handle
 from cephalo.runtime.dropout import SampleDropout
@@ -78,12 +79,9 @@ class EngineConfig:
     compute_dtype: str | None = None
     """`fp32`, `bf16` or `fp16` for gathered parameters and activations; None: the plan's dtype.
     Gradients are accumulated and reduced in fp32; master weights and AdamW state are fp32."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay, applied where `wants_weight_decay` says (not norms, biases)."""
+    adamw: AdamWHyper = field(default_factory=AdamWHyper)
+    """AdamW betas, epsilon and decoupled weight decay (applied where `wants_weight_decay`
+    says: not norms, biases)."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
     prefetch: bool = True
@@ -119,14 +117,11 @@ class EngineConfig:
         """Raise `CephaloError` naming the first bad field."""
         if self.mode not in MODES:
             raise CephaloError(f"engine mode {self.mode!r} is not one of {', '.join(MODES)}")
-        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
-            raise CephaloError(f"AdamW betas must be two numbers in [0, 1), got {self.betas}")
-        for name in ("eps", "weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)) or (name == "eps" and value == 0):
-                raise CephaloError(
-                    f"engine setting {name} must be a finite number >= 0 (eps > 0), got {value}"
-                )
+        self.adamw.validate()
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise CephaloError(
+                f"engine setting grad_clip must be a finite number >= 0, got {self.grad_clip}"
+            )
         if self.loss_scale_init <= 0 or self.loss_scale_growth_interval < 1:
             raise CephaloError("loss_scale_init must be > 0 and loss_scale_growth_interval >= 1")
 
@@ -229,40 +224,6 @@ class _MicroBatch:
     """Generator states saved before each unit's forward, by unit index."""
 
 
-def drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
-    """Post-accumulate hook: add a parameter's fresh gradient into its fp32 slot, free it.
-    Public because the profiler replays the engine's backward with it (profiling/measure.py)."""
-    dst.add_(leaf.grad.reshape(-1))
-    leaf.grad = None
-
-
-_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
-"""Names of the saved-tensor attributes of each autograd node type (dir() is slow)."""
-
-
-def largest_saved_bytes(root, ledger: MemoryLedger) -> int:
-    """Largest storage any node of the autograd graph under `root` saved for backward
-    (ledger buffers, i.e. gathered parameters and boundaries, excluded). Public because the
-    profiler charges the same transient bytes as the engine (profiling/measure.py)."""
-    largest, seen, stack = 0, set(), [root]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        attrs = _SAVED_ATTRS.get(type(node))
-        if attrs is None:
-            attrs = _SAVED_ATTRS[type(node)] = tuple(
-                a for a in dir(node) if a.startswith("_saved_")
-            )
-        for attr in attrs:
-            value = getattr(node, attr)
-            if isinstance(value, torch.Tensor) and value.numel() and not ledger.owns(value):
-                largest = max(largest, value.untyped_storage().nbytes())
-        stack.extend(fn for fn, _ in node.next_functions)
-    return largest
-
-
 class Engine:
     """Sharded data-parallel training of a `UnitModel` under a `Plan` (see module docstring).
 
@@ -283,6 +244,8 @@ class Engine:
         self.model, self.plan, self.comm = model, plan, comm
         self.rank = comm.rank
         self.rank_plan = plan.ranks[self.rank]
+        self.sample_offset = plan.batch_offsets()[self.rank]
+        """Index of this rank's first sample in the global batch (ranks take consecutive slices)."""
         if config.validate_collectives is not None:
             comm.validate = config.validate_collectives
         self.device = (
@@ -321,7 +284,7 @@ class Engine:
                 ShardGroup(us.master, us.grad, us.exp_avg, us.exp_avg_sq, us.decay_segments)
                 for us in self.shards
             ],
-            AdamWHyper(betas=config.betas, eps=config.eps, weight_decay=config.weight_decay),
+            config.adamw,
         )
         self._comm_wait_s = 0.0
         self._busy_s = 0.0
@@ -679,7 +642,7 @@ class Engine:
             )
         input_ids = input_ids.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        first = self.plan.batch_offsets()[self.rank]
+        first = self.sample_offset
         m = rp.micro_batch_size
         return [
             _MicroBatch(input_ids[a : a + m], labels[a : a + m], first + a)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cephalo.errors import CephaloError
+from cephalo.planning.plan import largest_remainder
 
 
 @dataclass(frozen=True)
@@ -35,16 +36,28 @@ class ParamSlot:
 
 @dataclass(frozen=True)
 class FlatShard:
-    """This rank's piece of one logical tensor (for checkpoints written in the logical layout)."""
+    """This rank's piece of one logical tensor: elements [offset, offset + local.numel()) of
+    the flattened tensor `name` (the checkpoint contract: `cephalo.train.checkpoint` saves and
+    loads lists of these in the logical layout, so a checkpoint written under one plan loads
+    under any other plan or world size). The pieces of all ranks tile each tensor exactly."""
 
     name: str
     """Logical name: `<unit>.<param>`, `optim.exp_avg.<unit>.<param>`, `optim.exp_avg_sq.<unit>.<param>`."""
-    global_shape: torch.Size
-    """Shape of the whole logical tensor."""
+    global_shape: tuple[int, ...]
+    """Shape of the whole logical tensor (a `torch.Size` is fine)."""
     offset: int
     """First element of `local` within the flattened logical tensor."""
     local: torch.Tensor
-    """Live 1-D view into the rank's slice (possibly empty): writing it writes the engine's state."""
+    """Live 1-D view into the rank's state (possibly empty): loading a checkpoint writes it in place."""
+
+    @property
+    def global_numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    @property
+    def end(self) -> int:
+        """One past the last element this piece covers."""
+        return self.offset + self.local.numel()
 
 
 class FlatLayout:
@@ -115,13 +128,7 @@ def shard_ranges(numel: int, fractions: Sequence[float]) -> list[tuple[int, int]
         raise CephaloError(
             f"state fractions {list(fractions)} sum to 0; at least one rank must hold state"
         )
-    ideal = [numel * f / total for f in fractions]
-    sizes = [math.floor(x) for x in ideal]
-    remainder = numel - sum(sizes)
-    # hand the leftover elements to the largest fractional parts; stable sort = lower rank wins ties
-    order = sorted(range(len(ideal)), key=lambda i: -(ideal[i] - sizes[i]))
-    for i in order[:remainder]:
-        sizes[i] += 1
+    sizes = largest_remainder(numel, fractions)
     ranges, start = [], 0
     for size in sizes:
         ranges.append((start, size))

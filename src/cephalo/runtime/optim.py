@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cephalo.errors import CephaloError
+
 
 @dataclass
 class ShardGroup:
@@ -34,8 +36,22 @@ class AdamWHyper:
     """AdamW hyper-parameters (the learning rate comes with each step)."""
 
     betas: tuple[float, float] = (0.9, 0.95)
+    """Coefficients of the moment averages (beta1, beta2)."""
     eps: float = 1e-8
+    """Added to the second moment's square root."""
     weight_decay: float = 0.1
+    """Decoupled weight decay (on the slice runs in `ShardGroup.decay_segments`)."""
+
+    def validate(self) -> None:
+        """Raise `CephaloError` naming the first bad field."""
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise CephaloError(f"AdamW betas must be two numbers in [0, 1), got {self.betas}")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise CephaloError(f"AdamW eps must be a finite number > 0, got {self.eps}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise CephaloError(
+                f"AdamW weight_decay must be a finite number >= 0, got {self.weight_decay}"
+            )
 
 
 class ShardedAdamW:

@@ -83,7 +83,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from cephalo.errors import CephaloError
 from cephalo.log import logger
-from cephalo.runtime.state import FlatShard
+from cephalo.runtime.flat import FlatShard
 
 FORMAT_VERSION = 1
 MARKER = "COMPLETE"

@@ -36,6 +36,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib  # type: ignore[no-redef]
 
 from cephalo.errors import CephaloError
+from cephalo.profiling.settings import ProfileSettings
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 
@@ -172,22 +173,6 @@ class LoggingConfig:
 
 
 @dataclass
-class ProfileConfig:
-    """Measuring the devices for `parallel.plan = "auto"`."""
-
-    cache: str | None = None
-    """Profile database file, reused across runs; unset: `<logging.dir>/profile.json`."""
-    repeats: int = 3
-    """Timed repetitions per measurement (the median is kept)."""
-    warmup: int = 1
-    """Untimed repetitions before measuring."""
-    time_cap_s: float = 60.0
-    """Stop profiling larger micro-batches after this many seconds per device (extrapolate beyond)."""
-    max_micro_batch: int = 32
-    """Largest micro-batch measured (sizes 1, 2, 4, ... up to it); the cost model extrapolates beyond."""
-
-
-@dataclass
 class JobConfig:
     """A whole training job."""
 
@@ -197,7 +182,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    profile: ProfileSettings = field(default_factory=ProfileSettings)
 
     # Paths whose default depends on another section: resolved here so callers never guess.
     @property
@@ -622,13 +607,7 @@ def _validate(cfg: JobConfig) -> None:
     check(bool(lg.dir.strip()), "logging.dir must not be empty")
     check(bool(lg.metrics_jsonl.strip()), "logging.metrics_jsonl must not be empty")
     check(lg.log_every >= 1, f"logging.log_every must be >= 1, got {lg.log_every}")
-    pr = cfg.profile
-    check(pr.repeats >= 1, f"profile.repeats must be >= 1, got {pr.repeats}")
-    check(pr.warmup >= 0, f"profile.warmup must be >= 0, got {pr.warmup}")
-    check(pr.time_cap_s > 0, f"profile.time_cap_s must be > 0, got {pr.time_cap_s}")
-    check(
-        pr.max_micro_batch >= 1, f"profile.max_micro_batch must be >= 1, got {pr.max_micro_batch}"
-    )
+    problems.extend(cfg.profile.problems())
     if problems:
         more = (
             f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})"

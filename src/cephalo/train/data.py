@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cephalo import envvars
 from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.train.tokenizer import (
@@ -519,7 +520,7 @@ TRAINED_BPE = "bpe"
 
 def default_cache_dir() -> Path:
     """Where prepared datasets are cached: `$CEPHALO_CACHE/data`, else `~/.cache/cephalo/data`."""
-    root = os.environ.get("CEPHALO_CACHE")
+    root = os.environ.get(envvars.CACHE_ROOT)
     return (Path(root) if root else Path.home() / ".cache" / "cephalo") / "data"
 
 

@@ -32,15 +32,18 @@ from typing import Any
 
 import torch
 
-from cephalo.cluster import Cluster, Device
+from cephalo import envvars
 from cephalo.errors import CephaloError
 from cephalo.log import init_logging, logger
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
-from cephalo.plan import Plan, RankPlan
+from cephalo.planning.plan import Plan
+from cephalo.planning.planner import simple_plan
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dist import init_distributed
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
+from cephalo.runtime.optim import AdamWHyper
+from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig, config_to_toml
 from cephalo.train.data import GlobalBatches, resolve_dataset
@@ -54,8 +57,6 @@ from cephalo.train.metrics import (
     truncate_metrics,
 )
 
-KILL_AT_STEP_ENV = "CEPHALO_TEST_KILL_AT_STEP"
-KILL_RANK_ENV = "CEPHALO_TEST_KILL_RANK"
 PLAN_FILE = "plan.json"
 CONFIG_FILE = "config.toml"
 # Per-rank values gathered each step for the metrics: busy, comm wait, step time, peak bytes.
@@ -104,55 +105,6 @@ def job_cluster(cfg: JobConfig, world_size: int) -> Cluster:
     return Cluster.parse(",".join(["cpu"] * world_size))
 
 
-def _split(total: int, weights: list[float]) -> list[int]:
-    """`total` samples split in proportion to `weights`, largest remainders first."""
-    raw = [total * w / sum(weights) for w in weights]
-    parts = [math.floor(x) for x in raw]
-    for i in sorted(range(len(raw)), key=lambda i: raw[i] - parts[i], reverse=True)[
-        : total - sum(parts)
-    ]:
-        parts[i] += 1
-    return parts
-
-
-def simple_plan(
-    strategy: str, cluster: Cluster, model_name: str, seq_len: int, global_batch: int, dtype: str
-) -> Plan:
-    """`even` (equal batches) or `proportional` (batches in proportion to each device's speed,
-    1 / slowdown) with equal state shards and one micro-batch per rank: the FSDP-style
-    baselines, made without a profile."""
-    n = cluster.world_size
-    if strategy == "even":
-        batches = _split(global_batch, [1.0] * n)
-    else:
-        if any(d.type != "cpu" for d in cluster.devices):
-            logger.warning(
-                "plan = proportional without a profile treats every GPU as equally fast; "
-                "use plan = auto (measured speeds) for a real heterogeneous cluster"
-            )
-        batches = _split(global_batch, [1.0 / d.slowdown for d in cluster.devices])
-    ranks = [
-        RankPlan(
-            rank=i,
-            device=d.type_key,
-            batch_size=b,
-            micro_batch_size=max(b, 1),
-            num_micro_batches=1 if b else 0,
-            state_fraction=1.0 / n,
-        )
-        for i, (d, b) in enumerate(zip(cluster.devices, batches, strict=True))
-    ]
-    return Plan(
-        strategy=strategy,
-        model=model_name,
-        seq_len=seq_len,
-        global_batch_size=global_batch,
-        dtype=dtype,
-        ranks=ranks,
-        meta={"cluster": cluster.describe()},
-    )
-
-
 def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int) -> Plan:
     """The plan `parallel.plan` names (`even`, `proportional` or a plan file), checked against
     this job (world size, model, global batch). `auto` is `auto_plan`'s."""
@@ -180,20 +132,15 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
     plan from the measured cost model. Every rank gets the same profiles (broadcast by the
     profiler) and the planner is deterministic, so every rank makes the same plan; one tiny
     all-reduce checks it."""
-    from cephalo.planner import make_plan
-    from cephalo.profiling import ProfileSettings, cost_model_from_profiles, profile_devices
+    from cephalo.planning.planner import make_plan
+    from cephalo.planning.sources import measured_cost_model
+    from cephalo.profiling.profiler import profile_devices
 
     seq_len, batch, dtype = cfg.data.seq_len, cfg.train.global_batch_size, cfg.model.dtype
-    settings = ProfileSettings(
-        repeats=cfg.profile.repeats,
-        warmup=cfg.profile.warmup,
-        time_cap_s=cfg.profile.time_cap_s,
-        max_micro_batch=cfg.profile.max_micro_batch,
-    )
     measured = profile_devices(
-        model, seq_len, dtype, cluster, comm, settings=settings, cache=cfg.profile_cache
+        model, seq_len, dtype, cluster, comm, settings=cfg.profile, cache=cfg.profile_cache
     )
-    cost_model = cost_model_from_profiles(cluster, model.spec, seq_len, dtype, measured)
+    cost_model = measured_cost_model(cluster, model.spec, seq_len, dtype, measured)
     plan = make_plan(cost_model, batch, "cephalo", model_name=cfg.model.name)
     plan.meta["profiles"] = {
         "measured": measured.measured,
@@ -227,9 +174,7 @@ def engine_config(cfg: JobConfig, device: Device, emulated: bool) -> EngineConfi
     return EngineConfig(
         mode=cfg.parallel.mode,
         compute_dtype=cfg.model.dtype,
-        betas=tuple(t.betas),
-        eps=t.eps,
-        weight_decay=t.weight_decay,
+        adamw=AdamWHyper(betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay),
         grad_clip=t.grad_clip,
         prefetch=cfg.parallel.prefetch,
         overlap_reduce=cfg.parallel.overlap_reduce,
@@ -273,7 +218,6 @@ class _Trainer:
         else:
             self.plan = resolve_plan(cfg, self.cluster, self.world_size)
         self.rank_plan = self.plan.ranks[self.rank]
-        self.offset = self.plan.batch_offsets()[self.rank]
         data_path = resolve_dataset(
             cfg.data.path,
             cfg.data.tokenizer,
@@ -423,14 +367,14 @@ class _Trainer:
 
     def _maybe_kill(self, step_number: int) -> None:
         """Test hook: SIGKILL this rank just before `step_number` (see module docstring)."""
-        at = os.environ.get(KILL_AT_STEP_ENV)
+        at = os.environ.get(envvars.KILL_AT_STEP)
         if at is None or int(at) != step_number:
             return
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return  # once per job: a restarted attempt that resumes before step N goes past it
-        victim = int(os.environ.get(KILL_RANK_ENV, "1" if self.world_size > 1 else "0"))
+        victim = int(os.environ.get(envvars.KILL_RANK, "1" if self.world_size > 1 else "0"))
         if victim == self.rank:
-            logger.warning("%s=%s: killing rank %d (SIGKILL)", KILL_AT_STEP_ENV, at, self.rank)
+            logger.warning("%s=%s: killing rank %d (SIGKILL)", envvars.KILL_AT_STEP, at, self.rank)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def train_step(self, metrics: MetricsLog | None, progress: ProgressDisplay) -> None:
@@ -438,7 +382,7 @@ class _Trainer:
         self._maybe_kill(number)
         lr = self.schedule(self.step)
         input_ids, labels = self.batches.rank_slice(
-            self.step, self.offset, self.rank_plan.batch_size
+            self.step, self.engine.sample_offset, self.rank_plan.batch_size
         )
         stats = self.engine.train_step(input_ids, labels, lr)
         ranks, step_s = self._gather_rank_stats(stats)
@@ -495,9 +439,9 @@ class _Trainer:
         total, weight = 0.0, 0
         for index in range(count):
             windows = min(b, self.batches.num_val_windows - index * b)
-            take = max(0, min(self.rank_plan.batch_size, windows - self.offset))
+            take = max(0, min(self.rank_plan.batch_size, windows - self.engine.sample_offset))
             if take:
-                x, y = self.batches.val_batch(index, b, self.offset, take)
+                x, y = self.batches.val_batch(index, b, self.engine.sample_offset, take)
             else:
                 x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
             pad = self.rank_plan.batch_size - take

@@ -25,82 +25,34 @@ import os
 import shutil
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 
-from cephalo.cluster import Cluster
-from cephalo.costmodel import CostModel, PlanEvaluation
+from cephalo import envvars
+from cephalo.demo.report import write_report
+from cephalo.demo.result import (
+    STRATEGIES,
+    WARMUP_STEPS_EXCLUDED,
+    DemoOptions,
+    DemoResult,
+    RunSummary,
+    describe_cluster,
+)
 from cephalo.errors import CephaloError, PlanDoesNotFit
-from cephalo.plan import Plan
-from cephalo.profiling.profiler import MeasuredProfiles, ProfileSettings
+from cephalo.planning.costmodel import CostModel, PlanEvaluation
+from cephalo.planning.plan import Plan
+from cephalo.planning.planner import make_plan
+from cephalo.planning.sources import measured_cost_model
+from cephalo.specs.cluster import Cluster
+from cephalo.specs.profile import MeasuredProfiles
 from cephalo.train.config import JobConfig, config_to_toml
 from cephalo.train.metrics import read_metrics
+from cephalo.views.tables import make_console, plan_table, strategy_line
 
 DEMO_TIGHT_MEMORY = "32MiB"
 DEMO_DEVICES = f"cpu,cpu:slowdown=1.5,cpu:slowdown=3,cpu:slowdown=3,mem={DEMO_TIGHT_MEMORY}"
 """Four ranks: full speed, 1.5x and 3x slower, and a 3x slower one with little memory."""
-STRATEGIES = ("cephalo", "even", "proportional")
-# Steps of the first (warm-up) steps left out of measured step times: allocator, caches, gloo pairs.
-WARMUP_STEPS_EXCLUDED = 2
-
-
-@dataclass
-class DemoOptions:
-    """What `cephalo demo` runs."""
-
-    out: Path = Path("runs/demo")
-    """Report and run directories."""
-    minutes: float = 1.25
-    """Training budget of the cephalo run (the baseline run and profiling come on top)."""
-    quick: bool = False
-    """A tiny model and a few steps (tests, smoke checks): the same pipeline in well under a minute."""
-    baseline_steps: int = 10
-    """Steps of the comparison run (its throughput is what counts, not its loss)."""
-
-
-@dataclass
-class RunSummary:
-    """One training run of the demo, read back from its metrics."""
-
-    strategy: str
-    run_dir: Path
-    steps: int
-    wall_s: float
-    """Launch to exit, including worker start-up and the final checkpoint."""
-    step_s: float
-    """Median step time without the warm-up steps."""
-    mean_step_s: float
-    """Mean step time without the warm-up steps (the per-rank busy and idle means add up to it)."""
-    samples_per_s: float
-    losses: dict[int, float] = field(default_factory=dict)
-    val_losses: dict[int, float] = field(default_factory=dict)
-    busy_s: list[float] = field(default_factory=list)
-    """Per rank: mean compute seconds per step (emulated slowdown included)."""
-    idle_s: list[float] = field(default_factory=list)
-    """Per rank: mean seconds per step spent waiting (collectives, slower ranks)."""
-    peak_bytes: list[int] = field(default_factory=list)
-    """Per rank: the memory ledger's peak over the run."""
-
-
-@dataclass
-class DemoResult:
-    """Everything the report needs."""
-
-    options: DemoOptions
-    cluster: Cluster
-    config: JobConfig
-    measured: MeasuredProfiles
-    cost_model: CostModel
-    plans: dict[str, Plan | PlanDoesNotFit]
-    evaluations: dict[str, PlanEvaluation]
-    memory_note: str
-    ideal_samples_per_s: float
-    runs: dict[str, RunSummary] = field(default_factory=dict)
-    comparison: str | None = None
-    """The baseline the cephalo run is compared with (`even`, else `proportional`), None if none fits."""
-    timings_s: dict[str, float] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- the job
@@ -135,16 +87,6 @@ def demo_job_config(out: Path, quick: bool = False) -> JobConfig:
     return cfg
 
 
-def profile_settings(cfg: JobConfig) -> ProfileSettings:
-    pr = cfg.profile
-    return ProfileSettings(
-        repeats=pr.repeats,
-        warmup=pr.warmup,
-        time_cap_s=pr.time_cap_s,
-        max_micro_batch=pr.max_micro_batch,
-    )
-
-
 # ----------------------------------------------------------------------------- 1. profile
 def profile_cluster(
     cfg: JobConfig, cluster: Cluster, console: Console, in_process: bool = False
@@ -163,7 +105,7 @@ def profile_cluster(
     )
     if hit is not None:
         return hit
-    settings = profile_settings(cfg)
+    settings = cfg.profile
     if in_process:
         import torch
 
@@ -183,7 +125,7 @@ def profile_cluster(
             )
         finally:
             torch.set_num_threads(threads)
-    from cephalo.commands.profile import profile_local_ranks
+    from cephalo.profiling.local import profile_local_ranks
 
     # profile_rank(comm, model, seq_len, dtype, devices, settings, cache, use_cache, refresh, overrides)
     rank_args = (
@@ -205,7 +147,6 @@ def profile_cluster(
 def make_plans(
     cost_model: CostModel, global_batch: int, model_name: str
 ) -> dict[str, Plan | PlanDoesNotFit]:
-    from cephalo.planner import make_plan
 
     plans: dict[str, Plan | PlanDoesNotFit] = {}
     for strategy in STRATEGIES:
@@ -286,7 +227,6 @@ def print_plans(
     plans: dict[str, Plan | PlanDoesNotFit],
     evaluations: dict[str, PlanEvaluation],
 ) -> None:
-    from cephalo.commands.plan import plan_table, strategy_line
 
     ceph = plans["cephalo"]
     assert isinstance(ceph, Plan)
@@ -336,13 +276,13 @@ def launch_run(cfg: JobConfig, config_path: Path, quiet: bool) -> float:
 
     quiet: the workers log warnings only (rank 0's progress bar still shows loss, speed and
     validation); otherwise every rank's start-up lines come too."""
-    from cephalo.launch import run_local
+    from cephalo.launch.elastic import run_elastic
 
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(config_to_toml(cfg))
     started = time.perf_counter()
-    env = {"CEPHALO_LOG": "WARNING"} if quiet else {}
-    run_local(["--config", str(config_path)], devices=cfg.parallel.devices, env=env)
+    env = {envvars.LOG_LEVEL: "WARNING"} if quiet else {}
+    run_elastic(["--config", str(config_path)], devices=cfg.parallel.devices, env=env)
     return time.perf_counter() - started
 
 
@@ -369,27 +309,9 @@ def training_steps(
     return int(min(400, max(20, options.minutes * 60.0 / estimate)))
 
 
-def describe_cluster(cluster: Cluster) -> str:
-    """`cpu, cpu:slowdown=1.5, ... (32 MiB)`: memory shown only where it is not the default."""
-    from cephalo.catalog import CPU_DEFAULT_MEMORY_BYTES
-
-    return ", ".join(
-        d.type_key
-        + (
-            f" ({d.memory_bytes / 2**20:.0f} MiB)"
-            if d.memory_bytes != CPU_DEFAULT_MEMORY_BYTES
-            else ""
-        )
-        for d in cluster.devices
-    )
-
-
 # ----------------------------------------------------------------------------- the whole demo
 def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult:
     """Profile, plan, train, compare, report. Returns what the report shows."""
-    from cephalo.commands.plan import make_console
-    from cephalo.profiling.profiler import cost_model_from_profiles
-    from cephalo.report import write_report
 
     console = console or make_console()
     out = options.out
@@ -426,7 +348,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
 
     console.rule("[bold]2/5 plan")
     t0 = time.perf_counter()
-    cm = cost_model_from_profiles(cluster, spec, cfg.data.seq_len, cfg.model.dtype, measured)
+    cm = measured_cost_model(cluster, spec, cfg.data.seq_len, cfg.model.dtype, measured)
     plans = make_plans(cm, B, cfg.model.name)
     evaluations = {s: cm.evaluate(p) for s, p in plans.items() if isinstance(p, Plan)}
     timings["plan"] = time.perf_counter() - t0

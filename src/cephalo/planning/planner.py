@@ -2,7 +2,7 @@
 
 For a global batch B the throughput is B / T, so the planner minimises the step time T =
 max over ranks of t_i subject to every rank's memory. All numbers come from
-`cephalo.costmodel`; this module only searches.
+`cephalo.planning.costmodel`; this module only searches.
 
 The search (docs/planner.md has the long form):
 
@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from cephalo.costmodel import STATE_BYTES_PER_PARAM, CostModel
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.log import logger
-from cephalo.plan import Plan, Predicted, RankPlan
+from cephalo.planning.costmodel import STATE_BYTES_PER_PARAM, CostModel
+from cephalo.planning.plan import Plan, Predicted, RankPlan, largest_remainder
+from cephalo.specs.cluster import Cluster
 
 PLANNER_STRATEGIES = ("cephalo", "even", "proportional")
 MAX_MICRO_BATCH = 512
@@ -497,7 +499,7 @@ def _water_fill(cm: CostModel, groups: list[_Group], found) -> _Choice:
 
 # ====================================================================== baselines
 def _even_batches(n: int, B: int) -> list[int]:
-    return [B // n + (1 if i < B % n else 0) for i in range(n)]
+    return largest_remainder(B, [1.0] * n)
 
 
 def _solo_speed(cm: CostModel, type_key: str, ref: int) -> float:
@@ -512,13 +514,7 @@ def _proportional_batches(cm: CostModel, B: int) -> list[int]:
     ref = max(1, round(B / n))
     by_type = {k: _solo_speed(cm, k, ref) for k in dict.fromkeys(d.type_key for d in cm.devices)}
     speeds = [by_type[d.type_key] for d in cm.devices]
-    total = sum(speeds)
-    raw = [B * s / total for s in speeds]
-    batches = [int(math.floor(x)) for x in raw]
-    # largest remainders get the samples left over
-    for i in sorted(range(n), key=lambda i: raw[i] - batches[i], reverse=True)[: B - sum(batches)]:
-        batches[i] += 1
-    return batches
+    return largest_remainder(B, speeds)
 
 
 def _equal_shards(cm: CostModel, batches: list[int], allow_offload: bool, strategy: str) -> _Choice:
@@ -562,6 +558,65 @@ def _equal_shards(cm: CostModel, batches: list[int], allow_offload: bool, strate
             short,
         )
     return _Choice(batch=list(batches), micro=micro, offload=off, fraction=[fraction] * n)
+
+
+# ====================================================================== plans without a search
+def manual_plan(
+    model: str,
+    seq_len: int,
+    batches: Sequence[int],
+    micro_batches: Sequence[int],
+    fractions: Sequence[float],
+    device_keys: Sequence[str] | None = None,
+    offload: Sequence[bool] | bool = False,
+    dtype: str = "fp32",
+    strategy: str = "manual",
+    meta: dict | None = None,
+) -> Plan:
+    """A plan from explicit per-rank choices (tests, benchmarks, hand-made baselines): each
+    micro-batch is clipped to its rank's batch, and a rank without samples gets one dummy
+    micro-batch size and none to run. Validated like any plan."""
+    n = len(batches)
+    keys = list(device_keys) if device_keys is not None else ["cpu"] * n
+    offloads = [offload] * n if isinstance(offload, bool) else list(offload)
+    ranks = []
+    for i, (b, m, f, key, o) in enumerate(
+        zip(batches, micro_batches, fractions, keys, offloads, strict=True)
+    ):
+        m = max(1, min(m, b)) if b else 1
+        ranks.append(RankPlan(i, key, b, m, math.ceil(b / m), f, offload_activations=o))
+    plan = Plan(strategy, model, seq_len, sum(batches), dtype, ranks, meta=dict(meta or {}))
+    plan.validate()
+    return plan
+
+
+def simple_plan(
+    strategy: str, cluster: Cluster, model_name: str, seq_len: int, global_batch: int, dtype: str
+) -> Plan:
+    """`even` (equal batches) or `proportional` (batches in proportion to each device's speed,
+    1 / slowdown) with equal state shards and one micro-batch per rank: the FSDP-style
+    baselines, made without a profile (`parallel.plan = even | proportional`)."""
+    n = cluster.world_size
+    if strategy == "even":
+        batches = largest_remainder(global_batch, [1.0] * n)
+    else:
+        if any(d.type != "cpu" for d in cluster.devices):
+            logger.warning(
+                "plan = proportional without a profile treats every GPU as equally fast; "
+                "use plan = auto (measured speeds) for a real heterogeneous cluster"
+            )
+        batches = largest_remainder(global_batch, [1.0 / d.slowdown for d in cluster.devices])
+    return manual_plan(
+        model_name,
+        seq_len,
+        batches,
+        batches,
+        [1.0 / n] * n,
+        device_keys=[d.type_key for d in cluster.devices],
+        dtype=dtype,
+        strategy=strategy,
+        meta={"cluster": cluster.describe()},
+    )
 
 
 # ====================================================================== output

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -27,12 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cephalo.cluster import Cluster
-from cephalo.commands.train import ERROR_DIR_ENV
+from cephalo import envvars
 from cephalo.envvars import scoped_environ
 from cephalo.errors import CephaloError
+from cephalo.launch.pool import threads_per_rank
 from cephalo.log import logger
 from cephalo.runtime.dist import SHARED_STORE_ENV
+from cephalo.specs.cluster import Cluster
 
 
 @dataclass
@@ -76,12 +76,6 @@ def nproc_for(devices: str | None, nproc: int | None) -> int:
     if nproc < 1:
         raise CephaloError(f"--nproc must be >= 1, got {nproc}")
     return nproc
-
-
-def default_threads(nproc: int) -> int:
-    """Cores per worker: N workers x T threads should not exceed the cores (oversubscribed
-    OpenMP threads spin against each other and every rank slows down)."""
-    return max(1, (os.cpu_count() or 1) // nproc)
 
 
 def first_failure(error_dir: Path, failures: dict[int, object] | None = None) -> str:
@@ -133,7 +127,7 @@ def launch(job: LocalJob) -> None:
     args: list[str] = ["-m", "cephalo", "train", *job.worker_args]
     if job.devices:
         args.append(f"--parallel.devices={job.devices}")
-    threads = str(job.threads_per_worker or default_threads(job.nproc))
+    threads = str(job.threads_per_worker or threads_per_rank(job.nproc))
     port = free_port()
     config = LaunchConfig(
         min_nodes=1,
@@ -156,7 +150,7 @@ def launch(job: LocalJob) -> None:
         env = {
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
-            ERROR_DIR_ENV: error_dir,
+            envvars.ERROR_DIR: error_dir,
             SHARED_STORE_ENV: "1",
             **job.env,
         }
@@ -177,7 +171,7 @@ def launch(job: LocalJob) -> None:
             raise CephaloError(first_failure(Path(error_dir), dict(e.failures))) from None
 
 
-def run_local(
+def run_elastic(
     worker_args: Sequence[str],
     devices: str | None = None,
     nproc: int | None = None,

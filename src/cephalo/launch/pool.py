@@ -57,6 +57,13 @@ class RankFailure(CephaloError):
         """Per failed rank: its error (a `CephaloError`'s message, else the traceback)."""
 
 
+def threads_per_rank(world_size: int) -> int:
+    """Intra-op threads per local rank: the machine's cores shared evenly, at least one
+    (N ranks x T threads beyond the cores spin OpenMP threads against each other and every
+    rank slows down)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def progress(text: str) -> None:
     """Send a progress line to the parent's `on_progress` (no-op outside a pool call)."""
     if _sink is not None:

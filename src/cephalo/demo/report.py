@@ -10,29 +10,25 @@ plan.png         the cephalo plan per rank (batch, state, memory vs budget, busy
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from cephalo.plan import Plan
-
-if TYPE_CHECKING:
-    from cephalo.demo import DemoResult, RunSummary
+from cephalo.demo.result import (
+    STRATEGIES,
+    WARMUP_STEPS_EXCLUDED,
+    DemoResult,
+    RunSummary,
+    describe_cluster,
+)
+from cephalo.planning.costmodel import MEMORY_CATEGORIES
+from cephalo.planning.plan import Plan
+from cephalo.views.plots import pyplot
 
 MIB = 2**20
 COLORS = {"cephalo": "tab:green", "even": "tab:gray", "proportional": "tab:blue"}
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 # ----------------------------------------------------------------------------- plots
 def plot_loss(run: RunSummary, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
     steps = sorted(run.losses)
     ax.plot(steps, [run.losses[s] for s in steps], label="train (global batch)", color="tab:green")
@@ -51,7 +47,7 @@ def plot_loss(run: RunSummary, path: Path) -> Path:
 
 def plot_ranks(result: DemoResult, path: Path) -> Path:
     """Per rank, mean busy (compute incl. emulated slowdown) and idle (waiting) seconds per step."""
-    plt = _pyplot()
+    plt = pyplot()
     runs = list(result.runs.values())
     fig, axes = plt.subplots(
         1,
@@ -88,8 +84,7 @@ def plot_ranks(result: DemoResult, path: Path) -> Path:
 
 def plot_throughput(result: DemoResult, path: Path) -> Path:
     """Measured bars, predicted markers, and the ideal (compute-only, perfectly balanced) bound."""
-    plt = _pyplot()
-    from cephalo.demo import STRATEGIES
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
     xs = list(range(len(STRATEGIES)))
@@ -143,9 +138,8 @@ def plot_plan_demo(result: DemoResult, path: Path) -> Path:
     """The cephalo plan per rank at the demo's scale (MiB): batch and micro-batches, state
     fraction, predicted memory by category (without the planner's safety reserve) vs the
     budget and the ledger's measured peak, predicted vs measured busy time."""
-    from cephalo.costmodel import MEMORY_CATEGORIES
 
-    plt = _pyplot()
+    plt = pyplot()
     plan = result.plans["cephalo"]
     assert isinstance(plan, Plan)
     ev = result.evaluations["cephalo"]
@@ -265,7 +259,6 @@ def _plan_rows(result: DemoResult) -> list[str]:
 
 
 def _strategy_rows(result: DemoResult) -> list[str]:
-    from cephalo.demo import STRATEGIES
 
     even = result.plans["even"]
     even_pred = even.predicted.samples_per_s if isinstance(even, Plan) and even.predicted else None
@@ -293,7 +286,6 @@ def _strategy_rows(result: DemoResult) -> list[str]:
 
 
 def report_markdown(result: DemoResult, images: dict[str, str]) -> str:
-    from cephalo.demo import describe_cluster
 
     cfg = result.config
     ceph = result.runs["cephalo"]
@@ -398,7 +390,6 @@ def report_markdown(result: DemoResult, images: dict[str, str]) -> str:
 
 
 def _excluded() -> int:
-    from cephalo.demo import WARMUP_STEPS_EXCLUDED
 
     return WARMUP_STEPS_EXCLUDED
 

@@ -9,7 +9,11 @@ through the same formulas.
 from __future__ import annotations
 
 import bisect
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from cephalo.errors import CephaloError
 
 
 @dataclass
@@ -154,3 +158,64 @@ class CommProfile:
     """Effective bandwidth of all_gather_v / reduce_scatter_v over the slowest link."""
     latency_s: float = 0.0
     """Fixed cost per collective call."""
+
+
+@dataclass
+class MeasuredProfiles:
+    """What `profile_devices` returns, and what `cephalo profile --out` writes."""
+
+    profiles: dict[str, DeviceProfile]
+    """By device type key."""
+    comm: CommProfile | None
+    """Measured collectives; None in a single process (no links to measure)."""
+    model: str
+    seq_len: int
+    dtype: str
+    measured: list[str] = field(default_factory=list)
+    """What was measured this time (type keys, and `comm`)."""
+    cached: list[str] = field(default_factory=list)
+    """What came from the database."""
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "seq_len": self.seq_len,
+            "dtype": self.dtype,
+            "profiles": {k: p.to_dict() for k, p in self.profiles.items()},
+            "comm": None
+            if self.comm is None
+            else {"bytes_per_s": self.comm.bytes_per_s, "latency_s": self.comm.latency_s},
+            "measured": self.measured,
+            "cached": self.cached,
+            "elapsed_s": self.elapsed_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MeasuredProfiles:
+        return cls(
+            profiles={k: DeviceProfile.from_dict(p) for k, p in d["profiles"].items()},
+            comm=CommProfile(**d["comm"]) if d.get("comm") else None,
+            model=d["model"],
+            seq_len=int(d["seq_len"]),
+            dtype=d["dtype"],
+            measured=list(d.get("measured", [])),
+            cached=list(d.get("cached", [])),
+            elapsed_s=float(d.get("elapsed_s", 0.0)),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> MeasuredProfiles:
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+            return cls.from_dict(d)
+        except OSError as e:
+            raise CephaloError(f"cannot read profile file {p}: {e.strerror or e}") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise CephaloError(
+                f"{p} is not a profile file written by `cephalo profile --out` ({type(e).__name__}: {e})"
+            ) from None

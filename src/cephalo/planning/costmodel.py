@@ -64,9 +64,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from cephalo.errors import CephaloError
-from cephalo.models import ModelSpec
-from cephalo.plan import Plan
-from cephalo.profile import CommProfile, DeviceProfile
+from cephalo.planning.plan import Plan
+from cephalo.specs.model import ModelSpec
+from cephalo.specs.profile import CommProfile, DeviceProfile
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 STATE_BYTES_PER_PARAM = 16
@@ -89,7 +89,7 @@ MEMORY_CATEGORIES = (
 
 
 class DeviceLike(Protocol):
-    """What the cost model reads of a device (`cephalo.cluster.Device` satisfies it)."""
+    """What the cost model reads of a device (`cephalo.specs.cluster.Device` satisfies it)."""
 
     type_key: str
     memory_bytes: int
@@ -308,43 +308,6 @@ class CostModel:
         reduce-scatter output."""
         self.sample_boundary_bytes = seq_len * model.hidden_size * self.dtype_bytes
         self.sample_logit_bytes = seq_len * model.vocab_size * LOGIT_BYTES
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_catalog(
-        cls, cluster, model_spec: ModelSpec, seq_len: int, dtype: str, **kw
-    ) -> CostModel:
-        """Profiles from the catalog (published measurements), links from the cluster spec."""
-        from cephalo.catalog import catalog_profile
-
-        profiles = {}
-        for d in cluster.devices:
-            if d.type_key not in profiles:
-                profiles[d.type_key] = catalog_profile(d.type, model_spec, seq_len, dtype)
-        return cls.from_profiles(cluster, model_spec, seq_len, dtype, profiles, **kw)
-
-    @classmethod
-    def from_profiles(
-        cls,
-        cluster,
-        model_spec: ModelSpec,
-        seq_len: int,
-        dtype: str,
-        profiles: dict[str, DeviceProfile],
-        comm: CommProfile | None = None,
-        **kw,
-    ) -> CostModel:
-        """Any profiles (catalog or measured); collectives from `comm` or the cluster's links."""
-        if comm is None:
-            comm = CommProfile(
-                bytes_per_s=cluster.slowest_link_bytes_per_s(),
-                latency_s=cluster.collective_latency_s,
-            )
-        sources = sorted({p.source for p in profiles.values()})
-        meta = {"profile_source": ",".join(sources)}
-        return cls(
-            model_spec, seq_len, dtype, list(cluster.devices), profiles, comm, meta=meta, **kw
-        )
 
     # ------------------------------------------------------------------ per-device constants
     def capacity_bytes(self, rank: int) -> int:

@@ -1,5 +1,5 @@
 """Run a function on N local gloo ranks, once (the CPU emulation's launcher for `cephalo
-profile`), on the package's rank pool (`cephalo.runtime.pool`).
+profile`), on the package's rank pool (`cephalo.launch.pool`).
 
 The function gets the job's `Comm` and a `progress(text)` callable whose lines reach the
 parent's `on_progress` callback (a rich progress bar in the CLI). A rank that raises, dies or
@@ -11,18 +11,12 @@ OMP_NUM_THREADS and `torch.set_num_threads`, so N ranks do not oversubscribe the
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 from cephalo.errors import CephaloError
+from cephalo.launch.pool import RankFailure, RankPool, progress, threads_per_rank
 from cephalo.runtime.comm import make_comm
-from cephalo.runtime.pool import RankFailure, RankPool, progress
-
-
-def threads_per_rank(world_size: int) -> int:
-    """The cores this machine has, shared evenly, at least one per rank."""
-    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def _with_comm(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -30,7 +24,7 @@ def _with_comm(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return fn(make_comm("auto"), *args, progress=progress, **kwargs)
 
 
-def run_local(
+def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,

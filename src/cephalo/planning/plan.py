@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,21 @@ class Plan:
             raise CephaloError(
                 f"the plan is for model {self.model!r} but the job trains {model!r}; make a plan for this model"
             )
+
+
+def largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
+    """`total` split into integers in proportion to `weights` (finite, >= 0, not all 0),
+    summing exactly to `total`: each part floored, the rest handed out one by one to the
+    largest fractional parts, ties to the lower index. Every rank computes the same split,
+    so it serves batch splits and shard layouts alike."""
+    weight_sum = math.fsum(weights)
+    ideal = [total * w / weight_sum for w in weights]
+    parts = [math.floor(x) for x in ideal]
+    # sorted() is stable, so among equal remainders the lower index comes first
+    order = sorted(range(len(ideal)), key=lambda i: -(ideal[i] - parts[i]))
+    for i in order[: total - sum(parts)]:
+        parts[i] += 1
+    return parts
 
 
 # -------------------------------------------------------------------- parsing helpers

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cephalo.costmodel import MEMORY_CATEGORIES, PlanEvaluation
 from cephalo.errors import CephaloError
-from cephalo.plan import Plan
+from cephalo.planning.costmodel import MEMORY_CATEGORIES, PlanEvaluation
+from cephalo.planning.plan import Plan
 
 GIB = 1024**3
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (imported on first use: it is slow to import)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,7 +25,7 @@ def plot_plan(
     plan: Plan, evaluation: PlanEvaluation, path: str | Path, title: str | None = None
 ) -> Path:
     """Per rank: batch, state fraction, memory used (by category) vs capacity, and busy time."""
-    plt = _pyplot()
+    plt = pyplot()
     path = Path(path)
     if path.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise CephaloError(f"plot file {path} must end in .png, .pdf or .svg")

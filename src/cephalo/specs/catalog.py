@@ -4,7 +4,7 @@ Three kinds of facts live here, each with its source:
 
 - **Device specs** (`DEVICES`): memory capacity, memory bandwidth and PCIe generation from
   the vendors' data sheets. They drive `device_memory_bytes`, the optimizer-step estimate and
-  the default link bandwidths of `cephalo.cluster`.
+  the default link bandwidths of `cephalo.specs.cluster`.
 - **Model shapes** (`MODELS`): layers, hidden size, heads, vocabulary, FFN width of the
   models the Cephalo authors measured; parameter counts are derived from the shape (one
   function per family) and checked against the published totals in the tests.
@@ -28,10 +28,10 @@ from functools import cache
 from pathlib import Path
 
 from cephalo.errors import CephaloError
-from cephalo.models import ModelSpec
-from cephalo.profile import Curve, DeviceProfile, UnitProfile
+from cephalo.specs.model import ModelSpec
+from cephalo.specs.profile import Curve, DeviceProfile, UnitProfile
 
-CATALOG_PATH = Path(__file__).parent / "_data" / "catalog.json"
+CATALOG_PATH = Path(__file__).parents[1] / "_data" / "catalog.json"
 
 GiB = 1024**3
 GB = 1000**3

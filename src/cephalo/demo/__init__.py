@@ -1,0 +1,1 @@
+"""`cephalo demo`: the zero-argument job (`pipeline`), its values (`result`) and its report."""

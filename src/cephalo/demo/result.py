@@ -1,0 +1,89 @@
+"""The values of one `cephalo demo` run: its options, each training run read back, and
+everything the report shows (`DemoResult`). Plain data, shared by the pipeline and the report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cephalo.errors import PlanDoesNotFit
+from cephalo.planning.costmodel import CostModel, PlanEvaluation
+from cephalo.planning.plan import Plan
+from cephalo.specs.catalog import CPU_DEFAULT_MEMORY_BYTES
+from cephalo.specs.cluster import Cluster
+from cephalo.specs.profile import MeasuredProfiles
+from cephalo.train.config import JobConfig
+
+STRATEGIES = ("cephalo", "even", "proportional")
+# Steps of the first (warm-up) steps left out of measured step times: allocator, caches, gloo pairs.
+WARMUP_STEPS_EXCLUDED = 2
+
+
+@dataclass
+class DemoOptions:
+    """What `cephalo demo` runs."""
+
+    out: Path = Path("runs/demo")
+    """Report and run directories."""
+    minutes: float = 1.25
+    """Training budget of the cephalo run (the baseline run and profiling come on top)."""
+    quick: bool = False
+    """A tiny model and a few steps (tests, smoke checks): the same pipeline in well under a minute."""
+    baseline_steps: int = 10
+    """Steps of the comparison run (its throughput is what counts, not its loss)."""
+
+
+@dataclass
+class RunSummary:
+    """One training run of the demo, read back from its metrics."""
+
+    strategy: str
+    run_dir: Path
+    steps: int
+    wall_s: float
+    """Launch to exit, including worker start-up and the final checkpoint."""
+    step_s: float
+    """Median step time without the warm-up steps."""
+    mean_step_s: float
+    """Mean step time without the warm-up steps (the per-rank busy and idle means add up to it)."""
+    samples_per_s: float
+    losses: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    busy_s: list[float] = field(default_factory=list)
+    """Per rank: mean compute seconds per step (emulated slowdown included)."""
+    idle_s: list[float] = field(default_factory=list)
+    """Per rank: mean seconds per step spent waiting (collectives, slower ranks)."""
+    peak_bytes: list[int] = field(default_factory=list)
+    """Per rank: the memory ledger's peak over the run."""
+
+
+@dataclass
+class DemoResult:
+    """Everything the report needs."""
+
+    options: DemoOptions
+    cluster: Cluster
+    config: JobConfig
+    measured: MeasuredProfiles
+    cost_model: CostModel
+    plans: dict[str, Plan | PlanDoesNotFit]
+    evaluations: dict[str, PlanEvaluation]
+    memory_note: str
+    ideal_samples_per_s: float
+    runs: dict[str, RunSummary] = field(default_factory=dict)
+    comparison: str | None = None
+    """The baseline the cephalo run is compared with (`even`, else `proportional`), None if none fits."""
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+def describe_cluster(cluster: Cluster) -> str:
+    """`cpu, cpu:slowdown=1.5, ... (32 MiB)`: memory shown only where it is not the default."""
+    return ", ".join(
+        d.type_key
+        + (
+            f" ({d.memory_bytes / 2**20:.0f} MiB)"
+            if d.memory_bytes != CPU_DEFAULT_MEMORY_BYTES
+            else ""
+        )
+        for d in cluster.devices
+    )

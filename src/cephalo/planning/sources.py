@@ -1,0 +1,80 @@
+"""Where a cost model's device profiles come from: the catalog (published measurements of
+real GPUs, for clusters you do not own yet) or measurements (`cephalo profile`). Either way
+the result is the same `CostModel`, so a plan is judged by the same formulas."""
+
+from __future__ import annotations
+
+import copy
+
+from cephalo.errors import CephaloError
+from cephalo.planning.costmodel import CostModel
+from cephalo.specs.catalog import catalog_profile
+from cephalo.specs.cluster import Cluster
+from cephalo.specs.model import ModelSpec
+from cephalo.specs.profile import CommProfile, DeviceProfile, MeasuredProfiles
+
+
+def profiles_cost_model(
+    cluster: Cluster,
+    model_spec: ModelSpec,
+    seq_len: int,
+    dtype: str,
+    profiles: dict[str, DeviceProfile],
+    comm: CommProfile | None = None,
+    **kw,
+) -> CostModel:
+    """Any profiles (catalog or measured); collectives from `comm` or the cluster's links."""
+    if comm is None:
+        comm = CommProfile(
+            bytes_per_s=cluster.slowest_link_bytes_per_s(),
+            latency_s=cluster.collective_latency_s,
+        )
+    sources = sorted({p.source for p in profiles.values()})
+    meta = {"profile_source": ",".join(sources)}
+    return CostModel(
+        model_spec, seq_len, dtype, list(cluster.devices), profiles, comm, meta=meta, **kw
+    )
+
+
+def catalog_cost_model(
+    cluster: Cluster, model_spec: ModelSpec, seq_len: int, dtype: str, **kw
+) -> CostModel:
+    """Profiles from the catalog (published measurements), links from the cluster spec."""
+    profiles = {}
+    for d in cluster.devices:
+        if d.type_key not in profiles:
+            profiles[d.type_key] = catalog_profile(d.type, model_spec, seq_len, dtype)
+    return profiles_cost_model(cluster, model_spec, seq_len, dtype, profiles, **kw)
+
+
+def measured_cost_model(
+    cluster: Cluster,
+    model_spec: ModelSpec,
+    seq_len: int,
+    dtype: str,
+    measured: MeasuredProfiles,
+    **kw,
+) -> CostModel:
+    """The cost model over measured profiles (`cephalo profile`), each device type's memory
+    the smallest of its devices in this cluster.
+
+    Collectives: the measured `CommProfile` when there is one, else the cluster's links."""
+    missing = sorted({d.type_key for d in cluster.devices} - set(measured.profiles))
+    if missing:
+        raise CephaloError(
+            f"the profiles have no measurements for {', '.join(missing)} (they cover "
+            f"{', '.join(sorted(measured.profiles))}); profile this cluster with `cephalo profile --devices ...`"
+        )
+    if measured.seq_len != seq_len or measured.dtype != dtype:
+        raise CephaloError(
+            f"the profiles were measured at seq_len {measured.seq_len} / {measured.dtype}, not "
+            f"{seq_len} / {dtype}; profile again with --seq-len {seq_len} --dtype {dtype}"
+        )
+    profiles = {}
+    for k in dict.fromkeys(d.type_key for d in cluster.devices):
+        p = copy.copy(measured.profiles[k])
+        p.memory_bytes = min(d.memory_bytes for d in cluster.devices if d.type_key == k)
+        profiles[k] = p
+    return profiles_cost_model(
+        cluster, model_spec, seq_len, dtype, profiles, comm=measured.comm, **kw
+    )

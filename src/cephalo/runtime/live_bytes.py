@@ -1,0 +1,126 @@
+"""Real CPU memory, counted tensor by tensor: the live bytes of every storage ops create while
+the mode is active, and their peak. What the ledger's figures are checked against on the CPU
+(where there is no `torch.cuda.max_memory_allocated`), and how the benchmarks measure other
+systems (FSDP2) by the same rule.
+
+Every op's outputs are looked at; a storage seen for the first time is counted with its size
+until it is freed (a weak reference's callback: torch keeps one Python object per storage).
+Outputs that share an input's storage (views, in-place results) are not new allocations,
+unless the input was itself created under the mode. Storages that exist before are counted
+only if registered with `add_existing`. `UntypedStorage.resize_`, which FSDP2 uses to free
+and re-allocate its unsharded parameters and which no dispatch mode sees, is patched while
+active. DTensor ops are passed down so that their local ops are the ones counted.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """`current`: live bytes of the counted CPU storages now; `peak`: their largest total."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._sizes: dict[int, tuple[weakref.ref, int]] = {}
+        self._original_resize = None
+
+    def _track(self, t: torch.Tensor) -> None:
+        if type(t) is not torch.Tensor and hasattr(t, "to_local"):  # DTensor
+            t = t.to_local()
+        if t.device.type != "cpu" or t.is_sparse or not t.numel():
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._sizes:
+            return
+        nbytes = st.nbytes()
+
+        def freed(_ref, key=key) -> None:
+            entry = self._sizes.pop(key, None)
+            if entry is not None:
+                self.current -= entry[1]
+
+        self._sizes[key] = (weakref.ref(st, freed), nbytes)
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def add_existing(self, *objs: Any) -> None:
+        """Count tensors, a module's parameters or an optimizer's state that exist already."""
+        for obj in objs:
+            if isinstance(obj, torch.Tensor):
+                self._track(obj)
+            elif isinstance(obj, nn.Module):
+                for p in obj.parameters():
+                    self._track(p.detach() if type(p) is torch.Tensor else p)
+            elif isinstance(obj, torch.optim.Optimizer):
+                for state in obj.state.values():
+                    for v in state.values():
+                        if isinstance(v, torch.Tensor):
+                            self._track(v)
+
+    def _resize(self, st: torch.UntypedStorage, size: int) -> None:
+        self._original_resize(st, size)
+        entry = self._sizes.get(id(st))
+        if entry is None:
+            self._sizes[id(st)] = (weakref.ref(st), 0)
+            entry = self._sizes[id(st)]
+        self.current += size - entry[1]
+        self._sizes[id(st)] = (entry[0], size)
+        self.peak = max(self.peak, self.current)
+
+    def __enter__(self):
+        self._original_resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(st, size):
+            mode._resize(st, size)
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not torch.Tensor and hasattr(t, "to_local") for t in types):
+            return NotImplemented  # let DTensor unwrap; its local ops come back here
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_flatten((args, kwargs))[0]
+            if _plain(t) and t.numel()
+        }
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                if _plain(t) and id(t.untyped_storage()) in inputs:
+                    continue  # a view or an in-place result: counted already, or pre-existing
+                self._track(t)
+        return out
+
+
+def _plain(t: Any) -> bool:
+    """A tensor with a storage of its own (parameters included; not a DTensor wrapper)."""
+    return isinstance(t, torch.Tensor) and not hasattr(t, "to_local")
+
+
+def tracked_peak_bytes(step: Callable[[], Any], persistent: list[Any]) -> int:
+    """Peak live CPU tensor bytes during `step()`; `persistent`: modules, optimizers or
+    tensors that exist before the step and count from its start."""
+    gc.collect()
+    mode = LiveTensorBytes()
+    mode.add_existing(*persistent)
+    with mode:
+        step()
+    return mode.peak

@@ -1,0 +1,1 @@
+"""Rendering only: console tables and plots of plans, profiles and evaluations."""

@@ -1,0 +1,246 @@
+"""Console tables (rich): plans with their evaluation, strategy comparisons, profiles.
+Rendering only: every number comes from the value passed in."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from cephalo.errors import PlanDoesNotFit
+from cephalo.planning.costmodel import PlanEvaluation
+from cephalo.planning.plan import Plan
+from cephalo.specs import catalog
+from cephalo.specs.profile import MeasuredProfiles
+
+GIB = 1024**3
+
+
+def make_console() -> Console:
+    """A console at least 110 columns wide: the per-rank table is not readable narrower (pipes, CI)."""
+    width = Console().width
+    return Console(width=max(width, 110))
+
+
+def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "GiB") -> Table:
+    """One row per rank; the slowest rank's step time in bold, ranks over their memory in red.
+    `memory_unit` "MiB" suits emulated budgets far below a GiB."""
+    unit = {"GiB": GIB, "MiB": 2**20}[memory_unit]
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in (
+        "rank",
+        "device",
+        "batch",
+        "micro x n",
+        "state",
+        "act",
+        "step s",
+        "busy s",
+        f"{memory_unit} used/cap",
+        "fits",
+    ):
+        table.add_column(col, justify="left" if col in ("device", "act") else "right", no_wrap=True)
+    for r, c in zip(plan.ranks, ev.ranks, strict=True):
+        slowest = abs(c.step_s - ev.step_s) <= 1e-12 * max(ev.step_s, 1.0)
+        table.add_row(
+            str(r.rank),
+            r.device,
+            str(r.batch_size),
+            f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "-",
+            f"{r.state_fraction:.3f}",
+            "host" if r.offload_activations else "dev",
+            f"[bold]{c.step_s:.3f}[/bold]" if slowest else f"{c.step_s:.3f}",
+            f"{c.busy_s:.3f}",
+            f"{c.peak_bytes / unit:.1f}/{c.capacity_bytes / unit:.1f}",
+            "yes" if c.fits else f"[red]NO -{c.shortfall_bytes / unit:.2f}[/red]",
+        )
+    return table
+
+
+def strategy_line(name: str, plan: Plan | PlanDoesNotFit, even: Plan | PlanDoesNotFit) -> str:
+    if isinstance(plan, PlanDoesNotFit):
+        return f"{name:>12}: does not fit ({plan})"
+    p = plan.predicted
+    ratio = (
+        f"{p.samples_per_s / even.predicted.samples_per_s:.2f}x even"
+        if isinstance(even, Plan)
+        else "even does not fit"
+    )
+    return f"{name:>12}: {p.samples_per_s:.4g} samples/s, {p.tokens_per_s:.4g} tokens/s, step {p.step_s:.4g} s, {ratio}"
+
+
+def profile_tables(measured: MeasuredProfiles) -> list[Table]:
+    """One table per device type: forward / backward ms and activation MiB per micro-batch size."""
+    tables = []
+    for key, p in measured.profiles.items():
+        t = Table(
+            title=f"{key}: {measured.model}, seq {measured.seq_len}, {measured.dtype} ({p.source})",
+            caption=f"optimizer {p.optimizer_s_per_param * 1e9:.2f} ns/param, host copy "
+            f"{p.host_copy_bytes_per_s / 1e9:.1f} GB/s, {p.meta.get('torch_threads', '?')} thread(s)",
+        )
+        t.add_column("micro-batch", justify="right")
+        for kind in ("embedding", "block", "head"):
+            t.add_column(f"{kind} fwd/bwd ms", justify="right")
+        t.add_column("block act MiB", justify="right")
+        t.add_column("head act MiB", justify="right")
+        for m in p.units["block"].fwd_s.xs:
+            row = [f"{m:g}"]
+            for kind in ("embedding", "block", "head"):
+                u = p.units[kind]
+                row.append(f"{u.fwd_s(m) * 1e3:.2f} / {u.bwd_s(m) * 1e3:.2f}")
+            row.append(f"{p.units['block'].activation_bytes(m) / 2**20:.2f}")
+            row.append(f"{p.units['head'].activation_bytes(m) / 2**20:.2f}")
+            t.add_row(*row)
+        tables.append(t)
+    return tables
+
+
+# ---------------------------------------------------------------- the catalog (`cephalo catalog`)
+CATALOG_BATCHES = (1, 2, 4, 8, 16)
+"""Micro-batch sizes `cephalo catalog --model` shows."""
+
+
+def _profiles_by(index: int) -> dict[str, set[str]]:
+    """device -> models (index 1) or model -> devices (index 0) with a published profile."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for entry in catalog.available_profiles():
+        out[entry[index]].add(entry[1 - index])
+    return out
+
+
+def catalog_devices_table() -> Table:
+    """One row per device type: its data-sheet figures and how many models it has profiles for."""
+    models_on = _profiles_by(1)
+    t = Table(
+        title="Device types (`--cluster 2xl4,a6000,p40`)", title_justify="left", box=box.SIMPLE_HEAD
+    )
+    for col in ("type", "name", "memory", "mem BW", "PCIe", "link", "aliases", "models"):
+        right = col in ("memory", "mem BW", "PCIe", "link", "models")
+        t.add_column(col, justify="right" if right else "left", no_wrap=col != "aliases")
+    for key, d in catalog.DEVICES.items():
+        t.add_row(
+            key,
+            d.name,
+            f"{d.memory_gib:g} GiB",
+            f"{d.memory_bandwidth_gb_s:g} GB/s",
+            f"gen{d.pcie_gen}",
+            f"{catalog.intra_node_bytes_per_s(key) / 1e9:g} GB/s",
+            ", ".join(d.aliases),
+            str(len(models_on.get(key, ()))),
+        )
+    t.add_row(
+        "cpu",
+        "emulated (CPU)",
+        f"{catalog.CPU_DEFAULT_MEMORY_BYTES / catalog.GiB:g} GiB",
+        "-",
+        "-",
+        f"{catalog.CPU_LINK_BYTES_PER_S / 1e9:g} GB/s",
+        "cpu:slowdown=2,mem=1GiB",
+        "measure",
+    )
+    t.caption = "models: how many catalog models have published profiles on the device"
+    return t
+
+
+def catalog_models_table() -> Table:
+    """One row per catalog model: its shape and the device types with its profiles."""
+    devices_for = _profiles_by(0)
+    order = catalog.list_device_types()
+    t = Table(title="Models (`--model gpt-2.7b`)", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("name", "arch", "layers", "hidden", "params", "aliases", "devices with profiles"):
+        right = col in ("layers", "hidden", "params")
+        t.add_column(col, justify="right" if right else "left", no_wrap=right or col == "name")
+    for spec in catalog.list_models():
+        devices = sorted(devices_for.get(spec.name, ()), key=order.index)
+        t.add_row(
+            spec.name,
+            spec.arch,
+            str(spec.num_layers),
+            str(spec.hidden_size),
+            f"{spec.total_params / 1e9:.2f} B",
+            ", ".join(spec.aliases),
+            ", ".join(devices) or "-",
+        )
+    return t
+
+
+def catalog_device_table(device: str) -> Table:
+    """The published profiles of one device type: per model, its sequence lengths and dtypes."""
+    key = catalog.resolve_device_type(device)
+    d = catalog.DEVICES[key]
+    by_model: dict[str, list[str]] = defaultdict(list)
+    for model, dev, seq, dtype in catalog.available_profiles():
+        if dev == key:
+            by_model[model].append(f"{seq}/{dtype}")
+    t = Table(
+        title=f"{key}: {d.name}, {d.memory_gib:g} GiB, {d.memory_bandwidth_gb_s:g} GB/s",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        caption="per-layer times and memory for `cephalo catalog --model NAME`",
+    )
+    for col in ("model", "params", "profiles (seq/dtype)"):
+        t.add_column(col, justify="right" if col == "params" else "left")
+    names = [s.name for s in catalog.list_models()]
+    for model in sorted(by_model, key=lambda m: names.index(m) if m in names else len(names)):
+        spec = catalog.get_model_spec(model)
+        t.add_row(model, f"{spec.total_params / 1e9:.2f} B", ", ".join(by_model[model]))
+    if not by_model:
+        t.caption = f"no published profiles for {key}: measure it with `cephalo profile`"
+    return t
+
+
+def catalog_model_table(name: str, seq_len: int | None, dtype: str | None) -> Table:
+    """One model's block forward / backward times on every device with its profiles."""
+    spec = catalog.get_model_spec(name)
+    data_dtype = None if dtype is None else ("fp32" if dtype == "fp32" else "fp16")
+    rows = [
+        e
+        for e in catalog.available_profiles()
+        if e[0] == spec.name
+        and (seq_len is None or e[2] == seq_len)
+        and (data_dtype is None or e[3] == data_dtype)
+    ]
+    batches = ", ".join(map(str, CATALOG_BATCHES))
+    t = Table(
+        title=f"{spec.name}: one block's forward / backward ms at micro-batch {batches}",
+        title_justify="left",
+        caption="source: measured arrays, fitted lines (fit), or a split forward+backward line (fit-total)",
+    )
+    columns = ("device", "seq", "dtype", "source", *[f"b={b}" for b in CATALOG_BATCHES])
+    for col in (*columns, "act MiB/sample"):
+        t.add_column(col, justify="left" if col in ("device", "dtype", "source") else "right")
+    for _, device, seq, dt in sorted(
+        rows, key=lambda e: (catalog.list_device_types().index(e[1]), e[2], e[3])
+    ):
+        p = catalog.catalog_profile(device, spec, seq, dt)
+        block = p.units["block"]
+        cells = [
+            f"{block.fwd_s(b) * 1e3:.1f} / {block.bwd_s(b) * 1e3:.1f}" for b in CATALOG_BATCHES
+        ]
+        act = block.activation_bytes(1) / 2**20
+        t.add_row(
+            device,
+            str(seq),
+            dt,
+            p.meta["timing_source"],
+            *cells,
+            f"{act:.0f} ({p.meta['activation_source']})",
+        )
+    if not rows:
+        t.caption = (
+            f"no published profile of {spec.name} matches; `cephalo catalog` lists what exists"
+        )
+    return t
+
+
+def catalog_skipped_table() -> Table:
+    """The published entries the catalog converter could not use, and why."""
+    skipped = catalog.skipped_entries()
+    t = Table(title=f"{len(skipped)} published entries not used", title_justify="left")
+    for col in ("key", "device", "seq", "dtype", "reason"):
+        t.add_column(col)
+    for s in skipped:
+        t.add_row(s["key"], s["device"], str(s["seq_len"]), s["dtype"], s["reason"])
+    return t
