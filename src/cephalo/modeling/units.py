@@ -94,6 +94,24 @@ class UnitModel(nn.Module):
         raise NotImplementedError
 
     @torch.no_grad()
+    def initial_values(
+        self,
+        unit_name: str,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        generator: torch.Generator,
+    ) -> dict[str, torch.Tensor]:
+        """The starting values of the parameters `unit_name` owns (`named_params`, in
+        `named_unit_parameters` order), as new fp32 CPU tensors: what an engine materialises
+        for one unit at a time. The default draws them with `init_parameter`, in order, from
+        `generator` (so calling it for every unit in order equals `init_weights`); a model
+        with pretrained weights returns those instead (and need not draw)."""
+        values = {}
+        for name, p in named_params:
+            values[name] = torch.empty(p.shape, dtype=torch.float32)
+            self.init_parameter(unit_name, name, values[name], generator)
+        return values
+
+    @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         """Initialise every parameter, unit by unit, in `named_unit_parameters` order."""
         for unit in self.units:

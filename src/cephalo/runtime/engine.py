@@ -316,10 +316,7 @@ class Engine:
             if on_meta:
                 # materialise ONE unit's initial values on the CPU (host memory: the largest
                 # unit, fp32), keep this rank's slice, drop the rest
-                values = {}
-                for name, p in params:
-                    values[name] = torch.empty(p.shape, dtype=torch.float32)
-                    model.init_parameter(unit.name, name, values[name], generator)
+                values = model.initial_values(unit.name, params, generator)
             else:
                 values = dict(params)
             full = layout.flatten(values)
