@@ -381,7 +381,9 @@ def test_truncated_file_and_bad_args(tmp_path, counting_file):
         f.write(b"\0")
     with pytest.raises(CephaloError, match="truncated or corrupt"):
         GlobalBatches(path, 4, 2)
-    with pytest.raises(CephaloError, match="dataset .* has 60,000 ids but the model has only 1,000 embedding rows"):
+    with pytest.raises(
+        CephaloError, match="dataset .* has 60,000 ids but the model has only 1,000 embedding rows"
+    ):
         GlobalBatches(counting_file, 15, 8, model_vocab_size=1000)
     gb = GlobalBatches(counting_file, 15, 8)
     with pytest.raises(CephaloError, match="outside the global batch of 8"):

@@ -225,7 +225,7 @@ class _TokenWriter:
         val_tmp = self.out_dir / "val.bin.tmp"
         with open(self.tmp, "rb") as src, open(val_tmp, "wb") as dst:
             src.seek(num_train * itemsize)
-            shutil.copyfileobj(src, dst, 1 << 24)
+            shutil.copyfileobj(src, dst, 1 << 20)
         os.truncate(self.tmp, num_train * itemsize)
         metas = []
         for split, tmp, n in (("train", self.tmp, num_train), ("val", val_tmp, num_val)):
