@@ -98,7 +98,10 @@ def test_tokenizer_directory_loads_without_transformers(model_dir, monkeypatch):
     with_transformers = HFTokenizer.load(model_dir)
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
     plain = HFTokenizer.load(model_dir)
-    assert (with_transformers.backend, plain.backend) == ("transformers", "tokenizers")
+    assert (with_transformers.backend, plain.backend) == (
+        "transformers, Rust backend",
+        "tokenizers",
+    )
     assert plain.eos_id == with_transformers.eos_id == 0
     assert plain.vocab_size == with_transformers.vocab_size == 400
     assert plain.encode_batch(DOCS) == with_transformers.encode_batch(DOCS)
@@ -344,7 +347,9 @@ def test_tokenizer_larger_than_the_model_vocabulary(tmp_path, model_dir, capsys)
     argv = ["prepare-data", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "o")]
     assert cli_main([*argv, "--tokenizer", str(small)]) == 2
     err = capsys.readouterr().err
-    assert "has 400 ids but the model in" in err and "320 embedding rows" in err
+    assert (
+        f"has 400 ids but {small}/config.json has only 320" in err and "320 embedding rows" in err
+    )
     assert err.count("\n") == 1
 
 
@@ -479,3 +484,18 @@ def test_trainer_trains_on_a_tokenizer_directory_and_jsonl(tmp_path, model_dir, 
     cfg.model.overrides = {"vocab_size": 399}
     with pytest.raises(CephaloError, match="has 400 ids but model gpt-tiny has only 399"):
         train(cfg)
+
+
+def test_the_rust_backend_is_used_only_where_it_gives_the_same_ids(model_dir, monkeypatch):
+    from cephalo.train import hf_tokenizer
+
+    def off_by_one(tok):
+        return lambda texts: [[i + 1 for i in ids] for ids in tok(texts)["input_ids"]]
+
+    monkeypatch.setattr(hf_tokenizer, "_fast_backend", off_by_one)
+    tok = HFTokenizer.load(model_dir)
+    assert tok.backend == "transformers"  # the self-check failed: the tokenizer's own call
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    assert tok.encode_batch(DOCS) == [ref(t, add_special_tokens=False)["input_ids"] for t in DOCS]

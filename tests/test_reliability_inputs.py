@@ -107,7 +107,7 @@ CASES = {
     ),
     "empty dataset": (
         ["--data.path={root}/empty.jsonl"],
-        "the dataset is empty: {root}/empty.jsonl hold(s) no text in field 'text'",
+        "the dataset is empty: {root}/empty.jsonl holds no text in field 'text'",
     ),
     "tokenizer larger than the vocabulary": (
         ["--data.path={root}/tiny-corpus", "--data.tokenizer={root}/tokenizer-400"],

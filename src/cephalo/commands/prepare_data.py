@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         progress=console.is_terminal,
         force=args.force,
         max_vocab_size=declared_vocab_size(tokenizer_dir) if tokenizer_dir else None,
-        model=f"the model in {tokenizer_dir}",
+        model=f"{tokenizer_dir}/config.json",
     )
     status = "up to date" if result.cached else f"written in {result.seconds:.1f}s"
     console.print(

@@ -554,8 +554,9 @@ class Corpus:
         more = f" and {len(self.sources) - 5} more" if len(self.sources) > 5 else ""
         structured = [s for s in self.sources if s.settings()]
         field_note = f" in field {getattr(structured[0], 'text_field', '')!r}" if structured else ""
+        verb = "holds" if len(self.sources) == 1 else "hold"
         raise CephaloError(
-            f"the dataset is empty: {names}{more} hold(s) no text{field_note} ({empty} "
+            f"the dataset is empty: {names}{more} {verb} no text{field_note} ({empty} "
             f"document(s), all empty or null); pass data with text"
         )
 

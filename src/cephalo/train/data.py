@@ -205,14 +205,16 @@ class _TokenWriter:
         self.file.close()
         self.tmp.unlink(missing_ok=True)
 
-    def append(self, ids: Sequence[int]) -> None:
-        arr = np.asarray(ids, dtype=np.int64)
+    def append(self, ids: Sequence[int] | np.ndarray) -> None:
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu":
+            arr = arr.astype(np.int64)
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
             raise CephaloError(
                 f"the tokenizer produced id {int(arr.max())}, outside its vocab of "
                 f"{self.vocab_size}: the tokenizer file is inconsistent; use another one"
             )
-        arr.astype(self.dtype).tofile(self.file)
+        arr.astype(self.dtype, copy=False).tofile(self.file)
         self.num_tokens += arr.size
 
     def finish(
@@ -289,9 +291,9 @@ def vocab_too_large(vocab_size: int, tokenizer: str, model_vocab_size: int, mode
     """The one message for ids that would index past a model's embedding."""
     return (
         f"{tokenizer} has {vocab_size:,} ids but {model} has only {model_vocab_size:,} embedding "
-        f"rows (vocab_size): its ids would index past the embedding. Use the model's own "
-        f'tokenizer (data.tokenizer = "auto", or `cephalo prepare-data --tokenizer MODEL_DIR`) '
-        f"or a model whose vocab_size is at least {vocab_size:,}"
+        f"rows (vocab_size): its ids would index past the embedding. Use a tokenizer that fits "
+        f'the model (data.tokenizer = "auto" takes the model directory\'s own) or a model whose '
+        f"vocab_size is at least {vocab_size:,}"
     )
 
 
@@ -562,12 +564,16 @@ def _encode_batch_into(
 ) -> None:
     if not batch:
         return
-    ids: list[int] = []
+    # ids stay in the tokenizer's own integer type until the writer has range-checked them
+    parts: list[np.ndarray] = []
+    end = np.array([eos if eos is not None else 0])
     for piece, piece_ids in zip(batch, tok.encode_batch([p.text for p in batch]), strict=True):
-        ids.extend(piece_ids)
+        parts.append(
+            piece_ids if isinstance(piece_ids, np.ndarray) else np.array(piece_ids, np.int64)
+        )
         if piece.ends_document and eos is not None:
-            ids.append(eos)
-    writer.append(ids)
+            parts.append(end)
+    writer.append(np.concatenate(parts))
     advance(sum(p.source_bytes for p in batch))
 
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cephalo.errors import CephaloError
@@ -47,7 +48,9 @@ class TextTokenizer(Protocol):
         blank line of text (`DOCUMENT_SEPARATOR`)."""
         ...
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+    def encode_batch(self, texts: Sequence[str]) -> Sequence[Sequence[int]]:
+        """Ids of each text: lists, or 1-D integer numpy arrays."""
+        ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -64,8 +67,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        # uint8 arrays: a megabyte of text stays a megabyte (a list of ints would be 8x)
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         # a window cut mid-character decodes with a replacement mark instead of failing
