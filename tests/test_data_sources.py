@@ -499,3 +499,27 @@ def test_the_rust_backend_is_used_only_where_it_gives_the_same_ids(model_dir, mo
 
     ref = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     assert tok.encode_batch(DOCS) == [ref(t, add_special_tokens=False)["input_ids"] for t in DOCS]
+
+
+def test_a_prepared_dataset_of_another_tokenizer_is_used_with_a_warning(
+    tmp_path, model_dir, caplog
+):
+    import logging
+
+    from cephalo.log import logger
+
+    (tmp_path / "a.txt").write_text("some text\n" * 50)
+    corpus = Corpus.from_paths([tmp_path / "a.txt"])
+    own = prepare_dataset(corpus, tmp_path / "own", tokenizer=model_dir).path
+    other = prepare_dataset(corpus, tmp_path / "bytes", tokenizer="byte").path
+    logger.addHandler(caplog.handler)  # the cephalo logger does not propagate
+    try:
+        with caplog.at_level(logging.WARNING, logger="cephalo"):
+            assert resolve_dataset(own, "auto", 512, model_name=str(model_dir)) == own
+            assert not caplog.records
+            assert resolve_dataset(other, "auto", 512, model_name=str(model_dir)) == other
+    finally:
+        logger.removeHandler(caplog.handler)
+    # (one record may arrive twice: through our handler and, if it propagates, the root's)
+    (message,) = {r.getMessage() for r in caplog.records}
+    assert "was tokenized with byte, not with the tokenizer of model" in message

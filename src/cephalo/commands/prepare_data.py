@@ -22,10 +22,15 @@ inputs (read as a stream: memory stays bounded, whatever the size):
   a directory          searched recursively for the suffixes above, sorted by path
 
 examples:
-  cephalo prepare-data --input notes/ book.txt --output data/mine        # BPE of 2048 ids
+  # text and markdown, a BPE of 2048 ids trained on them
+  cephalo prepare-data --input notes/ book.txt --output data/mine
+  # JSON Lines whose text is in the field "content"
   cephalo prepare-data --input corpus.jsonl --text-field content --output data/jsonl
+  # a directory of Parquet shards, with the tokenizer of a model saved by save_pretrained
   cephalo prepare-data --input shards/ --output data/pq --tokenizer ~/models/qwen2-0.5b
-  cephalo prepare-data --input ~/hf/my_dataset --output data/ds --tokenizer MODEL_DIR
+  # a directory written by datasets' save_to_disk, same tokenizer
+  cephalo prepare-data --input ~/hf/my_dataset --output data/ds --tokenizer ~/models/qwen2-0.5b
+  # raw bytes (vocab 256), or the bundled corpus (no download)
   cephalo prepare-data --input corpus/ --output data/bytes --tokenizer byte
   cephalo prepare-data --default --output data/pydoc --vocab-size 512
 

@@ -453,9 +453,12 @@ def _prepare_locked(
 
         tokenizer_file = out_dir / TOKENIZER_FILE
         tok: TextTokenizer
+        if choice.stored_as != TOKENIZER_DIR:  # no stale copy of another kind of tokenizer
+            shutil.rmtree(out_dir / TOKENIZER_DIR, ignore_errors=True)
         if choice.loaded is not None:
             tok = choice.loaded
             if choice.stored_as == TOKENIZER_DIR:
+                tokenizer_file.unlink(missing_ok=True)
                 tok.save(out_dir / TOKENIZER_DIR)  # type: ignore[attr-defined]
             elif choice.stored_as == TOKENIZER_FILE:
                 tok.save(tokenizer_file)  # type: ignore[attr-defined]
@@ -637,6 +640,23 @@ def resolve_tokenizer(tokenizer: str, model_name: str | None = None) -> str | No
     return tokenizer
 
 
+def _warn_if_tokenized_otherwise(dataset: Path, model_tokenizer: Path) -> None:
+    """A prepared dataset is used as is; say so when its ids come from another tokenizer
+    than the model's own (they would then stand for other tokens)."""
+    used = TokenFileMeta.read(resolve_token_file(dataset)).tokenizer_key
+    own = "hf-" + tokenizer_fingerprint(model_tokenizer)
+    if used != own:
+        logger.warning(
+            "dataset %s was tokenized with %s, not with the tokenizer of model %s (%s): its ids "
+            "may stand for other tokens. Prepare it with `cephalo prepare-data --tokenizer %s`",
+            dataset,
+            used or "an unknown tokenizer",
+            model_tokenizer,
+            own,
+            model_tokenizer,
+        )
+
+
 def _cache_key(spec: str | None, vocab_size: int) -> str:
     """The tokenizer part of a cached dataset's directory name: by content, so two
     tokenizers never share a cache entry and switching back and forth rebuilds nothing."""
@@ -672,9 +692,11 @@ def resolve_dataset(
     vocab_size: the model's; a tokenizer with more ids is an error, and `bpe` trains this many.
     Safe to call from every rank at once (one prepares, the others wait for it).
     """
-    if path is not None and is_token_dataset(path):
-        return Path(path)
     spec = resolve_tokenizer(tokenizer, model_name)
+    if path is not None and is_token_dataset(path):
+        if tokenizer == AUTO_TOKENIZER and spec != BYTE_TOKENIZER:
+            _warn_if_tokenized_otherwise(Path(path), Path(spec))  # type: ignore[arg-type]
+        return Path(path)
     key = _cache_key(spec, vocab_size)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if path is None:
