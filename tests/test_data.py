@@ -217,7 +217,7 @@ def test_prepare_data_cli(tmp_path, capsys):
     "argv, message",
     [
         (["--input", "MISSING"], "does not exist"),
-        (["--input", "EMPTYDIR"], "holds no .txt or .md files"),
+        (["--input", "EMPTYDIR"], "holds no .txt, .md, .jsonl, .ndjson or .parquet files"),
         (["--input", "LATIN1"], "not UTF-8"),
         (["--input", "GOOD", "--vocab-size", "100"], "vocab size must be"),
         (["--input", "GOOD", "--tokenizer", "nope.json"], "does not exist"),
@@ -381,7 +381,9 @@ def test_truncated_file_and_bad_args(tmp_path, counting_file):
         f.write(b"\0")
     with pytest.raises(CephaloError, match="truncated or corrupt"):
         GlobalBatches(path, 4, 2)
-    with pytest.raises(CephaloError, match="model has only 1000"):
+    with pytest.raises(
+        CephaloError, match="dataset .* has 60,000 ids but the model has only 1,000 embedding rows"
+    ):
         GlobalBatches(counting_file, 15, 8, model_vocab_size=1000)
     gb = GlobalBatches(counting_file, 15, 8)
     with pytest.raises(CephaloError, match="outside the global batch of 8"):

@@ -27,6 +27,7 @@ from cephalo.specs.cluster import Cluster
 from cephalo.train.checkpoint import MARKER
 from cephalo.train.config import load_config
 from cephalo.train.trainer import train
+from data_helpers import save_tokenizer, write_jsonl
 
 
 def job_args(run_dir, *extra: str) -> list[str]:
@@ -62,6 +63,9 @@ def inputs(tmp_path_factory):
     (root / "plan-broken.json").write_text('{"version": 1, "ranks": [')
     (root / "tiny-corpus").mkdir()
     (root / "tiny-corpus" / "a.txt").write_text("a corpus far smaller than one global batch\n")
+    write_jsonl(root / "no-field.jsonl", [{"text": "fine"}, {"body": "the text is elsewhere"}])
+    write_jsonl(root / "empty.jsonl", [{"text": ""}, {"text": None}])
+    save_tokenizer(root / "tokenizer-400", vocab_size=400)  # gpt-tiny embeds 256 ids
     return root
 
 
@@ -97,6 +101,18 @@ CASES = {
         "but one global batch needs 4: use a smaller seq_len",
     ),
     "missing data": (["--data.path={root}/nothing-here"], "does not exist"),
+    "JSONL line without the text field": (
+        ["--data.path={root}/no-field.jsonl"],
+        "no-field.jsonl, line 2: the record has no 'text' field (its fields: body)",
+    ),
+    "empty dataset": (
+        ["--data.path={root}/empty.jsonl"],
+        "the dataset is empty: {root}/empty.jsonl holds no text in field 'text'",
+    ),
+    "tokenizer larger than the vocabulary": (
+        ["--data.path={root}/tiny-corpus", "--data.tokenizer={root}/tokenizer-400"],
+        "has 400 ids but model gpt-tiny has only 256 embedding rows",
+    ),
     # memory
     "rank over its memory budget": (
         ["--parallel.devices=cpu:mem=600KiB"],
@@ -141,7 +157,7 @@ def test_bad_input_gets_one_clear_error(case, inputs, tmp_path, capsys):
     assert "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("cephalo train: error: ")]
     assert len(errors) == 1, err
-    assert message in err, err
+    assert message.format(root=inputs) in err, err
 
 
 def test_plan_that_does_not_fit_names_each_ranks_shortfall(capsys):

@@ -1,35 +1,50 @@
-"""`cephalo prepare-data`: tokenize text files into a token dataset (train / val splits)."""
+"""`cephalo prepare-data`: tokenize text, JSON Lines, Parquet or a datasets directory into a token dataset (train / val splits)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
-from cephalo.train.data import (
-    DEFAULT_VAL_FRACTION,
-    DEFAULT_VOCAB_SIZE,
-    default_corpus,
-    prepare_dataset,
-    read_documents,
-)
+from cephalo.train.corpus import DEFAULT_TEXT_FIELD, Corpus
+from cephalo.train.data import DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE, prepare_dataset
+from cephalo.train.hf_tokenizer import declared_vocab_size
 from cephalo.train.tokenizer import BYTE_TOKENIZER
 
 EPILOG = """\
+inputs (read as a stream: memory stays bounded, whatever the size):
+  *.txt *.md           one document per file
+  *.jsonl *.ndjson     one document per line: the record's --text-field (default "text")
+  *.parquet            one document per row of the --text-field column (needs cephalo[data])
+  a datasets dir       written by Dataset.save_to_disk (its 'train' split for a DatasetDict);
+                       one document per row of the --text-field column (needs cephalo[data])
+  a directory          searched recursively for the suffixes above, sorted by path
+
 examples:
+  # text and markdown, a BPE of 2048 ids trained on them
   cephalo prepare-data --input notes/ book.txt --output data/mine
+  # JSON Lines whose text is in the field "content"
+  cephalo prepare-data --input corpus.jsonl --text-field content --output data/jsonl
+  # a directory of Parquet shards, with the tokenizer of a model saved by save_pretrained
+  cephalo prepare-data --input shards/ --output data/pq --tokenizer ~/models/qwen2-0.5b
+  # a directory written by datasets' save_to_disk, same tokenizer
+  cephalo prepare-data --input ~/hf/my_dataset --output data/ds --tokenizer ~/models/qwen2-0.5b
+  # raw bytes (vocab 256), or the bundled corpus (no download)
   cephalo prepare-data --input corpus/ --output data/bytes --tokenizer byte
   cephalo prepare-data --default --output data/pydoc --vocab-size 512
 
-The output directory holds train.bin/.json, val.bin/.json and tokenizer.json; point a
-config's data path at it. Format: docs/data.md.
+--tokenizer MODEL_DIR uses the model's own tokenizer (tokenizer.json / tokenizer_config.json,
+local files only) and puts its EOS token between documents; a tokenizer with more ids than
+the directory's config.json vocab_size is refused. The output directory holds train.bin/.json,
+val.bin/.json and the tokenizer; point a config's data.path at it. Format: docs/data.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "prepare-data",
-        help="tokenize text files into a token dataset",
+        help="tokenize text, JSON Lines, Parquet or a datasets directory into a token dataset",
         description=__doc__.split(":", 1)[1].strip(),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -39,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--input",
         nargs="+",
         metavar="PATH",
-        help="text files, or directories searched for *.txt and *.md (recursively, sorted)",
+        help="files (text, .jsonl, .parquet), datasets directories, or directories to search",
     )
     src.add_argument(
         "--default",
@@ -48,16 +63,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--output", required=True, metavar="DIR", help="dataset directory to write")
     p.add_argument(
+        "--text-field",
+        default=DEFAULT_TEXT_FIELD,
+        metavar="NAME",
+        help=f"JSON field / column holding the text (default {DEFAULT_TEXT_FIELD!r})",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR|JSON|byte",
+        help="a model or tokenizer directory (its own tokenizer, EOS between documents), a "
+        f"tokenizer JSON, or `{BYTE_TOKENIZER}` for raw bytes; default: train a BPE on the input",
+    )
+    p.add_argument(
         "--vocab-size",
         type=int,
         default=DEFAULT_VOCAB_SIZE,
         metavar="N",
         help=f"vocab of the BPE trained on the input (default {DEFAULT_VOCAB_SIZE}; 256 = bytes)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        metavar="PATH|byte",
-        help=f"reuse a tokenizer JSON instead of training one, or `{BYTE_TOKENIZER}` for raw bytes",
     )
     p.add_argument(
         "--val-fraction",
@@ -73,20 +95,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    documents = default_corpus() if args.default else read_documents(args.input)
+    corpus = Corpus.bundled() if args.default else Corpus.from_paths(args.input, args.text_field)
+    tokenizer_dir = (
+        Path(args.tokenizer) if args.tokenizer and Path(args.tokenizer).is_dir() else None
+    )
     console = Console()
     result = prepare_dataset(
-        documents,
+        corpus,
         args.output,
         vocab_size=args.vocab_size,
         tokenizer=args.tokenizer,
         val_fraction=args.val_fraction,
         progress=console.is_terminal,
         force=args.force,
+        max_vocab_size=declared_vocab_size(tokenizer_dir) if tokenizer_dir else None,
+        model=f"{tokenizer_dir}/config.json",
     )
     status = "up to date" if result.cached else f"written in {result.seconds:.1f}s"
     console.print(
-        f"[bold]{result.path}[/bold] {status}: {len(documents)} documents -> "
+        f"[bold]{result.path}[/bold] {status}: {result.train.num_documents:,} documents -> "
         f"{result.train.num_tokens:,} train + {result.val.num_tokens:,} val tokens "
         f"({result.train.dtype}, vocab {result.train.vocab_size}, tokenizer "
         f"{result.train.tokenizer_key})",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,6 +64,13 @@ def build_model(name: str, device: torch.device | str = "meta", **overrides: Any
     return builders[name](name, device, overrides)
 
 
+def model_directory(name: str) -> Path | None:
+    """The local directory a model name stands for: a directory holding a transformers
+    `config.json`, else None (a registry or catalog name). Nothing is ever downloaded."""
+    path = Path(name).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
 def model_spec_of(model: UnitModel) -> ModelSpec:
     """The `ModelSpec` of a runnable model (parameter counts measured on its modules)."""
     return model.spec
@@ -79,4 +87,11 @@ def model_spec_for(name: str) -> ModelSpec:
         return model_spec_of(build_model(name, "meta"))
 
 
-__all__ = ["GPTConfig", "build_model", "list_runnable_models", "model_spec_for", "model_spec_of"]
+__all__ = [
+    "GPTConfig",
+    "build_model",
+    "list_runnable_models",
+    "model_directory",
+    "model_spec_for",
+    "model_spec_of",
+]

@@ -62,9 +62,17 @@ class DataConfig:
     """Where the tokens come from."""
 
     path: str | None = None
-    """Token file (from `cephalo prepare-data`) or a directory of text files; unset: the bundled corpus."""
-    tokenizer: str = "builtin"
-    """Tokenizer file (`tokenizer.json`) or `builtin` (the byte-level tokenizer that ships with cephalo)."""
+    """A token dataset (from `cephalo prepare-data`), or data to tokenize once into the cache: text /
+    markdown, JSON Lines (`.jsonl`) or Parquet files, a directory of them, or a `datasets` directory
+    (`save_to_disk`). Unset: the bundled corpus."""
+    tokenizer: str = "auto"
+    """`auto`: the tokenizer in the model's directory (`model.name` = a directory with `tokenizer.json` /
+    `tokenizer_config.json`; EOS between documents), else the byte tokenizer. `builtin` / `byte`: bytes
+    (vocab 256). `bpe`: a byte-level BPE of the model's vocab size trained on the corpus. Else the path of
+    a tokenizer directory or tokenizer JSON."""
+    text_field: str = "text"
+    """The field of JSON Lines records, or the column of Parquet files and `datasets` directories, that
+    holds the text."""
     seq_len: int = 32
     """Tokens per sample (inputs; labels are the same tokens shifted by one). The model's context
     (`model.overrides.seq_len`) must be at least this long."""
@@ -550,7 +558,11 @@ def _validate(cfg: JobConfig) -> None:
     check(bool(m.name.strip()), "model.name must not be empty")
     check(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
     check(0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
-    check(bool(d.tokenizer.strip()), "data.tokenizer must be `builtin` or a tokenizer file")
+    check(
+        bool(d.tokenizer.strip()),
+        "data.tokenizer must be `auto`, `builtin`, `bpe`, a tokenizer directory or a tokenizer file",
+    )
+    check(bool(d.text_field.strip()), "data.text_field must name the field that holds the text")
     check(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
     check(
         t.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {t.global_batch_size}"

@@ -4,7 +4,12 @@ A dataset is a directory written by `cephalo prepare-data` (format in docs/data.
 
     train.bin  train.json   flat token ids (uint16 / uint32) + JSON sidecar
     val.bin    val.json     held-out tokens (optional)
-    tokenizer.json          the byte-level BPE (absent for the byte tokenizer)
+    tokenizer.json          the byte-level BPE or given tokenizer JSON, or
+    tokenizer/              a model's Hugging Face tokenizer (absent for the byte tokenizer)
+
+Corpora (text, JSON Lines, Parquet, datasets directories) are read as a stream by
+`corpus.py`; this module tokenizes that stream in pieces and appends the ids to the token
+file as it goes, so memory stays bounded whatever the corpus size.
 
 `GlobalBatches` turns the train tokens into the training contract of DESIGN.md: the global
 batch of step t is a fixed set of samples, whatever the plan. Ranks read consecutive slices
@@ -23,7 +28,7 @@ import operator
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +38,16 @@ import torch
 from cephalo import envvars
 from cephalo.errors import CephaloError
 from cephalo.log import logger
+from cephalo.modeling.registry import model_directory
+from cephalo.train.corpus import (
+    DEFAULT_TEXT_FIELD,
+    PIECE_CHARS,
+    Corpus,
+    Document,
+    Piece,
+    default_corpus,
+)
+from cephalo.train.hf_tokenizer import HFTokenizer, has_tokenizer, tokenizer_fingerprint
 from cephalo.train.tokenizer import (
     BYTE_TOKENIZER,
     BYTE_VOCAB_SIZE,
@@ -45,16 +60,16 @@ from cephalo.train.tokenizer import (
 TOKEN_FORMAT = "cephalo-tokens"
 TOKEN_FORMAT_VERSION = 1
 TOKENIZER_FILE = "tokenizer.json"
-TEXT_SUFFIXES = (".txt", ".md")
+TOKENIZER_DIR = "tokenizer"
+"""Where a dataset keeps a copy of the Hugging Face tokenizer its ids came from."""
 DEFAULT_VOCAB_SIZE = 2048
 DEFAULT_VAL_FRACTION = 0.05
-# Documents are joined with one blank line, so a sample may span two documents (as in
-# GPT-2's pretraining); a separator token would not fit the 256-id byte vocabulary.
+# Without an end-of-document token (the byte tokenizer: all 256 ids are bytes; our BPE:
+# trained without special tokens) documents are joined with one blank line, so a sample
+# may span two documents, as in GPT-2's pretraining. A tokenizer with an EOS puts it
+# between documents instead.
 DOCUMENT_SEPARATOR = "\n\n"
-# Long files are tokenized in pieces of about this many characters (cut after a newline) so
-# memory stays bounded and the progress bar moves.
-PIECE_CHARS = 1 << 20
-PREPARE_HINT = "run `cephalo prepare-data --input TEXT_FILES_OR_DIRS --output DIR` first"
+PREPARE_HINT = "run `cephalo prepare-data --input FILES_OR_DIRS --output DIR` first"
 
 
 # ----------------------------------------------------------------------------- token files
@@ -69,18 +84,24 @@ class TokenFileMeta:
     vocab_size: int
     """Every id is < vocab_size (the tokenizer's vocabulary)."""
     tokenizer: str
-    """`byte`, or the tokenizer JSON's path relative to the sidecar's directory."""
+    """`byte`, or where the tokenizer is, relative to the sidecar's directory: `tokenizer.json`
+    (a tokenizer JSON) or `tokenizer` (a Hugging Face tokenizer directory)."""
     source_sha256: str
     """Checksum of the source texts (in order) this file was tokenized from."""
     split: str = "train"
     """`train` or `val`."""
     num_documents: int = 0
-    """Number of source documents (files) the whole dataset was built from."""
+    """Number of source documents (text files, JSON lines, rows) with text the whole dataset
+    was built from."""
     val_fraction: float = 0.0
     """Fraction of the dataset's tokens that went to the `val` split."""
     tokenizer_key: str = ""
-    """What was asked for: `byte`, `bpe-<vocab>` (trained on this corpus) or
-    `json-<sha256 prefix>` (a given tokenizer file). A rebuild is skipped when it matches."""
+    """What was asked for: `byte`, `bpe-<vocab>` (trained on this corpus),
+    `json-<sha256 prefix>` (a given tokenizer file) or `hf-<sha256 prefix>` (a Hugging Face
+    tokenizer directory, by its files). A rebuild is skipped when it matches."""
+    source_stat: str = ""
+    """Paths, sizes and modification times of the source files (a hash): when they match, the
+    sources are not read again to check `source_sha256`. Empty for texts given in memory."""
     format: str = TOKEN_FORMAT
     version: int = TOKEN_FORMAT_VERSION
 
@@ -176,17 +197,24 @@ class _TokenWriter:
     def __init__(self, out_dir: Path, dtype: np.dtype, vocab_size: int):
         self.out_dir, self.dtype, self.vocab_size = out_dir, dtype, vocab_size
         self.tmp = out_dir / "train.bin.tmp"
-        self.file = open(self.tmp, "wb")  # noqa: SIM115 (closed in finish)
+        self.file = open(self.tmp, "wb")  # noqa: SIM115 (closed in finish or abort)
         self.num_tokens = 0
 
-    def append(self, ids: Sequence[int]) -> None:
-        arr = np.asarray(ids, dtype=np.int64)
+    def abort(self) -> None:
+        """Drop what was written (an error stopped the preparation)."""
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def append(self, ids: Sequence[int] | np.ndarray) -> None:
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu":
+            arr = arr.astype(np.int64)
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
             raise CephaloError(
                 f"the tokenizer produced id {int(arr.max())}, outside its vocab of "
                 f"{self.vocab_size}: the tokenizer file is inconsistent; use another one"
             )
-        arr.astype(self.dtype).tofile(self.file)
+        arr.astype(self.dtype, copy=False).tofile(self.file)
         self.num_tokens += arr.size
 
     def finish(
@@ -199,7 +227,7 @@ class _TokenWriter:
         val_tmp = self.out_dir / "val.bin.tmp"
         with open(self.tmp, "rb") as src, open(val_tmp, "wb") as dst:
             src.seek(num_train * itemsize)
-            shutil.copyfileobj(src, dst, 1 << 24)
+            shutil.copyfileobj(src, dst, 1 << 20)
         os.truncate(self.tmp, num_train * itemsize)
         metas = []
         for split, tmp, n in (("train", self.tmp, num_train), ("val", val_tmp, num_val)):
@@ -214,84 +242,6 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- corpora
-@dataclass(frozen=True)
-class Document:
-    """One source text (a file, or one entry of the bundled corpus)."""
-
-    name: str
-    """Where it came from (a path, or `pydoc:<topic>`); for messages only."""
-    text: str
-    """Its contents."""
-
-
-def default_corpus() -> list[Document]:
-    """The bundled corpus: Python's own help topics (`pydoc_data.topics`, ~465 KB of English).
-
-    It ships with every CPython, so the demo needs no download. Topics are taken in sorted
-    order, so the corpus (and everything built from it) is deterministic for a Python version.
-    """
-    from pydoc_data.topics import topics
-
-    return [Document(f"pydoc:{key}", topics[key]) for key in sorted(topics)]
-
-
-def read_documents(inputs: Sequence[str | Path]) -> list[Document]:
-    """Text files named directly, or found under directories (`*.txt`, `*.md`, recursively).
-
-    Order: inputs as given; files inside a directory sorted by path (deterministic).
-    """
-    if not inputs:
-        raise CephaloError("no input given: pass text files or directories with --input")
-    files: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-            if not found:
-                raise CephaloError(
-                    f"directory {path} holds no {' or '.join(TEXT_SUFFIXES)} files: "
-                    f"point --input at text files or a directory of them"
-                )
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise CephaloError(f"input {path} does not exist: pass text files or directories")
-    docs = []
-    for f in files:
-        try:
-            docs.append(Document(str(f), f.read_text(encoding="utf-8")))
-        except UnicodeDecodeError as e:
-            raise CephaloError(f"{f} is not UTF-8 text ({e}); convert it or leave it out") from e
-    return docs
-
-
-def corpus_checksum(documents: Iterable[Document]) -> str:
-    """sha256 of the texts in order (names excluded: renaming a file changes no token)."""
-    h = hashlib.sha256()
-    for doc in documents:
-        data = doc.text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little"))  # length prefix: no two corpora collide
-        h.update(data)
-    return h.hexdigest()
-
-
-def _pieces(documents: Sequence[Document]) -> Iterator[str]:
-    """The corpus as tokenizer input: each document cut after newlines into ~1 MB pieces,
-    its last piece ending in the document separator."""
-    for doc in documents:
-        text = doc.text.rstrip("\n") + DOCUMENT_SEPARATOR
-        start = 0
-        while start < len(text):
-            end = start + PIECE_CHARS
-            if end < len(text):
-                cut = text.rfind("\n", start, end)
-                end = cut + 1 if cut > start else end
-            yield text[start:end]
-            start = end
 
 
 # ----------------------------------------------------------------------------- preparation
@@ -324,7 +274,7 @@ def _existing(out_dir: Path, want: dict) -> tuple[TokenFileMeta, TokenFileMeta] 
     for meta in (train.meta, val.meta):
         if any(getattr(meta, k) != v for k, v in want.items()):
             return None
-    if train.meta.tokenizer != BYTE_TOKENIZER and not (out_dir / train.meta.tokenizer).is_file():
+    if train.meta.tokenizer != BYTE_TOKENIZER and not (out_dir / train.meta.tokenizer).exists():
         return None
     return train.meta, val.meta
 
@@ -337,35 +287,93 @@ def _same_corpus_tokenizer(out_dir: Path, source_sha: str, key: str) -> bool:
     return old.source_sha256 == source_sha and old.tokenizer_key == key
 
 
+def vocab_too_large(vocab_size: int, tokenizer: str, model_vocab_size: int, model: str) -> str:
+    """The one message for ids that would index past a model's embedding."""
+    return (
+        f"{tokenizer} has {vocab_size:,} ids but {model} has only {model_vocab_size:,} embedding "
+        f"rows (vocab_size): its ids would index past the embedding. Use a tokenizer that fits "
+        f'the model (data.tokenizer = "auto" takes the model directory\'s own) or a model whose '
+        f"vocab_size is at least {vocab_size:,}"
+    )
+
+
+@dataclass(frozen=True)
+class _TokenizerChoice:
+    """What a `tokenizer` argument of `prepare_dataset` asks for."""
+
+    key: str
+    """The sidecar's `tokenizer_key`."""
+    stored_as: str
+    """The sidecar's `tokenizer`: `byte`, `tokenizer.json` or `tokenizer`."""
+    loaded: TextTokenizer | None
+    """The tokenizer, or None: a BPE is to be trained on the corpus."""
+    label: str
+    """How messages name it."""
+
+
+def _choose_tokenizer(tokenizer: str | Path | None, vocab_size: int) -> _TokenizerChoice:
+    if str(tokenizer) == BYTE_TOKENIZER or (tokenizer is None and vocab_size == BYTE_VOCAB_SIZE):
+        return _TokenizerChoice(
+            BYTE_TOKENIZER, BYTE_TOKENIZER, load_tokenizer(BYTE_TOKENIZER), "the byte tokenizer"
+        )
+    if tokenizer is None:
+        return _TokenizerChoice(f"bpe-{vocab_size}", TOKENIZER_FILE, None, f"a BPE of {vocab_size}")
+    path = Path(tokenizer)
+    if path.is_dir():
+        loaded = HFTokenizer.load(path)
+        key = "hf-" + tokenizer_fingerprint(path)
+        return _TokenizerChoice(key, TOKENIZER_DIR, loaded, f"the tokenizer in {path}")
+    bpe = BPETokenizer.load(path)
+    key = "json-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return _TokenizerChoice(key, TOKENIZER_FILE, bpe, f"the tokenizer {path}")
+
+
 def prepare_dataset(
-    documents: Sequence[Document],
+    documents: Corpus | Sequence[Document],
     out_dir: str | Path,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     tokenizer: str | Path | None = None,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     progress: bool = True,
     force: bool = False,
+    max_vocab_size: int | None = None,
+    model: str = "the model",
+    piece_chars: int = PIECE_CHARS,
 ) -> PreparedDataset:
-    """Tokenize `documents` into `out_dir` (train / val token files + tokenizer JSON).
+    """Tokenize a corpus into `out_dir` (train / val token files + the tokenizer).
 
-    tokenizer: None trains a byte-level BPE of `vocab_size` on the documents; `byte` uses
-    raw bytes (vocab 256); a path reuses that tokenizer JSON (copied into `out_dir`).
-    A dataset already in `out_dir` from the same texts and settings is reused unless `force`.
+    documents: a `Corpus` (files read as a stream) or documents in memory.
+    tokenizer: None trains a byte-level BPE of `vocab_size` on the corpus; `byte` uses
+    raw bytes (vocab 256); a directory uses its saved Hugging Face tokenizer (EOS between
+    documents); another path reuses that tokenizer JSON. The tokenizer is copied into `out_dir`.
+    max_vocab_size: the embedding rows of `model`; a tokenizer with more ids is refused
+    before anything is read. The corpus is tokenized `piece_chars` characters at a time and
+    written as it goes. A dataset already in `out_dir` from the same sources and settings is
+    reused unless `force`.
     """
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    if not documents:
+    corpus = documents if isinstance(documents, Corpus) else Corpus.from_documents(documents)
+    if not corpus.sources or (
+        not isinstance(documents, Corpus) and not any(d.text for d in documents)
+    ):
         raise CephaloError("the corpus is empty: pass at least one non-empty text file")
     if not 0.0 <= val_fraction < 1.0:
         raise CephaloError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if piece_chars < 1:
+        raise CephaloError(f"piece_chars must be >= 1, got {piece_chars}")
     if out_dir.exists() and not out_dir.is_dir():
         raise CephaloError(f"output {out_dir} exists and is not a directory")
+    choice = _choose_tokenizer(tokenizer, vocab_size)
+    wanted_vocab = choice.loaded.vocab_size if choice.loaded is not None else vocab_size
+    if max_vocab_size is not None and wanted_vocab > max_vocab_size:
+        raise CephaloError(vocab_too_large(wanted_vocab, choice.label, max_vocab_size, model))
     out_dir.mkdir(parents=True, exist_ok=True)
 
     # Every rank of a job may call this at once: one builds, the others wait and reuse.
     with _exclusive(out_dir / ".prepare.lock"):
         return _prepare_locked(
-            documents, out_dir, vocab_size, tokenizer, val_fraction, progress, force, started
+            corpus, out_dir, vocab_size, choice, val_fraction, progress, force, piece_chars, started
         )
 
 
@@ -379,109 +387,123 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _prepare_locked(
-    documents: Sequence[Document],
-    out_dir: Path,
-    vocab_size: int,
-    tokenizer: str | Path | None,
-    val_fraction: float,
-    progress: bool,
-    force: bool,
-    started: float,
-) -> PreparedDataset:
-    source_sha = corpus_checksum(documents)
-    tokenizer_file = out_dir / TOKENIZER_FILE
-    given: BPETokenizer | None = None
-    if str(tokenizer) == BYTE_TOKENIZER or (tokenizer is None and vocab_size == BYTE_VOCAB_SIZE):
-        key = BYTE_TOKENIZER
-    elif tokenizer is None:
-        key = f"bpe-{vocab_size}"
-    else:
-        given = BPETokenizer.load(tokenizer)
-        key = "json-" + hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()[:16]
-    want = {"source_sha256": source_sha, "val_fraction": val_fraction, "tokenizer_key": key}
-    if not force and (found := _existing(out_dir, want)) is not None:
-        logger.info(
-            "dataset in %s is up to date (%d tokens)",
-            out_dir,
-            found[0].num_tokens + found[1].num_tokens,
-        )
-        return PreparedDataset(
-            out_dir, found[0], found[1], time.perf_counter() - started, cached=True
-        )
-
-    # tokenizer.json depends only on the corpus and vocab size: keep the one in out_dir
-    # only if it was trained on this corpus for this size
-    keep_tokenizer = _same_corpus_tokenizer(out_dir, source_sha, key)
-    # the old dataset (if any) stops being one before anything is overwritten: a crash from
-    # here on leaves no sidecar, so nothing half-written can be mistaken for a dataset
-    for split in ("train", "val"):
-        (out_dir / f"{split}.json").unlink(missing_ok=True)
-
+def _progress_bar(progress: bool):
     from rich.progress import (
         BarColumn,
+        DownloadColumn,
         Progress,
         SpinnerColumn,
         TaskProgressColumn,
         TextColumn,
         TimeElapsedColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
     )
 
-    columns = (
+    return Progress(
         SpinnerColumn(),
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         TaskProgressColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        disable=not progress,
     )
-    total_chars = sum(len(d.text) for d in documents)
-    with Progress(*columns, disable=not progress) as bar:
-        if key == BYTE_TOKENIZER:
-            tok: TextTokenizer = load_tokenizer(BYTE_TOKENIZER)
-        elif given is not None:
-            tok = given
-            given.save(tokenizer_file)
-        else:
-            if keep_tokenizer and tokenizer_file.is_file():
-                # loaded as is: on a small corpus the BPE may hold fewer ids than asked
-                tok = BPETokenizer.load(tokenizer_file)
-            else:
+
+
+def _prepare_locked(
+    corpus: Corpus,
+    out_dir: Path,
+    vocab_size: int,
+    choice: _TokenizerChoice,
+    val_fraction: float,
+    progress: bool,
+    force: bool,
+    piece_chars: int,
+    started: float,
+) -> PreparedDataset:
+    want = {"val_fraction": val_fraction, "tokenizer_key": choice.key}
+    stat = corpus.stat_fingerprint()
+    if (
+        not force
+        and stat is not None
+        and (found := _existing(out_dir, {**want, "source_stat": stat}))
+    ):
+        return _cached(out_dir, found, started)
+
+    size = corpus.size_bytes()
+    with _progress_bar(progress) as bar:
+        task = bar.add_task(f"checking {corpus.describe()}", total=size)
+        source_sha = corpus.checksum(lambda n: bar.advance(task, n))
+        bar.remove_task(task)
+        if not force and (found := _existing(out_dir, {**want, "source_sha256": source_sha})):
+            if stat is not None:  # unchanged content, touched files: remember the new stat
+                found = tuple(_restamp(out_dir, m, stat) for m in found)  # type: ignore[assignment]
+            return _cached(out_dir, found, started)
+
+        # tokenizer.json depends only on the corpus and vocab size: keep the one in out_dir
+        # only if it was trained on this corpus for this size
+        keep_tokenizer = _same_corpus_tokenizer(out_dir, source_sha, choice.key)
+        # the old dataset (if any) stops being one before anything is overwritten: a crash from
+        # here on leaves no sidecar, so nothing half-written can be mistaken for a dataset
+        for split in ("train", "val"):
+            (out_dir / f"{split}.json").unlink(missing_ok=True)
+
+        tokenizer_file = out_dir / TOKENIZER_FILE
+        tok: TextTokenizer
+        if choice.stored_as != TOKENIZER_DIR:  # no stale copy of another kind of tokenizer
+            shutil.rmtree(out_dir / TOKENIZER_DIR, ignore_errors=True)
+        if choice.loaded is not None:
+            tok = choice.loaded
+            if choice.stored_as == TOKENIZER_DIR:
                 tokenizer_file.unlink(missing_ok=True)
-                task = bar.add_task(f"training BPE tokenizer (vocab {vocab_size})", total=None)
-                tok = load_or_train_tokenizer(_pieces(documents), vocab_size, tokenizer_file)
-                bar.update(task, total=1, completed=1)
+                tok.save(out_dir / TOKENIZER_DIR)  # type: ignore[attr-defined]
+            elif choice.stored_as == TOKENIZER_FILE:
+                tok.save(tokenizer_file)  # type: ignore[attr-defined]
+        elif keep_tokenizer and tokenizer_file.is_file():
+            # loaded as is: on a small corpus the BPE may hold fewer ids than asked
+            tok = BPETokenizer.load(tokenizer_file)
+        else:
+            tokenizer_file.unlink(missing_ok=True)
+            task = bar.add_task(f"training BPE tokenizer (vocab {vocab_size})", total=size)
+            texts = _advancing(corpus.pieces(DOCUMENT_SEPARATOR, piece_chars), bar, task)
+            tok = load_or_train_tokenizer(texts, vocab_size, tokenizer_file)
+            corpus.check_not_empty()
+            bar.remove_task(task)
 
         writer = _TokenWriter(out_dir, token_dtype(tok.vocab_size), tok.vocab_size)
-        task = bar.add_task(
-            f"tokenizing {len(documents)} documents ({total_chars / 1e6:.1f}M chars)",
-            total=total_chars,
-        )
-        batch: list[str] = []
-        for piece in _pieces(documents):
-            batch.append(piece)
-            if sum(map(len, batch)) >= PIECE_CHARS:
-                _encode_into(tok, batch, writer, bar, task)
-                batch = []
-        _encode_into(tok, batch, writer, bar, task)
-        bar.update(task, completed=total_chars)
+        task = bar.add_task(f"tokenizing {corpus.describe()}", total=size)
+        try:
+            _tokenize_into(corpus, tok, writer, piece_chars, lambda n: bar.advance(task, n))
+            corpus.check_not_empty()
+            if writer.num_tokens == 0:
+                raise CephaloError(
+                    f"{corpus.describe()} tokenized to 0 tokens: pass data with text"
+                )
+        except BaseException:
+            writer.abort()
+            raise
+        bar.update(task, completed=size)
 
-    if writer.num_tokens == 0:
-        raise CephaloError("the corpus tokenized to 0 tokens: pass non-empty text files")
     meta = TokenFileMeta(
         dtype=writer.dtype.name,
         num_tokens=writer.num_tokens,
         vocab_size=tok.vocab_size,
-        tokenizer=BYTE_TOKENIZER if key == BYTE_TOKENIZER else TOKENIZER_FILE,
+        tokenizer=choice.stored_as,
         source_sha256=source_sha,
-        num_documents=len(documents),
+        num_documents=corpus.num_documents,
         val_fraction=val_fraction,
-        tokenizer_key=key,
+        tokenizer_key=choice.key,
+        source_stat=stat or "",
     )
     train, val = writer.finish(meta, val_fraction)
     seconds = time.perf_counter() - started
     logger.info(
-        "prepared %s: %d train + %d val tokens, %s tokenizer (vocab %d), %.1fs",
+        "prepared %s: %d documents -> %d train + %d val tokens, %s tokenizer (vocab %d), %.1fs",
         out_dir,
+        corpus.num_documents,
         train.num_tokens,
         val.num_tokens,
         tok.name,
@@ -491,12 +513,71 @@ def _prepare_locked(
     return PreparedDataset(out_dir, train, val, seconds)
 
 
-def _encode_into(tok: TextTokenizer, batch: list[str], writer: _TokenWriter, bar, task) -> None:
+def _cached(
+    out_dir: Path, found: tuple[TokenFileMeta, TokenFileMeta], started: float
+) -> PreparedDataset:
+    logger.info(
+        "dataset in %s is up to date (%d tokens)",
+        out_dir,
+        found[0].num_tokens + found[1].num_tokens,
+    )
+    return PreparedDataset(out_dir, found[0], found[1], time.perf_counter() - started, cached=True)
+
+
+def _restamp(out_dir: Path, meta: TokenFileMeta, stat: str) -> TokenFileMeta:
+    meta = TokenFileMeta(**{**asdict(meta), "source_stat": stat})
+    _write_atomic(out_dir / f"{meta.split}.json", meta.to_json())
+    return meta
+
+
+def _advancing(pieces: Iterator[Piece], bar, task) -> Iterator[str]:
+    for piece in pieces:
+        bar.advance(task, piece.source_bytes)
+        yield piece.text
+
+
+def _tokenize_into(
+    corpus: Corpus,
+    tok: TextTokenizer,
+    writer: _TokenWriter,
+    piece_chars: int,
+    advance: Callable[[int], None],
+) -> None:
+    """Tokenize the corpus in batches of about `piece_chars` characters, appending each
+    batch's ids to `writer` (the tokenizer's EOS after every document, if it has one)."""
+    eos = tok.eos_id
+    separator = "" if eos is not None else DOCUMENT_SEPARATOR
+    batch: list[Piece] = []
+    chars = 0
+    for piece in corpus.pieces(separator, piece_chars):
+        batch.append(piece)
+        chars += len(piece.text)
+        if chars >= piece_chars:
+            _encode_batch_into(tok, batch, eos, writer, advance)
+            batch, chars = [], 0
+    _encode_batch_into(tok, batch, eos, writer, advance)
+
+
+def _encode_batch_into(
+    tok: TextTokenizer,
+    batch: list[Piece],
+    eos: int | None,
+    writer: _TokenWriter,
+    advance: Callable[[int], None],
+) -> None:
     if not batch:
         return
-    for ids in tok.encode_batch(batch):
-        writer.append(ids)
-    bar.advance(task, sum(map(len, batch)))
+    # ids stay in the tokenizer's own integer type until the writer has range-checked them
+    parts: list[np.ndarray] = []
+    end = np.array([eos if eos is not None else 0])
+    for piece, piece_ids in zip(batch, tok.encode_batch([p.text for p in batch]), strict=True):
+        parts.append(
+            piece_ids if isinstance(piece_ids, np.ndarray) else np.array(piece_ids, np.int64)
+        )
+        if piece.ends_document and eos is not None:
+            parts.append(end)
+    writer.append(np.concatenate(parts))
+    advance(sum(p.source_bytes for p in batch))
 
 
 def prepare_default_corpus(
@@ -512,6 +593,8 @@ def prepare_default_corpus(
     )
 
 
+AUTO_TOKENIZER = "auto"
+"""Config name of the default: the model directory's tokenizer if it has one, else bytes."""
 BUILTIN_TOKENIZER = "builtin"
 """Config name of the byte tokenizer (`data.tokenizer = "builtin"`); same as `byte`."""
 TRAINED_BPE = "bpe"
@@ -533,41 +616,107 @@ def is_token_dataset(path: str | Path) -> bool:
     return True
 
 
+def resolve_tokenizer(tokenizer: str, model_name: str | None = None) -> str | None:
+    """What a config's `data.tokenizer` asks for, as `prepare_dataset`'s `tokenizer` argument:
+    `byte`, None (train a BPE), or a path (a tokenizer JSON or a tokenizer directory).
+
+    `auto`: the tokenizer in the model's directory (`model_directory(model_name)`) when it
+    holds one, else the byte tokenizer. `builtin` / `byte`: bytes. `bpe`: a BPE trained on
+    the corpus. Anything else: a path.
+    """
+    if tokenizer == AUTO_TOKENIZER:
+        directory = model_directory(model_name) if model_name else None
+        if directory is not None and has_tokenizer(directory):
+            return str(directory)
+        if directory is not None:
+            logger.info(
+                "model directory %s holds no tokenizer: using the byte tokenizer", directory
+            )
+        return BYTE_TOKENIZER
+    if tokenizer in (BUILTIN_TOKENIZER, BYTE_TOKENIZER):
+        return BYTE_TOKENIZER
+    if tokenizer == TRAINED_BPE:
+        return None
+    return tokenizer
+
+
+def _warn_if_tokenized_otherwise(dataset: Path, model_tokenizer: Path) -> None:
+    """A prepared dataset is used as is; say so when its ids come from another tokenizer
+    than the model's own (they would then stand for other tokens)."""
+    used = TokenFileMeta.read(resolve_token_file(dataset)).tokenizer_key
+    own = "hf-" + tokenizer_fingerprint(model_tokenizer)
+    if used != own:
+        logger.warning(
+            "dataset %s was tokenized with %s, not with the tokenizer of model %s (%s): its ids "
+            "may stand for other tokens. Prepare it with `cephalo prepare-data --tokenizer %s`",
+            dataset,
+            used or "an unknown tokenizer",
+            model_tokenizer,
+            own,
+            model_tokenizer,
+        )
+
+
+def _cache_key(spec: str | None, vocab_size: int) -> str:
+    """The tokenizer part of a cached dataset's directory name: by content, so two
+    tokenizers never share a cache entry and switching back and forth rebuilds nothing."""
+    if spec == BYTE_TOKENIZER:
+        return BYTE_TOKENIZER
+    if spec is None:
+        return f"bpe{vocab_size}"
+    path = Path(spec)
+    if path.is_dir():
+        return "hf-" + tokenizer_fingerprint(path)
+    if not path.is_file():
+        BPETokenizer.load(path)  # raises the explanatory error
+    return "json-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def resolve_dataset(
     path: str | Path | None,
-    tokenizer: str = BUILTIN_TOKENIZER,
+    tokenizer: str = AUTO_TOKENIZER,
     vocab_size: int = BYTE_VOCAB_SIZE,
     cache_dir: str | Path | None = None,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     progress: bool = False,
+    model_name: str | None = None,
+    text_field: str = DEFAULT_TEXT_FIELD,
 ) -> Path:
     """The token dataset a job's `[data]` config names, prepared and cached if needed.
 
     path: unset -> the bundled corpus; a dataset directory or token file -> used as is (it
-    carries its own tokenizer); a text file or a directory of text files -> tokenized into
-    `cache_dir` (default `default_cache_dir()`), once.
-    tokenizer: `builtin` / `byte` -> bytes (vocab 256); `bpe` -> a byte-level BPE of
-    `vocab_size` (the model's) trained on the corpus; else the path of a tokenizer JSON.
+    carries its own tokenizer); text, JSON Lines or Parquet files, a directory of them, or a
+    datasets directory (`save_to_disk`) -> tokenized into `cache_dir` (default
+    `default_cache_dir()`), once. `text_field` names the field / column holding the text.
+    tokenizer: see `resolve_tokenizer` (`auto` looks in `model_name`'s directory).
+    vocab_size: the model's; a tokenizer with more ids is an error, and `bpe` trains this many.
     Safe to call from every rank at once (one prepares, the others wait for it).
     """
+    spec = resolve_tokenizer(tokenizer, model_name)
     if path is not None and is_token_dataset(path):
+        if tokenizer == AUTO_TOKENIZER and spec != BYTE_TOKENIZER:
+            _warn_if_tokenized_otherwise(Path(path), Path(spec))  # type: ignore[arg-type]
         return Path(path)
-    if tokenizer in (BUILTIN_TOKENIZER, BYTE_TOKENIZER):
-        spec, vocab, key = BYTE_TOKENIZER, BYTE_VOCAB_SIZE, BYTE_TOKENIZER
-    elif tokenizer == TRAINED_BPE:
-        spec, vocab, key = None, vocab_size, f"bpe{vocab_size}"
-    else:
-        spec, vocab = tokenizer, vocab_size
-        key = "tok-" + hashlib.sha256(str(Path(tokenizer).resolve()).encode()).hexdigest()[:8]
+    key = _cache_key(spec, vocab_size)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if path is None:
-        documents, name = default_corpus(), "pydoc"
+        corpus, name = Corpus.bundled(), "pydoc"
     else:
-        documents = read_documents([path])
-        where = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:8]
-        name = f"{Path(path).name}-{where}"
+        corpus = Corpus.from_paths([path], text_field)
+        where = f"{Path(path).resolve()}\0{text_field}"
+        name = f"{Path(path).name}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
     out_dir = cache / f"{name}-{key}-val{val_fraction:g}"
-    return prepare_dataset(documents, out_dir, vocab, spec, val_fraction, progress=progress).path
+    model = f"model {model_name}" if model_name else "the model"
+    return prepare_dataset(
+        corpus,
+        out_dir,
+        vocab_size,
+        spec,
+        val_fraction,
+        progress=progress,
+        max_vocab_size=vocab_size,
+        model=model,
+    ).path
 
 
 # ----------------------------------------------------------------------------- batches
@@ -607,8 +756,7 @@ class GlobalBatches:
         self.vocab_size = self.train_file.vocab_size
         if model_vocab_size is not None and model_vocab_size < self.vocab_size:
             raise CephaloError(
-                f"dataset {data} uses a vocabulary of {self.vocab_size} ids but the model has "
-                f"only {model_vocab_size}: set the model's vocab_size to >= {self.vocab_size}"
+                vocab_too_large(self.vocab_size, f"dataset {data}", model_vocab_size, "the model")
             )
 
         windows = self.train_file.num_tokens // self.window

@@ -1,4 +1,7 @@
-"""Tokenizers: a byte-level BPE trained in-process, or raw bytes.
+"""Tokenizers: a byte-level BPE trained in-process, raw bytes, or a model's own tokenizer.
+
+A model's own tokenizer (a directory written by `save_pretrained`) lives in
+`hf_tokenizer.py`; `load_tokenizer` opens all three kinds.
 
 Both turn any text into ids and back without loss (`decode(encode(text)) == text`): the BPE
 starts from the 256 byte symbols (ByteLevel pre-tokenizer and decoder), so nothing is ever
@@ -16,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cephalo.errors import CephaloError
@@ -35,10 +39,18 @@ class TextTokenizer(Protocol):
 
     @property
     def name(self) -> str:
-        """`byte`, or `bpe-<vocab>`: recorded in the token file's sidecar."""
+        """`byte`, `bpe-<vocab>`, or the tokenizer directory's name: for messages."""
         ...
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+    @property
+    def eos_id(self) -> int | None:
+        """The id put after every document, or None: documents are then separated by a
+        blank line of text (`DOCUMENT_SEPARATOR`)."""
+        ...
+
+    def encode_batch(self, texts: Sequence[str]) -> Sequence[Sequence[int]]:
+        """Ids of each text: lists, or 1-D integer numpy arrays."""
+        ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -50,12 +62,14 @@ class ByteTokenizer:
 
     vocab_size = BYTE_VOCAB_SIZE
     name = BYTE_TOKENIZER
+    eos_id = None  # 256 ids are all bytes: none is free for an end-of-document token
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        # uint8 arrays: a megabyte of text stays a megabyte (a list of ints would be 8x)
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         # a window cut mid-character decodes with a replacement mark instead of failing
@@ -64,6 +78,8 @@ class ByteTokenizer:
 
 class BPETokenizer:
     """A byte-level BPE held by a `tokenizers.Tokenizer`."""
+
+    eos_id = None  # trained without special tokens: documents end in a blank line
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -153,9 +169,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, serial: bool = True) -> BPE
 
 
 def load_tokenizer(spec: str | Path) -> TextTokenizer:
-    """`byte` -> `ByteTokenizer`; anything else is the path of a tokenizer JSON."""
+    """`byte` -> `ByteTokenizer`; a directory -> its saved Hugging Face tokenizer
+    (`HFTokenizer`); anything else is the path of a tokenizer JSON."""
     if str(spec) == BYTE_TOKENIZER:
         return ByteTokenizer()
+    if Path(spec).is_dir():
+        from cephalo.train.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.load(spec)
     return BPETokenizer.load(spec)
 
 

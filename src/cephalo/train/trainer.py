@@ -224,6 +224,8 @@ class _Trainer:
             vocab_size=model.spec.vocab_size,
             val_fraction=cfg.data.val_fraction,
             progress=self.rank == 0,
+            model_name=cfg.model.name,
+            text_field=cfg.data.text_field,
         )
         self.batches = GlobalBatches(
             data_path,
