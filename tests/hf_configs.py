@@ -98,7 +98,7 @@ TINY: dict[str, dict[str, Any]] = {
     "glm4": dict(_LLAMA_LIKE, head_dim=8),
     "exaone4": dict(_LLAMA_LIKE, sliding_window=WINDOW, sliding_window_pattern=2),
     "arcee": dict(_LLAMA_LIKE),
-    "seed_oss": dict(_LLAMA_LIKE, head_dim=8),
+    "seed_oss": dict(_LLAMA_LIKE, head_dim=8, attention_dropout=0.0, residual_dropout=0.0),
     "ernie4_5": dict(_LLAMA_LIKE, head_dim=8),
 }
 assert set(TINY) == set(FAMILIES), set(TINY) ^ set(FAMILIES)
@@ -110,15 +110,31 @@ def tiny_config(model_type: str, **changes: Any):
     return transformers.AutoConfig.for_model(model_type, **{**TINY[model_type], **changes})
 
 
-def save_tiny_model(
-    model_type: str, directory: Path, seed: int = 0, dtype=torch.float32, **changes: Any
-) -> Path:
-    """A random tiny model of `model_type` written with save_pretrained; returns `directory`."""
+def quiet_transformers() -> None:
+    """No progress bars or warnings from transformers in test output."""
     import transformers
 
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def save_tiny_model(
+    model_type: str,
+    directory: Path,
+    seed: int = 0,
+    dtype=torch.float32,
+    max_shard_size: str | None = None,
+    **changes: Any,
+) -> Path:
+    """A random tiny model of `model_type` (transformers' own init, seeded) written with
+    save_pretrained in `dtype`, sharded when `max_shard_size` is given; returns `directory`."""
+    import transformers
+
+    quiet_transformers()
     config = tiny_config(model_type, **changes)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(str(directory))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(directory), **kwargs)
     return directory

@@ -245,3 +245,42 @@ def train_fsdp2(
         hooks.remove()
     run.params = {name: p.full_tensor().detach().clone() for name, p in named}
     return run
+
+
+def train_transformers(
+    directory: str,
+    batches: Sequence[Batch],
+    cfg: OptimConfig,
+    steps: int | None = None,
+) -> ReferenceRun:
+    """Plain transformers, nothing of cephalo's model code: `AutoModelForCausalLM.
+    from_pretrained(directory)` in fp32, the WHOLE global batch per step, loss = the mean
+    token cross-entropy of its logits against the (pre-shifted) labels, `torch.optim.AdamW`
+    (weight decay on matrices, `adamw_param_groups`), `clip_grad_norm_`. Parameters come
+    back under transformers' names (a tied weight once). No dropout masks are replayed: give
+    it dropout-free configs."""
+    import transformers
+
+    steps = len(batches) if steps is None else steps
+    with torch.random.fork_rng(devices=[]):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.train()
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    opt = _optimizer(named, cfg)
+    run = ReferenceRun()
+    for step in range(steps):
+        input_ids, labels = batches[step]
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+        )
+        loss.backward()
+        run.grad_norms.append(_clip(params, cfg))
+        opt.step()
+        run.losses.append(loss.item())
+    run.params = {name: p.detach().clone() for name, p in named}
+    return run
