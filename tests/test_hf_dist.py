@@ -145,7 +145,9 @@ def test_pretrained_loss_finetune_export_roundtrip(pool3, tmp_path, model_type):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
     x, _ = data[0]
     first = hf(input_ids=x, labels=x).loss.item()  # transformers shifts the labels itself
-    print(f"{model_type}: first-step loss cephalo {results[0]['losses'][0]:.7f}, transformers {first:.7f}")
+    print(
+        f"{model_type}: first-step loss cephalo {results[0]['losses'][0]:.7f}, transformers {first:.7f}"
+    )
     assert results[0]["losses"][0] == pytest.approx(first, rel=1e-6)
 
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -294,6 +294,7 @@ def _split(hf_model: nn.Module, family: Family, name: str) -> tuple[list[Unit], 
         )
     rotary = children[rotary_names[0]] if rotary_names else None
     inputs = LayerInputs(config, rotary)
+
     def named(attr: str | None) -> tuple[str, nn.Module] | None:
         return None if attr is None else (attr, children[attr])
 
@@ -371,9 +372,7 @@ class HFUnitModel(UnitModel):
         if pretrained:
             if directory is None:
                 raise CephaloError(f"model {name} has no directory to read pretrained weights from")
-            shapes = {
-                f"{u}.{n}": tuple(p.shape) for u, n, p in self.named_unit_parameters()
-            }
+            shapes = {f"{u}.{n}": tuple(p.shape) for u, n, p in self.named_unit_parameters()}
             known = {n for hf_names in self.hf_names.values() for n in hf_names}
             self.weights = PretrainedWeights(
                 directory,
@@ -416,7 +415,7 @@ class HFUnitModel(UnitModel):
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                for sub in module.modules():
+                for sub in _children_first(module):  # transformers' `smart_apply` order
                     self._init_weights_of(sub)
         finally:
             for sub, pname, p in swapped:
@@ -429,6 +428,14 @@ class HFUnitModel(UnitModel):
         values = self.initial_values(unit_name, owned, generator)
         for n, p in owned:
             p.copy_(values[n])
+
+
+def _children_first(module: nn.Module) -> Iterator[nn.Module]:
+    """Every submodule after its children, the order transformers' `initialize_weights`
+    visits them (a parent's init, e.g. GPT-2's scaled residual projections, comes last)."""
+    for child in module.children():
+        yield from _children_first(child)
+    yield module
 
 
 def checkpoint_key_renamer(hf_model: nn.Module, known: set[str]) -> Callable[[str], str]:
@@ -452,7 +459,7 @@ def checkpoint_key_renamer(hf_model: nn.Module, known: set[str]) -> Callable[[st
             raise CephaloError(
                 f"pretrained weights: tensor {key!r} is stored in a layout transformers converts "
                 f"on loading ({converted_by!r}); cephalo reads tensors as stored. Re-save the "
-                "model with transformers' save_pretrained, or set model.init = \"random\""
+                'model with transformers\' save_pretrained, or set model.init = "random"'
             )
         return name
 

@@ -63,7 +63,12 @@ HF_PRESETS: dict[str, HFPreset] = {
     "hf-gpt2-124m": HFPreset(
         "gpt2",
         dict(
-            vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, **_GPT2_NO_DROPOUT
+            vocab_size=50257,
+            n_positions=1024,
+            n_embd=768,
+            n_layer=12,
+            n_head=12,
+            **_GPT2_NO_DROPOUT,
         ),
     ),
     "hf-llama-160m": HFPreset(

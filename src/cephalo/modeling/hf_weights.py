@@ -81,14 +81,14 @@ def _header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             out = {}
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 sl = f.get_slice(key)
                 out[key] = (tuple(int(d) for d in sl.get_shape()), str(sl.get_dtype()))
             return out
     except (_safetensors_error(), OSError, ValueError) as e:
         raise CephaloError(
             f"pretrained weights: cannot read {file}: {_first_line(e)}. The file is damaged or not "
-            "safetensors; copy or save it again (or set model.init = \"random\")"
+            'safetensors; copy or save it again (or set model.init = "random")'
         ) from None
 
 
@@ -133,7 +133,7 @@ def scan_directory(directory: Path) -> dict[str, StoredTensor]:
         raise CephaloError(
             f"pretrained weights: {directory} holds {', '.join(others)}, and cephalo reads "
             "safetensors only. Convert once with transformers (AutoModelForCausalLM.from_pretrained"
-            "(DIR).save_pretrained(DIR2, safe_serialization=True)), or set model.init = \"random\""
+            '(DIR).save_pretrained(DIR2, safe_serialization=True)), or set model.init = "random"'
         )
     raise CephaloError(
         f"pretrained weights: {directory} has no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX}; "
