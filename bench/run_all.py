@@ -50,6 +50,7 @@ BENCHES = [
     Bench("lga", "Layered vs standard gradient accumulation", 240),
     Bench("engine_vs_fsdp2", "Engine vs PyTorch FSDP2", 360),
     Bench("hetero_throughput", "Emulated heterogeneous clusters (measured)", 420),
+    Bench("hf_overhead", "Cephalo on a Hugging Face model vs plain transformers", 180),
 ]
 
 
