@@ -63,12 +63,15 @@ def _engine_run(directory: str, plan, cfg: EngineConfig, data, export_to: str | 
     }
 
 
-# Key-projection biases: softmax is shift-invariant, so their gradient is zero in exact
-# arithmetic but for what rotary embeddings break, a sum of nearly cancelling terms about
-# 1e-3 of the other gradients (measured: 1e-4 vs 3e-2 for the value bias). Its float32
-# rounding depends on the summation order (micro-batches, ranks), and Adam's normalisation
-# makes that rounding visible at ~1e-5 of the bias values. They get 1e-4; all else 1e-5.
-NEAR_CANCELLING = ("k_proj.bias",)
+# Biases start at zero (transformers' init), so after 5 steps their values are 5 Adam
+# updates and nothing else, and their gradients are sums over tokens that nearly cancel:
+# the key-projection bias's gradient is zero in exact arithmetic but for what rotary
+# embeddings break (measured 1e-4 vs 3e-2 for the value bias), a LayerNorm bias's is the
+# sum of near-zero-mean output gradients. The float32 rounding of such sums depends on the
+# summation order (micro-batches, ranks), and Adam's normalisation carries it into the
+# update at full size, so it shows at ~1e-5 of these small values (up to 1.5e-5 measured).
+# Biases get 1e-4; every weight (matrices, norm gains, embeddings) 1e-5.
+NEAR_CANCELLING = (".bias",)
 
 
 def _check(results, ref, label: str) -> None:
@@ -87,7 +90,7 @@ def _check(results, ref, label: str) -> None:
         bias_diff, bias_worst = max_rel_diff(
             {k: ours[k] for k in loose}, {k: ref.params[k] for k in loose}
         )
-        print(f"{label}: key-projection biases {bias_diff:.2e} ({bias_worst})")
+        print(f"{label}: biases {bias_diff:.2e} ({bias_worst})")
         assert bias_diff <= 1e-4, f"{label}: {bias_diff:.2e} in {bias_worst}"
     for r in results:
         assert r["losses"] == pytest.approx(ref.losses, rel=1e-5), label
@@ -103,10 +106,9 @@ def test_family_trains_like_transformers(pool3, tmp_path, model_type):
     plan = make_plan(**UNEVEN, seq_len=SEQ, model=directory)
     data = make_data(STEPS, plan.global_batch_size, seq_len=SEQ, vocab=VOCAB)
     # clip below the first step's norm (families' gradient scales differ: logit scaling)
-    first = train_transformers(directory, data[:1], optim_config(CONFIG), steps=1)
-    cfg = dataclasses.replace(CONFIG, grad_clip=0.8 * first.grad_norms[0])
+    ref = train_transformers(directory, data, optim_config(CONFIG), clip_to_first_norm=0.8)
+    cfg = dataclasses.replace(CONFIG, grad_clip=ref.grad_clip)
     results = pool3.run(_engine_run, directory, plan, cfg, data)
-    ref = train_transformers(directory, data, optim_config(cfg))
     assert any(n > cfg.grad_clip for n in ref.grad_norms), "clipping must be active"
     _check(results, ref, model_type)
 
