@@ -121,8 +121,11 @@ class LayerInputs:
     `position_ids`, the rotary `position_embeddings` (the model's own rotary module) and the
     attention mask of each layer type (`masking_utils.create_causal_mask` /
     `create_sliding_window_causal_mask`; None where SDPA's `is_causal` does the masking).
-    Cached per (batch, length, dtype, device): every block and micro-batch of a step reuses
-    them. A plain object, not a module (see the module docstring)."""
+    Without padding every sample's mask is the same, so they are made for a batch of one
+    and broadcast over the batch (eager and SDPA attention add / apply them that way; a
+    [1, 1, s, s] mask instead of [b, 1, s, s]). Cached per (length, dtype, device): every
+    block and micro-batch of a step reuses them. A plain object, not a module (see the
+    module docstring)."""
 
     MAX_CACHED = 4
 
@@ -138,7 +141,7 @@ class LayerInputs:
         self._cache: dict[tuple, dict[str, Any]] = {}
 
     def __call__(self, h: torch.Tensor, kind: str) -> dict[str, Any]:
-        key = (h.shape[0], h.shape[1], h.dtype, h.device)
+        key = (h.shape[1], h.dtype, h.device)
         entry = self._cache.get(key)
         if entry is None:
             if len(self._cache) >= self.MAX_CACHED:
@@ -147,14 +150,14 @@ class LayerInputs:
                 positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
                 entry = {"position_ids": positions, "masks": {}}
                 if self.rotary is not None:
-                    entry["position_embeddings"] = self.rotary(h, positions)
+                    entry["position_embeddings"] = self.rotary(h[:1], positions)
             self._cache[key] = entry
         masks = entry["masks"]
         if kind not in masks:
             with torch.no_grad():
                 # (config, inputs_embeds, attention_mask, cache): positional across versions
                 masks[kind] = self.mask_functions[kind](
-                    self.config, h, None, None, position_ids=entry["position_ids"]
+                    self.config, h[:1], None, None, position_ids=entry["position_ids"]
                 )
         out = {"attention_mask": masks[kind], "position_ids": entry["position_ids"]}
         if "position_embeddings" in entry:
