@@ -41,7 +41,7 @@ CONFIG = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay
 def _engine_run(directory: str, plan, cfg: EngineConfig, data, export_to: str | None = None):
     """On every rank: the model directory's pretrained weights, `len(data)` steps; rank 0
     returns the trained parameters under transformers' names (and writes `export_to`)."""
-    from cephalo.modeling.hf import export_hf_state_dict, save_hf_directory
+    from cephalo.modeling.hf_export import export_hf_state_dict, save_hf_directory
 
     torch.set_num_threads(1)
     quiet_transformers()

@@ -158,7 +158,7 @@ def test_pretrained_formats_sharded_bf16_base_model_and_legacy_names(tmp_path):
 
 
 def test_export_directory_loads_with_from_pretrained_and_keeps_the_tokenizer(tmp_path):
-    from cephalo.modeling.hf import save_hf_directory
+    from cephalo.modeling.hf_export import save_hf_directory
 
     source = save_tiny_model("phi3", tmp_path / "src", seed=5)
     (source / "tokenizer.json").write_text('{"version": "1.0"}')

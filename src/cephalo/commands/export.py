@@ -102,7 +102,7 @@ def export_checkpoint(
     from safetensors.torch import save_file
 
     from cephalo.errors import CephaloError
-    from cephalo.modeling.hf import save_hf_directory
+    from cephalo.modeling.hf_export import save_hf_directory
     from cephalo.modeling.registry import build_model
     from cephalo.planning.planner import simple_plan
     from cephalo.runtime.comm import LocalComm
