@@ -51,6 +51,7 @@ BENCHES = [
     Bench("engine_vs_fsdp2", "Engine vs PyTorch FSDP2", 360),
     Bench("hetero_throughput", "Emulated heterogeneous clusters (measured)", 420),
     Bench("data_streaming", "Data preparation streams: memory vs corpus size", 300),
+    Bench("hf_overhead", "Cephalo on a Hugging Face model vs plain transformers", 180),
 ]
 
 

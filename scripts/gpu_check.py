@@ -5,8 +5,14 @@ Run through scripts/gpu_check.sh (it launches this under torchrun). Checks:
   2. the memory ledger's device peak of a step is within 10% of
      torch.cuda.max_memory_allocated() over the same step;
   3. host offload of boundary activations (pinned buffers, side-stream copies) gives the
-     same losses as keeping them on the device, with a lower device peak.
+     same losses as keeping them on the device, with a lower device peak;
+  4. Hugging Face models through the engine on CUDA (`check_hf_models`): tiny Qwen2
+     (sliding-window layers, tied embeddings) and Gemma 2 (eager attention, soft-capping,
+     embedding-scale buffer) directories read as pretrained: the first step's loss equals
+     transformers' own on the GPU (fp32), and bf16 training lowers the loss.
 Exit status: 0 all checks pass, 1 a check failed, 77 no CUDA GPU (nothing was run).
+`python scripts/gpu_check.py --hf-on-cpu` runs check 4 alone on the CPU (a smoke test of
+the check itself on a machine without a GPU).
 """
 
 from __future__ import annotations
@@ -91,6 +97,7 @@ def main() -> int:
         failures.append(
             f"offload did not lower the device peak ({off_peaks[-1]} vs {peaks[-1]} bytes)"
         )
+    failures += check_hf_models(comm, device)
     elapsed = time.perf_counter() - t_start
     print(f"gpu_check: {elapsed:.0f}s")
     if elapsed > 300:
@@ -106,5 +113,88 @@ def main() -> int:
     return 1 if failures else 0
 
 
+def check_hf_models(comm, device: torch.device) -> list[str]:
+    """Check 4: transformers model directories through the engine on `device`."""
+    import tempfile
+    from pathlib import Path
+
+    import transformers
+
+    from cephalo.modeling.registry import build_model
+    from cephalo.planning.plan import Plan, RankPlan
+    from cephalo.runtime.engine import Engine, EngineConfig
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    failures = []
+    tiny = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=32,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    configs = {
+        "qwen2": dict(tiny, use_sliding_window=True, max_window_layers=2, tie_word_embeddings=True),
+        "gemma2": dict(tiny, head_dim=32, final_logit_softcapping=30.0),
+    }
+    seq, batch = 128, 4
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 512, (batch, seq), generator=gen)
+    y = torch.full_like(x, -100)
+    y[:, :-1] = x[:, 1:]
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_type, kwargs in configs.items():
+            directory = Path(tmp) / model_type
+            config = transformers.AutoConfig.for_model(model_type, **kwargs)
+            torch.manual_seed(0)
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).to(device)
+            with torch.no_grad():
+                expected = hf(input_ids=x.to(device), labels=x.to(device)).loss.item()
+            del hf
+            for dtype, steps in (("fp32", 1), ("bf16", 6)):
+                plan = Plan(
+                    "manual",
+                    str(directory),
+                    seq,
+                    batch,
+                    dtype,
+                    [RankPlan(0, "gpu", batch, 2, batch // 2, 1.0)],
+                )
+                engine = Engine(
+                    build_model(str(directory)),
+                    plan,
+                    comm,
+                    EngineConfig(device=str(device), compute_dtype=dtype),
+                )
+                losses = [engine.train_step(x, y, lr=1e-3).loss for _ in range(steps)]
+                print(f"  {model_type} {dtype}: losses {[round(v, 4) for v in losses]}")
+                if dtype == "fp32" and abs(losses[0] / expected - 1) > 1e-4:
+                    failures.append(
+                        f"{model_type}: first-step loss {losses[0]:.6f} != transformers' "
+                        f"{expected:.6f} on {device}"
+                    )
+                if dtype == "bf16" and not losses[-1] < losses[0]:
+                    failures.append(f"{model_type} bf16: loss did not fall: {losses}")
+                del engine
+    print(f"  HF models on {device}: transformers' first loss reproduced, bf16 trains")
+    return failures
+
+
 if __name__ == "__main__":
+    if "--hf-on-cpu" in sys.argv:
+        from cephalo.runtime.comm import LocalComm
+
+        problems = check_hf_models(LocalComm(), torch.device("cpu"))
+        for p in problems:
+            print(f"gpu_check --hf-on-cpu: FAIL - {p}")
+        print("gpu_check --hf-on-cpu: " + ("FAIL" if problems else "PASS"))
+        sys.exit(1 if problems else 0)
     sys.exit(main())

@@ -18,6 +18,7 @@ same factory crosses into pool workers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -65,6 +66,8 @@ class ReferenceRun:
     """Global gradient norm per step (before clipping)."""
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     """Final parameters by `<unit>.<param>` (whole tensors, CPU, fp32)."""
+    grad_clip: float | None = None
+    """The clipping threshold used (`train_transformers(clip_to_first_norm=...)` sets it)."""
 
 
 def _build(name: str, seed: int, overrides: dict) -> UnitModel:
@@ -244,4 +247,50 @@ def train_fsdp2(
     finally:
         hooks.remove()
     run.params = {name: p.full_tensor().detach().clone() for name, p in named}
+    return run
+
+
+def train_transformers(
+    directory: str,
+    batches: Sequence[Batch],
+    cfg: OptimConfig,
+    steps: int | None = None,
+    clip_to_first_norm: float | None = None,
+) -> ReferenceRun:
+    """Plain transformers, nothing of cephalo's model code: `AutoModelForCausalLM.
+    from_pretrained(directory)` in fp32, the WHOLE global batch per step, loss = the mean
+    token cross-entropy of its logits against the (pre-shifted) labels, `torch.optim.AdamW`
+    (weight decay on matrices, `adamw_param_groups`), `clip_grad_norm_`. Parameters come
+    back under transformers' names (a tied weight once). No dropout masks are replayed: give
+    it dropout-free configs. `clip_to_first_norm=f`: clip at f x the first step's gradient
+    norm instead of `cfg.grad_clip` (families' gradient scales differ), returned in
+    `grad_clip` for the system under test to use."""
+    import transformers
+
+    steps = len(batches) if steps is None else steps
+    with torch.random.fork_rng(devices=[]):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.train()
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    opt = _optimizer(named, cfg)
+    run = ReferenceRun()
+    for step in range(steps):
+        input_ids, labels = batches[step]
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+        )
+        loss.backward()
+        if clip_to_first_norm is not None and step == 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))
+            cfg = dataclasses.replace(cfg, grad_clip=clip_to_first_norm * norm)
+        run.grad_norms.append(_clip(params, cfg))
+        opt.step()
+        run.losses.append(loss.item())
+    run.params = {name: p.detach().clone() for name, p in named}
+    run.grad_clip = cfg.grad_clip
     return run

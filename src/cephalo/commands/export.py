@@ -12,10 +12,13 @@ examples:
   cephalo export runs/demo --out demo.safetensors                 # newest checkpoint of a run
   cephalo export --checkpoint runs/demo/checkpoints/step_000040 --out w.safetensors
   cephalo export runs/hf-gpt2 --hf runs/hf-gpt2/export           # transformers directory
+  cephalo export runs/qwen --hf qwen-finetuned                    # + the source's tokenizer
 
 The safetensors file holds every parameter once, fp32, named `<unit>.<param>` (e.g.
-`blocks.0.attn.c_attn.weight`). `--hf DIR` writes config.json + model.safetensors that
-`AutoModelForCausalLM.from_pretrained(DIR)` loads (hf-* models and the built-in GPT, as GPT-2).
+`blocks.0.attn.c_attn.weight`). `--hf DIR` writes config.json + model.safetensors (fp32) that
+`AutoModelForCausalLM.from_pretrained(DIR)` loads, for every Hugging Face model (a model
+directory or an hf-* preset; the source directory's tokenizer files are copied along) and
+for the built-in GPT (as GPT-2).
 The checkpoint may come from any plan or world size: export runs in one process.
 """
 
@@ -30,6 +33,8 @@ class ExportResult:
     num_params: int
     out: Path | None
     hf_dir: Path | None
+    copied: list[str]
+    """Tokenizer (and generation) files copied from the model's source directory."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -97,7 +102,7 @@ def export_checkpoint(
     from safetensors.torch import save_file
 
     from cephalo.errors import CephaloError
-    from cephalo.modeling.hf import to_hf_model
+    from cephalo.modeling.hf_export import save_hf_directory
     from cephalo.modeling.registry import build_model
     from cephalo.planning.planner import simple_plan
     from cephalo.runtime.comm import LocalComm
@@ -109,7 +114,8 @@ def export_checkpoint(
         raise CephaloError("export: say where to write: --out FILE.safetensors and/or --hf DIR")
     checkpoint = find_checkpoint(source)
     mc = _model_config(checkpoint)
-    model = build_model(mc["name"], **mc.get("overrides", {}))
+    # the checkpoint holds the weights: the model's own (pretrained) files are not read
+    model = build_model(mc["name"], init="random", **mc.get("overrides", {}))
     spec = model.spec
     plan = simple_plan("even", Cluster.parse("cpu"), mc["name"], spec.max_seq_len or 1, 1, "fp32")
     comm = LocalComm()
@@ -127,10 +133,17 @@ def export_checkpoint(
             metadata={"format": "cephalo", "model": mc["name"], "step": str(step)},
         )
     hf_path = Path(hf_dir) if hf_dir is not None else None
+    copied: list[str] = []
     if hf_path is not None:
-        to_hf_model(model, state).save_pretrained(str(hf_path))
+        copied = save_hf_directory(model, hf_path, state)
     return ExportResult(
-        checkpoint, step, mc["name"], sum(t.numel() for t in state.values()), out_path, hf_path
+        checkpoint,
+        step,
+        mc["name"],
+        sum(t.numel() for t in state.values()),
+        out_path,
+        hf_path,
+        copied,
     )
 
 
@@ -158,4 +171,6 @@ def run(args: argparse.Namespace) -> int:
         r.num_params / 1e6,
         where,
     )
+    if r.copied:
+        logger.info("copied from the model directory: %s", ", ".join(r.copied))
     return 0

@@ -10,7 +10,7 @@ from cephalo.modeling.registry import model_spec_for
 from cephalo.planning.costmodel import CostModel
 from cephalo.planning.plan import DTYPES, Plan
 from cephalo.planning.sources import catalog_cost_model
-from cephalo.views.tables import make_console, plan_table, strategy_line
+from cephalo.views.tables import estimate_lines, make_console, plan_table, strategy_line
 
 STRATEGY_CHOICES = ("cephalo", "even", "proportional", "all")
 DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_DTYPE = "gpt-2.7b", 512, "fp16"
@@ -23,6 +23,7 @@ examples:
   cephalo plan --cluster 8xa100x80,16xv100x32 --model llama-7b --global-batch 512 --seq-len 2048 \\
                --json plan.json --plot plan.png
   cephalo plan --cluster cluster.toml --model gpt-1.3b --global-batch 128 --no-offload
+  cephalo plan --cluster 2xl4,a6000 --model ./Qwen2.5-0.5B --global-batch 32 --seq-len 1024
 
 What it decides, per GPU (rank): how many samples of the global batch it processes
 (batch), in micro-batches of what size (layered gradient accumulation runs them one layer
@@ -30,7 +31,9 @@ at a time), which fraction of the sharded training state (fp32 master weights, g
 Adam moments) it owns, and whether its layer-boundary activations live on the host.
 It maximises samples/s under every GPU's memory, using the cost model fed by the catalog
 (published measurements of real GPUs; `cephalo catalog`) or by measured profiles
-(`cephalo profile --out P.json`, then --profiles P.json).
+(`cephalo profile --out P.json`, then --profiles P.json). A model the catalog never
+measured (a transformers directory) gets its block times from the same GPU's published
+profiles scaled by FLOPs; the plan prints that estimate's leave-one-out error.
 
 strategies: cephalo (the optimiser), even (plain FSDP: equal batches and shards),
 proportional (batches proportional to speed, equal shards), all (compare the three).
@@ -92,7 +95,10 @@ def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool)
         help="devices in rank order, e.g. 2xl4,a6000,p40 or a .toml/.json file (grammar: `cephalo catalog`)",
     )
     p.add_argument(
-        "--model", metavar="NAME", help=f"model from `cephalo catalog` ({default(DEFAULT_MODEL)})"
+        "--model",
+        metavar="NAME|DIR",
+        help="a model from `cephalo catalog`, a preset, or a transformers model directory "
+        f"(config.json; its shape is read, no weights) ({default(DEFAULT_MODEL)})",
     )
     p.add_argument(
         "--seq-len", type=int, metavar="N", help=f"tokens per sample ({default(DEFAULT_SEQ_LEN)})"
@@ -182,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
         f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
         f"{args.global_batch}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}"
     )
+    for line in estimate_lines(cm):
+        console.print(line, style="yellow", soft_wrap=True)
     console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))
     for s in strategies:
         console.print(strategy_line(s, plans[s], even), soft_wrap=True)

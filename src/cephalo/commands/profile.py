@@ -49,7 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="one device per rank: a cluster spec (cpu,cpu:slowdown=2,...) or a cluster file",
     )
     p.add_argument(
-        "--model", required=True, metavar="NAME", help="a runnable model (e.g. gpt-tiny, gpt-nano)"
+        "--model",
+        required=True,
+        metavar="NAME|DIR",
+        help="a runnable model: a preset (gpt-tiny, hf-llama-tiny) or a transformers model "
+        "directory (measured on random weights: timings do not depend on them)",
     )
     p.add_argument(
         "--seq-len", type=int, metavar="N", help="sequence length (default: the model's)"
@@ -106,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     cluster = Cluster.from_any(args.devices)
-    spec = build_model(args.model).spec
+    spec = build_model(args.model, init="random").spec
     seq_len = args.seq_len or spec.max_seq_len
     settings = _settings(args)
     common = (

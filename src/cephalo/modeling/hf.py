@@ -1,374 +1,467 @@
-"""`transformers` GPT-2 and Llama as units (the optional `hf` extra).
+"""Hugging Face decoder LMs as units: transformers' own modules, split where the model splits.
 
-The HF model is built from a config (never downloaded) on the requested device and split
-into units that wrap its own submodules, so the arithmetic is exactly HF's:
+One adapter serves every family in `hf_families.FAMILIES` (Llama, Mistral, Qwen2/3, Gemma,
+Gemma 2, Phi-3, GPT-NeoX, GPT-2, OLMo 2, Granite, SmolLM3, ...). The causal LM is built by
+`AutoModelForCausalLM.from_config` (on the meta device: no weights), and its modules become
 
-    GPT-2  embedding = wte + wpe + drop        blocks = GPT2Block         head = ln_f + lm_head
-    Llama  embedding = embed_tokens            blocks = LlamaDecoderLayer head = norm + lm_head
+    embedding = the base model's token embedding (+ GPT-2's learned positions, embedding
+                dropout, Granite's embedding multiplier: what the base model's forward adds)
+    blocks    = the decoder layers, each called the way the base model's forward calls it
+    head      = final norm + LM head (+ the logit multiplier / divisor / tanh soft-capping
+                of the causal-LM wrapper's forward), loss in fp32 (`units.LMHead`)
 
-Units only pass hidden states, so each block builds what its layer needs from the sequence
-length: attention uses SDPA with no mask (HF then runs it with `is_causal=True`), and the
-Llama blocks compute rotary (cos, sin) from one shared `RotaryTable`, which is NOT a module
-(its tables are plain CPU tensors, cached per device/dtype/length): the units therefore hold
-no buffers at all, and a meta build needs nothing but parameters materialised.
+so the arithmetic is exactly transformers'. A decoder layer needs more than hidden states:
+the base model's forward computes position ids, the rotary (cos, sin) from its rotary module,
+and the attention mask of each layer type (causal, or sliding-window for the layers that have
+one) once per call and hands them to every layer. `LayerInputs` does the same, with
+transformers' own `masking_utils` and the model's own rotary module, and caches them per
+(batch, length, dtype, device) for the micro-batches of a step. The rotary module is held by
+`LayerInputs` (a plain object shared by the blocks, not a unit's submodule), so its
+`inv_freq` buffer is no unit state: nothing for the engine to shard, gather or checkpoint.
 
-`export_hf_state_dict` maps unit parameter names back to HF names, so trained weights load
-into a fresh `transformers` model with `load_state_dict(strict=True)`; `to_hf_model` does it.
-The built-in GPT exports too, as a `GPT2LMHeadModel` (exact GELU, Conv1D weights transposed).
+Buffers. A meta build leaves buffers on meta; `build_hf_model` fills the non-persistent ones
+(rotary `inv_freq`, Gemma's embedding scale) on the CPU the way `from_pretrained` does: the
+model's own `_init_weights` for the modules that hold them. Gemma's scale stays inside its
+embedding module: a constant unit buffer, which the engine moves to the compute device.
+
+Initial values, one unit at a time (`initial_values`, what the engine materialises through):
+pretrained weights read from the directory's safetensors (`hf_weights.PretrainedWeights`),
+or transformers' own random init scheme (`_init_weights` of each module: normal(0,
+initializer_range), GPT-2's scaled residual projections, Gemma's zero-centred norms, zero
+padding rows), its draws seeded per unit from the engine's generator so that every rank and
+the single-process reference start alike.
+
+Export back to transformers is `hf_export.py`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from cephalo.errors import CephaloError
-from cephalo.modeling.gpt import GPT, MAX_LAYERS
-from cephalo.modeling.units import (
-    LMHead,
-    Unit,
-    UnitModel,
-    fill_normal_,
-    spec_from_units,
+from cephalo.modeling.hf_config import (
+    HF_PRESETS,
+    directory_config,
+    first_line,
+    preset_config,
+    transformers_module,
 )
+from cephalo.modeling.hf_families import Family, config_value, family_of
+from cephalo.modeling.hf_weights import PretrainedWeights
+from cephalo.modeling.units import LMHead, Unit, UnitModel, spec_from_units
+
+INIT_CHOICES = ("auto", "pretrained", "random")
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise CephaloError(
-            "the hf-* models need the `transformers` package: pip install 'cephalo[hf]'"
-        ) from exc
-    return transformers
+# ----------------------------------------------------------------------------- building
+def build_hf_model(config, device: torch.device | str = "meta") -> nn.Module:
+    """`AutoModelForCausalLM.from_config(config)` in fp32 on `device`; on meta, the
+    non-persistent buffers are then computed on the CPU (`_materialize_buffers`). The global
+    RNG is left as it was (a non-meta build runs transformers' random init)."""
+    tf = transformers_module()
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if torch.device(device).type == "meta":
+        _materialize_buffers(model)
+    return model
 
 
-@dataclass(frozen=True)
-class HFPreset:
-    """A named `transformers` model: its family and the config fields we set."""
-
-    family: str
-    """`gpt2` or `llama`."""
-    config: dict[str, Any]
-    """Keyword arguments for `GPT2Config` / `LlamaConfig`."""
-
-
-HF_PRESETS: dict[str, HFPreset] = {
-    "hf-gpt2-tiny": HFPreset(
-        "gpt2",
-        dict(
-            vocab_size=256,
-            n_positions=32,
-            n_embd=64,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        ),
-    ),
-    "hf-llama-tiny": HFPreset(
-        "llama",
-        # 4 query heads over 2 key/value heads: exercises grouped-query attention.
-        dict(
-            vocab_size=256,
-            max_position_embeddings=32,
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "hf-gpt2-124m": HFPreset(
-        "gpt2",
-        dict(
-            vocab_size=50257,
-            n_positions=1024,
-            n_embd=768,
-            n_layer=12,
-            n_head=12,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        ),
-    ),
-    "hf-llama-160m": HFPreset(
-        "llama",
-        dict(
-            vocab_size=32000,
-            max_position_embeddings=1024,
-            hidden_size=768,
-            intermediate_size=2048,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            num_key_value_heads=12,
-            tie_word_embeddings=False,
-        ),
-    ),
-}
-
-# Generic override names -> the config fields they set, per family.
-_GENERIC_FIELDS = {
-    "gpt2": {
-        "seq_len": ("n_positions",),
-        "dropout": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
-        "tie_embeddings": ("tie_word_embeddings",),
-    },
-    "llama": {
-        "seq_len": ("max_position_embeddings",),
-        "dropout": ("attention_dropout",),
-        "tie_embeddings": ("tie_word_embeddings",),
-    },
-}
-
-
-def make_hf_config(name: str, overrides: dict[str, Any]):
-    """The `transformers` config of preset `name` with `overrides` applied (HF field names or
-    the generic `seq_len`, `dropout`, `tie_embeddings`, `vocab_size`)."""
-    tf = _transformers()
-    preset = HF_PRESETS[name]
-    kwargs = dict(preset.config)
-    config_cls = tf.GPT2Config if preset.family == "gpt2" else tf.LlamaConfig
-    known = set(config_cls().to_dict())
-    _check_generic_settings(name, overrides)
-    for key, value in overrides.items():
-        targets = _GENERIC_FIELDS[preset.family].get(key, (key,))
-        for target in targets:
-            if target not in known:
+@torch.no_grad()
+def _materialize_buffers(model: nn.Module) -> None:
+    """Real CPU values for the buffers of a meta-built transformers model, as from_pretrained
+    makes them: placeholders, then `model._init_weights(module)` for each module holding
+    one, with that module's parameters flagged as initialised so only buffers are written.
+    A placeholder starts as NaN, so a buffer the family's init does not compute is caught."""
+    owners: list[nn.Module] = []
+    for mname, module in model.named_modules():
+        holds = False
+        for bname, buf in module._buffers.items():
+            if buf is None or not buf.is_meta:
+                continue
+            if bname not in module._non_persistent_buffers_set:
                 raise CephaloError(
-                    f"model {name}: unknown setting {key!r}; use seq_len, dropout, tie_embeddings "
-                    f"or a {config_cls.__name__} field"
+                    f"{type(model).__name__}: {mname}.{bname} is a persistent buffer; cephalo "
+                    "trains parameters only (this layout is not supported)"
                 )
-            kwargs[target] = value
-    # Special tokens are irrelevant to training; GPT-2's defaults (50256) fall outside tiny vocabularies.
-    kwargs.setdefault("bos_token_id", None)
-    kwargs.setdefault("eos_token_id", None)
-    try:
-        return config_cls(**kwargs, attn_implementation="sdpa")
-    except Exception as e:  # transformers' own validation (types, ranges): say which settings
-        raise CephaloError(
-            f"model {name}: transformers rejects the settings {overrides}: {_first_line(e)}"
-        ) from None
+            module._buffers[bname] = torch.full(buf.shape, math.nan, dtype=buf.dtype)
+            holds = True
+        if holds:
+            owners.append(module)
+    for module in owners:
+        params = list(module.parameters())
+        for p in params:
+            p._is_hf_initialized = True
+        try:
+            model._init_weights(module)
+        finally:
+            for p in params:
+                del p._is_hf_initialized
+        for bname, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
+                raise CephaloError(
+                    f"{type(model).__name__}: cannot compute buffer {bname} of "
+                    f"{type(module).__name__} (its init left it unset); this layout is not supported"
+                )
 
 
-def _check_generic_settings(name: str, overrides: dict[str, Any]) -> None:
-    """Types and ranges of the settings every model family shares (transformers accepts some
-    bad ones, e.g. dropout 2.0, and fails only when training starts)."""
-    for key in ("seq_len", "vocab_size"):
-        value = overrides.get(key)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise CephaloError(f"model {name}: {key} must be an integer >= 1, got {value!r}")
-    for key in ("n_layer", "num_hidden_layers"):
-        value = overrides.get(key)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LAYERS
-        ):
-            raise CephaloError(
-                f"model {name}: {key} must be an integer from 1 to {MAX_LAYERS}, got {value!r}"
-            )
-    if "dropout" in overrides:
-        value = overrides["dropout"]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-            raise CephaloError(f"model {name}: dropout must be a number in [0, 1), got {value!r}")
-    if "tie_embeddings" in overrides and not isinstance(overrides["tie_embeddings"], bool):
-        raise CephaloError(
-            f"model {name}: tie_embeddings must be true or false, got {overrides['tie_embeddings']!r}"
-        )
+# ----------------------------------------------------------------------------- units
+class LayerInputs:
+    """What the base model's forward computes once and passes to every decoder layer:
+    `position_ids`, the rotary `position_embeddings` (the model's own rotary module) and the
+    attention mask of each layer type (`masking_utils.create_causal_mask` /
+    `create_sliding_window_causal_mask`; None where SDPA's `is_causal` does the masking).
+    Without padding every sample's mask is the same, so they are made for a batch of one
+    and broadcast over the batch (eager and SDPA attention add / apply them that way; a
+    [1, 1, s, s] mask instead of [b, 1, s, s]). Cached per (length, dtype, device): every
+    block and micro-batch of a step reuses them. A plain object, not a module (see the
+    module docstring)."""
+
+    MAX_CACHED = 4
+
+    def __init__(self, config, rotary: nn.Module | None):
+        from transformers import masking_utils
+
+        self.config = config
+        self.rotary = rotary
+        self.mask_functions = {
+            "full_attention": masking_utils.create_causal_mask,
+            "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+        }
+        self._cache: dict[tuple, dict[str, Any]] = {}
+
+    def __call__(self, h: torch.Tensor, kind: str) -> dict[str, Any]:
+        key = (h.shape[1], h.dtype, h.device)
+        entry = self._cache.get(key)
+        if entry is None:
+            if len(self._cache) >= self.MAX_CACHED:
+                self._cache.clear()
+            with torch.no_grad():
+                positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+                entry = {"position_ids": positions, "masks": {}}
+                if self.rotary is not None:
+                    entry["position_embeddings"] = self.rotary(h[:1], positions)
+            self._cache[key] = entry
+        masks = entry["masks"]
+        if kind not in masks:
+            with torch.no_grad():
+                # (config, inputs_embeds, attention_mask, cache): positional across versions
+                masks[kind] = self.mask_functions[kind](
+                    self.config, h[:1], None, None, position_ids=entry["position_ids"]
+                )
+        out = {"attention_mask": masks[kind], "position_ids": entry["position_ids"]}
+        if "position_embeddings" in entry:
+            out["position_embeddings"] = entry["position_embeddings"]
+        return out
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+class HFEmbedding(nn.Module):
+    """The token embedding and what the base model's forward does to it before the layers.
+    Submodules keep the base model's attribute names (`embed_tokens`, GPT-2's `wte` / `wpe`
+    / `drop`), so unit parameter names are transformers' own without the prefix."""
 
-
-class HFGPT2Embedding(nn.Module):
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout):
+    def __init__(
+        self,
+        tokens: tuple[str, nn.Module],
+        max_seq_len: int | None,
+        positions: tuple[str, nn.Module] | None = None,
+        dropout: tuple[str, nn.Module] | None = None,
+        dropout_p: float = 0.0,
+        multiplier: float | None = None,
+    ):
         super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        _check_seq_len(input_ids.shape[1], self.wpe.num_embeddings)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
-
-
-class HFGPT2Block(nn.Module):
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        # No mask + SDPA: HF passes is_causal=True to scaled_dot_product_attention.
-        return self.layer(h, attention_mask=None, use_cache=False)
-
-
-class HFLlamaEmbedding(nn.Module):
-    def __init__(self, embed_tokens: nn.Embedding, max_seq_len: int):
-        super().__init__()
-        self.embed_tokens = embed_tokens
+        self.names = {}
+        for role, named in (("tokens", tokens), ("positions", positions), ("dropout", dropout)):
+            if named is not None:
+                self.add_module(named[0], named[1])
+                self.names[role] = named[0]
+        self.dropout_p = dropout_p
+        self.multiplier = multiplier
         self.max_seq_len = max_seq_len
 
+    def part(self, role: str) -> nn.Module | None:
+        name = self.names.get(role)
+        return None if name is None else getattr(self, name)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        _check_seq_len(input_ids.shape[1], self.max_seq_len)
-        return self.embed_tokens(input_ids)
-
-
-class RotaryTable:
-    """Rotary (cos, sin) for positions 0..s-1, computed by HF's own `LlamaRotaryEmbedding`
-    on the CPU once per length and cached per (device, dtype, length). A plain object, not a
-    module: no buffers to materialise after a meta build, nothing for the engine to shard."""
-
-    def __init__(self, config):
-        tf = _transformers()
-        with torch.device("cpu"):
-            self.rotary = tf.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
-        self.cache: dict[
-            tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]
-        ] = {}
-
-    def __call__(self, seq_len: int, device: torch.device, dtype: torch.dtype):
-        key = (device, dtype, seq_len)
-        if key not in self.cache:
-            positions = torch.arange(seq_len).unsqueeze(0)
-            cos, sin = self.rotary(torch.empty(0, dtype=torch.float32), positions)
-            self.cache[key] = (
-                cos.to(device=device, dtype=dtype),
-                sin.to(device=device, dtype=dtype),
+        seq = input_ids.shape[1]
+        if self.max_seq_len is not None and seq > self.max_seq_len:
+            raise CephaloError(
+                f"sequence length {seq} exceeds the model's maximum {self.max_seq_len}; shorten "
+                "the data's sequences or build the model with a larger seq_len"
             )
-        return self.cache[key]
+        h = self.part("tokens")(input_ids)
+        if self.multiplier is not None:
+            h = h * self.multiplier
+        positions = self.part("positions")
+        if positions is not None:
+            h = h + positions(torch.arange(seq, device=input_ids.device).unsqueeze(0))
+        dropout = self.part("dropout")
+        if dropout is not None:
+            h = dropout(h)
+        if self.dropout_p:
+            h = nn.functional.dropout(h, p=self.dropout_p, training=self.training)
+        return h
 
 
-class HFLlamaBlock(nn.Module):
-    def __init__(self, layer: nn.Module, rotary: RotaryTable):
+class HFBlock(nn.Module):
+    """One decoder layer, given what the base model's forward gives it (`LayerInputs`)."""
+
+    def __init__(self, layer: nn.Module, inputs: LayerInputs, mask_kind: str):
         super().__init__()
         self.layer = layer
-        self.rotary = rotary  # plain attribute: shared by all blocks, not a submodule
+        self.mask_kind = mask_kind
+        self.__dict__["inputs"] = inputs  # plain attribute: shared by the blocks, not a submodule
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        position_embeddings = self.rotary(h.shape[1], h.device, h.dtype)
-        return self.layer(
-            h, attention_mask=None, position_embeddings=position_embeddings, use_cache=False
-        )
+        out = self.layer(h, **self.inputs(h, self.mask_kind))
+        return out[0] if isinstance(out, tuple) else out
 
 
 class HFHead(LMHead):
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear):
+    """Final norm + LM head, and what the causal-LM wrapper does to the logits."""
+
+    def __init__(
+        self,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        multiplier: float | None = None,
+        divisor: float | None = None,
+        softcap: float | None = None,
+    ):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
+        self.multiplier, self.divisor, self.softcap = multiplier, divisor, softcap
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h))
+        logits = self.lm_head(self.norm(h))
+        if self.multiplier is not None:
+            logits = logits * self.multiplier
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
-def _check_seq_len(seq: int, limit: int) -> None:
-    if seq > limit:
+def _mask_kinds(family: Family, config, num_layers: int) -> list[str]:
+    if family.masks == "causal":
+        return ["full_attention"] * num_layers
+    if family.masks == "sliding_window":
+        sliding = getattr(config, "sliding_window", None) is not None
+        return ["sliding_attention" if sliding else "full_attention"] * num_layers
+    kinds = list(config.layer_types[:num_layers])
+    unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if unknown:
         raise CephaloError(
-            f"sequence length {seq} exceeds the model's maximum {limit}; shorten the data's "
-            "sequences or build the model with a larger seq_len"
+            f"{family.label}: layer types {unknown} are not supported (full_attention and "
+            "sliding_attention are)"
         )
+    return kinds
+
+
+def _split(hf_model: nn.Module, family: Family, name: str) -> tuple[list[Unit], nn.Module | None]:
+    """The units of a causal LM with the common layout, and its rotary module; anything else
+    in the model is an error (the adapter would silently drop it)."""
+    config = hf_model.config
+    base = hf_model.base_model
+    children = dict(base.named_children())
+    tokens = base.get_input_embeddings()
+    used = {n for n, c in children.items() if c is tokens}
+    lists = [n for n, c in children.items() if isinstance(c, nn.ModuleList)]
+    rotary_names = [n for n, c in children.items() if type(c).__name__.endswith("RotaryEmbedding")]
+    extras = {a for a in (family.position_embedding, family.embedding_dropout) if a}
+    rest = [n for n in children if n not in used | set(lists) | set(rotary_names) | extras]
+    lm_head = hf_model.get_output_embeddings()
+    top = [n for n, c in hf_model.named_children() if c is not base and c is not lm_head]
+    if len(lists) != 1 or len(rotary_names) > 1 or len(rest) != 1 or not used or top:
+        raise CephaloError(
+            f"model {name}: {type(hf_model).__name__} does not have the layout the adapter "
+            f"knows (base model children {sorted(children)}, other modules {top}); see "
+            "docs/models.md"
+        )
+    layers = children[lists[0]]
+    if len(layers) != config.num_hidden_layers:
+        raise CephaloError(
+            f"model {name}: {len(layers)} layers but num_hidden_layers = {config.num_hidden_layers}"
+        )
+    rotary = children[rotary_names[0]] if rotary_names else None
+    inputs = LayerInputs(config, rotary)
+
+    def named(attr: str | None) -> tuple[str, nn.Module] | None:
+        return None if attr is None else (attr, children[attr])
+
+    if family.position_embedding:
+        max_seq = children[family.position_embedding].num_embeddings
+    else:
+        max_seq = getattr(config, "max_position_embeddings", None)
+    embedding = HFEmbedding(
+        (next(iter(used)), tokens),
+        max_seq,
+        positions=named(family.position_embedding),
+        dropout=named(family.embedding_dropout),
+        dropout_p=float(config_value(config, family.embedding_dropout_p) or 0.0),
+        multiplier=config_value(config, family.embedding_multiplier),
+    )
+    kinds = _mask_kinds(family, config, len(layers))
+    units = [Unit("embedding", "embedding", embedding)]
+    units += [
+        Unit(f"blocks.{i}", "block", HFBlock(layer, inputs, kinds[i]))
+        for i, layer in enumerate(layers)
+    ]
+    head = HFHead(
+        children[rest[0]],
+        lm_head,
+        multiplier=config_value(config, family.logit_multiplier),
+        divisor=config_value(config, family.logit_divisor),
+        softcap=config_value(config, family.logit_softcapping),
+    )
+    units.append(Unit("head", "head", head))
+    return units, rotary
 
 
 class HFUnitModel(UnitModel):
-    """A `transformers` causal LM as units. `hf_config` rebuilds the HF model;
-    `hf_names` maps each `<unit>.<param>` to the HF parameter names it stands for."""
+    """A `transformers` causal LM as units. `hf_config` rebuilds the transformers model;
+    `hf_names` maps each `<unit>.<param>` to the transformers parameter names it stands for;
+    `weights` (pretrained) or transformers' init scheme give the initial values."""
 
-    def __init__(self, name: str, family: str, hf_config, device: torch.device | str = "meta"):
-        tf = _transformers()
-        self.family = family
-        self.hf_config = hf_config
-        # fork_rng: HF's own init runs on a non-meta build; keep the global RNG (dropout's
-        # source) untouched by construction.
-        with torch.random.fork_rng(devices=[]), torch.device(device):
-            if family == "gpt2":
-                hf_model = tf.GPT2LMHeadModel(hf_config)
-            else:
-                hf_model = tf.LlamaForCausalLM(hf_config)
-        if family == "gpt2":
-            body = hf_model.transformer
-            units = [Unit("embedding", "embedding", HFGPT2Embedding(body.wte, body.wpe, body.drop))]
-            units += [
-                Unit(f"blocks.{i}", "block", HFGPT2Block(layer)) for i, layer in enumerate(body.h)
-            ]
-            units.append(Unit("head", "head", HFHead(body.ln_f, hf_model.lm_head)))
-            hidden, heads = hf_config.n_embd, hf_config.n_head
-            ffn = hf_config.n_inner or 4 * hidden
-            seq = hf_config.n_positions
-        else:
-            body = hf_model.model
-            rotary = RotaryTable(hf_config)
-            seq = hf_config.max_position_embeddings
-            units = [Unit("embedding", "embedding", HFLlamaEmbedding(body.embed_tokens, seq))]
-            units += [
-                Unit(f"blocks.{i}", "block", HFLlamaBlock(layer, rotary))
-                for i, layer in enumerate(body.layers)
-            ]
-            units.append(Unit("head", "head", HFHead(body.norm, hf_model.lm_head)))
-            hidden, heads, ffn = (
-                hf_config.hidden_size,
-                hf_config.num_attention_heads,
-                hf_config.intermediate_size,
-            )
-        tied = hf_model.lm_head.weight is hf_model.get_input_embeddings().weight
+    def __init__(
+        self,
+        name: str,
+        hf_config,
+        device: torch.device | str = "meta",
+        directory: Path | None = None,
+        pretrained: bool = False,
+    ):
+        family = family_of(hf_config)
+        hf_model = build_hf_model(hf_config, device)
+        units, rotary = _split(hf_model, family, name)
+        config = hf_model.config
+        hidden = config.hidden_size
+        tied = hf_model.get_output_embeddings().weight is hf_model.get_input_embeddings().weight
         spec = spec_from_units(
             units,
             name=name,
-            arch="gpt" if family == "gpt2" else "llama",
+            arch=config.model_type,
             hidden_size=hidden,
-            num_heads=heads,
-            vocab_size=hf_config.vocab_size,
-            ffn_hidden_size=ffn,
+            num_heads=config.num_attention_heads,
+            vocab_size=config.vocab_size,
+            ffn_hidden_size=getattr(config, "intermediate_size", None)
+            or getattr(config, "n_inner", None)
+            or 4 * hidden,
             tied_embeddings=tied,
-            max_seq_len=seq,
+            max_seq_len=units[0].module.max_seq_len or 0,
         )
         super().__init__(spec, units)
+        self.family = family
+        self.hf_config = config
+        self.directory = directory
         self.hf_names = _hf_name_map(hf_model, units)
-        # Norm scales and embedding padding rows are recognised by module type, found once here
-        # and kept by name (parameter identities change on `to_empty`).
-        self._norm_params_by_name = {
-            (u.name, f"{mname}.{pname}" if mname else pname)
-            for u in units
-            for mname, module in u.module.named_modules()
-            if isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
-            for pname, _ in module.named_parameters(recurse=False)
-        }
-        self._padding_rows: dict[str, dict[str, int]] = {}
-        for u in units:
-            for mname, module in u.module.named_modules():
-                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                    self._padding_rows.setdefault(u.name, {})[
-                        f"{mname}.weight" if mname else "weight"
-                    ] = module.padding_idx
-        unexpected = [n for n, _ in self.named_buffers()]
-        if unexpected:  # a transformers version that adds buffers to layers would need init here
-            raise CephaloError(
-                f"{name}: unit modules hold buffers {unexpected}; cephalo cannot initialise them"
+        # kept as plain attributes (not submodules): the rotary module belongs to LayerInputs,
+        # and the model's `_init_weights` is transformers' init scheme for any of its modules
+        self.__dict__["rotary"] = rotary
+        self.__dict__["_init_weights_of"] = hf_model._init_weights
+        self.weights: PretrainedWeights | None = None
+        if pretrained:
+            if directory is None:
+                raise CephaloError(f"model {name} has no directory to read pretrained weights from")
+            shapes = {f"{u}.{n}": tuple(p.shape) for u, n, p in self.named_unit_parameters()}
+            known = {n for hf_names in self.hf_names.values() for n in hf_names}
+            self.weights = PretrainedWeights(
+                directory,
+                self.hf_names,
+                shapes,
+                rename=checkpoint_key_renamer(hf_model, known),
+                ignored=list(getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or []),
             )
 
-    def init_parameter(
-        self, unit_name: str, param_name: str, param: nn.Parameter, generator: torch.Generator
-    ) -> None:
-        """HF's scheme, drawn from `generator` on the CPU: N(0, initializer_range) for
-        matrices and embeddings (GPT-2's residual projections c_proj scaled by
-        1/sqrt(2 n_layer)), zero biases, unit norm scales, zero padding rows."""
-        std = self.hf_config.initializer_range
-        if (unit_name, param_name) in self._norm_params_by_name:
-            param.fill_(1.0 if param_name.endswith("weight") else 0.0)
-        elif param_name.endswith("bias"):
-            param.zero_()
-        elif self.family == "gpt2" and param_name.endswith("c_proj.weight"):
-            fill_normal_(param, std / math.sqrt(2 * self.spec.num_layers), generator)
-        else:
-            fill_normal_(param, std, generator)
-            if param_name in self._padding_rows.get(unit_name, {}):
-                param[self._padding_rows[unit_name][param_name]].zero_()
+    @torch.no_grad()
+    def initial_values(
+        self,
+        unit_name: str,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        generator: torch.Generator,
+    ) -> dict[str, torch.Tensor]:
+        """Pretrained: the unit's tensors from the safetensors files (nothing drawn).
+        Random: transformers' init of the unit's modules, seeded by one draw from `generator`."""
+        if self.weights is not None:
+            return self.weights.read(unit_name, [n for n, _ in named_params])
+        return self._random_values(unit_name, named_params, generator)
+
+    def _random_values(self, unit_name, named_params, generator) -> dict[str, torch.Tensor]:
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        values = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in named_params}
+        module = self.unit(unit_name).module
+        swapped = []
+        for mname, sub in module.named_modules():
+            for pname, p in sub._parameters.items():
+                if p is None:
+                    continue
+                full = f"{mname}.{pname}" if mname else pname
+                if full in values:
+                    stand_in = nn.Parameter(values[full], requires_grad=False)
+                else:  # borrowed from another unit (tied): that unit initialises it
+                    stand_in = nn.Parameter(torch.empty(p.shape, device="meta"), False)
+                    stand_in._is_hf_initialized = True
+                swapped.append((sub, pname, p))
+                sub._parameters[pname] = stand_in
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                for sub in _children_first(module):  # transformers' `smart_apply` order
+                    self._init_weights_of(sub)
+        finally:
+            for sub, pname, p in swapped:
+                sub._parameters[pname] = p
+        return values
+
+    @torch.no_grad()
+    def init_unit_weights(self, unit_name: str, generator: torch.Generator) -> None:
+        owned = [(n, p) for u, n, p in self.named_unit_parameters() if u == unit_name]
+        values = self.initial_values(unit_name, owned, generator)
+        for n, p in owned:
+            p.copy_(values[n])
+
+
+def _children_first(module: nn.Module) -> Iterator[nn.Module]:
+    """Every submodule after its children, the order transformers' `initialize_weights`
+    visits them (a parent's init, e.g. GPT-2's scaled residual projections, comes last)."""
+    for child in module.children():
+        yield from _children_first(child)
+    yield module
+
+
+def checkpoint_key_renamer(hf_model: nn.Module, known: set[str]) -> Callable[[str], str]:
+    """A stored checkpoint name -> the model's parameter name, by transformers' own rules
+    (`from_pretrained`'s weight renamings for the model and the legacy ones, and adding or
+    removing the base-model prefix). A stored name that transformers would have to convert
+    (merge or split tensors: MoE experts, fused projections) is an error: cephalo reads
+    tensors one at a time as they are stored."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(hf_model, add_legacy=True)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    present = dict.fromkeys(known, True)
+    prefix = hf_model.base_model_prefix
+
+    def rename(key: str) -> str:
+        name, converted_by = rename_source_key(key, renamings, converters, prefix, present)
+        if converted_by is not None:
+            raise CephaloError(
+                f"pretrained weights: tensor {key!r} is stored in a layout transformers converts "
+                f"on loading ({converted_by!r}); cephalo reads tensors as stored. Re-save the "
+                'model with transformers\' save_pretrained, or set model.init = "random"'
+            )
+        return name
+
+    return rename
 
 
 def _hf_name_map(hf_model: nn.Module, units: list[Unit]) -> dict[str, list[str]]:
@@ -385,130 +478,54 @@ def _hf_name_map(hf_model: nn.Module, units: list[Unit]) -> dict[str, list[str]]
     return mapping
 
 
-def hf_config_of(model: UnitModel):
-    """The `transformers` config that `export_hf_state_dict(model)` loads into: the model's
-    own for hf-* models; for the built-in GPT, the equivalent `GPT2Config` (exact GELU)."""
-    if isinstance(model, HFUnitModel):
-        return model.hf_config
-    if isinstance(model, GPT):
-        cfg = model.config
-        if not cfg.bias:
-            raise CephaloError(
-                f"model {model.spec.name} has no biases (bias=false): transformers' GPT-2 "
-                "always has them, so it cannot be exported; train with bias=true to export"
-            )
-        tf = _transformers()
-        return tf.GPT2Config(
-            vocab_size=cfg.vocab_size,
-            n_positions=cfg.seq_len,
-            n_embd=cfg.n_embd,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            activation_function="gelu",
-            resid_pdrop=cfg.dropout,
-            embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.dropout,
-            layer_norm_epsilon=1e-5,
-            tie_word_embeddings=cfg.tie_embeddings,
-            bos_token_id=None,
-            eos_token_id=None,
-            attn_implementation="sdpa",
-        )
-    raise CephaloError(f"model {model.spec.name} has no transformers equivalent to export to")
-
-
-# Built-in GPT parameters stored by transformers' GPT-2 as Conv1D ([in, out]: transposed).
-_CONV1D_SUFFIXES = (
-    "attn.c_attn.weight",
-    "attn.c_proj.weight",
-    "mlp.c_fc.weight",
-    "mlp.c_proj.weight",
-)
-
-
-def _gpt_hf_names(model: GPT) -> dict[str, list[str]]:
-    names: dict[str, list[str]] = {}
-    for unit, pname, _ in model.named_unit_parameters():
-        ours = f"{unit}.{pname}"
-        if unit == "embedding":
-            names[ours] = [f"transformer.{pname}"]
-            if pname == "wte.weight" and model.config.tie_embeddings:
-                names[ours].append("lm_head.weight")
-        elif unit == "head":
-            names[ours] = [pname if pname.startswith("lm_head") else f"transformer.{pname}"]
-        else:
-            names[ours] = [f"transformer.h.{unit.split('.')[1]}.{pname}"]
-    return names
-
-
-def export_hf_state_dict(
-    model: UnitModel, state: dict[str, torch.Tensor] | None = None
-) -> dict[str, torch.Tensor]:
-    """HF-named tensors for `model` (a tied tensor under each of its HF names), loadable into
-    a model built from `hf_config_of(model)` with `load_state_dict(..., strict=True)`. Works
-    for hf-* models and the built-in GPT (as GPT-2). `state` (names `<unit>.<param>`, e.g.
-    from `Engine.full_state_dict()`) replaces the model's own values when given."""
-    if isinstance(model, HFUnitModel):
-        names, transpose = model.hf_names, ()
-    elif isinstance(model, GPT):
-        hf_config_of(model)  # fails early for configurations GPT-2 cannot express
-        names, transpose = _gpt_hf_names(model), _CONV1D_SUFFIXES
-    else:
-        raise CephaloError(f"model {model.spec.name} has no transformers equivalent to export to")
-    if state is None:
-        state = {f"{u}.{n}": p.detach() for u, n, p in model.named_unit_parameters()}
-    missing = sorted(set(names) - set(state))
-    if missing:
-        raise CephaloError(f"cannot export {model.spec.name}: missing tensors {missing[:5]}")
-    out = {}
-    for ours, hf_names in names.items():
-        tensor = (
-            state[ours].t().contiguous() if ours.endswith(transpose) and transpose else state[ours]
-        )
-        for hf_name in hf_names:
-            out[hf_name] = tensor
-    return out
-
-
-def to_hf_model(model: UnitModel, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
-    """A `transformers` causal LM (on the CPU) holding `model`'s weights (or `state`'s):
-    `to_hf_model(model).save_pretrained(path)` gives a checkpoint `transformers` loads."""
-    tf = _transformers()
-    config = hf_config_of(model)
-    cls = tf.LlamaForCausalLM if isinstance(config, tf.LlamaConfig) else tf.GPT2LMHeadModel
-    # Built on the CPU (not meta + assign) so that load_state_dict copies into HF's own,
-    # already tied, parameters; fork_rng keeps HF's init draws off the global RNG.
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-        hf_model = cls(config)
-    hf_model.load_state_dict(export_hf_state_dict(model, state), strict=True)
-    return hf_model.eval()
-
-
+# ----------------------------------------------------------------------------- registry entries
 def build_hf_unit_model(
-    name: str, device: torch.device | str, overrides: dict[str, Any]
+    name: str, device: torch.device | str, overrides: dict[str, Any], init: str = "auto"
 ) -> HFUnitModel:
-    """Registry entry: the `transformers` preset `name` as units."""
-    preset = HF_PRESETS[name]
-    config = make_hf_config(name, overrides)
-    try:
-        return HFUnitModel(name, preset.family, config, device=device)
-    except (
-        ValueError,
-        TypeError,
-        ZeroDivisionError,
-        RuntimeError,
-    ) as e:  # shapes the config allowed
+    """Registry entry of a preset: the tiny transformers config `name` as units (random init)."""
+    if init == "pretrained":
         raise CephaloError(
-            f"model {name}: cannot build it with the settings {overrides}: {_first_line(e)}"
+            f"model {name} is a built-in config without pretrained weights: set model.init = "
+            '"random" (or "auto"), or give a model directory'
+        )
+    return _build(name, preset_config(name, overrides), device, None, False, overrides)
+
+
+def build_hf_directory_model(
+    name: str,
+    directory: Path,
+    device: torch.device | str,
+    overrides: dict[str, Any],
+    init: str = "auto",
+) -> HFUnitModel:
+    """Registry entry of a model directory: its config.json as units; pretrained weights when
+    `init` is `pretrained`, or `auto` and the directory holds weights."""
+    from cephalo.modeling.hf_weights import weight_files_present
+
+    if init not in INIT_CHOICES:
+        raise CephaloError(f"model.init must be one of {', '.join(INIT_CHOICES)}, got {init!r}")
+    config = directory_config(directory, overrides)
+    pretrained = init == "pretrained" or (init == "auto" and bool(weight_files_present(directory)))
+    return _build(name, config, device, directory, pretrained, overrides)
+
+
+def _build(name, config, device, directory, pretrained, overrides) -> HFUnitModel:
+    try:
+        return HFUnitModel(name, config, device=device, directory=directory, pretrained=pretrained)
+    except (ValueError, TypeError, ZeroDivisionError, RuntimeError, AttributeError) as e:
+        # shapes the config allowed but the modules do not (e.g. heads not dividing the width)
+        raise CephaloError(
+            f"model {name}: cannot build it with the settings {overrides or 'of its config'}: "
+            f"{first_line(e)}"
         ) from None
 
 
 __all__ = [
     "HF_PRESETS",
     "HFUnitModel",
+    "LayerInputs",
+    "build_hf_directory_model",
+    "build_hf_model",
     "build_hf_unit_model",
-    "export_hf_state_dict",
-    "hf_config_of",
-    "make_hf_config",
-    "to_hf_model",
+    "checkpoint_key_renamer",
 ]

@@ -18,9 +18,17 @@ initialises every parameter deterministically from the generator (unit by unit, 
 `named_unit_parameters` order; `init_unit_weights` does one unit), so that the
 single-process reference and every rank of a sharded run start from the same weights.
 Random draws happen on the CPU (`fill_normal_`), so the values do not depend on the device.
-Unit modules hold NO buffers (the built-in models and the HF adapters keep it so; a
-buffer would need its own materialisation). Modules draw random numbers only inside
-`forward` (dropout, from the global generator), so restoring the RNG state replays them.
+`initial_values(unit, params, generator)` is the one place a unit's starting values come
+from (the engine materialises through it, one unit at a time); a model with pretrained
+weights returns those instead of drawing.
+
+Buffers are not state: a unit may hold only CONSTANT buffers, real (never meta) tensors
+computed when the model is built (Gemma's embedding scale), which are not trained, sharded
+or checkpointed; the engine moves them to the compute device and `materialize` keeps them.
+Anything that varies with the input (rotary tables, masks) is computed in `forward` or held
+outside the units (the HF adapter's `LayerInputs`). The built-in GPT holds none. Modules
+draw random numbers only inside `forward` (dropout, from the global generator), so
+restoring the RNG state replays them.
 
 `nn.Module.to_empty` replaces each parameter by a new object when moving off `meta`, which
 would untie tied weights; `UnitModel.materialize` re-ties them. An engine that materialises
@@ -156,8 +164,16 @@ class UnitModel(nn.Module):
         """Allocate real storage for a meta-built model and initialise it from `generator`.
         Tied parameters stay one Parameter object."""
         slots = tied_parameter_slots(self)
+        constants = [
+            (module, name, buf)
+            for module in self.modules()
+            for name, buf in module._buffers.items()
+            if buf is not None and not buf.is_meta
+        ]
         self.to_empty(device=device)
         retie(slots)
+        for module, name, buf in constants:  # to_empty left them uninitialised
+            module._buffers[name] = buf.to(device)
         self.init_weights(generator)
         return self
 

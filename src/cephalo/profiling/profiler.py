@@ -265,7 +265,10 @@ def cached_profiles(
     already has all of it (else None): lets a launcher skip starting ranks at all."""
     started = time.perf_counter()
     devices = list(devices.devices if isinstance(devices, Cluster) else devices)
-    meta_model = build_model(model, **model_overrides) if isinstance(model, str) else model
+    # timings do not depend on the values: never read pretrained weights to profile
+    meta_model = (
+        build_model(model, init="random", **model_overrides) if isinstance(model, str) else model
+    )
     host = host_signature(
         "cpu" if backend != "nccl" else torch.device("cuda", torch.cuda.current_device())
     )
@@ -330,7 +333,10 @@ def profile_devices(
     if seq_len < 1:
         raise CephaloError(f"seq_len must be >= 1, got {seq_len}")
     compute_dtype(dtype)  # a clear error for a bad dtype
-    meta_model = build_model(model, **model_overrides) if isinstance(model, str) else model
+    # timings do not depend on the values: never read pretrained weights to profile
+    meta_model = (
+        build_model(model, init="random", **model_overrides) if isinstance(model, str) else model
+    )
     spec: ModelSpec = meta_model.spec
     if seq_len > spec.max_seq_len:
         raise CephaloError(

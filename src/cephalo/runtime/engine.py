@@ -322,6 +322,7 @@ class Engine:
             full = layout.flatten(values)
             del values
             us.master = self._alloc_state(us.size).copy_(full[us.start : us.start + us.size])
+            del full  # before the next unit's values exist: at most two units at a time
             us.grad = self._alloc_state(us.size).zero_()
             us.exp_avg = self._alloc_state(us.size).zero_()
             us.exp_avg_sq = self._alloc_state(us.size).zero_()

@@ -28,6 +28,7 @@ from functools import cache
 from pathlib import Path
 
 from cephalo.errors import CephaloError
+from cephalo.specs.flop_scaling import LeaveOneOut, Published, estimate, group_of, leave_one_out
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import Curve, DeviceProfile, UnitProfile
 
@@ -618,17 +619,101 @@ def _linear_bytes(per_sample: float) -> Curve:
     return Curve(list(_ACT_XS), [per_sample * x for x in _ACT_XS])
 
 
+def _data_dtype(dtype: str) -> str:
+    return "fp32" if dtype == "fp32" else "fp16"
+
+
+def _block_shape(spec: ModelSpec) -> tuple[int, int, int]:
+    return (spec.params_per_block, spec.hidden_size, spec.num_heads)
+
+
+def timed_model_for(spec: ModelSpec) -> str | None:
+    """The catalog model whose published block timings describe `spec`'s blocks: itself, or
+    one with the same block shape (a transformers Llama-2-7B directory is llama2-7b's
+    blocks); None when no published model has these blocks."""
+    timings = _catalog()["timings"]
+    if spec.name in timings:
+        return spec.name
+    for name in timings:
+        if name in MODELS and _block_shape(_model_spec(MODELS[name])) == _block_shape(spec):
+            return name
+    return None
+
+
+@cache
+def published_entries(device: str, dtype: str) -> tuple[Published, ...]:
+    """Every published block timing on `device` in `dtype`'s data (bf16 reads fp16)."""
+    out = []
+    for name, by_dev in _catalog()["timings"].items():
+        if name not in MODELS:
+            continue
+        spec = _model_spec(MODELS[name])
+        for seq, by_dtype in by_dev.get(device, {}).items():
+            entry = by_dtype.get(_data_dtype(dtype))
+            if entry is not None:
+                out.append(
+                    Published(
+                        name,
+                        _block_shape(spec),
+                        group_of(spec.arch),
+                        int(seq),
+                        block_flops_per_sample(spec, int(seq)),
+                        Curve.from_dict(entry["fwd_s"]),
+                        Curve.from_dict(entry["bwd_s"]),
+                    )
+                )
+    return tuple(out)
+
+
+@cache
+def estimate_error(device: str | None, dtype: str | None, group: str) -> LeaveOneOut | None:
+    """Leave-one-out error of the FLOP-scaled estimate for `group` blocks on `device` in
+    `dtype`; with `device` / `dtype` None, pooled over every GPU and dtype of the catalog."""
+    devices = [device] if device else sorted(DEVICES)
+    dtypes = [dtype] if dtype else ["fp16", "fp32"]
+    return leave_one_out([published_entries(d, t) for d in devices for t in dtypes], group)
+
+
+def _estimated_block(
+    spec: ModelSpec, device: str, seq_len: int, dtype: str
+) -> tuple[Curve, Curve, dict]:
+    """Block curves of a model without published profiles, by FLOP scaling (flop_scaling.py),
+    and what to tell the user about them."""
+    candidates = published_entries(device, dtype)
+    if not candidates:
+        raise CephaloError(
+            f"{device} has no published {_data_dtype(dtype)} profiles to estimate {spec.name} "
+            "from; measure your devices with `cephalo profile`"
+        )
+    group = group_of(spec.arch)
+    est = estimate(block_flops_per_sample(spec, seq_len), group, seq_len, candidates)
+    here = estimate_error(device, dtype, group)
+    overall = estimate_error(None, None, group)
+    meta = {
+        "timing_source": "flop-scaled",
+        "estimated_from": ", ".join(est.sources),
+        "estimate_group": group,
+        "estimate_error": (here or overall).describe() if (here or overall) else "not measurable",
+        "estimate_error_scope": f"{device} {_data_dtype(dtype)}" if here else "all catalog GPUs",
+    }
+    return est.fwd, est.bwd, meta
+
+
 def catalog_profile(
     device_type: str, model: ModelSpec | str, seq_len: int, dtype: str
 ) -> DeviceProfile:
     """The cost model's view of `device_type` running `model` at (seq_len, dtype), from the
     published measurements.
 
-    Block forward/backward times are the measured curves (seconds vs micro-batch). A
-    missing seq_len is served from the nearest measured one, scaled linearly in tokens (an
-    approximation: attention's share grows quadratically, a few percent at these lengths).
+    Block forward/backward times are the measured curves (seconds vs micro-batch) of the
+    model, or of a published model with the same blocks. A missing seq_len is served from
+    the nearest measured one, scaled linearly in tokens (an approximation: attention's share
+    grows quadratically, a few percent at these lengths). A catalog model's missing dtype is
+    an error that lists what exists. A model the catalog never measured (a transformers
+    directory, a preset) gets block times estimated from the same GPU's published profiles
+    by FLOP scaling (`_estimated_block`; its leave-one-out error is in the profile's meta).
     Embedding and head times are the block's times x `embedding_time_ratio` /
-    `head_time_ratio`. A missing dtype is an error that lists what exists.
+    `head_time_ratio`.
     """
     if dtype not in DTYPES:
         raise CephaloError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
@@ -640,10 +725,26 @@ def catalog_profile(
         raise CephaloError(
             "the `cpu` device has no catalog profile; measure it with `cephalo profile`"
         )
-    entry, data_seq = _timing_entry(spec.name, device, seq_len, dtype)
-    seq_scale = seq_len / data_seq
-    block_fwd = _scaled(Curve.from_dict(entry["fwd_s"]), seq_scale)
-    block_bwd = _scaled(Curve.from_dict(entry["bwd_s"]), seq_scale)
+    timed = timed_model_for(spec)
+    timing_meta: dict = {}
+    try:
+        if timed is None:
+            raise LookupError
+        entry, data_seq = _timing_entry(timed, device, seq_len, dtype)
+        seq_scale = seq_len / data_seq
+        block_fwd = _scaled(Curve.from_dict(entry["fwd_s"]), seq_scale)
+        block_bwd = _scaled(Curve.from_dict(entry["bwd_s"]), seq_scale)
+        timing_meta = {
+            "data_key": entry["key"],
+            "data_seq_len": data_seq,
+            "timing_source": entry["source"],
+        }
+        if timed != spec.name:
+            timing_meta["timing_model"] = timed
+    except (LookupError, CephaloError):
+        if timed == spec.name:
+            raise  # a catalog model: say which of its profiles exist
+        block_fwd, block_bwd, timing_meta = _estimated_block(spec, device, seq_len, dtype)
     act_block, act_source = block_activation_bytes_per_sample(spec, seq_len, dtype)
     emb_ratio, head_ratio = embedding_time_ratio(spec, seq_len), head_time_ratio(spec, seq_len)
     units = {
@@ -671,10 +772,8 @@ def catalog_profile(
             "model": spec.name,
             "seq_len": seq_len,
             "dtype": dtype,
-            "data_key": entry["key"],
-            "data_seq_len": data_seq,
-            "data_dtype": "fp32" if dtype == "fp32" else "fp16",  # bf16 reads the fp16 data
-            "timing_source": entry["source"],
+            **timing_meta,
+            "data_dtype": _data_dtype(dtype),  # bf16 reads the fp16 data
             "activation_source": act_source,
             "embedding_time_ratio": emb_ratio,
             "head_time_ratio": head_ratio,

@@ -46,10 +46,18 @@ class ModelConfig:
     """What to train."""
 
     name: str = "gpt-tiny"
-    """Model registry name: `gpt-tiny`, `gpt-small-demo`, `hf-gpt2-tiny`, `hf-llama-tiny`."""
+    """A preset (`gpt-tiny`, `gpt-small-demo`, `hf-gpt2-tiny`, `hf-llama-tiny`), a transformers
+    model directory (`config.json` + safetensors, as `save_pretrained` writes it: Llama,
+    Mistral, Qwen2/3, Gemma 2, Phi-3, GPT-NeoX, GPT-2 and more, docs/models.md), or the id of a
+    model in the local Hugging Face cache (never downloaded)."""
+    init: Literal["auto", "pretrained", "random"] = "auto"
+    """Initial weights: `pretrained` (the directory's safetensors, each rank reading only its
+    units), `random` (transformers' init scheme, seeded by `model.seed`), or `auto`: pretrained
+    when `model.name` is a directory holding weights, else random."""
     overrides: dict[str, Any] = field(default_factory=dict)
-    """Changes to the registry model's shape or regularisation, e.g. `{ dropout = 0.1, n_layer = 4 }`
-    (on the command line: `--model.overrides dropout=0.1,n_layer=4`)."""
+    """Changes to the model's config, e.g. `{ dropout = 0.1, n_layer = 4 }` (on the command line:
+    `--model.overrides dropout=0.1,n_layer=4`): the preset's fields or a transformers config's,
+    or the generic `seq_len`, `dropout`, `tie_embeddings`, `vocab_size`."""
     dtype: Dtype = "fp32"
     """Compute precision: `fp32`, `bf16`, or `fp16` (with loss scaling). Master weights, gradient
     reduction and optimizer state stay fp32."""

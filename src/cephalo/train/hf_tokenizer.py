@@ -19,21 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from cephalo.errors import CephaloError
+from cephalo.modeling.hf_config import TOKENIZER_FILES
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-"""The files that make up a saved Hugging Face tokenizer (those present are copied and hashed)."""
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
 """A directory holding one of these has a tokenizer."""
 

@@ -189,7 +189,7 @@ def engine_config(cfg: JobConfig, device: Device, emulated: bool) -> EngineConfi
 
 def build_job_model(cfg: JobConfig) -> UnitModel:
     """The config's model on the meta device, checked against the data's sequence length."""
-    model = build_model(cfg.model.name, **cfg.model.overrides)
+    model = build_model(cfg.model.name, init=cfg.model.init, **cfg.model.overrides)
     context = model.spec.max_seq_len
     if context and cfg.data.seq_len > context:
         raise CephaloError(

@@ -244,3 +244,21 @@ def catalog_skipped_table() -> Table:
     for s in skipped:
         t.add_row(s["key"], s["device"], str(s["seq_len"]), s["dtype"], s["reason"])
     return t
+
+
+def estimate_lines(cost_model) -> list[str]:
+    """One line per device type whose block times were estimated by FLOP scaling (a model
+    the catalog never measured): from what, and that estimate's leave-one-out error."""
+    lines = []
+    for key, profile in cost_model.profiles.items():
+        meta = profile.meta
+        if meta.get("timing_source") != "flop-scaled":
+            continue
+        lines.append(
+            f"{key}: no published profile of {cost_model.model.name}; block times scaled by "
+            f"FLOPs from the published {meta['estimated_from']} ({meta['estimate_group']} "
+            f"blocks). Leave-one-out error of this estimate on the published data "
+            f"({meta['estimate_error_scope']}): {meta['estimate_error']}. Measure the real "
+            "devices with `cephalo profile` for a better plan."
+        )
+    return lines
