@@ -486,6 +486,46 @@ def test_trainer_trains_on_a_tokenizer_directory_and_jsonl(tmp_path, model_dir, 
         train(cfg)
 
 
+def test_trainer_auto_tokenizer_of_a_model_directory(tmp_path, monkeypatch):
+    """The default `data.tokenizer = auto` with `model.name` = a Hugging Face model directory
+    (a tiny Qwen2 written by save_pretrained, its tokenizer saved next to it): the job trains
+    on that directory's tokenizer, EOS between documents, with the model's pretrained weights."""
+    from hf_configs import save_tiny_model
+
+    from cephalo.train.config import load_config
+    from cephalo.train.trainer import train
+
+    monkeypatch.setenv(envvars.CACHE_ROOT, str(tmp_path / "cache"))
+    model = save_tiny_model("qwen2", tmp_path / "qwen2", vocab_size=400)
+    save_tokenizer(model, vocab_size=400, model_vocab=None)  # keeps the model's config.json
+    write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in topics(40)])
+    cfg = load_config(
+        None,
+        [
+            f"--logging.dir={tmp_path / 'run'}",
+            "--logging.progress=false",
+            f"--model.name={model}",
+            f"--data.path={tmp_path / 'c.jsonl'}",
+            "--data.seq_len=16",
+            "--train.global_batch_size=4",
+            "--train.steps=2",
+            "--train.warmup_steps=1",
+            "--train.eval_every=0",
+            "--parallel.plan=even",
+            "--checkpoint.every=0",
+        ],
+    )
+    assert cfg.data.tokenizer == "auto"
+    result = train(cfg)
+    assert result.final_step == 2 and all(np.isfinite(list(result.losses.values())))
+    (prepared,) = [p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]
+    meta = TokenFile(prepared).meta
+    assert meta.tokenizer_key.startswith("hf-") and meta.vocab_size == 400
+    ids = tokens(prepared)
+    eos = HFTokenizer.load(model).eos_id
+    assert (ids == eos).sum() == 40  # one EOS after each document
+
+
 def test_the_rust_backend_is_used_only_where_it_gives_the_same_ids(model_dir, monkeypatch):
     from cephalo.train import hf_tokenizer
 
