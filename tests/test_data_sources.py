@@ -490,10 +490,9 @@ def test_trainer_auto_tokenizer_of_a_model_directory(tmp_path, monkeypatch):
     """The default `data.tokenizer = auto` with `model.name` = a Hugging Face model directory
     (a tiny Qwen2 written by save_pretrained, its tokenizer saved next to it): the job trains
     on that directory's tokenizer, EOS between documents, with the model's pretrained weights."""
-    from hf_configs import save_tiny_model
-
     from cephalo.train.config import load_config
     from cephalo.train.trainer import train
+    from hf_configs import save_tiny_model
 
     monkeypatch.setenv(envvars.CACHE_ROOT, str(tmp_path / "cache"))
     model = save_tiny_model("qwen2", tmp_path / "qwen2", vocab_size=400)
