@@ -15,6 +15,8 @@ Failures never hang the parent: a rank that raises makes `run` raise `RankFailur
 ranks and their errors; a rank that dies, or a call that outlives its timeout (a hung
 collective), too, after which the pool stops its workers and starts fresh ones on the next
 `run`. When every rank answered (some with errors), the workers are still in step and stay.
+Nor do they outlive the parent: a worker whose parent dies (SIGKILL, a crash: no `close`)
+exits within `PARENT_CHECK_S`, busy in a call or idle (`_exit_with_parent`).
 
 Threads: each rank runs `threads` intra-op threads (default 1; `OMP_NUM_THREADS` too), so N
 ranks on a small machine do not oversubscribe its cores; `nice` sets the ranks' scheduling
@@ -25,9 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import queue
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -44,6 +50,10 @@ _STOP = "__stop__"
 _GRACE_S = 2.0
 """After one rank fails, how long the others get to answer before the pool gives up on them
 (they may be waiting for the failed rank in a collective)."""
+PARENT_CHECK_S = 1.0
+"""How often a worker also checks that its parent still runs (see `_exit_with_parent`)."""
+ORPHANED_EXIT_CODE = 3
+"""Exit status of a worker that ended because its parent died."""
 _sink: tuple[Any, int, int] | None = None
 """In a worker during a call: (results queue, rank, call id), for `progress`."""
 
@@ -71,6 +81,32 @@ def progress(text: str) -> None:
         results.put((call_id, rank, "progress", text))
 
 
+def _exit_with_parent(rank: int) -> None:
+    """In a worker: end this process as soon as the parent is gone, instead of waiting
+    forever for tasks (or in a collective) that no one will send.
+
+    A daemon thread waits on multiprocessing's parent sentinel (the read end of the pipe the
+    parent spawned us through: it becomes readable when the parent dies, on every platform
+    and start method), every `PARENT_CHECK_S` also comparing `os.getppid()` with the parent
+    it started under (the pipe stays open if the parent forked a child that outlives it). It
+    does not need the main thread: a worker busy in a call or blocked in a queue ends alike.
+    No `PR_SET_PDEATHSIG`: Linux-only, and it fires when the parent's spawning THREAD ends."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    sentinel, parent_pid = parent.sentinel, os.getppid()
+
+    def watch() -> None:
+        while not multiprocessing.connection.wait([sentinel], timeout=PARENT_CHECK_S):
+            if os.getppid() != parent_pid:
+                break
+        with contextlib.suppress(Exception):
+            print(f"cephalo pool rank {rank}: the parent process died; exiting", file=sys.stderr)
+        os._exit(ORPHANED_EXIT_CODE)
+
+    threading.Thread(target=watch, name="cephalo-pool-parent-watch", daemon=True).start()
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -82,6 +118,7 @@ def _worker_main(
     results: Any,
 ) -> None:
     global _sink
+    _exit_with_parent(rank)
     torch.set_num_threads(threads)
     if nice is not None:
         with contextlib.suppress(OSError):
