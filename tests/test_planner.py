@@ -91,10 +91,24 @@ def _check_against_exhaustive(cm, B):
     ev = cm.evaluate(plan)
     assert ev.fits, [r.memory for r in ev.ranks]
     assert sum(plan.batch_sizes) == B
-    # the plan is within 0.5 % of the optimum and (sanity) never better than it
-    assert ev.step_s <= ref * 1.005
-    assert ev.step_s >= ref * (1 - 1e-6)
+    assert_optimal(ev.step_s, ref)
     return plan, ev, ref
+
+
+# What the docs claim ("exact", docs/planner.md: within the bisection's relative precision
+# 1e-5 of the optimum). Measured: at most 9e-13 over 162 random and hand-made instances.
+OPTIMUM_REL_GAP = 1e-5
+# The exhaustive search's LPs (HiGHS) are exact to ~1e-9 relative: a plan can look that
+# much better than the optimum, never more.
+LP_REL_TOL = 1e-9
+
+
+def assert_optimal(step_s: float, optimum_s: float) -> None:
+    assert optimum_s * (1 - LP_REL_TOL) <= step_s <= optimum_s * (1 + OPTIMUM_REL_GAP), (
+        step_s,
+        optimum_s,
+        step_s / optimum_s - 1,
+    )
 
 
 # ---------------------------------------------------------------- small exact instances
@@ -210,7 +224,11 @@ def test_four_devices_batch_32():
     )
     ref = _exhaustive_fast_identical(cm, 32)
     plan = make_plan(cm, 32)
-    assert cm.evaluate(plan).step_s <= ref * 1.005
+    ev = cm.evaluate(plan)
+    assert ev.fits and sum(plan.batch_sizes) == 32
+    assert_optimal(ev.step_s, ref)
+    # the fast type gets the larger batch (measured: [5, 5, 5, 17])
+    assert plan.batch_sizes[3] > max(plan.batch_sizes[:3])
 
 
 def _exhaustive_fast_identical(cm, B):
@@ -248,7 +266,9 @@ def test_hull_path_close_to_exact(monkeypatch):
     hull_plan = make_plan(cm, 40)
     hull = cm.evaluate(hull_plan)
     assert hull.fits and sum(hull_plan.batch_sizes) == 40
-    assert exact <= hull.step_s <= exact * 1.03
+    # bench/results/planner_scaling.md reports hull / exact = 1.0000 (4 decimals) on every
+    # instance both paths solve; here the two plans are the same (measured gap 0)
+    assert exact <= hull.step_s <= exact * (1 + 5e-5)
 
 
 # ---------------------------------------------------------------- baselines
@@ -263,8 +283,12 @@ def test_baselines_are_what_they_say():
     assert prop.batch_sizes == [4, 2, 8]
     ceph = make_plan(cm, 14, "cephalo")
     assert ceph.predicted.samples_per_s >= prop.predicted.samples_per_s * (1 - 1e-9)
-    assert prop.predicted.samples_per_s > even.predicted.samples_per_s * 0  # both evaluated
-    assert make_plan(cm, 14, "even").predicted.samples_per_s < ceph.predicted.samples_per_s
+    # at the same batch, proportional batches beat equal ones on these speeds (measured
+    # 0.199 vs 0.084 samples/s), and the planner beats both
+    even14 = make_plan(cm, 14, "even")
+    assert even14.batch_sizes == [5, 5, 4]
+    assert prop.predicted.samples_per_s > 2 * even14.predicted.samples_per_s
+    assert even14.predicted.samples_per_s < ceph.predicted.samples_per_s
 
 
 def test_even_micro_batches_when_memory_is_short():
