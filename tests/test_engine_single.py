@@ -58,9 +58,14 @@ def test_dropout_changes_training_and_recompute_replays_it():
     the reference's (from a graph forward), step after step."""
     cfg = EngineConfig(adamw=AdamWHyper(eps=TEST_EPS))
     data = make_data(3, 4)
-    _, on = _train(make_plan([4], [1.0], [2]), cfg, data, {"dropout": 0.3})
+    engine, on = _train(make_plan([4], [1.0], [2]), cfg, data, {"dropout": 0.3})
     _, off = _train(make_plan([4], [1.0], [2]), cfg, data, {"dropout": 0.0})
     assert on[0].loss != pytest.approx(off[0].loss, rel=1e-4)
+    ref = run_reference("gpt-tiny", {"dropout": 0.3}, data, cfg)
+    assert [s.loss for s in on] == pytest.approx(ref.losses, rel=1e-5)
+    assert [s.grad_norm for s in on] == pytest.approx(ref.grad_norms, rel=1e-5)
+    diff, worst = max_rel_diff(engine.full_state_dict(), ref.params)
+    assert diff <= 1e-5, f"{diff:.2e} in {worst}"
 
 
 def test_lga_equals_standard_mode():
