@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,yaml]'
 	touch $(STAMP)
 
 setup: $(STAMP)
