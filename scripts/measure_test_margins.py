@@ -39,7 +39,7 @@ def _load() -> str:
     return f"load {one:.1f} (1 min) {five:.1f} (5 min) on {os.cpu_count()} cores"
 
 
-def profiler(runs: int) -> None:
+def profiler(runs: int, slowdown: float) -> None:
     import torch
 
     from cephalo.launch.pool import RankPool
@@ -52,9 +52,11 @@ def profiler(runs: int) -> None:
     pairs, singles = [], []
     with RankPool(2, timeout_s=240.0) as pool, tempfile.TemporaryDirectory() as tmp:
         for i in range(runs):
-            results = pool.run(tp._profile_on_ranks, str(Path(tmp) / f"db{i}.json"), timeout_s=240)
+            results = pool.run(
+                tp._profile_on_ranks, str(Path(tmp) / f"db{i}.json"), slowdown, timeout_s=240
+            )
             first = MeasuredProfiles.from_dict(results[0]["first"])
-            pairs.append(tp._slowdown_ratio(first, "cpu:slowdown=2", "cpu"))
+            pairs.append(tp._slowdown_ratio(first, f"cpu:slowdown={slowdown:g}", "cpu"))
             single = tp.profile_devices(
                 "gpt-tiny",
                 tp.SEQ,
@@ -71,7 +73,8 @@ def profiler(runs: int) -> None:
             )
             singles.append(tp._slowdown_ratio(single, "cpu:slowdown=2", "cpu"))
             print(
-                f"run {i}: 2 ranks {pairs[-1]:.2f}, 1 process {singles[-1]:.2f}; {_load()}",
+                f"run {i}: 2 ranks (slowdown {slowdown:g}) {pairs[-1]:.2f} in "
+                f"{results[0]['first_s']:.1f} s, 1 process (slowdown 2) {singles[-1]:.2f}; {_load()}",
                 flush=True,
             )
     print(
@@ -140,8 +143,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=["profiler", "heartbeats"])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument(
+        "--slowdown", type=float, default=2.0, help="profiler: the 2-rank test's slow device"
+    )
     args = ap.parse_args()
-    (profiler if args.what == "profiler" else heartbeats)(args.runs)
+    if args.what == "profiler":
+        profiler(args.runs, args.slowdown)
+    else:
+        heartbeats(args.runs)
     return 0
 
 
