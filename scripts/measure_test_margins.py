@@ -22,6 +22,7 @@ import argparse
 import datetime
 import os
 import pickle
+import re
 import statistics
 import sys
 import tempfile
@@ -111,7 +112,7 @@ def heartbeats(runs: int) -> None:
     from procs import started_processes
 
     # the tests' settings, but a node is never dropped: we want the ages, not a verdict
-    te.RDZV_CONF = te.RDZV_CONF.replace("keep_alive_max_attempt=5", "keep_alive_max_attempt=600")
+    te.RDZV_CONF = re.sub(r"keep_alive_max_attempt=\d+", "keep_alive_max_attempt=600", te.RDZV_CONF)
     worst = []
     for i in range(runs):
         with tempfile.TemporaryDirectory() as tmp, started_processes() as procs:
