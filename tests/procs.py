@@ -16,7 +16,9 @@ reach of a process-group kill). So every process started here is
   at the terminal does not reach it, only the test's cleanup does), and
 - tagged: its environment carries `TAG_ENV=<a fresh id>`, which every descendant inherits
   (torch elastic and multiprocessing copy the environment), so a descendant whose parent
-  died and was re-parented is still found;
+  died and was re-parented is still found (tags nest: a tagged process's own helpers append
+  theirs, `TAG_ENV=<outer>,<inner>`, so scripts/check_interrupted_tests.py, which tags the
+  whole pytest run, finds them all);
 
 and the cleanup, run in a `finally` (or the fixture's teardown) whatever happened,
 KeyboardInterrupt included, SIGKILLs the process group and then every process carrying the
@@ -43,14 +45,19 @@ TAG_ENV = "TESTS_CEPHALO_PROCESS_TAG"
 _PROC = Path("/proc")
 
 
-def tagged_pids(tag: str, env_name: str = TAG_ENV) -> list[int]:
-    """Live (not zombie) processes whose environment has `env_name=tag`, by /proc (Linux;
-    [] elsewhere). Processes of other users are not readable and never match."""
-    needle = f"{env_name}={tag}".encode()
+def tagged_pids(tag: str) -> list[int]:
+    """Live (not zombie) processes whose `TAG_ENV` holds `tag`, by /proc (Linux; [] elsewhere).
+    Processes of other users are not readable and never match."""
+    prefix, wanted = f"{TAG_ENV}=".encode(), tag.encode()
     found = []
     for entry in _PROC.glob("[0-9]*"):
         try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+            tags = [
+                item[len(prefix) :].split(b",")
+                for item in (entry / "environ").read_bytes().split(b"\0")
+                if item.startswith(prefix)
+            ]
+            if not tags or wanted not in tags[0]:
                 continue
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
@@ -91,8 +98,11 @@ class Processes:
         """Every process `start` returned, in order."""
 
     def env(self, env: dict[str, str] | None = None) -> dict[str, str]:
-        """`env` (default: this process's environment) with the tag added."""
-        return {**(os.environ if env is None else env), TAG_ENV: self.tag}
+        """`env` (default: this process's environment) with the tag added to any it has."""
+        env = dict(os.environ if env is None else env)
+        outer = env.get(TAG_ENV) or os.environ.get(TAG_ENV)
+        env[TAG_ENV] = f"{outer},{self.tag}" if outer else self.tag
+        return env
 
     def start(self, cmd: Sequence[str], env: dict[str, str] | None = None, **popen_kwargs):
         """`subprocess.Popen(cmd, ...)` in a new session, tagged (see the module docstring)."""
