@@ -75,10 +75,17 @@ def leftovers(tag: str, since_ticks: int) -> dict[int, str]:
     return found
 
 
-def scenario(pytest_args: list[str], to: str, procs: int, grace_s: float, limit_s: float) -> bool:
+def scenario(
+    pytest_args: list[str],
+    to: str,
+    procs: int,
+    grace_s: float,
+    limit_s: float,
+    sig: signal.Signals = signal.SIGINT,
+) -> bool:
     tag = uuid.uuid4().hex
     since = _ticks_now()
-    print(f"== pytest {' '.join(pytest_args)}: SIGINT to {to} once {procs} processes run")
+    print(f"== pytest {' '.join(pytest_args)}: {sig.name} to {to} once {procs} processes run")
     pytest = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
         cwd=REPO,
@@ -107,18 +114,18 @@ def scenario(pytest_args: list[str], to: str, procs: int, grace_s: float, limit_
         for pid, cmd in sorted(running.items()):
             print(f"     {pid} {cmd}")
         if to == "group":
-            os.killpg(pytest.pid, signal.SIGINT)
+            os.killpg(pytest.pid, sig)
         else:
-            pytest.send_signal(signal.SIGINT)
+            pytest.send_signal(sig)
         interrupted = time.monotonic()
         try:
             out, _ = pytest.communicate(timeout=120)
         except subprocess.TimeoutExpired:
-            print("   pytest did not exit within 120 s of SIGINT")
+            print(f"   pytest did not exit within 120 s of {sig.name}")
             return False
         print(
             f"   pytest exited {pytest.returncode} {time.monotonic() - interrupted:.1f} s after "
-            f"SIGINT; last line: {out.strip().splitlines()[-1] if out.strip() else ''}"
+            f"{sig.name}; last line: {out.strip().splitlines()[-1] if out.strip() else ''}"
         )
         deadline = time.monotonic() + grace_s
         left = leftovers(tag, since)
@@ -147,13 +154,20 @@ def main() -> int:
     ap.add_argument("--to", choices=["group", "pytest"], default="group")
     ap.add_argument("--procs", type=int, default=3, help="processes to wait for before SIGINT")
     ap.add_argument("--grace", type=float, default=5.0, help="seconds to wait for stragglers")
+    ap.add_argument(
+        "--signal",
+        choices=["INT", "TERM", "KILL"],
+        default="INT",
+        help="what to send (KILL: no cleanup can run; shows what then ends by itself)",
+    )
     ap.add_argument("--limit", type=float, default=300.0, help="give up waiting after this")
     args, extra = ap.parse_known_args()
     if not Path("/proc/self/stat").exists():
         print("needs /proc (Linux)")
         return 2
     runs = [(args.pytest_args + extra, args.to, args.procs)] if args.pytest_args else SCENARIOS
-    ok = [scenario(a, to, n, args.grace, args.limit) for a, to, n in runs]
+    sig = signal.Signals[f"SIG{args.signal}"]
+    ok = [scenario(a, to, n, args.grace, args.limit, sig) for a, to, n in runs]
     print(f"== {sum(ok)} of {len(ok)} scenarios left nothing running")
     return 0 if all(ok) else 1
 
