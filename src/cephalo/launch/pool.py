@@ -32,11 +32,10 @@ import multiprocessing.connection
 import os
 import pickle
 import queue
-import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ import torch.multiprocessing as mp
 
 from cephalo.envvars import scoped_environ
 from cephalo.errors import CephaloError
+from cephalo.log import logger
 
 _STOP = "__stop__"
 _GRACE_S = 2.0
@@ -100,8 +100,8 @@ def _exit_with_parent(rank: int) -> None:
         while not multiprocessing.connection.wait([sentinel], timeout=PARENT_CHECK_S):
             if os.getppid() != parent_pid:
                 break
-        with contextlib.suppress(Exception):
-            print(f"cephalo pool rank {rank}: the parent process died; exiting", file=sys.stderr)
+        with contextlib.suppress(Exception):  # stderr may have gone with the parent
+            logger.warning("pool rank %d: the parent process died; exiting", rank)
         os._exit(ORPHANED_EXIT_CODE)
 
     threading.Thread(target=watch, name="cephalo-pool-parent-watch", daemon=True).start()
@@ -217,8 +217,12 @@ class RankPool:
         self._collect("ready", "start-up", self.start_timeout_s, None)
         return self
 
-    def close(self) -> None:
-        """Stop the workers (politely, then by force)."""
+    def close(self, stuck: Sequence[int] = ()) -> None:
+        """Stop the workers (politely, then by force); the ranks in `stuck` (still inside a
+        call that will not finish: waiting in a collective for a failed rank) at once."""
+        for rank in stuck:
+            if self._procs[rank].is_alive():
+                self._procs[rank].kill()
         for q in self._tasks:
             with contextlib.suppress(OSError, ValueError):
                 q.put(_STOP)
@@ -282,14 +286,15 @@ class RankPool:
                 ]
                 if dead:
                     codes = {r: self._procs[r].exitcode for r in dead}
-                    self.close()
+                    # the others are waiting for the dead in a collective, or soon will be
+                    self.close(stuck=[r for r in range(self.world_size) if r not in answered])
                     raise RankFailure(
                         f"{what}: rank(s) {dead} died (exit codes {codes})"
                         + _describe(errors, " Before that: ")
                     ) from None
                 if time.monotonic() > deadline:
                     missing = [r for r in range(self.world_size) if r not in answered]
-                    self.close()
+                    self.close(stuck=missing)
                     if errors:  # the others were waiting for the failed rank
                         raise RankFailure(
                             _describe(errors, f"{what} failed: "), _clean(errors)
