@@ -57,8 +57,8 @@ JOB_TIMEOUT_S = 150
 # defaults, 15 s and 30 s, would dominate the tests' run time). Measured on the loaded 2-core
 # machine (scripts/measure_test_margins.py heartbeats, load 5.7-8.9): the oldest heartbeat a
 # live node left was 2.13 s (an agent beats every 1-2 s: the timer fires each second and
-# skips a beat that is not yet a second old), so 7 s is 3.3x that (5 s was 2.3x); the dead node of
-# test_node_removed_* is dropped that long after its kill, which the test waits for.
+# skips a beat that is not yet a second old), so 7 s is 3.3x that (5 s was 2.3x); the dead
+# node of test_node_removed_* is dropped that long after its kill, which the test waits for.
 RDZV_CONF = "join_timeout=60,last_call_timeout=2,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=7"
 
 
