@@ -43,6 +43,9 @@ TAG_ENV = "TESTS_CEPHALO_PROCESS_TAG"
 """Environment variable naming the cleanup a process belongs to (tests only, so not a
 `CEPHALO_*` name: the package never reads it)."""
 _PROC = Path("/proc")
+LEFT_RUNNING_GRACE_S = 5.0
+"""How long what a finished command started may take to end by itself (multiprocessing's
+resource tracker ends when its last user has)."""
 
 
 def tagged_pids(tag: str) -> list[int]:
@@ -142,11 +145,13 @@ def run_tagged(
     cmd: Sequence[str],
     timeout_s: float,
     env: dict[str, str] | None = None,
+    left_running_grace_s: float = LEFT_RUNNING_GRACE_S,
     **popen_kwargs,
 ) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)`, except that
     the timeout (or any exception, Ctrl-C included) kills the whole process tree, not just
-    the direct child; anything the command left running is killed too."""
+    the direct child. A command that exits but leaves processes running (a leak of the
+    command under test) fails the test, after `left_running_grace_s`; they are killed."""
     with started_processes() as procs:
         proc = procs.start(
             cmd,
@@ -159,10 +164,34 @@ def run_tagged(
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            exited = proc.poll()
+            left = [_describe(pid) for pid in tagged_pids(procs.tag) if pid != proc.pid]
             procs.kill_all()
             stdout, stderr = proc.communicate()
+            what = (
+                f"did not finish within {timeout_s:.0f} s"
+                if exited is None
+                else f"exited {exited} but left process(es) holding its output until the "
+                f"{timeout_s:.0f} s timeout: {'; '.join(left)}"
+            )
             pytest.fail(
-                f"{' '.join(map(str, cmd[:6]))} ... did not finish within {timeout_s:.0f} s; "
-                f"killed with its process tree. stderr:\n{stderr[-3000:]}"
+                f"{' '.join(map(str, cmd[:6]))} ... {what}; killed with its process tree. "
+                f"stderr:\n{stderr[-3000:]}"
+            )
+        deadline = time.monotonic() + left_running_grace_s
+        while (left := tagged_pids(procs.tag)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if left:
+            pytest.fail(
+                f"{' '.join(map(str, cmd[:6]))} ... exited {proc.returncode} but left "
+                f"{len(left)} process(es) running: " + "; ".join(_describe(pid) for pid in left)
             )
         return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _describe(pid: int) -> str:
+    try:
+        cmd = (_PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        cmd = "?"
+    return f"{pid} {cmd[:120]}"
