@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,data]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,data,yaml]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,6 +1,6 @@
-"""GPU check of the engine: one CUDA GPU, NCCL process group of world size 1, bf16.
+"""GPU check of the engine on CUDA GPUs with NCCL; run through scripts/gpu_check.sh.
 
-Run through scripts/gpu_check.sh (it launches this under torchrun). Checks:
+Default (torchrun, one process, world size 1, bf16):
   1. GPT-2 124M trains: the loss on a repeated batch falls over the steps;
   2. the memory ledger's device peak of a step is within 10% of
      torch.cuda.max_memory_allocated() over the same step;
@@ -10,6 +10,12 @@ Run through scripts/gpu_check.sh (it launches this under torchrun). Checks:
      (sliding-window layers, tied embeddings) and Gemma 2 (eager attention, soft-capping,
      embedding-scale buffer) directories read as pretrained: the first step's loss equals
      transformers' own on the GPU (fp32), and bf16 training lowers the loss.
+`--collectives` (torchrun, one process per GPU, world size >= 2; gpu_check.sh runs it at
+world size 2 where two GPUs exist): `check_uneven_collectives` (NcclComm and PaddedComm:
+uneven and zero shards, sync and async, fp32/bf16/fp16, all_reduce, and a cross-rank
+size mismatch raising on every rank) and `check_uneven_engine` (gpt-tiny on an uneven plan
+against one process on the whole batch). Both checks take any `Comm`: tests/test_comm.py
+runs them on gloo ranks, so the checks themselves are tested without a GPU.
 Exit status: 0 all checks pass, 1 a check failed, 77 no CUDA GPU (nothing was run).
 `python scripts/gpu_check.py --hf-on-cpu` runs check 4 alone on the CPU (a smoke test of
 the check itself on a machine without a GPU).
@@ -17,12 +23,142 @@ the check itself on a machine without a GPU).
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
 import torch
 
 SKIP = 77
+ENGINE_STEPS = 3
+
+
+def _shard_values(rank: int, n: int) -> torch.Tensor:
+    """Rank `rank`'s shard of `n` elements: small halves, exact in fp32, bf16 and fp16."""
+    return (rank + 1) * 0.5 + (torch.arange(n) % 7).float()
+
+
+def _full_values(rank: int, n: int) -> torch.Tensor:
+    """Rank `rank`'s full reduce-scatter input: sums over a few ranks stay exact in bf16."""
+    return (rank + 1) + (torch.arange(n) % 5).float()
+
+
+def check_uneven_collectives(comm, device: torch.device) -> list[str]:
+    """Uneven `all_gather_v` / `reduce_scatter_v` (zero shards included), sync and async, in
+    fp32, bf16 and fp16, and `all_reduce` sum / max, against what each rank computes by
+    itself; then a cross-rank size mismatch must raise `CephaloError` on every rank. Returns
+    this rank's failures (every rank must call it: it runs collectives)."""
+    from cephalo.errors import CephaloError
+
+    world, rank = comm.world_size, comm.rank
+    cases = [
+        [(3 * k + 2) % 5 for k in range(world)],  # uneven, a zero on some world sizes
+        [0] * (world - 1) + [5],  # only the last rank owns anything
+        [0] * world,  # nothing at all
+        [4099 if k == 0 else 17 * k for k in range(world)],  # large and odd
+    ]
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for sizes in cases:
+            for async_op in (False, True):
+                what = f"{type(comm).__name__} {str(dtype)[6:]} sizes {sizes} async={async_op}"
+                shard = _shard_values(rank, sizes[rank]).to(device, dtype)
+                out = torch.full((sum(sizes),), -1.0, dtype=dtype, device=device)
+                comm.all_gather_v(out, shard, sizes, async_op=async_op).wait()
+                expect = torch.cat([_shard_values(k, n) for k, n in enumerate(sizes)])
+                if not torch.equal(out.float().cpu(), expect):
+                    failures.append(f"all_gather_v {what}: got {out[:8].tolist()}...")
+                full = _full_values(rank, sum(sizes)).to(device, dtype)
+                mine = torch.full((sizes[rank],), -1.0, dtype=dtype, device=device)
+                comm.reduce_scatter_v(mine, full, sizes, async_op=async_op).wait()
+                total = sum(_full_values(k, sum(sizes)) for k in range(world))
+                start = sum(sizes[:rank])
+                if not torch.equal(mine.float().cpu(), total[start : start + sizes[rank]]):
+                    failures.append(f"reduce_scatter_v {what}: got {mine[:8].tolist()}...")
+    for op, expect in (("sum", world * (world + 1) / 2), ("max", float(world))):
+        t = torch.full((3,), float(rank + 1), device=device)
+        comm.all_reduce(t, op=op)
+        if t.cpu().tolist() != [expect] * 3:
+            failures.append(f"all_reduce {op}: got {t.tolist()}, expected {expect}")
+    # rank 0 swaps the sizes: every rank (the healthy ones too) must raise, none may hang
+    if comm.validate and world > 1:
+        sizes = [2] + [1] * (world - 1)
+        if rank == 0:
+            sizes = sizes[::-1]
+        try:
+            shard = torch.zeros(sizes[rank], device=device)
+            comm.all_gather_v(torch.zeros(sum(sizes), device=device), shard, sizes)
+            failures.append("a cross-rank size mismatch did not raise")
+        except CephaloError as err:
+            if "disagree on sizes" not in str(err):
+                failures.append(f"size mismatch raised the wrong error: {err}")
+    return failures
+
+
+def check_uneven_engine(comm, device: torch.device, rel_tol: float) -> list[str]:
+    """gpt-tiny (fp32, dropout 0.1) on an uneven plan over `comm` (batches 5, 3, 1, ...,
+    state fractions ~ 6 : 3 : 1 : ..., micro-batching) for `ENGINE_STEPS` steps: the losses
+    and gradient norms of one process training the whole batch, within `rel_tol`."""
+    from cephalo.modeling.registry import build_model
+    from cephalo.planning.planner import manual_plan
+    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.engine import Engine, EngineConfig
+
+    world, rank, seq = comm.world_size, comm.rank, 16
+    batches = [5, 3] + [1] * (world - 2)
+    weights = [6, 3] + [1] * (world - 2)
+    fractions = [w / sum(weights) for w in weights]
+    micro = [2, 3] + [1] * (world - 2)
+    plan = manual_plan("gpt-tiny", seq, batches, micro, fractions)
+    whole = manual_plan("gpt-tiny", seq, [sum(batches)], [2], [1.0])
+    cfg = EngineConfig(device=str(device), seed=0, grad_clip=1.0)
+    ours = Engine(build_model("gpt-tiny", dropout=0.1), plan, comm, cfg)
+    alone = Engine(build_model("gpt-tiny", dropout=0.1), whole, LocalComm(), cfg)
+    gen = torch.Generator().manual_seed(0)
+    first = sum(batches[:rank])
+    failures = []
+    for step in range(ENGINE_STEPS):
+        x = torch.randint(0, 256, (sum(batches), seq), generator=gen)
+        y = torch.roll(x, -1, dims=1)
+        mine = slice(first, first + batches[rank])
+        got = ours.train_step(x[mine], y[mine], lr=1e-3)
+        ref = alone.train_step(x, y, lr=1e-3)
+        for name in ("loss", "grad_norm"):
+            a, b = getattr(got, name), getattr(ref, name)
+            if not abs(a - b) <= rel_tol * abs(b):
+                failures.append(f"engine step {step} {name}: {a} vs one process {b}")
+    return failures
+
+
+def collectives_main() -> int:
+    """World size >= 2 under torchrun, one GPU per process (see the module docstring)."""
+    if not torch.cuda.is_available():
+        print("gpu_check --collectives: SKIPPED - no CUDA GPU is visible")
+        return SKIP
+    import torch.distributed as dist
+
+    from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.dist import init_distributed
+
+    comm = init_distributed(backend="nccl", comm_impl="nccl", timeout_s=120)
+    device = torch.device("cuda", torch.cuda.current_device())
+    t0 = time.perf_counter()
+    failures = check_uneven_collectives(comm, device)
+    failures += check_uneven_collectives(make_comm("padded"), device)
+    # fp32 on GPUs: cuBLAS may sum in another order per batch size; 1e-4 over 3 steps
+    failures += check_uneven_engine(comm, device, rel_tol=1e-4)
+    for f in failures:
+        print(f"gpu_check: rank {comm.rank}: FAIL - {f}", flush=True)
+    count = torch.tensor([len(failures)], device=device)
+    dist.all_reduce(count)
+    if comm.rank == 0:
+        verdict = "PASS" if count.item() == 0 else f"FAIL ({count.item()} failure(s))"
+        print(
+            f"gpu_check: world size {comm.world_size} uneven NCCL collectives and engine "
+            f"({torch.cuda.get_device_name(device)}): {verdict} in {time.perf_counter() - t0:.0f}s"
+        )
+    dist.destroy_process_group()
+    return 0 if count.item() == 0 else 1
 
 
 def main() -> int:
@@ -189,7 +325,19 @@ def check_hf_models(comm, device: torch.device) -> list[str]:
 
 
 if __name__ == "__main__":
-    if "--hf-on-cpu" in sys.argv:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--collectives",
+        action="store_true",
+        help="the world-size >= 2 checks (one process per GPU under torchrun)",
+    )
+    parser.add_argument(
+        "--hf-on-cpu",
+        action="store_true",
+        help="check 4 (Hugging Face models through the engine) alone, on the CPU",
+    )
+    args = parser.parse_args()
+    if args.hf_on_cpu:
         from cephalo.runtime.comm import LocalComm
 
         problems = check_hf_models(LocalComm(), torch.device("cpu"))
@@ -197,4 +345,4 @@ if __name__ == "__main__":
             print(f"gpu_check --hf-on-cpu: FAIL - {p}")
         print("gpu_check --hf-on-cpu: " + ("FAIL" if problems else "PASS"))
         sys.exit(1 if problems else 0)
-    sys.exit(main())
+    sys.exit(collectives_main() if args.collectives else main())

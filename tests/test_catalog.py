@@ -299,3 +299,35 @@ def test_catalog_command(capsys, monkeypatch):
     assert f"{len(skipped_entries())} published entries not used" in capsys.readouterr().out
     assert main(["catalog", "--model", "no-such-model"]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["vit-h", "vit-g", "vit-e"])
+def test_vit_params_match_transformers(model):
+    """The authors published vit-g's and vit-e's counts but not vit-h's: every catalog ViT
+    is checked against transformers' ViTForImageClassification of the same shape (224 x 224
+    images, 16 x 16 patches; built on the meta device). vit-h comes to 630,931,210, the
+    ViT paper's 632M "ViT-Huge" up to its patch size and its 1000-class head."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    spec = get_model_spec(model)
+    config = transformers.ViTConfig(
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        intermediate_size=spec.ffn_hidden_size,
+        image_size=224,
+        patch_size=16,
+        num_channels=3,
+        num_labels=spec.vocab_size,
+    )
+    with torch.device("meta"):
+        hf = transformers.ViTForImageClassification(config)
+
+    def count(module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    assert count(hf) == spec.total_params
+    assert count(hf.vit.embeddings) == spec.embedding_params
+    blocks = [m for name, m in hf.vit.named_children() if name in ("encoder", "layers")]
+    assert count(blocks[0]) == spec.num_layers * spec.params_per_block

@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -158,7 +159,8 @@ def test_json_file_and_spec_string_devices(tmp_path):
 
 
 def test_yaml_file(tmp_path):
-    yaml = pytest.importorskip("yaml")
+    # `make test` installs the `yaml` extra; without it this is a visible skip, not a pass
+    yaml = pytest.importorskip("yaml", reason="PyYAML missing: pip install -e '.[yaml]'")
     p = tmp_path / "c.yaml"
     p.write_text(
         yaml.safe_dump({"devices": [{"type": "t4", "count": 3}], "inter_node_bandwidth": "10 GB/s"})
@@ -250,3 +252,13 @@ def test_explicit_zero_latency_is_kept(tmp_path):
     p = tmp_path / "c.json"
     p.write_text(json.dumps({"devices": "l4", "collective_latency_s": 0}))
     assert Cluster.from_file(p).collective_latency_s == 0.0
+
+
+def test_yaml_without_pyyaml_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` raises ImportError
+    p = tmp_path / "c.yaml"
+    p.write_text("devices: 2xl4\n")
+    with pytest.raises(
+        CephaloError, match=r"reading YAML needs PyYAML \(`pip install -e '\.\[yaml\]'`"
+    ):
+        Cluster.from_file(p)

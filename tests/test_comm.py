@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.comm import GlooComm, LocalComm, NcclComm, make_comm, shard_offsets
+from cephalo.runtime.comm import (
+    GlooComm,
+    Handle,
+    LocalComm,
+    NcclComm,
+    make_comm,
+    shard_offsets,
+)
 from cephalo.runtime.dist import check_torch_version, init_distributed, shutdown
 from dist_harness import RemoteError, dist_pool_fixture
 
@@ -420,3 +429,43 @@ def test_comm_on_a_subgroup(pool3):
     assert r1 is None
     assert r0 == (0, 2, [0.0, 0.0, 2.0, 2.0, 2.0], [0.0, 2.0])
     assert r2 == (1, 2, [0.0, 0.0, 2.0, 2.0, 2.0], [4.0, 6.0, 8.0])
+
+
+# ------------------------------------------------------------------ scripts/gpu_check.py's checks
+GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+def _load_gpu_check(path: str):
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpu_checks_on_gloo(path: str) -> list[str]:
+    check = _load_gpu_check(path)
+    cpu = torch.device("cpu")
+    return (
+        check.check_uneven_collectives(make_comm("auto"), cpu)
+        + check.check_uneven_collectives(make_comm("padded"), cpu)
+        + check.check_uneven_engine(make_comm("auto"), cpu, rel_tol=1e-5)
+    )
+
+
+@pytest.mark.slow
+def test_gpu_checks_pass_on_gloo(pool3):
+    """The world-size >= 2 checks a GPU machine runs on NCCL (scripts/gpu_check.sh), run here
+    on gloo: correct collectives and engine pass them."""
+    assert pool3.run(_gpu_checks_on_gloo, str(GPU_CHECK)) == [[], [], []]
+
+
+def test_gpu_collective_check_catches_a_broken_gather():
+    class NoCopyComm(LocalComm):
+        def _all_gather_v(self, out, shard, sizes, async_op):
+            return Handle()  # `out` keeps its old values
+
+    failures = _load_gpu_check(str(GPU_CHECK)).check_uneven_collectives(
+        NoCopyComm(), torch.device("cpu")
+    )
+    # world size 1: the cases with something to gather (3 of 4), 3 dtypes, sync and async
+    assert len(failures) == 18 and all(f.startswith("all_gather_v NoCopyComm") for f in failures)

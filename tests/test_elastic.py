@@ -17,6 +17,8 @@ losses (fp32, relative 1e-5), whatever happened in between.
 - two nodes: `--nnodes 2` with 2 and 1 processes per node train together and both exit 0.
 
 Processes are found through /proc (Linux): the agent's children with RANK in their environment.
+Every agent is started through the `processes` fixture (tests/procs.py): whatever a test
+leaves behind, a failed wait included, is killed with all its workers at teardown.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ from cephalo.runtime.dist import SHARED_STORE_ENV
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
+from procs import Processes, processes
 from run_common import STEPS, tiny_job_args
+
+__all__ = ["processes"]
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/environ").exists(), reason="finds workers through /proc"
@@ -47,11 +52,14 @@ pytestmark = pytest.mark.skipif(
 TOL = 1e-5
 JOB_TIMEOUT_S = 150
 # Rendezvous settings for the elastic (1:2 node) jobs: a node is declared dead after
-# keep_alive_interval x keep_alive_max_attempt = 5 s without a heartbeat (shorter, and a
-# busy 2-core machine delays heartbeats enough to drop a live node), and a round with fewer
-# than the maximum number of nodes completes after last_call_timeout (torch's defaults,
-# 15 s and 30 s, would dominate the tests' run time).
-RDZV_CONF = "join_timeout=60,last_call_timeout=2,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
+# keep_alive_interval x keep_alive_max_attempt = 7 s without a heartbeat, and a round with
+# fewer than the maximum number of nodes completes after last_call_timeout (torch's
+# defaults, 15 s and 30 s, would dominate the tests' run time). Measured on the loaded 2-core
+# machine (scripts/measure_test_margins.py heartbeats, load 5.7-8.9): the oldest heartbeat a
+# live node left was 2.13 s (an agent beats every 1-2 s: the timer fires each second and
+# skips a beat that is not yet a second old), so 7 s is 3.3x that (5 s was 2.3x); the dead
+# node of test_node_removed_* is dropped that long after its kill, which the test waits for.
+RDZV_CONF = "join_timeout=60,last_call_timeout=2,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=7"
 
 
 def job_args(run_dir: Path, *extra: str) -> list[str]:
@@ -127,6 +135,7 @@ def checkpoint_exists(run_dir: Path, step: int):
 
 
 def torchrun(
+    processes: Processes,
     nnodes: str,
     nproc: int,
     port: int,
@@ -162,22 +171,16 @@ def torchrun(
         SHARED_STORE_ENV: "1",
         "LOGLEVEL": agent_log_level,
     }
-    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+    return processes.start(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
 
 
 def finish(procs: list[subprocess.Popen], logs: list[Path]) -> list[int]:
-    """Wait for every process (killing all on timeout) and return their exit codes."""
+    """Wait for every process and return their exit codes (the `processes` fixture kills
+    whatever is left, on success and failure alike)."""
     try:
         return [p.wait(timeout=JOB_TIMEOUT_S) for p in procs]
     except subprocess.TimeoutExpired:
         pytest.fail("job did not finish:\n" + "\n".join(log.read_text()[-3000:] for log in logs))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                for pid in worker_pids(p.pid).values():
-                    os.kill(pid, signal.SIGKILL)
-                p.kill()
-                p.wait()
 
 
 def world_sizes(log_text: str) -> list[int]:
@@ -189,7 +192,7 @@ def world_sizes(log_text: str) -> list[int]:
 
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.slow
-def test_restart_resumes_from_last_checkpoint(tmp_path, reference):
+def test_restart_resumes_from_last_checkpoint(tmp_path, reference, processes):
     run = tmp_path / "run"
     log = tmp_path / "run.log"
     cmd = [
@@ -206,7 +209,7 @@ def test_restart_resumes_from_last_checkpoint(tmp_path, reference):
     env = {
         k: v for k, v in os.environ.items() if k != SHARED_STORE_ENV
     }  # the launcher sets it itself
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, env=env)
+    proc = processes.start(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
     wait_until(checkpoint_exists(run, 5), "the step-5 checkpoint", [proc])
     victim = worker_pids(proc.pid)[1]
     os.kill(victim, signal.SIGKILL)
@@ -218,14 +221,14 @@ def test_restart_resumes_from_last_checkpoint(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_node_removed_training_replans_and_finishes(tmp_path, reference):
+def test_node_removed_training_replans_and_finishes(tmp_path, reference, processes):
     run = tmp_path / "run"
     port, rdzv = free_port(), uuid.uuid4().hex[:8]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     # node 0 starts first so it hosts the rendezvous store (it must outlive node 1)
-    node0 = torchrun("1:2", 2, port, rdzv, run, logs[0], max_restarts=2)
+    node0 = torchrun(processes, "1:2", 2, port, rdzv, run, logs[0], max_restarts=2)
     time.sleep(1.0)
-    node1 = torchrun("1:2", 1, port, rdzv, run, logs[1])
+    node1 = torchrun(processes, "1:2", 1, port, rdzv, run, logs[1])
     wait_until(
         lambda: (run / "plan.json").is_file() and len(Plan.from_json(run / "plan.json").ranks) == 3,
         "the 3-rank job to start",
@@ -250,11 +253,13 @@ def test_node_removed_training_replans_and_finishes(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_node_added_training_replans_and_finishes(tmp_path, reference):
+def test_node_added_training_replans_and_finishes(tmp_path, reference, processes):
     run = tmp_path / "run"
     port, rdzv = free_port(), uuid.uuid4().hex[:8]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    node0 = torchrun("1:2", 2, port, rdzv, run, logs[0], max_restarts=2, agent_log_level="INFO")
+    node0 = torchrun(
+        processes, "1:2", 2, port, rdzv, run, logs[0], max_restarts=2, agent_log_level="INFO"
+    )
     wait_until(checkpoint_exists(run, 5), "the step-5 checkpoint", [node0])
     # Pause node 0's workers while node 1 starts (its start-up takes longer than the rest of
     # the run); node 0's agent keeps watching the rendezvous, sees the new node and stops its
@@ -263,7 +268,7 @@ def test_node_added_training_replans_and_finishes(tmp_path, reference):
     for pid in paused.values():
         os.kill(pid, signal.SIGSTOP)
     try:
-        node1 = torchrun("1:2", 1, port, rdzv, run, logs[1])
+        node1 = torchrun(processes, "1:2", 1, port, rdzv, run, logs[1])
         wait_until(
             lambda: "will restart worker group" in logs[0].read_text(),
             "node 0 to see node 1",
@@ -286,12 +291,12 @@ def test_node_added_training_replans_and_finishes(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_two_nodes_with_different_process_counts(tmp_path, reference):
+def test_two_nodes_with_different_process_counts(tmp_path, reference, processes):
     run = tmp_path / "run"
     port, rdzv = free_port(), uuid.uuid4().hex[:8]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    node0 = torchrun("2", 2, port, rdzv, run, logs[0])
-    node1 = torchrun("2", 1, port, rdzv, run, logs[1])
+    node0 = torchrun(processes, "2", 2, port, rdzv, run, logs[0])
+    node1 = torchrun(processes, "2", 1, port, rdzv, run, logs[1])
     assert finish([node0, node1], logs) == [0, 0], "\n".join(
         log.read_text()[-3000:] for log in logs
     )

@@ -3,7 +3,9 @@ reference, LGA == standard, precision modes, state access, errors."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from engine_common import (
     one_thread,
     run_reference,
 )
+from procs import run_tagged
 
 STEPS = 5
 __all__ = ["one_thread"]  # module-wide fixture (single intra-op thread)
@@ -58,9 +61,14 @@ def test_dropout_changes_training_and_recompute_replays_it():
     the reference's (from a graph forward), step after step."""
     cfg = EngineConfig(adamw=AdamWHyper(eps=TEST_EPS))
     data = make_data(3, 4)
-    _, on = _train(make_plan([4], [1.0], [2]), cfg, data, {"dropout": 0.3})
+    engine, on = _train(make_plan([4], [1.0], [2]), cfg, data, {"dropout": 0.3})
     _, off = _train(make_plan([4], [1.0], [2]), cfg, data, {"dropout": 0.0})
     assert on[0].loss != pytest.approx(off[0].loss, rel=1e-4)
+    ref = run_reference("gpt-tiny", {"dropout": 0.3}, data, cfg)
+    assert [s.loss for s in on] == pytest.approx(ref.losses, rel=1e-5)
+    assert [s.grad_norm for s in on] == pytest.approx(ref.grad_norms, rel=1e-5)
+    diff, worst = max_rel_diff(engine.full_state_dict(), ref.params)
+    assert diff <= 1e-5, f"{diff:.2e} in {worst}"
 
 
 def test_lga_equals_standard_mode():
@@ -234,23 +242,33 @@ def test_engine_stretches_by_cpu_time(monkeypatch):
     assert all(s > 0 for s in optimizer)
 
 
-def test_gpu_check_says_why_it_skips_without_cuda():
-    """scripts/gpu_check.sh needs a CUDA GPU; without one it exits 77 with a clear message."""
-    import os
-    import subprocess
-    from pathlib import Path
+GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
 
-    root = Path(__file__).resolve().parents[1]
+
+def test_gpu_check_says_why_it_skips_without_cuda():
+    """scripts/gpu_check.sh needs a CUDA GPU; without one (hidden here, on any machine) it
+    exits 77 with a clear message."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PY=sys.executable)
-    proc = subprocess.run(
-        ["bash", str(root / "scripts" / "gpu_check.sh")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    proc = run_tagged(["bash", str(GPU_CHECK)], timeout_s=120, env=env)
     assert proc.returncode == 77, proc.stdout + proc.stderr
     assert "SKIPPED - no CUDA GPU is visible" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU: scripts/gpu_check.sh not run"
+)
+def test_gpu_check_passes_on_this_gpu_machine():
+    """On a machine with a GPU, the whole GPU check (scripts/gpu_check.sh: NCCL at world
+    size 1, and the uneven collectives and engine at world size 2 where two GPUs exist)."""
+    proc = run_tagged(
+        ["bash", str(GPU_CHECK)], timeout_s=560, env=dict(os.environ, PY=sys.executable)
+    )
+    print(proc.stdout[-5000:])
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    assert "gpu_check: PASS" in proc.stdout
+    if torch.cuda.device_count() >= 2:
+        assert "world size 2 uneven NCCL collectives and engine" in proc.stdout
 
 
 def test_non_finite_gradient_skips_the_update_in_fp32():

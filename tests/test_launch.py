@@ -17,7 +17,9 @@ from cephalo.launch.elastic import first_failure, free_port, nproc_for
 from cephalo.launch.pool import threads_per_rank
 from cephalo.planning.planner import simple_plan
 from cephalo.specs.cluster import Cluster
+from procs import processes, run_tagged
 
+__all__ = ["processes"]
 TIMEOUT_S = 20
 
 
@@ -99,7 +101,7 @@ def test_run_rejects_mismatched_devices_before_launching(capsys):
 def test_worker_errors_surface_as_one_line(tmp_path):
     plan = tmp_path / "plan3.json"
     simple_plan("even", Cluster.parse("cpu,cpu,cpu"), "gpt-tiny", 16, 6, "fp32").to_json(plan)
-    proc = subprocess.run(
+    proc = run_tagged(
         [
             sys.executable,
             "-m",
@@ -110,9 +112,7 @@ def test_worker_errors_surface_as_one_line(tmp_path):
             *job_args(tmp_path / "run"),
             f"--parallel.plan={plan}",
         ],
-        capture_output=True,
-        text=True,
-        timeout=180,
+        timeout_s=180,
     )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
@@ -122,7 +122,7 @@ def test_worker_errors_surface_as_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_survivors_of_a_killed_rank_exit_with_an_error(tmp_path):
+def test_survivors_of_a_killed_rank_exit_with_an_error(tmp_path, processes):
     """Plain processes (no elastic agent to stop them): rank 1 SIGKILLs itself before step 3;
     ranks 0 and 2 must fail with a clear error within the collective timeout, not hang."""
     env = {
@@ -134,7 +134,7 @@ def test_survivors_of_a_killed_rank_exit_with_an_error(tmp_path):
         envvars.KILL_AT_STEP: "3",
     }
     procs = [
-        subprocess.Popen(
+        processes.start(
             [sys.executable, "-m", "cephalo", "train", *job_args(tmp_path / "run")],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=subprocess.DEVNULL,
@@ -143,20 +143,15 @@ def test_survivors_of_a_killed_rank_exit_with_an_error(tmp_path):
         )
         for r in range(3)
     ]
-    try:
-        assert procs[1].wait(timeout=180) == -9
-        killed_at = time.monotonic()
-        for r in (0, 2):
-            _, err = procs[r].communicate(timeout=TIMEOUT_S + 30)
-            assert time.monotonic() - killed_at < TIMEOUT_S + 15
-            assert procs[r].returncode == 2, err[-2000:]
-            assert f"rank {r}: step 3 failed in a collective" in err
-            assert "Traceback" not in err
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    # (the `processes` fixture kills whatever is left, whatever happens below)
+    assert procs[1].wait(timeout=180) == -9
+    killed_at = time.monotonic()
+    for r in (0, 2):
+        _, err = procs[r].communicate(timeout=TIMEOUT_S + 30)
+        assert time.monotonic() - killed_at < TIMEOUT_S + 15
+        assert procs[r].returncode == 2, err[-2000:]
+        assert f"rank {r}: step 3 failed in a collective" in err
+        assert "Traceback" not in err
 
 
 def test_kill_hook_fires_in_the_first_attempt_only(monkeypatch):

@@ -51,33 +51,41 @@ def exhaustive_best_step(cm, B: int) -> float:
     n = len(cm.devices)
     P = cm.total_params
     opt_s = [P * cm.optimizer_s_per_param(d.type_key) for d in cm.devices]
-    options = {}  # (rank, b) -> list of (time without optimizer, memory without state)
+    # (rank, b) -> list of (time without optimizer, state fraction the memory left can hold);
+    # ranks of one device type and memory share them (rank_cost depends on nothing else)
+    by_device: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    options = {}
     for i in range(n):
         for b in range(B + 1):
-            opts = []
-            for m in range(1, max(b, 1) + 1):
-                for o in (False, True):
-                    rc = cm.rank_cost(i, b, m, 0.0, o)
-                    opts.append((rc.step_s, rc.peak_bytes))
-            # an option both slower and hungrier than another can never be the better one
-            options[i, b] = [
-                a
-                for a in set(opts)
-                if not any(o[0] <= a[0] and o[1] <= a[1] and o != a for o in opts)
-            ]
+            device = (cm.devices[i].type_key, cm.capacity_bytes(i), b)
+            if device not in by_device:
+                opts = []
+                for m in range(1, max(b, 1) + 1):
+                    for o in (False, True):
+                        rc = cm.rank_cost(i, b, m, 0.0, o)
+                        opts.append((rc.step_s, rc.peak_bytes))
+                # an option both slower and hungrier than another can never be the better one
+                pareto = [
+                    a
+                    for a in set(opts)
+                    if not any(o[0] <= a[0] and o[1] <= a[1] and o != a for o in opts)
+                ]
+                by_device[device] = [
+                    (t, (cm.capacity_bytes(i) - mem - 1) / cm.bytes_per_fraction)
+                    for t, mem in pareto
+                ]
+            options[i, b] = by_device[device]
     best = math.inf
     for split in _compositions(B, n):
         per_rank = [options[i, b] for i, b in enumerate(split)]
         for combo in itertools.product(*per_rank):
-            caps = [
-                (cm.capacity_bytes(i) - mem - 1) / cm.bytes_per_fraction
-                for i, (_, mem) in enumerate(combo)
-            ]
-            if any(c < 0 for c in caps) or sum(min(c, 1.0) for c in caps) < 1.0:
-                continue
+            # the step is at least the slowest rank's time: no LP can beat `best` from here
             if max(t for t, _ in combo) >= best:
                 continue
-            best = min(best, _min_step_for(combo, opt_s, P, [min(c, 1.0) for c in caps]))
+            caps = [min(c, 1.0) for _, c in combo]
+            if min(caps) < 0 or sum(caps) < 1.0:
+                continue
+            best = min(best, _min_step_for(combo, opt_s, P, caps))
     return best
 
 
@@ -91,10 +99,24 @@ def _check_against_exhaustive(cm, B):
     ev = cm.evaluate(plan)
     assert ev.fits, [r.memory for r in ev.ranks]
     assert sum(plan.batch_sizes) == B
-    # the plan is within 0.5 % of the optimum and (sanity) never better than it
-    assert ev.step_s <= ref * 1.005
-    assert ev.step_s >= ref * (1 - 1e-6)
+    assert_optimal(ev.step_s, ref)
     return plan, ev, ref
+
+
+# What the docs claim ("exact", docs/planner.md: within the bisection's relative precision
+# 1e-5 of the optimum). Measured: at most 9e-13 over 162 random and hand-made instances.
+OPTIMUM_REL_GAP = 1e-5
+# The exhaustive search's LPs (HiGHS) are exact to ~1e-9 relative: a plan can look that
+# much better than the optimum, never more.
+LP_REL_TOL = 1e-9
+
+
+def assert_optimal(step_s: float, optimum_s: float) -> None:
+    assert optimum_s * (1 - LP_REL_TOL) <= step_s <= optimum_s * (1 + OPTIMUM_REL_GAP), (
+        step_s,
+        optimum_s,
+        step_s / optimum_s - 1,
+    )
 
 
 # ---------------------------------------------------------------- small exact instances
@@ -135,7 +157,7 @@ def test_memory_pressure_forces_micro_batching_and_offload():
 @pytest.mark.parametrize("B", [14, 32])
 def test_four_devices_memory_tight(B):
     # 4 devices, 3 types, memory tight enough that micro-batching / offload / uneven shards matter
-    # (B = 32 is the largest size the exactness requirement names; its exhaustive search takes ~10 s)
+    # (B = 32 is the largest size the exactness requirement names; its exhaustive search takes ~3 s)
     keys = ["a", "a", "b", "c"]
     profiles = {
         k: linear_profile(
@@ -210,7 +232,11 @@ def test_four_devices_batch_32():
     )
     ref = _exhaustive_fast_identical(cm, 32)
     plan = make_plan(cm, 32)
-    assert cm.evaluate(plan).step_s <= ref * 1.005
+    ev = cm.evaluate(plan)
+    assert ev.fits and sum(plan.batch_sizes) == 32
+    assert_optimal(ev.step_s, ref)
+    # the fast type gets the larger batch (measured: [5, 5, 5, 17])
+    assert plan.batch_sizes[3] > max(plan.batch_sizes[:3])
 
 
 def _exhaustive_fast_identical(cm, B):
@@ -248,7 +274,9 @@ def test_hull_path_close_to_exact(monkeypatch):
     hull_plan = make_plan(cm, 40)
     hull = cm.evaluate(hull_plan)
     assert hull.fits and sum(hull_plan.batch_sizes) == 40
-    assert exact <= hull.step_s <= exact * 1.03
+    # bench/results/planner_scaling.md reports hull / exact = 1.0000 (4 decimals) on every
+    # instance both paths solve; here the two plans are the same (measured gap 0)
+    assert exact <= hull.step_s <= exact * (1 + 5e-5)
 
 
 # ---------------------------------------------------------------- baselines
@@ -263,8 +291,12 @@ def test_baselines_are_what_they_say():
     assert prop.batch_sizes == [4, 2, 8]
     ceph = make_plan(cm, 14, "cephalo")
     assert ceph.predicted.samples_per_s >= prop.predicted.samples_per_s * (1 - 1e-9)
-    assert prop.predicted.samples_per_s > even.predicted.samples_per_s * 0  # both evaluated
-    assert make_plan(cm, 14, "even").predicted.samples_per_s < ceph.predicted.samples_per_s
+    # at the same batch, proportional batches beat equal ones on these speeds (measured
+    # 0.199 vs 0.084 samples/s), and the planner beats both
+    even14 = make_plan(cm, 14, "even")
+    assert even14.batch_sizes == [5, 5, 4]
+    assert prop.predicted.samples_per_s > 2 * even14.predicted.samples_per_s
+    assert even14.predicted.samples_per_s < ceph.predicted.samples_per_s
 
 
 def test_even_micro_batches_when_memory_is_short():

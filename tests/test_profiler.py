@@ -30,6 +30,12 @@ FAST = ProfileSettings(
     time_cap_s=20.0,
 )
 SEQ = 16
+SLOWDOWN = 6
+"""The emulated slow type of these tests: `cpu:slowdown=6` next to `cpu`. Large, because on
+a busy 2-core host the measured ratio scatters widely around the nominal one (see
+test_slowdown_is_measured and test_two_rank_profiling): at 2, a slowdown that was not
+applied at all would measure within the same range."""
+SLOW = f"cpu:slowdown={SLOWDOWN}"
 
 
 def _profile(n: int = 2) -> DeviceProfile:
@@ -70,7 +76,7 @@ def single(one_thread) -> MeasuredProfiles:
         "gpt-tiny",
         SEQ,
         "fp32",
-        Cluster.parse("cpu,cpu:slowdown=2"),
+        Cluster.parse(f"cpu,{SLOW}"),
         settings=settings,
         use_cache=False,
     )
@@ -145,7 +151,7 @@ def test_cache_hit_is_fast_and_identical(tmp_path):
 
 # ----------------------------------------------------------------------------- measurements
 def test_measured_curves(single):
-    for key in ("cpu", "cpu:slowdown=2"):
+    for key in ("cpu", SLOW):
         p = single.profiles[key]
         assert (
             p.source == "measured" and p.optimizer_s_per_param > 0 and p.host_copy_bytes_per_s > 0
@@ -170,20 +176,24 @@ def test_measured_curves(single):
 
 
 def test_slowdown_is_measured(single):
-    ratio = _slowdown_ratio(single, "cpu:slowdown=2", "cpu")
-    # generous: other processes share the 2 cores, and a busy sibling hyperthread slows
-    # even a thread's CPU time (measured up to 1.75x)
-    assert 1.4 < ratio < 4.0, ratio
+    ratio = _slowdown_ratio(single, SLOW, "cpu")
+    # Measured one process at a time, by the thread's CPU time, so other processes do not
+    # count; but a busy sibling hyperthread inflates even CPU time, and the two types are
+    # measured one after the other under whatever load there is then: on the loaded 2-core
+    # machine (load 3.5-7) the ratio at slowdown 2 was 1.12-3.22 over 21 runs, i.e. 0.56 to
+    # 1.6 times the nominal slowdown. Bounds: a third to twice the nominal (measured at
+    # slowdown 6: 4.33-8.33 over 8 runs at load 4.5-5); without the slowdown applied the
+    # ratio would be below 2.
+    assert SLOWDOWN / 3 < ratio < 2 * SLOWDOWN, ratio
     # the optimizer step is stretched too, as the engine stretches it
     opt_ratio = (
-        single.profiles["cpu:slowdown=2"].optimizer_s_per_param
-        / single.profiles["cpu"].optimizer_s_per_param
+        single.profiles[SLOW].optimizer_s_per_param / single.profiles["cpu"].optimizer_s_per_param
     )
-    assert 1.4 < opt_ratio < 4.0, opt_ratio
+    assert SLOWDOWN / 3 < opt_ratio < 2 * SLOWDOWN, opt_ratio
     # activations do not depend on speed
     assert (
         single.profiles["cpu"].units["block"].activation_bytes.ys
-        == single.profiles["cpu:slowdown=2"].units["block"].activation_bytes.ys
+        == single.profiles[SLOW].units["block"].activation_bytes.ys
     )
 
 
@@ -229,7 +239,7 @@ def test_bad_input():
 def test_plan_from_measured_profiles(single, tmp_path):
     from cephalo.planning.planner import make_plan
 
-    cluster = Cluster.parse("cpu,cpu:slowdown=2")
+    cluster = Cluster.parse(f"cpu,{SLOW}")
     spec = build_model("gpt-tiny").spec
     path = tmp_path / "profile.json"
     single.save(path)
@@ -285,41 +295,33 @@ def test_cli_single_device(tmp_path, capsys):
 pool2 = dist_pool_fixture(2, timeout_s=240.0)
 
 
-def _profile_on_ranks(cache: str) -> dict:
+def _profile_on_ranks(cache: str, slowdown: float = SLOWDOWN) -> dict:
     from cephalo.runtime.comm import make_comm
+
+    cluster = f"cpu,cpu:slowdown={slowdown:g}"
 
     comm = make_comm("auto")
     settings = ProfileSettings(
         repeats=3,
         warmup=1,
-        max_micro_batch=8,
+        max_micro_batch=4,
         optimizer_numel=1 << 18,
         host_copy_bytes=4 << 20,
         time_cap_s=30.0,
     )
-    first = profile_devices(
-        "gpt-tiny",
-        32,
-        "fp32",
-        Cluster.parse("cpu,cpu:slowdown=2"),
-        comm,
-        settings=settings,
-        cache=cache,
-    )
     t0 = time.perf_counter()
+    first = profile_devices(
+        "gpt-tiny", 32, "fp32", Cluster.parse(cluster), comm, settings=settings, cache=cache
+    )
+    t1 = time.perf_counter()
     second = profile_devices(
-        "gpt-tiny",
-        32,
-        "fp32",
-        Cluster.parse("cpu,cpu:slowdown=2"),
-        comm,
-        settings=settings,
-        cache=cache,
+        "gpt-tiny", 32, "fp32", Cluster.parse(cluster), comm, settings=settings, cache=cache
     )
     return {
         "first": first.to_dict(),
         "second": second.to_dict(),
-        "second_s": time.perf_counter() - t0,
+        "first_s": t1 - t0,
+        "second_s": time.perf_counter() - t1,
     }
 
 
@@ -330,19 +332,25 @@ def test_two_rank_profiling(pool2, tmp_path):
     assert results[0]["first"]["profiles"] == results[1]["first"]["profiles"]
     assert results[0]["first"]["comm"] == results[1]["first"]["comm"]
     first = MeasuredProfiles.from_dict(results[0]["first"])
-    assert sorted(first.measured) == ["comm", "cpu", "cpu:slowdown=2"]
+    assert sorted(first.measured) == ["comm", "cpu", SLOW]
     assert first.comm is not None and first.comm.bytes_per_s > 1e6 and first.comm.latency_s >= 0
 
-    ratio = _slowdown_ratio(first, "cpu:slowdown=2", "cpu")
-    assert 1.4 < ratio < 3.2, ratio
+    ratio = _slowdown_ratio(first, SLOW, "cpu")
+    # Measured together, by the wall clock, as in training: the emulator stretches a piece
+    # to max(its wall time, slowdown x its CPU time), so contention for the cores that
+    # already made the pieces k times longer leaves a ratio of about slowdown / k (1 once k
+    # exceeds the slowdown). Measured on the loaded 2-core machine: at slowdown 2, 0.92-1.86
+    # (load 3.5-7: contention alone, a check of nothing); at slowdown 6, 1.79-3.87 over 13
+    # runs (load 4-5): the lower bound holds up to k = 4.6.
+    assert 1.3 < ratio < 2 * SLOWDOWN, ratio
     second = MeasuredProfiles.from_dict(results[0]["second"])
-    assert second.measured == [] and sorted(second.cached) == ["comm", "cpu", "cpu:slowdown=2"]
+    assert second.measured == [] and sorted(second.cached) == ["comm", "cpu", SLOW]
     assert results[0]["second_s"] < 2.0
     db = ProfileDatabase.load(tmp_path / "db.json")
     assert len(db.devices) == 2 and len(db.comm) == 1
     # co-located CPU ranks are measured together, and the database says so
     assert all(p.meta["concurrent"] for p in first.profiles.values())
-    assert {e["key"]["peers"] for e in db.devices.values()} == {"cpu,cpu:slowdown=2"}
+    assert {e["key"]["peers"] for e in db.devices.values()} == {f"cpu,{SLOW}"}
 
 
 def _profile_uneven_sweeps(cache: str) -> dict:

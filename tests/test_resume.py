@@ -19,6 +19,7 @@ from cephalo import envvars
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
+from procs import run_tagged
 from run_common import STEPS, tiny_job_args
 
 TOL = 1e-5
@@ -29,12 +30,11 @@ def overrides(run_dir, *extra: str) -> list[str]:
 
 
 def cephalo_run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    """`cephalo run` on 3 CPU ranks; a timeout (or Ctrl-C) kills the launcher and its ranks."""
+    return run_tagged(
         [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu,cpu", *args],
+        timeout_s=240,
         env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=240,
     )
 
 

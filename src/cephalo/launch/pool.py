@@ -15,6 +15,8 @@ Failures never hang the parent: a rank that raises makes `run` raise `RankFailur
 ranks and their errors; a rank that dies, or a call that outlives its timeout (a hung
 collective), too, after which the pool stops its workers and starts fresh ones on the next
 `run`. When every rank answered (some with errors), the workers are still in step and stay.
+Nor do they outlive the parent: a worker whose parent dies (SIGKILL, a crash: no `close`)
+exits within `PARENT_CHECK_S`, busy in a call or idle (`_exit_with_parent`).
 
 Threads: each rank runs `threads` intra-op threads (default 1; `OMP_NUM_THREADS` too), so N
 ranks on a small machine do not oversubscribe its cores; `nice` sets the ranks' scheduling
@@ -25,12 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import queue
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,11 +44,16 @@ import torch.multiprocessing as mp
 
 from cephalo.envvars import scoped_environ
 from cephalo.errors import CephaloError
+from cephalo.log import logger
 
 _STOP = "__stop__"
 _GRACE_S = 2.0
 """After one rank fails, how long the others get to answer before the pool gives up on them
 (they may be waiting for the failed rank in a collective)."""
+PARENT_CHECK_S = 1.0
+"""How often a worker also checks that its parent still runs (see `_exit_with_parent`)."""
+ORPHANED_EXIT_CODE = 3
+"""Exit status of a worker that ended because its parent died."""
 _sink: tuple[Any, int, int] | None = None
 """In a worker during a call: (results queue, rank, call id), for `progress`."""
 
@@ -71,6 +81,32 @@ def progress(text: str) -> None:
         results.put((call_id, rank, "progress", text))
 
 
+def _exit_with_parent(rank: int) -> None:
+    """In a worker: end this process as soon as the parent is gone, instead of waiting
+    forever for tasks (or in a collective) that no one will send.
+
+    A daemon thread waits on multiprocessing's parent sentinel (the read end of the pipe the
+    parent spawned us through: it becomes readable when the parent dies, on every platform
+    and start method), every `PARENT_CHECK_S` also comparing `os.getppid()` with the parent
+    it started under (the pipe stays open if the parent forked a child that outlives it). It
+    does not need the main thread: a worker busy in a call or blocked in a queue ends alike.
+    No `PR_SET_PDEATHSIG`: Linux-only, and it fires when the parent's spawning THREAD ends."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    sentinel, parent_pid = parent.sentinel, os.getppid()
+
+    def watch() -> None:
+        while not multiprocessing.connection.wait([sentinel], timeout=PARENT_CHECK_S):
+            if os.getppid() != parent_pid:
+                break
+        with contextlib.suppress(Exception):  # stderr may have gone with the parent
+            logger.warning("pool rank %d: the parent process died; exiting", rank)
+        os._exit(ORPHANED_EXIT_CODE)
+
+    threading.Thread(target=watch, name="cephalo-pool-parent-watch", daemon=True).start()
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -82,6 +118,7 @@ def _worker_main(
     results: Any,
 ) -> None:
     global _sink
+    _exit_with_parent(rank)
     torch.set_num_threads(threads)
     if nice is not None:
         with contextlib.suppress(OSError):
@@ -180,8 +217,12 @@ class RankPool:
         self._collect("ready", "start-up", self.start_timeout_s, None)
         return self
 
-    def close(self) -> None:
-        """Stop the workers (politely, then by force)."""
+    def close(self, stuck: Sequence[int] = ()) -> None:
+        """Stop the workers (politely, then by force); the ranks in `stuck` (still inside a
+        call that will not finish: waiting in a collective for a failed rank) at once."""
+        for rank in stuck:
+            if self._procs[rank].is_alive():
+                self._procs[rank].kill()
         for q in self._tasks:
             with contextlib.suppress(OSError, ValueError):
                 q.put(_STOP)
@@ -245,14 +286,15 @@ class RankPool:
                 ]
                 if dead:
                     codes = {r: self._procs[r].exitcode for r in dead}
-                    self.close()
+                    # the others are waiting for the dead in a collective, or soon will be
+                    self.close(stuck=[r for r in range(self.world_size) if r not in answered])
                     raise RankFailure(
                         f"{what}: rank(s) {dead} died (exit codes {codes})"
                         + _describe(errors, " Before that: ")
                     ) from None
                 if time.monotonic() > deadline:
                     missing = [r for r in range(self.world_size) if r not in answered]
-                    self.close()
+                    self.close(stuck=missing)
                     if errors:  # the others were waiting for the failed rank
                         raise RankFailure(
                             _describe(errors, f"{what} failed: "), _clean(errors)

@@ -53,7 +53,8 @@ MICRO_BATCH_GRID = 1.05
 EXACT_DP_MAX_WORK = 400_000
 """Use the exact dynamic program while ranks x (B + 1) x (max batch + 1) stays below this."""
 BISECT_REL_TOL = 1e-5
-"""Relative precision of the step-time bisection (the exactness target is 0.5 %)."""
+"""Relative precision of the step-time bisection: the plan's step time is within this of
+the optimum (tests/test_planner.py holds it to that against an exhaustive search)."""
 MEMORY_SLACK_BYTES = 1
 """Kept free so that rounding the state fraction's bytes up never tips a rank over its capacity."""
 FRACTION_SNAP = 1e-9

@@ -301,7 +301,7 @@ class Cluster:
                     import yaml
                 except ImportError:
                     raise CephaloError(
-                        f"{p}: reading YAML needs PyYAML (`pip install pyyaml`); or write the cluster as TOML or JSON"
+                        f"{p}: reading YAML needs PyYAML (`pip install -e '.[yaml]'` or `pip install pyyaml`); or write the cluster as TOML or JSON"
                     ) from None
                 data = yaml.safe_load(text)
             else:

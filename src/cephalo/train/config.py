@@ -183,7 +183,8 @@ class LoggingConfig:
     progress: bool = True
     """Show a progress bar on rank 0 (loss, tokens/s, step time)."""
     tensorboard: bool = False
-    """Also write TensorBoard event files under `<dir>/tb` (needs the `tensorboard` package)."""
+    """Also write TensorBoard event files under `<dir>/tb` (needs the `tensorboard` extra:
+    `pip install -e '.[tensorboard]'`)."""
     log_every: int = 1
     """Write a metrics record every this many steps."""
 

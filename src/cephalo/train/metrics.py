@@ -114,8 +114,8 @@ def require_tensorboard() -> None:
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError:
         raise CephaloError(
-            "logging.tensorboard = true needs the `tensorboard` package: pip install tensorboard "
-            "(or set logging.tensorboard = false)"
+            "logging.tensorboard = true needs the `tensorboard` package: pip install -e "
+            "'.[tensorboard]' (or pip install tensorboard), or set logging.tensorboard = false"
         ) from None
 
 
