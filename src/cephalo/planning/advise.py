@@ -157,7 +157,8 @@ class SearchStats:
     clusters: int
     """Count vectors the offers allow (the empty one excluded)."""
     plans: int
-    """Planner calls."""
+    """Clusters planned (the tolerance rises after `plans_per_level` of them; an answer the
+    advisor had cached from an earlier search counts too, so the result does not depend on it)."""
     skipped: int
     """Complete clusters met and skipped on their bound."""
     expanded: int
@@ -227,6 +228,8 @@ class Marginal:
     base: str
     cluster: str
     description: str
+    label: str
+    """Short name: GPUs per offer for a cluster of the offers, else the description."""
     price_per_hour: float | None
     samples_per_s: float
     tokens_per_s: float
@@ -244,6 +247,7 @@ class Marginal:
             "base": self.base,
             "cluster": self.cluster,
             "description": self.description,
+            "label": self.label,
             "price_per_hour": self.price_per_hour,
             "samples_per_s": self.samples_per_s,
             "tokens_per_s": self.tokens_per_s,
@@ -337,7 +341,8 @@ class Advisor:
         try:
             cm = self.cost_model_for(type_key)
         except CephaloError as e:
-            return f"left out, {str(e).splitlines()[0]}"
+            first = str(e).splitlines()[0].split(". ")[0].rstrip(".")
+            return f"left out, {first}"
         if self._model_cm is None:
             self._model_cm = cm
         B = self.global_batch
@@ -607,13 +612,14 @@ class Advisor:
         if tolerance < 0 or not math.isfinite(tolerance):
             raise CephaloError(f"the tolerance must be a number >= 0, got {tolerance}")
         started = time.perf_counter()
-        plans0, planner_s0 = self.plans, self.planner_s
+        planner_s0 = self.planner_s
         K = len(self.offers)
         B = self.global_batch
         g = float(tolerance)
         levels: list[tuple[float, float]] = [(0.0, g)] if g > 0 else []
         exact_below: float | None = 0.0 if g > 0 else None
         plans_at_level = 0
+        planned = 0  # clusters this search asked the planner about (answers may be cached)
         stats = {"skipped": 0, "expanded": 0, "pruned": 0, "requeued": 0}
         frontier: list[tuple[int, tuple[int, ...], float]] = []  # (price, units, samples/s)
         f_closed = 0.0  # best throughput at prices below the current group
@@ -648,9 +654,9 @@ class Advisor:
                     stats["skipped"] += 1
                     continue
                 spec = self.cluster_of(units).to_spec()
-                before = self.plans
                 sps = self.samples_per_s(spec)
-                plans_at_level += self.plans - before
+                planned += 1
+                plans_at_level += 1
                 if sps is not None:
                     key = (n, units)
                     if group_best is None or (sps, _neg(key)) > (
@@ -659,7 +665,7 @@ class Advisor:
                     ):
                         group_best = (sps, key, units)
                 if progress is not None:
-                    progress(self.plans - plans0, len(frontier), price / MICRO_USD_PER_USD)
+                    progress(planned, len(frontier), price / MICRO_USD_PER_USD)
                 if plans_per_level is not None and plans_at_level >= plans_per_level:
                     g = FIRST_TOLERANCE if g == 0 else 2 * g
                     levels.append((price / MICRO_USD_PER_USD, g))
@@ -732,7 +738,7 @@ class Advisor:
             bound,
             SearchStats(
                 clusters=self.clusters,
-                plans=self.plans - plans0,
+                plans=planned,
                 wall_s=wall,
                 planner_s=self.planner_s - planner_s0,
                 **stats,
@@ -920,10 +926,20 @@ class Advisor:
                     else (math.inf if gained > 0 else 0.0),
                 )
             )
+        label = (
+            " + ".join(
+                f"{int(k) * o.unit_gpus}x {o.name}"
+                for o, k in zip(self.offers, units, strict=True)
+                if k
+            )
+            if units is not None
+            else cluster.describe()
+        )
         return Marginal(
             base=base,
             cluster=spec,
             description=cluster.describe(),
+            label=label,
             price_per_hour=total,
             samples_per_s=sps,
             tokens_per_s=sps * self.seq_len,

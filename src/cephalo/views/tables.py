@@ -313,7 +313,7 @@ def marginal_tables(m: Marginal, seq_len: int) -> list[Table]:
     name = "the chosen cluster" if m.base == "chosen" else "your cluster (--have)"
     price = f", ${m.price_per_hour:,.2f}/h" if m.price_per_hour is not None else ""
     devices = Table(
-        title=f"Marginal value of each device of {name}: {m.description}, {m.tokens_per_s:,.0f} tokens/s{price}",
+        title=f"Marginal value of each device of {name}: {m.label}, {m.tokens_per_s:,.0f} tokens/s{price}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
