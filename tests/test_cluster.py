@@ -263,6 +263,7 @@ def test_explicit_zero_latency_is_kept(tmp_path):
         "2xl4;intra=9.7e9B/s;latency=0.001",
         "cpu:slowdown=1.2345678901:mem=1000B",
         "3xt4@node2,l4@node0;intra=8GB/s;inter=3.3333333333GB/s",
+        "8xt4@node0-3,l4@node4,2xl4@node5-6",
     ],
 )
 def test_to_spec_parses_back_to_the_same_cluster(spec):
@@ -270,6 +271,19 @@ def test_to_spec_parses_back_to_the_same_cluster(spec):
     again = Cluster.parse(c.to_spec())
     assert again.to_dict() == c.to_dict()
     assert again.to_spec() == c.to_spec()
+
+
+def test_node_ranges():
+    """`8xa100@node0-3` is 4 nodes of 8; to_spec writes equal consecutive nodes that way."""
+    c = Cluster.parse("8xa100x80@node0-3,l4@node4")
+    assert [d.node for d in c.devices] == [n for n in range(4) for _ in range(8)] + [4]
+    assert c.num_nodes == 5
+    assert Cluster.parse("2xl4@node0,2xl4@node1,3xl4@node2").to_spec() == "2xl4@node0-1,3xl4@node2"
+    long = ",".join(f"8xt4@node{i}" for i in range(64))  # longer than a file name may be
+    assert Cluster.from_any(long).to_spec() == "8xt4@node0-63"
+    for bad, message in (("l4@node3-1", "need 0 <= A <= B"), ("l4@nodea-b", "bad node range")):
+        with pytest.raises(CephaloError, match=message):
+            Cluster.parse(bad)
 
 
 def test_to_spec_of_files_and_links(tmp_path):

@@ -34,13 +34,13 @@ from cephalo.specs.catalog import (
 
 SPEC_GRAMMAR = """\
 cluster spec: DEVICE[,DEVICE...][;LINK...]
-  DEVICE  = [Nx]TYPE[@nodeK][:KEY=VALUE[,KEY=VALUE...]]
+  DEVICE  = [Nx]TYPE[@nodeK | @nodeA-B][:KEY=VALUE[,KEY=VALUE...]]   (@nodeA-B: N on each node A..B)
   TYPE    = a device type (`cephalo catalog`), case-insensitive, e.g. l4, a6000, a100, cpu
   KEY     = mem (e.g. 20GiB, 16GB, 512MiB), node (integer >= 0), slowdown (float >= 1, cpu only)
   LINK    = intra=RATE | inter=RATE | latency=SECONDS: the links of the whole cluster (within a
             node, between nodes, fixed cost of a collective), RATE e.g. 24GB/s
   examples: 2xl4,a6000,p40   4xa100x80@node1   cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB
-            8xa100x80@node0,8xa100x80@node1;inter=50GB/s"""
+            8xa100x80@node0-1;inter=50GB/s   (2 nodes of 8)"""
 
 # 100 Gbit/s Ethernet, ~80% achievable by NCCL/gloo ring collectives.
 DEFAULT_INTER_NODE_BYTES_PER_S = 100e9 / 8 * 0.8
@@ -217,13 +217,25 @@ class Cluster:
         order (runs of equal ones counted), nodes when any device is off node 0, memory and
         slowdown where they differ from the type's, links where they differ from the defaults."""
         with_nodes = any(d.node != 0 for d in self.devices)
+        runs = _runs((d.type, d.memory_bytes, d.node, d.slowdown) for d in self.devices)
+        # runs of equal devices on consecutive nodes, equally many on each: one @nodeA-B token
+        merged: list[list] = []
+        for (type_name, mem, node, slowdown), count in runs:
+            last = merged[-1] if merged else None
+            if (
+                with_nodes
+                and last is not None
+                and last[0] == (type_name, mem, slowdown, count)
+                and node == last[2] + 1
+            ):
+                last[2] = node
+            else:
+                merged.append([(type_name, mem, slowdown, count), node, node])
         parts = []
-        for (type_name, mem, node, slowdown), count in _runs(
-            (d.type, d.memory_bytes, d.node, d.slowdown) for d in self.devices
-        ):
+        for (type_name, mem, slowdown, count), first, last_node in merged:
             token = f"{count}x{type_name}" if count > 1 else type_name
             if with_nodes:
-                token += f"@node{node}"
+                token += f"@node{first}" + (f"-{last_node}" if last_node > first else "")
             default_mem = (
                 device_memory_bytes(type_name) if type_name != "cpu" else CPU_DEFAULT_MEMORY_BYTES
             )
@@ -364,7 +376,11 @@ class Cluster:
         """A file if `spec_or_path` names one (or looks like one), else a spec string."""
         text = str(spec_or_path)
         p = Path(text)
-        if p.is_file() or p.suffix.lower() in (".toml", ".json", ".yaml", ".yml"):
+        try:
+            is_file = p.is_file()
+        except OSError:  # a spec longer than a file name may be
+            is_file = False
+        if is_file or p.suffix.lower() in (".toml", ".json", ".yaml", ".yml"):
             return cls.from_file(p)
         return cls.parse(text)
 
@@ -488,11 +504,38 @@ def _parse_device(token: str, option_tokens: list[str]) -> list[Device]:
         if key in options:
             raise _spec_error(f"option {key} given twice for device {token!r}")
         options[key] = value.strip()
+    nodes = _node_range(options.get("node"), token)
+    if nodes is not None:  # N devices on each node of a range, @node0-7
+        if len(nodes) * count > MAX_DEVICES:
+            raise _spec_error(
+                f"bad device {token!r}: {len(nodes) * count} devices is not plausible"
+            )
+        options["node"] = str(nodes[0])
     try:
         d = _make_device(dtype, options, token)
     except CephaloError as e:
         raise _spec_error(str(e)) from None
-    return [Device(d.type, d.memory_bytes, d.node, d.slowdown) for _ in range(count)]
+    return [
+        Device(d.type, d.memory_bytes, node, d.slowdown)
+        for node in (nodes or [d.node])
+        for _ in range(count)
+    ]
+
+
+def _node_range(text: str | None, token: str) -> list[int] | None:
+    """`A-B` as the nodes A..B (None when `text` is one node, or absent)."""
+    if text is None or "-" not in str(text).strip().lstrip("-"):
+        return None
+    first, _, last = str(text).partition("-")
+    try:
+        a, b = int(first), int(last)
+    except ValueError:
+        raise _spec_error(
+            f"bad node range {text!r} for {token!r}: write @nodeA-B, e.g. @node0-3"
+        ) from None
+    if a < 0 or b < a:
+        raise _spec_error(f"bad node range {text!r} for {token!r}: need 0 <= A <= B in @nodeA-B")
+    return list(range(a, b + 1))
 
 
 def _make_device(dtype: str, options: dict[str, Any], token: str) -> Device:
