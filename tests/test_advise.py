@@ -211,7 +211,8 @@ def test_marginal_values_of_an_owned_cluster(small):
     assert [d.type for d in m.devices] == ["l4", "a6000"]
     assert m.price_per_hour == pytest.approx(2 * 0.8 + 0.79)
     for a in m.additions:  # rented GPUs join on a node of their own
-        assert "@node1" in a.cluster_with
+        with_it = Cluster.parse(a.cluster_with)
+        assert with_it.num_nodes == 2 and with_it.devices[-1].node == 1
     # a type that is not among the offers has no price, so no verdict
     m2 = small.marginal("have", have=Cluster.parse("2xl4,a10g"))
     assert m2.price_per_hour is None
@@ -315,6 +316,17 @@ def test_cli_target_no_cluster_meets(tmp_path, capsys):
         ({"type": "l4", "max_count": 2, "price_per_hour": 0.8, "colour": 1}, "unknown key"),
         ({"type": "l4", "max_count": 2, "price_per_hour": 9e9}, "per GPU, not per node"),
     ],
+    ids=[
+        "unknown type",
+        "negative price",
+        "missing price",
+        "price not a number",
+        "no GPUs",
+        "missing max_count",
+        "not whole nodes",
+        "unknown key",
+        "price per node",
+    ],
 )
 def test_bad_offers_get_one_clear_error(tmp_path, capsys, offer, message):
     rc = advise(tmp_path, {"offer": [offer]})
@@ -349,3 +361,10 @@ def test_example_offers_file_parses_with_sources():
     assert len(offers) >= 6
     for o in offers:
         assert o.source and o.source.startswith("https://") and o.as_of
+
+
+def test_cli_have_that_cannot_hold_the_model(tmp_path, capsys):
+    rc = advise(tmp_path, TIGHT_OFFERS, "--have", "t4", settings=TIGHT)
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "T4 (16 GiB) cannot train llama-1.1b at global batch 16: llama-1.1b does not fit" in err
