@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from cephalo.errors import CephaloError, PlanDoesNotFit
+from cephalo.errors import CephaloError
 from cephalo.planning.costmodel import CostModel
 from cephalo.planning.planner import MAX_MICRO_BATCH, MEMORY_SLACK_BYTES, make_plan
 from cephalo.specs.cluster import (
@@ -76,6 +76,8 @@ BOUND_SLACK = 1e-9
 the threshold by more than floating-point noise."""
 STATE_SLACK = 1e-9
 """A cluster whose devices' state capacities sum to below 1 - this cannot fit."""
+TABLE_CACHE_BYTES = 64 * 2**20
+"""Memory for each of the two caches of the bound's tables."""
 _HUGE_T = float(np.finfo(np.float64).max)
 """Step time standing for "no threshold yet" (beta counts every finite L_j(b))."""
 
@@ -329,8 +331,14 @@ class Advisor:
             else GPU_COLLECTIVE_LATENCY_S
         )
         self._comm_models: dict[tuple, CostModel] = {}
-        self._tables = lru_cache(maxsize=8192)(self._tables_uncached)
-        self._stack = lru_cache(maxsize=4096)(self._stack_uncached)
+        # bound tables are B + 1 floats each: keep about 64 MiB of each kind
+        row_bytes = 8 * (global_batch + 1)
+        self._tables = lru_cache(maxsize=max(64, min(8192, TABLE_CACHE_BYTES // row_bytes)))(
+            self._tables_uncached
+        )
+        self._stack = lru_cache(
+            maxsize=max(16, TABLE_CACHE_BYTES // (row_bytes * len(self.offers)))
+        )(self._stack_uncached)
         self._betas_T: float | None = None
         self._betas_memo: dict[tuple[int, float], tuple[np.ndarray, float]] = {}
         self._state_lp = [self._lp_cover(d, self._state_cap) for d in range(len(self.offers) + 1)]
@@ -360,6 +368,8 @@ class Advisor:
         fits = np.nonzero(mem + MEMORY_SLACK_BYTES <= cap)[0]
         mmax = int(ms[fits[-1]]) if fits.size else 0
         passes = cm.fastest_pass_times(type_key, np.arange(B + 1), max(mmax, 1))
+        # (b up to B: the planner never puts more than MAX_BATCH_PER_RANK on one rank, so
+        # counting larger b only loosens the bound)
         self.types[type_key] = _Type(type_key, cap, mmax, min(state_cap, 1.0), passes)
         self._profiles.update(cm.profiles)
         return None
@@ -398,11 +408,11 @@ class Advisor:
         """The planner's throughput for the cluster spec (None: the model does not fit); cached."""
         if spec not in self._cache:
             started = time.perf_counter()
+            cm = self.cost_model_for(spec)  # a bad spec or model is the user's to hear about
             try:
-                cm = self.cost_model_for(spec)
                 plan = make_plan(cm, self.global_batch, "cephalo", allow_offload=self.allow_offload)
                 self._cache[spec] = plan.predicted.samples_per_s
-            except PlanDoesNotFit as e:
+            except CephaloError as e:  # does not fit, or more samples per GPU than it plans
                 self._cache[spec] = None
                 self._errors[spec] = str(e)
             self.plans += 1

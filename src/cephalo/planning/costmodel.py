@@ -354,14 +354,19 @@ class CostModel:
         any o: that time only grows with each pass time, and offload only adds copies."""
         b = np.atleast_1d(np.asarray(b, dtype=np.int64))
         ms = np.arange(1, max(1, int(max_micro_batch)) + 1)
-        usable = ms[None, :] <= np.maximum(b[:, None], 1)
+        least: dict[str, list[list[np.ndarray]]] = {k: [[], []] for k in self.unit_counts}
+        rows = max(1, 2**20 // len(ms))  # b x m tables of at most a million entries at a time
+        for start in range(0, len(b), rows):
+            bb = b[start : start + rows, None]
+            usable = ms[None, :] <= np.maximum(bb, 1)
+            for kind, passes in self._pass_times(type_key, bb, ms[None, :]).items():
+                for i, t in enumerate(passes):
+                    least[kind][i].append(np.where(usable, t, np.inf).min(axis=1))
         out = {}
-        for kind, (fwd, bwd) in self._pass_times(type_key, b[:, None], ms[None, :]).items():
-            least = []
-            for t in (fwd, bwd):
-                v = np.where(usable, t, np.inf).min(axis=1)
-                least.append(np.minimum.accumulate(v[::-1])[::-1])  # suffix min: monotone
-            out[kind] = (least[0], least[1])
+        for kind, (fwd, bwd) in least.items():
+            # suffix minimum: never falling with b
+            f, w = np.concatenate(fwd), np.concatenate(bwd)
+            out[kind] = (np.minimum.accumulate(f[::-1])[::-1], np.minimum.accumulate(w[::-1])[::-1])
         return out
 
     def step_time_of_passes(self, type_key: str, b, passes, offload):
