@@ -1,4 +1,5 @@
 import json
+import re
 import sys
 
 import pytest
@@ -262,3 +263,64 @@ def test_yaml_without_pyyaml_says_how_to_install(tmp_path, monkeypatch):
         CephaloError, match=r"reading YAML needs PyYAML \(`pip install -e '\.\[yaml\]'`"
     ):
         Cluster.from_file(p)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "2xl4,a6000,p40",
+        "8xa100x80@node0,8xa100x80@node1;inter=50GB/s",
+        "cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB",
+        "l4@node1:mem=20GiB",
+        "2xl4;intra=9.7e9B/s;latency=0.001",
+        "cpu:slowdown=1.2345678901:mem=1000B",
+        "3xt4@node2,l4@node0;intra=8GB/s;inter=3.3333333333GB/s",
+        "8xt4@node0-3,l4@node4,2xl4@node5-6",
+    ],
+)
+def test_to_spec_parses_back_to_the_same_cluster(spec):
+    c = Cluster.parse(spec)
+    again = Cluster.parse(c.to_spec())
+    assert again.to_dict() == c.to_dict()
+    assert again.to_spec() == c.to_spec()
+
+
+def test_node_ranges():
+    """`8xa100@node0-3` is 4 nodes of 8; to_spec writes equal consecutive nodes that way."""
+    c = Cluster.parse("8xa100x80@node0-3,l4@node4")
+    assert [d.node for d in c.devices] == [n for n in range(4) for _ in range(8)] + [4]
+    assert c.num_nodes == 5
+    assert Cluster.parse("2xl4@node0,2xl4@node1,3xl4@node2").to_spec() == "2xl4@node0-1,3xl4@node2"
+    long = ",".join(f"8xt4@node{i}" for i in range(64))  # longer than a file name may be
+    assert Cluster.from_any(long).to_spec() == "8xt4@node0-63"
+    for bad, message in (("l4@node3-1", "need 0 <= A <= B"), ("l4@nodea-b", "bad node range")):
+        with pytest.raises(CephaloError, match=message):
+            Cluster.parse(bad)
+
+
+def test_to_spec_of_files_and_links(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text(
+        'inter_node_bandwidth = "12.5GB/s"\ncollective_latency_s = 0.0\n'
+        '[[devices]]\ntype = "l4"\ncount = 2\nnode = 0\n[[devices]]\ntype = "a6000"\nnode = 1\n'
+    )
+    c = Cluster.from_file(p)
+    assert c.to_spec() == "2xl4@node0,a6000@node1;inter=12.5GB/s;latency=0.0"
+    assert Cluster.parse(c.to_spec()).to_dict() == c.to_dict()
+    assert Cluster.parse("2xl4").to_spec() == "2xl4"  # defaults are left out
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("2xl4;foo=1", "bad link option 'foo=1'"),
+        ("2xl4;inter=fast", "bad inter= rate 'fast'"),
+        ("2xl4;inter=1GB/s;inter=2GB/s", "link option inter given twice"),
+        (";inter=1GB/s", "needs devices before its links"),
+        ("2xl4;latency=-1", "bad latency '-1'"),
+        ("2xl4;inter=0GB/s", "must be a positive number"),
+    ],
+)
+def test_link_option_errors(spec, message):
+    with pytest.raises(CephaloError, match=re.escape(message)):
+        Cluster.parse(spec)

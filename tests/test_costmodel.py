@@ -237,3 +237,39 @@ def test_step_time_is_monotone_in_batch():
     ]
     assert all(a <= b + 1e-12 for a, b in zip(times, times[1:], strict=False))
     assert math.isfinite(times[-1])
+
+
+@pytest.mark.parametrize("async_copies", [True, False])
+def test_fastest_passes_bound_every_choice_from_below(async_copies):
+    """`step_time_of_passes` of `fastest_pass_times` (offload off) is at most the step time of
+    every micro-batch up to the limit, with and without offload: the advisor's bound rests on it.
+    Curves with intercepts make small micro-batches slow and the last partial one costly."""
+    prof = linear_profile(
+        "x", 0.3, 0.7, 1000.0, 0.01, host_bytes_per_s=50.0, fwd_intercept=2.0, bwd_intercept=3.0
+    )
+    prof.async_copies = async_copies
+    devs = [FakeDevice("x", 10_000)] * 3
+    cm = cost_model(devs, {"x": prof}, bytes_per_s=40.0, latency_s=0.2)
+    bs = np.arange(0, 40)
+    for limit in (1, 5, 16):
+        floor = cm.step_time_of_passes("x", bs, cm.fastest_pass_times("x", bs, limit), False)[0]
+        assert np.all(np.diff(floor) >= 0)  # monotone in b, as the advisor's beta needs
+        for m in range(1, limit + 1):
+            for offload in (False, True):
+                t = cm.step_time_parts("x", bs, m, offload)[0]
+                assert np.all(floor <= t + 1e-12), (limit, m, offload)
+        # tight where one micro-batch size is best for every pass
+        best = np.min(
+            [cm.step_time_parts("x", bs, m, False)[0] for m in range(1, limit + 1)], axis=0
+        )
+        assert np.allclose(floor, best)
+
+
+def test_step_time_of_passes_is_step_time_parts():
+    cm = _cm()
+    b, m = np.arange(0, 9)[:, None], np.arange(1, 5)[None, :]
+    for offload in (False, True):
+        a = cm.step_time_parts("x", b, m, offload)
+        c = cm.step_time_of_passes("x", b, cm._pass_times("x", b, m), offload)
+        for x, y in zip(a, c, strict=True):
+            assert np.array_equal(x, y)

@@ -385,3 +385,28 @@ def test_plan_json_round_trip_keeps_predictions(tmp_path):
     assert loaded == plan
     assert cm.evaluate(loaded).step_s == pytest.approx(plan.predicted.step_s)
     assert all(isinstance(r, RankPlan) and r.predicted_peak_memory_bytes > 0 for r in loaded.ranks)
+
+
+def test_growing_tables_are_never_shrunk_back(monkeypatch):
+    """This cluster (found by `cephalo advise`) made the optimiser grow a group's tables, fall
+    back to `_fits_at_all`, which shrank them again, and grow them again, for ever."""
+    import cephalo.planning.planner as planner
+    from cephalo.planning.sources import catalog_cost_model
+    from cephalo.specs.catalog import get_model_spec
+    from cephalo.specs.cluster import Cluster
+
+    spec = "8xa100x40@node0," + ",".join(f"a6000@node{i}" for i in range(1, 10))
+    spec += ",t4@node10;inter=2.5GB/s"
+    cm = catalog_cost_model(Cluster.parse(spec), get_model_spec("llama-7b"), 512, "fp16")
+    calls = []
+    tabulate = planner._tabulate
+
+    def counted(*args):
+        calls.append(args[2])
+        if len(calls) > 200:
+            raise AssertionError(f"tabulated {len(calls)} times: {calls[-12:]}")
+        tabulate(*args)
+
+    monkeypatch.setattr(planner, "_tabulate", counted)
+    plan = make_plan(cm, 256)
+    assert cm.evaluate(plan).fits and plan.predicted.samples_per_s > 0

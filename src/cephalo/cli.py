@@ -19,6 +19,7 @@ COMMANDS = [
     "run",
     "train",
     "plan",
+    "advise",
     "simulate",
     "profile",
     "catalog",
@@ -35,6 +36,7 @@ typical use:
   cephalo demo                                   # everything on an emulated CPU cluster
   cephalo catalog                                # known GPU types and models
   cephalo plan --cluster 2xl4,a6000,p40 --model gpt-2.7b --global-batch 64
+  cephalo advise --offers configs/offers-example.toml --model gpt-2.7b --global-batch 256
   cephalo simulate plan.json                     # evaluate any plan with the cost model
   cephalo run --devices cpu,cpu:slowdown=2 --config configs/demo.toml
   torchrun --nproc-per-node 4 -m cephalo train --config my.toml

@@ -344,6 +344,34 @@ class CostModel:
         planner chooses s after the rest. On a device without async copies the compute
         includes the copies.
         """
+        return self.step_time_of_passes(type_key, b, self._pass_times(type_key, b, m), offload)
+
+    def fastest_pass_times(self, type_key: str, b, max_micro_batch: int):
+        """Per unit kind: the least forward and the least recompute + backward kernel time of b
+        samples over every micro-batch 1..min(b, max_micro_batch), each minimised on its own;
+        non-decreasing in b (a suffix minimum). Fed to `step_time_of_passes` with offload off,
+        it gives a lower bound on `step_time_parts(type_key, b, m, o)[0]` for every such m and
+        any o: that time only grows with each pass time, and offload only adds copies."""
+        b = np.atleast_1d(np.asarray(b, dtype=np.int64))
+        ms = np.arange(1, max(1, int(max_micro_batch)) + 1)
+        least: dict[str, list[list[np.ndarray]]] = {k: [[], []] for k in self.unit_counts}
+        rows = max(1, 2**20 // len(ms))  # b x m tables of at most a million entries at a time
+        for start in range(0, len(b), rows):
+            bb = b[start : start + rows, None]
+            usable = ms[None, :] <= np.maximum(bb, 1)
+            for kind, passes in self._pass_times(type_key, bb, ms[None, :]).items():
+                for i, t in enumerate(passes):
+                    least[kind][i].append(np.where(usable, t, np.inf).min(axis=1))
+        out = {}
+        for kind, (fwd, bwd) in least.items():
+            # suffix minimum: never falling with b
+            f, w = np.concatenate(fwd), np.concatenate(bwd)
+            out[kind] = (np.minimum.accumulate(f[::-1])[::-1], np.minimum.accumulate(w[::-1])[::-1])
+        return out
+
+    def step_time_of_passes(self, type_key: str, b, passes, offload):
+        """`step_time_parts` from per-kind (forward, recompute + backward) kernel times: the
+        collectives and host copies each pass overlaps with, and the last reduce-scatter."""
         b = np.asarray(b, dtype=np.int64)
         offload = np.asarray(offload, dtype=bool)
         profile = self.profiles[type_key]
@@ -353,7 +381,7 @@ class CostModel:
         total = 0.0
         compute = 0.0
         copies = 0.0
-        for kind, (fwd, bwd) in self._pass_times(type_key, b, m).items():
+        for kind, (fwd, bwd) in passes.items():
             count = self.unit_counts[kind]
             gather, scatter = self.gather_s[kind], self.scatter_s[kind]
             if profile.async_copies:

@@ -377,9 +377,11 @@ def _fits_at_all(cm: CostModel, groups: list[_Group], B: int, allow_offload: boo
     total_speed = sum(speed[g.type_key] * g.size for g in groups)
     for g in groups:
         share = B * speed[g.type_key] / total_speed
-        _tabulate(
-            cm, g, min(B, MAX_BATCH_PER_RANK, max(16, math.ceil(1.3 * share) + 8)), allow_offload
-        )
+        first = min(B, MAX_BATCH_PER_RANK, max(16, math.ceil(1.3 * share) + 8))
+        # never shrink tables the optimiser already grew: it calls this again after growing
+        # them, and shrinking them back made it grow and shrink them for ever
+        if first > g.bmax or g.time is None:
+            _tabulate(cm, g, max(first, g.bmax), allow_offload)
     while True:
         found = _feasible(groups, math.inf, B, _exact(groups, B))
         if found is not None:

@@ -33,11 +33,14 @@ from cephalo.specs.catalog import (
 )
 
 SPEC_GRAMMAR = """\
-cluster spec: DEVICE[,DEVICE...]
-  DEVICE  = [Nx]TYPE[@nodeK][:KEY=VALUE[,KEY=VALUE...]]
+cluster spec: DEVICE[,DEVICE...][;LINK...]
+  DEVICE  = [Nx]TYPE[@nodeK | @nodeA-B][:KEY=VALUE[,KEY=VALUE...]]   (@nodeA-B: N on each node A..B)
   TYPE    = a device type (`cephalo catalog`), case-insensitive, e.g. l4, a6000, a100, cpu
   KEY     = mem (e.g. 20GiB, 16GB, 512MiB), node (integer >= 0), slowdown (float >= 1, cpu only)
-  examples: 2xl4,a6000,p40   4xa100x80@node1   cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB"""
+  LINK    = intra=RATE | inter=RATE | latency=SECONDS: the links of the whole cluster (within a
+            node, between nodes, fixed cost of a collective), RATE e.g. 24GB/s
+  examples: 2xl4,a6000,p40   4xa100x80@node1   cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB
+            8xa100x80@node0-1;inter=50GB/s   (2 nodes of 8)"""
 
 # 100 Gbit/s Ethernet, ~80% achievable by NCCL/gloo ring collectives.
 DEFAULT_INTER_NODE_BYTES_PER_S = 100e9 / 8 * 0.8
@@ -62,6 +65,11 @@ _DEVICE_RE = re.compile(
     r"^(?:(\d+)\s*x\s*)?([a-z0-9_.\-]*?)\s*(?:@\s*(?:node)?\s*(\S*))?$", re.IGNORECASE
 )
 _OPTIONS = ("mem", "node", "slowdown")
+_LINK_OPTIONS = {
+    "intra": "intra_node_bytes_per_s",
+    "inter": "inter_node_bytes_per_s",
+    "latency": "collective_latency_s",
+}
 # More devices than any cluster has: a typo (or a fuzzer) would otherwise build a list of
 # billions of devices before anything could complain.
 MAX_DEVICES = 1_000_000
@@ -204,6 +212,55 @@ class Cluster:
             )
         return " + ".join(parts)
 
+    def to_spec(self) -> str:
+        """The spec string `Cluster.parse` reads back as this very cluster: devices in rank
+        order (runs of equal ones counted), nodes when any device is off node 0, memory and
+        slowdown where they differ from the type's, links where they differ from the defaults."""
+        with_nodes = any(d.node != 0 for d in self.devices)
+        runs = _runs((d.type, d.memory_bytes, d.node, d.slowdown) for d in self.devices)
+        # runs of equal devices on consecutive nodes, equally many on each: one @nodeA-B token
+        merged: list[list] = []
+        for (type_name, mem, node, slowdown), count in runs:
+            last = merged[-1] if merged else None
+            if (
+                with_nodes
+                and last is not None
+                and last[0] == (type_name, mem, slowdown, count)
+                and node == last[2] + 1
+            ):
+                last[2] = node
+            else:
+                merged.append([(type_name, mem, slowdown, count), node, node])
+        parts = []
+        for (type_name, mem, slowdown, count), first, last_node in merged:
+            token = f"{count}x{type_name}" if count > 1 else type_name
+            if with_nodes:
+                token += f"@node{first}" + (f"-{last_node}" if last_node > first else "")
+            default_mem = (
+                device_memory_bytes(type_name) if type_name != "cpu" else CPU_DEFAULT_MEMORY_BYTES
+            )
+            options = []
+            if mem != default_mem:
+                options.append(f"mem={_format_bytes_exact(mem)}")
+            if slowdown != 1.0:
+                short = f"{slowdown:g}"
+                options.append(f"slowdown={short if float(short) == slowdown else repr(slowdown)}")
+            parts.append(":".join([token, *options]))
+        spec = ",".join(parts)
+        default_intra = min(intra_node_bytes_per_s(d.type) for d in self.devices)
+        default_latency = (
+            CPU_COLLECTIVE_LATENCY_S
+            if any(d.type == "cpu" for d in self.devices)
+            else GPU_COLLECTIVE_LATENCY_S
+        )
+        if self.intra_node_bytes_per_s != default_intra:
+            spec += f";intra={_format_rate(self.intra_node_bytes_per_s)}"
+        if self.inter_node_bytes_per_s != DEFAULT_INTER_NODE_BYTES_PER_S:
+            spec += f";inter={_format_rate(self.inter_node_bytes_per_s)}"
+        if self.collective_latency_s != default_latency:
+            spec += f";latency={self.collective_latency_s!r}"
+        return spec
+
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:
         return {
@@ -319,7 +376,11 @@ class Cluster:
         """A file if `spec_or_path` names one (or looks like one), else a spec string."""
         text = str(spec_or_path)
         p = Path(text)
-        if p.is_file() or p.suffix.lower() in (".toml", ".json", ".yaml", ".yml"):
+        try:
+            is_file = p.is_file()
+        except OSError:  # a spec longer than a file name may be
+            is_file = False
+        if is_file or p.suffix.lower() in (".toml", ".json", ".yaml", ".yml"):
             return cls.from_file(p)
         return cls.parse(text)
 
@@ -328,6 +389,10 @@ class Cluster:
         """A cluster from a spec string (grammar in `SPEC_GRAMMAR`)."""
         if not isinstance(spec, str) or not spec.strip():
             raise _spec_error("empty cluster spec")
+        spec, *link_tokens = spec.split(";")
+        links = _parse_links(link_tokens)
+        if not spec.strip():
+            raise _spec_error("a cluster spec needs devices before its links (`;...`)")
         groups: list[tuple[str, list[str]]] = []  # (device token, option tokens)
         for raw in spec.split(","):
             token = raw.strip()
@@ -348,13 +413,57 @@ class Cluster:
                 continue
             device, _, opts = token.partition(":")
             groups.append((device.strip(), [o for o in opts.split(":")] if opts else []))
-        return cls([dev for device, opts in groups for dev in _parse_device(device, opts)])
+        return cls([dev for device, opts in groups for dev in _parse_device(device, opts)], **links)
 
     def __iter__(self) -> Iterator[Device]:
         return iter(self.devices)
 
     def __len__(self) -> int:
         return len(self.devices)
+
+
+def _format_bytes_exact(n: int) -> str:
+    """Bytes as `parse_bytes` reads them back exactly: 20GiB, 512MiB, or a count of B."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
+
+
+def _format_rate(bytes_per_s: float) -> str:
+    """A rate `parse_rate` reads back exactly: `50GB/s` where that is exact, else bytes/s."""
+    gb = f"{bytes_per_s / 1e9:g}"
+    if float(gb) * 1e9 == bytes_per_s:
+        return f"{gb}GB/s"
+    return f"{bytes_per_s!r}B/s"
+
+
+def _parse_links(tokens: list[str]) -> dict[str, float]:
+    """The `;intra=RATE;inter=RATE;latency=SECONDS` tail of a spec as `Cluster` arguments."""
+    out: dict[str, float] = {}
+    for raw in tokens:
+        key, eq, value = raw.partition("=")
+        key = key.strip().lower()
+        if not eq or key not in _LINK_OPTIONS or not value.strip():
+            raise _spec_error(
+                f"bad link option {raw.strip()!r}: expected one of intra=RATE, inter=RATE, latency=SECONDS"
+            )
+        field_name = _LINK_OPTIONS[key]
+        if field_name in out:
+            raise _spec_error(f"link option {key} given twice")
+        if key == "latency":
+            try:
+                lat = float(value)
+            except ValueError:
+                lat = float("nan")
+            if not math.isfinite(lat) or lat < 0:
+                raise _spec_error(
+                    f"bad latency {value.strip()!r}: must be a number of seconds >= 0"
+                )
+            out[field_name] = lat
+        else:
+            out[field_name] = parse_rate(value.strip(), f"{key}= rate")
+    return out
 
 
 def _runs(items) -> list[tuple[Any, int]]:
@@ -395,11 +504,38 @@ def _parse_device(token: str, option_tokens: list[str]) -> list[Device]:
         if key in options:
             raise _spec_error(f"option {key} given twice for device {token!r}")
         options[key] = value.strip()
+    nodes = _node_range(options.get("node"), token)
+    if nodes is not None:  # N devices on each node of a range, @node0-7
+        if len(nodes) * count > MAX_DEVICES:
+            raise _spec_error(
+                f"bad device {token!r}: {len(nodes) * count} devices is not plausible"
+            )
+        options["node"] = str(nodes[0])
     try:
         d = _make_device(dtype, options, token)
     except CephaloError as e:
         raise _spec_error(str(e)) from None
-    return [Device(d.type, d.memory_bytes, d.node, d.slowdown) for _ in range(count)]
+    return [
+        Device(d.type, d.memory_bytes, node, d.slowdown)
+        for node in (nodes or [d.node])
+        for _ in range(count)
+    ]
+
+
+def _node_range(text: str | None, token: str) -> list[int] | None:
+    """`A-B` as the nodes A..B (None when `text` is one node, or absent)."""
+    if text is None or "-" not in str(text).strip().lstrip("-"):
+        return None
+    first, _, last = str(text).partition("-")
+    try:
+        a, b = int(first), int(last)
+    except ValueError:
+        raise _spec_error(
+            f"bad node range {text!r} for {token!r}: write @nodeA-B, e.g. @node0-3"
+        ) from None
+    if a < 0 or b < a:
+        raise _spec_error(f"bad node range {text!r} for {token!r}: need 0 <= A <= B in @nodeA-B")
+    return list(range(a, b + 1))
 
 
 def _make_device(dtype: str, options: dict[str, Any], token: str) -> Device:

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cephalo.errors import PlanDoesNotFit
+from cephalo.planning.advise import Advice, FrontierPoint, Marginal
 from cephalo.planning.costmodel import PlanEvaluation
 from cephalo.planning.plan import Plan
 from cephalo.specs import catalog
@@ -262,3 +263,109 @@ def estimate_lines(cost_model) -> list[str]:
             "devices with `cephalo profile` for a better plan."
         )
     return lines
+
+
+# ---------------------------------------------------------------------- the advisor
+def _counts(p: FrontierPoint) -> str:
+    return " + ".join(f"{n}x {name}" for name, n in p.counts.items())
+
+
+def frontier_rows(advice: Advice, max_rows: int) -> list[int]:
+    """Indices of the frontier points to show: all when few, else the ends, the marked ones
+    and evenly spaced others."""
+    n = len(advice.frontier)
+    if n <= max_rows:
+        return list(range(n))
+    marked = {
+        i
+        for i, p in enumerate(advice.frontier)
+        if p in (advice.chosen, advice.best_under_budget, advice.cheapest_meeting_target)
+    }
+    keep = marked | {0, n - 1}
+    step = (n - 1) / max(1, max_rows - len(keep) - 1)
+    keep |= {round(i * step) for i in range(max_rows - len(keep))}
+    return sorted(keep)[: max_rows + len(marked)]
+
+
+def frontier_table(advice: Advice, max_rows: int = 30) -> Table:
+    """The Pareto frontier, cheapest first; the budget's, the target's and the chosen cluster marked."""
+    rows = frontier_rows(advice, max_rows)
+    shown = (
+        ""
+        if len(rows) == len(advice.frontier)
+        else f" ({len(rows)} of {len(advice.frontier)} shown; all in --json)"
+    )
+    table = Table(
+        title=f"Pareto frontier: price per hour vs throughput{shown}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for col in ("$/h", "GPUs", "cluster", "samples/s", "tokens/s", "$/M tokens", ""):
+        table.add_column(col, justify="left" if col in ("cluster", "") else "right")
+    for i in rows:
+        p = advice.frontier[i]
+        marks = []
+        if p is advice.best_under_budget:
+            marks.append("best within budget")
+        if p is advice.cheapest_meeting_target:
+            marks.append("cheapest meeting target")
+        if p is advice.chosen and not marks:
+            marks.append(advice.chosen_why)
+        style = "bold" if p is advice.chosen else None
+        table.add_row(
+            f"{p.price_per_hour:,.2f}",
+            str(p.gpus),
+            _counts(p),
+            f"{p.samples_per_s:,.2f}",
+            f"{p.tokens_per_s:,.0f}",
+            f"{p.usd_per_million_tokens:,.3f}",
+            ", ".join(marks),
+            style=style,
+        )
+    return table
+
+
+def marginal_tables(m: Marginal, seq_len: int) -> list[Table]:
+    """What each device of a cluster is worth, and what one more unit of each offer would add."""
+    name = "the chosen cluster" if m.base == "chosen" else "your cluster (--have)"
+    price = f", ${m.price_per_hour:,.2f}/h" if m.price_per_hour is not None else ""
+    devices = Table(
+        title=f"Marginal value of each device of {name}: {m.label}, {m.tokens_per_s:,.0f} tokens/s{price}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for col in ("device", "count", "$/h each", "tokens/s without one", "lost", "pays for itself"):
+        devices.add_column(col, justify="left" if col in ("device", "pays for itself") else "right")
+    for d in m.devices:
+        pays = {True: "yes", False: "[red]no[/red]", None: "- (no price)"}[d.pays_for_itself]
+        devices.add_row(
+            d.offer or d.type,
+            str(d.count),
+            "-" if d.price_per_hour is None else f"{d.price_per_hour:,.2f}",
+            f"{d.samples_per_s_without * seq_len:,.0f}",
+            f"{d.tokens_per_s_lost:,.0f} ({100 * d.share_lost:.1f}%)",
+            pays,
+        )
+    adds = Table(
+        title=f"One more unit of each offer for {name}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for col in ("offer", "+GPUs", "+$/h", "tokens/s with it", "gained", "tokens/s per $/h", ""):
+        adds.add_column(col, justify="left" if col in ("offer", "") else "right")
+    best = m.best_to_add
+    for a in m.additions:
+        adds.add_row(
+            a.offer,
+            str(a.gpus),
+            f"{a.price_per_hour:,.2f}",
+            f"{a.samples_per_s_with * seq_len:,.0f}",
+            f"{a.tokens_per_s_gained:+,.0f}",
+            f"{a.tokens_per_s_per_usd:,.0f}",
+            "best to add next" if a is best else "",
+            style="bold" if a is best else None,
+        )
+    return [devices, adds]
