@@ -510,14 +510,23 @@ def build_hf_directory_model(
 
 
 def _build(name, config, device, directory, pretrained, overrides) -> HFUnitModel:
+    settings = overrides or "of its config"
     try:
-        return HFUnitModel(name, config, device=device, directory=directory, pretrained=pretrained)
+        model = HFUnitModel(name, config, device=device, directory=directory, pretrained=pretrained)
     except (ValueError, TypeError, ZeroDivisionError, RuntimeError, AttributeError) as e:
         # shapes the config allowed but the modules do not (e.g. heads not dividing the width)
         raise CephaloError(
-            f"model {name}: cannot build it with the settings {overrides or 'of its config'}: "
-            f"{first_line(e)}"
+            f"model {name}: cannot build it with the settings {settings}: {first_line(e)}"
         ) from None
+    # a zero width or vocabulary builds empty modules torch accepts: a unit with no
+    # parameters (but for the last layer's) cannot train
+    empty = [u.name for u in model.units if not any(p.numel() for p in u.module.parameters())]
+    if empty:
+        raise CephaloError(
+            f"model {name}: the settings {settings} leave unit(s) {', '.join(empty[:3])} without "
+            "parameters (a size of 0?); every width, layer count and vocabulary must be >= 1"
+        )
+    return model
 
 
 __all__ = [
