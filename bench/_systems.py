@@ -84,6 +84,7 @@ class OursTrainer:
     ):
         from cephalo.runtime.comm import make_comm
         from cephalo.runtime.engine import Engine, EngineConfig
+        from cephalo.runtime.optim import AdamWHyper
 
         overrides = {"tie_embeddings": False, "dropout": 0.0, **overrides}
         model = build_model(model_name, **overrides)  # on meta: the engine materialises its shards
@@ -91,9 +92,7 @@ class OursTrainer:
         cfg = EngineConfig(
             mode=mode,
             compute_dtype="fp32",
-            betas=BETAS,
-            eps=EPS,
-            weight_decay=WEIGHT_DECAY,
+            adamw=AdamWHyper(betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
             grad_clip=GRAD_CLIP,
             seed=0,
             slowdown=slowdown,

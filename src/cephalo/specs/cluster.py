@@ -9,6 +9,11 @@ Two ways to say it:
 Bandwidth defaults come from the device types (`cephalo.specs.catalog`): within a node, the
 slowest device's link (PCIe generation, or NVLink on SXM boards); between nodes, 100 Gbit/s
 Ethernet at 80% efficiency. Override them in the file form when you know better.
+
+Each node also has a host: its memory (`host_memory`, default
+`catalog.DEFAULT_HOST_MEMORY_BYTES`) is shared by the ranks of the node for host-held training
+state and offloaded activations, and its CPUs run the AdamW step of that state (default speed
+`catalog.host_optimizer_s_per_param`, measured by `cephalo profile`, or set in the file).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 from cephalo.errors import CephaloError
 from cephalo.specs.catalog import (
     CPU_DEFAULT_MEMORY_BYTES,
+    DEFAULT_HOST_MEMORY_BYTES,
     DEVICE_ALIASES,
     device_display_name,
     device_memory_bytes,
@@ -36,8 +42,9 @@ SPEC_GRAMMAR = """\
 cluster spec: DEVICE[,DEVICE...]
   DEVICE  = [Nx]TYPE[@nodeK][:KEY=VALUE[,KEY=VALUE...]]
   TYPE    = a device type (`cephalo catalog`), case-insensitive, e.g. l4, a6000, a100, cpu
-  KEY     = mem (e.g. 20GiB, 16GB, 512MiB), node (integer >= 0), slowdown (float >= 1, cpu only)
-  examples: 2xl4,a6000,p40   4xa100x80@node1   cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB"""
+  KEY     = mem (e.g. 20GiB, 16GB, 512MiB), node (integer >= 0), slowdown (float >= 1, cpu only),
+            pcie (host-copy bandwidth of an emulated cpu device, e.g. 12GB/s)
+  examples: 2xl4,a6000,p40   4xa100x80@node1   cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB,pcie=12GB/s"""
 
 # 100 Gbit/s Ethernet, ~80% achievable by NCCL/gloo ring collectives.
 DEFAULT_INTER_NODE_BYTES_PER_S = 100e9 / 8 * 0.8
@@ -61,7 +68,7 @@ _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]+)\s*/\s*s\s
 _DEVICE_RE = re.compile(
     r"^(?:(\d+)\s*x\s*)?([a-z0-9_.\-]*?)\s*(?:@\s*(?:node)?\s*(\S*))?$", re.IGNORECASE
 )
-_OPTIONS = ("mem", "node", "slowdown")
+_OPTIONS = ("mem", "node", "slowdown", "pcie")
 # More devices than any cluster has: a typo (or a fuzzer) would otherwise build a list of
 # billions of devices before anything could complain.
 MAX_DEVICES = 1_000_000
@@ -121,25 +128,35 @@ class Device:
     """Node (host) index; devices on different nodes talk over the inter-node network."""
     slowdown: float = 1.0
     """CPU emulation only: compute is stretched by this factor (1 = as fast as the host)."""
+    pcie_bytes_per_s: float | None = None
+    """CPU emulation only: every host <-> device copy is stretched to this bandwidth, as
+    `slowdown` stretches compute (None: copies run at memcpy speed)."""
 
     @property
     def type_key(self) -> str:
-        """The key profiles are stored under: `l4`, `cpu`, `cpu:slowdown=2`.
+        """The key profiles are stored under: `l4`, `cpu`, `cpu:slowdown=2`,
+        `cpu:slowdown=2:pcie=12GB/s`.
 
-        Slowdown changes speed, so it is part of the type; memory is not (a profile's times
-        do not depend on how much memory the device has).
+        Slowdown and the emulated copy bandwidth change speed, so they are part of the type;
+        memory is not (a profile's times do not depend on how much memory the device has).
         """
-        if self.slowdown == 1.0:
-            return self.type
-        return f"{self.type}:slowdown={self.slowdown:g}"
+        key = self.type
+        if self.slowdown != 1.0:
+            key += f":slowdown={self.slowdown:g}"
+        if self.pcie_bytes_per_s is not None:
+            key += f":pcie={self.pcie_bytes_per_s / 1e9:g}GB/s"
+        return key
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "type": self.type,
             "memory_bytes": self.memory_bytes,
             "node": self.node,
             "slowdown": self.slowdown,
         }
+        if self.pcie_bytes_per_s is not None:
+            out["pcie_bytes_per_s"] = self.pcie_bytes_per_s
+        return out
 
 
 @dataclass
@@ -155,6 +172,18 @@ class Cluster:
     """Per-device bandwidth between nodes; default 100 Gbit/s Ethernet at 80%: 10 GB/s."""
     collective_latency_s: float = field(default=None)  # type: ignore[assignment]
     """Fixed cost of one collective call; default 50 us (NCCL), 200 us with any `cpu` device (gloo)."""
+    host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES
+    """Host memory of every node (unless `node_host_memory_bytes` says otherwise), shared by the
+    ranks of the node for host-held training state and offloaded activations."""
+    node_host_memory_bytes: dict[int, int] = field(default_factory=dict)
+    """Per-node overrides of `host_memory_bytes`, by node index."""
+    host_optimizer_s_per_param: float | None = None
+    """AdamW time of one rank per host-held parameter on every node (unless
+    `node_host_optimizer_s_per_param` says otherwise); None: measured (`cephalo profile`) or
+    the catalog default (`catalog.host_optimizer_s_per_param`: the node's host memory bandwidth
+    shared by its ranks)."""
+    node_host_optimizer_s_per_param: dict[int, float] = field(default_factory=dict)
+    """Per-node overrides of `host_optimizer_s_per_param`, by node index."""
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -175,6 +204,21 @@ class Cluster:
     @property
     def num_nodes(self) -> int:
         return len({d.node for d in self.devices})
+
+    def nodes(self) -> list[int]:
+        """Node indices in first-seen (rank) order."""
+        return list(dict.fromkeys(d.node for d in self.devices))
+
+    def ranks_on_node(self, node: int) -> list[int]:
+        return [i for i, d in enumerate(self.devices) if d.node == node]
+
+    def host_memory_of(self, node: int) -> int:
+        """Host memory of `node`, bytes."""
+        return int(self.node_host_memory_bytes.get(node, self.host_memory_bytes))
+
+    def host_optimizer_override(self, node: int) -> float | None:
+        """The cluster's own host AdamW time per parameter for a rank of `node`, if it gives one."""
+        return self.node_host_optimizer_s_per_param.get(node, self.host_optimizer_s_per_param)
 
     def device_types(self) -> list[str]:
         """Distinct `type_key`s in first-seen order."""
@@ -206,12 +250,34 @@ class Cluster:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:
-        return {
+        out: dict[str, Any] = {
             "devices": [d.to_dict() for d in self.devices],
             "intra_node_bytes_per_s": self.intra_node_bytes_per_s,
             "inter_node_bytes_per_s": self.inter_node_bytes_per_s,
             "collective_latency_s": self.collective_latency_s,
+            "host_memory_bytes": self.host_memory_bytes,
         }
+        if self.host_optimizer_s_per_param is not None:
+            out["host_optimizer_s_per_param"] = self.host_optimizer_s_per_param
+        nodes = sorted(set(self.node_host_memory_bytes) | set(self.node_host_optimizer_s_per_param))
+        if nodes:
+            out["nodes"] = [
+                {
+                    "node": n,
+                    **(
+                        {"host_memory_bytes": self.node_host_memory_bytes[n]}
+                        if n in self.node_host_memory_bytes
+                        else {}
+                    ),
+                    **(
+                        {"host_optimizer_s_per_param": self.node_host_optimizer_s_per_param[n]}
+                        if n in self.node_host_optimizer_s_per_param
+                        else {}
+                    ),
+                }
+                for n in nodes
+            ]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "cluster") -> Cluster:
@@ -220,17 +286,21 @@ class Cluster:
             raise CephaloError(
                 f"{where}: expected a table/object with a `devices` list, got {type(d).__name__}"
             )
-        unknown = set(d) - {
+        known = {
             "devices",
             "intra_node_bytes_per_s",
             "inter_node_bytes_per_s",
             "collective_latency_s",
             "intra_node_bandwidth",
             "inter_node_bandwidth",
+            *_HOST_KEYS,
+            "nodes",
         }
+        unknown = set(d) - known
         if unknown:
             raise CephaloError(
-                f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected devices, intra_node_bandwidth, inter_node_bandwidth, collective_latency_s"
+                f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected devices, intra_node_bandwidth, "
+                "inter_node_bandwidth, collective_latency_s, host_memory, host_optimizer_s_per_param, nodes"
             )
         entries = d.get("devices")
         if isinstance(entries, str):
@@ -264,7 +334,49 @@ class Cluster:
                     f"{where}: collective_latency_s must be a number of seconds >= 0, got {lat!r}"
                 )
             kwargs["collective_latency_s"] = float(lat)
-        return cls(devices, **kwargs)
+        memory, optimizer = _host_settings(d, where)
+        node_memory: dict[int, int] = {}
+        node_optimizer: dict[int, float] = {}
+        nodes = d.get("nodes", [])
+        if not isinstance(nodes, list):
+            raise CephaloError(
+                f"{where}: `nodes` must be a list of {{node, host_memory, host_optimizer_s_per_param}} entries"
+            )
+        present = {dev.node for dev in devices}
+        for i, e in enumerate(nodes):
+            at = f"{where}: nodes[{i}]"
+            if not isinstance(e, dict):
+                raise CephaloError(
+                    f'{at}: expected a table like {{node = 1, host_memory = "128GiB"}}'
+                )
+            unknown = set(e) - {"node", *_HOST_KEYS}
+            if unknown:
+                raise CephaloError(
+                    f"{at}: unknown key(s) {', '.join(sorted(unknown))}; allowed: node, host_memory, "
+                    "host_optimizer_s_per_param"
+                )
+            n = e.get("node")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise CephaloError(f"{at}: `node` must be an integer >= 0, got {n!r}")
+            if n not in present:
+                raise CephaloError(
+                    f"{at}: node {n} has no devices (nodes in use: {', '.join(map(str, sorted(present)))})"
+                )
+            mem, opt = _host_settings(e, at)
+            if mem is not None:
+                node_memory[n] = mem
+            if opt is not None:
+                node_optimizer[n] = opt
+        if memory is not None:
+            kwargs["host_memory_bytes"] = memory
+        if optimizer is not None:
+            kwargs["host_optimizer_s_per_param"] = optimizer
+        return cls(
+            devices,
+            **kwargs,
+            node_host_memory_bytes=node_memory,
+            node_host_optimizer_s_per_param=node_optimizer,
+        )
 
     @classmethod
     def from_file(cls, path: str | Path) -> Cluster:
@@ -273,6 +385,11 @@ class Cluster:
             intra_node_bandwidth = "24GB/s"     # optional, bytes/s or a rate string
             inter_node_bandwidth = "10GB/s"     # optional
             collective_latency_s = 5e-5         # optional
+            host_memory = "256GiB"              # optional, per node (default 256 GiB)
+            host_optimizer_s_per_param = 1.5e-9 # optional: host AdamW of one rank, s/param
+            [[nodes]]                           # optional per-node overrides of the two above
+            node = 1
+            host_memory = "128GiB"
             [[devices]]
             type = "l4"
             count = 2                           # optional, default 1
@@ -357,6 +474,33 @@ class Cluster:
         return len(self.devices)
 
 
+_HOST_KEYS = ("host_memory", "host_memory_bytes", "host_optimizer_s_per_param")
+
+
+def _host_settings(d: dict, where: str) -> tuple[int | None, float | None]:
+    """(host memory bytes, host optimizer s/param) of a cluster file's table, each None if absent."""
+    memory = None
+    if "host_memory" in d and "host_memory_bytes" in d:
+        raise CephaloError(f"{where}: give host_memory or host_memory_bytes, not both")
+    if "host_memory" in d:
+        memory = parse_bytes(d["host_memory"], f"{where}: host_memory")
+    elif "host_memory_bytes" in d:
+        mb = d["host_memory_bytes"]
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0:
+            raise CephaloError(f"{where}: host_memory_bytes must be a positive integer, got {mb!r}")
+        memory = mb
+    optimizer = None
+    if "host_optimizer_s_per_param" in d:
+        v = d["host_optimizer_s_per_param"]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise CephaloError(
+                f"{where}: host_optimizer_s_per_param must be a positive number of seconds per "
+                f"parameter (e.g. 1.5e-9), got {v!r}"
+            )
+        optimizer = float(v)
+    return memory, optimizer
+
+
 def _runs(items) -> list[tuple[Any, int]]:
     out: list[list] = []
     for it in items:
@@ -399,7 +543,9 @@ def _parse_device(token: str, option_tokens: list[str]) -> list[Device]:
         d = _make_device(dtype, options, token)
     except CephaloError as e:
         raise _spec_error(str(e)) from None
-    return [Device(d.type, d.memory_bytes, d.node, d.slowdown) for _ in range(count)]
+    return [
+        Device(d.type, d.memory_bytes, d.node, d.slowdown, d.pcie_bytes_per_s) for _ in range(count)
+    ]
 
 
 def _make_device(dtype: str, options: dict[str, Any], token: str) -> Device:
@@ -429,7 +575,17 @@ def _make_device(dtype: str, options: dict[str, Any], token: str) -> Device:
             raise CephaloError(
                 f"slowdown= only applies to emulated `cpu` devices, not {dtype!r} ({token!r})"
             )
-    return Device(type=dtype, memory_bytes=memory, node=node, slowdown=slowdown)
+    pcie = None
+    if options.get("pcie") is not None:
+        if dtype != "cpu":
+            raise CephaloError(
+                f"pcie= only applies to emulated `cpu` devices, not {dtype!r} ({token!r}): a GPU's "
+                "host link comes from its PCIe generation"
+            )
+        pcie = parse_rate(options["pcie"], f"pcie= for {token!r}:")
+    return Device(
+        type=dtype, memory_bytes=memory, node=node, slowdown=slowdown, pcie_bytes_per_s=pcie
+    )
 
 
 def _devices_from_entry(e: Any, where: str) -> list[Device]:
@@ -438,7 +594,16 @@ def _devices_from_entry(e: Any, where: str) -> list[Device]:
         raise CephaloError(
             f'{where}: expected a table/object like {{type = "l4", count = 2}}, got {e!r}'
         )
-    allowed = {"type", "count", "memory", "memory_bytes", "node", "slowdown"}
+    allowed = {
+        "type",
+        "count",
+        "memory",
+        "memory_bytes",
+        "node",
+        "slowdown",
+        "pcie",
+        "pcie_bytes_per_s",
+    }
     unknown = set(e) - allowed
     if unknown:
         raise CephaloError(
@@ -454,7 +619,11 @@ def _devices_from_entry(e: Any, where: str) -> list[Device]:
         raise CephaloError(
             f"{where}: count must be an integer >= 1 and at most {MAX_DEVICES:,}, got {count!r}"
         )
-    options: dict[str, Any] = {"node": e.get("node"), "slowdown": e.get("slowdown")}
+    options: dict[str, Any] = {
+        "node": e.get("node"),
+        "slowdown": e.get("slowdown"),
+        "pcie": e.get("pcie", e.get("pcie_bytes_per_s")),
+    }
     if "memory" in e:
         options["mem"] = e["memory"]
     device = _make_device(dtype, options, where)
@@ -464,5 +633,8 @@ def _devices_from_entry(e: Any, where: str) -> list[Device]:
             raise CephaloError(f"{where}: memory_bytes must be a positive integer, got {mb!r}")
         device.memory_bytes = mb
     return [
-        Device(device.type, device.memory_bytes, device.node, device.slowdown) for _ in range(count)
+        Device(
+            device.type, device.memory_bytes, device.node, device.slowdown, device.pcie_bytes_per_s
+        )
+        for _ in range(count)
     ]

@@ -120,6 +120,10 @@ class DeviceProfile:
     """Host copies run beside the compute (a GPU's copy engine on a side stream), so the cost
     model overlaps them with it. False on a CPU: the copies are memcpys on the compute
     thread and add to the compute time."""
+    host_optimizer_s_per_param: float | None = None
+    """Host AdamW time per host-held parameter of one rank on the host this device was measured
+    on (all ranks of that host measuring at once when they share it); None (the catalog): the
+    cluster's or the catalog's default for the host."""
 
     def to_dict(self) -> dict:
         return {
@@ -131,6 +135,7 @@ class DeviceProfile:
             "source": self.source,
             "meta": self.meta,
             "async_copies": self.async_copies,
+            "host_optimizer_s_per_param": self.host_optimizer_s_per_param,
         }
 
     @classmethod
@@ -146,6 +151,11 @@ class DeviceProfile:
             # profiles written before the field: measured on a CPU host means no async copies
             async_copies=bool(
                 d.get("async_copies", not str(d.get("meta", {}).get("host", "")).startswith("cpu:"))
+            ),
+            host_optimizer_s_per_param=(
+                None
+                if d.get("host_optimizer_s_per_param") is None
+                else float(d["host_optimizer_s_per_param"])
             ),
         )
 
