@@ -7,7 +7,7 @@ import argparse
 from cephalo.commands.plan import GIB, add_cost_model_arguments, build_cost_model
 from cephalo.errors import CephaloError
 from cephalo.planning.plan import Plan
-from cephalo.views.tables import make_console, plan_table
+from cephalo.views.tables import host_memory_lines, make_console, plan_table
 
 EPILOG = """\
 examples:
@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.global_batch_size}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}"
     )
     console.print(plan_table(plan, ev, title=f"{args.plan} ({plan.strategy})"))
+    for line in host_memory_lines(ev):
+        console.print(line)
     console.print(
         f"simulated: {ev.samples_per_s:.4g} samples/s, {ev.tokens_per_s:.4g} tokens/s, step {ev.step_s:.4g} s"
     )
@@ -75,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
             f"step {plan.predicted.step_s:.3f} s: different profiles or cluster)"
         )
     bad = [c for c in ev.ranks if not c.fits]
+    host_short = ev.host_shortfall_message()
+    if host_short:
+        console.print(f"[red]host memory too small:[/red] {host_short}")
     if bad:
         console.print(
             "[red]does not fit:[/red] "
@@ -85,4 +90,4 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 1
-    return 0
+    return 1 if host_short else 0

@@ -109,6 +109,38 @@ MEMORY_CATEGORIES = (
 )
 
 
+def host_bytes(model: ModelSpec, seq_len: int, dtype: str, b, offload, host_part) -> np.ndarray:
+    """Host memory of a rank taking b samples, with boundaries offloaded or not, and the part
+    `host_part` x (= h * s) of the model's state on the host; broadcasts (see the module
+    docstring)."""
+    d = DTYPE_BYTES[dtype]
+    per_param = HOST_STATE_BYTES_PER_PARAM + (0 if dtype == "fp32" else d)
+    b = np.asarray(b, dtype=np.int64)
+    held = np.where(
+        np.asarray(offload, dtype=bool),
+        (model.num_layers + 1) * b * seq_len * model.hidden_size * d,
+        0,
+    )
+    return np.asarray(host_part) * model.total_params * per_param + held
+
+
+def check_host_memory(
+    plan: Plan, model: ModelSpec, node_of: list[int], memory_bytes: dict[int, int]
+) -> None:
+    """Raise `CephaloError` naming every node whose host memory is too small for what the
+    plan's ranks put there (host state and offloaded activations)."""
+    by_node: dict[int, tuple[int | None, list[tuple[int, int]]]] = {}
+    for r, node in zip(plan.ranks, node_of, strict=True):
+        x = r.state_fraction * r.host_state_fraction
+        nbytes = host_bytes(model, plan.seq_len, plan.dtype, r.batch_size, r.offload_activations, x)
+        by_node.setdefault(node, (memory_bytes[node], []))[1].append(
+            (r.rank, int(math.ceil(float(nbytes))))
+        )
+    message = host_shortfall_message(by_node)
+    if message:
+        raise CephaloError(message)
+
+
 class DeviceLike(Protocol):
     """What the cost model reads of a device (`cephalo.specs.cluster.Device` satisfies it)."""
 
@@ -241,26 +273,36 @@ class PlanEvaluation:
 
     def host_shortfall_message(self) -> str | None:
         """One line per node whose host memory is too small for the plan, or None."""
-        lines = []
-        for node, (used, cap, ranks) in self.host_by_node().items():
-            if cap is None or used <= cap:
-                continue
-            parts = ", ".join(
-                f"rank {r.rank} {_gib(r.host_bytes)}"
-                for r in self.ranks
-                if r.node == node and r.host_bytes
-            )
-            lines.append(
-                f"node {node} has {_gib(cap)} of host memory but its ranks put {_gib(used)} there "
-                f"({parts}; short {_gib(used - cap)})"
-            )
-        if not lines:
-            return None
-        return (
-            "; ".join(lines)
-            + ": lower host_state_fraction (or offload fewer activations) on those ranks, give the "
-            "node more host memory (`host_memory` in the cluster file), or plan again (`cephalo plan`)"
+        return host_shortfall_message(
+            {
+                node: (cap, [(r.rank, r.host_bytes) for r in self.ranks if r.node == node])
+                for node, (_, cap, _ranks) in self.host_by_node().items()
+            }
         )
+
+
+def host_shortfall_message(
+    by_node: dict[int, tuple[int | None, list[tuple[int, int]]]],
+) -> str | None:
+    """The per-node message for nodes whose host memory (cap) is smaller than what their ranks
+    (rank, bytes) put there, or None when every node holds it."""
+    lines = []
+    for node, (cap, ranks) in by_node.items():
+        total = sum(n for _, n in ranks)
+        if cap is None or total <= cap:
+            continue
+        parts = ", ".join(f"rank {r} {_gib(n)}" for r, n in ranks if n)
+        lines.append(
+            f"node {node} has {_gib(cap)} of host memory but the plan puts {_gib(total)} there "
+            f"({parts}; short {_gib(total - cap)})"
+        )
+    if not lines:
+        return None
+    return (
+        "; ".join(lines)
+        + ": lower host_state_fraction (or offload fewer activations) on those ranks, give the "
+        "node more host memory (`host_memory` in the cluster file), or plan again (`cephalo plan`)"
+    )
 
 
 def _gib(n: float) -> str:
@@ -383,6 +425,10 @@ class CostModel:
         # read back, per pass (see the module docstring).
         self.sync_copies_fwd = {"embedding": 0, "block": 1, "head": 1}
         self.sync_copies_bwd = {"embedding": 1, "block": 2, "head": 1}
+        # The boundary writes to the host, per pass: every unit's output but the head's in
+        # forward, every unit's input gradient but the embedding's in backward.
+        self.writes_fwd = {"embedding": 1, "block": 1, "head": 0}
+        self.writes_bwd = {"embedding": 0, "block": 1, "head": 1}
 
         n = len(self.devices)
         ring = (n - 1) / n if n > 1 else 0.0
@@ -488,6 +534,9 @@ class CostModel:
             else:
                 cf = copy_one * self.sync_copies_fwd[kind]
                 cb = copy_one * self.sync_copies_bwd[kind]
+                if not profile.boundary_writes_in_compute:  # an emulated link: copies of their own
+                    cf = cf + copy_one * self.writes_fwd[kind]
+                    cb = cb + copy_one * self.writes_bwd[kind]
                 backward = np.where(
                     overlap,
                     np.maximum(np.maximum(bwd + cb, gather), scatter),
@@ -631,13 +680,7 @@ class CostModel:
     def host_bytes(self, b, offload, host_part) -> np.ndarray:
         """Host memory of a rank: `host_part` x of the model held there, and the boundary
         activations of b samples when offloaded (all of them after the forward)."""
-        b = np.asarray(b, dtype=np.int64)
-        held = np.where(
-            np.asarray(offload, dtype=bool),
-            (self.model.num_layers + 1) * b * self.sample_boundary_bytes,
-            0,
-        )
-        return np.asarray(host_part) * self.total_params * self.host_bytes_per_param + held
+        return host_bytes(self.model, self.seq_len, self.dtype, b, offload, host_part)
 
     def fraction_bytes(self, fraction) -> np.ndarray:
         """All bytes that grow with the state fraction (state + reduce-scatter output): what

@@ -26,7 +26,9 @@ def make_console() -> Console:
 
 def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "GiB") -> Table:
     """One row per rank; the slowest rank's step time in bold, ranks over their memory in red.
-    `memory_unit` "MiB" suits emulated budgets far below a GiB."""
+    `memory_unit` "MiB" suits emulated budgets far below a GiB. `on host`: the part of the
+    rank's state shard in host memory (`host_state_fraction`); `rs`: `ovl` where the rank
+    overlaps its reduce-scatters, `wait` where it waits for each (a unit gradient less)."""
     unit = {"GiB": GIB, "MiB": 2**20}[memory_unit]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in (
@@ -35,13 +37,16 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
         "batch",
         "micro x n",
         "state",
+        "on host",
         "act",
+        "rs",
         "step s",
         "busy s",
         f"{memory_unit} used/cap",
         "fits",
     ):
-        table.add_column(col, justify="left" if col in ("device", "act") else "right", no_wrap=True)
+        left = col in ("device", "act", "rs")
+        table.add_column(col, justify="left" if left else "right", no_wrap=True)
     for r, c in zip(plan.ranks, ev.ranks, strict=True):
         slowest = abs(c.step_s - ev.step_s) <= 1e-12 * max(ev.step_s, 1.0)
         table.add_row(
@@ -50,13 +55,31 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
             str(r.batch_size),
             f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "-",
             f"{r.state_fraction:.3f}",
+            f"{r.host_state_fraction:.2f}" if r.host_state_fraction and r.state_fraction else "-",
             "host" if r.offload_activations else "dev",
+            "ovl" if r.overlap_reduce else "wait",
             f"[bold]{c.step_s:.3f}[/bold]" if slowest else f"{c.step_s:.3f}",
             f"{c.busy_s:.3f}",
             f"{c.peak_bytes / unit:.1f}/{c.capacity_bytes / unit:.1f}",
             "yes" if c.fits else f"[red]NO -{c.shortfall_bytes / unit:.2f}[/red]",
         )
     return table
+
+
+def host_memory_lines(ev: PlanEvaluation, memory_unit: str = "GiB") -> list[str]:
+    """One line per node: host memory its ranks use (host state, offloaded activations) of what
+    it has; empty where the cost model knows no hosts."""
+    unit = {"GiB": GIB, "MiB": 2**20}[memory_unit]
+    lines = []
+    for node, (used, cap, ranks) in sorted(ev.host_by_node().items()):
+        if cap is None:
+            continue
+        flag = "" if used <= cap else "  [red]TOO SMALL[/red]"
+        lines.append(
+            f"host memory of node {node} (ranks {', '.join(map(str, ranks))}): "
+            f"{used / unit:.1f} of {cap / unit:.1f} {memory_unit} used{flag}"
+        )
+    return lines
 
 
 def strategy_line(name: str, plan: Plan | PlanDoesNotFit, even: Plan | PlanDoesNotFit) -> str:
