@@ -107,6 +107,9 @@ def test_ledger_moves_exactly_the_host_part(dtype):
     assert now["host/state"] == (16 + (0 if dtype == "fp32" else d)) * hosted
     assert ref_stats[-1].peak_bytes - stats[-1].peak_bytes == (16 - d) * hosted
     assert stats[-1].host_peak_bytes == now["host/state"]
+    # the cost model's x * P * (16 - d), to the rounding of h x each unit's shard
+    P, units = build_model(MODEL).spec.total_params, len(engine.shards)
+    assert abs((16 - d) * hosted - (16 - d) * 0.5 * P) <= (16 - d) * units / 2
 
 
 def test_default_kernel_is_fused_where_the_build_has_it():
@@ -257,3 +260,136 @@ def test_checkpoints_load_across_host_fractions_and_resume_bitwise(pool3, tmp_pa
             assert abs(run["losses"][s] - whole["losses"][s]) <= TOL * whole["losses"][s], s
         diff, worst, noise = _param_diff(run["params"], whole["params"])
         assert diff <= TOL and noise <= 1e-7, worst
+
+
+@pytest.mark.slow
+def test_trainer_kill_and_resume_with_host_state_is_bitwise(tmp_path: Path):
+    """`cephalo run` on a plan with host fractions 0, 0.5, 1: rank 1 SIGKILLed before step
+    12, resumed from step 10: step 11 again bit for bit, every step once."""
+    import os
+    import subprocess
+    import sys
+
+    from cephalo import envvars
+    from cephalo.train.metrics import read_metrics
+    from run_common import STEPS, tiny_job_args
+
+    plan = manual_plan("gpt-tiny", 16, [3, 2, 1], [2, 1, 1], FRACTIONS)
+    for r, h in zip(plan.ranks, HOST, strict=True):
+        r.host_state_fraction = h
+    plan_path = tmp_path / "plan.json"
+    plan.to_json(plan_path)
+    run = tmp_path / "run"
+    args = tiny_job_args(run, f"--parallel.plan={plan_path}", timeout_s=30, keep_last=5)
+
+    def cephalo_run(env=None):
+        return subprocess.run(
+            [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu,cpu", *args],
+            env={**os.environ, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    killed = cephalo_run({envvars.KILL_AT_STEP: "12"})
+    assert killed.returncode == 2, killed.stderr[-3000:]
+    before = {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl")}
+    assert sorted(before) == list(range(1, 12))
+    resumed = cephalo_run()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in after] == list(range(1, STEPS + 1))
+    assert {r["step"]: r["loss"] for r in after}[11] == before[11]
+
+
+@pytest.mark.slow
+def test_trainer_refuses_a_plan_too_big_for_the_host(tmp_path: Path):
+    from cephalo.train.config import load_config
+    from cephalo.train.trainer import train
+    from run_common import tiny_job_args
+
+    plan = manual_plan("gpt-tiny", 16, [6], [3], [1.0])
+    plan.ranks[0].host_state_fraction = 1.0
+    plan_path = tmp_path / "plan.json"
+    plan.to_json(plan_path)
+    cfg = load_config(
+        None,
+        tiny_job_args(
+            tmp_path / "run",
+            f"--parallel.plan={plan_path}",
+            "--train.steps=5",
+            "--parallel.host_memory=256KiB",
+        ),
+    )
+    with pytest.raises(CephaloError, match=r"node 0 has 0.2 MiB of host memory .*rank 0"):
+        train(cfg)
+    with pytest.raises(CephaloError, match="parallel.host_memory"):
+        load_config(None, ["--parallel.host_memory=lots"])
+
+
+# per rank: batch, micro-batch, offload, state fraction, host fraction, overlap
+MEMORY_PLANS = {
+    "host": [
+        (8, 8, False, 0.2, 0.0, True),
+        (4, 2, False, 0.5, 0.5, True),
+        (2, 2, False, 0.3, 1.0, True),
+    ],
+    "host+offload+wait": [
+        (8, 4, True, 0.3, 0.7, False),
+        (4, 4, False, 0.4, 0.0, False),
+        (2, 1, True, 0.3, 1.0, True),
+    ],
+}
+
+
+def _memory_plan(spec) -> Plan:
+    b, m, o, s, h, ov = zip(*spec, strict=True)
+    plan = manual_plan("gpt-tiny", 32, b, m, s, offload=list(o))
+    for r, hh, oo in zip(plan.ranks, h, ov, strict=True):
+        r.host_state_fraction, r.overlap_reduce = hh, oo
+    return plan
+
+
+def _ledger_run(spec):
+    torch.set_num_threads(1)
+    comm = make_comm("auto")
+    plan = _memory_plan(spec)
+    engine = Engine(build_model("gpt-tiny"), plan, comm, EngineConfig(seed=0))
+    x = torch.randint(
+        0, 256, (plan.global_batch_size, 32), generator=torch.Generator().manual_seed(0)
+    )
+    mine = rank_slice(plan, comm.rank, x)
+    for _ in range(2):
+        stats = engine.train_step(mine, torch.roll(mine, -1, dims=1), 1e-4)
+    return stats.peak_bytes, stats.host_peak_bytes
+
+
+@pytest.fixture(scope="module")
+def measured_cm(one_thread):
+    from cephalo.planning.sources import measured_cost_model
+    from cephalo.profiling.profiler import profile_devices
+    from cephalo.profiling.settings import ProfileSettings
+
+    settings = ProfileSettings(repeats=1, warmup=0, max_micro_batch=8)
+    measured = profile_devices(
+        MODEL, 32, "fp32", Cluster.parse("cpu"), settings=settings, use_cache=False
+    )
+    spec = build_model(MODEL).spec
+    return measured_cost_model(Cluster.parse("cpu,cpu,cpu"), spec, 32, "fp32", measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MEMORY_PLANS))
+def test_ledger_matches_the_cost_model_with_host_state(pool3, measured_cm, name):
+    spec = MEMORY_PLANS[name]
+    results = pool3.run(_ledger_run, spec)
+    evaluation = measured_cm.evaluate(_memory_plan(spec))
+    for rank, (peak, host_peak) in enumerate(results):
+        cost = evaluation.ranks[rank]
+        predicted = cost.memory.total - cost.memory.reserve
+        print(
+            f"{name} rank {rank}: device {peak} / {predicted}, host {host_peak} / {cost.host_bytes}"
+        )
+        bound = spec[rank][3] * measured_cm.reduce_out_bytes_per_fraction
+        assert 0 <= predicted - peak <= bound + 64, (rank, peak, predicted)
+        assert abs(host_peak - cost.host_bytes) <= 0.05 * max(cost.host_bytes, 1) + 64, rank

@@ -44,7 +44,7 @@ from cephalo.runtime.comm import Comm
 from cephalo.runtime.dist import init_distributed
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
-from cephalo.specs.cluster import Cluster, Device
+from cephalo.specs.cluster import Cluster, Device, parse_bytes
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig, config_to_toml
 from cephalo.train.data import GlobalBatches, resolve_dataset
@@ -88,7 +88,15 @@ class TrainResult:
 # ----------------------------------------------------------------------------- cluster and plan
 def job_cluster(cfg: JobConfig, world_size: int) -> Cluster:
     """The devices of this job, in rank order: `parallel.devices` (emulated CPU devices) if
-    set, else one plain device per rank (the CPU, or this node's GPU type)."""
+    set, else one plain device per rank (the CPU, or this node's GPU type); every node's host
+    memory `parallel.host_memory` if set."""
+    cluster = _job_devices(cfg, world_size)
+    if cfg.parallel.host_memory is not None:
+        cluster.host_memory_bytes = parse_bytes(cfg.parallel.host_memory, "parallel.host_memory")
+    return cluster
+
+
+def _job_devices(cfg: JobConfig, world_size: int) -> Cluster:
     if cfg.parallel.devices:
         cluster = Cluster.parse(cfg.parallel.devices)
         if cluster.world_size != world_size:
