@@ -66,8 +66,6 @@ def _best_fractions(cm: CostModel, plan) -> float:
     c = np.zeros(2 * n + 1)
     c[-1] = 1.0
     rows, rhs = [], []
-    host_rows: dict[int, np.ndarray] = {}
-    host_left: dict[int, float] = {}
     for i, r in enumerate(plan.ranks):
         key = cm.devices[i].type_key
         t, _, _ = cm.step_time_parts(
@@ -93,12 +91,7 @@ def _best_fractions(cm: CostModel, plan) -> float:
         row[i], row[n + i] = A, Bd
         rows.append(row)
         rhs.append(cm.capacity_bytes(i) - mem - 1)
-        node = cm.host.node_of[i]
-        host_rows.setdefault(node, np.zeros(2 * n + 1))[n + i] = P * hb
-        host_left[node] = host_left.get(node, cm.host.memory_bytes[node]) - float(
-            cm.host_bytes(r.batch_size, r.offload_activations, 0.0)
-        )
-    for node, row in host_rows.items():
+    for node in cm.host.memory_bytes:
         # the planner gives each rank an equal share of its node's host memory
         share = cm.host.memory_bytes[node] / len(cm.host.ranks_on(node))
         for i in cm.host.ranks_on(node):
