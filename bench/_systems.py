@@ -81,6 +81,8 @@ class OursTrainer:
         memory_budget_bytes: int | None = None,
         comm_impl: str = "auto",
         prefetch: bool = True,
+        host_copy_bytes_per_s: float | None = None,
+        overlap_reduce: bool = True,
     ):
         from cephalo.runtime.comm import make_comm
         from cephalo.runtime.engine import Engine, EngineConfig
@@ -100,6 +102,8 @@ class OursTrainer:
             validate_collectives=False,
             per_sample_dropout=False,
             prefetch=prefetch,
+            host_copy_bytes_per_s=host_copy_bytes_per_s,
+            overlap_reduce=overlap_reduce,
         )
         self.engine = Engine(model, plan, self.comm, cfg)
         self.plan = plan
@@ -113,9 +117,14 @@ class OursTrainer:
         return self.engine.train_step(x[rows], y[rows], LR)
 
     def persistent_tensors(self) -> list[torch.Tensor]:
-        return [
-            t for us in self.engine.shards for t in (us.master, us.grad, us.exp_avg, us.exp_avg_sq)
-        ]
+        """The engine's state on the device (the host-held part is host memory, not counted)."""
+        out = []
+        for us in self.engine.shards:
+            params = us.param_buf if us.param_buf is not None else us.master
+            out += [params, us.grad, us.exp_avg, us.exp_avg_sq]
+            if us.param_buf is None and us.host is not None:
+                out.append(us.host_copy)
+        return out
 
 
 # ====================================================================== FSDP2

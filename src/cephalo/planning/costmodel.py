@@ -584,21 +584,46 @@ class CostModel:
         return device + host_opt + upload, host_opt + upload
 
     def memory_parts(
-        self, type_key: str, capacity_bytes: int, b, m, offload, overlap_reduce=True
+        self,
+        type_key: str,
+        capacity_bytes: int,
+        b,
+        m,
+        offload,
+        overlap_reduce=True,
+        state_fraction=None,
+        host_part=0.0,
     ) -> dict[str, np.ndarray]:
         """Device memory by category at the predicted peak of a step, without what grows
         with the state fraction (`state` and the reduce-scatter output in `grad_accum`);
-        broadcasts over b, m, offload, overlap_reduce. See `_phases` for the moments compared."""
+        broadcasts over b, m, offload, overlap_reduce. See `_phases` for the moments compared.
+
+        With `state_fraction` (and `host_part`) the `state` category is included and takes part
+        in finding the peak: on a rank without reduce overlap it changes during the step (its
+        gradient shards exist from their reduce-scatter to the optimizer step). Without, the
+        state counts as constant, all gradients included: an upper bound for those ranks."""
         b = np.asarray(b, dtype=np.int64)
         m = np.maximum(np.asarray(m, dtype=np.int64), 1)
         offload = np.asarray(offload, dtype=bool)
         overlap = np.asarray(overlap_reduce, dtype=bool)
         shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape)
         phases = self._phases(type_key, b, m, offload, overlap)
-        totals = np.stack([sum(np.broadcast_to(v, shape) for v in ph.values()) for ph in phases])
+        grads = self._phase_grads()
+        if state_fraction is not None:
+            s, x = np.asarray(state_fraction), np.asarray(host_part)
+            full = self.state_bytes(s, x)
+            for ph, alive in zip(phases, grads, strict=True):
+                missing = (s - x) * GRAD_BYTES * (self.total_params - alive)
+                ph["state"] = np.where(overlap, full, full - missing)
+        totals = np.stack(
+            [sum((np.broadcast_to(v, shape) for v in ph.values()), np.zeros(shape)) for ph in phases]
+        )
         peak = np.argmax(totals, axis=0)  # the first of equal phases
         out = {}
-        for c in ("gathered", "grad_accum", "activations", "boundary", "logits"):
+        categories = ("gathered", "grad_accum", "activations", "boundary", "logits")
+        if state_fraction is not None:
+            categories = ("state", *categories)
+        for c in categories:
             stacked = np.stack([np.broadcast_to(ph.get(c, 0.0), shape) for ph in phases])
             out[c] = np.take_along_axis(stacked, peak[None], axis=0)[0].astype(np.float64)
         out["reserve"] = np.zeros(shape) + self.reserve_for(capacity_bytes)
@@ -606,7 +631,9 @@ class CostModel:
 
     def _phases(self, type_key: str, b, m, offload, overlap=True) -> list[dict[str, np.ndarray]]:
         """Device bytes by category at the moments of a step where the peak can fall (the
-        ledger's view, runtime/engine.py). Units in order: embedding, L blocks, head.
+        ledger's view, runtime/engine.py); `_phase_grads` says, per moment, whose gradient
+        shards a rank without reduce overlap holds then. Units in order: embedding, L blocks,
+        head.
 
         - backward of a unit: its gathered parameters and the next one's (prefetched), its
           fp32 gradient and the previous unit's (whose reduce-scatter is in flight; not with
@@ -618,6 +645,12 @@ class CostModel:
           head, the last block, the block before it (two block gradients) and the embedding;
           the other blocks hold fewer boundaries than the block before the last.
         - end of the forward: the last block and the head gathered, every boundary stored.
+        - without reduce overlap, a rank's gradient shards exist from their reduce-scatter to
+          the optimizer step: in a unit's backward, those of the units after it (and the tied
+          embedding's once the head has reduced its borrowed slice); none at the end of the
+          forward; all in the optimizer step, a moment with nothing else on the device. The
+          state then grows through the backward while the boundaries shrink: the first
+          block's backward is a candidate too.
         """
         L = self.model.num_layers
         kinds = ["embedding"] + ["block"] * L + ["head"]
@@ -650,16 +683,39 @@ class CostModel:
                 phase["boundary"] = held(u + 1, 1 if kind == "embedding" else 2)
             return phase
 
-        last_block = L  # index of the last block (L >= 1)
-        candidates = {len(kinds) - 1, last_block, max(last_block - 1, 1), 0}
-        phases = [backward(u) for u in sorted(candidates, reverse=True)]
+        phases = [backward(u) for u in self._backward_candidates()]
         phases.append(
             {
                 "gathered": (params[-1] + params[-2]) * d,
                 "boundary": held(L + 1, 1),
             }
         )
+        phases.append({})  # the optimizer step: the state alone
         return phases
+
+    def _backward_candidates(self) -> list[int]:
+        """Units whose backward `_phases` checks, in its order: the head, the last block, the
+        block before it, the first block, the embedding."""
+        L = self.model.num_layers
+        return sorted({L + 1, L, max(L - 1, 1), 1, 0}, reverse=True)
+
+    def _phase_grads(self) -> list[int]:
+        """Per moment of `_phases`: the parameters whose gradient shards a rank without reduce
+        overlap holds (those reduced so far; all of them at the optimizer step)."""
+        L = self.model.num_layers
+        own = (
+            [self.model.embedding_params]
+            + [self.model.params_per_block] * L
+            + [self.model.head_params]
+        )
+
+        def after(u: int) -> int:
+            alive = sum(own[u + 1 :])
+            if self.model.tied_embeddings and 0 < u < L + 1:
+                alive += own[0]  # the head reduced into the embedding's gradient
+            return alive
+
+        return [after(u) for u in self._backward_candidates()] + [0, self.total_params]
 
     def memory_without_state(
         self, type_key: str, capacity_bytes: int, b, m, offload, overlap_reduce=True
@@ -718,14 +774,13 @@ class CostModel:
             key, batch_size, micro_batch_size, offload, overlap_reduce, x
         )
         opt, host_s = self.optimizer_phase_s(rank, state_fraction, x)
-        parts = self.memory_parts(key, cap, batch_size, micro_batch_size, offload, overlap_reduce)
+        parts = self.memory_parts(
+            key, cap, batch_size, micro_batch_size, offload, overlap_reduce, state_fraction, x
+        )
         parts["grad_accum"] = (
             parts["grad_accum"] + state_fraction * self.reduce_out_bytes_per_fraction
         )
-        mem = MemoryBreakdown(
-            state=int(math.ceil(float(self.state_bytes(state_fraction, x)))),
-            **{k: int(math.ceil(float(v))) for k, v in parts.items()},
-        )
+        mem = MemoryBreakdown(**{k: int(math.ceil(float(v))) for k, v in parts.items()})
         grad_down = (
             x * self.grad_copy_params * GRAD_BYTES / self.profiles[key].host_copy_bytes_per_s
         )

@@ -15,6 +15,13 @@ the host runs AdamW on it after the global norm (runtime/host_state.py), and eac
 updated copy goes back up. Checkpoints see the two parts as two pieces of the same logical
 tensors (`sharded_state`), so a checkpoint loads whatever the host fraction of either run.
 
+Memory-tight ranks. A rank whose plan says `overlap_reduce` false (the planner's choice for a
+rank short of memory) waits for each reduce-scatter at once, so only one unit gradient is
+alive, and keeps its gradient shards only from the reduce-scatter that fills each one to the
+optimizer step (allocated there, freed after it): during the backward it holds the gradients
+of the units already reduced, not all of them. (`EngineConfig.overlap_reduce` false only
+serialises the reduce-scatters.)
+
 LGA step (mode "lga"), per rank, over its micro-batches (plan `micro_batch_size`):
   forward:  for each unit: all-gather it (the next unit's gather prefetched), run EVERY
             micro-batch through it without a graph, keep each micro-batch's unit input
@@ -311,6 +318,9 @@ class Engine:
         )
         self.overlap_reduce = config.overlap_reduce and self.rank_plan.overlap_reduce
         """Whether this rank waits for each reduce-scatter only after the next unit's backward."""
+        self.lean_grads = not self.rank_plan.overlap_reduce
+        """Gradient shards exist only from their reduce-scatter to the optimizer step: on a
+        rank the plan marks short of memory (its `overlap_reduce` false)."""
         self.host_fraction = self.rank_plan.host_state_fraction
         """The part of this rank's shard kept on the host (the plan's `host_state_fraction`)."""
         self.ledger = ledger or MemoryLedger(
@@ -438,7 +448,8 @@ class Engine:
             us.master = self._alloc_state(d).copy_(values[:d])
             us.host_copy = self.ledger.alloc("state", us.host_n, self.dtype, device=self.device)
             us.host_copy.copy_(values[d:])
-        us.grad = self._alloc_state(d).zero_()
+        # a lean rank's gradient shards are allocated by their first reduce-scatter
+        us.grad = us.master[0:0] if self.lean_grads else self._alloc_state(d).zero_()
         us.exp_avg = self._alloc_state(d).zero_()
         us.exp_avg_sq = self._alloc_state(d).zero_()
         if us.host_n == 0:
@@ -565,7 +576,7 @@ class Engine:
         self._wait(r.handle)
         us, d = r.unit, r.unit.dev_n
         if min(r.hi, d) > r.lo:
-            us.grad[r.lo : min(r.hi, d)].add_(r.part[: min(r.hi, d) - r.lo])
+            self._device_grad(us)[r.lo : min(r.hi, d)].add_(r.part[: min(r.hi, d) - r.lo])
         if r.hi > max(r.lo, d):
             # the host part goes down to the host gradient (CUDA: on the side stream, while
             # the next unit's backward runs)
@@ -577,6 +588,8 @@ class Engine:
             us.host_grad_written = True
         self.ledger.free(r.part)
         self.ledger.free(r.full)
+        # and let the buffers die now (a name still holding this record would keep them)
+        r.part = r.full = None  # type: ignore[assignment]
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
@@ -721,6 +734,9 @@ class Engine:
             for b, t_acc in zip(us.borrows, tied_acc, strict=True):
                 lo, hi = b.local
                 reducing.append(self._start_reduce(b.owner, lo, hi, t_acc, b.sizes))
+            # the reduce-scatters hold the buffers now: no name here may keep them alive into
+            # the next unit's backward once `_finish_reduce` has freed them in the ledger
+            acc = tied_acc = t_acc = None
             if not self.overlap_reduce:
                 for r in reducing:
                     self._finish_reduce(r)
@@ -860,6 +876,8 @@ class Engine:
     ) -> tuple[bool, float]:
         opt, host_opt = self.optimizer, self.host_optimizer
         self.link.sync()  # every host gradient piece has arrived
+        for us in self.shards:  # (lean: a unit no reduce-scatter reached has a zero gradient)
+            self._device_grad(us)
         with self._optimizer_work():
             if loss_scale != 1.0:
                 opt.scale_grads(1.0 / loss_scale)
@@ -885,7 +903,7 @@ class Engine:
                     "fp16: non-finite gradient, step skipped; loss scale now %g", self.scaler.scale
                 )
             with self._optimizer_work():
-                opt.zero_grad()
+                self._zero_device_grads()
             self._host_zero_grad()
             return True, grad_norm
         coef = 1.0
@@ -895,7 +913,7 @@ class Engine:
             if coef < 1.0:
                 opt.scale_grads(coef)
             opt.step(lr)
-            opt.zero_grad()
+            self._zero_device_grads()
         if host_opt is not None:
             # not under the emulated slowdown: the host is not the emulated device. On CUDA
             # the device's optimizer kernels run meanwhile; each unit's upload starts as soon
@@ -910,6 +928,24 @@ class Engine:
             self.link.wait_uploads()
             self._host_s += time.perf_counter() - t0
         return False, grad_norm
+
+    def _device_grad(self, us: _UnitShard) -> torch.Tensor:
+        """The device part's gradient shard (a lean rank allocates it on first use)."""
+        if us.grad.numel() != us.dev_n:
+            us.grad = self._alloc_state(us.dev_n).zero_()
+            self.optimizer.groups[us.index].grad = us.grad
+        return us.grad
+
+    def _zero_device_grads(self) -> None:
+        """After the optimizer step: zero the gradient shards, or (lean) free them."""
+        if not self.lean_grads:
+            self.optimizer.zero_grad()
+            return
+        for us in self.shards:
+            if us.grad.numel():
+                self.ledger.free(us.grad)
+            us.grad = us.master[0:0]
+            self.optimizer.groups[us.index].grad = us.grad
 
     def _host_zero_grad(self) -> None:
         if self.host_optimizer is not None:
