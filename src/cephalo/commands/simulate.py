@@ -19,8 +19,10 @@ examples:
 The plan's model, seq_len and dtype are used unless --model / --seq-len / --dtype override
 them. A hand-written plan needs, per rank: rank, device (the cluster's type, e.g. l4),
 batch_size, micro_batch_size, num_micro_batches, state_fraction (and optionally
-offload_activations); see docs/plan-format.md. Ranks that exceed their memory are flagged
-and the exit status is then 1.
+offload_activations, host_state_fraction, overlap_reduce); see docs/plan-format.md. Ranks that
+exceed their memory, and nodes whose host memory (`host_memory` in a cluster file, default
+256 GiB) is too small for the state the plan keeps there, are flagged and the exit status is
+then 1.
 """
 
 
