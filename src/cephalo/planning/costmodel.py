@@ -511,6 +511,7 @@ class CostModel:
         offload = np.asarray(offload, dtype=bool)
         overlap = np.asarray(overlap_reduce, dtype=bool)
         x = np.asarray(host_part, dtype=np.float64)
+        hosted = bool(np.any(x))
         profile = self.profiles[type_key]
         bw = profile.host_copy_bytes_per_s
         copy_one = np.where(offload, b * self.sample_boundary_bytes / bw, 0.0)
@@ -521,7 +522,7 @@ class CostModel:
         for kind, (fwd, bwd) in self._pass_times(type_key, b, m).items():
             count = self.unit_counts[kind]
             gather, scatter = self.gather_s[kind], self.scatter_s[kind]
-            grad_down = x * self.gathered_params[kind] * GRAD_BYTES / bw
+            grad_down = x * self.gathered_params[kind] * GRAD_BYTES / bw if hosted else 0.0
             if profile.async_copies:
                 cf = copy_one * self.copies_fwd[kind]
                 cb = copy_one * self.copies_bwd[kind]
@@ -550,7 +551,7 @@ class CostModel:
         # a GPU, the copy of its gradient to the host, last of the backward, have no compute left
         # to hide under
         tail = np.where(overlap, self.scatter_s["embedding"], 0.0)
-        if profile.async_copies:
+        if profile.async_copies and hosted:
             tail = tail + x * self.gathered_params["embedding"] * GRAD_BYTES / bw
         return total + tail, compute, copies
 
@@ -608,7 +609,7 @@ class CostModel:
         overlap = np.asarray(overlap_reduce, dtype=bool)
         shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape)
         phases = self._phases(type_key, b, m, offload, overlap)
-        grads = self._phase_grads()
+        grads = self._phase_grads(not bool(np.all(overlap)))
         if state_fraction is not None:
             s, x = np.asarray(state_fraction), np.asarray(host_part)
             full = self.state_bytes(s, x)
@@ -616,7 +617,10 @@ class CostModel:
                 missing = (s - x) * GRAD_BYTES * (self.total_params - alive)
                 ph["state"] = np.where(overlap, full, full - missing)
         totals = np.stack(
-            [sum((np.broadcast_to(v, shape) for v in ph.values()), np.zeros(shape)) for ph in phases]
+            [
+                sum((np.broadcast_to(v, shape) for v in ph.values()), np.zeros(shape))
+                for ph in phases
+            ]
         )
         peak = np.argmax(totals, axis=0)  # the first of equal phases
         out = {}
@@ -683,25 +687,30 @@ class CostModel:
                 phase["boundary"] = held(u + 1, 1 if kind == "embedding" else 2)
             return phase
 
-        phases = [backward(u) for u in self._backward_candidates()]
+        lean = not bool(np.all(overlap))
+        phases = [backward(u) for u in self._backward_candidates(lean)]
         phases.append(
             {
                 "gathered": (params[-1] + params[-2]) * d,
                 "boundary": held(L + 1, 1),
             }
         )
-        phases.append({})  # the optimizer step: the state alone
+        if lean:
+            phases.append({})  # the optimizer step: the state alone
         return phases
 
-    def _backward_candidates(self) -> list[int]:
+    def _backward_candidates(self, lean: bool = True) -> list[int]:
         """Units whose backward `_phases` checks, in its order: the head, the last block, the
-        block before it, the first block, the embedding."""
+        block before it, (`lean`: for ranks without reduce overlap, the first block,) the
+        embedding."""
         L = self.model.num_layers
-        return sorted({L + 1, L, max(L - 1, 1), 1, 0}, reverse=True)
+        units = {L + 1, L, max(L - 1, 1), 0} | ({1} if lean else set())
+        return sorted(units, reverse=True)
 
-    def _phase_grads(self) -> list[int]:
-        """Per moment of `_phases`: the parameters whose gradient shards a rank without reduce
-        overlap holds (those reduced so far; all of them at the optimizer step)."""
+    def _phase_grads(self, lean: bool = True) -> list[int]:
+        """Per moment of `_phases` (with `lean` as there): the parameters whose gradient
+        shards a rank without reduce overlap holds (those reduced so far; all of them at the
+        optimizer step)."""
         L = self.model.num_layers
         own = (
             [self.model.embedding_params]
@@ -715,14 +724,26 @@ class CostModel:
                 alive += own[0]  # the head reduced into the embedding's gradient
             return alive
 
-        return [after(u) for u in self._backward_candidates()] + [0, self.total_params]
+        grads = [after(u) for u in self._backward_candidates(lean)] + [0]
+        return grads + [self.total_params] if lean else grads
 
     def memory_without_state(
         self, type_key: str, capacity_bytes: int, b, m, offload, overlap_reduce=True
     ) -> np.ndarray:
-        # whole bytes per category, exactly as `rank_cost` reports them
-        parts = self.memory_parts(type_key, capacity_bytes, b, m, offload, overlap_reduce)
-        return sum(np.ceil(v) for v in parts.values())
+        """`memory_parts`' total: whole bytes per category, exactly as `rank_cost` reports
+        them (the planner's tables: one stack of the phases' totals, not one per category)."""
+        b = np.asarray(b, dtype=np.int64)
+        m = np.maximum(np.asarray(m, dtype=np.int64), 1)
+        offload = np.asarray(offload, dtype=bool)
+        overlap = np.asarray(overlap_reduce, dtype=bool)
+        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape)
+        phases = self._phases(type_key, b, m, offload, overlap)
+        zero = np.zeros(shape)
+        raw = np.stack([sum((v for v in ph.values()), zero) for ph in phases])
+        whole = np.stack([sum((np.ceil(v) for v in ph.values()), zero) for ph in phases])
+        peak = np.argmax(raw, axis=0)  # the first of equal phases, as in `memory_parts`
+        total = np.take_along_axis(whole, peak[None], axis=0)[0]
+        return total + math.ceil(self.reserve_for(capacity_bytes))
 
     def state_bytes(self, fraction, host_part=0.0) -> np.ndarray:
         """The `state` category at state fraction `fraction`, `host_part` of the model (a part of

@@ -237,11 +237,21 @@ def _tabulate(cm: CostModel, g: _Group, bmax: int, allowed: _Allowed) -> None:
     ms = _micro_batch_candidates(mmax)[None, :]
     offs = [False, True] if allowed.offload else [False]
     overlaps = [True, False] if allowed.serial else [True]
+    # every (offload, overlap) choice in one evaluation: axes b, m, offload, overlap
+    o_axis = np.array(offs)[None, None, :, None]
+    ov_axis = np.array(overlaps)[None, None, None, :]
+    t_all, _, _ = cm.step_time_parts(
+        g.type_key, bs[..., None, None], ms[..., None, None], o_axis, ov_axis
+    )
+    mem_all = cm.memory_without_state(
+        g.type_key, g.capacity, bs[..., None, None], ms[..., None, None], o_axis, ov_axis
+    )
+    shape = (bmax + 1, ms.shape[1], len(offs), len(overlaps))
+    t_all, mem_all = np.broadcast_to(t_all, shape), np.broadcast_to(mem_all, shape)
     blocks = []
-    for o in offs:
-        for ov in overlaps:
-            t, _, _ = cm.step_time_parts(g.type_key, bs, ms, o, ov)
-            mem = cm.memory_without_state(g.type_key, g.capacity, bs, ms, o, ov)
+    for io, o in enumerate(offs):
+        for iv, ov in enumerate(overlaps):
+            t, mem = t_all[:, :, io, iv], mem_all[:, :, io, iv]
             # an option is valid when m <= b (or the single dummy option m = 1 of a rank without samples)
             valid = ms <= np.maximum(bs, 1)
             t = np.where(valid, t, np.inf)
@@ -289,14 +299,16 @@ def _pareto(cols: list[np.ndarray]) -> list[np.ndarray]:
     options, in time order, packed to the left (invalid cells: time inf, memcap -inf)."""
     time_all, memcap_all = cols[0], cols[1]
     bmax = time_all.shape[0] - 1
-    # sorted by time, an option survives only if it leaves more memory than every faster one
+    # sorted by time, an option survives only if it leaves more memory than every faster one;
+    # memory for more than the whole state (memcap > 1) is worth no more than for all of it
     order = np.argsort(time_all, axis=1, kind="stable")
     t_sorted = np.take_along_axis(time_all, order, axis=1)
     c_sorted = np.take_along_axis(memcap_all, order, axis=1)
+    useful = np.minimum(c_sorted, 1.0)
     best_before = np.maximum.accumulate(
-        np.concatenate([np.full((bmax + 1, 1), -np.inf), c_sorted[:, :-1]], axis=1), axis=1
+        np.concatenate([np.full((bmax + 1, 1), -np.inf), useful[:, :-1]], axis=1), axis=1
     )
-    keep = (c_sorted > best_before) & np.isfinite(t_sorted) & (c_sorted >= 0)
+    keep = (useful > best_before) & np.isfinite(t_sorted) & (c_sorted >= 0)
     width = max(1, int(keep.sum(axis=1).max()))
     # pack the kept options to the left, in time order
     rank_in_row = np.cumsum(keep, axis=1) - 1
@@ -314,46 +326,54 @@ def _pareto(cols: list[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
+def _host_rates(g: _Group) -> tuple[float, float, float]:
+    """(o, a1, a2) of `_host_cap` for a group: device optimizer seconds per parameter, and per
+    host-held parameter the time that competes with the device optimizer (a1) and the time
+    of the host part alone (a2). On a CPU everything adds up; on a GPU the device optimizer,
+    the host AdamW and the uploads run at once, beside the gradient copies."""
+    o = g.opt_s_per_fraction
+    grad, up, opt = g.host_rates
+    if not g.async_copies:
+        return o, grad + opt + up, grad + opt + up
+    return o, grad, grad + max(opt, up)
+
+
 def _host_cap(
-    cm: CostModel, g: _Group, time_left, mem_left, host_left
+    cm: CostModel, rates, time_left, mem_left, host_left
 ) -> tuple[np.ndarray, np.ndarray]:
     """The largest state fraction x + y a rank can own (x on the host, y on the device) within
     `time_left` seconds for its optimizer phase and host copies, `mem_left` device bytes and
-    `host_left` host bytes, and the x of that optimum; broadcasts (see the module docstring).
+    `host_left` host bytes, and the x of that optimum; broadcasts, `rates` too ((o, a1, a2) as
+    `_host_rates` gives them, o for the whole state: P x seconds per parameter).
 
-    y(x) = min((time_left - x P a1) / (P o), (mem_left - x Bd) / Bs) for x in [0, x_max], a
+    y(x) = min((time_left - x P a1) / (P o'), (mem_left - x Bd) / Bs) for x in [0, x_max], a
     concave objective x + y(x): its maximum is at 0, at x_max or where the two bounds cross."""
     P = cm.total_params
-    o = g.opt_s_per_fraction / P
-    grad, up, opt = g.host_rates
-    a1 = grad + opt + up if not g.async_copies else grad
-    a2 = grad + opt + up if not g.async_copies else grad + max(opt, up)
+    o_all, a1, a2 = rates
     Bs, Bd = cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction
     tl = np.asarray(time_left, dtype=np.float64)
     ml = np.asarray(mem_left, dtype=np.float64)
     hl = np.asarray(host_left, dtype=np.float64)
-    ok = (tl >= 0) & (ml >= 0) & (hl >= 0)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        x_max = np.minimum(np.minimum(hl / (P * cm.host_bytes_per_param), ml / Bd), tl / (P * a2))
-        x_max = np.where(ok, np.clip(x_max, 0.0, None), 0.0)
-
-        def y_of(x):
-            by_time = np.where(o > 0, (tl - x * P * a1) / (P * o), np.inf) if o > 0 else np.inf
-            return np.maximum(np.minimum(by_time, (ml - x * Bd) / Bs), 0.0)
-
-        if o > 0:
-            cross = (ml * P * o - tl * Bs) / (P * (Bd * o - a1 * Bs))
-            cross = np.where(np.isfinite(cross), np.clip(cross, 0.0, x_max), 0.0)
-        else:
-            cross = np.zeros_like(x_max)
-        best_f = np.full(np.broadcast_shapes(tl.shape, ml.shape, hl.shape), -np.inf)
-        best_x = np.zeros_like(best_f)
-        for x in (np.zeros_like(x_max), cross, x_max):
-            f = x + y_of(x)
-            better = ok & (f > best_f)
-            best_f = np.where(better, f, best_f)
-            best_x = np.where(better, x, best_x)
-    return best_f, best_x
+        # y(x) = min(at - x bt, am - x bm): the time bound (at, bt) and the memory bound
+        o = np.asarray(o_all, dtype=np.float64)
+        timed = o > 0
+        at = np.where(timed, tl / np.where(timed, o, 1.0), np.inf)
+        bt = np.where(timed, P * np.asarray(a1) / np.where(timed, o, 1.0), 0.0)
+        am, bm = ml / Bs, Bd / Bs
+        x_max = np.minimum(
+            np.minimum(hl / (P * cm.host_bytes_per_param), ml / Bd), tl / (P * np.asarray(a2))
+        )
+        x_max = np.maximum(x_max, 0.0)
+        cross = np.clip((at - am) / (bt - bm), 0.0, x_max)
+        cross = np.where(np.isfinite(cross), cross, 0.0)
+        f0 = np.minimum(at, am)
+        f_max = x_max + np.maximum(np.minimum(at - x_max * bt, am - x_max * bm), 0.0)
+        f_cross = cross + np.maximum(np.minimum(at - cross * bt, am - cross * bm), 0.0)
+        best_f = np.maximum(np.maximum(f0, f_max), f_cross)
+        best_x = np.where(best_f == f0, 0.0, np.where(best_f == f_cross, cross, x_max))
+        ok = (tl >= 0) & (ml >= 0) & (hl >= 0)
+    return np.where(ok, best_f, -np.inf), np.where(ok, best_x, 0.0)
 
 
 def _capacity(
@@ -365,7 +385,7 @@ def _capacity(
         with np.errstate(invalid="ignore"):
             mem_left = np.where(np.isfinite(g.memcap), g.memcap * cm.bytes_per_fraction, -1.0)
             time_left = np.where(np.isfinite(g.time), T - g.time, -1.0)
-        cap, _ = _host_cap(cm, g, time_left, mem_left, g.host_share - g.host_boundary)
+        cap, _ = _host_cap(cm, _host_rates(g), time_left, mem_left, g.host_share - g.host_boundary)
         cap = np.where(np.isfinite(g.time) & np.isfinite(cap), cap, -np.inf)
         best = np.argmax(cap, axis=1)
         f = cap[np.arange(cap.shape[0]), best]
@@ -713,12 +733,13 @@ def _water_fill_host(cm: CostModel, groups: list[_Group], opts: list[_RankOption
     host_left = np.array([by_rank[i].host_share - opts[i].host_boundary for i in range(n)])
     t = np.array([o.time for o in opts])
 
+    rates = tuple(
+        np.array(r) for r in zip(*(_host_rates(by_rank[i]) for i in range(n)), strict=True)
+    )
+
     def caps(T: float) -> tuple[np.ndarray, np.ndarray]:
-        cs, xs = np.zeros(n), np.zeros(n)
-        for i in range(n):
-            c, x = _host_cap(cm, by_rank[i], T - t[i], mem_left[i], host_left[i])
-            cs[i], xs[i] = max(float(c), 0.0), float(x)
-        return np.minimum(cs, 1.0), xs
+        cs, xs = _host_cap(cm, rates, T - t, mem_left, host_left)
+        return np.minimum(np.maximum(cs, 0.0), 1.0), xs
 
     lo = float(t.max())
     hi = lo + max(g.opt_s_per_fraction for g in groups) + 1e-12
