@@ -68,6 +68,11 @@ BISECT_REL_TOL = 1e-5
 """Relative precision of the step-time bisection (the exactness target is 0.5 %)."""
 MEMORY_SLACK_BYTES = 1
 """Kept free so that rounding the state fraction's bytes up never tips a rank over its capacity."""
+HOST_STATE_MIN_GAIN = 0.03
+"""Host state must make the predicted step at least this much shorter than the best plan
+without it, or that plan is kept: host state costs host memory and a host CPU busy with the
+optimizer, and smaller gains are within the model's error (a few percent on the emulated
+devices, bench/results/hetero_throughput.md)."""
 FRACTION_SNAP = 1e-9
 """State fractions below this are rounded to 0 (bisection residue)."""
 GIB = 1024**3
@@ -134,11 +139,14 @@ def make_plan(
     allow_offload: bool = True,
     model_name: str | None = None,
     allow_host_state: bool = True,
+    host_state_min_gain: float = HOST_STATE_MIN_GAIN,
 ) -> Plan:
     """Make a plan for `global_batch` samples per step (see the module docstring).
 
     `allow_host_state=False` keeps all training state on the devices even where the cost model
-    knows the hosts (the plan to compare with)."""
+    knows the hosts (the plan to compare with); a plan with host state is only returned where
+    its predicted step is at least `host_state_min_gain` shorter than that of the best plan
+    without (or where none fits without)."""
     if global_batch < 1:
         raise CephaloError(f"the global batch must be >= 1, got {global_batch}")
     if strategy not in PLANNER_STRATEGIES:
@@ -153,6 +161,10 @@ def make_plan(
             serial=cost_model.serial_reduce,
         )
         choice = _optimise(cost_model, global_batch, allowed)
+        if allowed.host and choice.host is not None and any(h > 0 for h in choice.host):
+            choice = _unless_host_state_is_marginal(
+                cost_model, global_batch, allowed, choice, host_state_min_gain
+            )
     else:
         batches = (
             _even_batches(len(cost_model.devices), global_batch)
@@ -598,6 +610,18 @@ def _optimise(cm: CostModel, B: int, allowed: _Allowed) -> _Choice:
             cm, groups, B, allowed
         )
     return _water_fill(cm, groups, found, allowed)
+
+
+def _unless_host_state_is_marginal(
+    cm: CostModel, B: int, allowed: _Allowed, with_host: _Choice, min_gain: float
+) -> _Choice:
+    """`with_host`, or the best plan without host state where that is (almost) as fast."""
+    try:
+        without = _optimise(cm, B, replace(allowed, host=False))
+    except PlanDoesNotFit:
+        return with_host
+    steps = [cm.evaluate(_to_plan(cm, B, "cephalo", c, None)).step_s for c in (with_host, without)]
+    return with_host if steps[0] < (1.0 - min_gain) * steps[1] else without
 
 
 @dataclass

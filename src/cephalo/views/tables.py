@@ -101,7 +101,13 @@ def profile_tables(measured: MeasuredProfiles) -> list[Table]:
         t = Table(
             title=f"{key}: {measured.model}, seq {measured.seq_len}, {measured.dtype} ({p.source})",
             caption=f"optimizer {p.optimizer_s_per_param * 1e9:.2f} ns/param, host copy "
-            f"{p.host_copy_bytes_per_s / 1e9:.1f} GB/s, {p.meta.get('torch_threads', '?')} thread(s)",
+            f"{p.host_copy_bytes_per_s / 1e9:.1f} GB/s"
+            + (
+                f", host AdamW {p.host_optimizer_s_per_param * 1e9:.2f} ns/param"
+                if p.host_optimizer_s_per_param is not None
+                else ""
+            )
+            + f", {p.meta.get('torch_threads', '?')} thread(s)",
         )
         t.add_column("micro-batch", justify="right")
         for kind in ("embedding", "block", "head"):
