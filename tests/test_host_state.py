@@ -93,6 +93,32 @@ def test_foreach_host_step_is_bitwise_the_device_step():
         assert diff == 0.0, (host, worst)
 
 
+@pytest.mark.parametrize(
+    "mode, dtype, cfg",
+    [
+        ("standard", "fp32", {}),  # several reduce-scatters per unit: host pieces accumulate
+        ("lga", "fp16", {"loss_scale_init": 2.0**20}),  # overflows twice: skipped steps
+    ],
+)
+def test_modes_and_loss_scaling_with_host_state(mode, dtype, cfg):
+    def run(host: float, overlap: bool):
+        plan = manual_plan(MODEL, SEQ, [5], [2], [1.0], dtype=dtype)
+        plan.ranks[0].host_state_fraction, plan.ranks[0].overlap_reduce = host, overlap
+        engine = Engine(
+            build_model(MODEL), plan, LocalComm(), _cfg(mode=mode, host_adamw="foreach", **cfg)
+        )
+        stats = [engine.train_step(x, y, lr=LR) for x, y in make_data(6, 5)]
+        return [(s.loss, s.skipped, s.loss_scale) for s in stats], engine.full_state_dict()
+
+    ref, ref_params = run(0.0, True)
+    if "loss_scale_init" in cfg:
+        assert ref[0][1] and not ref[-1][1]  # skipped while the scale came down, then trained
+    for host, overlap in ((0.5, False), (1.0, True)):
+        got, params = run(host, overlap)
+        assert got == ref
+        assert max_rel_diff(params, ref_params)[0] == 0.0
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_ledger_moves_exactly_the_host_part(dtype):
     """The device state falls by (16 - d) bytes per host-held element, exactly; the host holds
