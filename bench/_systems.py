@@ -81,9 +81,12 @@ class OursTrainer:
         memory_budget_bytes: int | None = None,
         comm_impl: str = "auto",
         prefetch: bool = True,
+        host_copy_bytes_per_s: float | None = None,
+        overlap_reduce: bool = True,
     ):
         from cephalo.runtime.comm import make_comm
         from cephalo.runtime.engine import Engine, EngineConfig
+        from cephalo.runtime.optim import AdamWHyper
 
         overrides = {"tie_embeddings": False, "dropout": 0.0, **overrides}
         model = build_model(model_name, **overrides)  # on meta: the engine materialises its shards
@@ -91,9 +94,7 @@ class OursTrainer:
         cfg = EngineConfig(
             mode=mode,
             compute_dtype="fp32",
-            betas=BETAS,
-            eps=EPS,
-            weight_decay=WEIGHT_DECAY,
+            adamw=AdamWHyper(betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
             grad_clip=GRAD_CLIP,
             seed=0,
             slowdown=slowdown,
@@ -101,6 +102,8 @@ class OursTrainer:
             validate_collectives=False,
             per_sample_dropout=False,
             prefetch=prefetch,
+            host_copy_bytes_per_s=host_copy_bytes_per_s,
+            overlap_reduce=overlap_reduce,
         )
         self.engine = Engine(model, plan, self.comm, cfg)
         self.plan = plan
@@ -114,9 +117,14 @@ class OursTrainer:
         return self.engine.train_step(x[rows], y[rows], LR)
 
     def persistent_tensors(self) -> list[torch.Tensor]:
-        return [
-            t for us in self.engine.shards for t in (us.master, us.grad, us.exp_avg, us.exp_avg_sq)
-        ]
+        """The engine's state on the device (the host-held part is host memory, not counted)."""
+        out = []
+        for us in self.engine.shards:
+            params = us.param_buf if us.param_buf is not None else us.master
+            out += [params, us.grad, us.exp_avg, us.exp_avg_sq]
+            if us.param_buf is None and us.host is not None:
+                out.append(us.host_copy)
+        return out
 
 
 # ====================================================================== FSDP2

@@ -9,8 +9,14 @@ per-unit activation checkpointing (`FSDP2+AC`); plain FSDP2 (keeps activations, 
 recompute) is shown too. The three run in rotated order (A B C, B C A, ...) in the same
 processes and the medians are compared, so drifts of the shared machine hit all alike.
 
+`ours, memory-tight` is the same engine on a plan whose ranks are marked short of memory
+(`overlap_reduce` false, what the planner chooses for such a rank, issue #14): each
+reduce-scatter is waited for at once (one unit gradient alive, not two) and the gradient shards
+exist only from their reduce-scatter to the optimizer step.
+
 Targets (issue #6): ours / FSDP2 step time <= 1.1 without accumulation, <= 1.0 with >= 4
-micro-batches (layered accumulation gathers each unit once per pass).
+micro-batches (layered accumulation gathers each unit once per pass). Issue #14: at one
+micro-batch, `ours, memory-tight` peak <= 1.05 x FSDP2+AC's with its step time <= 1.0 x.
 """
 
 from __future__ import annotations
@@ -35,8 +41,13 @@ from _common import (
     verdict,
 )
 
-VARIANTS = ("ours", "fsdp2_ac", "fsdp2")
-LABELS = {"ours": "ours (LGA)", "fsdp2_ac": "FSDP2+AC", "fsdp2": "FSDP2"}
+VARIANTS = ("ours", "ours_tight", "fsdp2_ac", "fsdp2")
+LABELS = {
+    "ours": "ours (LGA)",
+    "ours_tight": "ours, memory-tight",
+    "fsdp2_ac": "FSDP2+AC",
+    "fsdp2": "FSDP2",
+}
 
 
 @dataclass
@@ -70,9 +81,13 @@ def _compare(setup: Setup, overrides: dict, rounds: int, warmup: int) -> dict:
     vocab = overrides.get("vocab_size", 256)
     x, y = make_data(world * b, setup.seq_len, vocab)
     plan = manual_plan(setup.model, setup.seq_len, [b] * world, [m] * world, [1.0 / world] * world)
+    tight = manual_plan(setup.model, setup.seq_len, [b] * world, [m] * world, [1.0 / world] * world)
+    for r in tight.ranks:
+        r.overlap_reduce = False
     counter = CollectiveCounter()
     systems = {
         "ours": OursTrainer(setup.model, overrides, plan, comm_impl=setup.comm),
+        "ours_tight": OursTrainer(setup.model, overrides, tight, comm_impl=setup.comm),
         "fsdp2_ac": Fsdp2Trainer(setup.model, overrides, [b] * world, m, checkpointing=True),
         "fsdp2": Fsdp2Trainer(setup.model, overrides, [b] * world, m, checkpointing=False),
     }
@@ -85,6 +100,7 @@ def _compare(setup: Setup, overrides: dict, rounds: int, warmup: int) -> dict:
     for name in alternate(warmup + rounds, list(VARIANTS)):
         ours_counters = systems["ours"].comm.counters
         ours_counters.reset()
+        systems["ours_tight"].comm.counters.reset()
         counter.reset()
         dist.barrier()
         t0 = time.perf_counter()
@@ -104,6 +120,12 @@ def _compare(setup: Setup, overrides: dict, rounds: int, warmup: int) -> dict:
                     ours_counters.bytes["reduce_scatter_v"],
                 ),
             }
+        elif name == "ours_tight":
+            c = systems["ours_tight"].comm.counters
+            comm[name] = {
+                "all_gather": (c.calls["all_gather_v"], c.bytes["all_gather_v"]),
+                "reduce_scatter": (c.calls["reduce_scatter_v"], c.bytes["reduce_scatter_v"]),
+            }
         else:
             comm[name] = {
                 c: (counter.calls[c], counter.bytes[c]) for c in ("all_gather", "reduce_scatter")
@@ -111,8 +133,10 @@ def _compare(setup: Setup, overrides: dict, rounds: int, warmup: int) -> dict:
     counter.active = False
     times = {v: t[warmup:] for v, t in times.items()}
 
-    ours = systems["ours"]
-    peaks = {"ours": tracked_peak_bytes(lambda: ours.step(x, y), ours.persistent_tensors())}
+    peaks = {
+        v: tracked_peak_bytes(lambda v=v: systems[v].step(x, y), systems[v].persistent_tensors())
+        for v in ("ours", "ours_tight")
+    }
     for v in ("fsdp2_ac", "fsdp2"):
         peaks[v] = tracked_peak_bytes(lambda v=v: systems[v].step(x, y), systems[v].persistent())
     return {
@@ -186,6 +210,8 @@ def main() -> None:
         "target",
         "met?",
         "ours: compute / comm wait",
+        "memory-tight s/step",
+        "memory-tight / FSDP2+AC",
     ]
     table, targets = [], []
     for r in rows:
@@ -205,6 +231,8 @@ def main() -> None:
                 f"<= {target}",
                 verdict(ratio <= target),
                 f"{r['busy']:.2f} / {r['comm_wait']:.2f} s",
+                f"{med['ours_tight']:.3f}",
+                f"{med['ours_tight'] / med['fsdp2_ac']:.2f}",
             ]
         )
     mem_headers = [
@@ -212,9 +240,11 @@ def main() -> None:
         "micro-batches",
         "ours (tracked)",
         "ours (ledger)",
+        "memory-tight (tracked)",
         "FSDP2+AC",
         "FSDP2",
         "ours / FSDP2+AC",
+        "memory-tight / FSDP2+AC",
         "ours / FSDP2",
     ]
     mem_rows = [
@@ -223,12 +253,20 @@ def main() -> None:
             r["setup"].micro_batches,
             fmt_bytes(r["peak"]["ours"]),
             fmt_bytes(r["ledger_peak"]),
+            fmt_bytes(r["peak"]["ours_tight"]),
             fmt_bytes(r["peak"]["fsdp2_ac"]),
             fmt_bytes(r["peak"]["fsdp2"]),
             f"{r['peak']['ours'] / r['peak']['fsdp2_ac']:.2f}",
+            f"**{r['peak']['ours_tight'] / r['peak']['fsdp2_ac']:.2f}**",
             f"{r['peak']['ours'] / r['peak']['fsdp2']:.2f}",
         ]
         for r in rows
+    ]
+    tight_targets = [
+        r["peak"]["ours_tight"] <= 1.05 * r["peak"]["fsdp2_ac"]
+        and r["median_s"]["ours_tight"] <= r["median_s"]["fsdp2_ac"]
+        for r in rows
+        if r["setup"].micro_batches == 1
     ]
     comm_headers = [
         "ranks",
@@ -265,9 +303,11 @@ def main() -> None:
         name="engine_vs_fsdp2",
         title="Engine vs PyTorch FSDP2 (homogeneous, gloo on CPU)",
         summary=[
-            markdown_table(headers, table, "rrrrrrrrlr"),
+            markdown_table(headers, table, "rrrrrrrrlrrr"),
             f"- Step-time targets (ours / FSDP2+AC): {sum(targets)} of {len(targets)} met.",
-            markdown_table(mem_headers, mem_rows, "rrrrrrrr"),
+            markdown_table(mem_headers, mem_rows, "rrrrrrrrrr"),
+            f"- Memory-tight target (issue #14, one micro-batch: peak <= 1.05 x FSDP2+AC and step "
+            f"<= 1.0 x): {sum(tight_targets)} of {len(tight_targets)} met.",
         ],
         figures=[fig],
         details=[
@@ -322,19 +362,24 @@ def _plot(rows: list[dict]) -> str:
     labels = [f"{r['setup'].world} ranks\n{r['setup'].micro_batches} micro-batch" for r in rows]
     x = np.arange(len(rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"ours": "tab:blue", "fsdp2_ac": "tab:orange", "fsdp2": "tab:gray"}
+    colors = {
+        "ours": "tab:blue",
+        "ours_tight": "tab:cyan",
+        "fsdp2_ac": "tab:orange",
+        "fsdp2": "tab:gray",
+    }
     for i, v in enumerate(VARIANTS):
         ax1.bar(
-            x + (i - 1) * 0.27,
+            x + (i - 1.5) * 0.2,
             [r["median_s"][v] for r in rows],
-            0.27,
+            0.2,
             label=LABELS[v],
             color=colors[v],
         )
         ax2.bar(
-            x + (i - 1) * 0.27,
+            x + (i - 1.5) * 0.2,
             [r["peak"][v] / 2**20 for r in rows],
-            0.27,
+            0.2,
             label=LABELS[v],
             color=colors[v],
         )

@@ -6,8 +6,11 @@ compute by f (each compute piece made to last f x its CPU time by sleeping; `run
 `mem=` is that rank's memory budget, checked against the engine's ledger peak.
 
 Per cluster, on its ranks: `profile_devices` measures every device type (the profiler the
-planner uses in `cephalo run`, here with short settings) and the collectives; the three
-plans come from `make_plan` on that measured cost model; the engine runs each plan;
+planner uses in `cephalo run`, here with short settings) and the collectives; the plans
+come from `make_plan` on that measured cost model (issue #14: `cephalo` may keep part of a rank's
+state in host memory and let a rank short of memory wait for each reduce-scatter;
+`cephalo, device only` only the latter; `cephalo as on main` neither, the plan before #14); the
+engine runs each plan;
 FSDP2 (`fully_shard` per unit + root, even batches, the same micro-batch on every rank,
 no activation checkpointing) runs with the same slowdowns applied to each unit's forward
 and backward (`_systems.SlowdownUnit`). All four run in rotated order in the same
@@ -22,7 +25,9 @@ optimizer step). Memory is otherwise ignored: the whole state would not fit a sm
 of the rotation, so the solo speeds see the same sharing of the machine's cores as the
 training steps next to them.
 
-Target (issue #6): `cephalo` >= 90% of the ideal bound and ahead of every other column.
+Targets: issue #6, `cephalo` >= 90% of the ideal bound and ahead of every other column;
+issue #14, on cluster C `cephalo` >= 1.3x the plan without host state as main makes it, in
+the same run, and its predicted step time within 15% of the measured one.
 """
 
 from __future__ import annotations
@@ -52,7 +57,13 @@ from _common import (
 
 MODEL = "gpt-small-demo"
 SEQ_LEN = 128
-STRATEGIES = ("cephalo", "proportional", "even")
+STRATEGIES = ("cephalo", "cephalo-device", "cephalo-main", "proportional", "even")
+LABELS = {
+    "cephalo-device": "cephalo, device only",
+    "cephalo-main": "cephalo as on main",
+    "fsdp2": "FSDP2 (even)",
+}
+OURS = ("cephalo", "cephalo-device", "cephalo-main")
 COLUMNS = (*STRATEGIES, "fsdp2")
 SOLO_MICRO_BATCH = 8
 """Largest micro-batch of the solo runs behind the ideal bound (CPU time per sample is flat beyond ~4)."""
@@ -122,7 +133,15 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
     plans, misfit = {}, {}
     for s in STRATEGIES:
         try:
-            plans[s] = make_plan(cm, case.global_batch, s, model_name=MODEL)
+            if s in ("cephalo-device", "cephalo-main"):
+                # the plan without host state; as main made it, with every reduce overlapped
+                cm.serial_reduce = s == "cephalo-device"
+                plans[s] = make_plan(
+                    cm, case.global_batch, "cephalo", model_name=MODEL, allow_host_state=False
+                )
+                cm.serial_reduce = True
+            else:
+                plans[s] = make_plan(cm, case.global_batch, s, model_name=MODEL)
         except PlanDoesNotFit as err:
             misfit[s] = str(err)
 
@@ -135,7 +154,12 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
     # the even plan's smallest micro-batch, so that its tightest rank fits as well as it can
     fsdp_micro = min(r.micro_batch_size for r in plans["even"].ranks) if "even" in plans else 1
     fsdp_micro = max(1, min(fsdp_micro, min(even_batches)))
-    systems = {s: OursTrainer(MODEL, ov, p, slowdown=device.slowdown) for s, p in plans.items()}
+    systems = {
+        s: OursTrainer(
+            MODEL, ov, p, slowdown=device.slowdown, host_copy_bytes_per_s=device.pcie_bytes_per_s
+        )
+        for s, p in plans.items()
+    }
     systems["fsdp2"] = Fsdp2Trainer(
         MODEL, ov, even_batches, fsdp_micro, checkpointing=False, slowdown=device.slowdown
     )
@@ -158,6 +182,7 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
     xs, ys = x[:solo_b], y[:solo_b]
     times: dict[str, list[float]] = {s: [] for s in systems}
     peaks: dict[str, int] = {s: 0 for s in systems}
+    host_peaks: dict[str, int] = {s: 0 for s in plans}
     busy: dict[str, list[float]] = {s: [] for s in plans}
     wait: dict[str, list[float]] = {s: [] for s in plans}
     for name in alternate(warmup + rounds, list(systems)):
@@ -171,6 +196,7 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
         times[name].append(time.perf_counter() - t)
         if name != "fsdp2":
             peaks[name] = max(peaks[name], out.peak_bytes)
+            host_peaks[name] = max(host_peaks[name], out.host_peak_bytes)
             busy[name].append(out.busy_s)
             wait[name].append(out.comm_wait_s)
     times = {s: v[warmup:] for s, v in times.items()}
@@ -190,12 +216,21 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
         "misfit": misfit,
         "plans": {
             s: [
-                (r.batch_size, r.micro_batch_size, r.state_fraction, r.offload_activations)
+                (
+                    r.batch_size,
+                    r.micro_batch_size,
+                    r.state_fraction,
+                    r.offload_activations,
+                    r.host_state_fraction,
+                    r.overlap_reduce,
+                )
                 for r in p.ranks
             ]
             for s, p in plans.items()
         },
         "predicted_tok_s": {s: p.predicted.tokens_per_s for s, p in plans.items()},
+        "predicted_step_s": {s: p.predicted.step_s for s, p in plans.items()},
+        "host_peaks": host_peaks,
         "profile_source": "measured" if measured.measured else "database",
     }
 
@@ -261,6 +296,9 @@ def main() -> None:
                     "step_s": {s: median(v) for s, v in step.items()},
                     "profile_s": per_rank[0]["profile_s"],
                     "peaks": {s: [r["peaks"][s] for r in per_rank] for s in cols},
+                    "host_peaks": {
+                        s: [r["host_peaks"][s] for r in per_rank] for s in per_rank[0]["host_peaks"]
+                    },
                     "budgets": [r["budget"] for r in per_rank],
                 }
             )
@@ -278,6 +316,8 @@ def _report(results: list[dict], args, wall: float) -> None:
     headers = [
         "cluster",
         "cephalo",
+        "cephalo, device only",
+        "cephalo as on main",
         "proportional",
         "even",
         "FSDP2 (even)",
@@ -287,6 +327,14 @@ def _report(results: list[dict], args, wall: float) -> None:
         "target met?",
     ]
     table, met = [], []
+    host_headers = [
+        "cluster",
+        "cephalo / as on main (measured)",
+        "cephalo / device only (measured)",
+        "predicted / measured step: cephalo, device only, as on main",
+        "issue #14 target met?",
+    ]
+    host_rows, host_met = [], []
     for r in results:
         tok = r["tok"]
 
@@ -298,7 +346,7 @@ def _report(results: list[dict], args, wall: float) -> None:
 
         c = tok.get("cephalo")
         frac = c / r["ideal"] if c else 0.0
-        ahead = c is not None and all(c > v for s, v in tok.items() if s != "cephalo")
+        ahead = c is not None and all(c > v for s, v in tok.items() if s not in OURS)
         ok = frac >= 0.9 and ahead
         met.append(ok)
         table.append(
@@ -311,7 +359,31 @@ def _report(results: list[dict], args, wall: float) -> None:
                 verdict(ok),
             ]
         )
+        pred = r["r0"]["predicted_step_s"]
+        ratios = {s: pred[s] / r["step_s"][s] for s in OURS if s in pred}
+        gains = {
+            s: c / tok[s] if c and tok.get(s) else None for s in ("cephalo-main", "cephalo-device")
+        }
+        if r["case"].label.startswith("C"):
+            ok14 = (
+                gains["cephalo-main"] is not None
+                and gains["cephalo-main"] >= 1.3
+                and abs(ratios.get("cephalo", 0.0) - 1.0) <= 0.15
+            )
+            host_met.append(ok14)
+            verdict14 = verdict(ok14)
+        else:
+            verdict14 = "—"
+        host_rows.append(
+            [
+                r["case"].label[:1],
+                *(f"**{g:.2f}**" if g else "does not fit" for g in gains.values()),
+                " / ".join(f"{ratios[s]:.2f}" if s in ratios else "—" for s in OURS),
+                verdict14,
+            ]
+        )
     print_table("measured tokens/s (emulated clusters)", headers, table)
+    print_table("host state (issue #14)", host_headers, host_rows)
 
     plan_rows = []
     for r in results:
@@ -322,7 +394,10 @@ def _report(results: list[dict], args, wall: float) -> None:
                 pred = "—"
             elif s in r0["plans"]:
                 desc = "; ".join(
-                    f"b={b} m={m} s={f:.2f}{' off' if o else ''}" for b, m, f, o in r0["plans"][s]
+                    f"b={b} m={m} s={f:.2f}{' off' if o else ''}"
+                    + (f" host={h:.2f}" if h and f else "")
+                    + ("" if ov else " wait")
+                    for b, m, f, o, h, ov in r0["plans"][s]
                 )
                 pred = f"{r0['predicted_tok_s'][s]:,.0f}"
             else:
@@ -336,15 +411,20 @@ def _report(results: list[dict], args, wall: float) -> None:
                 if s in r["busy"]
                 else "—"
             )
-            plan_rows.append([r["case"].label[:1], s, desc, pred, step, split, peaks])
+            hp = r["host_peaks"].get(s)
+            host = " / ".join(fmt_bytes(p) for p in hp) if hp and any(hp) else "—"
+            plan_rows.append(
+                [r["case"].label[:1], LABELS.get(s, s), desc, pred, step, split, peaks, host]
+            )
     plan_headers = [
         "cluster",
         "column",
-        "per rank: batch, micro-batch, state fraction (off = offload)",
+        "per rank: batch, micro-batch, state fraction (off = offload, host = host_state_fraction, wait = no reduce overlap)",
         "predicted tok/s",
         "step s",
         "per rank: compute + comm wait s",
         "peak per rank (ledger; FSDP2: tracked)",
+        "host peak per rank (ledger)",
     ]
     budget_lines = [
         f"- {r['case'].label[:1]}: budgets "
@@ -368,15 +448,18 @@ def _report(results: list[dict], args, wall: float) -> None:
         "(engine: runtime/emulation.py; FSDP2: the same stretch around each unit's forward and "
         "backward); `mem=` is a budget checked against the ledger, not a real device limit.",
         summary=[
-            markdown_table(headers, table, "lrrrrrrll") + "\n\n(tokens/s, medians of "
+            markdown_table(headers, table, "lrrrrrrrrll") + "\n\n(tokens/s, medians of "
             f"{args.rounds} rotated rounds; 'over budget': some rank's peak exceeded its `mem=`)",
-            f"- Target (cephalo >= 0.9 x ideal and ahead of every other column): {sum(met)} of {len(met)} "
-            "clusters met.",
+            f"- Target (cephalo >= 0.9 x ideal and ahead of proportional, even and FSDP2): {sum(met)} of "
+            f"{len(met)} clusters met.",
+            markdown_table(host_headers, host_rows, "lrrll"),
+            f"- Target (issue #14, cluster C: cephalo >= 1.3 x as on main, predicted step within 15 %): "
+            f"{sum(host_met)} of {len(host_met)} met.",
         ],
         figures=[fig],
         details=[
             "## Plans and memory\n\n"
-            + markdown_table(plan_headers, plan_rows, "llllrlr")
+            + markdown_table(plan_headers, plan_rows, "llllrlrr")
             + "\n\n"
             + "\n".join(budget_lines),
             "## Solo throughput (the ideal bound's terms)\n\n"
@@ -430,19 +513,21 @@ def _plot(results: list[dict]) -> str:
     series = [*COLUMNS, "ideal"]
     colors = {
         "cephalo": "tab:blue",
+        "cephalo-device": "tab:cyan",
+        "cephalo-main": "tab:purple",
         "proportional": "tab:orange",
         "even": "tab:gray",
         "fsdp2": "tab:red",
         "ideal": "black",
     }
-    w = 0.16
+    w = 0.12
     for k, s in enumerate(series):
         vals = [(r["ideal"] if s == "ideal" else r["tok"].get(s, 0.0)) for r in results]
         ax.bar(
-            x + (k - 2) * w,
+            x + (k - 3) * w,
             vals,
             w,
-            label="FSDP2 (even)" if s == "fsdp2" else s,
+            label=LABELS.get(s, s),
             color=colors[s],
             alpha=0.35 if s == "ideal" else 1.0,
         )

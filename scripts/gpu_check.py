@@ -6,7 +6,15 @@ Default (torchrun, one process, world size 1, bf16):
      torch.cuda.max_memory_allocated() over the same step;
   3. host offload of boundary activations (pinned buffers, side-stream copies) gives the
      same losses as keeping them on the device, with a lower device peak;
-  4. Hugging Face models through the engine on CUDA (`check_hf_models`): tiny Qwen2
+  4. the host link on its own (runtime/host_state.py `HostLink`): downward copies into pinned
+     memory on its side stream, direct and accumulated (pinned staging), `sync` (events),
+     uploads, `wait_uploads` ordering the compute stream: exact values;
+  5. host state (`host_state_fraction` 0.5, and 1.0 on a rank marked memory-tight: no reduce
+     overlap, lean gradient shards): the same losses as all state on the device (bf16: 1e-3),
+     pinned host buffers, the ledger's device `state` lower by exactly (16 - 2) bytes per
+     host-held element, its peak still within 10% of max_memory_allocated, and GPT-2's tied
+     head reducing into the host-held embedding gradient (the accumulate path).
+  6. Hugging Face models through the engine on CUDA (`check_hf_models`): tiny Qwen2
      (sliding-window layers, tied embeddings) and Gemma 2 (eager attention, soft-capping,
      embedding-scale buffer) directories read as pretrained: the first step's loss equals
      transformers' own on the GPU (fp32), and bf16 training lowers the loss.
@@ -17,7 +25,7 @@ size mismatch raising on every rank) and `check_uneven_engine` (gpt-tiny on an u
 against one process on the whole batch). Both checks take any `Comm`: tests/test_comm.py
 runs them on gloo ranks, so the checks themselves are tested without a GPU.
 Exit status: 0 all checks pass, 1 a check failed, 77 no CUDA GPU (nothing was run).
-`python scripts/gpu_check.py --hf-on-cpu` runs check 4 alone on the CPU (a smoke test of
+`python scripts/gpu_check.py --hf-on-cpu` runs check 6 alone on the CPU (a smoke test of
 the check itself on a machine without a GPU).
 """
 
@@ -187,15 +195,14 @@ def main() -> int:
     labels = torch.roll(input_ids, -1, dims=1)
     failures: list[str] = []
 
-    def run(offload: bool, n_steps: int) -> tuple[list[float], list[float], list[int]]:
-        plan = Plan(
-            "manual",
-            model_name,
-            seq,
-            batch,
-            "bf16",
-            [RankPlan(0, "gpu", batch, micro, batch // micro, 1.0, offload_activations=offload)],
-        )
+    engines: dict[str, Engine] = {}
+
+    def run(
+        offload: bool, n_steps: int, host: float = 0.0, overlap: bool = True, keep: str = ""
+    ) -> tuple[list[float], list[float], list[int]]:
+        rank = RankPlan(0, "gpu", batch, micro, batch // micro, 1.0, offload_activations=offload)
+        rank.host_state_fraction, rank.overlap_reduce = host, overlap
+        plan = Plan("manual", model_name, seq, batch, "bf16", [rank])
         engine = Engine(
             build_model(model_name), plan, comm, EngineConfig(device=str(device), seed=0)
         )
@@ -211,10 +218,12 @@ def main() -> int:
             ratios.append(stats.peak_bytes / real)
             peaks.append(stats.peak_bytes)
             print(
-                f"  offload={offload} step {step}: loss {stats.loss:.4f}  grad_norm {stats.grad_norm:.3f}  "
+                f"  offload={offload} host={host} step {step}: loss {stats.loss:.4f}  grad_norm {stats.grad_norm:.3f}  "
                 f"{time.perf_counter() - t0:.2f}s  ledger peak {stats.peak_bytes / 2**20:.0f} MiB  "
                 f"max_memory_allocated {real / 2**20:.0f} MiB  ratio {ratios[-1]:.3f}"
             )
+        if keep:
+            engines[keep] = engine
         del engine
         torch.cuda.empty_cache()
         return losses, ratios, peaks
@@ -233,6 +242,32 @@ def main() -> int:
         failures.append(
             f"offload did not lower the device peak ({off_peaks[-1]} vs {peaks[-1]} bytes)"
         )
+    failures += check_host_link(device)
+    _, _, dev_peaks = run(offload=False, n_steps=3, keep="device")
+    for host, overlap in ((0.5, True), (1.0, False)):
+        h_losses, h_ratios, h_peaks = run(
+            offload=False, n_steps=3, host=host, overlap=overlap, keep="host"
+        )
+        tag = f"host_state_fraction {host} (overlap_reduce {overlap})"
+        if max(abs(a - b) for a, b in zip(h_losses, losses, strict=False)) > 1e-3:
+            failures.append(f"{tag} changed the losses: {h_losses} vs {losses[:3]}")
+        if max(abs(1 - r) for r in h_ratios[1:]) > 0.10:
+            failures.append(f"{tag}: ledger peak vs max_memory_allocated off by more than 10%")
+        eng, ref = engines.pop("host"), engines["device"]
+        hosted = sum(us.host_n for us in eng.shards)
+        drop = ref.ledger.current_by_category["state"] - eng.ledger.current_by_category["state"]
+        if drop != (16 - 2) * hosted:
+            failures.append(f"{tag}: device state fell by {drop} bytes, not 14 x {hosted}")
+        if not all(us.host.param.is_pinned() for us in eng.shards if us.host is not None):
+            failures.append(f"{tag}: host state is not in pinned memory")
+        if not h_peaks[-1] < dev_peaks[-1]:
+            failures.append(
+                f"{tag} did not lower the device peak ({h_peaks[-1]} vs {dev_peaks[-1]})"
+            )
+        print(f"  {tag}: {hosted} elements on the host, device state -{drop / 2**20:.0f} MiB")
+        del eng
+        torch.cuda.empty_cache()
+    engines.clear()
     failures += check_hf_models(comm, device)
     elapsed = time.perf_counter() - t_start
     print(f"gpu_check: {elapsed:.0f}s")
@@ -250,7 +285,7 @@ def main() -> int:
 
 
 def check_hf_models(comm, device: torch.device) -> list[str]:
-    """Check 4: transformers model directories through the engine on `device`."""
+    """Check 6: transformers model directories through the engine on `device`."""
     import tempfile
     from pathlib import Path
 
@@ -321,6 +356,39 @@ def check_hf_models(comm, device: torch.device) -> list[str]:
                     failures.append(f"{model_type} bf16: loss did not fall: {losses}")
                 del engine
     print(f"  HF models on {device}: transformers' first loss reproduced, bf16 trains")
+
+
+def check_host_link(device: torch.device) -> list[str]:
+    """HostLink's CUDA path on its own: exact values through pinned memory and the side stream."""
+    from cephalo.runtime.host_state import HostLink
+    from cephalo.runtime.memory import MemoryLedger
+
+    failures = []
+    ledger = MemoryLedger(0, device)
+    link = HostLink(ledger, device)
+    n = 1 << 22
+    src = torch.arange(n, dtype=torch.float32, device=device)
+    host = ledger.alloc("host/state", n, torch.float32, pin=True).zero_()
+    if not host.is_pinned():
+        failures.append("host link: ledger host buffers are not pinned")
+    link.down(host, src, accumulate=False)
+    src2 = src * 2  # queued on the compute stream after the first copy was issued
+    link.down(host, src2, accumulate=True)  # lands in pinned staging, added by sync
+    del src2  # the caching allocator must not reuse it before the copy ran (record_stream)
+    torch.empty(n, device=device).fill_(-1.0)  # would overwrite it if reused too early
+    link.sync()
+    expect = torch.arange(n, dtype=torch.float32) * 3
+    if not torch.equal(host, expect):
+        failures.append("host link: downward copies (direct + accumulated) are wrong")
+    if ledger.current_by_category.get("host/staging", 0) != 0:
+        failures.append("host link: a staging buffer outlived sync")
+    back = torch.zeros(n, device=device)
+    link.up(back, host)
+    link.wait_uploads()
+    back.add_(1.0)  # on the compute stream: must see the upload
+    if not torch.equal(back.cpu(), expect + 1):
+        failures.append("host link: upload / wait_uploads ordering is wrong")
+    print(f"  host link: {link.copied_bytes / 2**20:.0f} MiB copied, {len(failures)} problem(s)")
     return failures
 
 
@@ -334,7 +402,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--hf-on-cpu",
         action="store_true",
-        help="check 4 (Hugging Face models through the engine) alone, on the CPU",
+        help="check 6 (Hugging Face models through the engine) alone, on the CPU",
     )
     args = parser.parse_args()
     if args.hf_on_cpu:

@@ -25,7 +25,9 @@ SMALL_OFFERS = {
         {"type": "a6000", "max_count": 4, "price_per_hour": 0.79},
     ]
 }
-# a model whose state does not fit on one 16 GiB GPU, nodes of 2, a slow network
+# a model whose state does not fit on one 16 GiB GPU (unless most of it is kept in host
+# memory: the `tight` advisor keeps all state on the GPUs, `tight_host` may not), nodes of 2,
+# a slow network
 TIGHT = ("llama-1.1b", 512, "fp32", 16)
 TIGHT_OFFERS = {
     "offer": [
@@ -42,12 +44,13 @@ TIGHT_OFFERS = {
 }
 
 
-def make_advisor(settings, offers) -> Advisor:
+def make_advisor(settings, offers, allow_host_state: bool = True) -> Advisor:
     model, seq, dtype, batch = settings
     return Advisor(
         Offers.from_dict(offers),
         lambda spec: build_cost_model(spec, model, seq, dtype),
         batch,
+        allow_host_state=allow_host_state,
     )
 
 
@@ -58,6 +61,11 @@ def small():
 
 @pytest.fixture(scope="module")
 def tight():
+    return make_advisor(TIGHT, TIGHT_OFFERS, allow_host_state=False)
+
+
+@pytest.fixture(scope="module")
+def tight_host():
     return make_advisor(TIGHT, TIGHT_OFFERS)
 
 
@@ -85,7 +93,7 @@ def _frontier_within(adv: Advisor, records, max_units) -> list[tuple[str, float]
     return [(adv.cluster_of(k[1]).to_spec(), s) for _, s, k in select_frontier(inside)]
 
 
-@pytest.mark.parametrize("which", ["small", "tight"])
+@pytest.mark.parametrize("which", ["small", "tight", "tight_host"])
 def test_search_equals_brute_force_on_every_inventory(which, request):
     """Every inventory of up to 4 types x 0..4 GPUs (and the tight one's every sub-inventory):
     the search's frontier is exactly the brute-force one, clusters and throughputs."""
@@ -112,7 +120,7 @@ def test_search_equals_brute_force_on_every_inventory(which, request):
         assert len(brute_force(adv, table, adv._max_units)) >= 8  # a frontier worth the name
 
 
-@pytest.mark.parametrize("which", ["small", "tight"])
+@pytest.mark.parametrize("which", ["small", "tight", "tight_host"])
 def test_bound_holds_for_every_cluster(which, request):
     """No plan beats the bound the search prunes with; a cluster whose bound is 0 because its
     state cannot fit is one the planner cannot fit either."""
@@ -127,6 +135,10 @@ def test_bound_holds_for_every_cluster(which, request):
         # one T4 cannot hold llama-1.1b's state: the bound knows it without planning
         assert adv.upper_bound((1, 0, 0)) == 0.0
         assert adv.samples_per_s(adv.cluster_of((1, 0, 0)).to_spec()) is None
+    if which == "tight_host":
+        # with most of its state in host memory one T4 trains it, and the bound knows it can
+        sps = adv.samples_per_s(adv.cluster_of((1, 0, 0)).to_spec())
+        assert sps is not None and 0 < sps <= adv.upper_bound((1, 0, 0))
 
 
 def test_links_and_nodes_of_the_clusters(tight):
@@ -282,7 +294,7 @@ def test_cli_json_contract(tmp_path, capsys):
 
 
 def test_cli_budget_that_buys_nothing_names_the_cheapest_that_fits(tmp_path, capsys):
-    rc = advise(tmp_path, TIGHT_OFFERS, "--budget", "0.5", settings=TIGHT)
+    rc = advise(tmp_path, TIGHT_OFFERS, "--budget", "0.5", "--no-host-state", settings=TIGHT)
     assert rc == 2
     err = capsys.readouterr().err
     assert "no cluster the offers allow fits llama-1.1b within $0.50/h" in err
@@ -364,7 +376,7 @@ def test_example_offers_file_parses_with_sources():
 
 
 def test_cli_have_that_cannot_hold_the_model(tmp_path, capsys):
-    rc = advise(tmp_path, TIGHT_OFFERS, "--have", "t4", settings=TIGHT)
+    rc = advise(tmp_path, TIGHT_OFFERS, "--have", "t4", "--no-host-state", settings=TIGHT)
     assert rc == 2
     err = capsys.readouterr().err
     assert "T4 (16 GiB) cannot train llama-1.1b at global batch 16: llama-1.1b does not fit" in err

@@ -170,12 +170,14 @@ def test_plan_that_does_not_fit_names_each_ranks_shortfall(capsys):
             "gpt-2.7b",
             "--global-batch",
             "64",
+            "--no-host-state",  # with host state it fits (tests/test_host_state.py)
         ],
         capsys,
     )
     assert rc == 2 and "Traceback" not in err
     (line,) = [line for line in err.splitlines() if line.startswith("cephalo plan: error: ")]
     assert "gpt-2.7b does not fit on this cluster" in line
+    assert "keeping part of the training state in host memory would fit" in line
     assert "rank 0 (t4) needs" in line and "rank 1 (t4) needs" in line and "short" in line
     assert "add about" in line  # and what to do about it
 

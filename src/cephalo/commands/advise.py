@@ -117,6 +117,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="never keep activations on the host (as `cephalo plan --no-offload`)",
     )
+    p.add_argument(
+        "--no-host-state",
+        action="store_true",
+        help="keep all training state on the GPUs (as `cephalo plan --no-host-state`)",
+    )
     p.set_defaults(func=run)
 
 
@@ -142,7 +147,13 @@ def run(args: argparse.Namespace) -> int:
         return build_cost_model(spec, model, seq_len, dtype)
 
     console = make_console()
-    advisor = Advisor(offers, cost_model_for, args.global_batch, allow_offload=not args.no_offload)
+    advisor = Advisor(
+        offers,
+        cost_model_for,
+        args.global_batch,
+        allow_offload=not args.no_offload,
+        allow_host_state=not args.no_host_state,
+    )
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     with Progress(

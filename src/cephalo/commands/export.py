@@ -123,6 +123,7 @@ def export_checkpoint(
         model, plan, comm, EngineConfig(compute_dtype="fp32", seed=int(mc.get("seed", 0)))
     )
     step, _, _ = load_checkpoint(checkpoint, engine.sharded_state(), comm)
+    engine.state_written()
     state = engine.full_state_dict()
     out_path = Path(out) if out is not None else None
     if out_path is not None:

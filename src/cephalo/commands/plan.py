@@ -10,7 +10,13 @@ from cephalo.modeling.registry import model_spec_for
 from cephalo.planning.costmodel import CostModel
 from cephalo.planning.plan import DTYPES, Plan
 from cephalo.planning.sources import catalog_cost_model
-from cephalo.views.tables import estimate_lines, make_console, plan_table, strategy_line
+from cephalo.views.tables import (
+    estimate_lines,
+    host_memory_lines,
+    make_console,
+    plan_table,
+    strategy_line,
+)
 
 STRATEGY_CHOICES = ("cephalo", "even", "proportional", "all")
 DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_DTYPE = "gpt-2.7b", 512, "fp16"
@@ -24,12 +30,17 @@ examples:
                --json plan.json --plot plan.png
   cephalo plan --cluster cluster.toml --model gpt-1.3b --global-batch 128 --no-offload
   cephalo plan --cluster 2xl4,a6000 --model ./Qwen2.5-0.5B --global-batch 32 --seq-len 1024
+  cephalo plan --cluster 2xl4,a6000,p40 --model gpt-6.7b --global-batch 64 --no-host-state
 
 What it decides, per GPU (rank): how many samples of the global batch it processes
 (batch), in micro-batches of what size (layered gradient accumulation runs them one layer
 at a time), which fraction of the sharded training state (fp32 master weights, gradients,
 Adam moments) it owns, and whether its layer-boundary activations live on the host.
-It maximises samples/s under every GPU's memory, using the cost model fed by the catalog
+Where memory is short it may also keep part of a GPU's state shard in host memory
+(`on host`: its fp32 master, gradient and Adam moments; the host CPU runs their AdamW step;
+the node's host memory, `host_memory` in a cluster file, default 256 GiB, is shared by its
+GPUs) and let a GPU wait for each reduce-scatter (`rs wait`: one unit gradient less), only
+where that makes the step faster. It maximises samples/s under every GPU's memory, using the cost model fed by the catalog
 (published measurements of real GPUs; `cephalo catalog`) or by measured profiles
 (`cephalo profile --out P.json`, then --profiles P.json). A model the catalog never
 measured (a transformers directory) gets its block times from the same GPU's published
@@ -68,6 +79,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-offload",
         action="store_true",
         help="never keep activations on the host (the planner offloads only when it pays)",
+    )
+    p.add_argument(
+        "--no-host-state",
+        action="store_true",
+        help="keep all training state on the GPUs (the planner keeps it on the host only where it pays)",
     )
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
     p.add_argument(
@@ -165,11 +181,14 @@ def run(args: argparse.Namespace) -> int:
     cm = build_cost_model(args.cluster, args.model, args.seq_len, args.dtype, args.profiles)
     console = make_console()
     allow_offload = not args.no_offload
+    host_state = not args.no_host_state
     strategies = ("cephalo", "even", "proportional") if args.strategy == "all" else (args.strategy,)
     plans: dict[str, Plan | PlanDoesNotFit] = {}
     for s in strategies:
         try:
-            plans[s] = make_plan(cm, args.global_batch, s, allow_offload=allow_offload)
+            plans[s] = make_plan(
+                cm, args.global_batch, s, allow_offload=allow_offload, allow_host_state=host_state
+            )
         except PlanDoesNotFit as e:
             if len(strategies) == 1 or s == "cephalo":
                 raise
@@ -191,8 +210,29 @@ def run(args: argparse.Namespace) -> int:
     for line in estimate_lines(cm):
         console.print(line, style="yellow", soft_wrap=True)
     console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))
+    for line in host_memory_lines(ev):
+        console.print(line, style="dim")
     for s in strategies:
         console.print(strategy_line(s, plans[s], even), soft_wrap=True)
+    uses_host = isinstance(main_plan, Plan) and any(
+        r.host_state_fraction > 0 and r.state_fraction > 0 for r in main_plan.ranks
+    )
+    if "cephalo" in strategies and uses_host:
+        try:
+            device_only: Plan | PlanDoesNotFit = make_plan(
+                cm, args.global_batch, allow_offload=allow_offload, allow_host_state=False
+            )
+        except PlanDoesNotFit as e:
+            device_only = e
+        if isinstance(device_only, Plan):
+            ratio = main_plan.predicted.samples_per_s / device_only.predicted.samples_per_s
+            line = (
+                f"  without host state: {device_only.predicted.samples_per_s:.4g} samples/s "
+                f"(host state: {ratio:.2f}x)"
+            )
+        else:
+            line = "  without host state: does not fit"
+        console.print(line, style="dim", soft_wrap=True)
     if "even" not in strategies:
         console.print(strategy_line("even", even, even), style="dim", soft_wrap=True)
     console.print(f"planned in {main_plan.meta['planner_wall_s'] * 1000:.1f} ms")

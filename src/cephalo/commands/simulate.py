@@ -7,7 +7,7 @@ import argparse
 from cephalo.commands.plan import GIB, add_cost_model_arguments, build_cost_model
 from cephalo.errors import CephaloError
 from cephalo.planning.plan import Plan
-from cephalo.views.tables import make_console, plan_table
+from cephalo.views.tables import host_memory_lines, make_console, plan_table
 
 EPILOG = """\
 examples:
@@ -19,8 +19,10 @@ examples:
 The plan's model, seq_len and dtype are used unless --model / --seq-len / --dtype override
 them. A hand-written plan needs, per rank: rank, device (the cluster's type, e.g. l4),
 batch_size, micro_batch_size, num_micro_batches, state_fraction (and optionally
-offload_activations); see docs/plan-format.md. Ranks that exceed their memory are flagged
-and the exit status is then 1.
+offload_activations, host_state_fraction, overlap_reduce); see docs/plan-format.md. Ranks that
+exceed their memory, and nodes whose host memory (`host_memory` in a cluster file, default
+256 GiB) is too small for the state the plan keeps there, are flagged and the exit status is
+then 1.
 """
 
 
@@ -66,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.global_batch_size}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}"
     )
     console.print(plan_table(plan, ev, title=f"{args.plan} ({plan.strategy})"))
+    for line in host_memory_lines(ev):
+        console.print(line)
     console.print(
         f"simulated: {ev.samples_per_s:.4g} samples/s, {ev.tokens_per_s:.4g} tokens/s, step {ev.step_s:.4g} s"
     )
@@ -75,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
             f"step {plan.predicted.step_s:.3f} s: different profiles or cluster)"
         )
     bad = [c for c in ev.ranks if not c.fits]
+    host_short = ev.host_shortfall_message()
+    if host_short:
+        console.print(f"[red]host memory too small:[/red] {host_short}")
     if bad:
         console.print(
             "[red]does not fit:[/red] "
@@ -85,4 +92,4 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 1
-    return 0
+    return 1 if host_short else 0

@@ -287,6 +287,7 @@ class Advisor:
         cost_model_for: CostModelFactory,
         global_batch: int,
         allow_offload: bool = True,
+        allow_host_state: bool = True,
     ):
         if global_batch < 1:
             raise CephaloError(f"the global batch must be >= 1, got {global_batch}")
@@ -294,6 +295,7 @@ class Advisor:
         self.cost_model_for = cost_model_for
         self.global_batch = global_batch
         self.allow_offload = allow_offload
+        self.allow_host_state = allow_host_state
         self.left_out: list[str] = []
         """Why an offer takes no part (no profile for the model, too little memory)."""
         self._cache: dict[str, float | None] = {}
@@ -355,8 +357,20 @@ class Advisor:
             self._model_cm = cm
         B = self.global_batch
         cap = cm.capacity_bytes(0)
-        idle = float(cm.memory_without_state(type_key, cap, 0, 1, False))
-        state_cap = (cap - MEMORY_SLACK_BYTES - idle) / cm.bytes_per_fraction
+        # the leanest memory the planner may choose: no reduce overlap (one unit gradient
+        # less), and where the cost model has host resources, every state byte but the
+        # compute-dtype copy on the host (host memory left unbounded: an upper bound)
+        leanest = (True, False)
+        idle = min(
+            float(cm.memory_without_state(type_key, cap, 0, 1, False, overlap))
+            for overlap in leanest
+        )
+        per_fraction = (
+            cm.host_part_device_bytes_per_fraction
+            if self.allow_host_state and cm.host is not None
+            else cm.bytes_per_fraction
+        )
+        state_cap = (cap - MEMORY_SLACK_BYTES - idle) / per_fraction
         if state_cap < 0:
             return (
                 f"left out, its {cap / 1024**3:.0f} GiB cannot hold even the buffers of "
@@ -364,7 +378,14 @@ class Advisor:
             )
         ms = np.arange(1, min(B, MAX_MICRO_BATCH) + 1)
         options = [False, True] if self.allow_offload else [False]
-        mem = np.min([cm.memory_without_state(type_key, cap, ms, ms, o) for o in options], axis=0)
+        mem = np.min(
+            [
+                cm.memory_without_state(type_key, cap, ms, ms, o, overlap)
+                for o in options
+                for overlap in leanest
+            ],
+            axis=0,
+        )
         fits = np.nonzero(mem + MEMORY_SLACK_BYTES <= cap)[0]
         mmax = int(ms[fits[-1]]) if fits.size else 0
         passes = cm.fastest_pass_times(type_key, np.arange(B + 1), max(mmax, 1))
@@ -410,7 +431,13 @@ class Advisor:
             started = time.perf_counter()
             cm = self.cost_model_for(spec)  # a bad spec or model is the user's to hear about
             try:
-                plan = make_plan(cm, self.global_batch, "cephalo", allow_offload=self.allow_offload)
+                plan = make_plan(
+                    cm,
+                    self.global_batch,
+                    "cephalo",
+                    allow_offload=self.allow_offload,
+                    allow_host_state=self.allow_host_state,
+                )
                 self._cache[spec] = plan.predicted.samples_per_s
             except CephaloError as e:  # does not fit, or more samples per GPU than it plans
                 self._cache[spec] = None

@@ -32,15 +32,29 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     does) and offload adds the staging copy of each boundary read back: the input of every
     unit but the embedding (forward and backward) and the output gradient of every unit
     but the head (backward).
+    A rank that does not overlap its reduce-scatters (plan `overlap_reduce` false: one unit
+    gradient less on the device) waits for each one after its unit's backward: that unit's
+    backward costs max(compute, gather, copy) + scatter.
   optimizer:  s * P * optimizer_s_per_param (after the last reduce-scatter; not overlapped)
+  host state (plan `host_state_fraction` h; x = h * s of the model lives on the host): the
+    reduce-scatter output of that part goes down to the host (x * P_u * 4 bytes per unit at the
+    host bandwidth: on a GPU beside the next unit's backward, so a unit's backward costs
+    max(compute, gather, scatter, boundary copy, gradient copy), the embedding's copy after
+    its reduce-scatter not hidden; on a CPU on the compute thread, added); the host runs
+    AdamW on it (x * P * host_optimizer_s_per_param of this rank: the node's host shared by its
+    ranks) and the updated compute-dtype parameters go back up (x * P * d bytes). The device
+    optimizer then works on (s - x) * P. On a GPU the host step, the uploads (pipelined unit
+    by unit) and the device optimizer run at once: the optimizer phase is the largest of the
+    three; on a CPU they add up.
   step time of the rank: sum over units and passes + optimizer; a rank with b = 0 still
   takes part in every collective, so it costs the collective time.
 
   peak memory: the largest of the device's totals at the moments where the peak can fall
   (each unit's backward, the end of the forward: `CostModel._phases`), by category at that
   moment, plus what is there throughout:
-    state       s * P * 16 (fp32 master + fp32 gradient shard + two fp32 Adam moments; the
+    state       (s - x) * P * 16 (fp32 master + fp32 gradient shard + two fp32 Adam moments; the
                 compute-dtype copy of the parameters only exists in the gathered buffers)
+                + x * P * d (the compute-dtype copy of the host-held part, read by the gathers)
     gathered    the unit computing + the prefetched one, in the compute dtype
     grad_accum  the full fp32 gradients of the unit being back-propagated and of the one
                 whose reduce-scatter is in flight, plus that reduce-scatter's output, this
@@ -53,6 +67,11 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     logits      in the head's backward: its profile curve, never less than the fp32 softmax
                 logits m * seq * vocab * 4
     reserve     allocator fragmentation and workspace
+    With `overlap_reduce` false, a unit's backward holds its own fp32 gradient only.
+
+  host memory: x * P * (16 + d unless fp32: the pinned compute-dtype copy the uploads read) +
+  the offloaded boundaries ((L + 1) * b * seq * hidden * d); the ranks of a node share its
+  `HostResources.memory_bytes`.
 """
 
 from __future__ import annotations
@@ -77,6 +96,8 @@ LOGIT_BYTES = 4
 """The head's softmax runs in fp32."""
 DEFAULT_RESERVE_FRACTION = 0.05
 """Share of each device's memory kept free for fragmentation and library workspaces."""
+HOST_STATE_BYTES_PER_PARAM = 16
+"""A host-held parameter in host memory: fp32 master, gradient, two Adam moments (pinned on CUDA)."""
 MEMORY_CATEGORIES = (
     "state",
     "gathered",
@@ -88,11 +109,59 @@ MEMORY_CATEGORIES = (
 )
 
 
+def host_bytes(model: ModelSpec, seq_len: int, dtype: str, b, offload, host_part) -> np.ndarray:
+    """Host memory of a rank taking b samples, with boundaries offloaded or not, and the part
+    `host_part` x (= h * s) of the model's state on the host; broadcasts (see the module
+    docstring)."""
+    d = DTYPE_BYTES[dtype]
+    per_param = HOST_STATE_BYTES_PER_PARAM + (0 if dtype == "fp32" else d)
+    b = np.asarray(b, dtype=np.int64)
+    held = np.where(
+        np.asarray(offload, dtype=bool),
+        (model.num_layers + 1) * b * seq_len * model.hidden_size * d,
+        0,
+    )
+    return np.asarray(host_part) * model.total_params * per_param + held
+
+
+def check_host_memory(
+    plan: Plan, model: ModelSpec, node_of: list[int], memory_bytes: dict[int, int]
+) -> None:
+    """Raise `CephaloError` naming every node whose host memory is too small for what the
+    plan's ranks put there (host state and offloaded activations)."""
+    by_node: dict[int, tuple[int | None, list[tuple[int, int]]]] = {}
+    for r, node in zip(plan.ranks, node_of, strict=True):
+        x = r.state_fraction * r.host_state_fraction
+        nbytes = host_bytes(model, plan.seq_len, plan.dtype, r.batch_size, r.offload_activations, x)
+        by_node.setdefault(node, (memory_bytes[node], []))[1].append(
+            (r.rank, int(math.ceil(float(nbytes))))
+        )
+    message = host_shortfall_message(by_node)
+    if message:
+        raise CephaloError(message)
+
+
 class DeviceLike(Protocol):
     """What the cost model reads of a device (`cephalo.specs.cluster.Device` satisfies it)."""
 
     type_key: str
     memory_bytes: int
+
+
+@dataclass(frozen=True)
+class HostResources:
+    """What the cost model knows about the hosts of a cluster (`planning.sources` builds it from
+    the cluster, the profiles and the catalog's defaults)."""
+
+    node_of: tuple[int, ...]
+    """Per rank: its node."""
+    memory_bytes: dict[int, int]
+    """Per node: host memory, shared by the node's ranks (host state + offloaded activations)."""
+    optimizer_s_per_param: tuple[float, ...]
+    """Per rank: host AdamW seconds per host-held parameter (the node's host shared by its ranks)."""
+
+    def ranks_on(self, node: int) -> list[int]:
+        return [i for i, n in enumerate(self.node_of) if n == node]
 
 
 @dataclass
@@ -143,6 +212,14 @@ class RankCost:
     """Total boundary-activation copy time to and from the host (0 without offload)."""
     memory: MemoryBreakdown
     capacity_bytes: int
+    host_state_s: float = 0.0
+    """Host-state time: the host AdamW, the uploads of the updated parameters and the gradient
+    copies to the host (on a GPU mostly beside other work; the step time says what shows)."""
+    host_bytes: int = 0
+    """Host memory of this rank: host state and offloaded boundary activations."""
+    node: int = 0
+    host_capacity_bytes: int | None = None
+    """Host memory of this rank's node (shared with the node's other ranks); None: unknown."""
 
     @property
     def busy_s(self) -> float:
@@ -177,9 +254,61 @@ class PlanEvaluation:
         self.samples_per_s = self.global_batch_size / self.step_s if self.step_s > 0 else math.inf
         self.tokens_per_s = self.samples_per_s * self.seq_len
 
+    def host_by_node(self) -> dict[int, tuple[int, int | None, list[int]]]:
+        """Per node: (host bytes its ranks use, its host memory or None, its ranks)."""
+        out: dict[int, tuple[int, int | None, list[int]]] = {}
+        for r in self.ranks:
+            used, cap, ranks = out.get(r.node, (0, r.host_capacity_bytes, []))
+            out[r.node] = (used + r.host_bytes, cap, [*ranks, r.rank])
+        return out
+
+    @property
+    def host_fits(self) -> bool:
+        """Every node's host memory holds what its ranks put there."""
+        return all(cap is None or used <= cap for used, cap, _ in self.host_by_node().values())
+
     @property
     def fits(self) -> bool:
-        return all(r.fits for r in self.ranks)
+        return all(r.fits for r in self.ranks) and self.host_fits
+
+    def host_shortfall_message(self) -> str | None:
+        """One line per node whose host memory is too small for the plan, or None."""
+        return host_shortfall_message(
+            {
+                node: (cap, [(r.rank, r.host_bytes) for r in self.ranks if r.node == node])
+                for node, (_, cap, _ranks) in self.host_by_node().items()
+            }
+        )
+
+
+def host_shortfall_message(
+    by_node: dict[int, tuple[int | None, list[tuple[int, int]]]],
+) -> str | None:
+    """The per-node message for nodes whose host memory (cap) is smaller than what their ranks
+    (rank, bytes) put there, or None when every node holds it."""
+    lines = []
+    for node, (cap, ranks) in by_node.items():
+        total = sum(n for _, n in ranks)
+        if cap is None or total <= cap:
+            continue
+        parts = ", ".join(f"rank {r} {_gib(n)}" for r, n in ranks if n)
+        lines.append(
+            f"node {node} has {_gib(cap)} of host memory but the plan puts {_gib(total)} there "
+            f"({parts}; short {_gib(total - cap)})"
+        )
+    if not lines:
+        return None
+    return (
+        "; ".join(lines)
+        + ": lower host_state_fraction (or offload fewer activations) on those ranks, give the "
+        "node more host memory (`host_memory` in the cluster file), or plan again (`cephalo plan`)"
+    )
+
+
+def _gib(n: float) -> str:
+    if abs(n) >= 0.01 * 1024**3:
+        return f"{n / 1024**3:.2f} GiB"
+    return f"{n / 1024**2:.1f} MiB"
 
 
 class _CurveTable:
@@ -233,6 +362,8 @@ class CostModel:
         reserve_bytes: int | None = None,
         reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
         meta: dict[str, Any] | None = None,
+        host: HostResources | None = None,
+        serial_reduce: bool = False,
     ):
         if dtype not in DTYPE_BYTES:
             raise CephaloError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -251,6 +382,17 @@ class CostModel:
                 raise CephaloError(
                     f"profile of {key!r} lacks unit kind(s) {', '.join(sorted(absent))}"
                 )
+        if host is not None and (
+            len(host.node_of) != len(devices) or len(host.optimizer_s_per_param) != len(devices)
+        ):
+            raise CephaloError(
+                f"the host resources describe {len(host.node_of)} ranks but the cluster has {len(devices)}"
+            )
+        self.host = host
+        """The hosts (memory per node, AdamW speed per rank); None: the planner keeps all state on
+        the devices and host memory is not checked."""
+        self.serial_reduce = serial_reduce
+        """Whether the planner may turn off a rank's reduce-scatter overlap to save a unit gradient."""
         self.model = model
         self.seq_len = seq_len
         self.dtype = dtype
@@ -283,6 +425,10 @@ class CostModel:
         # read back, per pass (see the module docstring).
         self.sync_copies_fwd = {"embedding": 0, "block": 1, "head": 1}
         self.sync_copies_bwd = {"embedding": 1, "block": 2, "head": 1}
+        # The boundary writes to the host, per pass: every unit's output but the head's in
+        # forward, every unit's input gradient but the embedding's in backward.
+        self.writes_fwd = {"embedding": 1, "block": 1, "head": 0}
+        self.writes_bwd = {"embedding": 0, "block": 1, "head": 1}
 
         n = len(self.devices)
         ring = (n - 1) / n if n > 1 else 0.0
@@ -308,6 +454,21 @@ class CostModel:
         reduce-scatter output."""
         self.sample_boundary_bytes = seq_len * model.hidden_size * self.dtype_bytes
         self.sample_logit_bytes = seq_len * model.vocab_size * LOGIT_BYTES
+        self.host_part_device_bytes_per_fraction = (
+            self.total_params * self.dtype_bytes + self.reduce_out_bytes_per_fraction
+        )
+        """Device bytes per unit of host-held fraction x: its compute-dtype copy and its share of
+        the reduce-scatter output (which lands on the device before it goes down)."""
+        self.host_bytes_per_param = HOST_STATE_BYTES_PER_PARAM + (
+            0 if dtype == "fp32" else self.dtype_bytes
+        )
+        """Host bytes per host-held parameter: the state, plus (unless fp32) the pinned
+        compute-dtype copy the uploads read."""
+        self.grad_copy_params = sum(
+            c * self.gathered_params[k] for k, c in self.unit_counts.items()
+        )
+        """Gradient elements reduce-scattered per step per unit of state fraction (a tied head
+        reduces its borrowed embedding slice too): what goes down to the host at x = 1."""
 
     # ------------------------------------------------------------------ per-device constants
     def capacity_bytes(self, rank: int) -> int:
@@ -337,14 +498,18 @@ class CostModel:
             out[kind] = (fwd, bwd)
         return out
 
-    def step_time_parts(self, type_key: str, b, m, offload):
-        """(time without the optimizer, compute, host-copy time) of a rank; broadcasts over b, m, offload.
+    def step_time_parts(self, type_key: str, b, m, offload, overlap_reduce=True, host_part=0.0):
+        """(time without the optimizer, compute, host-copy time) of a rank; broadcasts over b,
+        m, offload, overlap_reduce and host_part (x = h * s, the host-held fraction of the model,
+        whose gradients go down to the host in the backward).
 
-        The optimizer (s * P * optimizer_s_per_param) is added by the caller because the
-        planner chooses s after the rest. On a device without async copies the compute
-        includes the copies.
+        The optimizer (`optimizer_phase_s`) is added by the caller because the planner chooses
+        s after the rest. On a device without async copies the compute includes the boundary
+        copies (the gradient copies to the host run outside the unit compute, on the same thread).
         """
-        return self.step_time_of_passes(type_key, b, self._pass_times(type_key, b, m), offload)
+        return self.step_time_of_passes(
+            type_key, b, self._pass_times(type_key, b, m), offload, overlap_reduce, host_part
+        )
 
     def fastest_pass_times(self, type_key: str, b, max_micro_batch: int):
         """Per unit kind: the least forward and the least recompute + backward kernel time of b
@@ -369,66 +534,148 @@ class CostModel:
             out[kind] = (np.minimum.accumulate(f[::-1])[::-1], np.minimum.accumulate(w[::-1])[::-1])
         return out
 
-    def step_time_of_passes(self, type_key: str, b, passes, offload):
+    def step_time_of_passes(
+        self, type_key: str, b, passes, offload, overlap_reduce=True, host_part=0.0
+    ):
         """`step_time_parts` from per-kind (forward, recompute + backward) kernel times: the
-        collectives and host copies each pass overlaps with, and the last reduce-scatter."""
+        collectives and host copies each pass overlaps with, and the last reduce-scatter.
+        Overlapping the reduce-scatter and keeping no state on the host give the least time
+        (each other choice only adds to a pass or enters a max)."""
         b = np.asarray(b, dtype=np.int64)
         offload = np.asarray(offload, dtype=bool)
+        overlap = np.asarray(overlap_reduce, dtype=bool)
+        x = np.asarray(host_part, dtype=np.float64)
+        hosted = bool(np.any(x))
         profile = self.profiles[type_key]
-        copy_one = np.where(
-            offload, b * self.sample_boundary_bytes / profile.host_copy_bytes_per_s, 0.0
-        )
+        bw = profile.host_copy_bytes_per_s
+        copy_one = np.where(offload, b * self.sample_boundary_bytes / bw, 0.0)
         total = 0.0
         compute = 0.0
         copies = 0.0
+        grad_copies = 0.0
         for kind, (fwd, bwd) in passes.items():
             count = self.unit_counts[kind]
             gather, scatter = self.gather_s[kind], self.scatter_s[kind]
+            grad_down = x * self.gathered_params[kind] * GRAD_BYTES / bw if hosted else 0.0
             if profile.async_copies:
                 cf = copy_one * self.copies_fwd[kind]
                 cb = copy_one * self.copies_bwd[kind]
-                total = total + count * (
-                    np.maximum(np.maximum(fwd, gather), cf)
-                    + np.maximum(np.maximum(np.maximum(bwd, gather), cb), scatter)
-                )
+                # the gradient copy of a unit runs beside the next unit's backward, with or
+                # without overlap (without, only the reduce-scatter is waited for at once)
+                hidden = np.maximum(np.maximum(np.maximum(bwd, gather), cb), grad_down)
+                backward = np.where(overlap, np.maximum(hidden, scatter), hidden + scatter)
+                total = total + count * (np.maximum(np.maximum(fwd, gather), cf) + backward)
                 compute = compute + count * (fwd + bwd)
             else:
                 cf = copy_one * self.sync_copies_fwd[kind]
                 cb = copy_one * self.sync_copies_bwd[kind]
-                total = total + count * (
-                    np.maximum(fwd + cf, gather) + np.maximum(np.maximum(bwd + cb, gather), scatter)
+                if not profile.boundary_writes_in_compute:  # an emulated link: copies of their own
+                    cf = cf + copy_one * self.writes_fwd[kind]
+                    cb = cb + copy_one * self.writes_bwd[kind]
+                backward = np.where(
+                    overlap,
+                    np.maximum(np.maximum(bwd + cb, gather), scatter),
+                    np.maximum(bwd + cb, gather) + scatter,
                 )
+                total = total + count * (np.maximum(fwd + cf, gather) + backward + grad_down)
                 compute = compute + count * (fwd + bwd + cf + cb)
             copies = copies + count * (cf + cb)
-        # the embedding's reduce-scatter, last of the backward, has no compute left to hide under
-        return total + self.scatter_s["embedding"], compute, copies
+            grad_copies = grad_copies + count * grad_down
+        # the embedding's reduce-scatter (with overlap; without, every unit's is counted) and, on
+        # a GPU, the copy of its gradient to the host, last of the backward, have no compute left
+        # to hide under
+        tail = np.where(overlap, self.scatter_s["embedding"], 0.0)
+        if profile.async_copies and hosted:
+            tail = tail + x * self.gathered_params["embedding"] * GRAD_BYTES / bw
+        return total + tail, compute, copies
+
+    def host_rates(self, rank: int) -> tuple[float, float, float]:
+        """Per host-held parameter on `rank`: (gradient copy down, upload of the compute-dtype
+        copy, host AdamW) seconds; (inf, inf, inf) without host resources."""
+        if self.host is None:
+            return math.inf, math.inf, math.inf
+        bw = self.profiles[self.devices[rank].type_key].host_copy_bytes_per_s
+        grad = self.grad_copy_params / self.total_params * GRAD_BYTES / bw
+        return grad, self.dtype_bytes / bw, self.host.optimizer_s_per_param[rank]
+
+    def optimizer_phase_s(
+        self, rank: int, state_fraction, host_part
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(optimizer phase seconds, of which host-state work) of `rank` owning `state_fraction`
+        of the model, `host_part` of it on the host; broadcasts."""
+        s = np.asarray(state_fraction, dtype=np.float64)
+        x = np.asarray(host_part, dtype=np.float64)
+        key = self.devices[rank].type_key
+        device = (s - x) * self.total_params * self.optimizer_s_per_param(key)
+        if self.host is None:
+            return device + 0.0 * x, np.zeros(np.broadcast_shapes(s.shape, x.shape))
+        _, up, opt = self.host_rates(rank)
+        host_opt = x * self.total_params * opt
+        upload = x * self.total_params * up
+        if self.profiles[key].async_copies:
+            # the device optimizer's kernels, the host's AdamW and the uploads (each unit as
+            # soon as the host has updated it) run at once
+            return np.maximum(np.maximum(device, host_opt), upload), host_opt + upload
+        return device + host_opt + upload, host_opt + upload
 
     def memory_parts(
-        self, type_key: str, capacity_bytes: int, b, m, offload
+        self,
+        type_key: str,
+        capacity_bytes: int,
+        b,
+        m,
+        offload,
+        overlap_reduce=True,
+        state_fraction=None,
+        host_part=0.0,
     ) -> dict[str, np.ndarray]:
         """Device memory by category at the predicted peak of a step, without what grows
         with the state fraction (`state` and the reduce-scatter output in `grad_accum`);
-        broadcasts over b, m, offload. See `_phases` for the moments compared."""
+        broadcasts over b, m, offload, overlap_reduce. See `_phases` for the moments compared.
+
+        With `state_fraction` (and `host_part`) the `state` category is included and takes part
+        in finding the peak: on a rank without reduce overlap it changes during the step (its
+        gradient shards exist from their reduce-scatter to the optimizer step). Without, the
+        state counts as constant, all gradients included: an upper bound for those ranks."""
         b = np.asarray(b, dtype=np.int64)
         m = np.maximum(np.asarray(m, dtype=np.int64), 1)
         offload = np.asarray(offload, dtype=bool)
-        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape)
-        phases = self._phases(type_key, b, m, offload)
-        totals = np.stack([sum(np.broadcast_to(v, shape) for v in ph.values()) for ph in phases])
+        overlap = np.asarray(overlap_reduce, dtype=bool)
+        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape)
+        phases = self._phases(type_key, b, m, offload, overlap)
+        grads = self._phase_grads(not bool(np.all(overlap)))
+        if state_fraction is not None:
+            s, x = np.asarray(state_fraction), np.asarray(host_part)
+            full = self.state_bytes(s, x)
+            for ph, alive in zip(phases, grads, strict=True):
+                missing = (s - x) * GRAD_BYTES * (self.total_params - alive)
+                ph["state"] = np.where(overlap, full, full - missing)
+        totals = np.stack(
+            [
+                sum((np.broadcast_to(v, shape) for v in ph.values()), np.zeros(shape))
+                for ph in phases
+            ]
+        )
         peak = np.argmax(totals, axis=0)  # the first of equal phases
         out = {}
-        for c in ("gathered", "grad_accum", "activations", "boundary", "logits"):
+        categories = ("gathered", "grad_accum", "activations", "boundary", "logits")
+        if state_fraction is not None:
+            categories = ("state", *categories)
+        for c in categories:
             stacked = np.stack([np.broadcast_to(ph.get(c, 0.0), shape) for ph in phases])
             out[c] = np.take_along_axis(stacked, peak[None], axis=0)[0].astype(np.float64)
         out["reserve"] = np.zeros(shape) + self.reserve_for(capacity_bytes)
         return out
 
-    def _phases(self, type_key: str, b, m, offload) -> list[dict[str, np.ndarray]]:
+    def _phases(self, type_key: str, b, m, offload, overlap=True) -> list[dict[str, np.ndarray]]:
         """Device bytes by category at the moments of a step where the peak can fall (the
-        ledger's view, runtime/engine.py). Units in order: embedding, L blocks, head.
+        ledger's view, runtime/engine.py); `_phase_grads` says, per moment, whose gradient
+        shards a rank without reduce overlap holds then. Units in order: embedding, L blocks,
+        head.
 
         - backward of a unit: its gathered parameters and the next one's (prefetched), its
-          fp32 gradient and the previous unit's (whose reduce-scatter is in flight), its
+          fp32 gradient and the previous unit's (whose reduce-scatter is in flight; not with
+          `overlap` false), its
           recompute + backward activations at micro-batch m (the profile's curve, transient
           gradients included; the head's never below its fp32 logits), and the boundaries
           still held: the inputs of every unit before it and the output gradients it reads
@@ -436,6 +683,12 @@ class CostModel:
           head, the last block, the block before it (two block gradients) and the embedding;
           the other blocks hold fewer boundaries than the block before the last.
         - end of the forward: the last block and the head gathered, every boundary stored.
+        - without reduce overlap, a rank's gradient shards exist from their reduce-scatter to
+          the optimizer step: in a unit's backward, those of the units after it (and the tied
+          embedding's once the head has reduced its borrowed slice); none at the end of the
+          forward; all in the optimizer step, a moment with nothing else on the device. The
+          state then grows through the backward while the boundaries shrink: the first
+          block's backward is a candidate too.
         """
         L = self.model.num_layers
         kinds = ["embedding"] + ["block"] * L + ["head"]
@@ -453,10 +706,10 @@ class CostModel:
         def backward(u: int) -> dict[str, np.ndarray]:
             kind = kinds[u]
             act = t.act[kind].at(m_eff)
+            in_flight = params[u + 1] if u + 1 < len(kinds) else 0
             phase = {
                 "gathered": (params[u] + (params[u - 1] if u > 0 else 0)) * d,
-                "grad_accum": (params[u] + (params[u + 1] if u + 1 < len(kinds) else 0))
-                * GRAD_BYTES,
+                "grad_accum": (params[u] + np.where(overlap, in_flight, 0)) * GRAD_BYTES,
             }
             if kind == "head":
                 logits = np.maximum(act, m_eff * self.sample_logit_bytes)
@@ -468,25 +721,77 @@ class CostModel:
                 phase["boundary"] = held(u + 1, 1 if kind == "embedding" else 2)
             return phase
 
-        last_block = L  # index of the last block (L >= 1)
-        candidates = {len(kinds) - 1, last_block, max(last_block - 1, 1), 0}
-        phases = [backward(u) for u in sorted(candidates, reverse=True)]
+        lean = not bool(np.all(overlap))
+        phases = [backward(u) for u in self._backward_candidates(lean)]
         phases.append(
             {
                 "gathered": (params[-1] + params[-2]) * d,
                 "boundary": held(L + 1, 1),
             }
         )
+        if lean:
+            phases.append({})  # the optimizer step: the state alone
         return phases
 
-    def memory_without_state(self, type_key: str, capacity_bytes: int, b, m, offload) -> np.ndarray:
-        # whole bytes per category, exactly as `rank_cost` reports them
-        parts = self.memory_parts(type_key, capacity_bytes, b, m, offload)
-        return sum(np.ceil(v) for v in parts.values())
+    def _backward_candidates(self, lean: bool = True) -> list[int]:
+        """Units whose backward `_phases` checks, in its order: the head, the last block, the
+        block before it, (`lean`: for ranks without reduce overlap, the first block,) the
+        embedding."""
+        L = self.model.num_layers
+        units = {L + 1, L, max(L - 1, 1), 0} | ({1} if lean else set())
+        return sorted(units, reverse=True)
 
-    def state_bytes(self, fraction) -> np.ndarray:
-        """The `state` category at state fraction `fraction`."""
-        return np.asarray(fraction) * self.total_params * STATE_BYTES_PER_PARAM
+    def _phase_grads(self, lean: bool = True) -> list[int]:
+        """Per moment of `_phases` (with `lean` as there): the parameters whose gradient
+        shards a rank without reduce overlap holds (those reduced so far; all of them at the
+        optimizer step)."""
+        L = self.model.num_layers
+        own = (
+            [self.model.embedding_params]
+            + [self.model.params_per_block] * L
+            + [self.model.head_params]
+        )
+
+        def after(u: int) -> int:
+            alive = sum(own[u + 1 :])
+            if self.model.tied_embeddings and 0 < u < L + 1:
+                alive += own[0]  # the head reduced into the embedding's gradient
+            return alive
+
+        grads = [after(u) for u in self._backward_candidates(lean)] + [0]
+        return grads + [self.total_params] if lean else grads
+
+    def memory_without_state(
+        self, type_key: str, capacity_bytes: int, b, m, offload, overlap_reduce=True
+    ) -> np.ndarray:
+        """`memory_parts`' total: whole bytes per category, exactly as `rank_cost` reports
+        them (the planner's tables: one stack of the phases' totals, not one per category)."""
+        b = np.asarray(b, dtype=np.int64)
+        m = np.maximum(np.asarray(m, dtype=np.int64), 1)
+        offload = np.asarray(offload, dtype=bool)
+        overlap = np.asarray(overlap_reduce, dtype=bool)
+        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape)
+        phases = self._phases(type_key, b, m, offload, overlap)
+        zero = np.zeros(shape)
+        raw = np.stack([sum((v for v in ph.values()), zero) for ph in phases])
+        whole = np.stack([sum((np.ceil(v) for v in ph.values()), zero) for ph in phases])
+        peak = np.argmax(raw, axis=0)  # the first of equal phases, as in `memory_parts`
+        total = np.take_along_axis(whole, peak[None], axis=0)[0]
+        return total + math.ceil(self.reserve_for(capacity_bytes))
+
+    def state_bytes(self, fraction, host_part=0.0) -> np.ndarray:
+        """The `state` category at state fraction `fraction`, `host_part` of the model (a part of
+        that fraction) on the host: only its compute-dtype copy stays."""
+        f = np.asarray(fraction)
+        x = np.asarray(host_part)
+        return (
+            f - x
+        ) * self.total_params * STATE_BYTES_PER_PARAM + x * self.total_params * self.dtype_bytes
+
+    def host_bytes(self, b, offload, host_part) -> np.ndarray:
+        """Host memory of a rank: `host_part` x of the model held there, and the boundary
+        activations of b samples when offloaded (all of them after the forward)."""
+        return host_bytes(self.model, self.seq_len, self.dtype, b, offload, host_part)
 
     def fraction_bytes(self, fraction) -> np.ndarray:
         """All bytes that grow with the state fraction (state + reduce-scatter output): what
@@ -501,30 +806,54 @@ class CostModel:
         micro_batch_size: int,
         state_fraction: float,
         offload: bool = False,
+        host_fraction: float = 0.0,
+        overlap_reduce: bool = True,
     ) -> RankCost:
+        """One rank's time and memory; `host_fraction` is the plan's `host_state_fraction` h (the
+        part of this rank's shard on the host)."""
+        if not 0.0 <= host_fraction <= 1.0:
+            raise CephaloError(
+                f"rank {rank}: host_state_fraction must be in [0, 1] (0: all state on the device, "
+                f"1: all on the host), got {host_fraction}"
+            )
+        if host_fraction > 0 and state_fraction > 0 and self.host is None:
+            raise CephaloError(
+                f"rank {rank} keeps state on the host (host_state_fraction {host_fraction:g}) but this "
+                "cost model knows no hosts; build it from a cluster (planning.sources)"
+            )
         dev = self.devices[rank]
         key = dev.type_key
         cap = self.capacity_bytes(rank)
-        total, compute, copies = self.step_time_parts(key, batch_size, micro_batch_size, offload)
-        opt = state_fraction * self.total_params * self.optimizer_s_per_param(key)
-        parts = self.memory_parts(key, cap, batch_size, micro_batch_size, offload)
+        x = state_fraction * host_fraction
+        total, compute, copies = self.step_time_parts(
+            key, batch_size, micro_batch_size, offload, overlap_reduce, x
+        )
+        opt, host_s = self.optimizer_phase_s(rank, state_fraction, x)
+        parts = self.memory_parts(
+            key, cap, batch_size, micro_batch_size, offload, overlap_reduce, state_fraction, x
+        )
         parts["grad_accum"] = (
             parts["grad_accum"] + state_fraction * self.reduce_out_bytes_per_fraction
         )
-        mem = MemoryBreakdown(
-            state=int(math.ceil(float(self.state_bytes(state_fraction)))),
-            **{k: int(math.ceil(float(v))) for k, v in parts.items()},
+        mem = MemoryBreakdown(**{k: int(math.ceil(float(v))) for k, v in parts.items()})
+        grad_down = (
+            x * self.grad_copy_params * GRAD_BYTES / self.profiles[key].host_copy_bytes_per_s
         )
+        node = self.host.node_of[rank] if self.host is not None else 0
         return RankCost(
             rank=rank,
             device=key,
-            step_s=float(total) + opt,
+            step_s=float(total) + float(opt),
             compute_s=float(compute),
-            optimizer_s=opt,
+            optimizer_s=float(opt),
             comm_s=self.comm_total_s,
             host_copy_s=float(copies),
             memory=mem,
             capacity_bytes=cap,
+            host_state_s=float(host_s) + grad_down,
+            host_bytes=int(math.ceil(float(self.host_bytes(batch_size, offload, x)))),
+            node=node,
+            host_capacity_bytes=self.host.memory_bytes[node] if self.host is not None else None,
         )
 
     def evaluate(self, plan: Plan) -> PlanEvaluation:
@@ -557,6 +886,10 @@ class CostModel:
                 r.micro_batch_size,
                 r.state_fraction,
                 r.offload_activations,
+                r.host_state_fraction,
+                r.overlap_reduce,
+                None if self.host is None else self.host.node_of[r.rank],
+                None if self.host is None else self.host.optimizer_s_per_param[r.rank],
             )
             if key not in cache:
                 cache[key] = self.rank_cost(
@@ -565,6 +898,8 @@ class CostModel:
                     r.micro_batch_size,
                     r.state_fraction,
                     r.offload_activations,
+                    r.host_state_fraction,
+                    r.overlap_reduce,
                 )
             costs.append(replace(cache[key], rank=r.rank))
         return PlanEvaluation(

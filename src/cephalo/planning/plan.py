@@ -42,10 +42,19 @@ class RankPlan:
     """Fraction of every unit's parameters / gradients / optimizer state this rank owns."""
     offload_activations: bool = False
     """Keep layer-boundary activations on the host instead of the device."""
+    host_state_fraction: float = 0.0
+    """Part of this rank's state shard (fp32 master, gradient, Adam moments) kept in host memory
+    and updated by the host CPU: 0 = all on the device, 1 = all on the host. The device keeps
+    only the compute-dtype copy of that part, for the all-gathers."""
+    overlap_reduce: bool = True
+    """Reduce-scatter a unit's gradient while the next unit's backward computes (one more fp32
+    unit gradient on the device); False: wait for it at once (a rank short of memory)."""
     predicted_step_s: float | None = None
     """Cost-model step time of this rank alone (busy time), seconds."""
     predicted_peak_memory_bytes: int | None = None
     """Cost-model peak device memory of this rank, bytes."""
+    predicted_host_bytes: int | None = None
+    """Cost-model host memory of this rank (host state and offloaded activations), bytes."""
 
 
 @dataclass
@@ -198,6 +207,20 @@ def _optional_number(d: dict, key: str, where: str, kind: type = float) -> Any:
     return kind(v)
 
 
+def _fraction(d: dict, key: str, where: str) -> float:
+    """An optional fraction field (absent: 0), a number in [0, 1]."""
+    if key not in d:
+        return 0.0
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise CephaloError(f"{where}: field {key!r} must be a number in [0, 1], got {v!r}")
+    if not 0.0 <= v <= 1.0:
+        raise CephaloError(
+            f"{where}: {key} must be in [0, 1] (0: all state on the device, 1: all on the host), got {v}"
+        )
+    return float(v)
+
+
 def _tname(types: type | tuple) -> str:
     ts = types if isinstance(types, tuple) else (types,)
     return " or ".join(
@@ -240,10 +263,15 @@ def _parse_plan(d: Any, source: str) -> Plan:
                 offload_activations=bool(_need(r, "offload_activations", bool, where))
                 if "offload_activations" in r
                 else False,
+                host_state_fraction=_fraction(r, "host_state_fraction", where),
+                overlap_reduce=bool(_need(r, "overlap_reduce", bool, where))
+                if "overlap_reduce" in r
+                else True,
                 predicted_step_s=_optional_number(r, "predicted_step_s", where),
                 predicted_peak_memory_bytes=_optional_number(
                     r, "predicted_peak_memory_bytes", where, int
                 ),
+                predicted_host_bytes=_optional_number(r, "predicted_host_bytes", where, int),
             )
         )
     pred = d.get("predicted")
@@ -307,6 +335,12 @@ def _validate(plan: Plan, source: str) -> None:
             )
         if not (0.0 <= r.state_fraction <= 1.0) or not math.isfinite(r.state_fraction):
             raise CephaloError(f"{where}: state_fraction must be in [0, 1], got {r.state_fraction}")
+        h = r.host_state_fraction
+        if isinstance(h, bool) or not isinstance(h, int | float) or not (0.0 <= h <= 1.0):
+            raise CephaloError(
+                f"{where}: host_state_fraction must be in [0, 1] (0: all state on the device, 1: all "
+                f"on the host), got {h}"
+            )
     total = sum(plan.batch_sizes)
     if total != plan.global_batch_size:
         raise CephaloError(

@@ -23,6 +23,18 @@ The search (docs/planner.md has the long form):
 5. With (b, m, o) fixed, the fractions are water-filled: the smallest T' with
    sum_i min(memory cap_i, (T' - C_i) / (P * opt_i)) >= 1, then s_i at those caps.
 
+Two more per-rank choices where the cost model knows the cluster (`CostModel.host`,
+`CostModel.serial_reduce`): an option may wait for each reduce-scatter at once (one unit
+gradient less, the reduce-scatter no longer hidden), and a rank may keep a part x of the model's
+state on the host (`host_state_fraction` h = x / s). With host state, cap(b; T) becomes a
+small linear programme per (b, option): maximise x + y (y: the device-held part) under the
+device memory (16 P bytes per unit of y, d P per unit of x), the rank's share of its node's host
+memory, and the time left (the device optimizer on y; on x the gradient copies, the host AdamW
+and the uploads: added on a CPU, beside the device optimizer on a GPU). Its optimum lies at
+x = 0, at the largest x, or where the memory and time bounds on y cross, so it stays closed
+form. The water-filling then solves the same programme per rank, and each rank keeps on the
+host the least part its memory needs, or more only where that makes it faster.
+
 Baselines from the same cost model: `even` (plain FSDP: equal batches, equal shards) and
 `proportional` (batch proportional to each device's solo speed, equal shards).
 """
@@ -32,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -57,6 +69,11 @@ BISECT_REL_TOL = 1e-5
 the optimum (tests/test_planner.py holds it to that against an exhaustive search)."""
 MEMORY_SLACK_BYTES = 1
 """Kept free so that rounding the state fraction's bytes up never tips a rank over its capacity."""
+HOST_STATE_MIN_GAIN = 0.03
+"""Host state must make the predicted step at least this much shorter than the best plan
+without it, or that plan is kept: host state costs host memory and a host CPU busy with the
+optimizer, and smaller gains are within the model's error (a few percent on the emulated
+devices, bench/results/hetero_throughput.md)."""
 FRACTION_SNAP = 1e-9
 """State fractions below this are rounded to 0 (bisection residue)."""
 GIB = 1024**3
@@ -89,10 +106,31 @@ class _Group:
     """[b, option] offload flag of the option."""
     opt_s_per_fraction: float = 0.0
     """Optimizer time of owning the whole state (P * optimizer_s_per_param)."""
+    overlap: np.ndarray | None = None
+    """[b, option] whether the option overlaps its reduce-scatters."""
+    host_boundary: np.ndarray | None = None
+    """[b, option] host bytes of the option's offloaded boundaries."""
+    host_share: float = math.inf
+    """Host memory of one rank: its node's, shared equally by the node's ranks."""
+    host_rates: tuple[float, float, float] = (math.inf, math.inf, math.inf)
+    """Per host-held parameter: gradient copy, upload, host AdamW seconds (`CostModel.host_rates`)."""
+    async_copies: bool = True
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class _Allowed:
+    """What the search may choose beyond batch, micro-batch and state fraction."""
+
+    offload: bool
+    """Offload boundary activations."""
+    host: bool = False
+    """Keep state on the host (the cost model knows the hosts)."""
+    serial: bool = False
+    """Wait for each reduce-scatter at once."""
 
 
 def make_plan(
@@ -101,8 +139,15 @@ def make_plan(
     strategy: str = "cephalo",
     allow_offload: bool = True,
     model_name: str | None = None,
+    allow_host_state: bool = True,
+    host_state_min_gain: float = HOST_STATE_MIN_GAIN,
 ) -> Plan:
-    """Make a plan for `global_batch` samples per step (see the module docstring)."""
+    """Make a plan for `global_batch` samples per step (see the module docstring).
+
+    `allow_host_state=False` keeps all training state on the devices even where the cost model
+    knows the hosts (the plan to compare with); a plan with host state is only returned where
+    its predicted step is at least `host_state_min_gain` shorter than that of the best plan
+    without (or where none fits without)."""
     if global_batch < 1:
         raise CephaloError(f"the global batch must be >= 1, got {global_batch}")
     if strategy not in PLANNER_STRATEGIES:
@@ -111,7 +156,16 @@ def make_plan(
         )
     started = time.perf_counter()
     if strategy == "cephalo":
-        choice = _optimise(cost_model, global_batch, allow_offload)
+        allowed = _Allowed(
+            offload=allow_offload,
+            host=allow_host_state and cost_model.host is not None,
+            serial=cost_model.serial_reduce,
+        )
+        choice = _optimise(cost_model, global_batch, allowed)
+        if allowed.host and choice.host is not None and any(h > 0 for h in choice.host):
+            choice = _unless_host_state_is_marginal(
+                cost_model, global_batch, allowed, choice, host_state_min_gain
+            )
     else:
         batches = (
             _even_batches(len(cost_model.devices), global_batch)
@@ -134,11 +188,23 @@ def make_plan(
 
 # ====================================================================== the optimiser
 def _groups(cm: CostModel) -> list[_Group]:
-    by_key: dict[tuple[str, int], _Group] = {}
+    by_key: dict[tuple, _Group] = {}
     for i, d in enumerate(cm.devices):
-        key = (d.type_key, int(d.memory_bytes))
+        share, rates = math.inf, (math.inf, math.inf, math.inf)
+        if cm.host is not None:
+            node = cm.host.node_of[i]
+            share = cm.host.memory_bytes[node] / len(cm.host.ranks_on(node))
+            rates = cm.host_rates(i)
+        key = (d.type_key, int(d.memory_bytes), share, rates)
         if key not in by_key:
-            by_key[key] = _Group(type_key=d.type_key, capacity=int(d.memory_bytes), ranks=[])
+            by_key[key] = _Group(
+                type_key=d.type_key,
+                capacity=int(d.memory_bytes),
+                ranks=[],
+                host_share=share,
+                host_rates=rates,
+                async_copies=cm.profiles[d.type_key].async_copies,
+            )
         by_key[key].ranks.append(i)
     groups = list(by_key.values())
     for g in groups:
@@ -146,10 +212,12 @@ def _groups(cm: CostModel) -> list[_Group]:
     return groups
 
 
-def _largest_micro_batch(cm: CostModel, g: _Group, allow_offload: bool) -> int:
+def _largest_micro_batch(cm: CostModel, g: _Group, allowed: _Allowed) -> int:
     """Largest m whose working memory (no state) fits at all (memory grows with m)."""
     ms = np.arange(1, MAX_MICRO_BATCH + 1)
-    mem = cm.memory_without_state(g.type_key, g.capacity, ms, ms, allow_offload)
+    mem = cm.memory_without_state(
+        g.type_key, g.capacity, ms, ms, allowed.offload, not allowed.serial
+    )
     fits = np.nonzero(mem + MEMORY_SLACK_BYTES <= g.capacity)[0]
     return int(ms[fits[-1]]) if fits.size else 0
 
@@ -170,62 +238,172 @@ def _micro_batch_candidates(mmax: int) -> np.ndarray:
     return np.concatenate([exact, grid, [mmax]])
 
 
-def _tabulate(cm: CostModel, g: _Group, bmax: int, allow_offload: bool) -> None:
+def _tabulate(cm: CostModel, g: _Group, bmax: int, allowed: _Allowed) -> None:
     """Fill the group's [b, option] tables for b = 0..bmax, keeping Pareto-optimal options."""
     if bmax > MAX_BATCH_PER_RANK:
         raise CephaloError(
             f"this plan would put more than {MAX_BATCH_PER_RANK} samples per step on one {g.type_key}, beyond "
             "what the planner tabulates; use a smaller global batch (accumulate over steps instead) or more devices"
         )
-    mmax = max(1, min(_largest_micro_batch(cm, g, allow_offload), bmax))
+    mmax = max(1, min(_largest_micro_batch(cm, g, allowed), bmax))
     bs = np.arange(bmax + 1)[:, None]
     ms = _micro_batch_candidates(mmax)[None, :]
-    offs = [False, True] if allow_offload else [False]
-    times, mems, micro, offl = [], [], [], []
-    for o in offs:
-        t, _, _ = cm.step_time_parts(g.type_key, bs, ms, o)
-        mem = cm.memory_without_state(g.type_key, g.capacity, bs, ms, o)
-        # an option is valid when m <= b (or the single dummy option m = 1 of a rank without samples)
-        valid = ms <= np.maximum(bs, 1)
-        times.append(np.where(valid, t, np.inf))
-        mems.append(np.where(valid, mem, np.inf))
-        micro.append(np.broadcast_to(ms, t.shape))
-        offl.append(np.full(t.shape, o))
-    time_all = np.concatenate(times, axis=1)
-    mem_all = np.concatenate(mems, axis=1)
-    micro_all = np.concatenate(micro, axis=1)
-    off_all = np.concatenate(offl, axis=1)
-    memcap_all = (g.capacity - MEMORY_SLACK_BYTES - mem_all) / cm.bytes_per_fraction
-    memcap_all = np.where(np.isfinite(time_all), memcap_all, -np.inf)
-
-    # Pareto filter per row: sorted by time, an option survives only if it leaves more memory
-    # than every faster one.
-    order = np.argsort(time_all, axis=1, kind="stable")
-    t_sorted = np.take_along_axis(time_all, order, axis=1)
-    c_sorted = np.take_along_axis(memcap_all, order, axis=1)
-    best_before = np.maximum.accumulate(
-        np.concatenate([np.full((bmax + 1, 1), -np.inf), c_sorted[:, :-1]], axis=1), axis=1
+    offs = [False, True] if allowed.offload else [False]
+    overlaps = [True, False] if allowed.serial else [True]
+    # every (offload, overlap) choice in one evaluation: axes b, m, offload, overlap
+    o_axis = np.array(offs)[None, None, :, None]
+    ov_axis = np.array(overlaps)[None, None, None, :]
+    t_all, _, _ = cm.step_time_parts(
+        g.type_key, bs[..., None, None], ms[..., None, None], o_axis, ov_axis
     )
-    keep = (c_sorted > best_before) & np.isfinite(t_sorted) & (c_sorted >= 0)
-    width = max(1, int(keep.sum(axis=1).max()))
-    # pack the kept options to the left, in time order
-    rank_in_row = np.cumsum(keep, axis=1) - 1
-    rows, cols = np.nonzero(keep)
-    g.time = np.full((bmax + 1, width), np.inf)
-    g.memcap = np.full((bmax + 1, width), -np.inf)
-    g.micro = np.ones((bmax + 1, width), dtype=np.int64)
-    g.offload = np.zeros((bmax + 1, width), dtype=bool)
-    dest = rank_in_row[rows, cols]
-    src = order[rows, cols]
-    g.time[rows, dest] = t_sorted[rows, cols]
-    g.memcap[rows, dest] = c_sorted[rows, cols]
-    g.micro[rows, dest] = micro_all[rows, src]
-    g.offload[rows, dest] = off_all[rows, src]
+    mem_all = cm.memory_without_state(
+        g.type_key, g.capacity, bs[..., None, None], ms[..., None, None], o_axis, ov_axis
+    )
+    shape = (bmax + 1, ms.shape[1], len(offs), len(overlaps))
+    t_all, mem_all = np.broadcast_to(t_all, shape), np.broadcast_to(mem_all, shape)
+    blocks = []
+    for io, o in enumerate(offs):
+        for iv, ov in enumerate(overlaps):
+            t, mem = t_all[:, :, io, iv], mem_all[:, :, io, iv]
+            # an option is valid when m <= b (or the single dummy option m = 1 of a rank without samples)
+            valid = ms <= np.maximum(bs, 1)
+            t = np.where(valid, t, np.inf)
+            memcap = (g.capacity - MEMORY_SLACK_BYTES - np.where(valid, mem, np.inf)) / (
+                cm.bytes_per_fraction
+            )
+            host_b = np.broadcast_to(cm.host_bytes(bs, o, 0.0), t.shape).astype(np.float64)
+            if allowed.host:
+                # the offloaded boundaries must fit the rank's share of its host's memory
+                t = np.where(host_b <= g.host_share, t, np.inf)
+            blocks.append(
+                (
+                    t,
+                    np.where(np.isfinite(t), memcap, -np.inf),
+                    np.broadcast_to(ms, t.shape),
+                    np.full(t.shape, o),
+                    np.full(t.shape, ov),
+                    host_b,
+                )
+            )
+    # Pareto filter per row; with host state the offloaded options compete only among
+    # themselves (they use host memory the others leave to the state)
+    classes = [[b for b in blocks if b[3][0, 0] == o] for o in offs] if allowed.host else [blocks]
+    kept = [_pareto([np.concatenate([b[i] for b in c], axis=1) for i in range(6)]) for c in classes]
+    width = max(k[0].shape[1] for k in kept)
+    g.time = np.concatenate([_pad(k[0], width, np.inf) for k in kept], axis=1)
+    g.memcap = np.concatenate([_pad(k[1], width, -np.inf) for k in kept], axis=1)
+    g.micro = np.concatenate([_pad(k[2], width, 1) for k in kept], axis=1)
+    g.offload = np.concatenate([_pad(k[3], width, False) for k in kept], axis=1)
+    g.overlap = np.concatenate([_pad(k[4], width, True) for k in kept], axis=1)
+    g.host_boundary = np.concatenate([_pad(k[5], width, 0.0) for k in kept], axis=1)
     g.bmax = bmax
 
 
-def _capacity(g: _Group, T: float) -> tuple[np.ndarray, np.ndarray]:
+def _pad(a: np.ndarray, width: int, fill) -> np.ndarray:
+    if a.shape[1] == width:
+        return a
+    return np.concatenate(
+        [a, np.full((a.shape[0], width - a.shape[1]), fill, dtype=a.dtype)], axis=1
+    )
+
+
+def _pareto(cols: list[np.ndarray]) -> list[np.ndarray]:
+    """The columns (time, memcap, then any payload) reduced per row to the Pareto-optimal
+    options, in time order, packed to the left (invalid cells: time inf, memcap -inf)."""
+    time_all, memcap_all = cols[0], cols[1]
+    bmax = time_all.shape[0] - 1
+    # sorted by time, an option survives only if it leaves more memory than every faster one;
+    # memory for more than the whole state (memcap > 1) is worth no more than for all of it
+    order = np.argsort(time_all, axis=1, kind="stable")
+    t_sorted = np.take_along_axis(time_all, order, axis=1)
+    c_sorted = np.take_along_axis(memcap_all, order, axis=1)
+    useful = np.minimum(c_sorted, 1.0)
+    best_before = np.maximum.accumulate(
+        np.concatenate([np.full((bmax + 1, 1), -np.inf), useful[:, :-1]], axis=1), axis=1
+    )
+    keep = (useful > best_before) & np.isfinite(t_sorted) & (c_sorted >= 0)
+    width = max(1, int(keep.sum(axis=1).max()))
+    # pack the kept options to the left, in time order
+    rank_in_row = np.cumsum(keep, axis=1) - 1
+    rows, idx = np.nonzero(keep)
+    dest = rank_in_row[rows, idx]
+    src = order[rows, idx]
+    out = [np.full((bmax + 1, width), np.inf), np.full((bmax + 1, width), -np.inf)]
+    out[0][rows, dest] = t_sorted[rows, idx]
+    out[1][rows, dest] = c_sorted[rows, idx]
+    for payload in cols[2:]:
+        fill = {np.dtype(bool): False, np.dtype(np.float64): 0.0}.get(payload.dtype, 1)
+        a = np.full((bmax + 1, width), fill, dtype=payload.dtype)
+        a[rows, dest] = payload[rows, src]
+        out.append(a)
+    return out
+
+
+def _host_rates(g: _Group) -> tuple[float, float, float]:
+    """(o, a1, a2) of `_host_cap` for a group: device optimizer seconds per parameter, and per
+    host-held parameter the time that competes with the device optimizer (a1) and the time
+    of the host part alone (a2). On a CPU everything adds up; on a GPU the device optimizer,
+    the host AdamW and the uploads run at once, beside the gradient copies."""
+    o = g.opt_s_per_fraction
+    grad, up, opt = g.host_rates
+    if not g.async_copies:
+        return o, grad + opt + up, grad + opt + up
+    return o, grad, grad + max(opt, up)
+
+
+def _host_cap(
+    cm: CostModel, rates, time_left, mem_left, host_left
+) -> tuple[np.ndarray, np.ndarray]:
+    """The largest state fraction x + y a rank can own (x on the host, y on the device) within
+    `time_left` seconds for its optimizer phase and host copies, `mem_left` device bytes and
+    `host_left` host bytes, and the x of that optimum; broadcasts, `rates` too ((o, a1, a2) as
+    `_host_rates` gives them, o for the whole state: P x seconds per parameter).
+
+    y(x) = min((time_left - x P a1) / (P o'), (mem_left - x Bd) / Bs) for x in [0, x_max], a
+    concave objective x + y(x): its maximum is at 0, at x_max or where the two bounds cross."""
+    P = cm.total_params
+    o_all, a1, a2 = rates
+    Bs, Bd = cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction
+    tl = np.asarray(time_left, dtype=np.float64)
+    ml = np.asarray(mem_left, dtype=np.float64)
+    hl = np.asarray(host_left, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        # y(x) = min(at - x bt, am - x bm): the time bound (at, bt) and the memory bound
+        o = np.asarray(o_all, dtype=np.float64)
+        timed = o > 0
+        at = np.where(timed, tl / np.where(timed, o, 1.0), np.inf)
+        bt = np.where(timed, P * np.asarray(a1) / np.where(timed, o, 1.0), 0.0)
+        am, bm = ml / Bs, Bd / Bs
+        x_max = np.minimum(
+            np.minimum(hl / (P * cm.host_bytes_per_param), ml / Bd), tl / (P * np.asarray(a2))
+        )
+        x_max = np.maximum(x_max, 0.0)
+        cross = np.clip((at - am) / (bt - bm), 0.0, x_max)
+        cross = np.where(np.isfinite(cross), cross, 0.0)
+        f0 = np.minimum(at, am)
+        f_max = x_max + np.maximum(np.minimum(at - x_max * bt, am - x_max * bm), 0.0)
+        f_cross = cross + np.maximum(np.minimum(at - cross * bt, am - cross * bm), 0.0)
+        best_f = np.maximum(np.maximum(f0, f_max), f_cross)
+        best_x = np.where(best_f == f0, 0.0, np.where(best_f == f_cross, cross, x_max))
+        ok = (tl >= 0) & (ml >= 0) & (hl >= 0)
+    return np.where(ok, best_f, -np.inf), np.where(ok, best_x, 0.0)
+
+
+def _capacity(
+    g: _Group, T: float, cm: CostModel | None = None, allowed: _Allowed | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """cap(b; T) for b = 0..bmax (-inf where b cannot run within T), and the option achieving it."""
+    if allowed is not None and allowed.host:
+        assert cm is not None
+        with np.errstate(invalid="ignore"):
+            mem_left = np.where(np.isfinite(g.memcap), g.memcap * cm.bytes_per_fraction, -1.0)
+            time_left = np.where(np.isfinite(g.time), T - g.time, -1.0)
+        cap, _ = _host_cap(cm, _host_rates(g), time_left, mem_left, g.host_share - g.host_boundary)
+        cap = np.where(np.isfinite(g.time) & np.isfinite(cap), cap, -np.inf)
+        best = np.argmax(cap, axis=1)
+        f = cap[np.arange(cap.shape[0]), best]
+        f = np.where(f >= 0, np.minimum(f, 1.0), -np.inf)
+        return np.minimum.accumulate(f), best
     if math.isinf(T):
         timecap = np.where(np.isfinite(g.time), np.inf, -np.inf)
     elif g.opt_s_per_fraction > 0:
@@ -333,11 +511,18 @@ def _split_hull(
     return total, splits
 
 
-def _feasible(groups: list[_Group], T: float, B: int, exact: bool):
+def _feasible(
+    groups: list[_Group],
+    T: float,
+    B: int,
+    exact: bool,
+    cm: CostModel | None = None,
+    allowed: _Allowed | None = None,
+):
     """A split of B whose capacities sum to >= 1 at step time T, or None."""
     fs, bests = [], []
     for g in groups:
-        f, best = _capacity(g, T)
+        f, best = _capacity(g, T, cm, allowed)
         if not np.isfinite(f[0]):
             return None  # even without samples this rank cannot keep up or fit
         fs.append(f)
@@ -359,15 +544,19 @@ def _feasible(groups: list[_Group], T: float, B: int, exact: bool):
 
 @dataclass
 class _Choice:
-    """Per rank: batch, micro-batch, offload, state fraction."""
+    """Per rank: batch, micro-batch, offload, state fraction (and host part, reduce overlap)."""
 
     batch: list[int]
     micro: list[int]
     offload: list[bool]
     fraction: list[float]
+    host: list[float] | None = None
+    """host_state_fraction per rank (None: all 0)."""
+    overlap: list[bool] | None = None
+    """overlap_reduce per rank (None: all True)."""
 
 
-def _fits_at_all(cm: CostModel, groups: list[_Group], B: int, allow_offload: bool):
+def _fits_at_all(cm: CostModel, groups: list[_Group], B: int, allowed: _Allowed):
     """A split that fits memory when time is no object (tabulating larger batches as needed), or None."""
     # First batch range per group: 1.3 x its share by solo speed (plus a margin); the
     # callers grow it whenever the optimum might lie beyond.
@@ -381,9 +570,9 @@ def _fits_at_all(cm: CostModel, groups: list[_Group], B: int, allow_offload: boo
         # never shrink tables the optimiser already grew: it calls this again after growing
         # them, and shrinking them back made it grow and shrink them for ever
         if first > g.bmax or g.time is None:
-            _tabulate(cm, g, max(first, g.bmax), allow_offload)
+            _tabulate(cm, g, max(first, g.bmax), allowed)
     while True:
-        found = _feasible(groups, math.inf, B, _exact(groups, B))
+        found = _feasible(groups, math.inf, B, _exact(groups, B), cm, allowed)
         if found is not None:
             return found
         # memory alone rules it out at these batch ranges; larger ranges can only help by
@@ -391,7 +580,7 @@ def _fits_at_all(cm: CostModel, groups: list[_Group], B: int, allow_offload: boo
         if all(g.bmax >= B for g in groups):
             return None
         for g in groups:
-            _tabulate(cm, g, min(B, 2 * g.bmax), allow_offload)
+            _tabulate(cm, g, min(B, 2 * g.bmax), allowed)
 
 
 def _exact(groups: list[_Group], B: int) -> bool:
@@ -399,18 +588,18 @@ def _exact(groups: list[_Group], B: int) -> bool:
     return n * (B + 1) * (max(g.bmax for g in groups) + 1) <= EXACT_DP_MAX_WORK
 
 
-def _optimise(cm: CostModel, B: int, allow_offload: bool) -> _Choice:
+def _optimise(cm: CostModel, B: int, allowed: _Allowed) -> _Choice:
     groups = _groups(cm)
-    found = _fits_at_all(cm, groups, B, allow_offload)
+    found = _fits_at_all(cm, groups, B, allowed)
     if found is None:
-        raise _does_not_fit(cm, B, allow_offload)
+        raise _does_not_fit(cm, B, allowed)
     while True:
         exact = _exact(groups, B)
-        T_hi = _step_time_of(cm, groups, found)
+        T_hi = _step_time_of(cm, groups, found, allowed)
         T_lo = 0.0
         while T_hi - T_lo > BISECT_REL_TOL * T_hi:
             mid = 0.5 * (T_lo + T_hi)
-            f = _feasible(groups, mid, B, exact)
+            f = _feasible(groups, mid, B, exact, cm, allowed)
             if f is None:
                 T_lo = mid
             else:
@@ -421,41 +610,95 @@ def _optimise(cm: CostModel, B: int, allow_offload: bool) -> _Choice:
         if not grow:
             break
         for g in grow:
-            _tabulate(cm, g, min(B, 2 * g.bmax), allow_offload)
-        found = _feasible(groups, T_hi, B, _exact(groups, B)) or _fits_at_all(
-            cm, groups, B, allow_offload
+            _tabulate(cm, g, min(B, 2 * g.bmax), allowed)
+        found = _feasible(groups, T_hi, B, _exact(groups, B), cm, allowed) or _fits_at_all(
+            cm, groups, B, allowed
         )
-    return _water_fill(cm, groups, found)
+    return _water_fill(cm, groups, found, allowed)
 
 
-def _rank_options(
-    cm: CostModel, groups: list[_Group], found
-) -> tuple[list[int], list[int], list[bool], list[float], list[float]]:
-    """Per rank: batch, micro-batch, offload, time without optimizer, memory cap of the chosen option."""
+def _unless_host_state_is_marginal(
+    cm: CostModel, B: int, allowed: _Allowed, with_host: _Choice, min_gain: float
+) -> _Choice:
+    """`with_host`, or the best plan without host state where that is (almost) as fast."""
+    try:
+        without = _optimise(cm, B, replace(allowed, host=False))
+    except PlanDoesNotFit:
+        return with_host
+    steps = [cm.evaluate(_to_plan(cm, B, "cephalo", c, None)).step_s for c in (with_host, without)]
+    return with_host if steps[0] < (1.0 - min_gain) * steps[1] else without
+
+
+@dataclass
+class _RankOption:
+    """The option a rank ended up with."""
+
+    batch: int = 0
+    micro: int = 1
+    offload: bool = False
+    overlap: bool = True
+    time: float = 0.0
+    """Step time without the optimizer (and without host state)."""
+    memcap: float = 0.0
+    """State fraction the device memory holds at 16 bytes per parameter."""
+    host_boundary: float = 0.0
+
+
+def _rank_options(cm: CostModel, groups: list[_Group], found) -> list[_RankOption]:
+    """Per rank: the chosen batch and option."""
     splits, bests = found
-    n = len(cm.devices)
-    batch, micro, off, t, mc = [0] * n, [1] * n, [False] * n, [0.0] * n, [0.0] * n
+    out = [_RankOption() for _ in cm.devices]
     for g, split, best in zip(groups, splits, bests, strict=True):
         for r, b in zip(g.ranks, split, strict=True):
             j = int(best[b])
-            batch[r], micro[r], off[r] = b, int(g.micro[b, j]), bool(g.offload[b, j])
-            t[r], mc[r] = float(g.time[b, j]), float(g.memcap[b, j])
-    return batch, micro, off, t, mc
+            out[r] = _RankOption(
+                batch=b,
+                micro=int(g.micro[b, j]),
+                offload=bool(g.offload[b, j]),
+                overlap=bool(g.overlap[b, j]) if g.overlap is not None else True,
+                time=float(g.time[b, j]),
+                memcap=float(g.memcap[b, j]),
+                host_boundary=float(g.host_boundary[b, j]) if g.host_boundary is not None else 0.0,
+            )
+    return out
 
 
-def _step_time_of(cm: CostModel, groups: list[_Group], found) -> float:
+def _group_of(groups: list[_Group]) -> dict[int, _Group]:
+    return {r: g for g in groups for r in g.ranks}
+
+
+def _rank_time(cm: CostModel, g: _Group, opt: _RankOption, s: float, x: float) -> float:
+    """The planner's time of a rank owning s, x of it on the host (the gradient copies to the
+    host counted in full: on a GPU the cost model hides them under the backward)."""
+    if cm.host is None:
+        return opt.time + s * g.opt_s_per_fraction
+    phase, _ = cm.optimizer_phase_s(g.ranks[0], s, x)
+    grad = g.host_rates[0] * cm.total_params * x if x > 0 else 0.0
+    return opt.time + float(phase) + grad
+
+
+def _step_time_of(cm: CostModel, groups: list[_Group], found, allowed: _Allowed) -> float:
     """Step time of a split once its fractions are water-filled (the same terms as `rank_cost`)."""
-    choice = _water_fill(cm, groups, found)
-    _, _, _, t, _ = _rank_options(cm, groups, found)
+    choice = _water_fill(cm, groups, found, allowed)
+    opts = _rank_options(cm, groups, found)
+    by_rank = _group_of(groups)
+    host = choice.host or [0.0] * len(opts)
     return max(
-        t[i] + choice.fraction[i] * cm.total_params * cm.optimizer_s_per_param(d.type_key)
-        for i, d in enumerate(cm.devices)
+        _rank_time(cm, by_rank[i], o, choice.fraction[i], choice.fraction[i] * host[i])
+        for i, o in enumerate(opts)
     )
 
 
-def _water_fill(cm: CostModel, groups: list[_Group], found) -> _Choice:
+def _water_fill(cm: CostModel, groups: list[_Group], found, allowed: _Allowed) -> _Choice:
     """Fractions that minimise the slowest rank's time under every rank's memory cap."""
-    batch, micro, off, t, mc = _rank_options(cm, groups, found)
+    opts = _rank_options(cm, groups, found)
+    if allowed.host:
+        return _water_fill_host(cm, groups, opts)
+    batch = [o.batch for o in opts]
+    micro = [o.micro for o in opts]
+    off = [o.offload for o in opts]
+    t = [o.time for o in opts]
+    mc = [o.memcap for o in opts]
     opt = [cm.total_params * cm.optimizer_s_per_param(d.type_key) for d in cm.devices]
     mc_arr = np.clip(np.array(mc), 0.0, 1.0)
     t_arr, opt_arr = np.array(t), np.array(opt)
@@ -497,7 +740,85 @@ def _water_fill(cm: CostModel, groups: list[_Group], found) -> _Choice:
         snapped = snapped / snapped.sum()
         if np.all(snapped <= np.maximum(mc_arr, fractions)):
             fractions = snapped
-    return _Choice(batch=batch, micro=micro, offload=off, fraction=fractions.tolist())
+    return _Choice(
+        batch=batch,
+        micro=micro,
+        offload=off,
+        fraction=fractions.tolist(),
+        overlap=[o.overlap for o in opts],
+    )
+
+
+def _water_fill_host(cm: CostModel, groups: list[_Group], opts: list[_RankOption]) -> _Choice:
+    """The water-filling with host state: the smallest T' at which the ranks' largest state
+    fractions (`_host_cap`) sum to 1; then each rank's fraction at its cap (normalised) and the
+    host part that makes it fastest within its memory (the least its memory needs where the
+    host is the slower optimizer)."""
+    by_rank = _group_of(groups)
+    n = len(opts)
+    P = cm.total_params
+    Bs, Bd = cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction
+    mem_left = np.array([max(o.memcap, 0.0) * Bs for o in opts])
+    host_left = np.array([by_rank[i].host_share - opts[i].host_boundary for i in range(n)])
+    t = np.array([o.time for o in opts])
+
+    rates = tuple(
+        np.array(r) for r in zip(*(_host_rates(by_rank[i]) for i in range(n)), strict=True)
+    )
+
+    def caps(T: float) -> tuple[np.ndarray, np.ndarray]:
+        cs, xs = _host_cap(cm, rates, T - t, mem_left, host_left)
+        return np.minimum(np.maximum(cs, 0.0), 1.0), xs
+
+    lo = float(t.max())
+    hi = lo + max(g.opt_s_per_fraction for g in groups) + 1e-12
+    while caps(hi)[0].sum() < 1.0:  # the host-state work may exceed the device optimizer's
+        hi = lo + 2 * (hi - lo)
+        if hi - lo > 1e12:
+            raise CephaloError(
+                "internal: the water-filling found no step time that holds the state"
+            )
+    while hi - lo > 1e-12 * max(hi, 1e-30) and hi - lo > 1e-15:
+        mid = 0.5 * (lo + hi)
+        if caps(mid)[0].sum() >= 1.0:
+            hi = mid
+        else:
+            lo = mid
+    c, _ = caps(hi)
+    fractions = c / c.sum()
+    snapped = np.where(fractions < FRACTION_SNAP, 0.0, fractions)
+    if snapped.sum() > 0 and np.all(snapped <= np.maximum(c, fractions)):
+        fractions = snapped / snapped.sum()
+    host = []
+    for i in range(n):
+        s_i = float(fractions[i])
+        g = by_rank[i]
+        if s_i <= 0:
+            host.append(0.0)
+            continue
+        # device memory: (s - x) Bs + x Bd <= mem_left; host memory: x P hb <= host_left
+        need = max(0.0, (s_i * Bs - mem_left[i]) / (Bs - Bd))
+        most = min(s_i, max(0.0, host_left[i]) / (P * cm.host_bytes_per_param))
+        need = min(need, most)
+        grad, up, opt = g.host_rates
+        o = g.opt_s_per_fraction / P
+        if not g.async_copies:
+            best = most if grad + up + opt < o else need
+        else:
+            # device and host optimizers run at once: balance them where the copies cost less
+            # than the device's own step
+            best = s_i * o / (o + max(opt, up)) if grad < o else 0.0
+            best = min(max(best, need), most)
+        best = min(max(best, need), most)
+        host.append(min(1.0, best / s_i) if best > 0 else 0.0)
+    return _Choice(
+        batch=[o.batch for o in opts],
+        micro=[o.micro for o in opts],
+        offload=[o.offload for o in opts],
+        fraction=fractions.tolist(),
+        host=host,
+        overlap=[o.overlap for o in opts],
+    )
 
 
 # ====================================================================== baselines
@@ -637,6 +958,10 @@ def _to_plan(cm: CostModel, B: int, strategy: str, c: _Choice, model_name: str |
                 num_micro_batches=math.ceil(b / m),
                 state_fraction=c.fraction[i],
                 offload_activations=bool(c.offload[i] and b > 0),
+                host_state_fraction=(
+                    round(c.host[i], 12) if c.host is not None and c.fraction[i] > 0 else 0.0
+                ),
+                overlap_reduce=True if c.overlap is None else bool(c.overlap[i]),
             )
         )
     plan = Plan(
@@ -658,17 +983,19 @@ def fill_predictions(cm: CostModel, plan: Plan) -> None:
     for r, cost in zip(plan.ranks, ev.ranks, strict=True):
         r.predicted_step_s = cost.step_s
         r.predicted_peak_memory_bytes = cost.peak_bytes
+        r.predicted_host_bytes = cost.host_bytes if cm.host is not None else None
     plan.predicted = Predicted(
         step_s=ev.step_s, samples_per_s=ev.samples_per_s, tokens_per_s=ev.tokens_per_s
     )
 
 
 # ====================================================================== does not fit
-def _memory_only_fits(cm: CostModel, B: int, allow_offload: bool) -> bool:
-    return _fits_at_all(cm, _groups(cm), B, allow_offload) is not None
+def _memory_only_fits(cm: CostModel, B: int, allowed: _Allowed) -> bool:
+    return _fits_at_all(cm, _groups(cm), B, allowed) is not None
 
 
-def _does_not_fit(cm: CostModel, B: int, allow_offload: bool) -> PlanDoesNotFit:
+def _does_not_fit(cm: CostModel, B: int, allowed: _Allowed) -> PlanDoesNotFit:
+    allow_offload = allowed.offload
     n = len(cm.devices)
     P = cm.total_params
     state_total = P * STATE_BYTES_PER_PARAM
@@ -705,13 +1032,24 @@ def _does_not_fit(cm: CostModel, B: int, allow_offload: bool) -> PlanDoesNotFit:
         msg.append(
             f"after buffers the devices have {_gib(leftover_total)} left for it, {_gib(missing)} too little"
         )
-    if not allow_offload and _memory_only_fits(cm, B, True):
+    if not allow_offload and _memory_only_fits(cm, B, replace(allowed, offload=True)):
         msg.append("offloading activations to the host would fit (allow offload)")
+    if cm.host is not None:
+        if allowed.host:
+            hosts = ", ".join(
+                f"node {n}: {_gib(m)}" for n, m in sorted(cm.host.memory_bytes.items())
+            )
+            msg.append(
+                f"even with training state in host memory ({hosts}, shared by each node's ranks; "
+                f"{cm.host_bytes_per_param} bytes per host-held parameter)"
+            )
+        elif _memory_only_fits(cm, B, replace(allowed, host=True)):
+            msg.append("keeping part of the training state in host memory would fit")
     # the largest global batch that fits (memory only)
     lo, hi = 0, B - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _memory_only_fits(cm, mid, allow_offload):
+        if _memory_only_fits(cm, mid, allowed):
             lo = mid
         else:
             hi = mid - 1

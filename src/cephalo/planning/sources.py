@@ -7,8 +7,8 @@ from __future__ import annotations
 import copy
 
 from cephalo.errors import CephaloError
-from cephalo.planning.costmodel import CostModel
-from cephalo.specs.catalog import catalog_profile
+from cephalo.planning.costmodel import CostModel, HostResources
+from cephalo.specs.catalog import catalog_profile, host_optimizer_s_per_param
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import CommProfile, DeviceProfile, MeasuredProfiles
@@ -31,8 +31,30 @@ def profiles_cost_model(
         )
     sources = sorted({p.source for p in profiles.values()})
     meta = {"profile_source": ",".join(sources)}
+    kw.setdefault("host", host_resources(cluster, profiles))
+    kw.setdefault("serial_reduce", True)
     return CostModel(
         model_spec, seq_len, dtype, list(cluster.devices), profiles, comm, meta=meta, **kw
+    )
+
+
+def host_resources(cluster: Cluster, profiles: dict[str, DeviceProfile]) -> HostResources:
+    """The hosts of a cluster as the cost model sees them. A rank's host AdamW speed is, in
+    order: the cluster file's (`host_optimizer_s_per_param`, per node or for all), the one
+    measured with its device's profile (`cephalo profile`), or the catalog's default for a host
+    shared by that node's ranks (`catalog.host_optimizer_s_per_param`)."""
+    speeds = []
+    for d in cluster.devices:
+        own = cluster.host_optimizer_override(d.node)
+        if own is None:
+            own = profiles[d.type_key].host_optimizer_s_per_param
+        if own is None:
+            own = host_optimizer_s_per_param(len(cluster.ranks_on_node(d.node)))
+        speeds.append(float(own))
+    return HostResources(
+        node_of=tuple(d.node for d in cluster.devices),
+        memory_bytes={n: cluster.host_memory_of(n) for n in cluster.nodes()},
+        optimizer_s_per_param=tuple(speeds),
     )
 
 

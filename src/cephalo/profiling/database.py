@@ -48,13 +48,15 @@ from cephalo.errors import CephaloError
 from cephalo.specs.profile import CommProfile, DeviceProfile
 
 DB_VERSION = 1
-MEASURE_METHOD = 5
+MEASURE_METHOD = 6
 """Bump when how a device is measured changes what a profile says. 2: the optimizer step
 and (on CPUs) the host copies are timed under the emulator; `async_copies` recorded.
 3: co-located CPU ranks measured concurrently by the wall clock (`DeviceKey.peers`).
 4: emulated CPU devices stretched to slowdown x the thread's CPU time, not its wall time.
 5: activation bytes no longer count saved views of the unit's parameters (the engine's
-ledger does not: they live in its gathered buffer); small micro-batches were overstated."""
+ledger does not: they live in its gathered buffer); small micro-batches were overstated.
+6: the host's AdamW on host-held state measured (`host_optimizer_s_per_param`); the optimizer
+step's norm sum in fp64; an emulated link (`pcie=`) measured through the engine's HostLink."""
 DEFAULT_DB_PATH = Path("~/.cache/cephalo/profiles.json")
 
 

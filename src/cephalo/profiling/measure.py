@@ -48,6 +48,7 @@ from cephalo.runtime.comm import Comm
 from cephalo.runtime.dropout import SampleDropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.flat import FlatLayout
+from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
 
@@ -283,22 +284,66 @@ def measure_optimizer(
 
 
 def measure_host_copy(
-    device: torch.device, nbytes: int, timing: Timing, emulator: ComputeEmulator | None = None
+    device: torch.device,
+    nbytes: int,
+    timing: Timing,
+    emulator: ComputeEmulator | None = None,
+    link_bytes_per_s: float | None = None,
 ) -> float:
     """Bytes per second of a device -> host -> device round trip (a memcpy on the CPU), as
     it appears under `emulator`: pass one where the copies run on the compute thread (a
-    CPU), since the engine then stretches them with the compute around them."""
+    CPU) inside the unit compute, since the engine then stretches them with the compute
+    around them. An emulated link (`link_bytes_per_s`, `cpu:...,pcie=`) copies through the
+    engine's `HostLink`, which gives every copy its own duration (not stretched)."""
     numel = nbytes // 4
     src = torch.randn(numel).to(device)
     pin = device.type == "cuda"
     host = torch.empty(numel, pin_memory=pin)
     back = torch.empty(numel, device=device)
+    if link_bytes_per_s is not None:
+        link = HostLink(MemoryLedger(0, device), device, link_bytes_per_s)
+
+        def roundtrip() -> None:
+            link.copy(host, src)
+            link.copy(back, host)
+
+        # the emulated link sleeps: time it by the wall clock
+        return (
+            2
+            * numel
+            * 4
+            / time_piece(roundtrip, device, Timing(timing.warmup, timing.repeats, True))
+        )
 
     def roundtrip() -> None:
         host.copy_(src, non_blocking=pin)
         back.copy_(host, non_blocking=pin)
 
     return 2 * numel * 4 / time_piece(roundtrip, device, timing, emulator)
+
+
+def measure_host_optimizer(numel: int, timing: Timing) -> float:
+    """Seconds per parameter of the host's work on host-held state: the squared-norm sum, the
+    AdamW step (`HostAdamW`, fused where available) and zeroing the gradient, on CPU tensors
+    and never under an emulated slowdown (the host is not the emulated device). Ranks that
+    share a host measure it at once (`Timing.start_together`), as they run it in training."""
+    gen = torch.Generator().manual_seed(11)
+    group = HostGroup(
+        torch.randn(numel, generator=gen) * 0.02,
+        torch.randn(numel, generator=gen) * 1e-3,
+        torch.zeros(numel),
+        torch.zeros(numel),
+        [(0, numel)],
+    )
+    opt = HostAdamW([group], AdamWHyper())
+    cpu = torch.device("cpu")
+
+    def step() -> None:
+        opt.grad_sq_sum()
+        opt.step_group(0, 1e-4, 1)
+        opt.zero_grad()
+
+    return time_piece(step, cpu, timing) / numel
 
 
 @dataclass

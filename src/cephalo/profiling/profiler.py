@@ -48,6 +48,7 @@ from cephalo.profiling.measure import (
     fit_comm,
     measure_collectives,
     measure_host_copy,
+    measure_host_optimizer,
     measure_optimizer,
 )
 from cephalo.profiling.settings import ProfileSettings
@@ -166,11 +167,18 @@ def measure_device(
     if progress:
         progress(f"{device.type_key}: optimizer and host copies")
     opt_s = measure_optimizer(torch_device, settings.optimizer_numel, timing, emulator)
+    host_opt_s = measure_host_optimizer(settings.optimizer_numel, timing)
     # the engine copies offloaded boundaries on a side stream only on CUDA (runtime/boundary.py);
-    # elsewhere they are memcpys inside the (stretched) unit compute
+    # elsewhere they are memcpys inside the (stretched) unit compute, or, with an emulated
+    # link (pcie=), copies of their own
     async_copies = torch_device.type == "cuda"
+    link = device.pcie_bytes_per_s if not async_copies else None
     copy_bw = measure_host_copy(
-        torch_device, settings.host_copy_bytes, timing, None if async_copies else emulator
+        torch_device,
+        settings.host_copy_bytes,
+        timing,
+        None if async_copies or link is not None else emulator,
+        link_bytes_per_s=link,
     )
     return DeviceProfile(
         device_type=device.type_key,
@@ -180,6 +188,8 @@ def measure_device(
         host_copy_bytes_per_s=copy_bw,
         source="measured",
         async_copies=async_copies,
+        host_optimizer_s_per_param=host_opt_s,
+        boundary_writes_in_compute=link is None,
         meta={
             "torch_threads": torch.get_num_threads(),
             "slowdown": device.slowdown,

@@ -6,17 +6,23 @@ that input, which is unit u-1's output gradient. With `offload`, entries live in
 memory (pinned on CUDA, copied on a side stream so the copies overlap compute) and are
 staged back to the device one at a time, so the device holds O(1) of them whatever the
 number of micro-batches. Every buffer goes through the ledger: `boundary` (device),
-`host/boundary` (host), `staging` (device copies of host entries while in use).
+`host/boundary` (host), `staging` (device copies of host entries while in use). On an
+emulated CPU device with a link bandwidth (`pcie=`), the host copies go through that link
+(`runtime.host_state.HostLink.copy`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from cephalo.runtime.memory import MemoryLedger
+
+if TYPE_CHECKING:
+    from cephalo.runtime.host_state import HostLink
 
 Key = tuple[int, int]
 
@@ -24,10 +30,18 @@ Key = tuple[int, int]
 class BoundaryStore:
     """Boundary activations / gradients by (unit, micro-batch)."""
 
-    def __init__(self, ledger: MemoryLedger, device: torch.device, offload: bool):
+    def __init__(
+        self,
+        ledger: MemoryLedger,
+        device: torch.device,
+        offload: bool,
+        link: HostLink | None = None,
+    ):
         self.ledger = ledger
         self.device = device
         self.offload = offload
+        self.link = link if device.type != "cuda" else None
+        """CPU: the emulated link host copies go through (None: plain memcpys)."""
         self._entries: dict[Key, tuple[torch.Tensor, torch.Size]] = {}
         self._stream = torch.cuda.Stream(device) if offload and device.type == "cuda" else None
 
@@ -45,7 +59,9 @@ class BoundaryStore:
             buf = self.ledger.alloc(
                 "host/boundary", t.numel(), t.dtype, pin=self._stream is not None
             )
-            if self._stream is None:
+            if self.link is not None:
+                self.link.copy(buf, t.reshape(-1))
+            elif self._stream is None:
                 buf.copy_(t.reshape(-1))
             else:
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -64,7 +80,9 @@ class BoundaryStore:
             return
         staging = self.ledger.alloc("staging", buf.numel(), buf.dtype, device=self.device)
         try:
-            if self._stream is None:
+            if self.link is not None:
+                self.link.copy(staging, buf)
+            elif self._stream is None:
                 staging.copy_(buf)
             else:
                 # same side stream as the offload copy: ordered after it

@@ -13,12 +13,19 @@ them is not slowed again f times over; an emulated device is f times slower than
 running the piece alone. The sleep fills the gap between the wall time the piece took and
 that target (none if contention already made it longer). Elsewhere (CUDA, several intra-op
 threads) the target is f x the wall time.
+
+Copies are not compute. Inside a piece, a block under `unstretched()` (a host <-> device copy of
+a device with an emulated link, `cpu:...,pcie=12GB/s`, `runtime.host_state.HostLink`) is left
+out of the work that is stretched and counts once, as it took: the link emulation gives it its
+own duration.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +49,8 @@ class ComputeEmulator:
     only where `thread_cpu_measures_work` holds."""
     stretched_s: float = 0.0
     """Total sleep added so far."""
+    _excluded: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)
+    """Wall and thread-CPU seconds of `unstretched()` blocks since the last `start`."""
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1.0:
@@ -50,14 +59,37 @@ class ComputeEmulator:
             )
 
     def start(self) -> tuple[float, float]:
-        """Mark the start of a piece (pass the mark to `finish`)."""
+        """Mark the start of a piece (pass the mark to `finish`; pieces do not nest)."""
+        self._excluded = [0.0, 0.0]
         return time.perf_counter(), time.thread_time() if self.use_cpu_time else 0.0
 
     def finish(self, mark: tuple[float, float]) -> float:
         """Stretch the piece started at `mark`; returns its emulated duration."""
         wall = time.perf_counter() - mark[0]
         cpu = time.thread_time() - mark[1] if self.use_cpu_time else None
-        return self.stretch(wall, cpu)
+        ex_wall, ex_cpu = self._excluded
+        self._excluded = [0.0, 0.0]
+        if ex_wall == 0.0:
+            return self.stretch(wall, cpu)
+        # the piece's own work without the excluded copies, stretched; the copies as they took
+        work_wall = max(wall - ex_wall, 0.0)
+        work_cpu = None if cpu is None else max(cpu - ex_cpu, 0.0)
+        duration = max(wall, self.target(work_wall, work_cpu) + ex_wall)
+        extra = duration - wall
+        if extra > 0:
+            time.sleep(extra)
+            self.stretched_s += extra
+        return duration
+
+    @contextlib.contextmanager
+    def unstretched(self) -> Iterator[None]:
+        """Leave this block out of the stretch of the piece it runs in (see the module docstring)."""
+        w0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self._excluded[0] += time.perf_counter() - w0
+            self._excluded[1] += time.thread_time() - c0
 
     def target(self, wall_s: float, cpu_s: float | None = None) -> float:
         """The emulated duration of a piece that took `wall_s` (and `cpu_s` of this thread's

@@ -6,6 +6,22 @@ contiguous piece `shard_ranges(numel, fractions)[i]` of each and keeps, for that
 only, the fp32 master, the fp32 gradient and the two AdamW moments (ledger category
 `state`). Nothing else of the state outlives a step.
 
+Host state. With the plan's `host_state_fraction` h, the last round(h x size) elements of
+each unit's piece keep master, gradient and moments in host memory (`host/state`, pinned on
+CUDA) and only their compute-dtype copy on the device (`state`), which the all-gathers read
+(in fp32 the master and that copy are one device buffer, so a gather reads it in place). The
+reduce-scatter output of that part goes down to the host gradient when its reduce completes,
+the host runs AdamW on it after the global norm (runtime/host_state.py), and each unit's
+updated copy goes back up. Checkpoints see the two parts as two pieces of the same logical
+tensors (`sharded_state`), so a checkpoint loads whatever the host fraction of either run.
+
+Memory-tight ranks. A rank whose plan says `overlap_reduce` false (the planner's choice for a
+rank short of memory) waits for each reduce-scatter at once, so only one unit gradient is
+alive, and keeps its gradient shards only from the reduce-scatter that fills each one to the
+optimizer step (allocated there, freed after it): during the backward it holds the gradients
+of the units already reduced, not all of them. (`EngineConfig.overlap_reduce` false only
+serialises the reduce-scatters.)
+
 LGA step (mode "lga"), per rank, over its micro-batches (plan `micro_batch_size`):
   forward:  for each unit: all-gather it (the next unit's gather prefetched), run EVERY
             micro-batch through it without a graph, keep each micro-batch's unit input
@@ -62,6 +78,7 @@ from cephalo.runtime.comm import Comm, Handle
 from cephalo.runtime.dropout import SampleDropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.flat import FlatLayout, FlatShard, ParamSlot, overlap, shard_ranges
+from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
 from cephalo.runtime.param_groups import wants_weight_decay
@@ -88,7 +105,9 @@ class EngineConfig:
     """Start the next unit's all-gather while computing the current one."""
     overlap_reduce: bool = True
     """Reduce-scatter a unit's gradient while the next unit's backward computes (one more
-    fp32 unit gradient is then alive at a time); False: wait for it at once."""
+    fp32 unit gradient is then alive at a time) where the plan's `overlap_reduce` for this
+    rank says so (the planner turns it off on a rank short of memory); False: never, wait for
+    each at once."""
     offload: bool | None = None
     """Keep boundary activations on the host; None: the plan's `offload_activations`."""
     seed: int = 0
@@ -97,6 +116,15 @@ class EngineConfig:
     """CPU device emulation: compute is stretched by this factor (see emulation.py)."""
     memory_budget_bytes: int | None = None
     """Budget for a ledger the engine creates itself (None = unlimited)."""
+    host_memory_budget_bytes: int | None = None
+    """Host memory budget for a ledger the engine creates itself (None = unlimited): this
+    rank's share of its node's host memory."""
+    host_adamw: str | None = None
+    """AdamW kernel of the host-held state: `fused` (fastest), `foreach` (bitwise the device
+    path's arithmetic on a CPU); None: fused where this torch build has it for CPU tensors."""
+    host_copy_bytes_per_s: float | None = None
+    """CPU device emulation: every host <-> device copy lasts at least its bytes / this
+    bandwidth (`cpu:...,pcie=12GB/s`), outside the compute stretch; None: memcpy speed."""
     validate_collectives: bool | None = None
     """Cross-rank size checks before each collective; None: the comm's own setting."""
     validate_every_step: bool = False
@@ -124,6 +152,11 @@ class EngineConfig:
             )
         if self.loss_scale_init <= 0 or self.loss_scale_growth_interval < 1:
             raise CephaloError("loss_scale_init must be > 0 and loss_scale_growth_interval >= 1")
+        bw = self.host_copy_bytes_per_s
+        if bw is not None and not (bw > 0 and math.isfinite(bw)):
+            raise CephaloError(
+                f"engine setting host_copy_bytes_per_s must be a positive number, got {bw}"
+            )
 
 
 @dataclass
@@ -150,6 +183,10 @@ class StepStats:
     """Ledger peak per category during the step."""
     loss_scale: float = 1.0
     """fp16: the loss scale used for this step."""
+    host_peak_bytes: int = 0
+    """Ledger peak of host memory during the step (host state, offloaded boundaries)."""
+    host_s: float = 0.0
+    """Host seconds of the host-state optimizer step (AdamW and the uploads it issues)."""
 
 
 @dataclass
@@ -181,10 +218,25 @@ class _UnitShard:
         self.start, self.size = ranges[rank]
         self.borrows: list[_Borrow] = []
         self.decay_segments: list[tuple[int, int]] = []
+        self.host_n = 0
+        """Elements of the shard kept on the host (its last ones)."""
+        self.dev_n = self.size
+        """Elements of the shard whose state is on the device (its first ones)."""
+        # device part [0, dev_n) of the shard
         self.master: torch.Tensor
         self.grad: torch.Tensor
         self.exp_avg: torch.Tensor
         self.exp_avg_sq: torch.Tensor
+        self.param_buf: torch.Tensor | None = None
+        """fp32 compute: one device buffer [master | host part's copy] of the whole shard."""
+        self.host_copy: torch.Tensor
+        """Device, compute dtype: the host part's parameters, for the all-gathers."""
+        self.host: HostGroup | None = None
+        """Host part [dev_n, size): master, gradient and moments in host memory."""
+        self.host_upload: torch.Tensor | None = None
+        """Host, compute dtype (not fp32): the updated host part, cast for its upload."""
+        self.host_grad_written = False
+        """The host gradient received a piece this step (later pieces are added to it)."""
 
 
 @dataclass
@@ -210,7 +262,10 @@ class _Reduce:
 
     handle: Handle
     part: torch.Tensor
-    grad_slice: torch.Tensor
+    unit: _UnitShard
+    """Whose gradient receives it: elements [lo, hi) of its shard."""
+    lo: int
+    hi: int
     full: torch.Tensor
 
 
@@ -261,12 +316,24 @@ class Engine:
         self.offload = (
             self.rank_plan.offload_activations if config.offload is None else config.offload
         )
+        self.overlap_reduce = config.overlap_reduce and self.rank_plan.overlap_reduce
+        """Whether this rank waits for each reduce-scatter only after the next unit's backward."""
+        self.lean_grads = not self.rank_plan.overlap_reduce
+        """Gradient shards exist only from their reduce-scatter to the optimizer step: on a
+        rank the plan marks short of memory (its `overlap_reduce` false)."""
+        self.host_fraction = self.rank_plan.host_state_fraction
+        """The part of this rank's shard kept on the host (the plan's `host_state_fraction`)."""
         self.ledger = ledger or MemoryLedger(
-            self.rank, self.device, budget_bytes=config.memory_budget_bytes
+            self.rank,
+            self.device,
+            budget_bytes=config.memory_budget_bytes,
+            host_budget_bytes=config.host_memory_budget_bytes,
         )
         self.emulator = ComputeEmulator(
             config.slowdown, use_cpu_time=thread_cpu_measures_work(self.device)
         )
+        self.link = HostLink(self.ledger, self.device, config.host_copy_bytes_per_s, self.emulator)
+        """Copies between this rank's device and its host (host state; emulated boundary copies)."""
         self.scaler = (
             DynamicLossScaler(
                 scale=config.loss_scale_init, growth_interval=config.loss_scale_growth_interval
@@ -276,18 +343,38 @@ class Engine:
         )
         self.step_index = 0
         """Train steps run (including fp16-skipped ones): keys the dropout masks."""
-        self._boundaries = BoundaryStore(self.ledger, self.device, self.offload)
+        self._boundaries = BoundaryStore(
+            self.ledger,
+            self.device,
+            self.offload,
+            link=self.link if config.host_copy_bytes_per_s is not None else None,
+        )
         """Boundary activations of the step in flight (empty between steps)."""
         self._build_shards()
         self.optimizer = ShardedAdamW(
             [
-                ShardGroup(us.master, us.grad, us.exp_avg, us.exp_avg_sq, us.decay_segments)
+                ShardGroup(
+                    us.master,
+                    us.grad,
+                    us.exp_avg,
+                    us.exp_avg_sq,
+                    [(a, min(b, us.dev_n)) for a, b in us.decay_segments if a < us.dev_n],
+                )
                 for us in self.shards
             ],
             config.adamw,
         )
+        hosted = [us for us in self.shards if us.host is not None]
+        self.host_optimizer = (
+            HostAdamW([us.host for us in hosted], config.adamw, config.host_adamw)
+            if hosted
+            else None
+        )
+        """AdamW of the host-held parts (None: all state on the device)."""
+        self._hosted = hosted
         self._comm_wait_s = 0.0
         self._busy_s = 0.0
+        self._host_s = 0.0
         self._validated: set[str] = set()
         """Kinds of pass ("train", "eval") whose collectives every rank has cross-checked."""
         self._cuda_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -321,13 +408,10 @@ class Engine:
                 values = dict(params)
             full = layout.flatten(values)
             del values
-            us.master = self._alloc_state(us.size).copy_(full[us.start : us.start + us.size])
-            del full  # before the next unit's values exist: at most two units at a time
-            us.grad = self._alloc_state(us.size).zero_()
-            us.exp_avg = self._alloc_state(us.size).zero_()
-            us.exp_avg_sq = self._alloc_state(us.size).zero_()
             decays = [wants_weight_decay(f"{unit.name}.{name}", p) for name, p in params]
             us.decay_segments = layout.segments_where(decays, us.start, us.size)
+            self._alloc_unit_state(us, full[us.start : us.start + us.size])
+            del full  # before the next unit's values exist: at most two units at a time
             self.shards.append(us)
         for i, unit in enumerate(model.units):
             for pname, p in unit.module.named_parameters():
@@ -351,6 +435,59 @@ class Engine:
 
     def _alloc_state(self, numel: int) -> torch.Tensor:
         return self.ledger.alloc("state", numel, torch.float32, device=self.device)
+
+    def _alloc_unit_state(self, us: _UnitShard, values: torch.Tensor) -> None:
+        """This rank's state of one unit from its shard's initial fp32 `values`: the device
+        part, and the host part of `host_fraction` (see the module docstring)."""
+        us.host_n = min(us.size, round(self.host_fraction * us.size))
+        us.dev_n = d = us.size - us.host_n
+        if self.dtype == torch.float32:
+            # one device buffer: the device part's master, then the host part's copy
+            us.param_buf = self._alloc_state(us.size).copy_(values)
+            us.master, us.host_copy = us.param_buf[:d], us.param_buf[d:]
+        else:
+            us.master = self._alloc_state(d).copy_(values[:d])
+            us.host_copy = self.ledger.alloc("state", us.host_n, self.dtype, device=self.device)
+            us.host_copy.copy_(values[d:])
+        # a lean rank's gradient shards are allocated by their first reduce-scatter
+        us.grad = us.master[0:0] if self.lean_grads else self._alloc_state(d).zero_()
+        us.exp_avg = self._alloc_state(d).zero_()
+        us.exp_avg_sq = self._alloc_state(d).zero_()
+        if us.host_n == 0:
+            return
+        pin = self.device.type == "cuda"
+
+        def host(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return self.ledger.alloc("host/state", numel, dtype, pin=pin)
+
+        us.host = HostGroup(
+            host(us.host_n).copy_(values[d:]),
+            host(us.host_n).zero_(),
+            host(us.host_n).zero_(),
+            host(us.host_n).zero_(),
+            [(max(a, d) - d, b - d) for a, b in us.decay_segments if b > d],
+        )
+        if self.dtype != torch.float32:
+            us.host_upload = host(us.host_n, self.dtype)
+
+    def _upload(self, us: _UnitShard) -> None:
+        """The host part's updated parameters up to the device copy the gathers read."""
+        assert us.host is not None
+        if us.host_upload is None:  # fp32: the master itself
+            self.link.up(us.host_copy, us.host.param)
+            return
+        # cast on the host (the pinned buffer this step's upload reads; the previous step's
+        # upload of it completed: the copy stream ran it before this step's gradient copies,
+        # which `link.sync` waited for)
+        us.host_upload.copy_(us.host.param)
+        self.link.up(us.host_copy, us.host_upload)
+
+    def state_written(self) -> None:
+        """After writing into `sharded_state()`'s views (loading a checkpoint): refresh the
+        device copies of the host-held parts from their new masters."""
+        for us in self._hosted:
+            self._upload(us)
+        self.link.wait_uploads()
 
     def _to_meta_params(self) -> None:
         """Replace every parameter by a meta tensor (ties kept: one object per parameter):
@@ -381,25 +518,36 @@ class Engine:
         flat = self.ledger.alloc("gathered", us.layout.numel, self.dtype, device=self.device)
         handles, tied = [], []
         t0 = time.perf_counter()
-        handles.append(self._gather_piece(flat, us.master, us.sizes, async_op))
+        handles.append(self._gather_piece(flat, us, 0, us.size, us.sizes, async_op))
         for b in us.borrows:
             buf = self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
             tied.append(buf)
             handles.append(
-                self._gather_piece(buf, b.owner.master[b.local[0] : b.local[1]], b.sizes, async_op)
+                self._gather_piece(buf, b.owner, b.local[0], b.local[1], b.sizes, async_op)
             )
         if not async_op:
             self._comm_wait_s += time.perf_counter() - t0
         return _Gathered(us, flat, tied, handles)
 
     def _gather_piece(
-        self, out: torch.Tensor, master: torch.Tensor, sizes: list[int], async_op: bool
+        self,
+        out: torch.Tensor,
+        us: _UnitShard,
+        lo: int,
+        hi: int,
+        sizes: list[int],
+        async_op: bool,
     ) -> Handle:
-        if self.dtype == torch.float32:
-            return self.comm.all_gather_v(out, master, sizes, async_op=async_op)
+        """All-gather into `out` this rank's elements [lo, hi) of `us`'s shard in compute dtype."""
+        if us.param_buf is not None:  # fp32: master and the host part's copy in one buffer
+            return self.comm.all_gather_v(out, us.param_buf[lo:hi], sizes, async_op=async_op)
         # the shard in compute dtype; the comm contract lets us free it once the call returns
-        shard = self.ledger.alloc("gathered", master.numel(), self.dtype, device=self.device)
-        shard.copy_(master)
+        shard = self.ledger.alloc("gathered", hi - lo, self.dtype, device=self.device)
+        d = us.dev_n
+        if min(hi, d) > lo:
+            shard[: min(hi, d) - lo].copy_(us.master[lo : min(hi, d)])
+        if hi > max(lo, d):
+            shard[max(lo, d) - lo :].copy_(us.host_copy[max(lo, d) - d : hi - d])
         handle = self.comm.all_gather_v(out, shard, sizes, async_op=async_op)
         self.ledger.free(shard)
         return handle
@@ -415,23 +563,34 @@ class Engine:
             self.ledger.free(buf)
 
     def _start_reduce(
-        self, grad_slice: torch.Tensor, full: torch.Tensor, sizes: list[int]
+        self, us: _UnitShard, lo: int, hi: int, full: torch.Tensor, sizes: list[int]
     ) -> _Reduce:
-        """Start grad_slice += this rank's piece of the sum over ranks of `full` (fp32, a
-        ledger buffer that `_finish_reduce` frees)."""
-        part = self.ledger.alloc(
-            "grad_accum", grad_slice.numel(), torch.float32, device=self.device
-        )
+        """Start: the gradient of elements [lo, hi) of this rank's shard of `us` += this rank's
+        piece of the sum over ranks of `full` (fp32, a ledger buffer `_finish_reduce` frees)."""
+        part = self.ledger.alloc("grad_accum", hi - lo, torch.float32, device=self.device)
         t0 = time.perf_counter()
         handle = self.comm.reduce_scatter_v(part, full, sizes, async_op=True)
         self._comm_wait_s += time.perf_counter() - t0  # the call itself (and any validation)
-        return _Reduce(handle, part, grad_slice, full)
+        return _Reduce(handle, part, us, lo, hi, full)
 
     def _finish_reduce(self, r: _Reduce) -> None:
         self._wait(r.handle)
-        r.grad_slice.add_(r.part)
+        us, d = r.unit, r.unit.dev_n
+        if min(r.hi, d) > r.lo:
+            self._device_grad(us)[r.lo : min(r.hi, d)].add_(r.part[: min(r.hi, d) - r.lo])
+        if r.hi > max(r.lo, d):
+            # the host part goes down to the host gradient (CUDA: on the side stream, while
+            # the next unit's backward runs)
+            a = max(r.lo, d)
+            assert us.host is not None
+            self.link.down(
+                us.host.grad[a - d : r.hi - d], r.part[a - r.lo :], accumulate=us.host_grad_written
+            )
+            us.host_grad_written = True
         self.ledger.free(r.part)
         self.ledger.free(r.full)
+        # and let the buffers die now (a name still holding this record would keep them)
+        r.part = r.full = None  # type: ignore[assignment]
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
@@ -572,11 +731,14 @@ class Engine:
             # the previous unit's reduce-scatters ran while this unit's backward computed
             for r in reducing:
                 self._finish_reduce(r)
-            reducing = [self._start_reduce(us.grad, acc, us.sizes)]
+            reducing = [self._start_reduce(us, 0, us.size, acc, us.sizes)]
             for b, t_acc in zip(us.borrows, tied_acc, strict=True):
                 lo, hi = b.local
-                reducing.append(self._start_reduce(b.owner.grad[lo:hi], t_acc, b.sizes))
-            if not self.config.overlap_reduce:
+                reducing.append(self._start_reduce(b.owner, lo, hi, t_acc, b.sizes))
+            # the reduce-scatters hold the buffers now: no name here may keep them alive into
+            # the next unit's backward once `_finish_reduce` has freed them in the ledger
+            acc = tied_acc = t_acc = None
+            if not self.overlap_reduce:
                 for r in reducing:
                     self._finish_reduce(r)
                 reducing = []
@@ -666,7 +828,7 @@ class Engine:
 
     def _train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepStats:
         t_step = time.perf_counter()
-        self._comm_wait_s = self._busy_s = 0.0
+        self._comm_wait_s = self._busy_s = self._host_s = 0.0
         self.ledger.reset_peak()
         self.model.train()
         mbs = self._micro_batches(input_ids, labels)
@@ -705,18 +867,29 @@ class Engine:
             peak_bytes=self.ledger.peak_bytes,
             peak_by_category=dict(peaks),
             loss_scale=loss_scale,
+            host_peak_bytes=self.ledger.host_peak_bytes,
+            host_s=self._host_s,
         )
 
     @torch.no_grad()
     def _optimizer_step(
         self, loss_sum: torch.Tensor, loss_scale: float, lr: float, n_tokens: int
     ) -> tuple[bool, float]:
-        opt = self.optimizer
+        opt, host_opt = self.optimizer, self.host_optimizer
+        self.link.sync()  # every host gradient piece has arrived
+        for us in self.shards:  # (lean: a unit no reduce-scatter reached has a zero gradient)
+            self._device_grad(us)
         with self._optimizer_work():
             if loss_scale != 1.0:
                 opt.scale_grads(1.0 / loss_scale)
             # one all-reduce for the squared norm and the loss sum
-            red = torch.stack([opt.local_grad_sq_sum(), loss_sum.float()])
+            red = torch.stack([opt.local_grad_sq_sum(), loss_sum.double()])
+        if host_opt is not None:
+            t0 = time.perf_counter()
+            if loss_scale != 1.0:
+                host_opt.scale_grads(1.0 / loss_scale)
+            red[0] += host_opt.grad_sq_sum().to(red.device)
+            self._host_s += time.perf_counter() - t0
         self._all_reduce(red)
         grad_norm = float(red[0].sqrt())
         self._last_loss = float(red[1]) / max(n_tokens, 1)
@@ -731,16 +904,55 @@ class Engine:
                     "fp16: non-finite gradient, step skipped; loss scale now %g", self.scaler.scale
                 )
             with self._optimizer_work():
-                opt.zero_grad()
+                self._zero_device_grads()
+            self._host_zero_grad()
             return True, grad_norm
+        coef = 1.0
+        if self.config.grad_clip > 0:
+            coef = min(1.0, self.config.grad_clip / (grad_norm + 1e-6))
         with self._optimizer_work():
-            if self.config.grad_clip > 0:
-                coef = self.config.grad_clip / (grad_norm + 1e-6)
-                if coef < 1.0:
-                    opt.scale_grads(coef)
+            if coef < 1.0:
+                opt.scale_grads(coef)
             opt.step(lr)
-            opt.zero_grad()
+            self._zero_device_grads()
+        if host_opt is not None:
+            # not under the emulated slowdown: the host is not the emulated device. On CUDA
+            # the device's optimizer kernels run meanwhile; each unit's upload starts as soon
+            # as the host has updated it
+            t0 = time.perf_counter()
+            if coef < 1.0:
+                host_opt.scale_grads(coef)
+            for i, us in enumerate(self._hosted):
+                host_opt.step_group(i, lr, opt.step_count)
+                self._upload(us)
+            self._host_zero_grad()
+            self.link.wait_uploads()
+            self._host_s += time.perf_counter() - t0
         return False, grad_norm
+
+    def _device_grad(self, us: _UnitShard) -> torch.Tensor:
+        """The device part's gradient shard (a lean rank allocates it on first use)."""
+        if us.grad.numel() != us.dev_n:
+            us.grad = self._alloc_state(us.dev_n).zero_()
+            self.optimizer.groups[us.index].grad = us.grad
+        return us.grad
+
+    def _zero_device_grads(self) -> None:
+        """After the optimizer step: zero the gradient shards, or (lean) free them."""
+        if not self.lean_grads:
+            self.optimizer.zero_grad()
+            return
+        for us in self.shards:
+            if us.grad.numel():
+                self.ledger.free(us.grad)
+            us.grad = us.master[0:0]
+            self.optimizer.groups[us.index].grad = us.grad
+
+    def _host_zero_grad(self) -> None:
+        if self.host_optimizer is not None:
+            self.host_optimizer.zero_grad()
+        for us in self._hosted:
+            us.host_grad_written = False
 
     @torch.no_grad()
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
@@ -765,25 +977,33 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def sharded_state(self) -> list[FlatShard]:
-        """This rank's pieces of every parameter and AdamW moment, as live views."""
+        """This rank's pieces of every parameter and AdamW moment, as live views: per tensor
+        the piece of the device part (possibly empty) and, where the rank keeps part of its
+        shard on the host, the piece of the host part. After writing into them, call
+        `state_written()`."""
         out: list[FlatShard] = []
-        for prefix, attr in (
-            ("", "master"),
-            ("optim.exp_avg.", "exp_avg"),
-            ("optim.exp_avg_sq.", "exp_avg_sq"),
+        for prefix, attr, host_attr in (
+            ("", "master", "param"),
+            ("optim.exp_avg.", "exp_avg", "exp_avg"),
+            ("optim.exp_avg_sq.", "exp_avg_sq", "exp_avg_sq"),
         ):
             for us in self.shards:
-                local_all = getattr(us, attr)
+                parts = [(us.start, us.dev_n, getattr(us, attr))]
+                if us.host is not None:
+                    parts.append((us.start + us.dev_n, us.host_n, getattr(us.host, host_attr)))
                 for s in us.layout.slots:
-                    lo, hi = overlap(us.start, us.size, s.offset, s.numel)
-                    out.append(
-                        FlatShard(
-                            f"{prefix}{us.unit.name}.{s.name}",
-                            s.shape,
-                            lo - s.offset if hi > lo else 0,
-                            local_all[lo - us.start : hi - us.start] if hi > lo else local_all[0:0],
+                    for k, (start, size, local_all) in enumerate(parts):
+                        lo, hi = overlap(start, size, s.offset, s.numel)
+                        if k > 0 and hi <= lo:
+                            continue
+                        out.append(
+                            FlatShard(
+                                f"{prefix}{us.unit.name}.{s.name}",
+                                s.shape,
+                                lo - s.offset if hi > lo else 0,
+                                local_all[lo - start : hi - start] if hi > lo else local_all[0:0],
+                            )
                         )
-                    )
         return out
 
     def extra_state(self) -> dict:
@@ -806,11 +1026,15 @@ class Engine:
         out: dict[str, torch.Tensor] = {}
         for us in self.shards:
             full = torch.empty(us.layout.numel, dtype=torch.float32, device=self.device)
-            self._wait(self.comm.all_gather_v(full, us.master, us.sizes))
+            mine = us.master
+            if us.host is not None:  # the fp32 masters of both parts, contiguous
+                mine = torch.cat([us.master, us.host.param.to(self.device)])
+            self._wait(self.comm.all_gather_v(full, mine, us.sizes))
             for name, view in us.layout.views(full).items():
                 out[f"{us.unit.name}.{name}"] = view.detach().cpu().clone()
         return out
 
     def state_bytes(self) -> int:
-        """Bytes of persistent training state on this rank (master, grad, 2 moments)."""
+        """Bytes of persistent training state on this rank (master, grad, 2 moments), on the
+        device and the host together."""
         return sum(4 * 4 * us.size for us in self.shards)

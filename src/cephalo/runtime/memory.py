@@ -11,8 +11,10 @@ Device emulation: on a CPU rank that stands in for a GPU, `budget_bytes` is that
 memory; going over it raises `MemoryBudgetExceeded` naming the rank and the category, the
 same failure a real GPU would have, but with a useful message.
 
-Host memory (offloaded activations, pinned or not) goes to categories prefixed `host/`; it
-is tracked the same way but does not count against the device budget or the device peak.
+Host memory (offloaded activations, host-held training state, pinned or not) goes to
+categories prefixed `host/`; it is tracked the same way but does not count against the device
+budget or the device peak: it has its own peak and its own budget (`host_budget_bytes`, this
+rank's share of its node's host memory), past which `MemoryBudgetExceeded` names the host.
 
 On CUDA, the ledger's device peak can be compared with `torch.cuda.max_memory_allocated()`:
 the ledger counts logical bytes (no allocator rounding, no cuBLAS workspaces, no temporaries
@@ -77,7 +79,13 @@ class _SavedActivation:
 class MemoryLedger:
     """Counts one rank's memory by category and enforces its device budget."""
 
-    def __init__(self, rank: int, device: torch.device | str, budget_bytes: int | None = None):
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device | str,
+        budget_bytes: int | None = None,
+        host_budget_bytes: int | None = None,
+    ):
         self.rank = rank
         """The rank whose memory this is (named in errors)."""
         device = torch.device(device)
@@ -89,6 +97,12 @@ class MemoryLedger:
             raise CephaloError(f"memory budget must be non-negative, got {budget_bytes} bytes")
         self.budget_bytes = budget_bytes
         """Device memory budget in bytes (None: unlimited)."""
+        if host_budget_bytes is not None and host_budget_bytes < 0:
+            raise CephaloError(
+                f"host memory budget must be non-negative, got {host_budget_bytes} bytes"
+            )
+        self.host_budget_bytes = host_budget_bytes
+        """Host memory budget of this rank in bytes (None: unlimited)."""
         self._lock = threading.Lock()  # storage finalizers may run on autograd threads
         self._current: dict[str, int] = {}
         self._peak: dict[str, int] = {}
@@ -119,6 +133,14 @@ class MemoryLedger:
             ):
                 raise MemoryBudgetExceeded(
                     self._budget_message(category, nbytes), self.rank, category
+                )
+            if (
+                host
+                and self.host_budget_bytes is not None
+                and self._host_current + nbytes > self.host_budget_bytes
+            ):
+                raise MemoryBudgetExceeded(
+                    self._host_budget_message(category, nbytes), self.rank, category
                 )
             self._current[category] = self._current.get(category, 0) + nbytes
             self._peak[category] = max(self._peak.get(category, 0), self._current[category])
@@ -161,6 +183,14 @@ class MemoryLedger:
             f"{_mib(self.budget_bytes or 0)} budget (largest: {holders}). Use a plan that "
             "gives this rank a smaller batch or state fraction, more micro-batches, or host "
             "offload of activations"
+        )
+
+    def _host_budget_message(self, category: str, nbytes: int) -> str:
+        return (
+            f"rank {self.rank} ran out of its host memory: {category!r} requested {_mib(nbytes)} "
+            f"with {_mib(self._host_current)} in use of its {_mib(self.host_budget_bytes or 0)} "
+            "share of the node's host memory. Give the node more host memory (`host_memory` in "
+            "the cluster file) or use a plan with a smaller host_state_fraction on this rank"
         )
 
     # ----------------------------------------------------------------- buffers
@@ -351,6 +381,7 @@ class MemoryLedger:
             "rank": self.rank,
             "device": str(self.device),
             "budget_bytes": self.budget_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
             "current_bytes": self.current_bytes,
             "peak_bytes": self.peak_bytes,
             "host_current_bytes": self.host_current_bytes,

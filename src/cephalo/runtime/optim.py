@@ -87,12 +87,14 @@ class ShardedAdamW:
             g.grad.zero_()
 
     def local_grad_sq_sum(self) -> torch.Tensor:
-        """Sum of squared gradient entries on this rank (fp32 0-dim; summed across ranks
-        gives the squared global norm)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.groups[0].grad.device)
+        """Sum of squared gradient entries on this rank (fp64 0-dim; summed across ranks
+        gives the squared global norm). Accumulated in fp64 so that the norm does not depend
+        (beyond fp64 rounding) on how the entries are split between ranks, or between a
+        rank's device and its host."""
+        total = torch.zeros((), dtype=torch.float64, device=self.groups[0].grad.device)
         for g in self.groups:
             if g.grad.numel():
-                total += g.grad.pow(2).sum()
+                total += g.grad.pow(2).sum(dtype=torch.float64)
         return total
 
     def scale_grads(self, factor: float) -> None:

@@ -170,6 +170,33 @@ ADAMW_BYTES_PER_PARAM = 30
 ADAMW_BANDWIDTH_EFFICIENCY = 0.7
 
 
+# ------------------------------------------------------------------------------ hosts
+# A GPU server's host: its memory and the speed at which its CPUs run AdamW on training state
+# kept in host memory (`host_state_fraction`). Defaults for planning clusters you do not own;
+# a cluster file overrides both per node (`host_memory`, `host_optimizer_s_per_param`), and
+# `cephalo profile` measures the optimizer on the real host.
+DEFAULT_HOST_MEMORY_BYTES = 256 * GiB
+"""Host memory per node: a common configuration of 4-8 GPU servers (and at least twice the
+GPU memory of the boxes in the catalog's clusters). It holds the host state of every rank of
+the node and their offloaded activations."""
+HOST_ADAMW_BYTES_PER_PARAM = 36
+"""Host memory traffic of AdamW per host-held parameter: fp32 master read+write (8), gradient
+written by the device copy and read (8), both moments read+write (16), the compute-dtype copy
+written and read by the upload to the device (4)."""
+DEFAULT_HOST_MEMORY_BANDWIDTH_BYTES_PER_S = 100e9
+"""Host memory bandwidth a multi-threaded CPU AdamW reaches on a two-socket server (DDR4-3200,
+16 channels: 410 GB/s peak; a quarter of it for a streaming update from several processes)."""
+
+
+def host_optimizer_s_per_param(ranks_on_node: int) -> float:
+    """Default host AdamW time per host-held parameter of ONE rank, seconds: the node's host
+    memory bandwidth is shared by its ranks (they run their host steps at the same moment,
+    after the global gradient norm), so each gets 1 / ranks_on_node of it."""
+    if ranks_on_node < 1:
+        raise CephaloError(f"a node needs at least one rank, got {ranks_on_node}")
+    return ranks_on_node * HOST_ADAMW_BYTES_PER_PARAM / DEFAULT_HOST_MEMORY_BANDWIDTH_BYTES_PER_S
+
+
 def optimizer_s_per_param(device_type: str) -> float:
     """AdamW step time per owned parameter, seconds: bytes moved / achievable memory bandwidth."""
     spec = device_spec(device_type)

@@ -9,6 +9,11 @@ Two ways to say it:
 Bandwidth defaults come from the device types (`cephalo.specs.catalog`): within a node, the
 slowest device's link (PCIe generation, or NVLink on SXM boards); between nodes, 100 Gbit/s
 Ethernet at 80% efficiency. Override them in the file form when you know better.
+
+Each node also has a host: its memory (`host_memory`, default
+`catalog.DEFAULT_HOST_MEMORY_BYTES`) is shared by the ranks of the node for host-held training
+state and offloaded activations, and its CPUs run the AdamW step of that state (default speed
+`catalog.host_optimizer_s_per_param`, measured by `cephalo profile`, or set in the file).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 from cephalo.errors import CephaloError
 from cephalo.specs.catalog import (
     CPU_DEFAULT_MEMORY_BYTES,
+    DEFAULT_HOST_MEMORY_BYTES,
     DEVICE_ALIASES,
     device_display_name,
     device_memory_bytes,
@@ -36,10 +42,11 @@ SPEC_GRAMMAR = """\
 cluster spec: DEVICE[,DEVICE...][;LINK...]
   DEVICE  = [Nx]TYPE[@nodeK | @nodeA-B][:KEY=VALUE[,KEY=VALUE...]]   (@nodeA-B: N on each node A..B)
   TYPE    = a device type (`cephalo catalog`), case-insensitive, e.g. l4, a6000, a100, cpu
-  KEY     = mem (e.g. 20GiB, 16GB, 512MiB), node (integer >= 0), slowdown (float >= 1, cpu only)
+  KEY     = mem (e.g. 20GiB, 16GB, 512MiB), node (integer >= 0), slowdown (float >= 1, cpu only),
+            pcie (host-copy bandwidth of an emulated cpu device, e.g. 12GB/s)
   LINK    = intra=RATE | inter=RATE | latency=SECONDS: the links of the whole cluster (within a
             node, between nodes, fixed cost of a collective), RATE e.g. 24GB/s
-  examples: 2xl4,a6000,p40   4xa100x80@node1   cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB
+  examples: 2xl4,a6000,p40   4xa100x80@node1   cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB,pcie=12GB/s
             8xa100x80@node0-1;inter=50GB/s   (2 nodes of 8)"""
 
 # 100 Gbit/s Ethernet, ~80% achievable by NCCL/gloo ring collectives.
@@ -64,7 +71,7 @@ _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]+)\s*/\s*s\s
 _DEVICE_RE = re.compile(
     r"^(?:(\d+)\s*x\s*)?([a-z0-9_.\-]*?)\s*(?:@\s*(?:node)?\s*(\S*))?$", re.IGNORECASE
 )
-_OPTIONS = ("mem", "node", "slowdown")
+_OPTIONS = ("mem", "node", "slowdown", "pcie")
 _LINK_OPTIONS = {
     "intra": "intra_node_bytes_per_s",
     "inter": "inter_node_bytes_per_s",
@@ -129,25 +136,35 @@ class Device:
     """Node (host) index; devices on different nodes talk over the inter-node network."""
     slowdown: float = 1.0
     """CPU emulation only: compute is stretched by this factor (1 = as fast as the host)."""
+    pcie_bytes_per_s: float | None = None
+    """CPU emulation only: every host <-> device copy is stretched to this bandwidth, as
+    `slowdown` stretches compute (None: copies run at memcpy speed)."""
 
     @property
     def type_key(self) -> str:
-        """The key profiles are stored under: `l4`, `cpu`, `cpu:slowdown=2`.
+        """The key profiles are stored under: `l4`, `cpu`, `cpu:slowdown=2`,
+        `cpu:slowdown=2:pcie=12GB/s`.
 
-        Slowdown changes speed, so it is part of the type; memory is not (a profile's times
-        do not depend on how much memory the device has).
+        Slowdown and the emulated copy bandwidth change speed, so they are part of the type;
+        memory is not (a profile's times do not depend on how much memory the device has).
         """
-        if self.slowdown == 1.0:
-            return self.type
-        return f"{self.type}:slowdown={self.slowdown:g}"
+        key = self.type
+        if self.slowdown != 1.0:
+            key += f":slowdown={self.slowdown:g}"
+        if self.pcie_bytes_per_s is not None:
+            key += f":pcie={self.pcie_bytes_per_s / 1e9:g}GB/s"
+        return key
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "type": self.type,
             "memory_bytes": self.memory_bytes,
             "node": self.node,
             "slowdown": self.slowdown,
         }
+        if self.pcie_bytes_per_s is not None:
+            out["pcie_bytes_per_s"] = self.pcie_bytes_per_s
+        return out
 
 
 @dataclass
@@ -163,6 +180,18 @@ class Cluster:
     """Per-device bandwidth between nodes; default 100 Gbit/s Ethernet at 80%: 10 GB/s."""
     collective_latency_s: float = field(default=None)  # type: ignore[assignment]
     """Fixed cost of one collective call; default 50 us (NCCL), 200 us with any `cpu` device (gloo)."""
+    host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES
+    """Host memory of every node (unless `node_host_memory_bytes` says otherwise), shared by the
+    ranks of the node for host-held training state and offloaded activations."""
+    node_host_memory_bytes: dict[int, int] = field(default_factory=dict)
+    """Per-node overrides of `host_memory_bytes`, by node index."""
+    host_optimizer_s_per_param: float | None = None
+    """AdamW time of one rank per host-held parameter on every node (unless
+    `node_host_optimizer_s_per_param` says otherwise); None: measured (`cephalo profile`) or
+    the catalog default (`catalog.host_optimizer_s_per_param`: the node's host memory bandwidth
+    shared by its ranks)."""
+    node_host_optimizer_s_per_param: dict[int, float] = field(default_factory=dict)
+    """Per-node overrides of `host_optimizer_s_per_param`, by node index."""
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -183,6 +212,21 @@ class Cluster:
     @property
     def num_nodes(self) -> int:
         return len({d.node for d in self.devices})
+
+    def nodes(self) -> list[int]:
+        """Node indices in first-seen (rank) order."""
+        return list(dict.fromkeys(d.node for d in self.devices))
+
+    def ranks_on_node(self, node: int) -> list[int]:
+        return [i for i, d in enumerate(self.devices) if d.node == node]
+
+    def host_memory_of(self, node: int) -> int:
+        """Host memory of `node`, bytes."""
+        return int(self.node_host_memory_bytes.get(node, self.host_memory_bytes))
+
+    def host_optimizer_override(self, node: int) -> float | None:
+        """The cluster's own host AdamW time per parameter for a rank of `node`, if it gives one."""
+        return self.node_host_optimizer_s_per_param.get(node, self.host_optimizer_s_per_param)
 
     def device_types(self) -> list[str]:
         """Distinct `type_key`s in first-seen order."""
@@ -214,25 +258,29 @@ class Cluster:
 
     def to_spec(self) -> str:
         """The spec string `Cluster.parse` reads back as this very cluster: devices in rank
-        order (runs of equal ones counted), nodes when any device is off node 0, memory and
-        slowdown where they differ from the type's, links where they differ from the defaults."""
+        order (runs of equal ones counted), nodes when any device is off node 0, memory,
+        slowdown and emulated host link where they differ from the type's, links where they
+        differ from the defaults. Host memory and host optimizer speed (cluster-file fields
+        only) have no spec syntax: a cluster with them set does not round-trip."""
         with_nodes = any(d.node != 0 for d in self.devices)
-        runs = _runs((d.type, d.memory_bytes, d.node, d.slowdown) for d in self.devices)
+        runs = _runs(
+            (d.type, d.memory_bytes, d.node, d.slowdown, d.pcie_bytes_per_s) for d in self.devices
+        )
         # runs of equal devices on consecutive nodes, equally many on each: one @nodeA-B token
         merged: list[list] = []
-        for (type_name, mem, node, slowdown), count in runs:
+        for (type_name, mem, node, slowdown, pcie), count in runs:
             last = merged[-1] if merged else None
             if (
                 with_nodes
                 and last is not None
-                and last[0] == (type_name, mem, slowdown, count)
+                and last[0] == (type_name, mem, slowdown, pcie, count)
                 and node == last[2] + 1
             ):
                 last[2] = node
             else:
-                merged.append([(type_name, mem, slowdown, count), node, node])
+                merged.append([(type_name, mem, slowdown, pcie, count), node, node])
         parts = []
-        for (type_name, mem, slowdown, count), first, last_node in merged:
+        for (type_name, mem, slowdown, pcie, count), first, last_node in merged:
             token = f"{count}x{type_name}" if count > 1 else type_name
             if with_nodes:
                 token += f"@node{first}" + (f"-{last_node}" if last_node > first else "")
@@ -245,6 +293,8 @@ class Cluster:
             if slowdown != 1.0:
                 short = f"{slowdown:g}"
                 options.append(f"slowdown={short if float(short) == slowdown else repr(slowdown)}")
+            if pcie is not None:
+                options.append(f"pcie={_format_rate(pcie)}")
             parts.append(":".join([token, *options]))
         spec = ",".join(parts)
         default_intra = min(intra_node_bytes_per_s(d.type) for d in self.devices)
@@ -263,12 +313,34 @@ class Cluster:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:
-        return {
+        out: dict[str, Any] = {
             "devices": [d.to_dict() for d in self.devices],
             "intra_node_bytes_per_s": self.intra_node_bytes_per_s,
             "inter_node_bytes_per_s": self.inter_node_bytes_per_s,
             "collective_latency_s": self.collective_latency_s,
+            "host_memory_bytes": self.host_memory_bytes,
         }
+        if self.host_optimizer_s_per_param is not None:
+            out["host_optimizer_s_per_param"] = self.host_optimizer_s_per_param
+        nodes = sorted(set(self.node_host_memory_bytes) | set(self.node_host_optimizer_s_per_param))
+        if nodes:
+            out["nodes"] = [
+                {
+                    "node": n,
+                    **(
+                        {"host_memory_bytes": self.node_host_memory_bytes[n]}
+                        if n in self.node_host_memory_bytes
+                        else {}
+                    ),
+                    **(
+                        {"host_optimizer_s_per_param": self.node_host_optimizer_s_per_param[n]}
+                        if n in self.node_host_optimizer_s_per_param
+                        else {}
+                    ),
+                }
+                for n in nodes
+            ]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "cluster") -> Cluster:
@@ -277,17 +349,21 @@ class Cluster:
             raise CephaloError(
                 f"{where}: expected a table/object with a `devices` list, got {type(d).__name__}"
             )
-        unknown = set(d) - {
+        known = {
             "devices",
             "intra_node_bytes_per_s",
             "inter_node_bytes_per_s",
             "collective_latency_s",
             "intra_node_bandwidth",
             "inter_node_bandwidth",
+            *_HOST_KEYS,
+            "nodes",
         }
+        unknown = set(d) - known
         if unknown:
             raise CephaloError(
-                f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected devices, intra_node_bandwidth, inter_node_bandwidth, collective_latency_s"
+                f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected devices, intra_node_bandwidth, "
+                "inter_node_bandwidth, collective_latency_s, host_memory, host_optimizer_s_per_param, nodes"
             )
         entries = d.get("devices")
         if isinstance(entries, str):
@@ -321,7 +397,49 @@ class Cluster:
                     f"{where}: collective_latency_s must be a number of seconds >= 0, got {lat!r}"
                 )
             kwargs["collective_latency_s"] = float(lat)
-        return cls(devices, **kwargs)
+        memory, optimizer = _host_settings(d, where)
+        node_memory: dict[int, int] = {}
+        node_optimizer: dict[int, float] = {}
+        nodes = d.get("nodes", [])
+        if not isinstance(nodes, list):
+            raise CephaloError(
+                f"{where}: `nodes` must be a list of {{node, host_memory, host_optimizer_s_per_param}} entries"
+            )
+        present = {dev.node for dev in devices}
+        for i, e in enumerate(nodes):
+            at = f"{where}: nodes[{i}]"
+            if not isinstance(e, dict):
+                raise CephaloError(
+                    f'{at}: expected a table like {{node = 1, host_memory = "128GiB"}}'
+                )
+            unknown = set(e) - {"node", *_HOST_KEYS}
+            if unknown:
+                raise CephaloError(
+                    f"{at}: unknown key(s) {', '.join(sorted(unknown))}; allowed: node, host_memory, "
+                    "host_optimizer_s_per_param"
+                )
+            n = e.get("node")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise CephaloError(f"{at}: `node` must be an integer >= 0, got {n!r}")
+            if n not in present:
+                raise CephaloError(
+                    f"{at}: node {n} has no devices (nodes in use: {', '.join(map(str, sorted(present)))})"
+                )
+            mem, opt = _host_settings(e, at)
+            if mem is not None:
+                node_memory[n] = mem
+            if opt is not None:
+                node_optimizer[n] = opt
+        if memory is not None:
+            kwargs["host_memory_bytes"] = memory
+        if optimizer is not None:
+            kwargs["host_optimizer_s_per_param"] = optimizer
+        return cls(
+            devices,
+            **kwargs,
+            node_host_memory_bytes=node_memory,
+            node_host_optimizer_s_per_param=node_optimizer,
+        )
 
     @classmethod
     def from_file(cls, path: str | Path) -> Cluster:
@@ -330,6 +448,11 @@ class Cluster:
             intra_node_bandwidth = "24GB/s"     # optional, bytes/s or a rate string
             inter_node_bandwidth = "10GB/s"     # optional
             collective_latency_s = 5e-5         # optional
+            host_memory = "256GiB"              # optional, per node (default 256 GiB)
+            host_optimizer_s_per_param = 1.5e-9 # optional: host AdamW of one rank, s/param
+            [[nodes]]                           # optional per-node overrides of the two above
+            node = 1
+            host_memory = "128GiB"
             [[devices]]
             type = "l4"
             count = 2                           # optional, default 1
@@ -466,6 +589,33 @@ def _parse_links(tokens: list[str]) -> dict[str, float]:
     return out
 
 
+_HOST_KEYS = ("host_memory", "host_memory_bytes", "host_optimizer_s_per_param")
+
+
+def _host_settings(d: dict, where: str) -> tuple[int | None, float | None]:
+    """(host memory bytes, host optimizer s/param) of a cluster file's table, each None if absent."""
+    memory = None
+    if "host_memory" in d and "host_memory_bytes" in d:
+        raise CephaloError(f"{where}: give host_memory or host_memory_bytes, not both")
+    if "host_memory" in d:
+        memory = parse_bytes(d["host_memory"], f"{where}: host_memory")
+    elif "host_memory_bytes" in d:
+        mb = d["host_memory_bytes"]
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0:
+            raise CephaloError(f"{where}: host_memory_bytes must be a positive integer, got {mb!r}")
+        memory = mb
+    optimizer = None
+    if "host_optimizer_s_per_param" in d:
+        v = d["host_optimizer_s_per_param"]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise CephaloError(
+                f"{where}: host_optimizer_s_per_param must be a positive number of seconds per "
+                f"parameter (e.g. 1.5e-9), got {v!r}"
+            )
+        optimizer = float(v)
+    return memory, optimizer
+
+
 def _runs(items) -> list[tuple[Any, int]]:
     out: list[list] = []
     for it in items:
@@ -516,7 +666,7 @@ def _parse_device(token: str, option_tokens: list[str]) -> list[Device]:
     except CephaloError as e:
         raise _spec_error(str(e)) from None
     return [
-        Device(d.type, d.memory_bytes, node, d.slowdown)
+        Device(d.type, d.memory_bytes, node, d.slowdown, d.pcie_bytes_per_s)
         for node in (nodes or [d.node])
         for _ in range(count)
     ]
@@ -565,7 +715,17 @@ def _make_device(dtype: str, options: dict[str, Any], token: str) -> Device:
             raise CephaloError(
                 f"slowdown= only applies to emulated `cpu` devices, not {dtype!r} ({token!r})"
             )
-    return Device(type=dtype, memory_bytes=memory, node=node, slowdown=slowdown)
+    pcie = None
+    if options.get("pcie") is not None:
+        if dtype != "cpu":
+            raise CephaloError(
+                f"pcie= only applies to emulated `cpu` devices, not {dtype!r} ({token!r}): a GPU's "
+                "host link comes from its PCIe generation"
+            )
+        pcie = parse_rate(options["pcie"], f"pcie= for {token!r}:")
+    return Device(
+        type=dtype, memory_bytes=memory, node=node, slowdown=slowdown, pcie_bytes_per_s=pcie
+    )
 
 
 def _devices_from_entry(e: Any, where: str) -> list[Device]:
@@ -574,7 +734,16 @@ def _devices_from_entry(e: Any, where: str) -> list[Device]:
         raise CephaloError(
             f'{where}: expected a table/object like {{type = "l4", count = 2}}, got {e!r}'
         )
-    allowed = {"type", "count", "memory", "memory_bytes", "node", "slowdown"}
+    allowed = {
+        "type",
+        "count",
+        "memory",
+        "memory_bytes",
+        "node",
+        "slowdown",
+        "pcie",
+        "pcie_bytes_per_s",
+    }
     unknown = set(e) - allowed
     if unknown:
         raise CephaloError(
@@ -590,7 +759,11 @@ def _devices_from_entry(e: Any, where: str) -> list[Device]:
         raise CephaloError(
             f"{where}: count must be an integer >= 1 and at most {MAX_DEVICES:,}, got {count!r}"
         )
-    options: dict[str, Any] = {"node": e.get("node"), "slowdown": e.get("slowdown")}
+    options: dict[str, Any] = {
+        "node": e.get("node"),
+        "slowdown": e.get("slowdown"),
+        "pcie": e.get("pcie", e.get("pcie_bytes_per_s")),
+    }
     if "memory" in e:
         options["mem"] = e["memory"]
     device = _make_device(dtype, options, where)
@@ -600,5 +773,8 @@ def _devices_from_entry(e: Any, where: str) -> list[Device]:
             raise CephaloError(f"{where}: memory_bytes must be a positive integer, got {mb!r}")
         device.memory_bytes = mb
     return [
-        Device(device.type, device.memory_bytes, device.node, device.slowdown) for _ in range(count)
+        Device(
+            device.type, device.memory_bytes, device.node, device.slowdown, device.pcie_bytes_per_s
+        )
+        for _ in range(count)
     ]

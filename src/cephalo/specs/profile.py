@@ -120,6 +120,14 @@ class DeviceProfile:
     """Host copies run beside the compute (a GPU's copy engine on a side stream), so the cost
     model overlaps them with it. False on a CPU: the copies are memcpys on the compute
     thread and add to the compute time."""
+    boundary_writes_in_compute: bool = True
+    """Without async copies: a boundary written to the host costs what the profiled store
+    into device memory costs (a memcpy inside the unit compute). False on an emulated device
+    with a link bandwidth (`pcie=`): each write is then a copy of its own at that bandwidth."""
+    host_optimizer_s_per_param: float | None = None
+    """Host AdamW time per host-held parameter of one rank on the host this device was measured
+    on (all ranks of that host measuring at once when they share it); None (the catalog): the
+    cluster's or the catalog's default for the host."""
 
     def to_dict(self) -> dict:
         return {
@@ -131,6 +139,8 @@ class DeviceProfile:
             "source": self.source,
             "meta": self.meta,
             "async_copies": self.async_copies,
+            "host_optimizer_s_per_param": self.host_optimizer_s_per_param,
+            "boundary_writes_in_compute": self.boundary_writes_in_compute,
         }
 
     @classmethod
@@ -146,6 +156,12 @@ class DeviceProfile:
             # profiles written before the field: measured on a CPU host means no async copies
             async_copies=bool(
                 d.get("async_copies", not str(d.get("meta", {}).get("host", "")).startswith("cpu:"))
+            ),
+            boundary_writes_in_compute=bool(d.get("boundary_writes_in_compute", True)),
+            host_optimizer_s_per_param=(
+                None
+                if d.get("host_optimizer_s_per_param") is None
+                else float(d["host_optimizer_s_per_param"])
             ),
         )
 

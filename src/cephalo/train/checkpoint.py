@@ -1,9 +1,10 @@
 """Checkpoints in the logical layout, written atomically with `torch.distributed.checkpoint`.
 
 A rank's state is a list of `FlatShard`s: for each logical tensor (a parameter or an AdamW
-moment), one contiguous range of its FLATTENED elements. The checkpoint stores every logical
+moment), contiguous ranges of its FLATTENED elements (one, or two where a rank keeps part of
+its shard in host memory: the device part and the host part, adjacent). The checkpoint stores every logical
 tensor whole, by name, as a 1-D tensor of numel(shape) elements (the real shapes live in the
-COMPLETE marker), each rank writing its range as one chunk. Loading asks DCP for the range the
+COMPLETE marker), each rank writing each of its ranges as one chunk. Loading asks DCP for the range the
 current rank holds, so a checkpoint written under one plan loads under any other plan, world
 size or process count (DCP's resharding intersects the saved chunks with the requested ones).
 
@@ -196,7 +197,7 @@ class _FlatShardSavePlanner(DefaultSavePlanner):
     def __init__(self, shards: Sequence[FlatShard]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._shards = [s for s in shards if s.local.numel() > 0]
-        self._locals = {s.name: s.local for s in self._shards}
+        self._locals = _by_chunk(self._shards)
 
     def create_local_plan(self) -> SavePlan:
         items = []
@@ -219,7 +220,7 @@ class _FlatShardSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        return self._locals[index.fqn]
+        return self._locals[index.fqn, tuple(index.offset)]
 
 
 class _FlatShardLoadPlanner(DefaultLoadPlanner):
@@ -229,7 +230,7 @@ class _FlatShardLoadPlanner(DefaultLoadPlanner):
     def __init__(self, shards: Sequence[FlatShard]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._shards = [s for s in shards if s.local.numel() > 0]
-        self._locals = {s.name: s.local for s in self._shards}
+        self._locals = _by_chunk(self._shards)
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
@@ -249,7 +250,18 @@ class _FlatShardLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self._locals[index.fqn]
+        return self._locals[index.fqn, tuple(index.offset)]
+
+
+def _by_chunk(shards: Sequence[FlatShard]) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
+    """Each piece's live tensor by (name, chunk offset): DCP names a chunk by both."""
+    return {(s.name, (int(s.offset),)): s.local for s in shards}
+
+
+def _state_dict(shards: Sequence[FlatShard]) -> dict[str, torch.Tensor]:
+    """What DCP is handed as the state dict: one tensor per name (the planners above resolve
+    every chunk themselves, by name and offset)."""
+    return {s.name: s.local for s in shards if s.local.numel() > 0}
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -275,11 +287,8 @@ def _dcp_failure(e: BaseException) -> str:
 
 
 def _local_shard_problem(shards: Sequence[FlatShard]) -> str | None:
-    seen: set[str] = set()
+    ranges: dict[str, list[tuple[int, int]]] = {}
     for s in shards:
-        if s.name in seen:
-            return f"two pieces of tensor {s.name!r} on one rank (a rank holds one contiguous range per tensor)"
-        seen.add(s.name)
         if not isinstance(s.local, torch.Tensor) or s.local.dim() != 1:
             return f"piece of {s.name!r} must be a 1-D tensor, got {getattr(s.local, 'shape', type(s.local))}"
         numel = _numel(s.global_shape)
@@ -288,6 +297,14 @@ def _local_shard_problem(shards: Sequence[FlatShard]) -> str | None:
                 f"piece of {s.name!r} covers [{s.offset}, {s.offset + s.local.numel()}) "
                 f"outside the tensor's {numel} elements"
             )
+        if s.local.numel():
+            for a, b in ranges.get(s.name, []):
+                if s.offset < b and a < s.end:
+                    return (
+                        f"two pieces of tensor {s.name!r} on one rank overlap: [{a}, {b}) and "
+                        f"[{s.offset}, {s.end})"
+                    )
+            ranges.setdefault(s.name, []).append((s.offset, s.end))
     return None
 
 
@@ -599,7 +616,7 @@ def save_checkpoint(
     try:
         with _dcp_call(ranks):
             dcp.save(
-                {s.name: s.local for s in shards if s.local.numel() > 0},
+                _state_dict(shards),
                 storage_writer=dcp.FileSystemWriter(
                     str(tmp), single_file_per_rank=True, sync_files=True
                 ),
@@ -756,7 +773,7 @@ def _read_into(path: Path, shards: Sequence[FlatShard], ranks: _Ranks) -> str | 
     try:
         with _dcp_call(ranks):
             dcp.load(
-                {s.name: s.local for s in shards if s.local.numel() > 0},
+                _state_dict(shards),
                 storage_reader=dcp.FileSystemReader(str(path)),
                 planner=_FlatShardLoadPlanner(shards),
                 process_group=ranks.group,

@@ -37,6 +37,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package
 
 from cephalo.errors import CephaloError
 from cephalo.profiling.settings import ProfileSettings
+from cephalo.specs.cluster import parse_bytes
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 
@@ -145,6 +146,11 @@ class ParallelConfig:
     `CEPHALO_COMM_VALIDATE=0`)."""
     offload: Literal["auto", "always", "never"] = "auto"
     """Keep layer-boundary activations on the host: `auto` (as the plan says), `always`, `never`."""
+    host_memory: str | None = None
+    """Host memory of every node, e.g. `64GiB`, shared by the node's ranks for host-held training
+    state (the plan's `host_state_fraction`) and offloaded activations; checked against the plan
+    before training (emulated devices: each rank's share is its host budget). Unset: 256 GiB.
+    Cluster files set it per node (`host_memory`)."""
     devices: str | None = None
     """Emulated devices for `cephalo run`, one per rank, e.g. `cpu,cpu:slowdown=2,cpu:slowdown=4:mem=2GiB`;
     unset: one plain CPU rank per `--nproc`."""
@@ -620,6 +626,11 @@ def _validate(cfg: JobConfig) -> None:
         p.devices is None or bool(p.devices.strip()),
         "parallel.devices must not be empty (leave it unset)",
     )
+    if p.host_memory is not None:
+        try:
+            parse_bytes(p.host_memory, "parallel.host_memory")
+        except CephaloError as e:
+            problems.append(str(e))
     c = cfg.checkpoint
     check(c.every >= 0, f"checkpoint.every must be >= 0 (0 saves only at the end), got {c.every}")
     check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")

@@ -37,13 +37,14 @@ from cephalo.errors import CephaloError
 from cephalo.log import init_logging, logger
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
+from cephalo.planning.costmodel import check_host_memory
 from cephalo.planning.plan import Plan
 from cephalo.planning.planner import simple_plan
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dist import init_distributed
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
-from cephalo.specs.cluster import Cluster, Device
+from cephalo.specs.cluster import Cluster, Device, parse_bytes
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig, config_to_toml
 from cephalo.train.data import GlobalBatches, resolve_dataset
@@ -87,7 +88,15 @@ class TrainResult:
 # ----------------------------------------------------------------------------- cluster and plan
 def job_cluster(cfg: JobConfig, world_size: int) -> Cluster:
     """The devices of this job, in rank order: `parallel.devices` (emulated CPU devices) if
-    set, else one plain device per rank (the CPU, or this node's GPU type)."""
+    set, else one plain device per rank (the CPU, or this node's GPU type); every node's host
+    memory `parallel.host_memory` if set."""
+    cluster = _job_devices(cfg, world_size)
+    if cfg.parallel.host_memory is not None:
+        cluster.host_memory_bytes = parse_bytes(cfg.parallel.host_memory, "parallel.host_memory")
+    return cluster
+
+
+def _job_devices(cfg: JobConfig, world_size: int) -> Cluster:
     if cfg.parallel.devices:
         cluster = Cluster.parse(cfg.parallel.devices)
         if cluster.world_size != world_size:
@@ -167,8 +176,12 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
     return plan
 
 
-def engine_config(cfg: JobConfig, device: Device, emulated: bool) -> EngineConfig:
-    """The engine's settings from the job config and this rank's (maybe emulated) device."""
+def engine_config(
+    cfg: JobConfig, device: Device, emulated: bool, host_memory_bytes: int | None = None
+) -> EngineConfig:
+    """The engine's settings from the job config and this rank's (maybe emulated) device;
+    `host_memory_bytes`: this rank's share of its node's host memory (its host budget when
+    emulated)."""
     offload = {"auto": None, "always": True, "never": False}[cfg.parallel.offload]
     t = cfg.train
     return EngineConfig(
@@ -184,6 +197,8 @@ def engine_config(cfg: JobConfig, device: Device, emulated: bool) -> EngineConfi
         seed=cfg.model.seed,
         slowdown=device.slowdown,
         memory_budget_bytes=int(device.memory_bytes) if emulated else None,
+        host_memory_budget_bytes=host_memory_bytes if emulated else None,
+        host_copy_bytes_per_s=device.pcie_bytes_per_s,
     )
 
 
@@ -240,8 +255,17 @@ class _Trainer:
                 f"train.eval_every = {cfg.train.eval_every} but dataset {data_path} has no validation windows of "
                 f"{self.batches.window} tokens: raise data.val_fraction or set train.eval_every = 0"
             )
+        # every node's host memory must hold what the plan puts there (checked on every rank
+        # alike, before any allocation)
+        node_of = [d.node for d in self.cluster.devices]
+        host_memory = {n: self.cluster.host_memory_of(n) for n in self.cluster.nodes()}
+        check_host_memory(self.plan, model.spec, node_of, host_memory)
+        share = host_memory[self.device.node] // len(self.cluster.ranks_on_node(self.device.node))
         self.engine = Engine(
-            model, self.plan, comm, engine_config(cfg, self.device, bool(cfg.parallel.devices))
+            model,
+            self.plan,
+            comm,
+            engine_config(cfg, self.device, bool(cfg.parallel.devices), share),
         )
         t = cfg.train
         self.schedule = LRSchedule(t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule)
@@ -309,6 +333,7 @@ class _Trainer:
         if target is None:
             return
         step, extra, state = load_checkpoint(target, self.engine.sharded_state(), self.comm)
+        self.engine.state_written()
         self.engine.load_extra_state(extra)
         if "rng_cpu" in extra:
             torch.set_rng_state(extra["rng_cpu"])

@@ -27,7 +27,9 @@ def make_console() -> Console:
 
 def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "GiB") -> Table:
     """One row per rank; the slowest rank's step time in bold, ranks over their memory in red.
-    `memory_unit` "MiB" suits emulated budgets far below a GiB."""
+    `memory_unit` "MiB" suits emulated budgets far below a GiB. `on host`: the part of the
+    rank's state shard in host memory (`host_state_fraction`); `rs`: `ovl` where the rank
+    overlaps its reduce-scatters, `wait` where it waits for each (a unit gradient less)."""
     unit = {"GiB": GIB, "MiB": 2**20}[memory_unit]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in (
@@ -36,13 +38,16 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
         "batch",
         "micro x n",
         "state",
+        "on host",
         "act",
+        "rs",
         "step s",
         "busy s",
         f"{memory_unit} used/cap",
         "fits",
     ):
-        table.add_column(col, justify="left" if col in ("device", "act") else "right", no_wrap=True)
+        left = col in ("device", "act", "rs")
+        table.add_column(col, justify="left" if left else "right", no_wrap=True)
     for r, c in zip(plan.ranks, ev.ranks, strict=True):
         slowest = abs(c.step_s - ev.step_s) <= 1e-12 * max(ev.step_s, 1.0)
         table.add_row(
@@ -51,13 +56,31 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
             str(r.batch_size),
             f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "-",
             f"{r.state_fraction:.3f}",
+            f"{r.host_state_fraction:.2f}" if r.host_state_fraction and r.state_fraction else "-",
             "host" if r.offload_activations else "dev",
+            "ovl" if r.overlap_reduce else "wait",
             f"[bold]{c.step_s:.3f}[/bold]" if slowest else f"{c.step_s:.3f}",
             f"{c.busy_s:.3f}",
             f"{c.peak_bytes / unit:.1f}/{c.capacity_bytes / unit:.1f}",
             "yes" if c.fits else f"[red]NO -{c.shortfall_bytes / unit:.2f}[/red]",
         )
     return table
+
+
+def host_memory_lines(ev: PlanEvaluation, memory_unit: str = "GiB") -> list[str]:
+    """One line per node: host memory its ranks use (host state, offloaded activations) of what
+    it has; empty where the cost model knows no hosts."""
+    unit = {"GiB": GIB, "MiB": 2**20}[memory_unit]
+    lines = []
+    for node, (used, cap, ranks) in sorted(ev.host_by_node().items()):
+        if cap is None:
+            continue
+        flag = "" if used <= cap else "  [red]TOO SMALL[/red]"
+        lines.append(
+            f"host memory of node {node} (ranks {', '.join(map(str, ranks))}): "
+            f"{used / unit:.1f} of {cap / unit:.1f} {memory_unit} used{flag}"
+        )
+    return lines
 
 
 def strategy_line(name: str, plan: Plan | PlanDoesNotFit, even: Plan | PlanDoesNotFit) -> str:
@@ -79,7 +102,13 @@ def profile_tables(measured: MeasuredProfiles) -> list[Table]:
         t = Table(
             title=f"{key}: {measured.model}, seq {measured.seq_len}, {measured.dtype} ({p.source})",
             caption=f"optimizer {p.optimizer_s_per_param * 1e9:.2f} ns/param, host copy "
-            f"{p.host_copy_bytes_per_s / 1e9:.1f} GB/s, {p.meta.get('torch_threads', '?')} thread(s)",
+            f"{p.host_copy_bytes_per_s / 1e9:.1f} GB/s"
+            + (
+                f", host AdamW {p.host_optimizer_s_per_param * 1e9:.2f} ns/param"
+                if p.host_optimizer_s_per_param is not None
+                else ""
+            )
+            + f", {p.meta.get('torch_threads', '?')} thread(s)",
         )
         t.add_column("micro-batch", justify="right")
         for kind in ("embedding", "block", "head"):
