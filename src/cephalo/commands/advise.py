@@ -7,10 +7,15 @@ import json
 import math
 from pathlib import Path
 
-from cephalo.commands.plan import DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_SEQ_LEN, build_cost_model
+from cephalo.commands.plan import (
+    DEFAULT_DTYPE,
+    DEFAULT_MODEL,
+    DEFAULT_SEQ_LEN,
+    add_model_arguments,
+    build_cost_model,
+)
 from cephalo.errors import CephaloError
 from cephalo.planning.advise import PLANS_PER_LEVEL, Advisor, advise
-from cephalo.planning.plan import DTYPES
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.offers import Offers
 from cephalo.views.tables import frontier_table, make_console, marginal_tables
@@ -56,9 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="GPU offers: .toml/.json/.yaml with [[offer]] type, max_count, price_per_hour, ...",
     )
-    p.add_argument(
-        "--model", metavar="NAME", help=f"model from `cephalo catalog` (default {DEFAULT_MODEL})"
-    )
+    add_model_arguments(p)
     p.add_argument(
         "--global-batch",
         type=int,
@@ -66,10 +69,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="B",
         help="samples per optimizer step, summed over all GPUs",
     )
-    p.add_argument(
-        "--seq-len", type=int, metavar="N", help=f"tokens per sample (default {DEFAULT_SEQ_LEN})"
-    )
-    p.add_argument("--dtype", choices=DTYPES, help=f"compute dtype (default {DEFAULT_DTYPE})")
     p.add_argument(
         "--budget",
         type=float,

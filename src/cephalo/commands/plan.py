@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from cephalo.errors import CephaloError, PlanDoesNotFit
@@ -94,6 +95,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def add_model_arguments(
+    p: argparse.ArgumentParser, default: Callable[[object], str] = lambda v: f"default {v}"
+) -> None:
+    """--model, --seq-len, --dtype: what is trained (shared with `simulate` and `advise`);
+    `default(value)` says where an unset one comes from."""
+    p.add_argument(
+        "--model",
+        metavar="NAME|DIR",
+        help="a model from `cephalo catalog`, a preset, or a transformers model directory "
+        f"(config.json; its shape is read, no weights) ({default(DEFAULT_MODEL)})",
+    )
+    p.add_argument(
+        "--seq-len", type=int, metavar="N", help=f"tokens per sample ({default(DEFAULT_SEQ_LEN)})"
+    )
+    p.add_argument("--dtype", choices=DTYPES, help=f"compute dtype ({default(DEFAULT_DTYPE)})")
+
+
 def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool) -> None:
     """The options that build a cost model (shared with `cephalo simulate`)."""
 
@@ -110,16 +128,7 @@ def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool)
         metavar="SPEC|FILE",
         help="devices in rank order, e.g. 2xl4,a6000,p40 or a .toml/.json file (grammar: `cephalo catalog`)",
     )
-    p.add_argument(
-        "--model",
-        metavar="NAME|DIR",
-        help="a model from `cephalo catalog`, a preset, or a transformers model directory "
-        f"(config.json; its shape is read, no weights) ({default(DEFAULT_MODEL)})",
-    )
-    p.add_argument(
-        "--seq-len", type=int, metavar="N", help=f"tokens per sample ({default(DEFAULT_SEQ_LEN)})"
-    )
-    p.add_argument("--dtype", choices=DTYPES, help=f"compute dtype ({default(DEFAULT_DTYPE)})")
+    add_model_arguments(p, default)
     p.add_argument(
         "--profiles",
         "--profile",

@@ -18,7 +18,6 @@ state and offloaded activations, and its CPUs run the AdamW step of that state (
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterator
@@ -37,6 +36,7 @@ from cephalo.specs.catalog import (
     list_device_types,
     resolve_device_type,
 )
+from cephalo.specs.files import SUFFIXES, read_table_file
 
 SPEC_GRAMMAR = """\
 cluster spec: DEVICE[,DEVICE...][;LINK...]
@@ -464,34 +464,7 @@ class Cluster:
         `devices` may also be a spec string: `devices = "2xl4,a6000"`.
         """
         p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise CephaloError(f"cannot read cluster file {p}: {e.strerror or e}") from None
-        suffix = p.suffix.lower()
-        try:
-            if suffix == ".toml":
-                import tomllib
-
-                data = tomllib.loads(text)
-            elif suffix == ".json":
-                data = json.loads(text)
-            elif suffix in (".yaml", ".yml"):
-                try:
-                    import yaml
-                except ImportError:
-                    raise CephaloError(
-                        f"{p}: reading YAML needs PyYAML (`pip install -e '.[yaml]'` or `pip install pyyaml`); or write the cluster as TOML or JSON"
-                    ) from None
-                data = yaml.safe_load(text)
-            else:
-                raise CephaloError(
-                    f"{p}: unknown cluster file type {suffix or '(none)'}; use .toml, .json, .yaml or .yml"
-                )
-        except CephaloError:
-            raise
-        except Exception as e:  # a parser's syntax error: say where
-            raise CephaloError(f"cannot parse cluster file {p}: {e}") from None
+        data = read_table_file(p, "cluster")
         return cls.from_dict(data, where=str(p))
 
     @classmethod
@@ -503,7 +476,7 @@ class Cluster:
             is_file = p.is_file()
         except OSError:  # a spec longer than a file name may be
             is_file = False
-        if is_file or p.suffix.lower() in (".toml", ".json", ".yaml", ".yml"):
+        if is_file or p.suffix.lower() in SUFFIXES:
             return cls.from_file(p)
         return cls.parse(text)
 

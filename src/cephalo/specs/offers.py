@@ -23,7 +23,6 @@ are never on one node, so a cluster mixing offers talks over the slowest inter-n
 from __future__ import annotations
 
 import datetime
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any
 from cephalo.errors import CephaloError
 from cephalo.specs.catalog import device_memory_bytes, intra_node_bytes_per_s, resolve_device_type
 from cephalo.specs.cluster import DEFAULT_INTER_NODE_BYTES_PER_S, MAX_DEVICES, parse_rate
+from cephalo.specs.files import read_table_file
 
 MICRO_USD_PER_USD = 1_000_000
 """Prices are summed in whole micro-dollars, so equal prices compare equal exactly."""
@@ -173,36 +173,7 @@ class Offers:
     @classmethod
     def from_file(cls, path: str | Path) -> Offers:
         p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise CephaloError(f"cannot read offers file {p}: {e.strerror or e}") from None
-        except UnicodeDecodeError:
-            raise CephaloError(f"offers file {p} is not UTF-8 text") from None
-        suffix = p.suffix.lower()
-        try:
-            if suffix == ".toml":
-                import tomllib
-
-                data = tomllib.loads(text)
-            elif suffix == ".json":
-                data = json.loads(text)
-            elif suffix in (".yaml", ".yml"):
-                try:
-                    import yaml
-                except ImportError:
-                    raise CephaloError(
-                        f"{p}: reading YAML needs PyYAML (`pip install pyyaml`); or write the offers as TOML or JSON"
-                    ) from None
-                data = yaml.safe_load(text)
-            else:
-                raise CephaloError(
-                    f"{p}: unknown offers file type {suffix or '(none)'}; use .toml, .json, .yaml or .yml"
-                )
-        except CephaloError:
-            raise
-        except Exception as e:  # a parser's syntax error: say where
-            raise CephaloError(f"cannot parse offers file {p}: {e}") from None
+        data = read_table_file(p, "offers")
         return cls.from_dict(data, where=str(p))
 
 
