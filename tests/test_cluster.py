@@ -324,3 +324,10 @@ def test_to_spec_of_files_and_links(tmp_path):
 def test_link_option_errors(spec, message):
     with pytest.raises(CephaloError, match=re.escape(message)):
         Cluster.parse(spec)
+
+
+def test_cluster_file_not_utf8_is_one_message(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_bytes(b'devices = "2xl4"\n# \xff\xfe\n')
+    with pytest.raises(CephaloError, match=r"cluster file .*c\.toml is not UTF-8 text"):
+        Cluster.from_file(p)

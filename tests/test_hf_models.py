@@ -348,3 +348,10 @@ def test_init_choices(tmp_path):
     with pytest.raises(CephaloError, match="unknown setting 'n_layers'"):
         build_model(str(no_weights), n_layers=2)
     assert build_model(str(no_weights), num_hidden_layers=3, dropout=0.1).spec.num_layers == 3
+
+
+def test_a_size_of_zero_is_one_error():
+    """transformers builds empty modules for hidden_size = 0 (torch accepts 0-element
+    parameters); the adapter refuses them by name instead of training a 0-parameter model."""
+    with pytest.raises(CephaloError, match="without parameters"):
+        build_model("hf-llama-tiny", hidden_size=0)
