@@ -46,7 +46,7 @@ class Bench:
 BENCHES = [
     Bench("planner_quality", "Planner quality (predicted, real GPU types)", 120),
     Bench("planner_scaling", "Planner scaling", 240),
-    Bench("advise_scaling", "Advisor scaling (cephalo advise vs brute force)", 420),
+    Bench("advise_scaling", "Advisor scaling (cephalo advise vs brute force)", 300),
     Bench("prediction_accuracy", "Cost-model prediction accuracy", 300),
     Bench("lga", "Layered vs standard gradient accumulation", 240),
     Bench("engine_vs_fsdp2", "Engine vs PyTorch FSDP2", 360),

@@ -70,10 +70,11 @@ the optimum (tests/test_planner.py holds it to that against an exhaustive search
 MEMORY_SLACK_BYTES = 1
 """Kept free so that rounding the state fraction's bytes up never tips a rank over its capacity."""
 HOST_STATE_MIN_GAIN = 0.03
-"""Host state must make the predicted step at least this much shorter than the best plan
-without it, or that plan is kept: host state costs host memory and a host CPU busy with the
-optimizer, and smaller gains are within the model's error (a few percent on the emulated
-devices, bench/results/hetero_throughput.md)."""
+"""Host state, and ranks waiting for each reduce-scatter, must each make the predicted step at
+least this much shorter than the best plan without them, or that plan is kept: they trade time
+for memory (host state also costs host memory and a host CPU busy with the optimizer), and
+smaller gains are within the model's error (a few percent on the emulated devices,
+bench/results/hetero_throughput.md)."""
 FRACTION_SNAP = 1e-9
 """State fractions below this are rounded to 0 (bisection residue)."""
 GIB = 1024**3
@@ -163,8 +164,12 @@ def make_plan(
         )
         choice = _optimise(cost_model, global_batch, allowed)
         if allowed.host and choice.host is not None and any(h > 0 for h in choice.host):
-            choice = _unless_host_state_is_marginal(
-                cost_model, global_batch, allowed, choice, host_state_min_gain
+            choice, allowed = _unless_marginal(
+                cost_model, global_batch, allowed, choice, "host", host_state_min_gain
+            )
+        if allowed.serial and choice.overlap is not None and not all(choice.overlap):
+            choice, _ = _unless_marginal(
+                cost_model, global_batch, allowed, choice, "serial", host_state_min_gain
             )
     else:
         batches = (
@@ -617,16 +622,23 @@ def _optimise(cm: CostModel, B: int, allowed: _Allowed) -> _Choice:
     return _water_fill(cm, groups, found, allowed)
 
 
-def _unless_host_state_is_marginal(
-    cm: CostModel, B: int, allowed: _Allowed, with_host: _Choice, min_gain: float
-) -> _Choice:
-    """`with_host`, or the best plan without host state where that is (almost) as fast."""
+def _unless_marginal(
+    cm: CostModel, B: int, allowed: _Allowed, choice: _Choice, option: str, min_gain: float
+) -> tuple[_Choice, _Allowed]:
+    """`choice`, or the best plan without `option` (`host`: host state; `serial`: ranks
+    waiting for each reduce-scatter) where that is (almost) as fast; with what the kept plan
+    allows. Both options trade time for memory, and a gain below `min_gain` is within the
+    cost model's error (measured on the emulated clusters: a plan waiting on its reduce-scatters
+    for a 0.03 % predicted gain ran 10 % slower, bench/results/hetero_throughput.md B)."""
+    narrower = replace(allowed, **{option: False})
     try:
-        without = _optimise(cm, B, replace(allowed, host=False))
+        without = _optimise(cm, B, narrower)
     except PlanDoesNotFit:
-        return with_host
-    steps = [cm.evaluate(_to_plan(cm, B, "cephalo", c, None)).step_s for c in (with_host, without)]
-    return with_host if steps[0] < (1.0 - min_gain) * steps[1] else without
+        return choice, allowed
+    steps = [cm.evaluate(_to_plan(cm, B, "cephalo", c, None)).step_s for c in (choice, without)]
+    if steps[0] < (1.0 - min_gain) * steps[1]:
+        return choice, allowed
+    return without, narrower
 
 
 @dataclass
