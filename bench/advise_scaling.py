@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from _common import Result, markdown_table, print_table, save_figure, verdict
 from cephalo.commands.plan import build_cost_model
@@ -44,7 +45,9 @@ TARGET_SIZE = 64
 def prices() -> dict[str, float]:
     """Per-GPU prices of the example offers file, the first offer of each type."""
     out: dict[str, float] = {}
-    for o in Offers.from_file("configs/offers-example.toml"):
+    for o in Offers.from_file(
+        Path(__file__).resolve().parents[1] / "configs" / "offers-example.toml"
+    ):
         out.setdefault(o.type, o.price_per_hour)
     return {t: out[t] for t in TYPES}
 
@@ -155,23 +158,17 @@ def main() -> None:
             + (f"; brute force {brute.wall_s:6.1f} s, {agree}" if brute else ""),
             flush=True,
         )
-    sailor = {
-        mode: run_search(
-            SAILOR_GPUS, exact=mode == "exact", types=SAILOR_TYPES, per_node=SAILOR_NODE
-        )
-        for mode in ("default", "exact")
-    }
-    sailor_gap = realized_gap(sailor["exact"].frontier, sailor["default"].frontier)
+    # the default search only: the exact one took 100 s of planning here, past this bench's
+    # share of `make bench` (its realized gap is measured at 6 x 64 above)
+    sailor = run_search(SAILOR_GPUS, exact=False, types=SAILOR_TYPES, per_node=SAILOR_NODE)
     sailor_rows = [
         [
-            mode,
-            f"{run.wall_s:.1f}",
-            str(run.plans),
-            str(len(run.frontier)),
-            "exact" if run.tolerance == 0 else f"{100 * run.tolerance:.2g} %",
-            f"{100 * sailor_gap:.3f} %" if mode == "default" else "—",
+            "default",
+            f"{sailor.wall_s:.1f}",
+            str(sailor.plans),
+            str(len(sailor.frontier)),
+            "exact" if sailor.tolerance == 0 else f"{100 * sailor.tolerance:.2g} %",
         ]
-        for mode, run in sailor.items()
     ]
     for row in sailor_rows:
         print("3 x 256 in nodes of 8:", row, flush=True)
@@ -256,7 +253,7 @@ def main() -> None:
         "one's at the same price. Brute force plans every cluster; its frontier and the searches' "
         "are compared point by point (clusters and samples/s)."
     )
-    sailor_headers = ["search", "wall s", "plans", "frontier", "bound", "realized gap"]
+    sailor_headers = ["search", "wall s", "plans", "frontier", "bound"]
     result.summary.append(
         f"Sailor's instance size, {len(SAILOR_TYPES)} types ({', '.join(SAILOR_TYPES)}) x "
         f"{SAILOR_GPUS} GPUs each in nodes of {SAILOR_NODE} "
