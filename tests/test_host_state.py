@@ -33,6 +33,9 @@ MODEL, SEQ = "gpt-tiny", 16
 BATCHES, MICRO, FRACTIONS = [3, 2, 1], [2, 1, 1], [0.3, 0.45, 0.25]
 HOST = [0.0, 0.5, 1.0]
 TOL = 1e-6
+# Across another split the gradient sums are reduced in another order: fp32 rounding that Adam
+# amplifies on small biases. The bound every split-invariance test uses (test_plan_invariance).
+SPLIT_TOL = 1e-5
 
 
 def _plan(host=(0.0, 0.0, 0.0), overlap=(True, True, True), dtype="fp32", fractions=FRACTIONS):
@@ -268,24 +271,33 @@ def _param_diff(ours: dict, ref: dict) -> tuple[float, str, float]:
 
 @pytest.mark.slow
 def test_checkpoints_load_across_host_fractions_and_resume_bitwise(pool3, tmp_path: Path):
-    steps, cfg = 10, _cfg()
-    hosted, device = _plan(HOST), _plan()
-    whole = pool3.run(_run, hosted, steps, cfg)[0]
-    # written with host state at step 5, resumed with the same plan: bitwise the same run
-    pool3.run(_run, hosted, 5, cfg, ckpt_out=str(tmp_path / "h"), save_at=5)
-    again = pool3.run(_run, hosted, steps, cfg, ckpt_in=str(tmp_path / "h" / "step_000005"))[0]
+    steps, hosted, device = 10, _plan(HOST), _plan()
+    # written with host state at step 5 (the default fused host kernel), resumed with the same
+    # plan: bitwise the same run
+    whole = pool3.run(_run, hosted, steps, _cfg())[0]
+    pool3.run(_run, hosted, 5, _cfg(), ckpt_out=str(tmp_path / "h"), save_at=5)
+    again = pool3.run(_run, hosted, steps, _cfg(), ckpt_in=str(tmp_path / "h" / "step_000005"))[0]
     assert again["losses"] == {s: whole["losses"][s] for s in range(6, steps + 1)}
     assert max_rel_diff(again["params"], whole["params"])[0] == 0.0
-    # written with host state, loaded all on the device (another split too), and back
-    other = _plan(fractions=[0.5, 0.2, 0.3])
-    moved = pool3.run(_run, other, steps, cfg, ckpt_in=str(tmp_path / "h" / "step_000005"))[0]
+    # between host and device at the same split, with the host kernel that does the device's
+    # arithmetic op for op: bitwise too, so the checkpoint loses nothing on the way (the fused
+    # kernel's rounding alone would differ by ~1e-6, see the test above)
+    cfg = _cfg(host_adamw="foreach")
+    whole = pool3.run(_run, hosted, steps, cfg)[0]
     pool3.run(_run, device, 5, cfg, ckpt_out=str(tmp_path / "d"), save_at=5)
     back = pool3.run(_run, hosted, steps, cfg, ckpt_in=str(tmp_path / "d" / "step_000005"))[0]
-    for run in (moved, back):
-        for s in range(6, steps + 1):
-            assert abs(run["losses"][s] - whole["losses"][s]) <= TOL * whole["losses"][s], s
-        diff, worst, noise = _param_diff(run["params"], whole["params"])
-        assert diff <= TOL and noise <= 1e-7, worst
+    assert back["losses"] == {s: whole["losses"][s] for s in range(6, steps + 1)}
+    assert max_rel_diff(back["params"], whole["params"])[0] == 0.0
+    # written with host state, loaded all on the device at another split: equal up to the
+    # rounding of reducing the gradients in another order
+    pool3.run(_run, hosted, 5, cfg, ckpt_out=str(tmp_path / "h2"), save_at=5)
+    other = _plan(fractions=[0.5, 0.2, 0.3])
+    moved = pool3.run(_run, other, steps, cfg, ckpt_in=str(tmp_path / "h2" / "step_000005"))[0]
+    for s in range(6, steps + 1):
+        assert abs(moved["losses"][s] - whole["losses"][s]) <= SPLIT_TOL * whole["losses"][s], s
+    diff, worst, noise = _param_diff(moved["params"], whole["params"])
+    print(f"another split: parameters within {diff:.2e} ({worst}), keys {noise:.1e}")
+    assert diff <= SPLIT_TOL and noise <= 1e-7, worst
 
 
 @pytest.mark.slow
