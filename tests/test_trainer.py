@@ -16,9 +16,10 @@ from cephalo.planning.plan import Plan
 from cephalo.planning.planner import simple_plan
 from cephalo.specs.cluster import Cluster
 from cephalo.train.config import load_config
+from cephalo.train.discovery import cluster_from_descriptions, describe_own_device
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import read_metrics, truncate_metrics
-from cephalo.train.trainer import job_cluster, resolve_plan, train
+from cephalo.train.trainer import resolve_plan, train
 
 
 def tiny_config(tmp_path, *extra: str):
@@ -90,9 +91,10 @@ def test_plan_file_is_checked_against_the_job(tmp_path):
 
 def test_devices_must_match_world_size(tmp_path):
     cfg = tiny_config(tmp_path, "--parallel.devices=cpu,cpu:slowdown=2")
-    assert [d.slowdown for d in job_cluster(cfg, 2).devices] == [1.0, 2.0]
+    mine = [describe_own_device(cfg, rank, 2) for rank in range(2)]
+    assert [d.slowdown for d in cluster_from_descriptions(mine).devices] == [1.0, 2.0]
     with pytest.raises(CephaloError, match="lists 2 device"):
-        job_cluster(cfg, 3)
+        describe_own_device(cfg, 0, 3)
 
 
 def test_sequence_longer_than_the_model_is_an_error(tmp_path):

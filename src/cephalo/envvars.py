@@ -9,6 +9,7 @@ One home for the names, so a reader (and `docs/`) finds them all here:
 | `CEPHALO_PROFILE_DB` | `profiling.database` | profile database file |
 | `CEPHALO_CACHE` | `train.data` | cache root of prepared datasets |
 | `CEPHALO_ERROR_DIR` | `commands.train`, `launch.elastic` | where workers of `cephalo run` write their error reports |
+| `CEPHALO_DEVICE` | `train.discovery` | this process's own (emulated) device, one cluster-spec device, e.g. `cpu:slowdown=2,mem=1GiB` (when `parallel.devices` is unset) |
 | `CEPHALO_TEST_KILL_AT_STEP`, `CEPHALO_TEST_KILL_RANK` | `train.trainer` | test hook: SIGKILL a rank before a step |
 """
 
@@ -24,6 +25,8 @@ PROFILE_DB = "CEPHALO_PROFILE_DB"
 CACHE_ROOT = "CEPHALO_CACHE"
 ERROR_DIR = "CEPHALO_ERROR_DIR"
 """Set by `cephalo run` for its workers: each failing worker writes its error report there."""
+DEVICE = "CEPHALO_DEVICE"
+"""One emulated device for this process alone (a launcher or a test gives each rank its own)."""
 KILL_AT_STEP = "CEPHALO_TEST_KILL_AT_STEP"
 KILL_RANK = "CEPHALO_TEST_KILL_RANK"
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -118,8 +119,60 @@ def _alias_table() -> dict[str, str]:
 DEVICE_ALIASES = _alias_table()
 
 
+UNLISTED_PREFIX = "gpu-"
+"""Type of a GPU the catalog does not list, as a running job discovers it: `gpu-` and a slug
+of its CUDA name (`gpu-nvidia-h200`). It has no data-sheet entry and no published profile:
+the job profiles it under that name (`parallel.plan = "auto"`), and the defaults below assume a
+PCIe gen4 board until the profiler has measured its links."""
+UNLISTED_PCIE_GEN = 4
+
+
+def is_unlisted(device_type: str) -> bool:
+    return device_type.startswith(UNLISTED_PREFIX)
+
+
+_VENDOR_WORDS = ("nvidia", "tesla", "geforce", "quadro")
+_FORM_WORDS = re.compile(r"^(sxm\d*|pcie|\d+gb|hbm\d*e?|x\d+)$")
+
+
+def _chip(name: str) -> str:
+    """`NVIDIA A100-SXM4-80GB` -> `a100`; `NVIDIA GeForce RTX 3090` -> `rtx3090`: the name's
+    words without vendor, memory size or form factor."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    return "".join(w for w in words if w not in _VENDOR_WORDS and not _FORM_WORDS.match(w))
+
+
+def device_type_for_gpu(name: str, memory_bytes: int) -> str:
+    """The catalog key of a GPU as CUDA names it (`torch.cuda.get_device_name`), with its
+    memory to tell apart the variants of one chip (A100 40/80 GB, V100 16/32 GB, SXM/PCIe);
+    a GPU the catalog does not list gets `UNLISTED_PREFIX` + a slug of its name."""
+    chip = _chip(name)
+    lowered = name.lower()
+    candidates = [d for d in DEVICES.values() if chip and _chip(d.name) == chip]
+    if candidates:
+
+        def distance(d: DeviceSpec) -> tuple[float, int]:
+            memory_gap = abs(d.memory_gib * GiB - memory_bytes) / (d.memory_gib * GiB)
+            # SXM boards have NVLink, PCIe boards do not: a name that says which settles a tie
+            form = 0
+            if "sxm" in lowered and d.nvlink_bytes_per_s is None:
+                form = 1
+            if "pcie" in lowered and d.nvlink_bytes_per_s is not None:
+                form = 1
+            return (round(memory_gap, 1), form)
+
+        best = min(candidates, key=distance)
+        if distance(best)[0] <= 0.2:  # within 20 % of the data sheet (ECC, driver reserve)
+            return best.key
+    slug = "-".join(w for w in re.split(r"[^a-z0-9]+", name.lower()) if w) or "unknown"
+    return UNLISTED_PREFIX + slug
+
+
 def resolve_device_type(name: str) -> str:
-    """Catalog key for a device type name (case-insensitive, aliases accepted)."""
+    """Catalog key for a device type name (case-insensitive, aliases accepted); an unlisted
+    GPU's discovered type (`gpu-...`) is its own key."""
+    if is_unlisted(name.strip().lower()):
+        return name.strip().lower()
     key = DEVICE_ALIASES.get(name.strip().lower())
     if key is None:
         raise CephaloError(
@@ -134,23 +187,32 @@ def list_device_types() -> list[str]:
 
 
 def device_spec(device_type: str) -> DeviceSpec | None:
-    """The data-sheet entry of a device type (None for `cpu`)."""
+    """The data-sheet entry of a device type (None for `cpu` and unlisted GPUs)."""
     return DEVICES.get(resolve_device_type(device_type))
 
 
 def device_memory_bytes(device_type: str) -> int:
     """Memory capacity in bytes (data-sheet GiB, see `DeviceSpec.memory_gib`); `cpu`: the default budget."""
+    if is_unlisted(device_type):
+        raise CephaloError(
+            f"device type {device_type!r} is not in the catalog, so its memory is unknown: give it "
+            f"with mem=, e.g. {device_type}:mem=80GiB"
+        )
     spec = device_spec(device_type)
     return CPU_DEFAULT_MEMORY_BYTES if spec is None else int(spec.memory_gib * GiB)
 
 
 def device_display_name(device_type: str) -> str:
+    if is_unlisted(device_type):
+        return device_type[len(UNLISTED_PREFIX) :]
     spec = device_spec(device_type)
     return "CPU" if spec is None else spec.name
 
 
 def intra_node_bytes_per_s(device_type: str) -> float:
     """Default per-link collective bandwidth between two devices of this type in one node."""
+    if is_unlisted(device_type):
+        return PCIE_BYTES_PER_S[UNLISTED_PCIE_GEN]
     spec = device_spec(device_type)
     if spec is None:
         return CPU_LINK_BYTES_PER_S
@@ -159,6 +221,8 @@ def intra_node_bytes_per_s(device_type: str) -> float:
 
 def host_copy_bytes_per_s(device_type: str) -> float:
     """Device <-> pinned host memory copy bandwidth: effective x16 PCIe of the board's generation."""
+    if is_unlisted(device_type):
+        return PCIE_BYTES_PER_S[UNLISTED_PCIE_GEN]
     spec = device_spec(device_type)
     return CPU_LINK_BYTES_PER_S * 10 if spec is None else PCIE_BYTES_PER_S[spec.pcie_gen]
 

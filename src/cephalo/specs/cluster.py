@@ -33,6 +33,7 @@ from cephalo.specs.catalog import (
     device_display_name,
     device_memory_bytes,
     intra_node_bytes_per_s,
+    is_unlisted,
     list_device_types,
     resolve_device_type,
 )
@@ -285,7 +286,11 @@ class Cluster:
             if with_nodes:
                 token += f"@node{first}" + (f"-{last_node}" if last_node > first else "")
             default_mem = (
-                device_memory_bytes(type_name) if type_name != "cpu" else CPU_DEFAULT_MEMORY_BYTES
+                CPU_DEFAULT_MEMORY_BYTES
+                if type_name == "cpu"
+                else None
+                if is_unlisted(type_name)  # no data sheet: mem= always written
+                else device_memory_bytes(type_name)
             )
             options = []
             if mem != default_mem:
@@ -663,9 +668,10 @@ def _node_range(text: str | None, token: str) -> list[int] | None:
 
 def _make_device(dtype: str, options: dict[str, Any], token: str) -> Device:
     """A device from its type and raw option values (strings from a spec, or file values)."""
-    memory = device_memory_bytes(dtype) if dtype != "cpu" else CPU_DEFAULT_MEMORY_BYTES
     if options.get("mem") is not None:
         memory = parse_bytes(options["mem"], f"mem= for {token!r}:")
+    else:
+        memory = device_memory_bytes(dtype) if dtype != "cpu" else CPU_DEFAULT_MEMORY_BYTES
     node = 0
     if options.get("node") is not None:
         raw = options["node"]

@@ -44,10 +44,11 @@ from cephalo.runtime.comm import Comm
 from cephalo.runtime.dist import init_distributed
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
-from cephalo.specs.cluster import Cluster, Device, parse_bytes
+from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig, config_to_toml
 from cephalo.train.data import GlobalBatches, resolve_dataset
+from cephalo.train.discovery import discover_cluster, is_emulated
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import (
     MetricsLog,
@@ -86,34 +87,6 @@ class TrainResult:
 
 
 # ----------------------------------------------------------------------------- cluster and plan
-def job_cluster(cfg: JobConfig, world_size: int) -> Cluster:
-    """The devices of this job, in rank order: `parallel.devices` (emulated CPU devices) if
-    set, else one plain device per rank (the CPU, or this node's GPU type); every node's host
-    memory `parallel.host_memory` if set."""
-    cluster = _job_devices(cfg, world_size)
-    if cfg.parallel.host_memory is not None:
-        cluster.host_memory_bytes = parse_bytes(cfg.parallel.host_memory, "parallel.host_memory")
-    return cluster
-
-
-def _job_devices(cfg: JobConfig, world_size: int) -> Cluster:
-    if cfg.parallel.devices:
-        cluster = Cluster.parse(cfg.parallel.devices)
-        if cluster.world_size != world_size:
-            raise CephaloError(
-                f"parallel.devices lists {cluster.world_size} device(s) ({cfg.parallel.devices!r}) but the job "
-                f"has {world_size} process(es): give one device per rank, or launch {cluster.world_size} "
-                "processes (`cephalo run` starts one per device)"
-            )
-        return cluster
-    if torch.cuda.is_available() and cfg.parallel.backend != "gloo":
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return Cluster(
-            [Device(type="cuda", memory_bytes=int(props.total_memory)) for _ in range(world_size)]
-        )
-    return Cluster.parse(",".join(["cpu"] * world_size))
-
-
 def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int) -> Plan:
     """The plan `parallel.plan` names (`even`, `proportional` or a plan file), checked against
     this job (world size, model, global batch). `auto` is `auto_plan`'s."""
@@ -225,7 +198,8 @@ class _Trainer:
         self.run_dir = Path(cfg.logging.dir)
         if cfg.logging.tensorboard:
             require_tensorboard()
-        self.cluster = job_cluster(cfg, self.world_size)
+        # every rank describes its own device; all build the same cluster from the descriptions
+        self.cluster = discover_cluster(cfg, comm)
         self.device = self.cluster.devices[self.rank]
         model = build_job_model(cfg)
         if cfg.parallel.plan == "auto":
@@ -265,7 +239,7 @@ class _Trainer:
             model,
             self.plan,
             comm,
-            engine_config(cfg, self.device, bool(cfg.parallel.devices), share),
+            engine_config(cfg, self.device, is_emulated(cfg), share),
         )
         t = cfg.train
         self.schedule = LRSchedule(t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule)

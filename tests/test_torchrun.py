@@ -1,0 +1,114 @@
+"""The job launched with torchrun (not `cephalo run`), each rank discovering its own device.
+
+torchrun starts 3 identical workers; tests/torchrun_worker.py gives each, through
+`CEPHALO_DEVICE`, only its own emulated device (as a GPU rank finds its own GPU). The ranks
+all-gather their descriptions, profile each device type on a rank that has it, and must make
+one uneven automatic plan, the same on every rank, whose training equals one process's
+(the plan-invariance contract, tests/test_plan_invariance.py). Ranks started with different
+configs stop at once with one message on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from cephalo.launch.elastic import free_port
+from cephalo.planning.plan import Plan
+from cephalo.train.config import load_config
+from cephalo.train.trainer import train
+from procs import run_tagged
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).parent / "torchrun_worker.py"
+DEVICES = "cpu:mem=1GiB;cpu:slowdown=4,mem=1GiB;cpu:slowdown=2,mem=1GiB"
+STEPS = 6
+
+
+def job_args(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"--logging.dir={run_dir}",
+        "--logging.progress=false",
+        "--model.name=gpt-tiny",
+        "--model.overrides=dropout=0.1",
+        "--data.seq_len=16",
+        "--train.global_batch_size=12",
+        f"--train.steps={STEPS}",
+        "--train.warmup_steps=2",
+        "--train.lr=1e-3",
+        "--train.eps=1e-6",
+        "--train.eval_every=0",
+        "--checkpoint.every=0",
+        "--parallel.timeout_s=60",
+        "--profile.repeats=1",
+        "--profile.warmup=0",
+        "--profile.time_cap_s=1",
+        *extra,
+    ]
+
+
+def torchrun(tmp_path: Path, args: list[str], rank_extra: str = ""):
+    env = {
+        **__import__("os").environ,
+        "TEST_DEVICES": DEVICES,
+        "TEST_OUT": str(tmp_path),
+        "TEST_RANK_EXTRA": rank_extra,
+        "CEPHALO_PROFILE_DB": str(tmp_path / "profiles.json"),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=3",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        str(WORKER),
+        *args,
+    ]
+    return run_tagged(cmd, timeout_s=240, env=env)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r.get("kind") == "step"}
+
+
+def test_ranks_discover_their_devices_and_agree_on_an_uneven_plan(tmp_path):
+    proc = torchrun(tmp_path, job_args(tmp_path / "run", "--parallel.plan=auto"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plans = [Plan.from_json(tmp_path / f"plan_rank{r}.json") for r in range(3)]
+    # the same plan on every rank (its meta holds each rank's own planner wall time)
+    assert all(p.to_dict()["ranks"] == plans[0].to_dict()["ranks"] for p in plans)
+    plan = plans[0]
+    # the profiler measured each rank's own device: the slowest (rank 1) gets the least work
+    assert [r.device for r in plan.ranks] == ["cpu", "cpu:slowdown=4", "cpu:slowdown=2"]
+    assert len(set(plan.batch_sizes)) > 1 and plan.batch_sizes[1] < plan.batch_sizes[0]
+    assert sorted(plan.meta["profiles"]["measured"]) == sorted(
+        ["cpu", "cpu:slowdown=4", "cpu:slowdown=2", "comm"]
+    )
+    # the same run as one process on the whole batch
+    alone = train(load_config(None, job_args(tmp_path / "alone", "--parallel.plan=even")))
+    ours = losses(tmp_path / "run")
+    assert sorted(ours) == list(range(1, STEPS + 1))
+    for step, loss in alone.losses.items():
+        assert abs(ours[step] - loss) <= 1e-5 * abs(loss), (step, ours[step], loss)
+
+
+def test_ranks_started_with_different_jobs_stop_with_one_message(tmp_path):
+    proc = torchrun(
+        tmp_path,
+        job_args(tmp_path / "run", "--parallel.plan=even"),
+        rank_extra="1:--train.steps=9",
+    )
+    assert proc.returncode != 0
+    for rank in range(3):
+        assert (
+            f"rank {rank}: cephalo: error: the ranks were started with different jobs"
+            in proc.stderr
+        )
+    assert "train.steps: 6 on rank 0 vs 9 on rank 1" in proc.stderr
