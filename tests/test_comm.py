@@ -143,6 +143,42 @@ def test_gather_and_reduce_scatter_uneven(pool3, impl, dtype_name):
         assert nbytes == {"all_gather_v": others, "reduce_scatter_v": others, "all_reduce": 0}
 
 
+def _even_body():
+    import torch.distributed as dist
+
+    comm = make_comm("gloo")
+    out = []
+    for sizes in ([4, 4, 4], [1, 1, 1], [4, 5, 4]):
+        shard, full = _rank_data(sizes, torch.float32, dist.get_rank())
+        gathered = torch.empty(sum(sizes))
+        comm.all_gather_v(gathered, shard, sizes, async_op=True).wait()
+        reduced = torch.empty(sizes[comm.rank])
+        comm.reduce_scatter_v(reduced, full.clone(), sizes)
+        # the list form on the same inputs (what the even path replaces)
+        views = list(full.clone().split(sizes))
+        listed = torch.empty(sizes[comm.rank])
+        dist.reduce_scatter(listed, views)
+        out.append(
+            (gathered, (reduced - listed).abs().max().item(), dict(comm.counters.even_calls))
+        )
+    return out
+
+
+@pytest.mark.slow
+def test_equal_sizes_take_the_even_collectives(pool3):
+    """Equal sizes run as all_gather_into_tensor / reduce_scatter_tensor (no copy through a
+    flattened buffer), with the list forms' result (gloo sums the ranks in another order:
+    fp32 rounding); uneven sizes keep the grouped path."""
+    for rank, results in enumerate(pool3.run(_even_body)):
+        for (gathered, reduce_diff, even), sizes, calls in zip(
+            results, ([4, 4, 4], [1, 1, 1], [4, 5, 4]), (1, 2, 2), strict=True
+        ):
+            expect = torch.cat([_rank_data(sizes, torch.float32, r)[0] for r in range(3)])
+            assert torch.equal(gathered, expect), (rank, sizes)
+            assert reduce_diff <= 1e-6, (rank, sizes, reduce_diff)
+            assert even == {"all_gather_v": calls, "reduce_scatter_v": calls, "all_reduce": 0}
+
+
 def _padded_vs_gloo_body(sizes: list[int]):
     import torch.distributed as dist
 

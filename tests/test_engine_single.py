@@ -317,3 +317,37 @@ def test_global_rng_dropout_is_replayed_in_recompute():
         assert stats.loss == pytest.approx(loss.item(), rel=1e-6)
     diff, worst = max_rel_diff(engine.full_state_dict(), {n: p.detach() for n, p in named})
     assert diff <= 1e-5, f"{diff:.2e} in {worst}"
+
+
+def test_global_rng_continues_from_the_forward_across_steps():
+    """per_sample_dropout=False, seeded ONCE: each step's forward must draw fresh numbers,
+    continuing where the previous forward stopped, as a plain model does. (The recompute
+    rewinds the generators unit by unit; without restoring them after the backward, step t+1
+    drew the numbers step t's units had used.)"""
+    cfg = EngineConfig(grad_clip=0.0, per_sample_dropout=False, adamw=AdamWHyper(eps=TEST_EPS))
+    data = make_data(3, 3)
+    engine = Engine(
+        build_model("gpt-tiny", dropout=0.2), make_plan([3], [1.0], [3]), LocalComm(), cfg
+    )
+    torch.manual_seed(100)
+    ours = [engine.train_step(x, y, lr=LR).loss for x, y in data]
+    ref = build_model("gpt-tiny", dropout=0.2).materialize(
+        "cpu", torch.Generator().manual_seed(cfg.seed)
+    )
+    named = [(f"{u}.{n}", p) for u, n, p in ref.named_unit_parameters()]
+    opt = torch.optim.AdamW(
+        adamw_param_groups(named, cfg.adamw.weight_decay),
+        lr=LR,
+        betas=cfg.adamw.betas,
+        eps=cfg.adamw.eps,
+    )
+    ref.train()
+    torch.manual_seed(100)
+    expect = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        expect.append(loss.item())
+    assert ours == pytest.approx(expect, rel=1e-6)

@@ -11,7 +11,9 @@ configs stop at once with one message on every rank.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,9 @@ from cephalo.launch.elastic import free_port
 from cephalo.planning.plan import Plan
 from cephalo.train.config import load_config
 from cephalo.train.trainer import train
-from procs import run_tagged
+from procs import processes, run_tagged
+
+__all__ = ["processes"]
 
 pytestmark = pytest.mark.slow
 
@@ -112,3 +116,47 @@ def test_ranks_started_with_different_jobs_stop_with_one_message(tmp_path):
             in proc.stderr
         )
     assert "train.steps: 6 on rank 0 vs 9 on rank 1" in proc.stderr
+
+
+def test_a_rank_out_of_memory_stops_the_other_nodes_at_once(tmp_path, processes):
+    """Two torchrun agents (two 'nodes', one rank each). Rank 1 runs out of memory at step 3;
+    torchrun stops only its own node's workers. Rank 1 announces its failure in the store, and
+    rank 0 stops within seconds with rank 1's reason, not a guess. (On gloo the peer's exit
+    also resets rank 0's connection; NCCL would wait for the whole timeout, 120 s here, without
+    the announcement: the watcher thread aborts the group then, docs/gpu.md.)"""
+    port = free_port()
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    args = job_args(tmp_path / "run", "--parallel.plan=even", "--parallel.timeout_s=120")
+    agents = []
+    for node, log in enumerate((log0, log1)):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={node}",
+            "--rdzv-backend=static",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "-m",
+            "cephalo",
+            "train",
+            *args,
+        ]
+        env = {
+            **__import__("os").environ,
+            "OMP_NUM_THREADS": "1",
+            "CEPHALO_TEST_OOM_AT_STEP": "3",
+            "CEPHALO_TEST_KILL_RANK": "1",
+        }
+        agents.append(processes.start(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT))
+    started = time.monotonic()
+    codes = [a.wait(timeout=100) for a in agents]
+    # the job's start (two interpreters, the data) is most of it; the wait would be 120 s
+    assert time.monotonic() - started < 60
+    assert codes[0] != 0 and codes[1] != 0
+    text0, text1 = log0.read_text(), log1.read_text()
+    assert "rank 1 ran out of device memory at step 3" in text1
+    assert "stopped because rank 1 failed: rank 1 ran out of device memory at step 3" in text0
+    assert "probably died" not in text0

@@ -11,6 +11,7 @@ One home for the names, so a reader (and `docs/`) finds them all here:
 | `CEPHALO_ERROR_DIR` | `commands.train`, `launch.elastic` | where workers of `cephalo run` write their error reports |
 | `CEPHALO_DEVICE` | `train.discovery` | this process's own (emulated) device, one cluster-spec device, e.g. `cpu:slowdown=2,mem=1GiB` (when `parallel.devices` is unset) |
 | `CEPHALO_TEST_KILL_AT_STEP`, `CEPHALO_TEST_KILL_RANK` | `train.trainer` | test hook: SIGKILL a rank before a step |
+| `CEPHALO_TEST_OOM_AT_STEP` | `train.trainer` | test hook: that rank runs out of memory at a step |
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ DEVICE = "CEPHALO_DEVICE"
 """One emulated device for this process alone (a launcher or a test gives each rank its own)."""
 KILL_AT_STEP = "CEPHALO_TEST_KILL_AT_STEP"
 KILL_RANK = "CEPHALO_TEST_KILL_RANK"
+OOM_AT_STEP = "CEPHALO_TEST_OOM_AT_STEP"
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cephalo import envvars
 from cephalo.errors import CephaloError
-from cephalo.runtime.dist import shutdown
+from cephalo.runtime.dist import announce_failure, peer_failure, shutdown
 from cephalo.train.config import add_config_arguments, config_from_args
 
 EPILOG = """\
@@ -58,13 +58,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         train(config_from_args(args))
-    except CephaloError as e:
-        report_failure(str(e))
-        if os.environ.get(envvars.ERROR_DIR):
-            return 2  # the launcher prints the first failure once, for the whole job
-        raise
-    except Exception as e:
-        report_failure(f"{type(e).__name__}: {e}")
+    except Exception:
+        peer = peer_failure()
+        if peer is not None:  # stopped because another rank failed: say so, not what broke here
+            e = CephaloError(f"stopped because {peer}")
+        message = str(e) if isinstance(e, CephaloError) else f"{type(e).__name__}: {e}"
+        announce_failure(message)
+        report_failure(message)
+        if isinstance(e, CephaloError):
+            if os.environ.get(envvars.ERROR_DIR):
+                return 2  # the launcher prints the first failure once, for the whole job
+            raise e from None
         raise
     finally:
         shutdown()

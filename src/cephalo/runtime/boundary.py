@@ -85,7 +85,12 @@ class BoundaryStore:
             elif self._stream is None:
                 staging.copy_(buf)
             else:
-                # same side stream as the offload copy: ordered after it
+                # `staging` was allocated on the compute stream: the caching allocator may
+                # hand back a block that kernels queued there still read (the head's forward
+                # of the previous micro-batch, a unit's backward). The side stream must wait
+                # for them before it overwrites the block; it is the offload copy's stream
+                # too, so the copy is also ordered after the entry was written.
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._stream):
                     staging.copy_(buf, non_blocking=True)
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)

@@ -12,6 +12,12 @@ Both `all_gather_v` and `reduce_scatter_v` can run asynchronously (`async_op=Tru
 returned `Handle` is waited for later), so the engine overlaps them with compute.
 - `NcclComm`: CUDA. `dist.all_gather` / `dist.reduce_scatter` with lists of uneven views;
   NCCL runs them as grouped broadcasts / reduces.
+
+Equal sizes (an even split; every unit at world size 1 goes through `LocalComm`): gloo and NCCL
+call `all_gather_into_tensor` / `reduce_scatter_tensor` on the buffers themselves. The list
+forms would copy everything through a flattened buffer (a whole unit per call that neither
+the ledger nor the cost model counts) and, on NCCL, give up its ring / tree / NVLS algorithms.
+`counters.even_calls` counts the calls that took this path.
 - `PaddedComm`: pads every shard to `max(sizes)` and uses the even tensor collectives. More
   traffic, different code path: a cross-check for the others.
 
@@ -117,6 +123,9 @@ class CommCounters:
     """Number of calls per collective name."""
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
     """Bytes this rank exchanges with the others, per collective name."""
+    even_calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
+    """Calls of `all_gather_v` / `reduce_scatter_v` with equal sizes, run as the even tensor
+    collectives (no copy through a flattened buffer)."""
 
     def add(self, name: str, nbytes: int) -> None:
         self.calls[name] += 1
@@ -126,6 +135,7 @@ class CommCounters:
         for name in COLLECTIVES:
             self.calls[name] = 0
             self.bytes[name] = 0
+            self.even_calls[name] = 0
 
 
 def _check_1d(name: str, what: str, t: object) -> None:
@@ -178,7 +188,8 @@ class Comm(ABC):
         self, out: torch.Tensor, shard: torch.Tensor, sizes: Sequence[int], async_op: bool = False
     ) -> Handle:
         """Gather every rank's `shard` (rank r: `sizes[r]` elements) into `out` in rank order.
-        `shard` may be reused as soon as this returns; `out` is valid after `wait()`."""
+        `shard` may be dropped as soon as this returns (the collective keeps it alive) but not
+        written to before `wait()`; `out` is valid after `wait()`."""
         name = "all_gather_v"
         sizes = self._agreed_sizes(name, sizes, [("out", out), ("shard", shard)], out, None)
         own = sizes[self.rank]
@@ -436,6 +447,18 @@ def _reduce_scatter_even(out: torch.Tensor, inp: torch.Tensor, group) -> object:
     return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
+def _equal(sizes: list[int]) -> bool:
+    """Every rank holds the same non-zero number of elements: the even collectives apply."""
+    return sizes[0] > 0 and all(n == sizes[0] for n in sizes)
+
+
+def _even_handle(work: object, async_op: bool) -> Handle:
+    handle = Handle([work])
+    if not async_op:
+        handle.wait()
+    return handle
+
+
 def _list_reduce_scatter(out, full, sizes, group, async_op: bool) -> Handle:
     """`dist.reduce_scatter` over uneven views of `full` (kept referenced until done)."""
     views = list(full.split(sizes))
@@ -450,6 +473,9 @@ class GlooComm(_ProcessGroupComm):
     """gloo: gather as per-source async broadcasts, reduce-scatter as a list reduce_scatter."""
 
     def _all_gather_v(self, out, shard, sizes, async_op):
+        if _equal(sizes):
+            self.counters.even_calls["all_gather_v"] += 1
+            return _even_handle(_all_gather_even(out, shard, self.group), async_op)
         views = list(out.split(sizes))
         # Our own piece goes into `out` first, so the caller may reuse `shard` right away
         # and the broadcast from this rank reads from `out`.
@@ -465,17 +491,24 @@ class GlooComm(_ProcessGroupComm):
         return handle
 
     def _reduce_scatter_v(self, out, full, sizes, async_op):
+        if _equal(sizes):
+            self.counters.even_calls["reduce_scatter_v"] += 1
+            return _even_handle(_reduce_scatter_even(out, full, self.group), async_op)
         return _list_reduce_scatter(out, full, sizes, self.group, async_op)
 
 
 class NcclComm(_ProcessGroupComm):
     """NCCL: list all_gather / reduce_scatter over uneven views (run as grouped
-    broadcasts / reduces by NCCL). Untested here (no GPU in CI); same interface."""
+    broadcasts / reduces by NCCL); the even collectives where sizes are equal.
+    scripts/gpu_check.py runs it on real GPUs."""
 
     def _fingerprint_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
 
     def _all_gather_v(self, out, shard, sizes, async_op):
+        if _equal(sizes):
+            self.counters.even_calls["all_gather_v"] += 1
+            return _even_handle(_all_gather_even(out, shard, self.group), async_op)
         views = list(out.split(sizes))
         work = dist.all_gather(views, shard, group=self.group, async_op=True)
         handle = Handle([work])
@@ -484,6 +517,9 @@ class NcclComm(_ProcessGroupComm):
         return handle
 
     def _reduce_scatter_v(self, out, full, sizes, async_op):
+        if _equal(sizes):
+            self.counters.even_calls["reduce_scatter_v"] += 1
+            return _even_handle(_reduce_scatter_even(out, full, self.group), async_op)
         # NCCL may overwrite the input list's tensors: allowed by the contract.
         return _list_reduce_scatter(out, full, sizes, self.group, async_op)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -149,6 +151,9 @@ def init_distributed(
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
+            # NCCL binds the communicator to this rank's own GPU (without it, a barrier guesses
+            # GPU = rank % GPUs per node, wrong on nodes with different GPU counts)
+            **({"device_id": torch.device("cuda", local_rank)} if backend == "nccl" else {}),
         )
     except (RuntimeError, ValueError, TimeoutError) as err:
         hint = (
@@ -166,10 +171,125 @@ def init_distributed(
     logger.info(
         "rank %d/%d: %s process group up (timeout %.0fs)", rank, world_size, backend, timeout_s
     )
+    if world_size > 1:
+        _FailureWatch.start(rank)
     return make_comm(comm_impl, validate=validate)
+
+
+# ------------------------------------------------------------------ a rank's failure, for all
+# A rank that fails (out of memory, a bad batch, any error) while the others wait in a
+# collective would leave them there until the process-group timeout: torchrun kills the
+# workers of its own node when one dies, but not those of other nodes, nor processes started
+# without it. So the failing rank announces its error in the process group's store, and every
+# rank watches that key: the others abort their process group (their pending collective then
+# raises) and stop with the failing rank's message, within `_WATCH_INTERVAL_S`.
+_WATCH_INTERVAL_S = 0.5
+
+
+def _failure_key() -> str:
+    # one key per attempt: a restarted job on a shared store must not see the last one's
+    return f"cephalo/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+class _FailureWatch:
+    """The thread that watches for another rank's announced failure (see above)."""
+
+    _instance: _FailureWatch | None = None
+
+    def __init__(self, rank: int, store) -> None:
+        self.rank, self.store = rank, store
+        self.message: str | None = None
+        """The failing rank's announcement, once seen."""
+        self.announced = False
+        """This rank announced its own failure (it does not abort itself on seeing it)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cephalo-failure-watch", daemon=True)
+
+    @classmethod
+    def start(cls, rank: int) -> None:
+        cls.stop()
+        store = _store()
+        if store is None:
+            return
+        cls._instance = cls(rank, store)
+        cls._instance._thread.start()
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls._instance is not None:
+            cls._instance._stop.set()
+            if cls._instance._thread is not threading.current_thread():
+                cls._instance._thread.join(timeout=2 * _WATCH_INTERVAL_S)
+            cls._instance = None
+
+    def _run(self) -> None:
+        key = _failure_key()
+        while not self._stop.wait(_WATCH_INTERVAL_S):
+            try:
+                if not self.store.check([key]):
+                    continue
+                message = self.store.get(key).decode(errors="replace")
+            except Exception:  # the store is gone: the job is ending anyway
+                return
+            if self.announced:
+                return
+            self.message = message
+            logger.error("rank %d stops: %s", self.rank, message)
+            # the main thread's pending collective raises once the group is aborted
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            try:
+                if abort is not None:
+                    abort()
+                else:
+                    dist.destroy_process_group()
+            except Exception as err:  # nothing more can be done from here
+                logger.error("rank %d: could not abort the process group: %s", self.rank, err)
+            return
+
+
+def announce_failure(message: str) -> None:
+    """Tell every rank that this one failed (see `_FailureWatch`); no-op without a group."""
+    watch = _FailureWatch._instance
+    if watch is None or watch.message is not None:
+        return  # no group, or this rank is stopping because of another's failure
+    watch.announced = True
+    rank = watch.rank
+    try:
+        watch.store.set(_failure_key(), f"rank {rank} failed: {message}")
+    except Exception as err:
+        logger.warning("rank %d: could not announce its failure to the others: %s", rank, err)
+
+
+def peer_failure(wait_s: float = 0.0) -> str | None:
+    """Another rank's announced failure, if there is one; looks in the store for up to
+    `wait_s` (a collective that failed because a peer exited may fail before the announcement
+    of its reason has arrived)."""
+    watch = _FailureWatch._instance
+    if watch is None or watch.announced:
+        return None
+    if watch.message is not None or wait_s <= 0:
+        return watch.message
+    key, deadline = _failure_key(), time.monotonic() + wait_s
+    while True:
+        try:
+            if watch.store.check([key]):
+                return watch.store.get(key).decode(errors="replace")
+        except Exception:
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def shutdown() -> None:
     """Tear the default process group down (no-op if there is none)."""
+    _FailureWatch.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

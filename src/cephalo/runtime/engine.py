@@ -699,6 +699,16 @@ class Engine:
         boundary."""
         return contextlib.nullcontext(mb.input_ids) if u == 0 else store.loaded((u, j))
 
+    def _backward_after_forward(
+        self, mbs: list[_MicroBatch], store: BoundaryStore, head_grad: float
+    ) -> None:
+        """The backward pass, leaving the random generators where the forward left them: the
+        recompute rewinds them unit by unit, and without this the next step would draw the
+        numbers this step's units already used (with `per_sample_dropout` off)."""
+        after_forward = self._save_rng()
+        self._backward_pass(mbs, store, head_grad)
+        self._restore_rng(after_forward)
+
     def _backward_pass(
         self, mbs: list[_MicroBatch], store: BoundaryStore, head_grad: float
     ) -> None:
@@ -832,8 +842,11 @@ class Engine:
         self.ledger.reset_peak()
         self.model.train()
         mbs = self._micro_batches(input_ids, labels)
+        # int64: an fp32 count is inexact above 2**24 tokens (a large global batch)
         tokens = torch.tensor(
-            [float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs))], device=self.device
+            [sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs)],
+            dtype=torch.int64,
+            device=self.device,
         )
         self._all_reduce(tokens)
         n_tokens = int(tokens.item())
@@ -843,7 +856,7 @@ class Engine:
         store.clear()  # normally empty; not after a step that raised
         if self.config.mode == "lga":
             loss_sum = self._forward_pass(mbs, store, keep_inputs=True)
-            self._backward_pass(mbs, store, head_grad)
+            self._backward_after_forward(mbs, store, head_grad)
         else:
             # every rank must run the same number of collectives: pad with empty passes
             rounds = max(r.num_micro_batches for r in self.plan.ranks)
@@ -851,7 +864,7 @@ class Engine:
             for k in range(rounds):
                 chunk = mbs[k : k + 1]
                 loss_sum += self._forward_pass(chunk, store, keep_inputs=True)
-                self._backward_pass(chunk, store, head_grad)
+                self._backward_after_forward(chunk, store, head_grad)
         assert len(store) == 0, "the backward consumes every boundary"
         skipped, grad_norm = self._optimizer_step(loss_sum, loss_scale, lr, n_tokens)
         self.step_index += 1
@@ -969,7 +982,10 @@ class Engine:
             loss_sum = self._forward_pass(mbs, store, keep_inputs=False)
             assert len(store) == 0
             n_tok = float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs))
-            red = torch.stack([loss_sum, torch.tensor(n_tok, device=self.device)])
+            # fp64: the token count is exact to 2**53 (fp32 stops at 2**24)
+            red = torch.stack(
+                [loss_sum.double(), torch.tensor(n_tok, dtype=torch.float64, device=self.device)]
+            )
             self._all_reduce(red)
             return float(red[0]) / max(float(red[1]), 1.0)
         finally:

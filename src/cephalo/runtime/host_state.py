@@ -62,6 +62,8 @@ class HostLink:
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         # CUDA: (event, staging buffer or None, destination or None) of downward copies in flight
         self._downs: list[tuple[torch.cuda.Event, torch.Tensor | None, torch.Tensor | None]] = []
+        # CUDA: events of upward copies in flight (their pinned sources must not be rewritten)
+        self._ups: list[torch.cuda.Event] = []
         self.copied_bytes = 0
         """Bytes moved so far (both directions)."""
         self.copy_s = 0.0
@@ -117,7 +119,11 @@ class HostLink:
         self.copy_s += time.perf_counter() - t0
 
     def sync(self) -> None:
-        """Wait for every downward copy and add the staged ones into their destinations."""
+        """Wait for every downward copy and add the staged ones into their destinations, and
+        for every upward copy (the host may then write their sources)."""
+        for event in self._ups:
+            event.synchronize()
+        self._ups.clear()
         for event, staging, dst in self._downs:
             event.synchronize()
             if staging is not None:
@@ -134,8 +140,15 @@ class HostLink:
             self.copy(dst, src)
             return
         t0 = time.perf_counter()
+        # `dst` may still be read by kernels queued on the compute stream (the last gather of
+        # the previous pass reads the device copy): the side stream waits for them
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        # the host writes `src` again at the next optimizer step: `sync` waits for this copy
+        self._ups.append(event)
         self.copied_bytes += src.numel() * src.element_size()
         self.copy_s += time.perf_counter() - t0
 

@@ -17,7 +17,8 @@ metrics.jsonl (docs/training.md lists the fields) and, by default, checkpoints/.
 Test hook (documented in docs/training.md): with `CEPHALO_TEST_KILL_AT_STEP=N`, rank
 `CEPHALO_TEST_KILL_RANK` (default 1, or 0 in a one-process job) kills itself with SIGKILL
 just before step N, to test crash recovery (in the first attempt only: under restarts the
-resumed job gets past it).
+resumed job gets past it). With `CEPHALO_TEST_OOM_AT_STEP=N`, that rank raises an
+out-of-memory error at step N instead, to test that the other ranks stop at once.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from cephalo.planning.costmodel import check_host_memory
 from cephalo.planning.plan import Plan
 from cephalo.planning.planner import simple_plan
 from cephalo.runtime.comm import Comm
-from cephalo.runtime.dist import init_distributed
+from cephalo.runtime.dist import init_distributed, peer_failure
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
 from cephalo.specs.cluster import Cluster, Device
@@ -172,6 +173,27 @@ def engine_config(
         memory_budget_bytes=int(device.memory_bytes) if emulated else None,
         host_memory_budget_bytes=host_memory_bytes if emulated else None,
         host_copy_bytes_per_s=device.pcie_bytes_per_s,
+    )
+
+
+def out_of_memory_message(rank: int, step: int, engine: Engine, err: BaseException) -> str:
+    """One clear line for a real device's out-of-memory error (the others stop with it too:
+    `runtime.dist.announce_failure`)."""
+    gib = 1024**3
+    device = engine.device
+    detail = ""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        detail = (
+            f" ({torch.cuda.memory_allocated(device) / gib:.2f} GiB allocated, "
+            f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB reserved of {total / gib:.2f} GiB)"
+        )
+    return (
+        f"rank {rank} ran out of device memory at step {step}{detail}; the engine's own buffers "
+        f"peaked at {engine.ledger.peak_bytes / gib:.2f} GiB. Other processes on that GPU, or "
+        "memory the plan did not foresee, take the rest: give that rank a smaller batch or state "
+        "fraction (a plan file), offload activations (parallel.offload = always), or re-plan with a "
+        "smaller memory per GPU (`cephalo plan --cluster TYPE:mem=...`)"
     )
 
 
@@ -378,6 +400,16 @@ class _Trainer:
             logger.warning("%s=%s: killing rank %d (SIGKILL)", envvars.KILL_AT_STEP, at, self.rank)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def _maybe_run_out_of_memory(self, step_number: int) -> None:
+        """Test hook: this rank raises the device's out-of-memory error at `step_number`
+        (`CEPHALO_TEST_OOM_AT_STEP`, rank `CEPHALO_TEST_KILL_RANK`), as a GPU that runs out."""
+        at = os.environ.get(envvars.OOM_AT_STEP)
+        if at is None or int(at) != step_number:
+            return
+        victim = int(os.environ.get(envvars.KILL_RANK, "1" if self.world_size > 1 else "0"))
+        if victim == self.rank:
+            raise torch.OutOfMemoryError(f"{envvars.OOM_AT_STEP}={at}: out of memory (test hook)")
+
     def train_step(self, metrics: MetricsLog | None, progress: ProgressDisplay) -> None:
         number = self.step + 1
         self._maybe_kill(number)
@@ -385,7 +417,13 @@ class _Trainer:
         input_ids, labels = self.batches.rank_slice(
             self.step, self.engine.sample_offset, self.rank_plan.batch_size
         )
-        stats = self.engine.train_step(input_ids, labels, lr)
+        try:
+            self._maybe_run_out_of_memory(number)
+            stats = self.engine.train_step(input_ids, labels, lr)
+        except torch.OutOfMemoryError as err:
+            raise CephaloError(
+                out_of_memory_message(self.rank, self.step + 1, self.engine, err)
+            ) from err
         ranks, step_s = self._gather_rank_stats(stats)
         self.step = number
         finite = not stats.skipped and math.isfinite(stats.loss)
@@ -458,6 +496,12 @@ class _Trainer:
         so in one line (a one-process job, or our own error, passes through unchanged)."""
         if isinstance(error, CephaloError) or self.world_size == 1:
             return error
+        peer = peer_failure(wait_s=2.0)  # the failed rank announced why (runtime/dist.py)
+        if peer is not None:
+            return CephaloError(
+                f"rank {self.rank}: {what} stopped because {peer}; resume from the last "
+                "checkpoint with checkpoint.resume = auto once that is fixed"
+            )
         return CephaloError(
             f"rank {self.rank}: {what} failed in a collective ({_short(error)}); another rank probably died or "
             "stopped (see its error); resume from the last checkpoint with checkpoint.resume = auto"
