@@ -58,17 +58,23 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         train(config_from_args(args))
-    except Exception:
+    except Exception as err:
+        error: BaseException = err
         peer = peer_failure()
         if peer is not None:  # stopped because another rank failed: say so, not what broke here
-            e = CephaloError(f"stopped because {peer}")
-        message = str(e) if isinstance(e, CephaloError) else f"{type(e).__name__}: {e}"
+            error = CephaloError(f"stopped because {peer}")
+        if isinstance(error, CephaloError):
+            message = str(error)
+        else:
+            message = f"{type(error).__name__}: {error}"
         announce_failure(message)
         report_failure(message)
-        if isinstance(e, CephaloError):
+        if isinstance(error, CephaloError):
             if os.environ.get(envvars.ERROR_DIR):
                 return 2  # the launcher prints the first failure once, for the whole job
-            raise e from None
+            if error is err:
+                raise
+            raise error from None
         raise
     finally:
         shutdown()
