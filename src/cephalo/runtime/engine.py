@@ -82,6 +82,8 @@ from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
 from cephalo.runtime.param_groups import wants_weight_decay
+from cephalo.runtime.pinned import ALIGN as PINNED_ALIGN
+from cephalo.runtime.pinned import PinnedArena
 from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
 
 MODES = ("lga", "standard")
@@ -136,6 +138,10 @@ class EngineConfig:
     per_sample_dropout: bool = True
     """Plan-invariant dropout masks (see dropout.py); False: the global RNG stream
     (faster on GPUs, but masks then depend on the micro-batching)."""
+    pinned_arena: bool | None = None
+    """Offloaded boundary activations in one exact-size page-locked block per rank
+    (runtime/pinned.py), sized from the plan by `Engine.boundary_host_bytes`; None: on CUDA
+    only (True also on the CPU, where nothing is page-locked: its bookkeeping is tested)."""
     loss_scale_init: float = 2.0**16
     """fp16 only: the initial dynamic loss scale."""
     loss_scale_growth_interval: int = 200
@@ -351,6 +357,13 @@ class Engine:
         )
         """Boundary activations of the step in flight (empty between steps)."""
         self._build_shards()
+        arena = (
+            config.pinned_arena if config.pinned_arena is not None else self.device.type == "cuda"
+        )
+        if arena and self.offload and self.ledger.arena is None:
+            self.ledger.arena = PinnedArena(
+                self.boundary_host_bytes(), pin=self.device.type == "cuda"
+            )
         self.optimizer = ShardedAdamW(
             [
                 ShardGroup(
@@ -432,6 +445,21 @@ class Engine:
                     )
                 )
         self._to_meta_params()
+
+    def boundary_host_bytes(self) -> int:
+        """Host bytes of this rank's offloaded boundaries at their peak, as the arena lays them
+        out: every unit's input but the first, per micro-batch kept at once (all of them under
+        LGA, one in the standard mode), [m, seq, hidden] in compute dtype, each piece aligned
+        to `pinned.ALIGN`. The cost model's `host_bytes` counts the same bytes."""
+        rp, spec = self.rank_plan, self.model.spec
+        sizes = [
+            min(rp.micro_batch_size, rp.batch_size - a)
+            for a in range(0, rp.batch_size, rp.micro_batch_size)
+        ]
+        kept = sizes if self.config.mode == "lga" else sizes[:1]
+        piece = [m * self.plan.seq_len * spec.hidden_size * self.dtype.itemsize for m in kept]
+        aligned = sum(-(-n // PINNED_ALIGN) * PINNED_ALIGN for n in piece)
+        return (len(self.model.units) - 1) * aligned
 
     def _alloc_state(self, numel: int) -> torch.Tensor:
         return self.ledger.alloc("state", numel, torch.float32, device=self.device)

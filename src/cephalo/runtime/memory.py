@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from cephalo.errors import CephaloError, MemoryBudgetExceeded
+from cephalo.runtime.pinned import PinnedArena, pinned_empty
 
 HOST_PREFIX = "host/"
 ACTIVATIONS = "activations"
@@ -115,6 +116,10 @@ class MemoryLedger:
         self._owned_storages: set[int] = set()  # data_ptrs of live ledger buffers
         # storage data_ptr -> (saved references autograd holds, bytes charged)
         self._activation_storages: dict[int, tuple[int, int]] = {}
+        self.arena: PinnedArena | None = None
+        """This rank's page-locked block for the host buffers of a step (the engine sizes it)."""
+        self.arena_category = "host/boundary"
+        """The category whose pinned buffers come from `arena`."""
 
     # ------------------------------------------------------------- accounting core
     def charge(self, category: str, nbytes: int) -> None:
@@ -206,8 +211,9 @@ class MemoryLedger:
     ) -> torch.Tensor:
         """A new 1-D buffer of `numel` elements charged to `category`.
 
-        `host/...` categories are allocated on the CPU (pinned if `pin` and CUDA is available:
-        pinning needs a CUDA runtime); other categories on `device` (default: the ledger's).
+        `host/...` categories are allocated on the CPU; with `pin`, page-locked where CUDA is
+        available, at exactly their size (runtime/pinned.py: from `arena` for its category,
+        else registered alone); other categories on `device` (default: the ledger's).
         """
         if numel < 0:
             raise CephaloError(f"cannot allocate {numel} elements for {category!r}")
@@ -223,10 +229,20 @@ class MemoryLedger:
                 )
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.charge(category, nbytes)  # raises before allocating anything
-        pin_memory = bool(pin and host and torch.cuda.is_available())
         try:
-            make = torch.zeros if zero else torch.empty
-            tensor = make(numel, dtype=dtype, device=target, pin_memory=pin_memory)
+            tensor = None
+            if host and pin:
+                # page-locked memory of the exact size (runtime/pinned.py): the buffers of a
+                # step from this rank's arena, the rest registered one by one
+                if self.arena is not None and category == self.arena_category:
+                    tensor = self.arena.alloc(numel, dtype)
+                if tensor is None:
+                    tensor = pinned_empty(numel, dtype)
+                if zero:
+                    tensor.zero_()
+            else:
+                make = torch.zeros if zero else torch.empty
+                tensor = make(numel, dtype=dtype, device=target)
         except BaseException:
             self.release(category, nbytes)
             raise
@@ -241,7 +257,7 @@ class MemoryLedger:
 
         with self._lock:
             self._allocations[key] = _Allocation(category, nbytes, weakref.ref(tensor, forget))
-            if numel:
+            if numel and not host:  # (arena pieces share one storage)
                 self._owned_storages.add(tensor.untyped_storage().data_ptr())
         return tensor
 
@@ -258,8 +274,10 @@ class MemoryLedger:
             if entry.freed:
                 return
             entry.freed = True
-            if tensor.numel():
+            if tensor.numel() and not is_host_category(entry.category):
                 self._owned_storages.discard(tensor.untyped_storage().data_ptr())
+        if self.arena is not None and self.arena.owns(tensor):
+            self.arena.free(tensor)
         self.release(entry.category, entry.nbytes)
 
     def owns(self, tensor: torch.Tensor) -> bool:

@@ -1,0 +1,68 @@
+"""Exact-size page-locked host memory (runtime/pinned.py): the arena's bookkeeping, and the
+engine's offloaded boundaries taking exactly the bytes the ledger and the cost model count.
+(Page-locking itself needs CUDA: scripts/gpu_check.py checks it on a GPU.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cephalo.modeling.registry import build_model
+from cephalo.planning.costmodel import host_bytes
+from cephalo.runtime.comm import LocalComm
+from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.pinned import ALIGN, PinnedArena, pinned_empty
+from engine_common import LR, make_data, make_plan
+
+
+def test_arena_carves_first_fit_and_merges_freed_runs():
+    arena = PinnedArena(4 * ALIGN, pin=False)
+    a = arena.alloc(ALIGN // 4, torch.float32)  # one run of ALIGN bytes
+    b = arena.alloc(ALIGN // 2, torch.float16)
+    c = arena.alloc(2 * ALIGN // 4, torch.float32)  # two runs
+    assert a.numel() == ALIGN // 4 and a.dtype == torch.float32
+    assert arena.in_use == arena.peak == 4 * ALIGN
+    assert arena.alloc(1, torch.float32) is None and arena.misses == 1  # full
+    a.fill_(1.0), b.fill_(2.0), c.fill_(3.0)
+    assert a.sum() == ALIGN // 4 and c.sum() == 3 * 2 * ALIGN // 4  # pieces do not overlap
+    arena.free(a)
+    arena.free(b)  # a and b merge: a two-run piece fits where they were
+    d = arena.alloc(2 * ALIGN // 4, torch.float32)
+    assert d is not None and arena.in_use == 4 * ALIGN
+    arena.free(c)
+    arena.free(d)
+    assert arena.in_use == 0 and arena._free == [(0, 4 * ALIGN)]
+    assert arena.alloc(0, torch.float32).numel() == 0
+
+
+def test_pinned_empty_is_exact_size():
+    t = pinned_empty(1000, torch.float16)
+    assert t.numel() == 1000 and t.untyped_storage().nbytes() == 2000
+
+
+@pytest.mark.parametrize("mode", ["lga", "standard"])
+def test_offloaded_boundaries_fill_the_arena_exactly(mode):
+    """Offloaded boundaries under uneven micro-batches (5 samples in 2 + 2 + 1) come from one
+    block sized from the plan: no request misses it, its peak is its size (LGA keeps every
+    micro-batch's boundaries at once; standard one at a time), the ledger's host peak is the
+    same number, and under LGA so is the cost model's host_bytes."""
+    plan = make_plan([5], [1.0], [2], offload=True)
+    cfg = EngineConfig(mode=mode, pinned_arena=True)
+    engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), cfg)
+    for x, y in make_data(2, 5):
+        stats = engine.train_step(x, y, lr=LR)
+    arena = engine.ledger.arena
+    assert arena is not None and arena.misses == 0
+    assert arena.peak == arena.capacity == engine.boundary_host_bytes()
+    assert stats.host_peak_bytes == arena.capacity
+    assert arena.in_use == 0  # every boundary went back after the step
+    spec = engine.model.spec
+    if mode == "lga":
+        assert arena.capacity == int(host_bytes(spec, plan.seq_len, "fp32", 5, True, 0.0))
+    # the results are those of boundaries kept on the device
+    ref = Engine(
+        build_model("gpt-tiny"), make_plan([5], [1.0], [2]), LocalComm(), EngineConfig(mode=mode)
+    )
+    for x, y in make_data(2, 5):
+        ref_stats = ref.train_step(x, y, lr=LR)
+    assert stats.loss == ref_stats.loss
