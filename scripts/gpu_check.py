@@ -1,32 +1,36 @@
-"""GPU check of the engine on CUDA GPUs with NCCL; run through scripts/gpu_check.sh.
+"""GPU check of the engine's CUDA paths; run it through scripts/gpu_check.sh (docs/gpu.md).
 
-Default (torchrun, one process, world size 1, bf16):
-  1. GPT-2 124M trains: the loss on a repeated batch falls over the steps;
-  2. the memory ledger's device peak of a step is within 10% of
-     torch.cuda.max_memory_allocated() over the same step;
-  3. host offload of boundary activations (pinned buffers, side-stream copies) gives the
-     same losses as keeping them on the device, with a lower device peak;
-  4. the host link on its own (runtime/host_state.py `HostLink`): downward copies into pinned
-     memory on its side stream, direct and accumulated (pinned staging), `sync` (events),
-     uploads, `wait_uploads` ordering the compute stream: exact values;
-  5. host state (`host_state_fraction` 0.5, and 1.0 on a rank marked memory-tight: no reduce
-     overlap, lean gradient shards): the same losses as all state on the device (bf16: 1e-3),
-     pinned host buffers, the ledger's device `state` lower by exactly (16 - 2) bytes per
-     host-held element, its peak still within 10% of max_memory_allocated, and GPT-2's tied
-     head reducing into the host-held embedding gradient (the accumulate path).
-  6. Hugging Face models through the engine on CUDA (`check_hf_models`): tiny Qwen2
-     (sliding-window layers, tied embeddings) and Gemma 2 (eager attention, soft-capping,
-     embedding-scale buffer) directories read as pretrained: the first step's loss equals
-     transformers' own on the GPU (fp32), and bf16 training lowers the loss.
-`--collectives` (torchrun, one process per GPU, world size >= 2; gpu_check.sh runs it at
-world size 2 where two GPUs exist): `check_uneven_collectives` (NcclComm and PaddedComm:
-uneven and zero shards, sync and async, fp32/bf16/fp16, all_reduce, and a cross-rank
-size mismatch raising on every rank) and `check_uneven_engine` (gpt-tiny on an uneven plan
-against one process on the whole batch). Both checks take any `Comm`: tests/test_comm.py
-runs them on gloo ranks, so the checks themselves are tested without a GPU.
+On one CUDA GPU (torchrun, one process, NCCL at world size 1) every check below runs and one
+summary table is printed; `--cpu` runs each check's CPU part (small models, LocalComm), which
+a CI test does, so the checks themselves cannot rot unseen. Each check is a function
+returning its failures; a check that raises is a failure, not the end of the run.
+
+  bf16_train       GPT-2 124M trains in bf16 (the loss falls); the ledger's device peak is
+                   within 10 % of torch.cuda.max_memory_allocated over a step
+  fp16_scaling     fp16 with dynamic loss scaling: the first loss equals fp32's (1e-2), an
+                   overflowing step is skipped and halves the scale, training goes on
+  offload_bitwise  boundaries offloaded to pinned host memory (4 micro-batches) against kept
+                   on the device: the same losses and weights, bitwise where the device run
+                   repeats itself bitwise; the exact-size pinned arena serves every request
+  staging_race     a deterministic probe of the side-stream ordering: a consumer queued
+                   behind torch.cuda._sleep still reads its input correctly after the
+                   boundary store's staging copy and HostLink.up reuse / overwrite memory
+  host_link        HostLink's copies: pinned, direct and accumulated, uploads ordered
+  host_state       host_state_fraction 0.5 and 1.0 (memory-tight): the losses of all state on
+                   the device, pinned host buffers, the device state lower by exactly 14 bytes
+                   per host-held element
+  dropout          dropout 0.1 under micro-batches of 1 and of 4: the same losses
+  standard_eval    the standard (FSDP-like) schedule equals LGA; evaluation equals the loss
+  collectives      all_gather_v / reduce_scatter_v: uneven, zero and equal sizes (the even
+                   collectives, no flattening copy), every dtype, sync and async
+  hf_models        tiny Qwen2 and Gemma 2 directories: transformers' own first loss on the
+                   device (fp32), and bf16 training lowers the loss
+  throughput       tokens/s and MFU of the engine against plain PyTorch (the same GPT-2 124M,
+                   batch and bf16 autocast-free weights, fused AdamW) on this GPU
+
+`--collectives` (torchrun, one process per GPU, world size >= 2): the uneven NCCL collectives
+and an uneven engine plan against one process (gpu_check.sh runs it where 2 GPUs exist).
 Exit status: 0 all checks pass, 1 a check failed, 77 no CUDA GPU (nothing was run).
-`python scripts/gpu_check.py --hf-on-cpu` runs check 6 alone on the CPU (a smoke test of
-the check itself on a machine without a GPU).
 """
 
 from __future__ import annotations
@@ -34,27 +38,350 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 SKIP = 77
 ENGINE_STEPS = 3
+TIME_LIMIT_S = 480
 
 
-def _shard_values(rank: int, n: int) -> torch.Tensor:
-    """Rank `rank`'s shard of `n` elements: small halves, exact in fp32, bf16 and fp16."""
-    return (rank + 1) * 0.5 + (torch.arange(n) % 7).float()
+@dataclass
+class Result:
+    name: str
+    status: str
+    seconds: float
+    note: str
 
 
-def _full_values(rank: int, n: int) -> torch.Tensor:
-    """Rank `rank`'s full reduce-scatter input: sums over a few ranks stay exact in bf16."""
-    return (rank + 1) + (torch.arange(n) % 5).float()
+@dataclass
+class Setup:
+    """What the checks run on: the device, the comm, and model sizes for it."""
+
+    device: torch.device
+    comm: object
+    big_model: str  # GPT-2 124M on a GPU, gpt-tiny on the CPU
+    seq: int
+    cuda: bool
+
+    @property
+    def low(self) -> str:
+        return "bf16" if self.cuda else "fp32"
+
+
+# ----------------------------------------------------------------------------- helpers
+def _engine(setup: Setup, model: str, batches, micro, dtype: str, **kw):
+    """One engine on one rank of `setup` (kw: plan fields, EngineConfig fields, model overrides)."""
+    from cephalo.modeling.registry import build_model
+    from cephalo.planning.plan import Plan, RankPlan
+    from cephalo.runtime.engine import Engine, EngineConfig
+
+    plan_kw = {k: kw.pop(k) for k in ("offload", "host", "overlap") if k in kw}
+    overrides = kw.pop("overrides", {})
+    rank = RankPlan(
+        0,
+        "gpu",
+        batches,
+        micro,
+        -(-batches // micro),
+        1.0,
+        offload_activations=plan_kw.get("offload", False),
+    )
+    rank.host_state_fraction = plan_kw.get("host", 0.0)
+    rank.overlap_reduce = plan_kw.get("overlap", True)
+    plan = Plan("manual", model, setup.seq, batches, dtype, [rank])
+    cfg = EngineConfig(device=str(setup.device), seed=0, **kw)
+    return Engine(build_model(model, **overrides), plan, setup.comm, cfg)
+
+
+def _data(vocab: int, batch: int, seq: int, steps: int = 1, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (batch, seq), generator=gen)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def _sync(setup: Setup) -> None:
+    if setup.cuda:
+        torch.cuda.synchronize(setup.device)
+
+
+def _free(setup: Setup) -> None:
+    if setup.cuda:
+        torch.cuda.empty_cache()
+
+
+def _vocab(setup: Setup) -> int:
+    return 50257 if setup.cuda else 256
+
+
+# ----------------------------------------------------------------------------- checks
+def check_bf16_train(setup: Setup) -> tuple[list[str], str]:
+    batch, micro, steps = (8, 4, 8) if setup.cuda else (4, 2, 6)
+    data = _data(_vocab(setup), batch, setup.seq) * steps
+    engine = _engine(setup, setup.big_model, batch, micro, setup.low)
+    losses, ratios = [], []
+    for x, y in data:
+        _sync(setup)
+        if setup.cuda:
+            torch.cuda.reset_peak_memory_stats(setup.device)
+        stats = engine.train_step(x, y, lr=3e-4 if setup.cuda else 3e-3)
+        _sync(setup)
+        losses.append(stats.loss)
+        if setup.cuda:
+            ratios.append(stats.peak_bytes / torch.cuda.max_memory_allocated(setup.device))
+    failures = []
+    if not losses[-1] < losses[0] - 0.3:
+        failures.append(f"loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    note = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    if ratios:
+        worst = max(abs(1 - r) for r in ratios[1:])  # step 0 holds one-off allocations
+        note += f"; ledger/allocator peak {min(ratios[1:]):.3f}-{max(ratios[1:]):.3f}"
+        if worst > 0.10:
+            failures.append(f"ledger peak off max_memory_allocated by {worst:.1%} (> 10 %)")
+    del engine
+    _free(setup)
+    return failures, note
+
+
+def check_fp16_scaling(setup: Setup) -> tuple[list[str], str]:
+    model, batch, micro = "gpt-tiny", 4, 2
+    data = _data(256, batch, setup.seq, steps=4, seed=1)
+    dtype = "fp16" if setup.cuda else "fp32"
+    ref = _engine(setup, model, batch, micro, "fp32")
+    half = _engine(setup, model, batch, micro, dtype, loss_scale_init=2.0**14)
+    first_ref = ref.train_step(*data[0], lr=1e-3).loss
+    first = half.train_step(*data[0], lr=1e-3)
+    failures = []
+    if abs(first.loss / first_ref - 1) > 1e-2:
+        failures.append(f"first fp16 loss {first.loss:.5f} vs fp32 {first_ref:.5f}")
+    note = f"first loss {first.loss:.4f} (fp32 {first_ref:.4f})"
+    if setup.cuda:
+        # a scale that overflows fp16 on the first backward: skipped, scale halved
+        assert half.scaler is not None
+        before = dict(half.full_state_dict())
+        half.scaler.scale = 2.0**40
+        over = half.train_step(*data[1], lr=1e-3)
+        after = half.full_state_dict()
+        if not over.skipped:
+            failures.append("a step whose gradient overflowed fp16 was not skipped")
+        if not all(torch.equal(before[k], after[k]) for k in before):
+            failures.append("the skipped step changed the weights")
+        if half.scaler.scale != 2.0**39:
+            failures.append(f"the loss scale became {half.scaler.scale}, not 2**39")
+        half.scaler.scale = 2.0**14  # a scale that fits again
+        losses = [half.train_step(x, y, lr=1e-3) for x, y in data[2:]]
+        if any(s.skipped for s in losses):
+            failures.append("steps after the overflow kept overflowing")
+        note += "; an overflowing step skipped, scale 2**40 -> 2**39"
+    return failures, note
+
+
+def _deterministic(setup: Setup):
+    """Deterministic kernels for bitwise comparisons (restored by the caller)."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return was
+
+
+def check_offload_bitwise(setup: Setup) -> tuple[list[str], str]:
+    batch, micro = (8, 2) if setup.cuda else (8, 2)  # 4 micro-batches
+    data = _data(_vocab(setup), batch, setup.seq, steps=3, seed=2)
+    was = _deterministic(setup)
+    try:
+        runs = []
+        for offload in (False, False, True):
+            engine = _engine(setup, setup.big_model, batch, micro, setup.low, offload=offload)
+            losses = [engine.train_step(x, y, lr=3e-4).loss for x, y in data]
+            state = {k: v.cpu() for k, v in engine.full_state_dict().items()}
+            arena = engine.ledger.arena
+            runs.append((losses, state, arena, engine.ledger.host_peak_bytes))
+            del engine
+            _free(setup)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    (dev, dev_state, _, _), (again, again_state, _, _), (off, off_state, arena, host_peak) = runs
+    repeatable = dev == again and all(torch.equal(dev_state[k], again_state[k]) for k in dev_state)
+    failures = []
+    if repeatable:
+        if off != dev or not all(torch.equal(dev_state[k], off_state[k]) for k in dev_state):
+            failures.append(f"offload is not bitwise the on-device run: {off} vs {dev}")
+        note = "bitwise equal"
+    else:  # the device itself does not repeat bitwise: compare within rounding
+        worst = max(abs(a - b) / abs(b) for a, b in zip(off, dev, strict=True))
+        if worst > 1e-3:
+            failures.append(f"offload changed the losses by {worst:.2e}: {off} vs {dev}")
+        note = f"device not bitwise repeatable; losses within {worst:.1e}"
+    if setup.cuda:
+        if arena is None or not arena.pinned:
+            failures.append("offloaded boundaries are not in the pinned arena")
+        elif arena.misses or arena.peak != arena.capacity or host_peak != arena.capacity:
+            failures.append(
+                f"pinned arena: {arena.misses} misses, peak {arena.peak} of {arena.capacity} "
+                f"bytes, ledger host peak {host_peak}"
+            )
+        else:
+            note += f"; pinned arena {arena.capacity / 2**20:.1f} MiB, exactly filled"
+    return failures, note
+
+
+def check_staging_race(setup: Setup) -> tuple[list[str], str]:
+    """A consumer kernel queued behind a long `torch.cuda._sleep` must read its input before
+    the side stream reuses (staging) or overwrites (upload) that memory."""
+    from cephalo.runtime.boundary import BoundaryStore
+    from cephalo.runtime.host_state import HostLink
+    from cephalo.runtime.memory import MemoryLedger
+
+    n, failures = 1 << 22, []
+    ledger = MemoryLedger(0, setup.device)
+    store = BoundaryStore(ledger, setup.device, offload=True)
+    store.put((1, 0), torch.full((n,), 7.0, device=setup.device))
+    if setup.cuda:
+        torch.cuda.synchronize(setup.device)
+    # 1. staging: `x`'s block goes back to the allocator while `y = 2x` still waits
+    x = torch.full((n,), 1.0, device=setup.device)
+    if setup.cuda:
+        torch.cuda._sleep(200_000_000)  # ~0.1 s on the compute stream
+    y = x * 2
+    del x
+    with store.loaded((1, 0)) as staged:
+        got = staged.sum().item()
+    if not torch.equal(y.cpu(), torch.full((n,), 2.0)):
+        failures.append("the staging copy overwrote memory a queued kernel still read")
+    if got != 7.0 * n:
+        failures.append(f"the staged boundary holds the wrong values (sum {got})")
+    store.clear()
+    # 2. upload: `dst` is read by a kernel queued behind the sleep, then uploaded into
+    link = HostLink(ledger, setup.device)
+    dst = torch.full((n,), 1.0, device=setup.device)
+    src = ledger.alloc("host/state", n, torch.float32, pin=True).fill_(5.0)
+    if setup.cuda:
+        torch.cuda._sleep(200_000_000)
+    y = dst * 3
+    link.up(dst, src)
+    link.wait_uploads()
+    if not torch.equal(y.cpu(), torch.full((n,), 3.0)):
+        failures.append("HostLink.up overwrote memory a queued kernel still read")
+    if not torch.equal(dst.cpu(), torch.full((n,), 5.0)):
+        failures.append("HostLink.up did not land")
+    link.sync()
+    return failures, "consumers read before the side stream wrote" if not failures else ""
+
+
+def check_host_link(device: torch.device) -> list[str]:
+    """HostLink's CUDA path on its own: exact values through pinned memory and the side stream."""
+    from cephalo.runtime.host_state import HostLink
+    from cephalo.runtime.memory import MemoryLedger
+
+    failures = []
+    ledger = MemoryLedger(0, device)
+    link = HostLink(ledger, device)
+    n = 1 << 22
+    src = torch.arange(n, dtype=torch.float32, device=device)
+    host = ledger.alloc("host/state", n, torch.float32, pin=True).zero_()
+    if device.type == "cuda" and not host.is_pinned():
+        failures.append("host link: ledger host buffers are not pinned")
+    link.down(host, src, accumulate=False)
+    src2 = src * 2  # queued on the compute stream after the first copy was issued
+    link.down(host, src2, accumulate=True)  # lands in pinned staging, added by sync
+    del src2  # the caching allocator must not reuse it before the copy ran (record_stream)
+    torch.empty(n, device=device).fill_(-1.0)  # would overwrite it if reused too early
+    link.sync()
+    expect = torch.arange(n, dtype=torch.float32) * 3
+    if not torch.equal(host, expect):
+        failures.append("host link: downward copies (direct + accumulated) are wrong")
+    if ledger.current_by_category.get("host/staging", 0) != 0:
+        failures.append("host link: a staging buffer outlived sync")
+    back = torch.zeros(n, device=device)
+    link.up(back, host)
+    link.wait_uploads()
+    back.add_(1.0)  # on the compute stream: must see the upload
+    if not torch.equal(back.cpu(), expect + 1):
+        failures.append("host link: upload / wait_uploads ordering is wrong")
+    link.sync()
+    return failures
+
+
+def check_host_state(setup: Setup) -> tuple[list[str], str]:
+    batch, micro = (8, 4) if setup.cuda else (4, 2)
+    data = _data(_vocab(setup), batch, setup.seq, steps=3, seed=3)
+    tol = 1e-3 if setup.cuda else 1e-6
+    ref = _engine(setup, setup.big_model, batch, micro, setup.low)
+    ref_losses = [ref.train_step(x, y, lr=3e-4).loss for x, y in data]
+    ref_state = ref.ledger.current_by_category["state"]
+    del ref
+    _free(setup)
+    failures, notes = [], []
+    for host, overlap in ((0.5, True), (1.0, False)):
+        eng = _engine(setup, setup.big_model, batch, micro, setup.low, host=host, overlap=overlap)
+        losses = [eng.train_step(x, y, lr=3e-4).loss for x, y in data]
+        tag = f"host_state_fraction {host}"
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+        if worst > tol:
+            failures.append(f"{tag} changed the losses by {worst:.1e}: {losses} vs {ref_losses}")
+        hosted = sum(us.host_n for us in eng.shards)
+        drop = ref_state - eng.ledger.current_by_category["state"]
+        per = 16 - torch.empty((), dtype=eng.dtype).element_size()
+        if drop != per * hosted:
+            failures.append(f"{tag}: device state fell by {drop} bytes, not {per} x {hosted}")
+        if setup.cuda and not all(us.host.param.is_pinned() for us in eng.shards if us.host):
+            failures.append(f"{tag}: host state is not page-locked")
+        notes.append(f"{host}: {hosted / 1e6:.1f}M elements on the host, {worst:.0e}")
+        del eng
+        _free(setup)
+    return failures, "; ".join(notes)
+
+
+def check_dropout(setup: Setup) -> tuple[list[str], str]:
+    data = _data(256, 4, setup.seq, steps=3, seed=4)
+    runs = []
+    for micro in (1, 4):
+        eng = _engine(setup, "gpt-tiny", 4, micro, "fp32", overrides={"dropout": 0.1})
+        runs.append([eng.train_step(x, y, lr=1e-3).loss for x, y in data])
+    plain = _engine(setup, "gpt-tiny", 4, 4, "fp32")
+    without = plain.train_step(*data[0], lr=1e-3).loss
+    worst = max(abs(a - b) / abs(b) for a, b in zip(*runs, strict=True))
+    failures = []
+    if worst > 1e-4:
+        failures.append(f"dropout masks depend on the micro-batching: {runs[0]} vs {runs[1]}")
+    if runs[0][0] == without:
+        failures.append("dropout 0.1 gave the loss of no dropout")
+    return failures, f"micro-batches 1 vs 4 within {worst:.0e}"
+
+
+def check_standard_eval(setup: Setup) -> tuple[list[str], str]:
+    data = _data(256, 6, setup.seq, steps=3, seed=5)
+    runs = {}
+    for mode in ("lga", "standard"):
+        eng = _engine(setup, "gpt-tiny", 6, 2, "fp32", mode=mode)
+        runs[mode] = [eng.train_step(x, y, lr=1e-3).loss for x, y in data]
+        runs[mode + "_eval"] = eng.eval_loss(*data[0])
+    worst = max(abs(a - b) / abs(b) for a, b in zip(runs["lga"], runs["standard"], strict=True))
+    failures = []
+    if worst > 1e-4:
+        failures.append(f"standard schedule differs from LGA: {runs['standard']} vs {runs['lga']}")
+    if abs(runs["lga_eval"] / runs["standard_eval"] - 1) > 1e-4:
+        failures.append("evaluation differs between the schedules")
+    fresh = _engine(setup, "gpt-tiny", 6, 2, "fp32")
+    before = fresh.eval_loss(*data[0])
+    first = fresh.train_step(*data[0], lr=0.0).loss
+    if abs(before / first - 1) > 1e-5:
+        failures.append(f"eval_loss {before} != the training loss {first} of the same weights")
+    return failures, f"standard vs LGA within {worst:.0e}; eval = loss"
 
 
 def check_uneven_collectives(comm, device: torch.device) -> list[str]:
-    """Uneven `all_gather_v` / `reduce_scatter_v` (zero shards included), sync and async, in
-    fp32, bf16 and fp16, and `all_reduce` sum / max, against what each rank computes by
-    itself; then a cross-rank size mismatch must raise `CephaloError` on every rank. Returns
+    """Uneven `all_gather_v` / `reduce_scatter_v` (zero and equal shards included), sync and
+    async, in fp32, bf16 and fp16, and `all_reduce` sum / max, against what each rank computes
+    by itself; then a cross-rank size mismatch must raise `CephaloError` on every rank. Returns
     this rank's failures (every rank must call it: it runs collectives)."""
     from cephalo.errors import CephaloError
 
@@ -64,8 +391,10 @@ def check_uneven_collectives(comm, device: torch.device) -> list[str]:
         [0] * (world - 1) + [5],  # only the last rank owns anything
         [0] * world,  # nothing at all
         [4099 if k == 0 else 17 * k for k in range(world)],  # large and odd
+        [64] * world,  # equal: the even collectives
     ]
     failures = []
+    even_before = dict(comm.counters.even_calls)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for sizes in cases:
             for async_op in (False, True):
@@ -83,6 +412,10 @@ def check_uneven_collectives(comm, device: torch.device) -> list[str]:
                 start = sum(sizes[:rank])
                 if not torch.equal(mine.float().cpu(), total[start : start + sizes[rank]]):
                     failures.append(f"reduce_scatter_v {what}: got {mine[:8].tolist()}...")
+    if world > 1 and type(comm).__name__ in ("GlooComm", "NcclComm"):
+        took = comm.counters.even_calls["all_gather_v"] - even_before["all_gather_v"]
+        if took < 6:  # the equal case, 3 dtypes x sync/async
+            failures.append(f"equal sizes took the even all-gather {took} times, not 6")
     for op, expect in (("sum", world * (world + 1) / 2), ("max", float(world))):
         t = torch.full((3,), float(rank + 1), device=device)
         comm.all_reduce(t, op=op)
@@ -101,6 +434,25 @@ def check_uneven_collectives(comm, device: torch.device) -> list[str]:
             if "disagree on sizes" not in str(err):
                 failures.append(f"size mismatch raised the wrong error: {err}")
     return failures
+
+
+def _shard_values(rank: int, n: int) -> torch.Tensor:
+    """Rank `rank`'s shard of `n` elements: small halves, exact in fp32, bf16 and fp16."""
+    return (rank + 1) * 0.5 + (torch.arange(n) % 7).float()
+
+
+def _full_values(rank: int, n: int) -> torch.Tensor:
+    """Rank `rank`'s full reduce-scatter input: sums over a few ranks stay exact in bf16."""
+    return (rank + 1) + (torch.arange(n) % 5).float()
+
+
+def check_collectives(setup: Setup) -> tuple[list[str], str]:
+    failures = check_uneven_collectives(setup.comm, setup.device)
+    if setup.cuda:
+        from cephalo.runtime.comm import make_comm
+
+        failures += check_uneven_collectives(make_comm("padded"), setup.device)
+    return failures, f"{type(setup.comm).__name__}, world size {setup.comm.world_size}"
 
 
 def check_uneven_engine(comm, device: torch.device, rel_tol: float) -> list[str]:
@@ -138,154 +490,9 @@ def check_uneven_engine(comm, device: torch.device, rel_tol: float) -> list[str]
     return failures
 
 
-def collectives_main() -> int:
-    """World size >= 2 under torchrun, one GPU per process (see the module docstring)."""
-    if not torch.cuda.is_available():
-        print("gpu_check --collectives: SKIPPED - no CUDA GPU is visible")
-        return SKIP
-    import torch.distributed as dist
-
-    from cephalo.runtime.comm import make_comm
-    from cephalo.runtime.dist import init_distributed
-
-    comm = init_distributed(backend="nccl", comm_impl="nccl", timeout_s=120)
-    device = torch.device("cuda", torch.cuda.current_device())
-    t0 = time.perf_counter()
-    failures = check_uneven_collectives(comm, device)
-    failures += check_uneven_collectives(make_comm("padded"), device)
-    # fp32 on GPUs: cuBLAS may sum in another order per batch size; 1e-4 over 3 steps
-    failures += check_uneven_engine(comm, device, rel_tol=1e-4)
-    for f in failures:
-        print(f"gpu_check: rank {comm.rank}: FAIL - {f}", flush=True)
-    count = torch.tensor([len(failures)], device=device)
-    dist.all_reduce(count)
-    if comm.rank == 0:
-        verdict = "PASS" if count.item() == 0 else f"FAIL ({count.item()} failure(s))"
-        print(
-            f"gpu_check: world size {comm.world_size} uneven NCCL collectives and engine "
-            f"({torch.cuda.get_device_name(device)}): {verdict} in {time.perf_counter() - t0:.0f}s"
-        )
-    dist.destroy_process_group()
-    return 0 if count.item() == 0 else 1
-
-
-def main() -> int:
-    if not torch.cuda.is_available():
-        print(
-            "gpu_check: SKIPPED - no CUDA GPU is visible (torch.cuda.is_available() is False); "
-            "run scripts/gpu_check.sh on a machine with an NVIDIA GPU and a CUDA build of torch"
-        )
-        return SKIP
-
-    from cephalo.modeling.registry import build_model
-    from cephalo.planning.plan import Plan, RankPlan
-    from cephalo.runtime.dist import init_distributed
-    from cephalo.runtime.engine import Engine, EngineConfig
-
-    comm = init_distributed(backend="nccl", comm_impl="nccl", timeout_s=120)
-    device = torch.device("cuda", torch.cuda.current_device())
-    model_name, seq, batch, micro, steps = "gpt2-124m", 512, 8, 4, 8
-    print(
-        f"gpu_check: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-        f"comm {type(comm).__name__} (world size {comm.world_size}), {model_name}, bf16, "
-        f"batch {batch} x {seq} tokens in micro-batches of {micro}"
-    )
-    gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, 50257, (batch, seq), generator=gen)
-    labels = torch.roll(input_ids, -1, dims=1)
-    failures: list[str] = []
-
-    engines: dict[str, Engine] = {}
-
-    def run(
-        offload: bool, n_steps: int, host: float = 0.0, overlap: bool = True, keep: str = ""
-    ) -> tuple[list[float], list[float], list[int]]:
-        rank = RankPlan(0, "gpu", batch, micro, batch // micro, 1.0, offload_activations=offload)
-        rank.host_state_fraction, rank.overlap_reduce = host, overlap
-        plan = Plan("manual", model_name, seq, batch, "bf16", [rank])
-        engine = Engine(
-            build_model(model_name), plan, comm, EngineConfig(device=str(device), seed=0)
-        )
-        losses, ratios, peaks = [], [], []
-        for step in range(n_steps):
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            stats = engine.train_step(input_ids, labels, lr=3e-4)
-            torch.cuda.synchronize(device)
-            real = torch.cuda.max_memory_allocated(device)
-            losses.append(stats.loss)
-            ratios.append(stats.peak_bytes / real)
-            peaks.append(stats.peak_bytes)
-            print(
-                f"  offload={offload} host={host} step {step}: loss {stats.loss:.4f}  grad_norm {stats.grad_norm:.3f}  "
-                f"{time.perf_counter() - t0:.2f}s  ledger peak {stats.peak_bytes / 2**20:.0f} MiB  "
-                f"max_memory_allocated {real / 2**20:.0f} MiB  ratio {ratios[-1]:.3f}"
-            )
-        if keep:
-            engines[keep] = engine
-        del engine
-        torch.cuda.empty_cache()
-        return losses, ratios, peaks
-
-    t_start = time.perf_counter()
-    losses, ratios, peaks = run(offload=False, n_steps=steps)
-    if not losses[-1] < losses[0] - 0.5:
-        failures.append(f"loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
-    worst = max(abs(1 - r) for r in ratios[1:])  # step 0 includes one-off allocations
-    if worst > 0.10:
-        failures.append(f"ledger peak differs from max_memory_allocated by {worst:.1%} (> 10%)")
-    off_losses, _, off_peaks = run(offload=True, n_steps=3)
-    if max(abs(a - b) for a, b in zip(off_losses, losses, strict=False)) > 1e-3:
-        failures.append(f"offload changed the losses: {off_losses} vs {losses[:3]}")
-    if not off_peaks[-1] < peaks[-1]:
-        failures.append(
-            f"offload did not lower the device peak ({off_peaks[-1]} vs {peaks[-1]} bytes)"
-        )
-    failures += check_host_link(device)
-    _, _, dev_peaks = run(offload=False, n_steps=3, keep="device")
-    for host, overlap in ((0.5, True), (1.0, False)):
-        h_losses, h_ratios, h_peaks = run(
-            offload=False, n_steps=3, host=host, overlap=overlap, keep="host"
-        )
-        tag = f"host_state_fraction {host} (overlap_reduce {overlap})"
-        if max(abs(a - b) for a, b in zip(h_losses, losses, strict=False)) > 1e-3:
-            failures.append(f"{tag} changed the losses: {h_losses} vs {losses[:3]}")
-        if max(abs(1 - r) for r in h_ratios[1:]) > 0.10:
-            failures.append(f"{tag}: ledger peak vs max_memory_allocated off by more than 10%")
-        eng, ref = engines.pop("host"), engines["device"]
-        hosted = sum(us.host_n for us in eng.shards)
-        drop = ref.ledger.current_by_category["state"] - eng.ledger.current_by_category["state"]
-        if drop != (16 - 2) * hosted:
-            failures.append(f"{tag}: device state fell by {drop} bytes, not 14 x {hosted}")
-        if not all(us.host.param.is_pinned() for us in eng.shards if us.host is not None):
-            failures.append(f"{tag}: host state is not in pinned memory")
-        if not h_peaks[-1] < dev_peaks[-1]:
-            failures.append(
-                f"{tag} did not lower the device peak ({h_peaks[-1]} vs {dev_peaks[-1]})"
-            )
-        print(f"  {tag}: {hosted} elements on the host, device state -{drop / 2**20:.0f} MiB")
-        del eng
-        torch.cuda.empty_cache()
-    engines.clear()
-    failures += check_hf_models(comm, device)
-    elapsed = time.perf_counter() - t_start
-    print(f"gpu_check: {elapsed:.0f}s")
-    if elapsed > 300:
-        failures.append(f"took {elapsed:.0f}s (> 5 minutes)")
-    for f in failures:
-        print(f"gpu_check: FAIL - {f}")
-    if not failures:
-        print("gpu_check: PASS")
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 1 if failures else 0
-
-
 def check_hf_models(comm, device: torch.device) -> list[str]:
-    """Check 6: transformers model directories through the engine on `device`."""
+    """Transformers model directories through the engine on `device`: tiny Qwen2 (sliding-window
+    layers, tied embeddings) and Gemma 2 (eager attention, soft-capping, embedding scale)."""
     import tempfile
     from pathlib import Path
 
@@ -320,6 +527,7 @@ def check_hf_models(comm, device: torch.device) -> list[str]:
     x = torch.randint(0, 512, (batch, seq), generator=gen)
     y = torch.full_like(x, -100)
     y[:, :-1] = x[:, 1:]
+    dtypes = (("fp32", 1), ("bf16", 6)) if device.type == "cuda" else (("fp32", 3),)
     with tempfile.TemporaryDirectory() as tmp:
         for model_type, kwargs in configs.items():
             directory = Path(tmp) / model_type
@@ -330,7 +538,7 @@ def check_hf_models(comm, device: torch.device) -> list[str]:
             with torch.no_grad():
                 expected = hf(input_ids=x.to(device), labels=x.to(device)).loss.item()
             del hf
-            for dtype, steps in (("fp32", 1), ("bf16", 6)):
+            for dtype, steps in dtypes:
                 plan = Plan(
                     "manual",
                     str(directory),
@@ -346,50 +554,206 @@ def check_hf_models(comm, device: torch.device) -> list[str]:
                     EngineConfig(device=str(device), compute_dtype=dtype),
                 )
                 losses = [engine.train_step(x, y, lr=1e-3).loss for _ in range(steps)]
-                print(f"  {model_type} {dtype}: losses {[round(v, 4) for v in losses]}")
                 if dtype == "fp32" and abs(losses[0] / expected - 1) > 1e-4:
                     failures.append(
                         f"{model_type}: first-step loss {losses[0]:.6f} != transformers' "
                         f"{expected:.6f} on {device}"
                     )
-                if dtype == "bf16" and not losses[-1] < losses[0]:
-                    failures.append(f"{model_type} bf16: loss did not fall: {losses}")
+                if not losses[-1] < losses[0]:
+                    failures.append(f"{model_type} {dtype}: loss did not fall: {losses}")
                 del engine
-    print(f"  HF models on {device}: transformers' first loss reproduced, bf16 trains")
-
-
-def check_host_link(device: torch.device) -> list[str]:
-    """HostLink's CUDA path on its own: exact values through pinned memory and the side stream."""
-    from cephalo.runtime.host_state import HostLink
-    from cephalo.runtime.memory import MemoryLedger
-
-    failures = []
-    ledger = MemoryLedger(0, device)
-    link = HostLink(ledger, device)
-    n = 1 << 22
-    src = torch.arange(n, dtype=torch.float32, device=device)
-    host = ledger.alloc("host/state", n, torch.float32, pin=True).zero_()
-    if not host.is_pinned():
-        failures.append("host link: ledger host buffers are not pinned")
-    link.down(host, src, accumulate=False)
-    src2 = src * 2  # queued on the compute stream after the first copy was issued
-    link.down(host, src2, accumulate=True)  # lands in pinned staging, added by sync
-    del src2  # the caching allocator must not reuse it before the copy ran (record_stream)
-    torch.empty(n, device=device).fill_(-1.0)  # would overwrite it if reused too early
-    link.sync()
-    expect = torch.arange(n, dtype=torch.float32) * 3
-    if not torch.equal(host, expect):
-        failures.append("host link: downward copies (direct + accumulated) are wrong")
-    if ledger.current_by_category.get("host/staging", 0) != 0:
-        failures.append("host link: a staging buffer outlived sync")
-    back = torch.zeros(n, device=device)
-    link.up(back, host)
-    link.wait_uploads()
-    back.add_(1.0)  # on the compute stream: must see the upload
-    if not torch.equal(back.cpu(), expect + 1):
-        failures.append("host link: upload / wait_uploads ordering is wrong")
-    print(f"  host link: {link.copied_bytes / 2**20:.0f} MiB copied, {len(failures)} problem(s)")
     return failures
+
+
+def _check_hf(setup: Setup) -> tuple[list[str], str]:
+    import transformers
+
+    return check_hf_models(setup.comm, setup.device), f"transformers {transformers.__version__}"
+
+
+def check_throughput(setup: Setup) -> tuple[list[str], str]:
+    """Tokens/s and MFU: the engine against plain PyTorch on the same model and batch."""
+    from cephalo.modeling.registry import build_model
+    from cephalo.runtime.param_groups import adamw_param_groups
+
+    batch, micro, steps = (16, 16, 6) if setup.cuda else (4, 4, 3)
+    model_name = setup.big_model
+    data = _data(_vocab(setup), batch, setup.seq, steps=1)[0]
+    tokens = batch * setup.seq
+    dtype = torch.bfloat16 if setup.cuda else torch.float32
+
+    def timed(step: Callable[[], None]) -> float:
+        step()  # warm-up
+        step()
+        _sync(setup)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(setup)
+        return (time.perf_counter() - t0) / steps
+
+    engine = _engine(setup, model_name, batch, micro, setup.low)
+    params = engine.model.spec.total_params
+    ours = timed(lambda: engine.train_step(*data, lr=1e-4))
+    engine = None  # free its memory before the plain model's
+    _free(setup)
+    plain = build_model(model_name).materialize(setup.device, torch.Generator().manual_seed(0))
+    plain.to(dtype)
+    named = [(f"{u}.{n}", p) for u, n, p in plain.named_unit_parameters()]
+    opt = torch.optim.AdamW(adamw_param_groups(named, 0.1), lr=1e-4, fused=setup.cuda or None)
+    x, y = data[0].to(setup.device), data[1].to(setup.device)
+
+    def plain_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        plain(x, y).backward()
+        opt.step()
+
+    theirs = timed(plain_step)
+    plain = opt = None
+    _free(setup)
+    flops = 6 * params * tokens  # forward + backward, matmul-dominated (no attention term)
+    peak = _peak_flops(setup)
+    ours_tps, theirs_tps = tokens / ours, tokens / theirs
+    note = (
+        f"{model_name} b{batch}x{setup.seq}: engine {ours_tps:,.0f} tok/s, plain PyTorch "
+        f"{theirs_tps:,.0f} tok/s ({ours_tps / theirs_tps:.2f}x)"
+    )
+    if peak:
+        note += f"; MFU {flops / ours / peak:.1%} vs {flops / theirs / peak:.1%}"
+    return [], note
+
+
+def _peak_flops(setup: Setup) -> float | None:
+    """Dense bf16 tensor-core peak of known GPUs (vendor data sheets), FLOP/s."""
+    if not setup.cuda:
+        return None
+    name = torch.cuda.get_device_name(setup.device).lower()
+    for key, tflops in (("h200", 989), ("h100", 989), ("a100", 312), ("l40s", 362), ("l4", 121)):
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
+    ("bf16_train", check_bf16_train),
+    ("fp16_scaling", check_fp16_scaling),
+    ("offload_bitwise", check_offload_bitwise),
+    ("staging_race", check_staging_race),
+    ("host_link", lambda s: (check_host_link(s.device), "pinned copies exact")),
+    ("host_state", check_host_state),
+    ("dropout", check_dropout),
+    ("standard_eval", check_standard_eval),
+    ("collectives", check_collectives),
+    ("hf_models", _check_hf),
+    ("throughput", check_throughput),
+]
+
+
+def run_checks(setup: Setup, only: set[str] | None = None) -> list[Result]:
+    results = []
+    started = time.perf_counter()
+    for name, fn in CHECKS:
+        if only and name not in only:
+            continue
+        if time.perf_counter() - started > TIME_LIMIT_S:
+            results.append(Result(name, "SKIP", 0.0, f"over the {TIME_LIMIT_S} s budget"))
+            continue
+        t0 = time.perf_counter()
+        try:
+            failures, note = fn(setup)
+            status = "PASS" if not failures else "FAIL"
+        except Exception as err:  # a broken check is a failure, and the others still run
+            failures = [f"{type(err).__name__}: {err}"]
+            note, status = "", "FAIL"
+            traceback.print_exc()
+        results.append(Result(name, status, time.perf_counter() - t0, note))
+        for f in failures:
+            print(f"gpu_check: {name}: FAIL - {f}", flush=True)
+        print(f"gpu_check: {name}: {status} ({time.perf_counter() - t0:.1f}s) {note}", flush=True)
+        _free(setup)
+    return results
+
+
+def print_table(results: list[Result], title: str) -> None:
+    print(f"\n{title}")
+    width = max(len(r.name) for r in results)
+    print(f"{'check':<{width}}  result  seconds  note")
+    for r in results:
+        print(f"{r.name:<{width}}  {r.status:<6}  {r.seconds:7.1f}  {r.note}")
+    failed = [r.name for r in results if r.status == "FAIL"]
+    print("gpu_check: " + ("PASS" if not failed else f"FAIL ({', '.join(failed)})"), flush=True)
+
+
+def _versions() -> str:
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except ImportError:
+        tf = "absent"
+    return f"torch {torch.__version__}, transformers {tf}, Python {sys.version.split()[0]}"
+
+
+def cpu_main(only: set[str] | None) -> int:
+    from cephalo.runtime.comm import LocalComm
+
+    setup = Setup(torch.device("cpu"), LocalComm(), "gpt-tiny", 32, cuda=False)
+    results = run_checks(setup, only)
+    print_table(results, f"gpu_check --cpu ({_versions()})")
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+def main(only: set[str] | None) -> int:
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check: SKIPPED - no CUDA GPU is visible (torch.cuda.is_available() is False); "
+            "run scripts/gpu_check.sh on a machine with an NVIDIA GPU and a CUDA build of torch"
+        )
+        return SKIP
+    import torch.distributed as dist
+
+    from cephalo.runtime.dist import init_distributed
+
+    comm = init_distributed(backend="nccl", comm_impl="nccl", timeout_s=120)
+    device = torch.device("cuda", torch.cuda.current_device())
+    print(f"gpu_check: {torch.cuda.get_device_name(device)}; {_versions()}", flush=True)
+    setup = Setup(device, comm, "gpt2-124m", 512, cuda=True)
+    results = run_checks(setup, only)
+    print_table(results, f"gpu_check on {torch.cuda.get_device_name(device)} ({_versions()})")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+def collectives_main() -> int:
+    """World size >= 2 under torchrun, one GPU per process (see the module docstring)."""
+    if not torch.cuda.is_available():
+        print("gpu_check --collectives: SKIPPED - no CUDA GPU is visible")
+        return SKIP
+    import torch.distributed as dist
+
+    from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.dist import init_distributed
+
+    comm = init_distributed(backend="nccl", comm_impl="nccl", timeout_s=120)
+    device = torch.device("cuda", torch.cuda.current_device())
+    t0 = time.perf_counter()
+    failures = check_uneven_collectives(comm, device)
+    failures += check_uneven_collectives(make_comm("padded"), device)
+    # fp32 on GPUs: cuBLAS may sum in another order per batch size; 1e-4 over 3 steps
+    failures += check_uneven_engine(comm, device, rel_tol=1e-4)
+    for f in failures:
+        print(f"gpu_check: rank {comm.rank}: FAIL - {f}", flush=True)
+    count = torch.tensor([len(failures)], device=device)
+    dist.all_reduce(count)
+    if comm.rank == 0:
+        verdict = "PASS" if count.item() == 0 else f"FAIL ({count.item()} failure(s))"
+        print(
+            f"gpu_check: world size {comm.world_size} uneven NCCL collectives and engine "
+            f"({torch.cuda.get_device_name(device)}): {verdict} in {time.perf_counter() - t0:.0f}s"
+        )
+    dist.destroy_process_group()
+    return 0 if count.item() == 0 else 1
 
 
 if __name__ == "__main__":
@@ -400,17 +764,11 @@ if __name__ == "__main__":
         help="the world-size >= 2 checks (one process per GPU under torchrun)",
     )
     parser.add_argument(
-        "--hf-on-cpu",
-        action="store_true",
-        help="check 6 (Hugging Face models through the engine) alone, on the CPU",
+        "--cpu", action="store_true", help="every check's CPU part (no GPU needed; CI runs it)"
     )
+    parser.add_argument("--only", default="", help="comma-separated check names to run")
     args = parser.parse_args()
-    if args.hf_on_cpu:
-        from cephalo.runtime.comm import LocalComm
-
-        problems = check_hf_models(LocalComm(), torch.device("cpu"))
-        for p in problems:
-            print(f"gpu_check --hf-on-cpu: FAIL - {p}")
-        print("gpu_check --hf-on-cpu: " + ("FAIL" if problems else "PASS"))
-        sys.exit(1 if problems else 0)
-    sys.exit(collectives_main() if args.collectives else main())
+    only = {n for n in args.only.split(",") if n} or None
+    if args.cpu:
+        sys.exit(cpu_main(only))
+    sys.exit(collectives_main() if args.collectives else main(only))

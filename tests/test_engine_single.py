@@ -4,6 +4,7 @@ reference, LGA == standard, precision modes, state access, errors."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -252,6 +253,18 @@ def test_gpu_check_says_why_it_skips_without_cuda():
     proc = run_tagged(["bash", str(GPU_CHECK)], timeout_s=120, env=env)
     assert proc.returncode == 77, proc.stdout + proc.stderr
     assert "SKIPPED - no CUDA GPU is visible" in proc.stdout
+
+
+def test_gpu_check_cpu_parts_pass():
+    """Every check of scripts/gpu_check.py runs its CPU part here (small models, one process):
+    a check that lost its `return` or broke with the code it checks fails in CI, not on the
+    first lent GPU."""
+    script = GPU_CHECK.parent / "gpu_check.py"
+    proc = run_tagged([sys.executable, str(script), "--cpu"], timeout_s=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    for name in ("bf16_train", "offload_bitwise", "staging_race", "host_state", "hf_models"):
+        assert re.search(rf"^{name}\s+PASS", proc.stdout, re.MULTILINE), proc.stdout[-3000:]
+    assert proc.stdout.rstrip().endswith("gpu_check: PASS")
 
 
 @pytest.mark.slow
