@@ -46,6 +46,8 @@ import torch
 
 SKIP = 77
 ENGINE_STEPS = 3
+TINY_SEQ = 32
+"""Sequence length of the gpt-tiny checks (its context)."""
 TIME_LIMIT_S = 480
 
 
@@ -92,7 +94,8 @@ def _engine(setup: Setup, model: str, batches, micro, dtype: str, **kw):
     )
     rank.host_state_fraction = plan_kw.get("host", 0.0)
     rank.overlap_reduce = plan_kw.get("overlap", True)
-    plan = Plan("manual", model, setup.seq, batches, dtype, [rank])
+    seq = TINY_SEQ if model == "gpt-tiny" else setup.seq  # gpt-tiny's context is 32
+    plan = Plan("manual", model, seq, batches, dtype, [rank])
     cfg = EngineConfig(device=str(setup.device), seed=0, **kw)
     return Engine(build_model(model, **overrides), plan, setup.comm, cfg)
 
@@ -151,7 +154,7 @@ def check_bf16_train(setup: Setup) -> tuple[list[str], str]:
 
 def check_fp16_scaling(setup: Setup) -> tuple[list[str], str]:
     model, batch, micro = "gpt-tiny", 4, 2
-    data = _data(256, batch, setup.seq, steps=4, seed=1)
+    data = _data(256, batch, TINY_SEQ, steps=4, seed=1)
     dtype = "fp16" if setup.cuda else "fp32"
     ref = _engine(setup, model, batch, micro, "fp32")
     half = _engine(setup, model, batch, micro, dtype, loss_scale_init=2.0**14)
@@ -341,7 +344,7 @@ def check_host_state(setup: Setup) -> tuple[list[str], str]:
 
 
 def check_dropout(setup: Setup) -> tuple[list[str], str]:
-    data = _data(256, 4, setup.seq, steps=3, seed=4)
+    data = _data(256, 4, TINY_SEQ, steps=3, seed=4)
     runs = []
     for micro in (1, 4):
         eng = _engine(setup, "gpt-tiny", 4, micro, "fp32", overrides={"dropout": 0.1})
@@ -358,7 +361,7 @@ def check_dropout(setup: Setup) -> tuple[list[str], str]:
 
 
 def check_standard_eval(setup: Setup) -> tuple[list[str], str]:
-    data = _data(256, 6, setup.seq, steps=3, seed=5)
+    data = _data(256, 6, TINY_SEQ, steps=3, seed=5)
     runs = {}
     for mode in ("lga", "standard"):
         eng = _engine(setup, "gpt-tiny", 6, 2, "fp32", mode=mode)
@@ -559,7 +562,7 @@ def check_hf_models(comm, device: torch.device) -> list[str]:
                         f"{model_type}: first-step loss {losses[0]:.6f} != transformers' "
                         f"{expected:.6f} on {device}"
                     )
-                if not losses[-1] < losses[0]:
+                if steps > 1 and not losses[-1] < losses[0]:
                     failures.append(f"{model_type} {dtype}: loss did not fall: {losses}")
                 del engine
     return failures

@@ -322,6 +322,7 @@ def profile_devices(
     use_cache: bool = True,
     refresh: bool = False,
     progress: ProgressFn | None = None,
+    device: torch.device | None = None,
     **model_overrides,
 ) -> MeasuredProfiles:
     """Profiles of every device type in `devices` (rank order) and of the collectives.
@@ -330,6 +331,7 @@ def profile_devices(
     `model_overrides`) or a meta-built `UnitModel` (it is copied, never materialised in
     place). `cache` is the database file (default `default_db_path()`); `use_cache=False`
     neither reads nor writes it; `refresh=True` re-measures and overwrites its entries.
+    `device`: where this rank measures (default: its GPU under NCCL, else the CPU).
     """
     started = time.perf_counter()
     settings = settings or ProfileSettings()
@@ -353,7 +355,7 @@ def profile_devices(
             f"seq_len {seq_len} is longer than {spec.name}'s {spec.max_seq_len} positions; "
             "use a shorter sequence or a model built for it"
         )
-    tdev = _torch_device(comm)
+    tdev = device or _torch_device(comm)
     rank = comm.rank
     type_keys = list(dict.fromkeys(d.type_key for d in devices))
     first_rank = _measuring_ranks(devices, comm.world_size)

@@ -145,6 +145,22 @@ def is_emulated(cfg: JobConfig) -> bool:
     return bool(cfg.parallel.devices or os.environ.get(envvars.DEVICE))
 
 
+def job_torch_device(cfg: JobConfig, comm: Comm) -> torch.device:
+    """Where this rank computes: its GPU under NCCL, and also in a one-process job on a GPU
+    machine (torchrun at world size 1 gives a `LocalComm`, whose backend says nothing about
+    the device); the CPU under gloo, for emulated devices, or without CUDA."""
+    if comm.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if (
+        comm.backend == "gloo"
+        or is_emulated(cfg)
+        or cfg.parallel.backend == "gloo"
+        or not torch.cuda.is_available()
+    ):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _all_gather_objects(obj: object, comm: Comm) -> list:
     if comm.world_size == 1:
         return [obj]

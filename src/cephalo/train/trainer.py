@@ -49,7 +49,7 @@ from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig, config_to_toml
 from cephalo.train.data import GlobalBatches, resolve_dataset
-from cephalo.train.discovery import discover_cluster, is_emulated
+from cephalo.train.discovery import discover_cluster, is_emulated, job_torch_device
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import (
     MetricsLog,
@@ -121,7 +121,14 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
 
     seq_len, batch, dtype = cfg.data.seq_len, cfg.train.global_batch_size, cfg.model.dtype
     measured = profile_devices(
-        model, seq_len, dtype, cluster, comm, settings=cfg.profile, cache=cfg.profile_cache
+        model,
+        seq_len,
+        dtype,
+        cluster,
+        comm,
+        settings=cfg.profile,
+        cache=cfg.profile_cache,
+        device=job_torch_device(cfg, comm),
     )
     cost_model = measured_cost_model(cluster, model.spec, seq_len, dtype, measured)
     plan = make_plan(cost_model, batch, "cephalo", model_name=cfg.model.name)
@@ -151,7 +158,11 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
 
 
 def engine_config(
-    cfg: JobConfig, device: Device, emulated: bool, host_memory_bytes: int | None = None
+    cfg: JobConfig,
+    device: Device,
+    emulated: bool,
+    host_memory_bytes: int | None = None,
+    torch_device: torch.device | None = None,
 ) -> EngineConfig:
     """The engine's settings from the job config and this rank's (maybe emulated) device;
     `host_memory_bytes`: this rank's share of its node's host memory (its host budget when
@@ -173,6 +184,7 @@ def engine_config(
         memory_budget_bytes=int(device.memory_bytes) if emulated else None,
         host_memory_budget_bytes=host_memory_bytes if emulated else None,
         host_copy_bytes_per_s=device.pcie_bytes_per_s,
+        device=None if torch_device is None else str(torch_device),
     )
 
 
@@ -261,7 +273,7 @@ class _Trainer:
             model,
             self.plan,
             comm,
-            engine_config(cfg, self.device, is_emulated(cfg), share),
+            engine_config(cfg, self.device, is_emulated(cfg), share, job_torch_device(cfg, comm)),
         )
         t = cfg.train
         self.schedule = LRSchedule(t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule)
