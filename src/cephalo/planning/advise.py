@@ -510,6 +510,7 @@ class Advisor:
                 comm,
                 reserve_bytes=base.reserve_bytes,
                 reserve_fraction=base.reserve_fraction,
+                adapter=base.adapter,
             )
             self._comm_models[key] = cm
         return cm

@@ -28,6 +28,7 @@ from functools import cache
 from pathlib import Path
 
 from cephalo.errors import CephaloError
+from cephalo.specs.adapter import default_block_linears
 from cephalo.specs.flop_scaling import LeaveOneOut, Published, estimate, group_of, leave_one_out
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import Curve, DeviceProfile, UnitProfile
@@ -459,6 +460,9 @@ def _model_spec(s: ModelShape) -> ModelSpec:
         tied_embeddings=s.arch == "bert",
         max_seq_len=s.max_seq_len,
         aliases=(*s.extra_aliases, *s.data_keys),
+        block_linears=default_block_linears(
+            s.arch, s.hidden_size, s.ffn_hidden_size, s.num_heads, s.num_kv_heads
+        ),
     )
 
 
