@@ -23,7 +23,7 @@ trained one's FLOPs. Per unit, from forward FLOPs per token (matmuls 2 W_k, atte
 scores and weighted sum 4 * seq * h, the adapters 2 A_k), the measured times are scaled by
 
   forward   (2W + 4 s h + 2A) / (2W + 4 s h)
-  backward  (2W * share + 2 * 4 s h + 2 * 2A) / (2 * 2W + 2 * 4 s h)
+  backward  (2 * 2W * share + 2 * 4 s h + 2 * 2A) / (2 * 2W + 2 * 4 s h)
 
 (the attention matmuls and the adapters keep both gradients). The embedding's backward is only
 its weight gradient: 0 when frozen. The output head is frozen and not adapted: `share`. Under
@@ -146,7 +146,8 @@ def param_layout(
         gather = w * q + (p - w) * d + a * d
         if k == "block":
             fwd = (matmul + attention + lora) / (matmul + attention)
-            bwd = (matmul * share + 2 * attention + 2 * lora) / (2 * matmul + 2 * attention)
+            # a trained matmul's backward is two matmuls (input and weight gradients)
+            bwd = (2 * matmul * share + 2 * attention + 2 * lora) / (2 * matmul + 2 * attention)
         else:  # embedding: a lookup whose backward is its weight gradient; head: a frozen matmul
             fwd, bwd = 1.0, 0.0 if k == "embedding" else share
         units[k] = UnitLayout(p, w, a, a, gather, gather + w * d, w * (q + d), fwd, bwd)

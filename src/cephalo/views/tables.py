@@ -294,6 +294,25 @@ def estimate_lines(cost_model) -> list[str]:
     return lines
 
 
+def adapter_lines(cost_model) -> list[str]:
+    """What an adapter plan trains and what it costs per parameter (nothing for full
+    fine-tuning): the numbers `planning/layout.py` feeds the cost model."""
+    adapter, layout = cost_model.adapter, cost_model.layout
+    if not adapter.frozen_base:
+        return []
+    gib = 1024**3
+    base = layout.frozen_bytes / cost_model.total_params
+    block = layout.units["block"]
+    return [
+        f"{adapter.describe()}: {layout.trained_params:,} adapter parameters "
+        f"({layout.trained_params / cost_model.total_params:.2%} of {cost_model.total_params:,}) "
+        f"at 16 B; frozen base {layout.frozen_bytes / gib:.2f} GiB ({base:.3f} B/param; full "
+        f"fine-tuning's state: {cost_model.total_params * 16 / gib:.1f} GiB); a block gathers "
+        f"{block.gather_bytes / 2**20:.1f} MiB, reduces {block.trained * 4 / 2**20:.1f} MiB; "
+        f"backward x{block.bwd_factor:.2f} of the profiled (frozen weights get no gradient)"
+    ]
+
+
 # ---------------------------------------------------------------------- the advisor
 def _counts(p: FrontierPoint) -> str:
     return " + ".join(f"{n}x {name}" for name, n in p.counts.items())
