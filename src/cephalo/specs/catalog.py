@@ -29,6 +29,7 @@ from pathlib import Path
 
 from cephalo.errors import CephaloError
 from cephalo.specs.adapter import default_block_linears
+from cephalo.specs.derived import DERIVED, SPECS, DerivationError
 from cephalo.specs.flop_scaling import LeaveOneOut, Published, estimate, group_of, leave_one_out
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import Curve, DeviceProfile, UnitProfile
@@ -99,6 +100,17 @@ DEVICES: dict[str, DeviceSpec] = {
         DeviceSpec("h100-nvl", "H100 NVL", 94, 3938, 5, aliases=("h100", "h100nvl")),
     ]
 }
+# Consumer and workstation cards without published profiles: their timings are derived from
+# a measured sibling (`cephalo.specs.derived`, which holds their data-sheet numbers).
+DEVICES.update(
+    {
+        k: DeviceSpec(
+            k, c.name, c.memory_gib, c.bandwidth_gb_s, c.pcie_gen, aliases=c.aliases
+        )
+        for k, c in ((k, SPECS[k]) for k in DERIVED)
+    }
+)
+MEASURED_DEVICES = tuple(k for k in DEVICES if k not in DERIVED)
 
 # The emulated device of the CPU cluster (`cpu`, `cpu:slowdown=2`). It has no published
 # profile (measure it with `cephalo profile`); its memory is a budget the runtime enforces.
@@ -700,7 +712,7 @@ def published_entries(device: str, dtype: str) -> tuple[Published, ...]:
 def estimate_error(device: str | None, dtype: str | None, group: str) -> LeaveOneOut | None:
     """Leave-one-out error of the FLOP-scaled estimate for `group` blocks on `device` in
     `dtype`; with `device` / `dtype` None, pooled over every GPU and dtype of the catalog."""
-    devices = [device] if device else sorted(DEVICES)
+    devices = [device] if device else sorted(MEASURED_DEVICES)  # derived cards repeat them
     dtypes = [dtype] if dtype else ["fp16", "fp32"]
     return leave_one_out([published_entries(d, t) for d in devices for t in dtypes], group)
 
@@ -728,6 +740,17 @@ def _estimated_block(
         "estimate_error_scope": f"{device} {_data_dtype(dtype)}" if here else "all catalog GPUs",
     }
     return est.fwd, est.bwd, meta
+
+
+def derived_meta(device: str) -> dict:
+    """What a plan says about a derived card: its method and the method's measured error."""
+    info = _catalog()["derived"][device]
+    err = _catalog()["derivation_errors"].get(info["error_scope"])
+    return {
+        "derived_method": info["method"],
+        "derived_error_scope": info["error_scope"],
+        "derived_error": DerivationError.from_dict(err).describe() if err else "not measurable",
+    }
 
 
 def catalog_profile(
@@ -770,12 +793,16 @@ def catalog_profile(
             "data_seq_len": data_seq,
             "timing_source": entry["source"],
         }
+        if entry["source"] == "derived":
+            timing_meta["timing_source"] = "derived"
         if timed != spec.name:
             timing_meta["timing_model"] = timed
     except (LookupError, CephaloError):
         if timed == spec.name:
             raise  # a catalog model: say which of its profiles exist
         block_fwd, block_bwd, timing_meta = _estimated_block(spec, device, seq_len, dtype)
+    if device in DERIVED:
+        timing_meta.update(derived_meta(device))
     act_block, act_source = block_activation_bytes_per_sample(spec, seq_len, dtype)
     emb_ratio, head_ratio = embedding_time_ratio(spec, seq_len), head_time_ratio(spec, seq_len)
     units = {

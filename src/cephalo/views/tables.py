@@ -278,10 +278,17 @@ def catalog_skipped_table() -> Table:
 
 def estimate_lines(cost_model) -> list[str]:
     """One line per device type whose block times were estimated by FLOP scaling (a model
-    the catalog never measured): from what, and that estimate's leave-one-out error."""
+    the catalog never measured): from what, and that estimate's leave-one-out error; and one
+    per derived card (no published measurements): its method and that method's measured error."""
     lines = []
     for key, profile in cost_model.profiles.items():
         meta = profile.meta
+        if "derived_method" in meta:
+            lines.append(
+                f"{key}: no published measurements; {meta['derived_method']}. Measured error of "
+                f"this derivation ({meta['derived_error_scope']}, predicting measured cards "
+                f"from their siblings): {meta['derived_error']}."
+            )
         if meta.get("timing_source") != "flop-scaled":
             continue
         lines.append(
