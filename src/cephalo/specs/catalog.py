@@ -104,9 +104,7 @@ DEVICES: dict[str, DeviceSpec] = {
 # a measured sibling (`cephalo.specs.derived`, which holds their data-sheet numbers).
 DEVICES.update(
     {
-        k: DeviceSpec(
-            k, c.name, c.memory_gib, c.bandwidth_gb_s, c.pcie_gen, aliases=c.aliases
-        )
+        k: DeviceSpec(k, c.name, c.memory_gib, c.bandwidth_gb_s, c.pcie_gen, aliases=c.aliases)
         for k, c in ((k, SPECS[k]) for k in DERIVED)
     }
 )

@@ -13,7 +13,7 @@ from cephalo.errors import PlanDoesNotFit
 from cephalo.planning.advise import Advice, FrontierPoint, Marginal
 from cephalo.planning.costmodel import PlanEvaluation
 from cephalo.planning.plan import Plan
-from cephalo.specs import catalog
+from cephalo.specs import catalog, derived
 from cephalo.specs.profile import MeasuredProfiles
 
 GIB = 1024**3
@@ -158,7 +158,7 @@ def catalog_devices_table() -> Table:
             f"gen{d.pcie_gen}",
             f"{catalog.intra_node_bytes_per_s(key) / 1e9:g} GB/s",
             ", ".join(d.aliases),
-            str(len(models_on.get(key, ()))),
+            str(len(models_on.get(key, ()))) + ("*" if key in derived.DERIVED else ""),
         )
     t.add_row(
         "cpu",
@@ -170,7 +170,11 @@ def catalog_devices_table() -> Table:
         "cpu:slowdown=2,mem=1GiB",
         "measure",
     )
-    t.caption = "models: how many catalog models have published profiles on the device"
+    t.caption = (
+        "models: how many catalog models have published profiles on the device; *: derived "
+        "from a measured card of the same architecture by spec ratios (specs/derived.py; its "
+        "measured error is printed with a plan)"
+    )
     return t
 
 
