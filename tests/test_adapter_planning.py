@@ -276,3 +276,36 @@ def test_advise_takes_adapter_flags(tmp_path, capsys):
     assert main([*args, "--adapter", "qlora", "--seq-len", "512"]) == 0
     text = capsys.readouterr().out
     assert "qlora r=16" in text
+
+
+# ------------------------------------------------------------------ the model spec
+def test_block_linears_read_off_runnable_models():
+    from cephalo.modeling.registry import build_model, model_spec_for
+    from cephalo.modeling.units import block_linears
+
+    # GPT-2's Conv1D counts as peft's all-linear counts it: c_attn (64 -> 192), c_proj, c_fc, c_proj
+    gpt2 = model_spec_for("hf-gpt2-tiny")
+    assert [(lin.in_features, lin.out_features) for lin in gpt2.block_linears] == [
+        (64, 192),
+        (64, 64),
+        (64, 256),
+        (256, 64),
+    ]
+    assert lora_params(gpt2.block_linears, 8, "all-linear") == 8 * (256 + 128 + 320 + 320)
+    # a catalog model's shape and its runnable twin agree (llama: q, k, v, o, gate, up, down)
+    llama = model_spec_for("hf-llama-tiny")
+    assert [lin.name.rsplit(".", 1)[-1] for lin in llama.block_linears] == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    # a block already wrapped by peft reads the same
+    peft = pytest.importorskip("peft")
+    block = build_model("hf-llama-tiny").units[1].module
+    before = block_linears(block)
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), block)
+    assert block_linears(block) == before

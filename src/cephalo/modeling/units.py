@@ -270,6 +270,11 @@ def block_linears(module: nn.Module) -> tuple[Linear, ...]:
     `all-linear` adapts too: its weight is stored (in, out)), in module order."""
     out = []
     for name, sub in module.named_modules():
+        # a block already wrapped by peft: its LoRA matrices are not base layers, and the base
+        # Linear `q_proj.base_layer` stands for `q_proj`
+        if ".lora_" in f".{name}":
+            continue
+        name = name.removesuffix(".base_layer")
         if isinstance(sub, nn.Linear):
             out.append(Linear(name, sub.in_features, sub.out_features))
         elif type(sub).__name__ == "Conv1D" and getattr(sub, "weight", None) is not None:
