@@ -40,12 +40,14 @@ sys.path.insert(0, str(ROOT / "src"))
 from cephalo.specs.catalog import DEVICE_ALIASES, MODELS  # noqa: E402
 from cephalo.specs.derived import (  # noqa: E402
     DERIVED,
+    FILLS,
     SIBLINGS,
     SPECS,
     derivation_errors,
     derive_timings,
     error_scope,
     method_of,
+    siblings_of,
 )
 
 DEFAULT_SRC = ROOT.parent / "shared" / "data" / "published-profiles" / "cephalo"
@@ -308,15 +310,18 @@ def build(src: Path) -> dict:
     timings = build_timings(lat, skipped, notes)
     memory = build_memory(mem, skipped)
     errors = derivation_errors(timings)  # on the measured timings only
-    for model, by_dev in derive_timings(timings).items():
-        timings.setdefault(model, {}).update(by_dev)
+    for model, by_dev in derive_timings(timings).items():  # beside the measured entries
+        for dev, by_seq in by_dev.items():
+            for seq, by_dtype in by_seq.items():
+                timings[model].setdefault(dev, {}).setdefault(seq, {}).update(by_dtype)
     derived = {
         card: {
-            "from": list(SIBLINGS[card]),
+            "from": list(siblings_of(card)),
             "method": method_of(card),
             "error_scope": error_scope(card),
+            "fills_gaps": card in FILLS,
         }
-        for card in DERIVED
+        for card in (*DERIVED, *FILLS)
     }
     return {
         "format": 1,
@@ -354,7 +359,8 @@ def main() -> int:
     for c in SPECS.values():
         print(
             f"  {c.name:<18} {c.chip:<6} {c.sms:>4} {c.boost_mhz:>9} {c.memory_gib:>4g} "
-            f"{c.bandwidth_gb_s:>7g}  {', '.join(SIBLINGS.get(c.key, ('measured',)))}"
+            f"{c.bandwidth_gb_s:>7g}  "
+            + ", ".join(SIBLINGS.get(c.key, ("measured", *FILLS.get(c.key, ()))))
         )
     for scope, e in catalog["derivation_errors"].items():
         print(f"derivation error ({scope}): {e}")

@@ -103,3 +103,19 @@ def test_plan_prints_the_derivation_error(capsys):
     out = capsys.readouterr().out
     assert "rtx3060: no published measurements" in out
     assert "Measured error of this derivation (same-architecture" in out
+
+
+def test_measured_cards_keep_their_measurements_and_fill_their_gaps():
+    # the RTX 3090 was published for five GPT/ViT entries: those stay measured ...
+    assert catalog_profile("rtx3090", "gpt-2.7b", 512, "fp16").meta["timing_source"] == "fit-total"
+    # ... and a Llama entry comes from the A6000, marked derived with its error
+    prof = catalog_profile("rtx3090", "llama-7b", 512, "fp16")
+    assert prof.meta["timing_source"] == "derived"
+    assert "unmeasured entries" in prof.meta["derived_method"]
+    a6000 = catalog_profile("a6000", "llama-7b", 512, "fp16").units["block"]
+    assert prof.units["block"].fwd_s(4) == pytest.approx(
+        a6000.fwd_s(4) * 84 * 1800 / (82 * 1695), rel=1e-5
+    )
+    # the L40S, published in fp32 only, keeps its fp32 and gets fp16 from the L4
+    assert catalog_profile("l40s", "llama-7b", 512, "fp32").meta["timing_source"] != "derived"
+    assert catalog_profile("l40s", "llama-7b", 512, "fp16").meta["timing_source"] == "derived"

@@ -730,9 +730,14 @@ def _estimated_block(
     est = estimate(block_flops_per_sample(spec, seq_len), group, seq_len, candidates)
     here = estimate_error(device, dtype, group)
     overall = estimate_error(None, None, group)
+    timings = _catalog()["timings"]
+    from_derived = any(
+        timings[m][device][seq][_data_dtype(dtype)].get("source") == "derived"
+        for m, seq in (src.split("@") for src in est.sources)
+    )
     meta = {
         "timing_source": "flop-scaled",
-        "estimated_from": ", ".join(est.sources),
+        "estimated_from": ", ".join(est.sources) + (" (derived entries)" if from_derived else ""),
         "estimate_group": group,
         "estimate_error": (here or overall).describe() if (here or overall) else "not measurable",
         "estimate_error_scope": f"{device} {_data_dtype(dtype)}" if here else "all catalog GPUs",
@@ -791,15 +796,16 @@ def catalog_profile(
             "data_seq_len": data_seq,
             "timing_source": entry["source"],
         }
-        if entry["source"] == "derived":
-            timing_meta["timing_source"] = "derived"
         if timed != spec.name:
             timing_meta["timing_model"] = timed
     except (LookupError, CephaloError):
         if timed == spec.name:
             raise  # a catalog model: say which of its profiles exist
         block_fwd, block_bwd, timing_meta = _estimated_block(spec, device, seq_len, dtype)
-    if device in DERIVED:
+    uses_derived = timing_meta.get("timing_source") == "derived" or timing_meta.get(
+        "estimated_from", ""
+    ).endswith("(derived entries)")
+    if device in DERIVED or uses_derived:
         timing_meta.update(derived_meta(device))
     act_block, act_source = block_activation_bytes_per_sample(spec, seq_len, dtype)
     emb_ratio, head_ratio = embedding_time_ratio(spec, seq_len), head_time_ratio(spec, seq_len)

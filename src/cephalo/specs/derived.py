@@ -116,6 +116,14 @@ SIBLINGS: dict[str, tuple[str, ...]] = {
 """Derived card -> the measured cards it is derived from, in order of preference per entry."""
 
 DERIVED = tuple(SIBLINGS)
+FILLS: dict[str, tuple[str, ...]] = {
+    "rtx3090": ("a6000",),
+    "l40s": ("l4",),
+}
+"""Measured cards whose missing entries are derived the same way from a sibling: the RTX 3090
+was published for five models (GPT, ViT; fp16 at 512 tokens) and the L40S in fp32 only, so
+without these a Llama plan (or any fp16 plan on the L40S) could not use them. Their measured
+entries stay as measured."""
 SAME_ARCH_PAIRS = (
     ("rtx3090", "a6000"),
     ("a6000", "rtx3090"),
@@ -164,12 +172,13 @@ def derive_timings(timings: Mapping) -> dict:
     (`timings[model][device][seq][dtype]`, the catalog's layout); measured entries untouched."""
     out: dict = {}
     for model, by_dev in timings.items():
-        for card, siblings in SIBLINGS.items():
+        for card, siblings in (*SIBLINGS.items(), *FILLS.items()):
             slots = {
                 (seq, dt)
                 for s in siblings
                 for seq, by_dt in by_dev.get(s, {}).items()
                 for dt in by_dt
+                if dt not in by_dev.get(card, {}).get(seq, {})  # never over a measurement
             }
             for seq, dt in sorted(slots):
                 sibling = next(s for s in siblings if dt in by_dev.get(s, {}).get(seq, {}))
@@ -284,13 +293,18 @@ def derivation_errors(timings: Mapping) -> dict[str, dict]:
     return out
 
 
+def siblings_of(card: str) -> tuple[str, ...]:
+    """The measured cards a derived card (or a filled one's missing entries) comes from."""
+    return SIBLINGS.get(card) or FILLS[card]
+
+
 def method_of(card: str) -> str:
     """How a derived card's timings were made, in words."""
-    siblings = SIBLINGS[card]
     spec = SPECS[card]
-    froms = " / ".join(f"{SPECS[s].name} ({SPECS[s].chip})" for s in siblings)
+    froms = " / ".join(f"{SPECS[s].name} ({SPECS[s].chip})" for s in siblings_of(card))
+    what = f"{spec.name}'s unmeasured entries" if card in FILLS else spec.name
     return (
-        f"{spec.name} ({spec.chip}, {spec.sms} SMs @ {spec.boost_mhz} MHz, "
+        f"{what} ({spec.chip}, {spec.sms} SMs @ {spec.boost_mhz} MHz, "
         f"{spec.bandwidth_gb_s:g} GB/s) derived from the measured {froms} by SMs x boost clock "
         "(blocks) and memory bandwidth (optimizer)"
     )
@@ -298,5 +312,5 @@ def method_of(card: str) -> str:
 
 def error_scope(card: str) -> str:
     """Which measured error applies to a derived card."""
-    same = any(same_architecture(card, s) for s in SIBLINGS[card])
+    same = any(same_architecture(card, s) for s in siblings_of(card))
     return "same-architecture" if same else "cross-architecture"
