@@ -752,6 +752,7 @@ def derived_meta(device: str) -> dict:
     return {
         "derived_method": info["method"],
         "derived_error_scope": info["error_scope"],
+        "derived_fills_gaps": bool(info.get("fills_gaps")),
         "derived_error": DerivationError.from_dict(err).describe() if err else "not measurable",
     }
 

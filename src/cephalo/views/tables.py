@@ -289,7 +289,13 @@ def estimate_lines(cost_model) -> list[str]:
         meta = profile.meta
         if "derived_method" in meta:
             lines.append(
-                f"{key}: no published measurements; {meta['derived_method']}. Measured error of "
+                f"{key}: "
+                + (
+                    "not measured for this model"
+                    if meta.get("derived_fills_gaps")
+                    else "no published measurements"
+                )
+                + f"; {meta['derived_method']}. Measured error of "
                 f"this derivation ({meta['derived_error_scope']}, predicting measured cards "
                 f"from their siblings): {meta['derived_error']}."
             )
