@@ -682,8 +682,11 @@ def timed_model_for(spec: ModelSpec) -> str | None:
 
 
 @cache
-def published_entries(device: str, dtype: str) -> tuple[Published, ...]:
-    """Every published block timing on `device` in `dtype`'s data (bf16 reads fp16)."""
+def published_entries(
+    device: str, dtype: str, measured_only: bool = False
+) -> tuple[Published, ...]:
+    """Every published block timing on `device` in `dtype`'s data (bf16 reads fp16); with
+    `measured_only`, without the entries derived from a sibling card (`specs.derived`)."""
     out = []
     for name, by_dev in _catalog()["timings"].items():
         if name not in MODELS:
@@ -691,7 +694,7 @@ def published_entries(device: str, dtype: str) -> tuple[Published, ...]:
         spec = _model_spec(MODELS[name])
         for seq, by_dtype in by_dev.get(device, {}).items():
             entry = by_dtype.get(_data_dtype(dtype))
-            if entry is not None:
+            if entry is not None and not (measured_only and entry["source"] == "derived"):
                 out.append(
                     Published(
                         name,
@@ -712,7 +715,10 @@ def estimate_error(device: str | None, dtype: str | None, group: str) -> LeaveOn
     `dtype`; with `device` / `dtype` None, pooled over every GPU and dtype of the catalog."""
     devices = [device] if device else sorted(MEASURED_DEVICES)  # derived cards repeat them
     dtypes = [dtype] if dtype else ["fp16", "fp32"]
-    return leave_one_out([published_entries(d, t) for d in devices for t in dtypes], group)
+    # measured entries only: a derived entry's error is the derivation's (printed beside it)
+    return leave_one_out(
+        [published_entries(d, t, measured_only=True) for d in devices for t in dtypes], group
+    )
 
 
 def _estimated_block(
