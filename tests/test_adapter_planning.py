@@ -309,3 +309,35 @@ def test_block_linears_read_off_runnable_models():
     before = block_linears(block)
     peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), block)
     assert block_linears(block) == before
+
+
+def test_advisor_is_exact_and_bounded_under_qlora():
+    """`cephalo advise --adapter qlora`: the search's frontier equals planning every cluster,
+    and no plan beats the bound it prunes with (llama-7b: full state 100 GiB, QLoRA's 4 GiB)."""
+    from cephalo.commands.plan import build_cost_model
+    from cephalo.planning.advise import Advisor
+    from cephalo.specs.offers import Offers
+    from test_advise import brute_force, planned
+
+    offers = {
+        "offer": [
+            {"type": "t4", "max_count": 2, "price_per_hour": 0.35},
+            {"type": "l4", "max_count": 2, "price_per_hour": 0.80},
+            {"type": "a10g", "max_count": 2, "price_per_hour": 1.00},
+        ]
+    }
+    q = adapter_spec("qlora", 16)
+    adv = Advisor(
+        Offers.from_dict(offers),
+        lambda spec: build_cost_model(spec, "llama-7b", 512, "fp16", adapter=q),
+        8,
+    )
+    table = planned(adv)
+    assert table[(1, 0, 0)] is not None  # one T4 holds the NF4 base
+    found = adv.search(plans_per_level=None)
+    assert found.bound.exact
+    got = [(p.cluster, p.samples_per_s) for p in found.frontier]
+    assert got == brute_force(adv, table, adv._max_units)
+    for units, sps in table.items():
+        if sps is not None:
+            assert sps <= adv.upper_bound(units) * (1 + 1e-12), units
