@@ -341,3 +341,16 @@ def test_advisor_is_exact_and_bounded_under_qlora():
     for units, sps in table.items():
         if sps is not None:
             assert sps <= adv.upper_bound(units) * (1 + 1e-12), units
+
+
+def test_target_modules_as_names_or_regex():
+    llama = get_model_spec("llama-7b").block_linears
+    assert lora_params(llama, 8, ("q_proj", "v_proj")) == lora_params(llama, 8, r".*\.(q|v)_proj")
+    # peft fullmatches the model's module names: a pattern anchored on the model's path works
+    anchored = r"model\.layers\.\d+\.self_attn\.(q|v)_proj"
+    assert lora_params(llama, 8, anchored) == 8 * 4 * 4096
+    assert lora_params(llama, 8, r"self_attn\.(q|v)_proj") == 8 * 4 * 4096
+    assert lora_params(llama, 8, r".*q_proj") == 8 * 2 * 4096
+    assert lora_params(llama, 8, r"q_proj") == 0  # a bare name as a regex: peft's fullmatch too
+    with pytest.raises(CephaloError, match="not a regular expression"):
+        lora_params(llama, 8, "q_proj[")

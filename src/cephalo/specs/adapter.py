@@ -20,6 +20,7 @@ The ONE place these numbers live; the cost model (`cephalo.planning.costmodel`, 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,8 +80,9 @@ class AdapterSpec:
     mode: str = "none"
     r: int = DEFAULT_LORA_R
     targets: str | tuple[str, ...] = ALL_LINEAR
-    """`all-linear`, or module names matched as peft matches them (a name equal to the target
-    or ending in `.target`)."""
+    """`all-linear`; a tuple of module names matched as peft matches a list (a name equal to
+    the target or ending in `.target`); another string is a regular expression, as peft takes
+    one (matched here against the block-relative name: in full, else anywhere in it)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ADAPTER_MODES:
@@ -139,14 +141,44 @@ def frozen_bytes_per_param(dtype_bytes: int, quantized: bool) -> float:
 
 
 def targeted(linears: Sequence[Linear], targets: str | tuple[str, ...]) -> list[Linear]:
-    """The Linear layers LoRA adapts: all of them for `all-linear`, else those whose name is a
-    target or ends in `.target` (peft's suffix match)."""
+    """The Linear layers LoRA adapts: all of them for `all-linear`; for a regular expression
+    those it matches; for names those whose name is a target or ends in `.target` (peft's
+    suffix match)."""
     if targets == ALL_LINEAR:
         return list(linears)
-    names = (targets,) if isinstance(targets, str) else targets
+    if isinstance(targets, str):
+        try:
+            pattern = re.compile(targets)
+        except re.error as e:
+            raise CephaloError(
+                f"lora target modules {targets!r}: not a regular expression ({e})"
+            ) from None
+        return [lin for lin in linears if _regex_targets(pattern, lin.name)]
+    names = targets
     return [
         lin for lin in linears if any(lin.name == t or lin.name.endswith("." + t) for t in names)
     ]
+
+
+BLOCK_PATHS = (
+    "model.layers.0",
+    "model.language_model.layers.0",
+    "model.decoder.layers.0",
+    "transformer.h.0",
+    "transformer.blocks.0",
+    "gpt_neox.layers.0",
+    "base_model.model.model.layers.0",
+)
+"""Where transformers families keep their first decoder block: a peft regex (matched in full
+against the model's module names) is tried against the block's names under each of them."""
+
+
+def _regex_targets(pattern: re.Pattern, name: str) -> bool:
+    """Whether peft's `fullmatch` of `pattern` would take this block Linear. Our names are
+    relative to the block (with the unit's own `layer.` wrapper for transformers blocks)."""
+    tail = name.removeprefix("layer.")
+    candidates = (name, tail, *(f"{path}.{tail}" for path in BLOCK_PATHS))
+    return any(pattern.fullmatch(c) for c in candidates)
 
 
 def lora_params(linears: Sequence[Linear], r: int, targets: str | tuple[str, ...]) -> int:
