@@ -16,6 +16,13 @@ never reads the original files. What it does (see src/cephalo/_data/README.md):
   (least-squares slope of the GB-vs-batch profile), from the authors' `paper` cluster when
   they profiled it there.
 - published parameter counts (model_stats.json), for the tests to compare shapes against.
+- derived cards (consumer and workstation GPUs nobody published, `cephalo.specs.derived`):
+  every entry a same-architecture sibling measured, scaled by SMs x boost clock, with
+  `source: derived`, and the method's measured error (predicting measured cards from their
+  siblings). The cards' public spec numbers (SMs, boost clock, memory, bandwidth; from
+  NVIDIA's spec pages) are the table `SPECS` in src/cephalo/specs/derived.py, which this
+  script and the package both read (one table: the package needs memory and bandwidth too);
+  this script prints it.
 
 Every entry not used is listed under `skipped` with its reason (`cephalo catalog --skipped`).
 """
@@ -31,6 +38,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from cephalo.specs.catalog import DEVICE_ALIASES, MODELS  # noqa: E402
+from cephalo.specs.derived import (  # noqa: E402
+    DERIVED,
+    FILLS,
+    SIBLINGS,
+    SPECS,
+    derivation_errors,
+    derive_timings,
+    error_scope,
+    method_of,
+    siblings_of,
+)
 
 DEFAULT_SRC = ROOT.parent / "shared" / "data" / "published-profiles" / "cephalo"
 DEFAULT_OUT = ROOT / "src" / "cephalo" / "_data" / "catalog.json"
@@ -291,6 +309,20 @@ def build(src: Path) -> dict:
     notes: list = []
     timings = build_timings(lat, skipped, notes)
     memory = build_memory(mem, skipped)
+    errors = derivation_errors(timings)  # on the measured timings only
+    for model, by_dev in derive_timings(timings).items():  # beside the measured entries
+        for dev, by_seq in by_dev.items():
+            for seq, by_dtype in by_seq.items():
+                timings[model].setdefault(dev, {}).setdefault(seq, {}).update(by_dtype)
+    derived = {
+        card: {
+            "from": list(siblings_of(card)),
+            "method": method_of(card),
+            "error_scope": error_scope(card),
+            "fills_gaps": card in FILLS,
+        }
+        for card in (*DERIVED, *FILLS)
+    }
     return {
         "format": 1,
         "source": "Cephalo authors' published profiles (MIT, see LICENSE): model_latencies.json, model_memory.json, model_stats.json",
@@ -301,6 +333,8 @@ def build(src: Path) -> dict:
         "timings": timings,
         "memory": memory,
         "published_params": build_params(stats),
+        "derived": derived,
+        "derivation_errors": errors,
         "skipped": sorted(skipped, key=lambda d: (d["key"], d["device"], d["seq_len"], d["dtype"])),
         "notes": notes,
     }
@@ -320,6 +354,16 @@ def main() -> int:
     print(
         f"wrote {args.out}: {len(catalog['timings'])} models, {n} timing profiles, {len(catalog['memory'])} memory profiles"
     )
+    print("card specs (src/cephalo/specs/derived.py, NVIDIA spec pages):")
+    print(f"  {'card':<18} {'chip':<6} {'SMs':>4} {'boost MHz':>9} {'GB':>4} {'GB/s':>7}  from")
+    for c in SPECS.values():
+        print(
+            f"  {c.name:<18} {c.chip:<6} {c.sms:>4} {c.boost_mhz:>9} {c.memory_gib:>4g} "
+            f"{c.bandwidth_gb_s:>7g}  "
+            + ", ".join(SIBLINGS.get(c.key, ("measured", *FILLS.get(c.key, ()))))
+        )
+    for scope, e in catalog["derivation_errors"].items():
+        print(f"derivation error ({scope}): {e}")
     print(f"skipped {len(catalog['skipped'])} entries:")
     for s in catalog["skipped"]:
         print(f"  {s['key']} {s['device']} seq {s['seq_len']} {s['dtype']}: {s['reason']}")

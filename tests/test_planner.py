@@ -49,7 +49,7 @@ def _min_step_for(choices, opt_s, P, caps):
 def exhaustive_best_step(cm, B: int) -> float:
     """Every batch split, every micro-batch 1..b, both offload choices, fractions by LP."""
     n = len(cm.devices)
-    P = cm.total_params
+    P = cm.optimizer_params  # every parameter, or the adapters (LoRA / QLoRA)
     opt_s = [P * cm.optimizer_s_per_param(d.type_key) for d in cm.devices]
     # (rank, b) -> list of (time without optimizer, state fraction the memory left can hold);
     # ranks of one device type and memory share them (rank_cost depends on nothing else)
@@ -243,7 +243,7 @@ def _exhaustive_fast_identical(cm, B):
     """Exhaustive over splits for a cluster with plenty of memory: the best micro-batch per (rank, b)
     is the fastest one, fractions by LP (memory never binds here)."""
     n = len(cm.devices)
-    P = cm.total_params
+    P = cm.optimizer_params  # every parameter, or the adapters (LoRA / QLoRA)
     opt_s = [P * cm.optimizer_s_per_param(d.type_key) for d in cm.devices]
     fastest = {
         (i, b): min(cm.rank_cost(i, b, m, 0.0).step_s for m in range(1, max(b, 1) + 1))

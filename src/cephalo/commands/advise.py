@@ -11,6 +11,7 @@ from cephalo.commands.plan import (
     DEFAULT_DTYPE,
     DEFAULT_MODEL,
     DEFAULT_SEQ_LEN,
+    adapter_of,
     add_model_arguments,
     build_cost_model,
 )
@@ -140,10 +141,11 @@ def run(args: argparse.Namespace) -> int:
         raise CephaloError(f"--seq-len must be >= 1, got {seq_len}")
     offers = Offers.from_file(args.offers)
     have = Cluster.from_any(args.have) if args.have else None
+    adapter = adapter_of(args)
 
     def cost_model_for(spec: str):
         # exactly what `cephalo plan --cluster SPEC` plans with
-        return build_cost_model(spec, model, seq_len, dtype)
+        return build_cost_model(spec, model, seq_len, dtype, adapter=adapter)
 
     console = make_console()
     advisor = Advisor(
@@ -183,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
         )
     console.print(
         f"[bold]{advice.model}[/bold], global batch {advice.global_batch}, seq {advice.seq_len}, "
-        f"{advice.dtype}; offers: {', '.join(o.name for o in advice.offers)} ({offers.where})"
+        f"{advice.dtype}"
+        + (f", {adapter.describe()}" if adapter.frozen_base else "")
+        + f"; offers: {', '.join(o.name for o in advice.offers)} ({offers.where})"
     )
     for note in advice.left_out:
         console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)

@@ -11,7 +11,9 @@ from cephalo.modeling.registry import model_spec_for
 from cephalo.planning.costmodel import CostModel
 from cephalo.planning.plan import DTYPES, Plan
 from cephalo.planning.sources import catalog_cost_model
+from cephalo.specs.adapter import ADAPTER_MODES, DEFAULT_LORA_R, AdapterSpec
 from cephalo.views.tables import (
+    adapter_lines,
     estimate_lines,
     host_memory_lines,
     make_console,
@@ -32,6 +34,8 @@ examples:
   cephalo plan --cluster cluster.toml --model gpt-1.3b --global-batch 128 --no-offload
   cephalo plan --cluster 2xl4,a6000 --model ./Qwen2.5-0.5B --global-batch 32 --seq-len 1024
   cephalo plan --cluster 2xl4,a6000,p40 --model gpt-6.7b --global-batch 64 --no-host-state
+  cephalo plan --cluster rtx3090,rtx3060 --model ./llama3-8b-shape --global-batch 16 \
+               --adapter qlora --lora-r 16
 
 What it decides, per GPU (rank): how many samples of the global batch it processes
 (batch), in micro-batches of what size (layered gradient accumulation runs them one layer
@@ -40,12 +44,16 @@ Adam moments) it owns, and whether its layer-boundary activations live on the ho
 Where memory is short it may also keep part of a GPU's state shard in host memory
 (`on host`: its fp32 master, gradient and Adam moments; the host CPU runs their AdamW step;
 the node's host memory, `host_memory` in a cluster file, default 256 GiB, is shared by its
-GPUs) and let a GPU wait for each reduce-scatter (`rs wait`: one unit gradient less), only
+GPUs; full fine-tuning only) and let a GPU wait for each reduce-scatter (`rs wait`: one unit gradient less), only
 where that makes the step faster. It maximises samples/s under every GPU's memory, using the cost model fed by the catalog
 (published measurements of real GPUs; `cephalo catalog`) or by measured profiles
 (`cephalo profile --out P.json`, then --profiles P.json). A model the catalog never
 measured (a transformers directory) gets its block times from the same GPU's published
 profiles scaled by FLOPs; the plan prints that estimate's leave-one-out error.
+
+With --adapter lora|qlora only LoRA adapters (rank --lora-r, every Linear of the blocks) are
+trained: the state shards hold the frozen base (compute dtype; NF4 for qlora) and 16 bytes per
+adapter parameter, and only the adapters' gradients are reduced (docs/adapters-planning.md).
 
 strategies: cephalo (the optimiser), even (plain FSDP: equal batches and shards),
 proportional (batches proportional to speed, equal shards), all (compare the three).
@@ -110,6 +118,29 @@ def add_model_arguments(
         "--seq-len", type=int, metavar="N", help=f"tokens per sample ({default(DEFAULT_SEQ_LEN)})"
     )
     p.add_argument("--dtype", choices=DTYPES, help=f"compute dtype ({default(DEFAULT_DTYPE)})")
+    p.add_argument(
+        "--adapter",
+        choices=ADAPTER_MODES,
+        help="what is trained: none (full fine-tuning), lora (adapters on a frozen base in the "
+        "compute dtype) or qlora (adapters on an NF4 base) (default none)",
+    )
+    p.add_argument(
+        "--lora-r",
+        type=int,
+        metavar="N",
+        help=f"LoRA rank, adapters on every Linear of the blocks (default {DEFAULT_LORA_R})",
+    )
+
+
+def adapter_of(args: argparse.Namespace, default: AdapterSpec | None = None) -> AdapterSpec:
+    """--adapter / --lora-r as the cost model's `AdapterSpec`; unset ones from `default` (a
+    plan's own, for `simulate`), else full fine-tuning and rank 16."""
+    base = default or AdapterSpec()
+    mode = args.adapter or base.mode
+    r = args.lora_r if args.lora_r is not None else base.r
+    if args.lora_r is not None and mode == "none":
+        raise CephaloError("--lora-r needs --adapter lora or --adapter qlora")
+    return AdapterSpec(mode, r, base.targets)
 
 
 def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool) -> None:
@@ -143,6 +174,7 @@ def build_cost_model(
     seq_len: int | None,
     dtype: str | None,
     profiles_path: str | None = None,
+    adapter: AdapterSpec | None = None,
 ) -> CostModel:
     """A cost model for a cluster spec (or file), from the catalog or from measured profiles.
 
@@ -169,10 +201,10 @@ def build_cost_model(
     if measured is not None:
         from cephalo.planning.sources import measured_cost_model
 
-        cm = measured_cost_model(cluster, spec, seq_len, dtype, measured)
+        cm = measured_cost_model(cluster, spec, seq_len, dtype, measured, adapter=adapter)
         cm.meta["profile_source"] = f"measured:{profiles_path}"
     else:
-        cm = catalog_cost_model(cluster, spec, seq_len, dtype)
+        cm = catalog_cost_model(cluster, spec, seq_len, dtype, adapter=adapter)
         cm.meta["profile_source"] = "catalog"
     cm.meta["cluster_spec"] = str(cluster_spec)
     cm.meta["cluster"] = cluster.to_dict()
@@ -187,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
         raise CephaloError(f"--global-batch must be >= 1, got {args.global_batch}")
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
         raise CephaloError(f"--plot {args.plot}: the file must end in .png, .pdf or .svg")
-    cm = build_cost_model(args.cluster, args.model, args.seq_len, args.dtype, args.profiles)
+    cm = build_cost_model(
+        args.cluster, args.model, args.seq_len, args.dtype, args.profiles, adapter_of(args)
+    )
     console = make_console()
     allow_offload = not args.no_offload
     host_state = not args.no_host_state
@@ -216,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
         f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
         f"{args.global_batch}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}"
     )
+    for line in adapter_lines(cm):
+        console.print(line, soft_wrap=True)
     for line in estimate_lines(cm):
         console.print(line, style="yellow", soft_wrap=True)
     console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from cephalo.commands.plan import GIB, add_cost_model_arguments, build_cost_model
+from cephalo.commands.plan import GIB, adapter_of, add_cost_model_arguments, build_cost_model
 from cephalo.errors import CephaloError
 from cephalo.planning.plan import Plan
-from cephalo.views.tables import host_memory_lines, make_console, plan_table
+from cephalo.specs.adapter import AdapterSpec
+from cephalo.views.tables import adapter_lines, host_memory_lines, make_console, plan_table
 
 EPILOG = """\
 examples:
@@ -16,8 +17,8 @@ examples:
   cephalo simulate my-plan.json --cluster 2xl4,a6000,p40  # a hand-written plan
   cephalo simulate plan.json --cluster 2xl4,a6000,p40 --profiles measured.json
 
-The plan's model, seq_len and dtype are used unless --model / --seq-len / --dtype override
-them. A hand-written plan needs, per rank: rank, device (the cluster's type, e.g. l4),
+The plan's model, seq_len, dtype and adapter are used unless --model / --seq-len / --dtype /
+--adapter / --lora-r override them. A hand-written plan needs, per rank: rank, device (the cluster's type, e.g. l4),
 batch_size, micro_batch_size, num_micro_batches, state_fraction (and optionally
 offload_activations, host_state_fraction, overlap_reduce); see docs/plan-format.md. Ranks that
 exceed their memory, and nodes whose host memory (`host_memory` in a cluster file, default
@@ -60,13 +61,20 @@ def run(args: argparse.Namespace) -> int:
     # the plan's model / seq_len / dtype unless overridden on the command line
     plan.seq_len = args.seq_len or plan.seq_len
     plan.dtype = args.dtype or plan.dtype
-    cm = build_cost_model(spec, args.model or plan.model, plan.seq_len, plan.dtype, args.profiles)
+    # the plan's adapter settings (`cephalo plan --adapter`) unless overridden
+    adapter = adapter_of(args, AdapterSpec.from_dict(plan.meta.get("adapter")))
+    plan.meta.pop("adapter", None)  # evaluated under the settings just chosen
+    cm = build_cost_model(
+        spec, args.model or plan.model, plan.seq_len, plan.dtype, args.profiles, adapter
+    )
     ev = cm.evaluate(plan)
     console = make_console()
     console.print(
         f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
         f"{plan.global_batch_size}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}"
     )
+    for line in adapter_lines(cm):
+        console.print(line, soft_wrap=True)
     console.print(plan_table(plan, ev, title=f"{args.plan} ({plan.strategy})"))
     for line in host_memory_lines(ev):
         console.print(line)

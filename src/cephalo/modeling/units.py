@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from cephalo.errors import CephaloError
+from cephalo.specs.adapter import Linear
 from cephalo.specs.model import ModelSpec
 
 IGNORE_INDEX = -100
@@ -264,6 +265,24 @@ def unit_param_counts(units: Sequence[Unit]) -> list[int]:
     return counts
 
 
+def block_linears(module: nn.Module) -> tuple[Linear, ...]:
+    """The Linear layers of a block (and transformers' Conv1D, GPT-2's, which peft's
+    `all-linear` adapts too: its weight is stored (in, out)), in module order."""
+    out = []
+    for name, sub in module.named_modules():
+        # a block already wrapped by peft: its LoRA matrices are not base layers, and the base
+        # Linear `q_proj.base_layer` stands for `q_proj`
+        if ".lora_" in f".{name}":
+            continue
+        name = name.removesuffix(".base_layer")
+        if isinstance(sub, nn.Linear):
+            out.append(Linear(name, sub.in_features, sub.out_features))
+        elif type(sub).__name__ == "Conv1D" and getattr(sub, "weight", None) is not None:
+            fan_in, fan_out = sub.weight.shape
+            out.append(Linear(name, int(fan_in), int(fan_out)))
+    return tuple(out)
+
+
 def spec_from_units(
     units: Sequence[Unit],
     *,
@@ -301,4 +320,5 @@ def spec_from_units(
         head_params=counts[-1],
         tied_embeddings=tied_embeddings,
         max_seq_len=max_seq_len,
+        block_linears=block_linears(units[1].module) if num_layers else (),
     )

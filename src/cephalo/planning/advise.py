@@ -367,7 +367,7 @@ class Advisor:
         )
         per_fraction = (
             cm.host_part_device_bytes_per_fraction
-            if self.allow_host_state and cm.host is not None
+            if self.allow_host_state and cm.host is not None and not cm.adapter.frozen_base
             else cm.bytes_per_fraction
         )
         state_cap = (cap - MEMORY_SLACK_BYTES - idle) / per_fraction
@@ -510,6 +510,7 @@ class Advisor:
                 comm,
                 reserve_bytes=base.reserve_bytes,
                 reserve_fraction=base.reserve_fraction,
+                adapter=base.adapter,
             )
             self._comm_models[key] = cm
         return cm

@@ -69,6 +69,13 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     reserve     allocator fragmentation and workspace
     With `overlap_reduce` false, a unit's backward holds its own fp32 gradient only.
 
+  adapters (LoRA, QLoRA: `CostModel.adapter`): the same formulas over `planning/layout.py`'s
+    per-unit quantities: the gathers move the frozen base in its storage bytes (compute dtype or
+    NF4) and the adapters in the compute dtype, the fp32 gradients, reduce-scatters and the
+    optimizer cover only the adapters, the state is the frozen shard + 16 B per adapter
+    parameter, and the measured pass times are scaled for the skipped weight gradients of the
+    frozen matmuls (and QLoRA's dequantization added); host state is for full fine-tuning only.
+
   host memory: x * P * (16 + d unless fp32: the pinned compute-dtype copy the uploads read) +
   the offloaded boundaries ((L + 1) * b * seq * hidden * d); the ranks of a node share its
   `HostResources.memory_bytes`.
@@ -83,7 +90,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from cephalo.errors import CephaloError
+from cephalo.planning.layout import param_layout
 from cephalo.planning.plan import Plan
+from cephalo.specs.adapter import AdapterSpec
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import CommProfile, DeviceProfile
 
@@ -364,6 +373,7 @@ class CostModel:
         meta: dict[str, Any] | None = None,
         host: HostResources | None = None,
         serial_reduce: bool = False,
+        adapter: AdapterSpec | None = None,
     ):
         if dtype not in DTYPE_BYTES:
             raise CephaloError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -405,6 +415,15 @@ class CostModel:
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.total_params = model.total_params
         self._tables = {k: _TypeTables(p) for k, p in profiles.items()}
+        self.adapter = adapter or AdapterSpec()
+        """What is trained: everything, or LoRA adapters on a frozen (NF4 for qlora) base."""
+        self.layout = param_layout(model, seq_len, self.dtype_bytes, self.adapter)
+        """Per unit kind: the bytes gathered and held, the trained parameters (layout.py)."""
+        self.optimizer_params = self.layout.trained_params
+        """Parameters the optimizer steps at state fraction 1 (all, or the adapters)."""
+        self._time_factors = {k: self.layout.time_factors(p) for k, p in profiles.items()}
+        if self.adapter.frozen_base:  # plans made with this model carry it (`evaluate` checks)
+            self.meta["adapter"] = self.adapter.to_dict()
 
         # Parameters each kind of unit gathers. A tied head gathers the token embedding too.
         head_gathered = model.head_params + (
@@ -437,19 +456,19 @@ class CostModel:
         """Per unit kind: one all-gather (overlapped with compute by the prefetch)."""
         self.scatter_s: dict[str, float] = {}
         """Per unit kind: the reduce-scatter of its gradient (overlapped with the next backward)."""
-        for kind, p in self.gathered_params.items():
-            self.gather_s[kind] = ring * p * self.dtype_bytes / comm.bytes_per_s + latency
-            self.scatter_s[kind] = ring * p * GRAD_BYTES / comm.bytes_per_s + latency
+        for kind, u in self.layout.units.items():
+            self.gather_s[kind] = ring * u.gather_bytes / comm.bytes_per_s + latency
+            self.scatter_s[kind] = ring * u.trained * GRAD_BYTES / comm.bytes_per_s + latency
         self.comm_total_s = sum(
             c * (2 * self.gather_s[k] + self.scatter_s[k]) for k, c in self.unit_counts.items()
         )
 
-        self.reduce_out_bytes_per_fraction = max(self.gathered_params.values()) * GRAD_BYTES
+        self.reduce_out_bytes_per_fraction = (
+            max(u.trained for u in self.layout.units.values()) * GRAD_BYTES
+        )
         """The largest unit's reduce-scatter output at state fraction 1 (a rank receives s of
         it); counted in every phase of the peak, an upper bound that keeps memory linear in s."""
-        self.bytes_per_fraction = (
-            self.total_params * STATE_BYTES_PER_PARAM + self.reduce_out_bytes_per_fraction
-        )
+        self.bytes_per_fraction = self.layout.state_bytes + self.reduce_out_bytes_per_fraction
         """Device bytes that grow with the state fraction s, per unit of s: the state and the
         reduce-scatter output."""
         self.sample_boundary_bytes = seq_len * model.hidden_size * self.dtype_bytes
@@ -465,7 +484,7 @@ class CostModel:
         """Host bytes per host-held parameter: the state, plus (unless fp32) the pinned
         compute-dtype copy the uploads read."""
         self.grad_copy_params = sum(
-            c * self.gathered_params[k] for k, c in self.unit_counts.items()
+            c * self.layout.units[k].trained for k, c in self.unit_counts.items()
         )
         """Gradient elements reduce-scattered per step per unit of state fraction (a tied head
         reduces its borrowed embedding slice too): what goes down to the host at x = 1."""
@@ -493,8 +512,12 @@ class CostModel:
         t = self._tables[type_key]
         out = {}
         for kind in self.unit_counts:
-            fwd = full * t.fwd[kind].at(m) + t.fwd[kind].at(last)
-            bwd = fwd + full * t.bwd[kind].at(m) + t.bwd[kind].at(last)
+            # adapters: the frozen matmuls' skipped weight gradients, QLoRA's dequantization
+            # once per pass of a unit that computes (layout.py)
+            f_fwd, f_bwd, dequant = self._time_factors[type_key][kind]
+            deq = np.where(b > 0, dequant, 0.0)
+            fwd = (full * t.fwd[kind].at(m) + t.fwd[kind].at(last)) * f_fwd + deq
+            bwd = fwd + (full * t.bwd[kind].at(m) + t.bwd[kind].at(last)) * f_bwd
             out[kind] = (fwd, bwd)
         return out
 
@@ -606,7 +629,7 @@ class CostModel:
         s = np.asarray(state_fraction, dtype=np.float64)
         x = np.asarray(host_part, dtype=np.float64)
         key = self.devices[rank].type_key
-        device = (s - x) * self.total_params * self.optimizer_s_per_param(key)
+        device = (s - x) * self.optimizer_params * self.optimizer_s_per_param(key)
         if self.host is None:
             return device + 0.0 * x, np.zeros(np.broadcast_shapes(s.shape, x.shape))
         _, up, opt = self.host_rates(rank)
@@ -648,7 +671,7 @@ class CostModel:
             s, x = np.asarray(state_fraction), np.asarray(host_part)
             full = self.state_bytes(s, x)
             for ph, alive in zip(phases, grads, strict=True):
-                missing = (s - x) * GRAD_BYTES * (self.total_params - alive)
+                missing = (s - x) * GRAD_BYTES * (self.optimizer_params - alive)
                 ph["state"] = np.where(overlap, full, full - missing)
         totals = np.stack(
             [
@@ -692,12 +715,11 @@ class CostModel:
         """
         L = self.model.num_layers
         kinds = ["embedding"] + ["block"] * L + ["head"]
-        params = [self.gathered_params[k] for k in kinds]
+        units = [self.layout.units[k] for k in kinds]
         working = b > 0
         m_eff = np.where(working, np.minimum(m, np.maximum(b, 1)), 0)
         t = self._tables[type_key]
         beta = self.sample_boundary_bytes
-        d = self.dtype_bytes
 
         def held(sets: int, staged: int) -> np.ndarray:
             """Boundaries on the device: `sets` of all b samples, or `staged` staging buffers."""
@@ -706,10 +728,11 @@ class CostModel:
         def backward(u: int) -> dict[str, np.ndarray]:
             kind = kinds[u]
             act = t.act[kind].at(m_eff)
-            in_flight = params[u + 1] if u + 1 < len(kinds) else 0
+            in_flight = units[u + 1].trained if u + 1 < len(kinds) else 0
             phase = {
-                "gathered": (params[u] + (params[u - 1] if u > 0 else 0)) * d,
-                "grad_accum": (params[u] + np.where(overlap, in_flight, 0)) * GRAD_BYTES,
+                # this unit as it computes, the prefetched one as gathered
+                "gathered": units[u].held_bytes + (units[u - 1].gather_bytes if u > 0 else 0),
+                "grad_accum": (units[u].trained + np.where(overlap, in_flight, 0)) * GRAD_BYTES,
             }
             if kind == "head":
                 logits = np.maximum(act, m_eff * self.sample_logit_bytes)
@@ -725,7 +748,7 @@ class CostModel:
         phases = [backward(u) for u in self._backward_candidates(lean)]
         phases.append(
             {
-                "gathered": (params[-1] + params[-2]) * d,
+                "gathered": units[-1].held_bytes + units[-2].gather_bytes,
                 "boundary": held(L + 1, 1),
             }
         )
@@ -746,11 +769,7 @@ class CostModel:
         shards a rank without reduce overlap holds (those reduced so far; all of them at the
         optimizer step)."""
         L = self.model.num_layers
-        own = (
-            [self.model.embedding_params]
-            + [self.model.params_per_block] * L
-            + [self.model.head_params]
-        )
+        own = list(self.layout.owned_trained)
 
         def after(u: int) -> int:
             alive = sum(own[u + 1 :])
@@ -759,7 +778,7 @@ class CostModel:
             return alive
 
         grads = [after(u) for u in self._backward_candidates(lean)] + [0]
-        return grads + [self.total_params] if lean else grads
+        return grads + [self.optimizer_params] if lean else grads
 
     def memory_without_state(
         self, type_key: str, capacity_bytes: int, b, m, offload, overlap_reduce=True
@@ -784,9 +803,7 @@ class CostModel:
         that fraction) on the host: only its compute-dtype copy stays."""
         f = np.asarray(fraction)
         x = np.asarray(host_part)
-        return (
-            f - x
-        ) * self.total_params * STATE_BYTES_PER_PARAM + x * self.total_params * self.dtype_bytes
+        return (f - x) * self.layout.state_bytes + x * self.total_params * self.dtype_bytes
 
     def host_bytes(self, b, offload, host_part) -> np.ndarray:
         """Host memory of a rank: `host_part` x of the model held there, and the boundary
@@ -815,6 +832,11 @@ class CostModel:
             raise CephaloError(
                 f"rank {rank}: host_state_fraction must be in [0, 1] (0: all state on the device, "
                 f"1: all on the host), got {host_fraction}"
+            )
+        if host_fraction > 0 and state_fraction > 0 and self.adapter.frozen_base:
+            raise CephaloError(
+                f"rank {rank} keeps state on the host (host_state_fraction {host_fraction:g}), "
+                f"which {self.adapter.mode} does not support: set it to 0"
             )
         if host_fraction > 0 and state_fraction > 0 and self.host is None:
             raise CephaloError(
@@ -867,6 +889,12 @@ class CostModel:
             raise CephaloError(
                 f"the plan is for seq_len {plan.seq_len} / {plan.dtype} but the cost model for "
                 f"seq_len {self.seq_len} / {self.dtype}"
+            )
+        planned = AdapterSpec.from_dict(plan.meta.get("adapter"))
+        if "adapter" in plan.meta and planned != self.adapter:
+            raise CephaloError(
+                f"the plan is for {planned.describe()} but the cost model for "
+                f"{self.adapter.describe()}; evaluate it with the plan's adapter settings"
             )
         for r, d in zip(plan.ranks, self.devices, strict=True):
             if r.device != d.type_key:

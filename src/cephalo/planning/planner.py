@@ -50,7 +50,7 @@ import numpy as np
 
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.log import logger
-from cephalo.planning.costmodel import STATE_BYTES_PER_PARAM, CostModel
+from cephalo.planning.costmodel import CostModel
 from cephalo.planning.plan import Plan, Predicted, RankPlan, largest_remainder
 from cephalo.specs.cluster import Cluster
 
@@ -159,7 +159,9 @@ def make_plan(
     if strategy == "cephalo":
         allowed = _Allowed(
             offload=allow_offload,
-            host=allow_host_state and cost_model.host is not None,
+            host=allow_host_state
+            and cost_model.host is not None
+            and not cost_model.adapter.frozen_base,
             serial=cost_model.serial_reduce,
         )
         choice = _optimise(cost_model, global_batch, allowed)
@@ -213,7 +215,7 @@ def _groups(cm: CostModel) -> list[_Group]:
         by_key[key].ranks.append(i)
     groups = list(by_key.values())
     for g in groups:
-        g.opt_s_per_fraction = cm.total_params * cm.optimizer_s_per_param(g.type_key)
+        g.opt_s_per_fraction = cm.optimizer_params * cm.optimizer_s_per_param(g.type_key)
     return groups
 
 
@@ -711,7 +713,7 @@ def _water_fill(cm: CostModel, groups: list[_Group], found, allowed: _Allowed) -
     off = [o.offload for o in opts]
     t = [o.time for o in opts]
     mc = [o.memcap for o in opts]
-    opt = [cm.total_params * cm.optimizer_s_per_param(d.type_key) for d in cm.devices]
+    opt = [cm.optimizer_params * cm.optimizer_s_per_param(d.type_key) for d in cm.devices]
     mc_arr = np.clip(np.array(mc), 0.0, 1.0)
     t_arr, opt_arr = np.array(t), np.array(opt)
 
@@ -1010,7 +1012,7 @@ def _does_not_fit(cm: CostModel, B: int, allowed: _Allowed) -> PlanDoesNotFit:
     allow_offload = allowed.offload
     n = len(cm.devices)
     P = cm.total_params
-    state_total = P * STATE_BYTES_PER_PARAM
+    state_total = cm.layout.state_bytes
     # what the shards need in all: the state and the reduce-scatter output that grows with it
     sharded_total = cm.bytes_per_fraction
     even_state = sharded_total / n
@@ -1030,7 +1032,12 @@ def _does_not_fit(cm: CostModel, B: int, allowed: _Allowed) -> PlanDoesNotFit:
             )
     msg = [
         f"{cm.model.name} does not fit on this cluster: its training state alone is "
-        f"{_gib(state_total)} (16 bytes x {P:,} parameters)"
+        + (
+            f"{_gib(state_total)} (16 bytes x {P:,} parameters)"
+            if not cm.adapter.frozen_base
+            else f"{_gib(state_total)} ({cm.adapter.describe()}: the {P:,}-parameter base "
+            f"{_gib(cm.layout.frozen_bytes)}, 16 bytes x {cm.optimizer_params:,} adapter parameters)"
+        )
     ]
     if lines:
         msg.append(

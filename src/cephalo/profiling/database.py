@@ -88,7 +88,10 @@ def _cpu_model() -> str | None:
 
 def model_signature(model: torch.nn.Module, spec: Any) -> str:
     """A short hash of the model's shape (ModelSpec fields minus names) and its modules' repr."""
-    shape = {k: v for k, v in asdict(spec).items() if k not in ("name", "aliases")}
+    # block_linears: already in the modules' repr (left out so that caches made before the
+    # field existed stay valid)
+    skip = ("name", "aliases", "block_linears")
+    shape = {k: v for k, v in asdict(spec).items() if k not in skip}
     text = json.dumps(shape, sort_keys=True) + "\n" + repr(model)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -29,6 +29,8 @@ from functools import cache
 from pathlib import Path
 
 from cephalo.errors import CephaloError
+from cephalo.specs.adapter import default_block_linears
+from cephalo.specs.derived import DERIVED, SPECS, DerivationError
 from cephalo.specs.flop_scaling import LeaveOneOut, Published, estimate, group_of, leave_one_out
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import Curve, DeviceProfile, UnitProfile
@@ -99,6 +101,15 @@ DEVICES: dict[str, DeviceSpec] = {
         DeviceSpec("h100-nvl", "H100 NVL", 94, 3938, 5, aliases=("h100", "h100nvl")),
     ]
 }
+# Consumer and workstation cards without published profiles: their timings are derived from
+# a measured sibling (`cephalo.specs.derived`, which holds their data-sheet numbers).
+DEVICES.update(
+    {
+        k: DeviceSpec(k, c.name, c.memory_gib, c.bandwidth_gb_s, c.pcie_gen, aliases=c.aliases)
+        for k, c in ((k, SPECS[k]) for k in DERIVED)
+    }
+)
+MEASURED_DEVICES = tuple(k for k in DEVICES if k not in DERIVED)
 
 # The emulated device of the CPU cluster (`cpu`, `cpu:slowdown=2`). It has no published
 # profile (measure it with `cephalo profile`); its memory is a budget the runtime enforces.
@@ -523,6 +534,9 @@ def _model_spec(s: ModelShape) -> ModelSpec:
         tied_embeddings=s.arch == "bert",
         max_seq_len=s.max_seq_len,
         aliases=(*s.extra_aliases, *s.data_keys),
+        block_linears=default_block_linears(
+            s.arch, s.hidden_size, s.ffn_hidden_size, s.num_heads, s.num_kv_heads
+        ),
     )
 
 
@@ -732,8 +746,11 @@ def timed_model_for(spec: ModelSpec) -> str | None:
 
 
 @cache
-def published_entries(device: str, dtype: str) -> tuple[Published, ...]:
-    """Every published block timing on `device` in `dtype`'s data (bf16 reads fp16)."""
+def published_entries(
+    device: str, dtype: str, measured_only: bool = False
+) -> tuple[Published, ...]:
+    """Every published block timing on `device` in `dtype`'s data (bf16 reads fp16); with
+    `measured_only`, without the entries derived from a sibling card (`specs.derived`)."""
     out = []
     for name, by_dev in _catalog()["timings"].items():
         if name not in MODELS:
@@ -741,7 +758,7 @@ def published_entries(device: str, dtype: str) -> tuple[Published, ...]:
         spec = _model_spec(MODELS[name])
         for seq, by_dtype in by_dev.get(device, {}).items():
             entry = by_dtype.get(_data_dtype(dtype))
-            if entry is not None:
+            if entry is not None and not (measured_only and entry["source"] == "derived"):
                 out.append(
                     Published(
                         name,
@@ -760,9 +777,12 @@ def published_entries(device: str, dtype: str) -> tuple[Published, ...]:
 def estimate_error(device: str | None, dtype: str | None, group: str) -> LeaveOneOut | None:
     """Leave-one-out error of the FLOP-scaled estimate for `group` blocks on `device` in
     `dtype`; with `device` / `dtype` None, pooled over every GPU and dtype of the catalog."""
-    devices = [device] if device else sorted(DEVICES)
+    devices = [device] if device else sorted(MEASURED_DEVICES)  # derived cards repeat them
     dtypes = [dtype] if dtype else ["fp16", "fp32"]
-    return leave_one_out([published_entries(d, t) for d in devices for t in dtypes], group)
+    # measured entries only: a derived entry's error is the derivation's (printed beside it)
+    return leave_one_out(
+        [published_entries(d, t, measured_only=True) for d in devices for t in dtypes], group
+    )
 
 
 def _estimated_block(
@@ -780,14 +800,31 @@ def _estimated_block(
     est = estimate(block_flops_per_sample(spec, seq_len), group, seq_len, candidates)
     here = estimate_error(device, dtype, group)
     overall = estimate_error(None, None, group)
+    timings = _catalog()["timings"]
+    from_derived = any(
+        timings[m][device][seq][_data_dtype(dtype)].get("source") == "derived"
+        for m, seq in (src.split("@") for src in est.sources)
+    )
     meta = {
         "timing_source": "flop-scaled",
-        "estimated_from": ", ".join(est.sources),
+        "estimated_from": ", ".join(est.sources) + (" (derived entries)" if from_derived else ""),
         "estimate_group": group,
         "estimate_error": (here or overall).describe() if (here or overall) else "not measurable",
         "estimate_error_scope": f"{device} {_data_dtype(dtype)}" if here else "all catalog GPUs",
     }
     return est.fwd, est.bwd, meta
+
+
+def derived_meta(device: str) -> dict:
+    """What a plan says about a derived card: its method and the method's measured error."""
+    info = _catalog()["derived"][device]
+    err = _catalog()["derivation_errors"].get(info["error_scope"])
+    return {
+        "derived_method": info["method"],
+        "derived_error_scope": info["error_scope"],
+        "derived_fills_gaps": bool(info.get("fills_gaps")),
+        "derived_error": DerivationError.from_dict(err).describe() if err else "not measurable",
+    }
 
 
 def catalog_profile(
@@ -836,6 +873,11 @@ def catalog_profile(
         if timed == spec.name:
             raise  # a catalog model: say which of its profiles exist
         block_fwd, block_bwd, timing_meta = _estimated_block(spec, device, seq_len, dtype)
+    uses_derived = timing_meta.get("timing_source") == "derived" or timing_meta.get(
+        "estimated_from", ""
+    ).endswith("(derived entries)")
+    if device in DERIVED or uses_derived:
+        timing_meta.update(derived_meta(device))
     act_block, act_source = block_activation_bytes_per_sample(spec, seq_len, dtype)
     emb_ratio, head_ratio = embedding_time_ratio(spec, seq_len), head_time_ratio(spec, seq_len)
     units = {

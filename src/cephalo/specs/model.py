@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cephalo.specs.adapter import Linear
+
 UNIT_KINDS = ("embedding", "block", "head")
 
 
@@ -38,6 +40,10 @@ class ModelSpec:
     max_seq_len: int = 2048
     aliases: tuple[str, ...] = field(default=())
     """Other names accepted for this model (the published data's keys)."""
+    block_linears: tuple[Linear, ...] = field(default=())
+    """The Linear layers of one block (name, in, out): what LoRA adapts (`specs.adapter`). Read
+    off the modules for a runnable model, from the family's shape for a catalog one; empty
+    when unknown (then only full fine-tuning can be planned)."""
 
     @property
     def num_units(self) -> int:

@@ -13,7 +13,7 @@ from cephalo.errors import PlanDoesNotFit
 from cephalo.planning.advise import Advice, FrontierPoint, Marginal
 from cephalo.planning.costmodel import PlanEvaluation
 from cephalo.planning.plan import Plan
-from cephalo.specs import catalog
+from cephalo.specs import catalog, derived
 from cephalo.specs.profile import MeasuredProfiles
 
 GIB = 1024**3
@@ -158,7 +158,7 @@ def catalog_devices_table() -> Table:
             f"gen{d.pcie_gen}",
             f"{catalog.intra_node_bytes_per_s(key) / 1e9:g} GB/s",
             ", ".join(d.aliases),
-            str(len(models_on.get(key, ()))),
+            str(len(models_on.get(key, ()))) + ("*" if key in derived.DERIVED else ""),
         )
     t.add_row(
         "cpu",
@@ -170,7 +170,11 @@ def catalog_devices_table() -> Table:
         "cpu:slowdown=2,mem=1GiB",
         "measure",
     )
-    t.caption = "models: how many catalog models have published profiles on the device"
+    t.caption = (
+        "models: how many catalog models have published profiles on the device; *: derived "
+        "from a measured card of the same architecture by spec ratios (specs/derived.py; its "
+        "measured error is printed with a plan)"
+    )
     return t
 
 
@@ -278,10 +282,23 @@ def catalog_skipped_table() -> Table:
 
 def estimate_lines(cost_model) -> list[str]:
     """One line per device type whose block times were estimated by FLOP scaling (a model
-    the catalog never measured): from what, and that estimate's leave-one-out error."""
+    the catalog never measured): from what, and that estimate's leave-one-out error; and one
+    per derived card (no published measurements): its method and that method's measured error."""
     lines = []
     for key, profile in cost_model.profiles.items():
         meta = profile.meta
+        if "derived_method" in meta:
+            lines.append(
+                f"{key}: "
+                + (
+                    "not measured for this model"
+                    if meta.get("derived_fills_gaps")
+                    else "no published measurements"
+                )
+                + f"; {meta['derived_method']}. Measured error of "
+                f"this derivation ({meta['derived_error_scope']}, predicting measured cards "
+                f"from their siblings): {meta['derived_error']}."
+            )
         if meta.get("timing_source") != "flop-scaled":
             continue
         lines.append(
@@ -292,6 +309,25 @@ def estimate_lines(cost_model) -> list[str]:
             "devices with `cephalo profile` for a better plan."
         )
     return lines
+
+
+def adapter_lines(cost_model) -> list[str]:
+    """What an adapter plan trains and what it costs per parameter (nothing for full
+    fine-tuning): the numbers `planning/layout.py` feeds the cost model."""
+    adapter, layout = cost_model.adapter, cost_model.layout
+    if not adapter.frozen_base:
+        return []
+    gib = 1024**3
+    base = layout.frozen_bytes / cost_model.total_params
+    block = layout.units["block"]
+    return [
+        f"{adapter.describe()}: {layout.trained_params:,} adapter parameters "
+        f"({layout.trained_params / cost_model.total_params:.2%} of {cost_model.total_params:,}) "
+        f"at 16 B; frozen base {layout.frozen_bytes / gib:.2f} GiB ({base:.3f} B/param; full "
+        f"fine-tuning's state: {cost_model.total_params * 16 / gib:.1f} GiB); a block gathers "
+        f"{block.gather_bytes / 2**20:.1f} MiB, reduces {block.trained * 4 / 2**20:.1f} MiB; "
+        f"backward x{block.bwd_factor:.2f} of the profiled (frozen weights get no gradient)"
+    ]
 
 
 # ---------------------------------------------------------------------- the advisor
