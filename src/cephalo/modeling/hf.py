@@ -388,7 +388,17 @@ class HFUnitModel(UnitModel):
         generator: torch.Generator,
     ) -> dict[str, torch.Tensor]:
         """Pretrained: the unit's tensors from the safetensors files (nothing drawn).
-        Random: transformers' init of the unit's modules, seeded by one draw from `generator`."""
+        Random: transformers' init of the unit's modules, seeded by one draw from `generator`.
+        With LoRA adapters: the same for the base, and the adapters' own (modeling/lora.py)."""
+        if self.adapter is not None:
+            from cephalo.modeling.lora import adapter_initial_values
+
+            return adapter_initial_values(
+                self, unit_name, named_params, self._base_values, generator
+            )
+        return self._base_values(unit_name, named_params, generator)
+
+    def _base_values(self, unit_name, named_params, generator) -> dict[str, torch.Tensor]:
         if self.weights is not None:
             return self.weights.read(unit_name, [n for n, _ in named_params])
         return self._random_values(unit_name, named_params, generator)

