@@ -6,8 +6,6 @@ bit, QLoRA's NF4 codes against torchao's, each rank's frozen bytes."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -60,11 +58,11 @@ def _lora_run(directory: str, plan, cfg: EngineConfig, data, settings: AdapterSe
     frozen_after = engine.frozen.full_state_dict(names.__getitem__)
     out = {"losses": [s.loss for s in stats], "frozen_bytes": engine.frozen.nbytes()}
     if comm.rank == 0:
-        from safetensors.torch import load_file
+        import transformers
 
-        stored = {}
-        for f in Path(directory).glob("*.safetensors"):
-            stored.update(load_file(str(f)))
+        stored = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32
+        ).state_dict()
         out.update(
             initial={adapter.peft_key(k): v for k, v in initial.items()},
             final={adapter.peft_key(k): v for k, v in final.items()},
