@@ -315,7 +315,7 @@ def train_peft(
     import peft
     import transformers
 
-    from cephalo.runtime.nf4 import nf4_roundtrip
+    from cephalo.modeling.nf4 import nf4_roundtrip
 
     steps = len(batches)
     with torch.random.fork_rng(devices=[]):

@@ -106,6 +106,19 @@ class Adapter:
         raise CephaloError(f"{name} is not an adapter parameter")
 
 
+def adapter_settings(model_config) -> AdapterSettings:
+    """The settings of a job config's `[model]` section (train/config.py `ModelConfig`)."""
+    targets = list(model_config.lora_target_modules)
+    return AdapterSettings(
+        kind=model_config.adapter,
+        r=model_config.lora_r,
+        alpha=model_config.lora_alpha,
+        dropout=model_config.lora_dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        adapter_path=model_config.adapter_path,
+    )
+
+
 def is_adapter_parameter(name: str) -> bool:
     return any(m in name for m in _LORA_MARKERS)
 
@@ -116,7 +129,7 @@ def base_name(name: str) -> str:
 
 
 def peft_module() -> Any:
-    from cephalo.runtime.nf4 import quiet_torchao
+    from cephalo.modeling.nf4 import quiet_torchao
 
     try:
         with quiet_torchao():  # peft imports torchao when it is installed
@@ -216,7 +229,7 @@ def apply_adapter(model, settings: AdapterSettings) -> Adapter:
     if settings.adapter_path:
         stored, tensors = _read_adapter_dir(settings.adapter_path)
     if settings.kind == "qlora":
-        from cephalo.runtime.nf4 import nf4_backend
+        from cephalo.modeling.nf4 import nf4_backend
 
         nf4_backend()  # the extra's message now, not at the engine
     peft = peft_module()
@@ -405,4 +418,42 @@ def adapter_initial_values(
         else:
             value.zero_()
         out[n] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- export
+def save_peft_directory(model, out: Path, adapters: dict[str, torch.Tensor]) -> None:
+    """Write `adapter_config.json` + `adapter_model.safetensors` (peft's names and format)
+    that `PeftModel.from_pretrained(base, out)` loads; `adapters`: fp32 by `<unit>.<param>`
+    (`Engine.full_state_dict()` of a LoRA run)."""
+    from safetensors.torch import save_file
+
+    adapter: Adapter = model.adapter
+    out.mkdir(parents=True, exist_ok=True)
+    adapter.peft_config.save_pretrained(str(out))
+    tensors = {adapter.peft_key(k): v.detach().contiguous() for k, v in adapters.items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+@torch.no_grad()
+def merged_state(
+    model, adapters: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The base with the adapters merged in, by the unwrapped `<unit>.<param>` names
+    (`hf_export` reads these): W + scaling * B A for each adapted layer, with peft's layer's
+    own scaling and fan-in/fan-out convention (`frozen`: the base, QLoRA's dequantized)."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {base_name(k): v.clone() for k, v in frozen.items()}
+    for unit in model.units:
+        for path, layer in unit.module.named_modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            prefix = f"{unit.name}.{path}"
+            a = adapters[f"{prefix}.lora_A.{ADAPTER_NAME}.weight"]
+            b = adapters[f"{prefix}.lora_B.{ADAPTER_NAME}.weight"]
+            delta = (b @ a) * layer.scaling[ADAPTER_NAME]
+            if getattr(layer, "fan_in_fan_out", False):
+                delta = delta.t()
+            out[f"{prefix}.weight"] += delta
     return out

@@ -28,7 +28,7 @@ import torch
 from cephalo.runtime.comm import Comm, Handle
 from cephalo.runtime.flat import overlap, shard_ranges
 from cephalo.runtime.memory import MemoryLedger
-from cephalo.runtime.nf4 import Nf4Format, dequantize, nf4_format, quantize
+from cephalo.modeling.nf4 import Nf4Format, dequantize, nf4_format, quantize
 
 FROZEN = "frozen"
 """Ledger category: this rank's piece of the frozen base (compute dtype or NF4 bytes)."""
