@@ -141,3 +141,99 @@ def test_lora_continues_adapter_path(pool3, tmp_path, model_type):
     ref = train_peft(directory, data, optim_config(CONFIG), adapter_dir=str(adapter_dir))
     _compare(results, ref, f"{model_type} adapter_path", 1e-5)
     _base_unchanged(results[0], model_type)
+
+
+# QLoRA: widths whose linear weights are whole NF4 blocks (64) and mostly whole scaler blocks
+# (256 blocks), 4 layers and tied embeddings so the blocks dominate as in real models
+QLORA_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+
+
+def _nf4_checks(directory: str, plan, settings: AdapterSettings) -> dict:
+    """On every rank: the gathered NF4 bytes of each quantized weight against torchao's
+    `NF4Tensor.from_tensor` of the pretrained weight (rank 0 compares), and this rank's
+    frozen-base bytes under QLoRA and LoRA in bf16."""
+    import transformers
+
+    from cephalo.modeling.nf4 import nf4_backend
+
+    torch.set_num_threads(1)
+    quiet_transformers()
+    comm = make_comm("gloo")
+    out: dict = {"bytes": {}}
+    for kind in ("qlora", "lora"):
+        model = build_model(directory)
+        apply_adapter(model, dataclasses.replace(settings, kind=kind))
+        hf_names = dict(model.hf_names)
+        engine = Engine(model, plan, comm, EngineConfig(compute_dtype="bf16"))
+        out["bytes"][kind] = engine.frozen.nbytes()
+        if kind != "qlora":
+            continue
+        stored = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32
+        ).state_dict()
+        nf4 = nf4_backend()
+        compared, scaler_blocks = 0, set()
+        for index, unit in enumerate(model.units):
+            g = engine.frozen.start_gather(index, async_op=False)
+            if g is None:
+                continue
+            for s in g.unit.layout.slots:
+                if s.nf4 is None:
+                    continue
+                raw = g.flat[s.offset : s.end].view(torch.uint8)
+                codes, scalers, factors, mean = s.nf4.pieces(raw)
+                w = stored[hf_names[f"{unit.name}.{base_name(s.name)}"][0]]
+                lib = nf4.NF4Tensor.from_tensor(w, s.nf4.block_size, s.nf4.scaler_block_size)
+                assert torch.equal(codes, lib.quantized_data), s.name
+                assert torch.equal(scalers, lib.quantized_scalers), s.name
+                assert torch.equal(factors, lib.quantization_factor), s.name
+                assert torch.equal(mean, lib.scaler_mean), s.name
+                compared += 1
+                scaler_blocks.add(s.nf4.scaler_block_size)
+            engine.frozen.release(g)
+        out["compared"], out["scaler_blocks"] = compared, sorted(scaler_blocks)
+    return out
+
+
+@pytest.mark.slow
+def test_qlora(pool3, tmp_path):
+    """QLoRA on 3 uneven ranks: 5 steps equal peft's on the same NF4 base (every linear
+    weight but the head through torchao's NF4 round trip) to 1e-4; the gathered NF4 bytes are
+    torchao's codes, scalers, factors and mean; each rank holds at most 0.3x the frozen bytes
+    of bf16 LoRA."""
+    pytest.importorskip("torchao")
+    import peft
+
+    directory = str(save_tiny_model("llama", tmp_path / "llama", seed=3, **QLORA_SHAPE))
+    plan = make_plan(**UNEVEN, seq_len=SEQ, model=directory)
+    data = make_data(STEPS, plan.global_batch_size, seq_len=SEQ, vocab=VOCAB)
+    settings = AdapterSettings("qlora", r=R, alpha=ALPHA)
+    results = pool3.run(_lora_run, directory, plan, CONFIG, data, settings)
+    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules="all-linear")
+    ref = train_peft(
+        directory,
+        data,
+        optim_config(CONFIG),
+        config,
+        adapters=results[0]["initial"],
+        nf4_base=True,
+    )
+    _compare(results, ref, "qlora", 1e-4)
+    _base_unchanged(results[0], "qlora")
+
+    checks = pool3.run(_nf4_checks, directory, plan, settings)
+    print(f"qlora: {checks[0]['compared']} NF4 weights equal torchao's "
+          f"(scaler blocks {checks[0]['scaler_blocks']})")
+    assert checks[0]["compared"] >= 4 * 7 and 256 in checks[0]["scaler_blocks"]
+    for rank, c in enumerate(checks):
+        ratio = c["bytes"]["qlora"] / c["bytes"]["lora"]
+        print(f"rank {rank}: frozen base {c['bytes']['qlora']} B (QLoRA) vs "
+              f"{c['bytes']['lora']} B (bf16 LoRA): {ratio:.3f}x")
+        assert ratio <= 0.3

@@ -326,8 +326,9 @@ def _quantizable(model, head: str) -> list[str]:
         for path, module in unit.module.named_modules():
             if not isinstance(module, _linear_classes()):
                 continue
-            hf = model.hf_names.get(f"{unit.name}.{base_name(path)}.weight", [""])[-1]
-            if hf.removesuffix(".weight") == head or module.weight.requires_grad:
+            # (a tied output head's weight is the embedding's: no name here, not quantized)
+            hf = model.hf_names.get(f"{unit.name}.{path.removesuffix('.base_layer')}.weight")
+            if not hf or hf[-1].removesuffix(".weight") == head or module.weight.requires_grad:
                 continue
             out.append(f"{unit.name}.{path}.weight")
     return out
