@@ -6,6 +6,7 @@ bit, QLoRA's NF4 codes against torchao's, each rank's frozen bytes."""
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 import torch
 
@@ -15,7 +16,15 @@ from cephalo.runtime.comm import make_comm
 from cephalo.runtime.engine import Engine, EngineConfig
 from cephalo.runtime.optim import AdamWHyper
 from dist_harness import dist_pool_fixture
-from engine_common import LR, make_data, make_plan, max_rel_diff, one_thread, optim_config, rank_slice
+from engine_common import (
+    LR,
+    make_data,
+    make_plan,
+    max_rel_diff,
+    one_thread,
+    optim_config,
+    rank_slice,
+)
 from hf_configs import SEQ, VOCAB, quiet_transformers, save_tiny_model
 from reference import train_peft
 
@@ -68,9 +77,7 @@ def _lora_run(directory: str, plan, cfg: EngineConfig, data, settings: AdapterSe
             final={adapter.peft_key(k): v for k, v in final.items()},
             frozen_before=frozen_before,
             frozen_after=frozen_after,
-            pretrained={
-                k: stored[hf_names[base_name(k)][0]] for k in frozen_before
-            },
+            pretrained={k: stored[hf_names[base_name(k)][0]] for k in frozen_before},
         )
     return out
 
@@ -229,11 +236,15 @@ def test_qlora(pool3, tmp_path):
     _base_unchanged(results[0], "qlora")
 
     checks = pool3.run(_nf4_checks, directory, plan, settings)
-    print(f"qlora: {checks[0]['compared']} NF4 weights equal torchao's "
-          f"(scaler blocks {checks[0]['scaler_blocks']})")
+    print(
+        f"qlora: {checks[0]['compared']} NF4 weights equal torchao's "
+        f"(scaler blocks {checks[0]['scaler_blocks']})"
+    )
     assert checks[0]["compared"] >= 4 * 7 and 256 in checks[0]["scaler_blocks"]
     for rank, c in enumerate(checks):
         ratio = c["bytes"]["qlora"] / c["bytes"]["lora"]
-        print(f"rank {rank}: frozen base {c['bytes']['qlora']} B (QLoRA) vs "
-              f"{c['bytes']['lora']} B (bf16 LoRA): {ratio:.3f}x")
+        print(
+            f"rank {rank}: frozen base {c['bytes']['qlora']} B (QLoRA) vs "
+            f"{c['bytes']['lora']} B (bf16 LoRA): {ratio:.3f}x"
+        )
         assert ratio <= 0.3

@@ -47,7 +47,9 @@ def _run_logits(directory, run_dir, adapter: str, probe: torch.Tensor) -> torch.
     adapters on the base the run trained on (the engine's frozen base, NF4 dequantized)."""
     from cephalo.modeling.lora import adapter_settings
 
-    cfg = load_config(None, _job(run_dir, directory, f"--model.adapter={adapter}", "--model.lora_r=4"))
+    cfg = load_config(
+        None, _job(run_dir, directory, f"--model.adapter={adapter}", "--model.lora_r=4")
+    )
     model = build_model(str(directory))
     apply_adapter(model, adapter_settings(cfg.model))
     plan = simple_plan("even", Cluster.parse("cpu"), str(directory), SEQ, 1, "fp32")
@@ -88,7 +90,11 @@ def test_export_roundtrip(tmp_path, adapter):
         "llama", tmp_path / "base", seed=2, vocab_size=256, hidden_size=64, intermediate_size=128
     )
     run_dir = tmp_path / "run"
-    train(load_config(None, _job(run_dir, directory, f"--model.adapter={adapter}", "--model.lora_r=4")))
+    train(
+        load_config(
+            None, _job(run_dir, directory, f"--model.adapter={adapter}", "--model.lora_r=4")
+        )
+    )
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     saved = list(verify_checkpoint(checkpoint)["tensors"])
     assert saved and all(".lora_A." in n or ".lora_B." in n for n in saved), saved[:4]
@@ -113,9 +119,9 @@ def test_export_roundtrip(tmp_path, adapter):
     e1, e2 = _rel(via_peft, ours), _rel(via_merged, ours)
     print(f"{adapter}: logits vs the run's: peft-loaded {e1:.2e}, merged {e2:.2e}")
     assert e1 <= 1e-5 and e2 <= 1e-5
-    assert any(
-        v.abs().max() > 0 for k, v in loaded.state_dict().items() if "lora_B" in k
-    ), "training moved B"
+    assert any(v.abs().max() > 0 for k, v in loaded.state_dict().items() if "lora_B" in k), (
+        "training moved B"
+    )
 
 
 @pytest.mark.slow

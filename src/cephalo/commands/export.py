@@ -62,7 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--hf", metavar="DIR", default=None, help="write a transformers model directory")
     p.add_argument(
-        "--peft", metavar="DIR", default=None, help="write a LoRA run's adapters as a PEFT directory"
+        "--peft",
+        metavar="DIR",
+        default=None,
+        help="write a LoRA run's adapters as a PEFT directory",
     )
     p.set_defaults(func=run)
 
@@ -130,7 +133,7 @@ def export_checkpoint(
     adapter = mc.get("adapter", "none")
     if peft_dir is not None and adapter == "none":
         raise CephaloError(
-            f"export --peft: {checkpoint} is a full fine-tune (model.adapter = \"none\"), it has "
+            f'export --peft: {checkpoint} is a full fine-tune (model.adapter = "none"), it has '
             "no adapters; export it with --hf DIR or --out FILE"
         )
     if adapter == "none":

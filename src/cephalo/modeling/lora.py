@@ -176,7 +176,9 @@ def _read_adapter_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as e:
-        raise CephaloError(f"model.adapter_path {path}: cannot read adapter_config.json: {e}") from None
+        raise CephaloError(
+            f"model.adapter_path {path}: cannot read adapter_config.json: {e}"
+        ) from None
     weights = directory / "adapter_model.safetensors"
     if not weights.is_file():
         raise CephaloError(f"model.adapter_path {path}: no adapter_model.safetensors there")
@@ -215,10 +217,8 @@ def _peft_config(settings: AdapterSettings, stored: dict | None) -> Any:
 def apply_adapter(model, settings: AdapterSettings) -> Adapter:
     """Inject peft's LoRA layers into `model`'s units (built on meta), freeze the rest, and
     record the adapter on `model.adapter` (see the module docstring)."""
-    from cephalo.modeling.hf import HFUnitModel
-
     settings.validate()
-    if not isinstance(model, HFUnitModel):
+    if getattr(model, "hf_names", None) is None:  # (an HFUnitModel; hf.py imports this module)
         raise CephaloError(
             f"model.adapter = {settings.kind} needs a transformers model (a model directory or "
             "an hf-* preset); the built-in GPT trains fully"
@@ -245,8 +245,14 @@ def apply_adapter(model, settings: AdapterSettings) -> Adapter:
         if settings.adapter_path and not chosen:
             # a saved config's targets may be full names of another model: the tensors say
             chosen = [n for n in linear if f"{PEFT_PREFIX}{n}.lora_A.weight" in (tensors or {})]
+    names = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    if not chosen and settings.adapter_path:
+        raise CephaloError(
+            f"model.adapter_path {settings.adapter_path} was made for another base: its target "
+            f"modules {sorted(config.target_modules)} match no linear layer of model "
+            f"{model.spec.name} (whose linear layers are: {', '.join(names)})"
+        )
     if not chosen:
-        names = sorted({n.rsplit(".", 1)[-1] for n in linear})
         raise CephaloError(
             f"model.lora_target_modules {config.target_modules!r} matches no linear layer of "
             f"model {model.spec.name}; its linear layers are: {', '.join(names)} (or "
@@ -265,7 +271,9 @@ def apply_adapter(model, settings: AdapterSettings) -> Adapter:
         unit_config = _saved_config(config, paths, model)
         unit_config.inference_mode = False
         with contextlib.redirect_stderr(None):
-            peft.inject_adapter_in_model(unit_config, unit.module, ADAPTER_NAME, low_cpu_mem_usage=True)
+            peft.inject_adapter_in_model(
+                unit_config, unit.module, ADAPTER_NAME, low_cpu_mem_usage=True
+            )
         for path in paths:
             hf_name = next(n for n in chosen if linear[n] == (unit.name, path))
             adapter.modules[f"{unit.name}.{path}"] = hf_name

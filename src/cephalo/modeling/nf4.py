@@ -40,7 +40,10 @@ def nf4_backend() -> Any:
     """torchao's NF4 module, or the message naming the extra."""
     try:
         with quiet_torchao():
-            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+            try:
+                from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+            except ImportError:  # torchao before the module moved
+                from torchao.dtypes import nf4tensor as nf4_tensor
     except ImportError:
         raise CephaloError(
             "model.adapter = qlora needs torchao's NF4 tensors: pip install 'cephalo[qlora]'"
@@ -126,7 +129,8 @@ def quantize(fmt: Nf4Format, value: torch.Tensor) -> torch.Tensor:
     """The bytes (uint8 [fmt.nbytes]) of torchao's NF4 of `value` (quantized in fp32)."""
     nf4 = nf4_backend()
     t = nf4.NF4Tensor.from_tensor(
-        value.detach().float().reshape(fmt.shape).contiguous(), fmt.block_size,
+        value.detach().float().reshape(fmt.shape).contiguous(),
+        fmt.block_size,
         fmt.scaler_block_size,
     )
     raw = torch.zeros(fmt.nbytes, dtype=torch.uint8)
@@ -152,7 +156,14 @@ def to_nf4_tensor(fmt: Nf4Format, raw: torch.Tensor) -> Any:
     )
     lut = torch.tensor(_NF4_VALUES, dtype=torch.float32, device=raw.device)
     return nf4.NF4Tensor(
-        meta, fmt.block_size, fmt.n_blocks, fmt.scaler_block_size, scalers, factors, mean, codes,
+        meta,
+        fmt.block_size,
+        fmt.n_blocks,
+        fmt.scaler_block_size,
+        scalers,
+        factors,
+        mean,
+        codes,
         lut,
     )
 

@@ -403,7 +403,11 @@ class Engine:
         self.frozen: FrozenBase | None = None
         if any(not p.requires_grad for p in model.parameters()):
             self.frozen = FrozenBase(
-                self.comm, self.ledger, self.device, self.dtype, fractions,
+                self.comm,
+                self.ledger,
+                self.device,
+                self.dtype,
+                fractions,
                 model.quantized_parameters,
             )
         for i, unit in enumerate(model.units):

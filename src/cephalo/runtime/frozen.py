@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cephalo.modeling.nf4 import Nf4Format, dequantize, nf4_format, quantize
 from cephalo.runtime.comm import Comm, Handle
 from cephalo.runtime.flat import overlap, shard_ranges
 from cephalo.runtime.memory import MemoryLedger
-from cephalo.modeling.nf4 import Nf4Format, dequantize, nf4_format, quantize
 
 FROZEN = "frozen"
 """Ledger category: this rank's piece of the frozen base (compute dtype or NF4 bytes)."""
@@ -236,8 +236,7 @@ class FrozenBase:
             out[b.name] = b.owner.layout.decode(b.slot, buf)
         if layout.quantized or any(b.slot.nf4 is not None for b in g.unit.borrows):
             g.dequant_bytes = sum(
-                t.numel() * t.element_size()
-                for s, t in _quantized_values(g.unit, out)
+                t.numel() * t.element_size() for s, t in _quantized_values(g.unit, out)
             )
             self.ledger.charge(DEQUANT, g.dequant_bytes)
         return out

@@ -781,7 +781,7 @@ def _adapter_mismatch(path: Path, saved: Iterable[str], model: Iterable[str]) ->
         )
     return (
         f"checkpoint {path} is a full fine-tune and this run trains LoRA adapters "
-        "(model.adapter): resume it with model.adapter = \"none\", or export it (`cephalo "
+        '(model.adapter): resume it with model.adapter = "none", or export it (`cephalo '
         "export RUN --hf DIR`) and train adapters on that directory"
     )
 

@@ -596,7 +596,8 @@ def _validate(cfg: JobConfig) -> None:
             f"model.lora_r must be >= 1, got {m.lora_r}",
         )
         check(
-            0.0 <= m.lora_dropout < 1.0, f"model.lora_dropout must be in [0, 1), got {m.lora_dropout}"
+            0.0 <= m.lora_dropout < 1.0,
+            f"model.lora_dropout must be in [0, 1), got {m.lora_dropout}",
         )
         check(bool(m.lora_target_modules), "model.lora_target_modules must not be empty")
         check(m.adapter != "none", "model.adapter_path needs model.adapter = lora or qlora")
