@@ -248,3 +248,36 @@ def test_qlora(pool3, tmp_path):
             f"{c['bytes']['lora']} B (bf16 LoRA): {ratio:.3f}x"
         )
         assert ratio <= 0.3
+
+
+def test_lora_collectives_and_ledger(tmp_path):
+    """One rank, a steady-state LoRA step: the frozen units are gathered (the embedding only
+    forward: it has nothing to train), only the adapters' gradients are reduce-scattered,
+    and the ledger holds 16 B per adapter parameter (`state`: fp32 master, gradient, two
+    moments) and the compute dtype's bytes per frozen parameter (`frozen`)."""
+    from cephalo.runtime.comm import LocalComm
+
+    quiet_transformers()
+    directory = str(save_tiny_model("llama", tmp_path / "llama", seed=3))
+    plan = make_plan([4], [1.0], [2], seq_len=SEQ, model=directory)
+    model = build_model(directory)
+    apply_adapter(model, AdapterSettings("lora", r=R, alpha=ALPHA))
+    adapter_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen_params = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    comm = LocalComm()
+    engine = Engine(model, plan, comm, CONFIG)
+    (x, y), (x2, y2) = make_data(2, 4, seq_len=SEQ, vocab=VOCAB)
+    engine.train_step(x, y, lr=LR)
+    comm.counters.reset()
+    engine.train_step(x2, y2, lr=LR)
+    blocks = len(model.units) - 2
+    # forward: embedding, head (frozen only) + blocks (frozen + adapters); backward: no embedding
+    assert dict(comm.counters.calls) == {
+        "all_gather_v": (2 + 2 * blocks) + (1 + 2 * blocks),
+        "reduce_scatter_v": blocks,
+        "all_reduce": 2,
+    }
+    held = engine.ledger.current_by_category
+    assert held["state"] == 16 * adapter_params
+    assert held["frozen"] == 4 * frozen_params
+    assert engine.frozen.nbytes() == 4 * frozen_params
