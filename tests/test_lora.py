@@ -40,7 +40,7 @@ UNEVEN = dict(batches=[5, 2, 1], fractions=[0.6, 0.3, 0.1], micro=[2, 1, 1])
 # of max|B| after 3 steps on one rank with 3 micro-batches; 0 with one micro-batch: the
 # arithmetic is peft's). eps = 1e-5 keeps the comparison about the implementation.
 CONFIG = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=1e-5, weight_decay=0.1))
-FAMILIES = ["llama", "mistral", "qwen2", "gemma2", "gpt_neox", "phi3"]
+FAMILIES = ["llama", "mistral", "qwen2", "gemma2", "gpt_neox", "phi3", "gpt2"]
 R, ALPHA = 4, 8
 
 

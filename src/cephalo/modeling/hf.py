@@ -54,6 +54,7 @@ from cephalo.modeling.hf_config import (
 )
 from cephalo.modeling.hf_families import Family, config_value, family_of
 from cephalo.modeling.hf_weights import PretrainedWeights
+from cephalo.modeling.nf4 import quiet_torchao
 from cephalo.modeling.units import LMHead, Unit, UnitModel, spec_from_units
 
 INIT_CHOICES = ("auto", "pretrained", "random")
@@ -65,7 +66,8 @@ def build_hf_model(config, device: torch.device | str = "meta") -> nn.Module:
     non-persistent buffers are then computed on the CPU (`_materialize_buffers`). The global
     RNG is left as it was (a non-meta build runs transformers' random init)."""
     tf = transformers_module()
-    with torch.random.fork_rng(devices=[]), torch.device(device):
+    with torch.random.fork_rng(devices=[]), torch.device(device), quiet_torchao():
+        # (transformers imports torchao, when installed, on its first model)
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if torch.device(device).type == "meta":
         _materialize_buffers(model)

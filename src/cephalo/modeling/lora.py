@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from cephalo.errors import CephaloError
+from cephalo.modeling.nf4 import quiet_torchao
 
 ADAPTERS = ("none", "lora", "qlora")
 ADAPTER_NAME = "default"
@@ -129,8 +130,6 @@ def base_name(name: str) -> str:
 
 
 def peft_module() -> Any:
-    from cephalo.modeling.nf4 import quiet_torchao
-
     try:
         with quiet_torchao():  # peft imports torchao when it is installed
             import peft
@@ -259,6 +258,11 @@ def apply_adapter(model, settings: AdapterSettings) -> Adapter:
             '"all-linear")'
         )
     _check_untied(model, [linear[n] for n in chosen])
+    from transformers.pytorch_utils import Conv1D
+
+    modules = [model.unit(linear[n][0]).module.get_submodule(linear[n][1]) for n in chosen]
+    if all(isinstance(m, Conv1D) for m in modules):
+        config.fan_in_fan_out = True  # GPT-2's [in, out] weights: what peft sets, with a warning
     by_unit: dict[str, list[str]] = {}
     for n in chosen:
         unit_name, path = linear[n]
@@ -270,7 +274,7 @@ def apply_adapter(model, settings: AdapterSettings) -> Adapter:
             continue
         unit_config = _saved_config(config, paths, model)
         unit_config.inference_mode = False
-        with contextlib.redirect_stderr(None):
+        with quiet_torchao():  # peft's layer dispatch imports torchao when it is installed
             peft.inject_adapter_in_model(
                 unit_config, unit.module, ADAPTER_NAME, low_cpu_mem_usage=True
             )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,22 +52,16 @@ def nf4_backend() -> Any:
 
 
 @contextlib.contextmanager
-def quiet_torchao():
-    """torchao logs a warning per C++ extension built for another torch; the NF4 tensor is
-    pure PyTorch and needs none of them."""
+def quiet_torchao() -> Iterator[None]:
+    """Importing torchao logs a warning per C++ extension built for another torch version;
+    the NF4 tensor is pure PyTorch and needs none of them: keep them out of the output."""
     log = logging.getLogger("torchao")
     level = log.level
     log.setLevel(logging.ERROR)
-    old = os.environ.get("TORCHAO_FORCE_SKIP_LOADING_SO_FILES")
-    os.environ["TORCHAO_FORCE_SKIP_LOADING_SO_FILES"] = "1"
     try:
         yield
     finally:
         log.setLevel(level)
-        if old is None:
-            os.environ.pop("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", None)
-        else:
-            os.environ["TORCHAO_FORCE_SKIP_LOADING_SO_FILES"] = old
 
 
 def _aligned(n: int) -> int:

@@ -146,7 +146,8 @@ class FrozenGathered:
     flat: torch.Tensor
     tied: list[torch.Tensor]
     handles: list[Handle]
-    dequant_bytes: int = 0
+    dequant: list[torch.Tensor] = field(default_factory=list)
+    """QLoRA: the dequantized weights (ledger buffers), freed with the gathered unit."""
 
 
 class FrozenBase:
@@ -229,25 +230,29 @@ class FrozenBase:
         return FrozenGathered(unit, flat, tied, handles)
 
     def params(self, g: FrozenGathered) -> dict[str, torch.Tensor]:
-        """The gathered unit's frozen parameters (call once its handles completed)."""
-        layout = g.unit.layout
-        out = {s.name: layout.decode(s, g.flat[s.offset : s.end]) for s in layout.slots}
-        for b, buf in zip(g.unit.borrows, g.tied, strict=True):
-            out[b.name] = b.owner.layout.decode(b.slot, buf)
-        if layout.quantized or any(b.slot.nf4 is not None for b in g.unit.borrows):
-            g.dequant_bytes = sum(
-                t.numel() * t.element_size() for s, t in _quantized_values(g.unit, out)
-            )
-            self.ledger.charge(DEQUANT, g.dequant_bytes)
+        """The gathered unit's frozen parameters (call once its handles completed): views of
+        the gathered buffer, NF4 ones dequantized into ledger buffers (`frozen_dequant`, so
+        that autograd saving them does not count them again as activations)."""
+        pieces = [(s, g.unit.layout, g.flat[s.offset : s.end], s.name) for s in g.unit.layout.slots]
+        pieces += [
+            (b.slot, b.owner.layout, buf, b.name)
+            for b, buf in zip(g.unit.borrows, g.tied, strict=True)
+        ]
+        out = {}
+        for slot, layout, piece, name in pieces:
+            value = layout.decode(slot, piece)
+            if slot.nf4 is not None:
+                buf = self.ledger.alloc(DEQUANT, value.numel(), self.dtype, device=self.device)
+                value = buf.copy_(value.reshape(-1)).view(slot.shape)
+                g.dequant.append(buf)
+            out[name] = value
         return out
 
     def release(self, g: FrozenGathered) -> None:
         self.ledger.free(g.flat)
-        for buf in g.tied:
+        for buf in g.tied + g.dequant:
             self.ledger.free(buf)
-        if g.dequant_bytes:
-            self.ledger.release(DEQUANT, g.dequant_bytes)
-            g.dequant_bytes = 0
+        g.dequant = []
 
     @torch.no_grad()
     def full_state_dict(self, unit_names: Callable[[int], str]) -> dict[str, torch.Tensor]:
@@ -263,12 +268,3 @@ class FrozenBase:
                 out[f"{prefix}.{s.name}"] = params[s.name].detach().float().cpu().clone()
             self.release(g)
         return out
-
-
-def _quantized_values(unit: FrozenUnit, values: dict[str, torch.Tensor]):
-    for s in unit.layout.slots:
-        if s.nf4 is not None:
-            yield s, values[s.name]
-    for b in unit.borrows:
-        if b.slot.nf4 is not None:
-            yield b.slot, values[b.name]
