@@ -281,3 +281,82 @@ def test_lora_collectives_and_ledger(tmp_path):
     assert held["state"] == 16 * adapter_params
     assert held["frozen"] == 4 * frozen_params
     assert engine.frozen.nbytes() == 4 * frozen_params
+
+
+def _lora_run_with_checkpoint(directory, plan, cfg, data, settings, root: str, at: int) -> dict:
+    """On every rank: `len(data)` LoRA steps, a checkpoint after step `at`."""
+    from cephalo.train.checkpoint import save_checkpoint
+
+    torch.set_num_threads(1)
+    quiet_transformers()
+    comm = make_comm("gloo")
+    model = build_model(directory)
+    adapter = apply_adapter(model, dataclasses.replace(settings))
+    engine = Engine(model, plan, comm, cfg)
+    losses = []
+    for step, (x, y) in enumerate(data):
+        s = engine.train_step(rank_slice(plan, comm.rank, x), rank_slice(plan, comm.rank, y), LR)
+        losses.append(s.loss)
+        if step + 1 == at:
+            save_checkpoint(root, at, engine.sharded_state(), engine.extra_state(), {}, comm)
+    final = engine.full_state_dict()
+    return {"losses": losses, "final": {adapter.peft_key(k): v for k, v in final.items()}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_adapter_checkpoint_resumes_under_another_plan(pool3, tmp_path, kind):
+    """3 uneven ranks save adapters + AdamW state after step 3 (no base in the checkpoint);
+    one process under another plan (4 micro-batches) loads it and its steps 4-5 give the
+    3-rank run's losses and adapters to 1e-5."""
+    from cephalo.runtime.comm import LocalComm
+    from cephalo.train.checkpoint import load_checkpoint, verify_checkpoint
+
+    if kind == "qlora":
+        pytest.importorskip("torchao")
+    directory = str(save_tiny_model("llama", tmp_path / "llama", seed=3, **QLORA_SHAPE))
+    plan = make_plan(**UNEVEN, seq_len=SEQ, model=directory)
+    data = make_data(STEPS, plan.global_batch_size, seq_len=SEQ, vocab=VOCAB)
+    settings = AdapterSettings(kind, r=R, alpha=ALPHA)
+    root = tmp_path / "ckpt"
+    results = pool3.run(
+        _lora_run_with_checkpoint, directory, plan, CONFIG, data, settings, str(root), 3
+    )
+    checkpoint = root / "step_000003"
+    saved = verify_checkpoint(checkpoint)["tensors"]
+    assert all(".lora_A." in n or ".lora_B." in n for n in saved), "only adapters + moments"
+
+    quiet_transformers()
+    one = make_plan([8], [1.0], [2], seq_len=SEQ, model=directory)
+    model = build_model(directory)
+    adapter = apply_adapter(model, settings)
+    engine = Engine(model, one, LocalComm(), CONFIG)
+    _, extra, _ = load_checkpoint(checkpoint, engine.sharded_state())
+    engine.state_written()
+    engine.load_extra_state(extra)
+    losses = [engine.train_step(x, y, LR).loss for x, y in data[3:]]
+    final = {adapter.peft_key(k): v for k, v in engine.full_state_dict().items()}
+    diff, worst = max_rel_diff(final, results[0]["final"])
+    print(f"{kind}: resumed under one rank: adapters {diff:.2e} ({worst})")
+    assert diff <= 1e-5
+    assert losses == pytest.approx(results[0]["losses"][3:], rel=1e-5)
+
+
+def test_lora_standard_mode_equals_lga(tmp_path):
+    """The standard (FSDP-like) schedule runs LoRA too, with LGA's losses and adapters."""
+    from cephalo.runtime.comm import LocalComm
+
+    quiet_transformers()
+    directory = str(save_tiny_model("qwen2", tmp_path / "qwen2", seed=3))
+    plan = make_plan([4], [1.0], [2], seq_len=SEQ, model=directory)
+    data = make_data(2, 4, seq_len=SEQ, vocab=VOCAB)
+    out = {}
+    for mode in ("lga", "standard"):
+        model = build_model(directory)
+        apply_adapter(model, AdapterSettings("lora", r=R, alpha=ALPHA))
+        engine = Engine(model, plan, LocalComm(), dataclasses.replace(CONFIG, mode=mode))
+        losses = [engine.train_step(x, y, LR).loss for x, y in data]
+        out[mode] = (losses, engine.full_state_dict())
+    assert out["standard"][0] == pytest.approx(out["lga"][0], rel=1e-6)
+    diff, worst = max_rel_diff(out["standard"][1], out["lga"][1])
+    assert diff <= 1e-5, worst
