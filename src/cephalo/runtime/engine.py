@@ -4,7 +4,10 @@ accumulation (LGA).
 State. Every unit's parameters form one flat buffer (`FlatLayout`); rank i owns the
 contiguous piece `shard_ranges(numel, fractions)[i]` of each and keeps, for that piece
 only, the fp32 master, the fp32 gradient and the two AdamW moments (ledger category
-`state`). Nothing else of the state outlives a step.
+`state`). Nothing else of the state outlives a step. Parameters with `requires_grad` False
+(a LoRA / QLoRA base) are no such state: `runtime/frozen.py` keeps them, sharded by the same
+fractions, gathered with their unit and never reduced; a unit with nothing to train (a frozen
+embedding) skips its backward.
 
 Host state. With the plan's `host_state_fraction` h, the last round(h x size) elements of
 each unit's piece keep master, gradient and moments in host memory (`host/state`, pinned on
@@ -422,7 +425,7 @@ class Engine:
                 # unit, fp32), keep this rank's slice, drop the rest
                 values = model.initial_values(unit.name, owned.get(i, []), generator)
             else:
-                values = {n: p for n, p in owned.get(i, [])}
+                values = dict(owned.get(i, []))
             if self.frozen is not None:
                 self.frozen.add_unit(i, unit.name, frozen, values)
             full = layout.flatten(values)
