@@ -360,3 +360,34 @@ def test_lora_standard_mode_equals_lga(tmp_path):
     assert out["standard"][0] == pytest.approx(out["lga"][0], rel=1e-6)
     diff, worst = max_rel_diff(out["standard"][1], out["lga"][1])
     assert diff <= 1e-5, worst
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_lora_ledger_peak_against_real_allocations(tmp_path, kind):
+    """As for full fine-tuning (test_engine_memory.py): the ledger's peak of a LoRA / QLoRA
+    step, frozen base and dequantized weights included, is within 10 % of the real one."""
+    import gc
+
+    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.live_bytes import LiveTensorBytes
+
+    if kind == "qlora":
+        pytest.importorskip("torchao")
+    quiet_transformers()
+    directory = str(save_tiny_model("llama", tmp_path / "llama", seed=3, **QLORA_SHAPE))
+    plan = make_plan([4], [1.0], [2], seq_len=SEQ, model=directory)
+    model = build_model(directory)
+    apply_adapter(model, AdapterSettings(kind, r=R, alpha=ALPHA))
+    engine = Engine(model, plan, LocalComm(), CONFIG)
+    x, y = make_data(1, 4, seq_len=SEQ, vocab=VOCAB)[0]
+    engine.train_step(x, y, lr=LR)
+    gc.collect()
+    held = engine.ledger.current_bytes
+    with LiveTensorBytes() as real:
+        stats = engine.train_step(x, y, lr=LR)
+    ratio = stats.peak_bytes / (held + real.peak)
+    print(
+        f"{kind}: ledger peak {stats.peak_bytes} B, real {held + real.peak} B ({ratio:.3f}); "
+        f"{stats.peak_by_category}"
+    )
+    assert 0.9 <= ratio <= 1.1

@@ -729,6 +729,7 @@ class Engine:
                         store.put((u + 1, j), out)
                     del out
             self._release(g)
+            del params  # the gathered buffers die with the ledger's count of them
         return loss_sum
 
     def _unit_input(self, store: BoundaryStore, u: int, j: int, mb: _MicroBatch):
@@ -769,6 +770,7 @@ class Engine:
                 for j, mb in enumerate(mbs):
                     self._backward_micro_batch(us, params, mb, j, store, head_grad, acc, tied_acc)
             self._release(g)
+            del params  # the gathered buffers die with the ledger's count of them
             # the previous unit's reduce-scatters ran while this unit's backward computed
             for r in reducing:
                 self._finish_reduce(r)

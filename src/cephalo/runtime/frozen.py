@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cephalo.modeling.nf4 import Nf4Format, dequantize, nf4_format, quantize
+from cephalo.modeling.nf4 import (
+    DEQUANT_TRANSIENT_BYTES,
+    Nf4Format,
+    dequant_chunk,
+    dequantize_into,
+    nf4_format,
+    quantize,
+)
 from cephalo.runtime.comm import Comm, Handle
 from cephalo.runtime.flat import overlap, shard_ranges
 from cephalo.runtime.memory import MemoryLedger
@@ -92,12 +99,6 @@ class FrozenLayout:
                 raw = quantize(s.nf4, values[s.name])
                 flat[s.offset : s.end].view(torch.uint8)[: raw.numel()].copy_(raw)
         return flat
-
-    def decode(self, s: FrozenSlot, piece: torch.Tensor) -> torch.Tensor:
-        """The parameter `s` from its elements `piece` (a view, or NF4 dequantized)."""
-        if s.nf4 is None:
-            return piece.view(s.shape)
-        return dequantize(s.nf4, piece.view(torch.uint8)[: s.nf4.nbytes], self.dtype)
 
     @property
     def quantized(self) -> bool:
@@ -233,19 +234,22 @@ class FrozenBase:
         """The gathered unit's frozen parameters (call once its handles completed): views of
         the gathered buffer, NF4 ones dequantized into ledger buffers (`frozen_dequant`, so
         that autograd saving them does not count them again as activations)."""
-        pieces = [(s, g.unit.layout, g.flat[s.offset : s.end], s.name) for s in g.unit.layout.slots]
-        pieces += [
-            (b.slot, b.owner.layout, buf, b.name)
-            for b, buf in zip(g.unit.borrows, g.tied, strict=True)
-        ]
+        pieces = [(s, g.flat[s.offset : s.end], s.name) for s in g.unit.layout.slots]
+        pieces += [(b.slot, buf, b.name) for b, buf in zip(g.unit.borrows, g.tied, strict=True)]
         out = {}
-        for slot, layout, piece, name in pieces:
-            value = layout.decode(slot, piece)
-            if slot.nf4 is not None:
-                buf = self.ledger.alloc(DEQUANT, value.numel(), self.dtype, device=self.device)
-                value = buf.copy_(value.reshape(-1)).view(slot.shape)
-                g.dequant.append(buf)
-            out[name] = value
+        for slot, piece, name in pieces:
+            if slot.nf4 is None:
+                out[name] = piece.view(slot.shape)
+                continue
+            fmt = slot.nf4
+            buf = self.ledger.alloc(DEQUANT, fmt.numel, self.dtype, device=self.device)
+            # torchao's temporaries while it dequantizes (int64 codes, fp32 values)
+            transient = DEQUANT_TRANSIENT_BYTES * dequant_chunk(fmt)
+            self.ledger.charge(DEQUANT, transient)
+            dequantize_into(fmt, piece.view(torch.uint8)[: fmt.nbytes], buf)
+            self.ledger.release(DEQUANT, transient)
+            g.dequant.append(buf)
+            out[name] = buf.view(slot.shape)
         return out
 
     def release(self, g: FrozenGathered) -> None:
