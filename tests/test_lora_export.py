@@ -138,5 +138,11 @@ def test_resume_mismatch_and_export_of_full_run(tmp_path):
         train(load_config(None, _job(lora_run, directory, more)))
     with pytest.raises(CephaloError, match="is a full fine-tune and this run trains LoRA"):
         train(load_config(None, _job(full_run, directory, more, "--model.adapter=lora")))
+    with pytest.raises(CephaloError, match="was it written for another model.lora_r"):
+        train(
+            load_config(
+                None, _job(lora_run, directory, more, "--model.adapter=lora", "--model.lora_r=8")
+            )
+        )
     with pytest.raises(CephaloError, match="is a full fine-tune .* it has no adapters"):
         export_checkpoint(full_run, peft_dir=tmp_path / "adapter")

@@ -746,10 +746,16 @@ def _model_mismatch(
     for s in shards:
         shape = tuple(int(d) for d in s.global_shape)
         if s.name in saved and saved[s.name] != shape:
+            from cephalo.modeling.lora import is_adapter_parameter
+
+            cause = (
+                "model.lora_r or model.adapter_path"
+                if is_adapter_parameter(s.name)
+                else "model.name or model.overrides"
+            )
             return (
                 f"checkpoint {path} does not match the model: {s.name} has shape {list(saved[s.name])} "
-                f"there and {list(shape)} in the model (was it written for another model.name or "
-                "model.overrides?)"
+                f"there and {list(shape)} in the model (was it written for another {cause}?)"
             )
     mismatch = _adapter_mismatch(path, saved.keys(), names)
     if mismatch:
