@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from cephalo.errors import CephaloError
-from cephalo.modeling.nf4 import quiet_torchao
+from cephalo.modeling.nf4 import nf4_backend, quiet_torchao
 
 ADAPTERS = ("none", "lora", "qlora")
 ADAPTER_NAME = "default"
@@ -228,8 +228,6 @@ def apply_adapter(model, settings: AdapterSettings) -> Adapter:
     if settings.adapter_path:
         stored, tensors = _read_adapter_dir(settings.adapter_path)
     if settings.kind == "qlora":
-        from cephalo.modeling.nf4 import nf4_backend
-
         nf4_backend()  # the extra's message now, not at the engine
     peft = peft_module()
     from peft.tuners.tuners_utils import check_target_module_exists
@@ -245,15 +243,17 @@ def apply_adapter(model, settings: AdapterSettings) -> Adapter:
             # a saved config's targets may be full names of another model: the tensors say
             chosen = [n for n in linear if f"{PEFT_PREFIX}{n}.lora_A.weight" in (tensors or {})]
     names = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    asked = config.target_modules
+    asked = asked if isinstance(asked, str) else sorted(asked)
     if not chosen and settings.adapter_path:
         raise CephaloError(
             f"model.adapter_path {settings.adapter_path} was made for another base: its target "
-            f"modules {sorted(config.target_modules)} match no linear layer of model "
+            f"modules {asked!r} match no linear layer of model "
             f"{model.spec.name} (whose linear layers are: {', '.join(names)})"
         )
     if not chosen:
         raise CephaloError(
-            f"model.lora_target_modules {config.target_modules!r} matches no linear layer of "
+            f"model.lora_target_modules {asked!r} matches no linear layer of "
             f"model {model.spec.name}; its linear layers are: {', '.join(names)} (or "
             '"all-linear")'
         )
