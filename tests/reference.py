@@ -294,3 +294,64 @@ def train_transformers(
     run.params = {name: p.detach().clone() for name, p in named}
     run.grad_clip = cfg.grad_clip
     return run
+
+
+def train_peft(
+    directory: str,
+    batches: Sequence[Batch],
+    cfg: OptimConfig,
+    lora_config=None,
+    adapters: dict[str, torch.Tensor] | None = None,
+    adapter_dir: str | None = None,
+    nf4_base: bool = False,
+) -> ReferenceRun:
+    """peft on plain transformers, one process, the WHOLE global batch per step:
+    `from_pretrained(directory)` in fp32, then `get_peft_model(model, lora_config)` with the
+    adapters set to `adapters` (peft's saved keys), or `PeftModel.from_pretrained(model,
+    adapter_dir, is_trainable=True)`; `torch.optim.AdamW` on the adapters (weight decay on
+    matrices), `clip_grad_norm_`, loss = the mean token cross-entropy. `nf4_base`: every
+    linear weight but the output head replaced by its NF4 round trip first (QLoRA's base).
+    Parameters come back under peft's saved keys (the adapter name left out)."""
+    import peft
+    import transformers
+
+    from cephalo.modeling.nf4 import nf4_roundtrip
+
+    steps = len(batches)
+    with torch.random.fork_rng(devices=[]):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        if nf4_base:
+            head = model.get_output_embeddings()
+            with torch.no_grad():
+                for module in model.modules():
+                    if isinstance(module, nn.Linear) and module is not head:
+                        module.weight.copy_(nf4_roundtrip(module.weight))
+        if adapter_dir is not None:
+            model = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+        else:
+            model = peft.get_peft_model(model, lora_config)
+    model.train()
+    named = [(n.replace(".default", ""), p) for n, p in model.named_parameters() if p.requires_grad]
+    if adapters is not None:
+        assert {n for n, _ in named} == set(adapters), {n for n, _ in named} ^ set(adapters)
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(adapters[n])
+    params = [p for _, p in named]
+    opt = _optimizer(named, cfg)
+    run = ReferenceRun()
+    for step in range(steps):
+        input_ids, labels = batches[step]
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+        )
+        loss.backward()
+        run.grad_norms.append(_clip(params, cfg))
+        opt.step()
+        run.losses.append(loss.item())
+    run.params = {name: p.detach().clone() for name, p in named}
+    return run

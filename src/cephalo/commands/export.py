@@ -13,12 +13,17 @@ examples:
   cephalo export --checkpoint runs/demo/checkpoints/step_000040 --out w.safetensors
   cephalo export runs/hf-gpt2 --hf runs/hf-gpt2/export           # transformers directory
   cephalo export runs/qwen --hf qwen-finetuned                    # + the source's tokenizer
+  cephalo export runs/lora --peft my-adapter                      # a LoRA run's adapters
 
 The safetensors file holds every parameter once, fp32, named `<unit>.<param>` (e.g.
 `blocks.0.attn.c_attn.weight`). `--hf DIR` writes config.json + model.safetensors (fp32) that
 `AutoModelForCausalLM.from_pretrained(DIR)` loads, for every Hugging Face model (a model
 directory or an hf-* preset; the source directory's tokenizer files are copied along) and
 for the built-in GPT (as GPT-2).
+`--peft DIR` (a LoRA / QLoRA run) writes adapter_config.json + adapter_model.safetensors that
+`PeftModel.from_pretrained(base, DIR)` loads; `--hf DIR` of such a run writes the base with the
+adapters merged in (QLoRA: merged into the dequantized NF4 base, not the original weights).
+A LoRA checkpoint holds only the adapters: the base is read again from the model directory.
 The checkpoint may come from any plan or world size: export runs in one process.
 """
 
@@ -56,6 +61,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--out", metavar="FILE", default=None, help="write the weights to this .safetensors file"
     )
     p.add_argument("--hf", metavar="DIR", default=None, help="write a transformers model directory")
+    p.add_argument(
+        "--peft",
+        metavar="DIR",
+        default=None,
+        help="write a LoRA run's adapters as a PEFT directory",
+    )
     p.set_defaults(func=run)
 
 
@@ -96,7 +107,10 @@ def _model_config(checkpoint: Path) -> dict[str, Any]:
 
 
 def export_checkpoint(
-    source: str | Path, out: str | Path | None = None, hf_dir: str | Path | None = None
+    source: str | Path,
+    out: str | Path | None = None,
+    hf_dir: str | Path | None = None,
+    peft_dir: str | Path | None = None,
 ) -> ExportResult:
     """Load a checkpoint in one process (any saved layout) and write its weights."""
     from safetensors.torch import save_file
@@ -110,12 +124,38 @@ def export_checkpoint(
     from cephalo.specs.cluster import Cluster
     from cephalo.train.checkpoint import load_checkpoint
 
-    if out is None and hf_dir is None:
-        raise CephaloError("export: say where to write: --out FILE.safetensors and/or --hf DIR")
+    if out is None and hf_dir is None and peft_dir is None:
+        raise CephaloError(
+            "export: say where to write: --out FILE.safetensors, --hf DIR and/or --peft DIR"
+        )
     checkpoint = find_checkpoint(source)
     mc = _model_config(checkpoint)
-    # the checkpoint holds the weights: the model's own (pretrained) files are not read
-    model = build_model(mc["name"], init="random", **mc.get("overrides", {}))
+    adapter = mc.get("adapter", "none")
+    if peft_dir is not None and adapter == "none":
+        raise CephaloError(
+            f'export --peft: {checkpoint} is a full fine-tune (model.adapter = "none"), it has '
+            "no adapters; export it with --hf DIR or --out FILE"
+        )
+    if adapter == "none":
+        # the checkpoint holds the weights: the model's own (pretrained) files are not read
+        model = build_model(mc["name"], init="random", **mc.get("overrides", {}))
+    else:
+        # it holds only the adapters: the base is the model directory's, as in training
+        from cephalo.modeling.lora import AdapterSettings, apply_adapter
+
+        model = build_model(mc["name"], init=mc.get("init", "auto"), **mc.get("overrides", {}))
+        targets = list(mc.get("lora_target_modules", ["all-linear"]))
+        apply_adapter(
+            model,
+            AdapterSettings(
+                adapter,
+                int(mc.get("lora_r", 16)),
+                float(mc.get("lora_alpha", 32)),
+                float(mc.get("lora_dropout", 0.0)),
+                "all-linear" if targets == ["all-linear"] else targets,
+                mc.get("adapter_path"),
+            ),
+        )
     spec = model.spec
     plan = simple_plan("even", Cluster.parse("cpu"), mc["name"], spec.max_seq_len or 1, 1, "fp32")
     comm = LocalComm()
@@ -125,6 +165,13 @@ def export_checkpoint(
     step, _, _ = load_checkpoint(checkpoint, engine.sharded_state(), comm)
     engine.state_written()
     state = engine.full_state_dict()
+    if engine.frozen is not None:  # LoRA: the adapters, and the base they were trained on
+        from cephalo.modeling.lora import merged_state, save_peft_directory
+
+        if peft_dir is not None:
+            save_peft_directory(model, Path(peft_dir), state)
+        names = [u.name for u in model.units]
+        state = merged_state(model, state, engine.frozen.full_state_dict(names.__getitem__))
     out_path = Path(out) if out is not None else None
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -162,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
         raise CephaloError(
             "export: give the checkpoint once (SOURCE or --checkpoint), not two different ones"
         )
-    r = export_checkpoint(source, args.out, args.hf)
-    where = " and ".join(str(p) for p in (r.out, r.hf_dir) if p is not None)
+    r = export_checkpoint(source, args.out, args.hf, args.peft)
+    where = " and ".join(str(p) for p in (r.out, r.hf_dir, args.peft) if p is not None)
     logger.info(
         "exported %s step %d (%s, %.2fM parameters) to %s",
         r.checkpoint,

@@ -54,6 +54,7 @@ from cephalo.modeling.hf_config import (
 )
 from cephalo.modeling.hf_families import Family, config_value, family_of
 from cephalo.modeling.hf_weights import PretrainedWeights
+from cephalo.modeling.nf4 import quiet_torchao
 from cephalo.modeling.units import LMHead, Unit, UnitModel, spec_from_units
 
 INIT_CHOICES = ("auto", "pretrained", "random")
@@ -65,7 +66,8 @@ def build_hf_model(config, device: torch.device | str = "meta") -> nn.Module:
     non-persistent buffers are then computed on the CPU (`_materialize_buffers`). The global
     RNG is left as it was (a non-meta build runs transformers' random init)."""
     tf = transformers_module()
-    with torch.random.fork_rng(devices=[]), torch.device(device):
+    with torch.random.fork_rng(devices=[]), torch.device(device), quiet_torchao():
+        # (transformers imports torchao, when installed, on its first model)
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if torch.device(device).type == "meta":
         _materialize_buffers(model)
@@ -388,7 +390,17 @@ class HFUnitModel(UnitModel):
         generator: torch.Generator,
     ) -> dict[str, torch.Tensor]:
         """Pretrained: the unit's tensors from the safetensors files (nothing drawn).
-        Random: transformers' init of the unit's modules, seeded by one draw from `generator`."""
+        Random: transformers' init of the unit's modules, seeded by one draw from `generator`.
+        With LoRA adapters: the same for the base, and the adapters' own (modeling/lora.py)."""
+        if self.adapter is not None:
+            from cephalo.modeling.lora import adapter_initial_values
+
+            return adapter_initial_values(
+                self, unit_name, named_params, self._base_values, generator
+            )
+        return self._base_values(unit_name, named_params, generator)
+
+    def _base_values(self, unit_name, named_params, generator) -> dict[str, torch.Tensor]:
         if self.weights is not None:
             return self.weights.read(unit_name, [n for n, _ in named_params])
         return self._random_values(unit_name, named_params, generator)

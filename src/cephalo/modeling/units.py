@@ -85,6 +85,12 @@ class UnitModel(nn.Module):
     """A model as units. Subclasses pass their units to `__init__` (an nn.ModuleDict mirror
     is kept for `parameters()` / `state_dict()`) and implement `init_parameter`."""
 
+    adapter = None
+    """`modeling.lora.Adapter` once `apply_adapter` gave the model LoRA adapters (the only
+    trainable parameters then; the rest has `requires_grad` False: the frozen base)."""
+    quantized_parameters: frozenset[str] = frozenset()
+    """`<unit>.<param>` of frozen parameters the engine stores in NF4 (QLoRA)."""
+
     def __init__(self, spec: ModelSpec, units: list[Unit]):
         super().__init__()
         self.spec = spec

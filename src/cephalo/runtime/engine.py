@@ -4,7 +4,10 @@ accumulation (LGA).
 State. Every unit's parameters form one flat buffer (`FlatLayout`); rank i owns the
 contiguous piece `shard_ranges(numel, fractions)[i]` of each and keeps, for that piece
 only, the fp32 master, the fp32 gradient and the two AdamW moments (ledger category
-`state`). Nothing else of the state outlives a step.
+`state`). Nothing else of the state outlives a step. Parameters with `requires_grad` False
+(a LoRA / QLoRA base) are no such state: `runtime/frozen.py` keeps them, sharded by the same
+fractions, gathered with their unit and never reduced; a unit with nothing to train (a frozen
+embedding) skips its backward.
 
 Host state. With the plan's `host_state_fraction` h, the last round(h x size) elements of
 each unit's piece keep master, gradient and moments in host memory (`host/state`, pinned on
@@ -78,6 +81,7 @@ from cephalo.runtime.comm import Comm, Handle
 from cephalo.runtime.dropout import SampleDropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.flat import FlatLayout, FlatShard, ParamSlot, overlap, shard_ranges
+from cephalo.runtime.frozen import FrozenBase, FrozenGathered
 from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
@@ -253,6 +257,8 @@ class _Gathered:
     flat: torch.Tensor
     tied: list[torch.Tensor]
     handles: list[Handle]
+    frozen: FrozenGathered | None = None
+    """The unit's frozen parameters (LoRA / QLoRA base), gathered alongside."""
 
     def params(self) -> dict[str, torch.Tensor]:
         views = self.unit.layout.views(self.flat)
@@ -409,16 +415,32 @@ class Engine:
             owner_of[id(p)] = (index_of[unit_name], pname)
         fractions = self.plan.state_fractions
         self.shards: list[_UnitShard] = []
+        # parameters with requires_grad False (a LoRA base) form the frozen base (frozen.py)
+        self.frozen: FrozenBase | None = None
+        if any(not p.requires_grad for p in model.parameters()):
+            self.frozen = FrozenBase(
+                self.comm,
+                self.ledger,
+                self.device,
+                self.dtype,
+                fractions,
+                model.quantized_parameters,
+            )
         for i, unit in enumerate(model.units):
             params = owned.get(i, [])
+            if self.frozen is not None:
+                frozen = [(n, p) for n, p in params if not p.requires_grad]
+                params = [(n, p) for n, p in params if p.requires_grad]
             layout = FlatLayout(unit.name, params)
             us = _UnitShard(i, unit, layout, shard_ranges(layout.numel, fractions), self.rank)
             if on_meta:
                 # materialise ONE unit's initial values on the CPU (host memory: the largest
                 # unit, fp32), keep this rank's slice, drop the rest
-                values = model.initial_values(unit.name, params, generator)
+                values = model.initial_values(unit.name, owned.get(i, []), generator)
             else:
-                values = dict(params)
+                values = dict(owned.get(i, []))
+            if self.frozen is not None:
+                self.frozen.add_unit(i, unit.name, frozen, values)
             full = layout.flatten(values)
             del values
             decays = [wants_weight_decay(f"{unit.name}.{name}", p) for name, p in params]
@@ -430,6 +452,9 @@ class Engine:
             for pname, p in unit.module.named_parameters():
                 owner_index, owner_name = owner_of[id(p)]
                 if owner_index == i:
+                    continue
+                if self.frozen is not None and not p.requires_grad:
+                    self.frozen.tie(i, pname, owner_index, owner_name)
                     continue
                 owner = self.shards[owner_index]
                 slot = owner.layout.slot(owner_name)
@@ -546,7 +571,9 @@ class Engine:
         flat = self.ledger.alloc("gathered", us.layout.numel, self.dtype, device=self.device)
         handles, tied = [], []
         t0 = time.perf_counter()
-        handles.append(self._gather_piece(flat, us, 0, us.size, us.sizes, async_op))
+        frozen = self.frozen.start_gather(us.index, async_op) if self.frozen else None
+        if us.layout.numel:  # (a LoRA unit may have no trained parameters)
+            handles.append(self._gather_piece(flat, us, 0, us.size, us.sizes, async_op))
         for b in us.borrows:
             buf = self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
             tied.append(buf)
@@ -555,7 +582,7 @@ class Engine:
             )
         if not async_op:
             self._comm_wait_s += time.perf_counter() - t0
-        return _Gathered(us, flat, tied, handles)
+        return _Gathered(us, flat, tied, handles, frozen)
 
     def _gather_piece(
         self,
@@ -581,14 +608,18 @@ class Engine:
         return handle
 
     def _finish_gather(self, g: _Gathered) -> dict[str, torch.Tensor]:
-        for h in g.handles:
+        for h in g.handles + (g.frozen.handles if g.frozen else []):
             self._wait(h)
-        return g.params()
+        if g.frozen is None:
+            return g.params()
+        return {**self.frozen.params(g.frozen), **g.params()}
 
     def _release(self, g: _Gathered) -> None:
         self.ledger.free(g.flat)
         for buf in g.tied:
             self.ledger.free(buf)
+        if g.frozen is not None:
+            self.frozen.release(g.frozen)
 
     def _start_reduce(
         self, us: _UnitShard, lo: int, hi: int, full: torch.Tensor, sizes: list[int]
@@ -597,9 +628,15 @@ class Engine:
         piece of the sum over ranks of `full` (fp32, a ledger buffer `_finish_reduce` frees)."""
         part = self.ledger.alloc("grad_accum", hi - lo, torch.float32, device=self.device)
         t0 = time.perf_counter()
+        if full.numel() == 0:  # a unit without trained parameters (LoRA): nothing to reduce
+            return _Reduce(Handle(), part, us, lo, hi, full)
         handle = self.comm.reduce_scatter_v(part, full, sizes, async_op=True)
         self._comm_wait_s += time.perf_counter() - t0  # the call itself (and any validation)
         return _Reduce(handle, part, us, lo, hi, full)
+
+    def _trains(self, us: _UnitShard) -> bool:
+        """The unit has trained parameters (a LoRA unit may have only frozen ones)."""
+        return us.layout.numel > 0 or bool(us.borrows)
 
     def _finish_reduce(self, r: _Reduce) -> None:
         self._wait(r.handle)
@@ -720,6 +757,7 @@ class Engine:
                         store.put((u + 1, j), out)
                     del out
             self._release(g)
+            del params  # the gathered buffers die with the ledger's count of them
         return loss_sum
 
     def _unit_input(self, store: BoundaryStore, u: int, j: int, mb: _MicroBatch):
@@ -748,10 +786,14 @@ class Engine:
         pending = self._start_gather(self.shards[-1], async_op=self.config.prefetch)
         for u in reversed(range(n)):
             us = self.shards[u]
+            if u == 0 and not self._trains(us):  # a frozen embedding: no gradient to compute
+                for j in range(len(mbs)):
+                    store.drop((1, j))
+                break
             g = pending if pending is not None else self._start_gather(us, async_op=False)
             params = self._finish_gather(g)
             pending = None
-            if self.config.prefetch and u > 0:
+            if self.config.prefetch and u > 0 and (u > 1 or self._trains(self.shards[0])):
                 pending = self._start_gather(self.shards[u - 1], async_op=True)
             acc = self.ledger.alloc(
                 "grad_accum", us.layout.numel, torch.float32, device=self.device, zero=True
@@ -766,6 +808,7 @@ class Engine:
                 for j, mb in enumerate(mbs):
                     self._backward_micro_batch(us, params, mb, j, store, head_grad, acc, tied_acc)
             self._release(g)
+            del params  # the gathered buffers die with the ledger's count of them
             # the previous unit's reduce-scatters ran while this unit's backward computed
             for r in reducing:
                 self._finish_reduce(r)
@@ -785,7 +828,8 @@ class Engine:
 
     def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc) -> None:
         u, last = us.index, us.index == len(self.shards) - 1
-        leaves = {name: v.detach().requires_grad_() for name, v in params.items()}
+        frozen = self.frozen.names(u) if self.frozen else ()
+        leaves = {n: v.detach().requires_grad_() for n, v in params.items() if n not in frozen}
         # Each parameter gradient goes into the fp32 accumulation buffer as soon as autograd
         # produces it and is dropped at once (post-accumulate hook), so about one parameter's
         # gradient in compute dtype exists at a time.
@@ -806,7 +850,7 @@ class Engine:
             x = x_in if u == 0 else x_in.detach().requires_grad_()
             self._restore_rng(mb.rng[u])
             with gout_ctx as gout, torch.enable_grad(), self.ledger.track_activations():
-                out = self._run_unit(us, leaves, x, mb)
+                out = self._run_unit(us, {**params, **leaves}, x, mb)
                 # Autograd's transient gradients are not saved tensors, so the ledger does not
                 # see them. At a backward's peak, the gradient w.r.t. the largest saved tensor
                 # coexists with the gradient it produces (the head: d log-probs and d logits,
@@ -1068,7 +1112,7 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole fp32 parameters by `<unit>.<param>` (gathered on every rank, on the CPU)."""
         out: dict[str, torch.Tensor] = {}
-        for us in self.shards:
+        for us in [us for us in self.shards if us.layout.numel]:
             full = torch.empty(us.layout.numel, dtype=torch.float32, device=self.device)
             mine = us.master
             if us.host is not None:  # the fp32 masters of both parts, contiguous

@@ -58,7 +58,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -746,11 +746,20 @@ def _model_mismatch(
     for s in shards:
         shape = tuple(int(d) for d in s.global_shape)
         if s.name in saved and saved[s.name] != shape:
+            from cephalo.modeling.lora import is_adapter_parameter
+
+            cause = (
+                "model.lora_r or model.adapter_path"
+                if is_adapter_parameter(s.name)
+                else "model.name or model.overrides"
+            )
             return (
                 f"checkpoint {path} does not match the model: {s.name} has shape {list(saved[s.name])} "
-                f"there and {list(shape)} in the model (was it written for another model.name or "
-                "model.overrides?)"
+                f"there and {list(shape)} in the model (was it written for another {cause}?)"
             )
+    mismatch = _adapter_mismatch(path, saved.keys(), names)
+    if mismatch:
+        return mismatch
     missing, unused = sorted(names - saved.keys()), sorted(saved.keys() - names)
     if missing or unused:
         parts = []
@@ -760,6 +769,27 @@ def _model_mismatch(
             parts.append(f"the checkpoint has tensors the model lacks: {_few(unused)}")
         return f"checkpoint {path} does not match the model: {'; '.join(parts)} (another model or config?)"
     return None
+
+
+def _adapter_mismatch(path: Path, saved: Iterable[str], model: Iterable[str]) -> str | None:
+    """A LoRA checkpoint (adapters only) loaded into a full fine-tune, or the reverse."""
+    from cephalo.modeling.lora import is_adapter_parameter
+
+    was, now = any(map(is_adapter_parameter, saved)), any(map(is_adapter_parameter, model))
+    if was == now:
+        return None
+    if was:
+        return (
+            f"checkpoint {path} holds LoRA adapters (and their optimizer state), not a whole "
+            "model, and this run is a full fine-tune: resume it with the model.adapter (lora "
+            "or qlora) it was trained with, or export it (`cephalo export RUN --hf DIR` merges "
+            "the adapters) and start a full fine-tune from that directory"
+        )
+    return (
+        f"checkpoint {path} is a full fine-tune and this run trains LoRA adapters "
+        '(model.adapter): resume it with model.adapter = "none", or export it (`cephalo '
+        "export RUN --hf DIR`) and train adapters on that directory"
+    )
 
 
 def _few(names: list[str]) -> str:

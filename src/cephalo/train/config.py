@@ -64,6 +64,23 @@ class ModelConfig:
     reduction and optimizer state stay fp32."""
     seed: int = 0
     """Seed of the weight initialisation (every rank draws the same initial weights)."""
+    adapter: Literal["none", "lora", "qlora"] = "none"
+    """`none`: full fine-tuning. `lora`: peft's LoRA adapters trained on a frozen base (the base
+    sharded unevenly by the plan, in `model.dtype`, never reduced). `qlora`: the same on a base
+    stored in NF4 with double quantization (needs the `qlora` extra). docs/adapters.md."""
+    lora_r: int = 16
+    """LoRA rank r (>= 1)."""
+    lora_alpha: float = 32
+    """LoRA alpha: the adapters' output is scaled by alpha / r."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1)."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Modules that get adapters: `all-linear` (peft's meaning: every linear layer but the output
+    head), or module names matched as peft matches them (`q_proj,v_proj`: every module whose
+    name ends in one)."""
+    adapter_path: str | None = None
+    """An existing PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`)
+    to continue training: its config sets r, alpha, dropout and the targets."""
 
 
 @dataclass
@@ -369,6 +386,8 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
             elem_cli = not text.startswith("[")
         elif isinstance(value, list | tuple):
             items, elem_cli = list(value), False
+        elif isinstance(value, str) and origin is list:  # TOML `key = "x"`: a list of one
+            items, elem_cli = [value], False
         else:
             raise _BadValue()
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
@@ -571,6 +590,17 @@ def _validate(cfg: JobConfig) -> None:
 
     m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.parallel
     check(bool(m.name.strip()), "model.name must not be empty")
+    if m.adapter != "none" or m.adapter_path:
+        check(
+            m.lora_r >= 1,
+            f"model.lora_r must be >= 1, got {m.lora_r}",
+        )
+        check(
+            0.0 <= m.lora_dropout < 1.0,
+            f"model.lora_dropout must be in [0, 1), got {m.lora_dropout}",
+        )
+        check(bool(m.lora_target_modules), "model.lora_target_modules must not be empty")
+        check(m.adapter != "none", "model.adapter_path needs model.adapter = lora or qlora")
     check(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
     check(0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
     check(

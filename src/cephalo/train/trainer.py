@@ -36,6 +36,7 @@ import torch
 from cephalo import envvars
 from cephalo.errors import CephaloError
 from cephalo.log import init_logging, logger
+from cephalo.modeling.lora import adapter_settings, apply_adapter
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
 from cephalo.planning.costmodel import check_host_memory
@@ -212,6 +213,8 @@ def out_of_memory_message(rank: int, step: int, engine: Engine, err: BaseExcepti
 def build_job_model(cfg: JobConfig) -> UnitModel:
     """The config's model on the meta device, checked against the data's sequence length."""
     model = build_model(cfg.model.name, init=cfg.model.init, **cfg.model.overrides)
+    if cfg.model.adapter != "none":
+        apply_adapter(model, adapter_settings(cfg.model))
     context = model.spec.max_seq_len
     if context and cfg.data.seq_len > context:
         raise CephaloError(
