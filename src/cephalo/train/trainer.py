@@ -45,9 +45,9 @@ from cephalo.runtime.dist import init_distributed
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
 from cephalo.specs.cluster import Cluster, Device, parse_bytes
+from cephalo.train.chat_data import open_batches, resolve_job_dataset
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig, config_to_toml
-from cephalo.train.data import GlobalBatches, resolve_dataset
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import (
     MetricsLog,
@@ -233,22 +233,27 @@ class _Trainer:
         else:
             self.plan = resolve_plan(cfg, self.cluster, self.world_size)
         self.rank_plan = self.plan.ranks[self.rank]
-        data_path = resolve_dataset(
+        data_path = resolve_job_dataset(
             cfg.data.path,
             cfg.data.tokenizer,
-            vocab_size=model.spec.vocab_size,
+            model.spec.vocab_size,
+            fmt=cfg.data.format,
+            loss_on=cfg.data.loss_on,
+            chat_template=cfg.data.chat_template,
             val_fraction=cfg.data.val_fraction,
             progress=self.rank == 0,
             model_name=cfg.model.name,
             text_field=cfg.data.text_field,
         )
-        self.batches = GlobalBatches(
+        self.batches = open_batches(
             data_path,
             cfg.data.seq_len,
             cfg.train.global_batch_size,
             cfg.data.seed,
             cfg.data.val_fraction,
             model_vocab_size=model.spec.vocab_size,
+            packing=cfg.data.packing,
+            packing_split=cfg.data.packing_split,
         )
         if cfg.train.eval_every > 0 and self.batches.num_val_windows == 0:
             raise CephaloError(
@@ -408,10 +413,10 @@ class _Trainer:
         number = self.step + 1
         self._maybe_kill(number)
         lr = self.schedule(self.step)
-        input_ids, labels = self.batches.rank_slice(
-            self.step, self.engine.sample_offset, self.rank_plan.batch_size
-        )
-        stats = self.engine.train_step(input_ids, labels, lr)
+        where = (self.step, self.engine.sample_offset, self.rank_plan.batch_size)
+        input_ids, labels = self.batches.rank_slice(*where)
+        positions = self.batches.rank_positions(*where)  # packed chat samples, else None
+        stats = self.engine.train_step(input_ids, labels, lr, position_ids=positions)
         ranks, step_s = self._gather_rank_stats(stats)
         self.step = number
         finite = not stats.skipped and math.isfinite(stats.loss)
@@ -467,15 +472,20 @@ class _Trainer:
         for index in range(count):
             windows = min(b, self.batches.num_val_windows - index * b)
             take = max(0, min(self.rank_plan.batch_size, windows - self.engine.sample_offset))
+            positions = None
             if take:
                 x, y = self.batches.val_batch(index, b, self.engine.sample_offset, take)
+                positions = self.batches.val_positions(index, b, self.engine.sample_offset, take)
             else:
                 x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
             pad = self.rank_plan.batch_size - take
             if pad:
                 x = torch.cat([x, torch.zeros(pad, x.shape[1], dtype=x.dtype)])
                 y = torch.cat([y, torch.full((pad, y.shape[1]), IGNORE_INDEX, dtype=y.dtype)])
-            total += self.engine.eval_loss(x, y) * windows
+            if self.cfg.data.packing:  # every rank passes positions (a padded row: 0, 1, ...)
+                arange = torch.arange(x.shape[1]).expand(x.shape[0] - take, -1)
+                positions = torch.cat([positions, arange]) if positions is not None else arange
+            total += self.engine.eval_loss(x, y, position_ids=positions) * windows
             weight += windows
         return total / max(weight, 1)
 
