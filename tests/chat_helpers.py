@@ -7,6 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from cephalo.modeling.units import IGNORE_INDEX
 from data_helpers import EOS, topics
 
 SPECIAL = [
@@ -123,3 +127,29 @@ def conversations(n: int = 9, system: bool = True, seed: int = 0) -> list[dict]:
 def write_chat_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return path
+
+
+def reference_loss(directory: Path, path: Path) -> float:
+    """Plain transformers, each conversation alone: masked cross-entropy summed, divided by
+    the loss tokens of all of them."""
+    import transformers
+
+    from cephalo.train.data import TokenFile
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+    tokens = TokenFile(path, "train").tokens
+    mask = np.fromfile(path / "train.mask.bin", np.uint8).astype(bool)
+    starts = np.fromfile(path / "train.docs.bin", np.int64)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for a, b in zip(starts[:-1], starts[1:], strict=True):
+            ids = torch.from_numpy(np.asarray(tokens[a:b], dtype=np.int64))[None]
+            labels = torch.where(torch.from_numpy(mask[a:b]), ids[0], IGNORE_INDEX)[1:]
+            logits = model(ids).logits[0, :-1].float()
+            total += float(
+                torch.nn.functional.cross_entropy(
+                    logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+            )
+            count += int((labels != IGNORE_INDEX).sum())
+    return total / count

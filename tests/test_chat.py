@@ -26,6 +26,7 @@ from chat_helpers import (
     LLAMA3,
     TEMPLATES,
     conversations,
+    reference_loss,
     save_chat_tokenizer,
     write_chat_jsonl,
 )
@@ -281,32 +282,6 @@ def test_parquet_and_datasets_directories(tmp_path, tok_dir):
 
 
 # ----------------------------------------------------------------------------- one process
-def _reference_loss(directory: Path, path: Path) -> float:
-    """Plain transformers, each conversation alone: masked cross-entropy summed, divided by
-    the loss tokens of all of them."""
-    import transformers
-
-    from cephalo.train.data import TokenFile
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
-    tokens = TokenFile(path, "train").tokens
-    mask = np.fromfile(path / "train.mask.bin", np.uint8).astype(bool)
-    starts = np.fromfile(path / "train.docs.bin", np.int64)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for a, b in zip(starts[:-1], starts[1:], strict=True):
-            ids = torch.from_numpy(np.asarray(tokens[a:b], dtype=np.int64))[None]
-            labels = torch.where(torch.from_numpy(mask[a:b]), ids[0], IGNORE_INDEX)[1:]
-            logits = model(ids).logits[0, :-1].float()
-            total += float(
-                torch.nn.functional.cross_entropy(
-                    logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"
-                )
-            )
-            count += int((labels != IGNORE_INDEX).sum())
-    return total / count
-
-
 @pytest.mark.parametrize("model_type", ["qwen2", "gpt2", "mistral", "gemma2"])
 def test_padded_and_packed_losses_equal_transformers_per_conversation(
     tmp_path, tok_dir, model_type
@@ -319,7 +294,7 @@ def test_padded_and_packed_losses_equal_transformers_per_conversation(
     path = _prepared(tmp_path, tok_dir)
     size = {"n_positions": SEQ} if model_type == "gpt2" else {"max_position_embeddings": SEQ}
     directory = save_tiny_model(model_type, tmp_path / model_type, seed=1, vocab_size=320, **size)
-    ref = _reference_loss(directory, path)
+    ref = reference_loss(directory, path)
     model = build_model(str(directory)).materialize("cpu", torch.Generator().manual_seed(0)).eval()
     for packing in (False, True):
         n = DocumentBatches(path, SEQ, 1, packing=packing).num_train_windows
