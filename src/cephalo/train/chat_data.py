@@ -641,6 +641,11 @@ class DocumentBatches:
             return None
         return self.train.read(self._train_samples(step, offset, size))[2]
 
+    def real_tokens(self, step: int) -> int:
+        """Tokens of step's global batch that are not padding (what throughput counts)."""
+        samples = self._train_samples(step, 0, self.global_batch_size)
+        return int(sum(self.train.piece_len[self.train.windows[int(w)]].sum() for w in samples))
+
     def num_val_batches(self, batch_size: int) -> int:
         return math.ceil(self.num_val_windows / batch_size)
 
