@@ -383,3 +383,18 @@ def test_a_job_trains_on_chat_jsonl_packed(tmp_path, tok_dir, monkeypatch):
     assert len(result.losses) == 2 and all(np.isfinite(list(result.losses.values())))
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert any("loss" in json.loads(line) for line in lines)
+
+
+def test_prompt_completion_files_are_detected_and_mixed_formats_refused(tmp_path, tok_dir, tok):
+    strings = write_chat_jsonl(
+        tmp_path / "pc.jsonl", [{"prompt": "Q: one plus one?", "completion": " two."}] * 3
+    )
+    done = prepare_chat_dataset([strings], tmp_path / "pc", tok_dir, val_fraction=0.0)
+    assert done.meta.format == "prompt_completion" and done.meta.loss_on == "completion"
+    mask = np.fromfile(tmp_path / "pc" / "train.mask.bin", np.uint8)
+    ids = np.fromfile(tmp_path / "pc" / "train.bin", np.uint16)
+    first = np.fromfile(tmp_path / "pc" / "train.docs.bin", np.int64)[1]
+    assert tok.decode(ids[:first][mask[:first] == 1].tolist()) == " two." + tok.eos_token
+    chat = write_chat_jsonl(tmp_path / "c.jsonl", conversations(3))
+    with pytest.raises(CephaloError, match="the inputs mix formats"):
+        prepare_chat_dataset([strings, chat], tmp_path / "mixed", tok_dir)

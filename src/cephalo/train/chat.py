@@ -171,7 +171,7 @@ def _dataset_records(path: Path) -> Iterator[Record]:
 
 def detect_format(path: Path) -> str:
     """`chat`, `prompt_completion` or `text`, from a source's first record (or columns)."""
-    if path.is_dir() and is_datasets_dir(path) or path.suffix in PARQUET_SUFFIXES:
+    if (path.is_dir() and is_datasets_dir(path)) or path.suffix in PARQUET_SUFFIXES:
         fields = _columns(path)
     elif path.suffix in JSONL_SUFFIXES:
         first = next(_jsonl_records(path), None)
@@ -270,7 +270,7 @@ class ChatRenderer:
         self.eos_id = tokenizer.eos_token_id
         self._template_checked = False
 
-    def _need_template(self) -> None:
+    def require_template(self) -> None:
         if self.template is None:
             raise CephaloError(
                 f"the tokenizer {getattr(self.tok, 'name_or_path', '')} has no chat template, "
@@ -278,7 +278,7 @@ class ChatRenderer:
             )
 
     def render(self, messages: list[dict], where: str, generation_prompt: bool = False) -> str:
-        self._need_template()
+        self.require_template()
         try:
             text = self.tok.apply_chat_template(
                 messages,

@@ -266,7 +266,7 @@ def prepare_chat_dataset(
         )
     template = load_chat_template(chat_template)
     renderer = ChatRenderer(hf.transformers_tokenizer, template, fmt, loss_on)
-    renderer._need_template()  # before anything is read
+    renderer.require_template()  # before anything is read
     files, stat = _sources_identity(paths)
     meta = ChatMeta(
         format=fmt,
