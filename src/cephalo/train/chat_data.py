@@ -522,6 +522,7 @@ class _Split:
             windows = [[i] for i in range(self.piece_start.size)]
         self.windows = windows
         self.packing, self.seq_len = packing, seq_len
+        self._last: tuple[bytes, tuple] | None = None
         self.stats.samples = len(windows)
         self.stats.tokens = int(self.piece_len.sum())
         self.stats.loss_tokens = int(labels[keep].sum())
@@ -529,6 +530,15 @@ class _Split:
         self.stats.padding_fraction = 1.0 - self.stats.tokens / total if total else 0.0
 
     def read(self, samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        # the trainer asks for a slice's tokens and then its positions: read them once
+        key = np.asarray(samples, dtype=np.int64).tobytes()
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        out = self._read(samples)
+        self._last = (key, out)
+        return out
+
+    def _read(self, samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         n, s = len(samples), self.seq_len
         ids = np.zeros((n, s), dtype=np.int64)  # padding: id 0, never a label, never attended to
         labels = np.full((n, s), IGNORE_INDEX, dtype=np.int64)
@@ -584,6 +594,8 @@ class DocumentBatches:
         for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size)):
             if not isinstance(value, int) or value < 1:
                 raise CephaloError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(seed, int) or seed < 0:
+            raise CephaloError(f"seed must be a non-negative integer, got {seed!r}")
         data = Path(data)
         self.meta = ChatMeta.read(data / CHAT_META)
         if self.meta is None:
