@@ -123,9 +123,11 @@ class LayerInputs:
     module docstring)."""
 
     MAX_CACHED = 4
-    MAX_CACHED_PACKED = 16
-    """Entries for given position ids (packed samples): one per micro-batch of a step, which
-    every block reuses."""
+    MAX_CACHED_PACKED = 4
+    """Entries for given position ids (packed samples): one per micro-batch, which every block
+    reuses. Few, since each holds a [b, 1, s, s] mask (SDPA: bool, eager: the compute dtype;
+    flash-attention: none) outside the memory ledger; with more micro-batches than this the
+    masks are made again per block (cheap next to the attention they mask)."""
 
     def __init__(self, config, rotary: nn.Module | None):
         from transformers import masking_utils
