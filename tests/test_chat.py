@@ -398,3 +398,30 @@ def test_prompt_completion_files_are_detected_and_mixed_formats_refused(tmp_path
     chat = write_chat_jsonl(tmp_path / "c.jsonl", conversations(3))
     with pytest.raises(CephaloError, match="the inputs mix formats"):
         prepare_chat_dataset([strings, chat], tmp_path / "mixed", tok_dir)
+
+
+def test_engine_on_one_rank_with_more_micro_batches_than_cached_masks(tmp_path, tok_dir):
+    """Packed windows one per micro-batch (more micro-batches than `LayerInputs` keeps
+    masks for): the engine's loss is still transformers' per conversation."""
+    from cephalo.modeling.hf import LayerInputs
+    from cephalo.modeling.registry import build_model
+    from cephalo.planning.planner import manual_plan
+    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.engine import Engine, EngineConfig
+
+    path = _prepared(tmp_path, tok_dir)
+    directory = save_tiny_model(
+        "qwen2", tmp_path / "m", seed=1, vocab_size=320, max_position_embeddings=SEQ
+    )
+    n = DocumentBatches(path, SEQ, 1, packing=True).num_train_windows
+    assert n > LayerInputs.MAX_CACHED_PACKED
+    b = DocumentBatches(path, SEQ, n, packing=True)
+    plan = manual_plan(str(directory), SEQ, [n], [1], [1.0])
+    engine = Engine(build_model(str(directory)), plan, LocalComm(), EngineConfig())
+    x, y = b.batch(0)
+    loss = engine.eval_loss(x, y, position_ids=b.rank_positions(0, 0, n))
+    assert loss == pytest.approx(reference_loss(directory, path), rel=1e-5)
+    stats = engine.train_step(x, y, 1e-3, position_ids=b.rank_positions(0, 0, n))
+    assert (
+        stats.loss == pytest.approx(loss, rel=1e-5) and stats.n_tokens == b.meta.stats.loss_tokens
+    )
