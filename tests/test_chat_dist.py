@@ -1,7 +1,8 @@
 """Chat data on 3 uneven gloo ranks (one process pool for the module): one step over a whole
 chat file logs plain transformers' loss on each conversation alone, padded and packed, on a
 RoPE family (Qwen2), GPT-2 (absolute positions) and a sliding-window family (Mistral); and
-5 packed steps under an uneven plan train like transformers on the whole global batch."""
+5 steps (padded and packed) under an uneven plan train like transformers on the whole
+global batch."""
 
 from __future__ import annotations
 
@@ -101,12 +102,14 @@ def test_one_step_over_a_chat_file_on_uneven_ranks_is_the_reference_loss(
 
 
 @pytest.mark.slow
-def test_five_packed_steps_on_uneven_ranks_train_like_transformers(pool3, chat_data, tmp_path):
-    """Packed windows of 128 tokens (long conversations split), 5 steps of 6 windows on
-    ranks 3 / 2 / 1: losses, gradient norms and parameters equal transformers' (its own
-    packed-sequence path from the same position ids) on the whole global batch."""
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_five_steps_on_uneven_ranks_train_like_transformers(pool3, chat_data, tmp_path, packing):
+    """Samples of 128 tokens (padded: long conversations truncated; packed: split), 5 steps
+    of 6 samples on ranks 3 / 2 / 1: losses, gradient norms and parameters equal
+    transformers' (packed: its own packed-sequence path from the same position ids) on the
+    whole global batch."""
     directory = _model("qwen2", tmp_path, seed=4)
-    b = DocumentBatches(chat_data, 128, 6, packing=True, packing_split=True)
+    b = DocumentBatches(chat_data, 128, 6, packing=packing, packing_split=packing)
     data = [(*b.batch(t), b.rank_positions(t, 0, 6)) for t in range(5)]
     ref = train_transformers(directory, data, optim_config(CONFIG), clip_to_first_norm=0.8)
     cfg = dataclasses.replace(CONFIG, grad_clip=ref.grad_clip)
@@ -122,7 +125,7 @@ def test_five_packed_steps_on_uneven_ranks_train_like_transformers(pool3, chat_d
         {k: v for k, v in ref.params.items() if k not in weights},
     )
     print(
-        f"5 packed steps: parameters {diff:.1e} ({worst}), biases {bias_diff:.1e}; losses {ref.losses}"
+        f"5 steps, packing={packing}: parameters {diff:.1e} ({worst}), biases {bias_diff:.1e}; losses {ref.losses}"
     )
     assert diff <= 1e-5 and bias_diff <= 1e-4  # biases: near-cancelling sums (test_hf_dist)
     for r in results:
