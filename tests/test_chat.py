@@ -425,3 +425,23 @@ def test_engine_on_one_rank_with_more_micro_batches_than_cached_masks(tmp_path, 
     assert (
         stats.loss == pytest.approx(loss, rel=1e-5) and stats.n_tokens == b.meta.stats.loss_tokens
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_packed_loss_on_cuda_equals_transformers_per_conversation(tmp_path, tok_dir):
+    """The packed path on a GPU (SDPA's CUDA kernels with transformers' block-diagonal
+    masks), fp32: the same loss as plain transformers on each conversation alone."""
+    from cephalo.modeling.registry import build_model
+
+    path = _prepared(tmp_path, tok_dir)
+    directory = save_tiny_model(
+        "mistral", tmp_path / "m", seed=1, vocab_size=320, max_position_embeddings=SEQ
+    )
+    ref = reference_loss(directory, path)
+    model = build_model(str(directory)).materialize("cuda", torch.Generator().manual_seed(0))
+    n = DocumentBatches(path, SEQ, 1, packing=True).num_train_windows
+    b = DocumentBatches(path, SEQ, n, packing=True)
+    x, y = b.batch(0)
+    with torch.no_grad():
+        loss = float(model.eval()(x.cuda(), y.cuda(), b.rank_positions(0, 0, n).cuda()))
+    assert loss == pytest.approx(ref, rel=1e-5)
