@@ -91,6 +91,27 @@ def test_every_assistant_turn_and_its_end_of_turn_are_the_loss_tokens(tok, name)
         assert int(mask.sum()) == sum(b - a for a, b in runs)
 
 
+def test_tool_turns_and_text_parts(tok):
+    """A tool call (no content) and the tool's answer: both assistant turns are loss tokens,
+    the tool's turn is not; content given as text parts is joined."""
+    call = {"name": "add", "arguments": {"a": 2, "b": 3}}
+    record = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "2+3"}, {"text": "?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": call}]},
+            {"role": "tool", "content": "5"},
+            {"role": "assistant", "content": "It is 5."},
+        ]
+    }
+    ids, mask = _encode(tok, CHATML, record)
+    text = tok.decode(ids.tolist())
+    assert "<|im_start|>user\n2+3?<|im_end|>" in text
+    assert [tok.decode(ids[a:b].tolist()) for a, b in _runs(mask)] == [
+        "<|im_end|>\n",
+        "It is 5.<|im_end|>\n",
+    ]
+
+
 def test_loss_on_all_and_prompt_completion(tok):
     record = conversations(1)[0]
     ids, mask = _encode(tok, CHATML, record, loss_on="all")
