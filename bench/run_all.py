@@ -53,6 +53,7 @@ BENCHES = [
     Bench("hetero_throughput", "Emulated heterogeneous clusters (measured)", 420),
     Bench("data_streaming", "Data preparation streams: memory vs corpus size", 300),
     Bench("hf_overhead", "Cephalo on a Hugging Face model vs plain transformers", 180),
+    Bench("packing", "Chat fine-tuning: packed vs padded samples", 180),
 ]
 
 

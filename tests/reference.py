@@ -276,11 +276,13 @@ def train_transformers(
     opt = _optimizer(named, cfg)
     run = ReferenceRun()
     for step in range(steps):
-        input_ids, labels = batches[step]
+        # a batch may carry position ids (packed chat samples): transformers' own packing path
+        input_ids, labels, *positions = batches[step]
         for group in opt.param_groups:
             group["lr"] = cfg.lr_at(step)
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=input_ids, use_cache=False).logits
+        position_ids = positions[0] if positions else None
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
         )

@@ -29,9 +29,20 @@ PLACEHOLDER_MODELS = {"Qwen2.5-0.5B": ("qwen2", 32768)}
 downloaded): the family and context of a tiny stand-in of the same config."""
 
 
+CHAT_EXAMPLE = "data/chat-example/qwen-tiny"
+"""configs/chat-finetune.toml's model: written by scripts/make_chat_example.py (README)."""
+
+
 def _stand_in(cfg, tmp_path: Path) -> None:
     """A config naming a model directory this machine lacks trains a tiny random model of
-    the same family and context instead, on the bundled corpus (byte tokenizer: 256 ids)."""
+    the same family and context instead, on the bundled corpus (byte tokenizer: 256 ids);
+    the chat example's model and data are written as the README does, smaller."""
+    if cfg.model.name == CHAT_EXAMPLE:
+        from cephalo.train.chat_example import write_chat_example
+
+        example = write_chat_example(tmp_path / "chat-example", conversations=80)
+        cfg.model.name, cfg.data.path = str(example.model), str(example.jsonl)
+        return
     if cfg.model.name not in PLACEHOLDER_MODELS:
         return
     from hf_configs import save_tiny_model

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from cephalo.train.chat import FORMATS, LOSS_ON, detect_inputs_format
+from cephalo.train.chat_data import DocumentBatches, prepare_chat_dataset
 from cephalo.train.corpus import DEFAULT_TEXT_FIELD, Corpus
 from cephalo.train.data import DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE, prepare_dataset
 from cephalo.train.hf_tokenizer import declared_vocab_size
@@ -33,6 +35,13 @@ examples:
   # raw bytes (vocab 256), or the bundled corpus (no download)
   cephalo prepare-data --input corpus/ --output data/bytes --tokenizer byte
   cephalo prepare-data --default --output data/pydoc --vocab-size 512
+
+chat data (detected per file, or --format):
+  {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}   conversations
+  {"prompt": ..., "completion": ...}         prompt-completion (strings or lists of messages)
+  rendered with the tokenizer's chat template (--chat-template for one that has none); the
+  loss mask (--loss-on) is stored with the tokens. --seq-len N reports the samples it makes:
+  cephalo prepare-data --input chat.jsonl --output data/chat --tokenizer MODEL_DIR --seq-len 512
 
 --tokenizer MODEL_DIR uses the model's own tokenizer (tokenizer.json / tokenizer_config.json,
 local files only) and puts its EOS token between documents; a tokenizer with more ids than
@@ -89,12 +98,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"fraction of the tokens held out for validation (default {DEFAULT_VAL_FRACTION})",
     )
     p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="auto",
+        help="text, chat (messages) or prompt_completion; auto: detected per file (data.format)",
+    )
+    p.add_argument(
+        "--loss-on",
+        choices=LOSS_ON,
+        default="auto",
+        help="chat data's loss tokens: assistant, completion or all; auto: assistant for "
+        "conversations, completion for prompt-completion (data.loss_on)",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE|JINJA",
+        help="a Jinja chat template (file or string) for a tokenizer without one (data.chat_template)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        metavar="N",
+        help="chat data: also report the samples of N tokens it makes, padded and packed",
+    )
+    p.add_argument(
         "--force", action="store_true", help="rebuild even if an identical dataset is there"
     )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    fmt = "text" if args.default else detect_inputs_format(args.input, args.format)
+    if fmt != "text":
+        return _run_chat(args, fmt)
     corpus = Corpus.bundled() if args.default else Corpus.from_paths(args.input, args.text_field)
     tokenizer_dir = (
         Path(args.tokenizer) if args.tokenizer and Path(args.tokenizer).is_dir() else None
@@ -119,4 +155,42 @@ def run(args: argparse.Namespace) -> int:
         f"{result.train.tokenizer_key})",
         highlight=False,
     )
+    return 0
+
+
+def _run_chat(args: argparse.Namespace, fmt: str) -> int:
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else None
+    console = Console()
+    result = prepare_chat_dataset(
+        args.input,
+        args.output,
+        args.tokenizer or "",
+        fmt,
+        args.loss_on,
+        args.chat_template,
+        args.val_fraction,
+        progress=console.is_terminal,
+        force=args.force,
+        max_vocab_size=declared_vocab_size(tokenizer_dir) if tokenizer_dir else None,
+        model=f"{tokenizer_dir}/config.json",
+    )
+    s, m = result.meta.stats, result.meta
+    status = "up to date" if result.cached else f"written in {result.seconds:.1f}s"
+    console.print(
+        f"[bold]{result.path}[/bold] {status}: {s.conversations:,} {fmt} records -> "
+        f"{s.documents:,} documents ({s.dropped:,} dropped: no loss token), {s.tokens:,} tokens, "
+        f"{s.loss_tokens:,} loss tokens (loss on {m.loss_on})",
+        highlight=False,
+    )
+    if args.seq_len:
+        for packing in (False, True):
+            b = DocumentBatches(result.path, args.seq_len, 1, packing=packing)
+            t = b.train.stats
+            how = "packed windows" if packing else "padded samples "
+            console.print(
+                f"  seq_len {args.seq_len}, {how}: {t.samples:,} samples, {t.truncated:,} "
+                f"truncated, {t.dropped:,} dropped, {t.loss_tokens:,} loss tokens, padding "
+                f"{t.padding_fraction:.1%}",
+                highlight=False,
+            )
     return 0

@@ -125,6 +125,11 @@ class LayerInputs:
     module docstring)."""
 
     MAX_CACHED = 4
+    MAX_CACHED_PACKED = 4
+    """Entries for given position ids (packed samples): one per micro-batch, which every block
+    reuses. Few, since each holds a [b, 1, s, s] mask (SDPA: bool, eager: the compute dtype;
+    flash-attention: none) outside the memory ledger; with more micro-batches than this the
+    masks are made again per block (cheap next to the attention they mask)."""
 
     def __init__(self, config, rotary: nn.Module | None):
         from transformers import masking_utils
@@ -137,24 +142,43 @@ class LayerInputs:
         }
         self._cache: dict[tuple, dict[str, Any]] = {}
 
-    def __call__(self, h: torch.Tensor, kind: str) -> dict[str, Any]:
-        key = (h.shape[1], h.dtype, h.device)
+    def __call__(
+        self, h: torch.Tensor, kind: str, position_ids: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        if position_ids is None:
+            key: tuple = (h.shape[1], h.dtype, h.device)
+            rows = h[:1]  # the same for every sample: made once, broadcast
+        else:
+            # packed samples: each row has its own documents, so its own mask. Keyed by the
+            # tensor (the engine passes one object per micro-batch to every block), which the
+            # entry holds, so its id cannot be reused while cached.
+            key = ("packed", id(position_ids), h.dtype, h.device)
+            rows = h
         entry = self._cache.get(key)
         if entry is None:
-            if len(self._cache) >= self.MAX_CACHED:
-                self._cache.clear()
+            packed = [k for k in self._cache if k[0] == "packed"]
+            if position_ids is None and len(self._cache) - len(packed) >= self.MAX_CACHED:
+                self._cache = {k: self._cache[k] for k in packed}
+            if position_ids is not None and len(packed) >= self.MAX_CACHED_PACKED:
+                del self._cache[packed[0]]  # the oldest
             with torch.no_grad():
-                positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-                entry = {"position_ids": positions, "masks": {}}
+                if position_ids is None:
+                    positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+                else:
+                    positions = position_ids.to(h.device)
+                entry = {"position_ids": positions, "masks": {}, "source": position_ids}
                 if self.rotary is not None:
-                    entry["position_embeddings"] = self.rotary(h[:1], positions)
+                    entry["position_embeddings"] = self.rotary(rows, positions)
             self._cache[key] = entry
         masks = entry["masks"]
         if kind not in masks:
             with torch.no_grad():
-                # (config, inputs_embeds, attention_mask, cache): positional across versions
+                # (config, inputs_embeds, attention_mask, cache): positional across versions.
+                # Position ids that restart inside a row are transformers' packed-sequence
+                # format: its masks keep each document to itself (SDPA / eager masks,
+                # flash-attention varlen from the position ids).
                 masks[kind] = self.mask_functions[kind](
-                    self.config, h[:1], None, None, position_ids=entry["position_ids"]
+                    self.config, rows, None, None, position_ids=entry["position_ids"]
                 )
         out = {"attention_mask": masks[kind], "position_ids": entry["position_ids"]}
         if "position_embeddings" in entry:
@@ -190,7 +214,9 @@ class HFEmbedding(nn.Module):
         name = self.names.get(role)
         return None if name is None else getattr(self, name)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         seq = input_ids.shape[1]
         if self.max_seq_len is not None and seq > self.max_seq_len:
             raise CephaloError(
@@ -202,7 +228,9 @@ class HFEmbedding(nn.Module):
             h = h * self.multiplier
         positions = self.part("positions")
         if positions is not None:
-            h = h + positions(torch.arange(seq, device=input_ids.device).unsqueeze(0))
+            if position_ids is None:
+                position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0)
+            h = h + positions(position_ids.to(input_ids.device))
         dropout = self.part("dropout")
         if dropout is not None:
             h = dropout(h)
@@ -220,8 +248,8 @@ class HFBlock(nn.Module):
         self.mask_kind = mask_kind
         self.__dict__["inputs"] = inputs  # plain attribute: shared by the blocks, not a submodule
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.layer(h, **self.inputs(h, self.mask_kind))
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.layer(h, **self.inputs(h, self.mask_kind, position_ids))
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -331,6 +359,8 @@ class HFUnitModel(UnitModel):
     """A `transformers` causal LM as units. `hf_config` rebuilds the transformers model;
     `hf_names` maps each `<unit>.<param>` to the transformers parameter names it stands for;
     `weights` (pretrained) or transformers' init scheme give the initial values."""
+
+    supports_position_ids = True
 
     def __init__(
         self,

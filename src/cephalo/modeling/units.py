@@ -4,6 +4,13 @@
     units[1:-1]     kind "block":     module(hidden) -> hidden
     units[-1]       kind "head":      module(hidden, labels: LongTensor[b, s]) -> loss_sum
 
+Packed samples (several documents in one row, `data.packing`) add one optional input:
+`position_ids: LongTensor[b, s]`, each document's positions restarting at 0, passed as a
+keyword to the embedding and to every block (`embedding(input_ids, position_ids=...)`,
+`block(h, position_ids=...)`); a model that takes it says so with `supports_position_ids`
+(the HF adapter: transformers' own packed-sequence masks follow from the positions). Without
+it a row is one sequence, positions 0, 1, ...
+
 `loss_sum` is the SUM of the per-token cross-entropy over the labels that are not
 `IGNORE_INDEX` (a 0-dim fp32 tensor). The engine divides by the global token count, so the
 gradient is that of the mean over all tokens of the global batch, whatever the plan.
@@ -90,6 +97,9 @@ class UnitModel(nn.Module):
     trainable parameters then; the rest has `requires_grad` False: the frozen base)."""
     quantized_parameters: frozenset[str] = frozenset()
     """`<unit>.<param>` of frozen parameters the engine stores in NF4 (QLoRA)."""
+    supports_position_ids = False
+    """True if the embedding and blocks take `position_ids` (packed samples); see the module
+    docstring."""
 
     def __init__(self, spec: ModelSpec, units: list[Unit]):
         super().__init__()
@@ -152,11 +162,17 @@ class UnitModel(nn.Module):
                 seen.add(id(p))
                 yield u.name, pname, p
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Single-process reference: the MEAN token loss over the batch (the engine's target)."""
-        h = self.units[0].module(input_ids)
+        extra = position_kwargs(self, position_ids)
+        h = self.units[0].module(input_ids, **extra)
         for u in self.units[1:-1]:
-            h = u.module(h)
+            h = u.module(h, **extra)
         loss_sum = self.units[-1].module(h, labels)
         n_tokens = (labels != IGNORE_INDEX).sum().clamp(min=1)
         return loss_sum / n_tokens
@@ -183,6 +199,20 @@ class UnitModel(nn.Module):
             module._buffers[name] = buf.to(device)
         self.init_weights(generator)
         return self
+
+
+def position_kwargs(model: UnitModel, position_ids: torch.Tensor | None) -> dict:
+    """The keyword arguments carrying `position_ids` to the embedding and blocks: none without
+    them; a model that cannot take them is refused with the reason."""
+    if position_ids is None:
+        return {}
+    if not model.supports_position_ids:
+        raise CephaloError(
+            f"model {model.spec.name} does not take per-document position ids, so it cannot "
+            f"train on packed samples: set data.packing = false, or use a transformers model "
+            f"(a model directory or an hf-* preset)"
+        )
+    return {"position_ids": position_ids}
 
 
 def tied_parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -73,7 +73,7 @@ from torch.func import functional_call
 
 from cephalo.errors import CephaloError
 from cephalo.log import logger
-from cephalo.modeling.units import IGNORE_INDEX, UnitModel
+from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
 from cephalo.runtime.autograd import drain_grad, largest_saved_bytes
 from cephalo.runtime.boundary import BoundaryStore
@@ -287,6 +287,8 @@ class _MicroBatch:
     labels: torch.Tensor
     sample_offset: int
     """Index of its first sample in the global batch."""
+    position_ids: torch.Tensor | None = None
+    """Per-document positions of packed samples (None: 0, 1, ... in every row)."""
     rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     """Generator states saved before each unit's forward, by unit index."""
 
@@ -667,8 +669,9 @@ class Engine:
         self, us: _UnitShard, params: dict[str, torch.Tensor], x: torch.Tensor, mb: _MicroBatch
     ) -> torch.Tensor:
         args = (x, mb.labels) if us.unit.kind == "head" else (x,)
+        kwargs = {} if us.unit.kind == "head" else position_kwargs(self.model, mb.position_ids)
         with self._dropout(us, mb):
-            return functional_call(us.unit.module, params, args, strict=False)
+            return functional_call(us.unit.module, params, args, kwargs, strict=False)
 
     def _dropout(self, us: _UnitShard, mb: _MicroBatch) -> contextlib.AbstractContextManager:
         if not (self.config.per_sample_dropout and self.model.training):
@@ -870,8 +873,16 @@ class Engine:
                 x.grad = None
 
     # ------------------------------------------------------------------ public API
-    def _micro_batches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> list[_MicroBatch]:
+    def _micro_batches(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> list[_MicroBatch]:
         rp = self.rank_plan
+        if position_ids is not None and position_ids.shape != input_ids.shape:
+            raise CephaloError(
+                f"rank {self.rank}: position_ids {tuple(position_ids.shape)} and input_ids "
+                f"{tuple(input_ids.shape)} must have the same shape"
+            )
+        position_kwargs(self.model, position_ids)  # a model that cannot take them: refused
         if input_ids.dim() != 2 or input_ids.shape != labels.shape:
             raise CephaloError(
                 f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
@@ -884,10 +895,17 @@ class Engine:
             )
         input_ids = input_ids.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
+        if position_ids is not None:
+            position_ids = position_ids.to(self.device, non_blocking=True)
         first = self.sample_offset
         m = rp.micro_batch_size
         return [
-            _MicroBatch(input_ids[a : a + m], labels[a : a + m], first + a)
+            _MicroBatch(
+                input_ids[a : a + m],
+                labels[a : a + m],
+                first + a,
+                None if position_ids is None else position_ids[a : a + m],
+            )
             for a in range(0, rp.batch_size, m)
         ]
 
@@ -903,17 +921,30 @@ class Engine:
         with self.comm.unvalidated():
             yield
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepStats:
-        """One optimizer step on this rank's slice [B_i, s] of the global batch."""
+    def train_step(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        lr: float,
+        position_ids: torch.Tensor | None = None,
+    ) -> StepStats:
+        """One optimizer step on this rank's slice [B_i, s] of the global batch
+        (`position_ids`: per-document positions of packed samples, else None)."""
         with self._validated_once("train"):
-            return self._train_step(input_ids, labels, lr)
+            return self._train_step(input_ids, labels, lr, position_ids)
 
-    def _train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepStats:
+    def _train_step(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        lr: float,
+        position_ids: torch.Tensor | None = None,
+    ) -> StepStats:
         t_step = time.perf_counter()
         self._comm_wait_s = self._busy_s = self._host_s = 0.0
         self.ledger.reset_peak()
         self.model.train()
-        mbs = self._micro_batches(input_ids, labels)
+        mbs = self._micro_batches(input_ids, labels, position_ids)
         # int64: an fp32 count is inexact above 2**24 tokens (a large global batch)
         tokens = torch.tensor(
             [sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs)],
@@ -1040,16 +1071,23 @@ class Engine:
             us.host_grad_written = False
 
     @torch.no_grad()
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def eval_loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> float:
         """Global mean token loss of this step's batch (no update, dropout off)."""
         with self._validated_once("eval"):
-            return self._eval_loss(input_ids, labels)
+            return self._eval_loss(input_ids, labels, position_ids)
 
-    def _eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def _eval_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> float:
         was_training = self.model.training
         self.model.eval()
         try:
-            mbs = self._micro_batches(input_ids, labels)
+            mbs = self._micro_batches(input_ids, labels, position_ids)
             store = self._boundaries
             loss_sum = self._forward_pass(mbs, store, keep_inputs=False)
             assert len(store) == 0

@@ -99,6 +99,25 @@ class DataConfig:
     text_field: str = "text"
     """The field of JSON Lines records, or the column of Parquet files and `datasets` directories, that
     holds the text."""
+    format: Literal["auto", "text", "chat", "prompt_completion"] = "auto"
+    """What the records are: `text` (the `text_field`), `chat` (`messages`: a list of `role` /
+    `content` turns), `prompt_completion` (`prompt` and `completion`: strings, or lists of
+    messages). `auto` detects it per file (`messages` -> chat, `prompt` and `completion` ->
+    prompt_completion, else text). Chat data is rendered with the tokenizer's chat template."""
+    loss_on: Literal["auto", "assistant", "completion", "all"] = "auto"
+    """Which tokens of chat data are in the loss: `assistant` (the assistant's turns with their
+    end-of-turn tokens; the default for chat), `completion` (what follows the prompt; the
+    default for prompt_completion) or `all`. Text trains on every token."""
+    chat_template: str | None = None
+    """A Jinja chat template (a file, or the template string itself) for a tokenizer that has
+    none, or to use instead of its own. Unset: the tokenizer's `chat_template`."""
+    packing: bool = False
+    """Chat data: pack whole conversations into `seq_len` windows (best-fit decreasing), each with
+    its own position ids, so attention never crosses conversations (transformers'
+    packed-sequence masks). Off: one conversation per sample, right-padded to `seq_len`."""
+    packing_split: bool = False
+    """With `packing`: split a conversation longer than `seq_len` into several windows instead of
+    truncating it (its pieces are then trained as separate documents)."""
     seq_len: int = 32
     """Tokens per sample (inputs; labels are the same tokens shifted by one). The model's context
     (`model.overrides.seq_len`) must be at least this long."""
@@ -608,6 +627,10 @@ def _validate(cfg: JobConfig) -> None:
         "data.tokenizer must be `auto`, `builtin`, `bpe`, a tokenizer directory or a tokenizer file",
     )
     check(bool(d.text_field.strip()), "data.text_field must name the field that holds the text")
+    check(
+        not d.packing_split or d.packing,
+        "data.packing_split splits conversations across packed windows: set data.packing = true",
+    )
     check(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
     check(
         t.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {t.global_batch_size}"

@@ -190,8 +190,9 @@ class JsonLinesSource(Source):
         if self.text_field not in record:
             raise CephaloError(
                 f"{where}: the record has no {self.text_field!r} field (its fields: "
-                f"{_listing(record)}); pass the field that holds the text with --text-field "
-                f"(data.text_field)"
+                f"{_listing(record)}); "
+                + (_chat_hint(record) or "pass the field that holds the text with --text-field ")
+                + "(data.text_field)"
             )
         return Chunk(_text_value(record[self.text_field], where, self.text_field), True, len(line))
 
@@ -339,8 +340,9 @@ def _check_string_column(
 ) -> None:
     if text_field not in names:
         raise CephaloError(
-            f"{path} has no column {text_field!r} (its columns: {_listing(names)}); pass the "
-            f"column that holds the text with --text-field (data.text_field)"
+            f"{path} has no column {text_field!r} (its columns: {_listing(names)}); "
+            + (_chat_hint(names) or "pass the column that holds the text with --text-field ")
+            + "(data.text_field)"
         )
     kind = type_of()
     if pa is not None:
@@ -353,6 +355,21 @@ def _check_string_column(
             f"{path}: column {text_field!r} holds {kind}, not strings; pass the column that "
             f"holds the text with --text-field (data.text_field)"
         )
+
+
+def _chat_hint(fields: Iterable[str]) -> str:
+    """What to say when text was asked of chat records (data.format = text)."""
+    fields = set(fields)
+    if "messages" in fields:
+        kind = "a conversation ('messages')"
+    elif {"prompt", "completion"} <= fields:
+        kind = "a prompt and a completion"
+    else:
+        return ""
+    return (
+        f"it holds {kind}, which is chat data, not text: set data.format = auto or chat "
+        f"(--format) to render it with the tokenizer's chat template, or name a text field "
+    )
 
 
 def _listing(names: Iterable[str], limit: int = 12) -> str:

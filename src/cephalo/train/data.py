@@ -831,9 +831,18 @@ class GlobalBatches:
         windows = self.epoch_order(epoch)[start : start + size]
         return self._read(self.train_file, windows)
 
+    def rank_positions(self, step: int, offset: int, size: int) -> None:
+        """Token windows hold no documents of their own: positions 0, 1, ... (chat data's
+        `DocumentBatches` gives per-document positions when packing)."""
+        return None
+
     # ---------------------------------------------------------------- validation
     def num_val_batches(self, batch_size: int) -> int:
         return math.ceil(self.num_val_windows / batch_size)
+
+    def val_positions(self, index: int, batch_size: int, offset: int = 0, size=None) -> None:
+        """As `rank_positions`: None."""
+        return None
 
     def val_batch(
         self, index: int, batch_size: int, offset: int = 0, size: int | None = None

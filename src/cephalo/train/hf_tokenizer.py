@@ -67,8 +67,12 @@ class HFTokenizer:
         vocab_size: int,
         eos_id: int | None,
         backend: str,
+        transformers_tokenizer: Any = None,
     ):
         self.directory = directory
+        self.transformers_tokenizer = transformers_tokenizer
+        """The transformers tokenizer object (None without transformers): chat data renders
+        with its `apply_chat_template` and takes token offsets from it."""
         self._encode_batch, self._decode = encode_batch, decode
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -147,7 +151,7 @@ class HFTokenizer:
         fast = _fast_backend(tok)
         if fast is not None and fast(SELF_CHECK_TEXTS) == call_tokenizer(SELF_CHECK_TEXTS):
             encode_batch, backend = fast, "transformers, Rust backend"
-        return cls(directory, encode_batch, decode, vocab_size, tok.eos_token_id, backend)
+        return cls(directory, encode_batch, decode, vocab_size, tok.eos_token_id, backend, tok)
 
     @classmethod
     def _load_with_tokenizers(cls, directory: Path) -> HFTokenizer:

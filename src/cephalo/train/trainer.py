@@ -47,9 +47,9 @@ from cephalo.runtime.dist import init_distributed, peer_failure
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
 from cephalo.specs.cluster import Cluster, Device
+from cephalo.train.chat_data import open_batches, resolve_job_dataset
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig, config_to_toml
-from cephalo.train.data import GlobalBatches, resolve_dataset
 from cephalo.train.discovery import discover_cluster, is_emulated, job_torch_device
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import (
@@ -118,6 +118,7 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
     all-reduce checks it."""
     from cephalo.planning.planner import make_plan
     from cephalo.planning.sources import measured_cost_model
+    from cephalo.specs.adapter import ALL_LINEAR, adapter_spec
     from cephalo.profiling.profiler import profile_devices
 
     seq_len, batch, dtype = cfg.data.seq_len, cfg.train.global_batch_size, cfg.model.dtype
@@ -131,7 +132,20 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
         cache=cfg.profile_cache,
         device=job_torch_device(cfg, comm),
     )
-    cost_model = measured_cost_model(cluster, model.spec, seq_len, dtype, measured)
+    targets = cfg.model.lora_target_modules
+    cost_model = measured_cost_model(
+        cluster,
+        model.spec,
+        seq_len,
+        dtype,
+        measured,
+        # the job's adapter: frozen base bytes, adapter state, a backward without base grads
+        adapter=adapter_spec(
+            cfg.model.adapter,
+            cfg.model.lora_r,
+            targets[0] if list(targets) == [ALL_LINEAR] else targets,
+        ),
+    )
     plan = make_plan(cost_model, batch, "cephalo", model_name=cfg.model.name)
     plan.meta["profiles"] = {
         "measured": measured.measured,
@@ -244,22 +258,27 @@ class _Trainer:
         else:
             self.plan = resolve_plan(cfg, self.cluster, self.world_size)
         self.rank_plan = self.plan.ranks[self.rank]
-        data_path = resolve_dataset(
+        data_path = resolve_job_dataset(
             cfg.data.path,
             cfg.data.tokenizer,
-            vocab_size=model.spec.vocab_size,
+            model.spec.vocab_size,
+            fmt=cfg.data.format,
+            loss_on=cfg.data.loss_on,
+            chat_template=cfg.data.chat_template,
             val_fraction=cfg.data.val_fraction,
             progress=self.rank == 0,
             model_name=cfg.model.name,
             text_field=cfg.data.text_field,
         )
-        self.batches = GlobalBatches(
+        self.batches = open_batches(
             data_path,
             cfg.data.seq_len,
             cfg.train.global_batch_size,
             cfg.data.seed,
             cfg.data.val_fraction,
             model_vocab_size=model.spec.vocab_size,
+            packing=cfg.data.packing,
+            packing_split=cfg.data.packing_split,
         )
         if cfg.train.eval_every > 0 and self.batches.num_val_windows == 0:
             raise CephaloError(
@@ -429,12 +448,12 @@ class _Trainer:
         number = self.step + 1
         self._maybe_kill(number)
         lr = self.schedule(self.step)
-        input_ids, labels = self.batches.rank_slice(
-            self.step, self.engine.sample_offset, self.rank_plan.batch_size
-        )
+        where = (self.step, self.engine.sample_offset, self.rank_plan.batch_size)
+        input_ids, labels = self.batches.rank_slice(*where)
+        positions = self.batches.rank_positions(*where)  # packed chat samples, else None
         try:
             self._maybe_run_out_of_memory(number)
-            stats = self.engine.train_step(input_ids, labels, lr)
+            stats = self.engine.train_step(input_ids, labels, lr, position_ids=positions)
         except torch.OutOfMemoryError as err:
             raise CephaloError(
                 out_of_memory_message(self.rank, self.step + 1, self.engine, err)
@@ -494,15 +513,20 @@ class _Trainer:
         for index in range(count):
             windows = min(b, self.batches.num_val_windows - index * b)
             take = max(0, min(self.rank_plan.batch_size, windows - self.engine.sample_offset))
+            positions = None
             if take:
                 x, y = self.batches.val_batch(index, b, self.engine.sample_offset, take)
+                positions = self.batches.val_positions(index, b, self.engine.sample_offset, take)
             else:
                 x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
             pad = self.rank_plan.batch_size - take
             if pad:
                 x = torch.cat([x, torch.zeros(pad, x.shape[1], dtype=x.dtype)])
                 y = torch.cat([y, torch.full((pad, y.shape[1]), IGNORE_INDEX, dtype=y.dtype)])
-            total += self.engine.eval_loss(x, y) * windows
+            if self.cfg.data.packing:  # every rank passes positions (a padded row: 0, 1, ...)
+                arange = torch.arange(x.shape[1]).expand(x.shape[0] - take, -1)
+                positions = torch.cat([positions, arange]) if positions is not None else arange
+            total += self.engine.eval_loss(x, y, position_ids=positions) * windows
             weight += windows
         return total / max(weight, 1)
 
