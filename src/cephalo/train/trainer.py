@@ -118,8 +118,8 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
     all-reduce checks it."""
     from cephalo.planning.planner import make_plan
     from cephalo.planning.sources import measured_cost_model
-    from cephalo.specs.adapter import ALL_LINEAR, adapter_spec
     from cephalo.profiling.profiler import profile_devices
+    from cephalo.specs.adapter import ALL_LINEAR, adapter_spec
 
     seq_len, batch, dtype = cfg.data.seq_len, cfg.train.global_batch_size, cfg.model.dtype
     measured = profile_devices(
