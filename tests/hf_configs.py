@@ -31,6 +31,13 @@ _LLAMA_LIKE = dict(
     pad_token_id=None,
 )
 
+_MOE = dict(
+    _LLAMA_LIKE,
+    num_experts_per_tok=2,
+    output_router_logits=True,
+    router_aux_loss_coef=0.5,  # large, so the aux term shows in the checks
+)
+
 TINY: dict[str, dict[str, Any]] = {
     "llama": dict(_LLAMA_LIKE, tie_word_embeddings=False),
     "mistral": dict(_LLAMA_LIKE, sliding_window=WINDOW),
@@ -51,6 +58,34 @@ TINY: dict[str, dict[str, Any]] = {
         sliding_window=WINDOW,
         final_logit_softcapping=3.0,
         attn_logit_softcapping=5.0,
+    ),
+    # 3 layers: sliding, sliding, full (local / global rotary bases differ), q/k norms
+    "gemma3_text": dict(
+        _LLAMA_LIKE,
+        head_dim=8,
+        num_hidden_layers=3,
+        sliding_window=WINDOW,
+        sliding_window_pattern=3,
+        final_logit_softcapping=3.0,
+        query_pre_attn_scalar=8,
+    ),
+    # MoE: 4 experts, top 2, the router loss on; windows where the family has them
+    "qwen2_moe": dict(
+        _MOE,
+        num_experts=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+    ),
+    "qwen3_moe": dict(
+        _MOE, num_experts=4, head_dim=8, moe_intermediate_size=16, norm_topk_prob=True
+    ),
+    "mixtral": dict(_MOE, num_local_experts=4, sliding_window=WINDOW),
+    "olmoe": dict(_MOE, num_experts=4, intermediate_size=16),
+    "gpt_oss": dict(
+        _MOE, head_dim=8, num_local_experts=4, intermediate_size=16, sliding_window=WINDOW
     ),
     "phi3": dict(_LLAMA_LIKE, sliding_window=WINDOW, resid_pdrop=0.0, embd_pdrop=0.0),
     "phi": dict(_LLAMA_LIKE, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0),

@@ -68,6 +68,8 @@ class ReferenceRun:
     """Final parameters by `<unit>.<param>` (whole tensors, CPU, fp32)."""
     grad_clip: float | None = None
     """The clipping threshold used (`train_transformers(clip_to_first_norm=...)` sets it)."""
+    aux_losses: list[float] = field(default_factory=list)
+    """MoE with `output_router_logits`: transformers' `aux_loss` per step."""
 
 
 def _build(name: str, seed: int, overrides: dict) -> UnitModel:
@@ -259,7 +261,9 @@ def train_transformers(
 ) -> ReferenceRun:
     """Plain transformers, nothing of cephalo's model code: `AutoModelForCausalLM.
     from_pretrained(directory)` in fp32, the WHOLE global batch per step, loss = the mean
-    token cross-entropy of its logits against the (pre-shifted) labels, `torch.optim.AdamW`
+    token cross-entropy of its logits against the (pre-shifted) labels (MoE with
+    `output_router_logits`: + `router_aux_loss_coef` x transformers' `aux_loss` of the whole
+    batch, which is what its `outputs.loss` adds), `torch.optim.AdamW`
     (weight decay on matrices, `adamw_param_groups`), `clip_grad_norm_`. Parameters come
     back under transformers' names (a tied weight once). No dropout masks are replayed: give
     it dropout-free configs. `clip_to_first_norm=f`: clip at f x the first step's gradient
@@ -282,10 +286,13 @@ def train_transformers(
             group["lr"] = cfg.lr_at(step)
         opt.zero_grad(set_to_none=True)
         position_ids = positions[0] if positions else None
-        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         loss = torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+            out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
         )
+        if getattr(out, "aux_loss", None) is not None:
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+            run.aux_losses.append(out.aux_loss.item())
         loss.backward()
         if clip_to_first_norm is not None and step == 0:
             norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))

@@ -28,7 +28,7 @@ from engine_common import (
     optim_config,
     rank_slice,
 )
-from hf_configs import SEQ, VOCAB, quiet_transformers, save_tiny_model
+from hf_configs import SEQ, TINY, VOCAB, quiet_transformers, save_tiny_model
 from reference import train_transformers
 
 __all__ = ["one_thread"]
@@ -221,3 +221,66 @@ def test_loading_holds_one_shard_and_two_units(pool3, tmp_path):
         assert r["files"] >= 4
         assert r["peak"] <= bound, rank
         assert r["peak"] - r["state"] < r["model_fp32"], rank  # never the whole model
+
+
+MOE_FAMILIES = sorted(t for t, c in TINY.items() if "router_aux_loss_coef" in c)
+
+
+def _moe_engine_run(directory: str, plan, cfg: EngineConfig, data):
+    torch.set_num_threads(1)
+    quiet_transformers()
+    comm = make_comm("gloo")
+    engine = Engine(build_model(directory), plan, comm, cfg)
+    stats = [
+        engine.train_step(rank_slice(plan, comm.rank, x), rank_slice(plan, comm.rank, y), lr=LR)
+        for x, y in data
+    ]
+    return {"losses": [s.loss for s in stats], "aux": [s.aux_loss for s in stats]}
+
+
+def _per_micro_batch_aux(directory: str, x: torch.Tensor, micro: list[int]) -> float:
+    """What a per-micro-batch router loss would be: transformers' aux of each micro-batch,
+    weighted by its size (the wrong objective the global statistics avoid)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    total, start = 0.0, 0
+    with torch.no_grad():
+        for m in micro:
+            total += hf(input_ids=x[start : start + m]).aux_loss.item() * m
+            start += m
+    return total / x.shape[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MOE_FAMILIES)
+def test_moe_router_loss_over_the_global_batch(pool3, tmp_path, model_type):
+    """MoE with output_router_logits and router_aux_loss_coef 0.5: 3 uneven ranks train like
+    transformers + AdamW whose loss is transformers' own `outputs.loss` on the whole batch
+    (cross-entropy + coef x aux); the reported aux_loss is transformers' `aux_loss`. The
+    samples differ, so the per-micro-batch aux (shown to differ) would fail the check."""
+    import transformers
+
+    directory = str(save_tiny_model(model_type, tmp_path / model_type, seed=3))
+    plan = make_plan(**UNEVEN, seq_len=SEQ, model=directory)
+    data = _lm_batches(STEPS, plan.global_batch_size)
+    ref = train_transformers(directory, data, optim_config(CONFIG), clip_to_first_norm=0.8)
+    x = data[0][0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    own = hf(input_ids=x, labels=x)  # transformers shifts the labels itself
+    assert ref.losses[0] == pytest.approx(own.loss.item(), rel=1e-6)
+    micro_sizes = [2, 2, 1, 2, 1]  # ranks' micro-batches in global order (5 = 2+2+1, 2, 1)
+    wrong = _per_micro_batch_aux(directory, x, micro_sizes)
+    cfg = dataclasses.replace(CONFIG, grad_clip=ref.grad_clip)
+    results = pool3.run(_engine_run, directory, plan, cfg, data)
+    aux = pool3.run(_moe_engine_run, directory, plan, cfg, data)
+    print(
+        f"{model_type}: aux cephalo {aux[0]['aux'][0]:.7f}, transformers {ref.aux_losses[0]:.7f}, "
+        f"per-micro-batch {wrong:.7f}; loss {results[0]['losses'][0]:.7f} vs "
+        f"outputs.loss {own.loss.item():.7f}"
+    )
+    assert abs(wrong - ref.aux_losses[0]) > 1e-4 * ref.aux_losses[0]
+    for r in aux:
+        assert r["aux"] == pytest.approx(ref.aux_losses, rel=1e-5)
+        assert r["losses"] == pytest.approx(ref.losses, rel=1e-5)
+    _check(results, ref, model_type)

@@ -54,6 +54,7 @@ from cephalo.modeling.hf_config import (
 )
 from cephalo.modeling.hf_families import Family, config_value, family_of
 from cephalo.modeling.hf_weights import PretrainedWeights
+from cephalo.modeling.moe import RouterAux, log_without_aux, router_recorder, router_settings
 from cephalo.modeling.nf4 import quiet_torchao
 from cephalo.modeling.units import LMHead, Unit, UnitModel, spec_from_units
 
@@ -132,10 +133,17 @@ class LayerInputs:
     masks are made again per block (cheap next to the attention they mask)."""
 
     def __init__(self, config, rotary: nn.Module | None):
+        import inspect
+
         from transformers import masking_utils
 
         self.config = config
         self.rotary = rotary
+        # Gemma 3 and a few others: one rotary table per layer type (local / global bases),
+        # `rotary(x, position_ids, layer_type)`, as the base model's forward calls it
+        self.rotary_per_kind = rotary is not None and (
+            "layer_type" in inspect.signature(rotary.forward).parameters
+        )
         self.mask_functions = {
             "full_attention": masking_utils.create_causal_mask,
             "sliding_attention": masking_utils.create_sliding_window_causal_mask,
@@ -167,10 +175,13 @@ class LayerInputs:
                 else:
                     positions = position_ids.to(h.device)
                 entry = {"position_ids": positions, "masks": {}, "source": position_ids}
-                if self.rotary is not None:
+                if self.rotary is not None and not self.rotary_per_kind:
                     entry["position_embeddings"] = self.rotary(rows, positions)
             self._cache[key] = entry
         masks = entry["masks"]
+        if self.rotary_per_kind and ("rotary", kind) not in entry:
+            with torch.no_grad():
+                entry["rotary", kind] = self.rotary(rows, entry["position_ids"], kind)
         if kind not in masks:
             with torch.no_grad():
                 # (config, inputs_embeds, attention_mask, cache): positional across versions.
@@ -183,6 +194,8 @@ class LayerInputs:
         out = {"attention_mask": masks[kind], "position_ids": entry["position_ids"]}
         if "position_embeddings" in entry:
             out["position_embeddings"] = entry["position_embeddings"]
+        elif ("rotary", kind) in entry:
+            out["position_embeddings"] = entry["rotary", kind]
         return out
 
 
@@ -240,17 +253,47 @@ class HFEmbedding(nn.Module):
 
 
 class HFBlock(nn.Module):
-    """One decoder layer, given what the base model's forward gives it (`LayerInputs`)."""
+    """One decoder layer, given what the base model's forward gives it (`LayerInputs`).
+    An MoE layer's router logits (the output transformers records as `router_logits`) go to
+    the model's `moe.RouterAux` while it is active (the engine's step)."""
 
-    def __init__(self, layer: nn.Module, inputs: LayerInputs, mask_kind: str):
+    def __init__(
+        self,
+        layer: nn.Module,
+        inputs: LayerInputs,
+        mask_kind: str,
+        aux: RouterAux | None = None,
+        router: tuple[type, int] | None = None,
+    ):
         super().__init__()
         self.layer = layer
         self.mask_kind = mask_kind
         self.__dict__["inputs"] = inputs  # plain attribute: shared by the blocks, not a submodule
+        self.__dict__["aux"] = aux
+        self._captured: list[torch.Tensor] | None = None
+        if aux is not None and router is not None:
+            self.router_index = router[1]
+            for module in layer.modules():
+                if isinstance(module, router[0]):
+                    module.register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._captured is not None:
+            value = output[self.router_index] if isinstance(output, tuple) else output
+            self._captured.append(value)
 
     def forward(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.layer(h, **self.inputs(h, self.mask_kind, position_ids))
-        return out[0] if isinstance(out, tuple) else out
+        aux = self.__dict__["aux"]
+        if aux is None or not aux.active:
+            out = self.layer(h, **self.inputs(h, self.mask_kind, position_ids))
+            return out[0] if isinstance(out, tuple) else out
+        self._captured = []
+        try:
+            out = self.layer(h, **self.inputs(h, self.mask_kind, position_ids))
+            captured = self._captured
+        finally:
+            self._captured = None
+        return aux.after_layer(out[0] if isinstance(out, tuple) else out, captured)
 
 
 class HFHead(LMHead):
@@ -295,9 +338,12 @@ def _mask_kinds(family: Family, config, num_layers: int) -> list[str]:
     return kinds
 
 
-def _split(hf_model: nn.Module, family: Family, name: str) -> tuple[list[Unit], nn.Module | None]:
+def _split(
+    hf_model: nn.Module, family: Family, name: str, aux: RouterAux | None = None
+) -> tuple[list[Unit], nn.Module | None]:
     """The units of a causal LM with the common layout, and its rotary module; anything else
-    in the model is an error (the adapter would silently drop it)."""
+    in the model is an error (the adapter would silently drop it). `aux`: the MoE router
+    loss the blocks report their router logits to."""
     config = hf_model.config
     base = hf_model.base_model
     children = dict(base.named_children())
@@ -339,9 +385,15 @@ def _split(hf_model: nn.Module, family: Family, name: str) -> tuple[list[Unit], 
         multiplier=config_value(config, family.embedding_multiplier),
     )
     kinds = _mask_kinds(family, config, len(layers))
+    router = router_recorder(hf_model) if aux is not None else None
+    if aux is not None and router is None:
+        raise CephaloError(
+            f"model {name}: {type(hf_model).__name__} has experts but no router output the "
+            "adapter can read (transformers' router_logits); its router loss is not supported"
+        )
     units = [Unit("embedding", "embedding", embedding)]
     units += [
-        Unit(f"blocks.{i}", "block", HFBlock(layer, inputs, kinds[i]))
+        Unit(f"blocks.{i}", "block", HFBlock(layer, inputs, kinds[i], aux, router))
         for i, layer in enumerate(layers)
     ]
     head = HFHead(
@@ -353,6 +405,9 @@ def _split(hf_model: nn.Module, family: Family, name: str) -> tuple[list[Unit], 
     )
     units.append(Unit("head", "head", head))
     return units, rotary
+
+
+_SAID_NO_AUX: set[str] = set()  # models whose missing router loss was logged (once each)
 
 
 class HFUnitModel(UnitModel):
@@ -371,8 +426,10 @@ class HFUnitModel(UnitModel):
         pretrained: bool = False,
     ):
         family = family_of(hf_config)
+        settings = router_settings(hf_config, f"model {name}")
+        router_aux = RouterAux(settings) if settings and settings.enabled else None
         hf_model = build_hf_model(hf_config, device)
-        units, rotary = _split(hf_model, family, name)
+        units, rotary = _split(hf_model, family, name, router_aux)
         config = hf_model.config
         hidden = config.hidden_size
         tied = hf_model.get_output_embeddings().weight is hf_model.get_input_embeddings().weight
@@ -390,6 +447,10 @@ class HFUnitModel(UnitModel):
             max_seq_len=units[0].module.max_seq_len or 0,
         )
         super().__init__(spec, units)
+        self.router_aux = router_aux  # the MoE router loss (None: dense, or no aux term)
+        if settings is not None and not settings.enabled and name not in _SAID_NO_AUX:
+            _SAID_NO_AUX.add(name)
+            log_without_aux(f"model {name}", settings)
         self.family = family
         self.hf_config = config
         self.directory = directory
@@ -478,14 +539,17 @@ def _children_first(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
-def checkpoint_key_renamer(hf_model: nn.Module, known: set[str]) -> Callable[[str], str]:
+def checkpoint_key_renamer(hf_model: nn.Module, known: set[str]) -> Callable[[str], Any]:
     """A stored checkpoint name -> the model's parameter name, by transformers' own rules
     (`from_pretrained`'s weight renamings for the model and the legacy ones, and adding or
-    removing the base-model prefix). A stored name that transformers would have to convert
-    (merge or split tensors: MoE experts, fused projections) is an error: cephalo reads
-    tensors one at a time as they are stored."""
+    removing the base-model prefix). A stored name that transformers merges into a fused
+    parameter (MoE experts stored one tensor per expert: stacked, gate and up concatenated)
+    becomes a `MergedPiece` (`hf_weights`), which the reader assembles one parameter at a
+    time with transformers' own conversion operations. Any other conversion is an error."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    from cephalo.modeling.hf_weights import MERGE_OPS, MergedPiece
 
     transforms = get_model_conversion_mapping(hf_model, add_legacy=True)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
@@ -493,15 +557,19 @@ def checkpoint_key_renamer(hf_model: nn.Module, known: set[str]) -> Callable[[st
     present = dict.fromkeys(known, True)
     prefix = hf_model.base_model_prefix
 
-    def rename(key: str) -> str:
+    def rename(key: str):
         name, converted_by = rename_source_key(key, renamings, converters, prefix, present)
-        if converted_by is not None:
+        if converted_by is None:
+            return name
+        converter = next((c for c in converters if converted_by in c.source_patterns), None)
+        ops = [] if converter is None else list(converter.operations)
+        if converter is None or not ops or any(type(op).__name__ not in MERGE_OPS for op in ops):
             raise CephaloError(
                 f"pretrained weights: tensor {key!r} is stored in a layout transformers converts "
                 f"on loading ({converted_by!r}); cephalo reads tensors as stored. Re-save the "
                 'model with transformers\' save_pretrained, or set model.init = "random"'
             )
-        return name
+        return MergedPiece.of(key, name, converted_by, converter)
 
     return rename
 

@@ -62,6 +62,16 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3", masks="layer_types"),
     "gemma": Family("Gemma"),
     "gemma2": Family("Gemma 2", masks="layer_types", logit_softcapping="final_logit_softcapping"),
+    "gemma3_text": Family(
+        "Gemma 3", masks="layer_types", logit_softcapping="final_logit_softcapping"
+    ),
+    # mixture of experts: every decoder layer one unit, its experts in the unit's parameters;
+    # the router loss is `moe.RouterAux`
+    "qwen2_moe": Family("Qwen2-MoE", masks="layer_types"),
+    "qwen3_moe": Family("Qwen3-MoE", masks="sliding_window"),
+    "mixtral": Family("Mixtral", masks="sliding_window"),
+    "olmoe": Family("OLMoE"),
+    "gpt_oss": Family("gpt-oss", masks="layer_types"),
     "phi3": Family("Phi-3", masks="sliding_window"),
     "phi": Family("Phi", embedding_dropout="embed_dropout"),
     "gpt_neox": Family("GPT-NeoX", embedding_dropout="emb_dropout"),

@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,6 +62,103 @@ class StoredTensor:
     key: str
     shape: tuple[int, ...]
     dtype: str
+
+
+MERGE_OPS = ("MergeModulelist", "Concatenate")
+"""transformers' conversion operations the reader applies itself: stacking one tensor per
+expert and concatenating gate and up projections (what MoE checkpoints need)."""
+
+
+@dataclass(frozen=True)
+class MergedPiece:
+    """A stored tensor that is one piece of a fused parameter (one expert's projection):
+    the parameter's name, the converter's source pattern it matched, and its expert index."""
+
+    key: str
+    target: str
+    pattern: str
+    index: int
+    patterns: tuple[str, ...]
+    ops: tuple[Any, ...] = field(compare=False)
+
+    @classmethod
+    def of(cls, key: str, target: str, pattern: str, converter: Any) -> MergedPiece:
+        regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+        found = re.search(regex, key)
+        if found is None or not found.groups():
+            raise CephaloError(
+                f"pretrained weights: cannot tell which expert tensor {key!r} is ({pattern!r})"
+            )
+        return cls(
+            key,
+            target,
+            pattern,
+            int(found.group(1)),
+            tuple(converter.source_patterns),
+            tuple(converter.operations),
+        )
+
+
+@dataclass(frozen=True)
+class MergedTensor:
+    """A fused parameter assembled from its stored pieces (pattern -> pieces by expert)."""
+
+    pieces: dict[str, list[StoredTensor]]
+    ops: tuple[Any, ...]
+    patterns: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        return next(iter(self.pieces.values()))[0].key
+
+    @property
+    def file(self) -> Path:
+        return next(iter(self.pieces.values()))[0].file
+
+    def stored(self) -> list[StoredTensor]:
+        return [t for pieces in self.pieces.values() for t in pieces]
+
+    def assemble(self, tensors: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        """transformers' own operations (stack per pattern, then concatenate)."""
+        value: Any = dict(tensors)
+        for op in self.ops:
+            value = op.convert(value, list(self.patterns), ["_target"])
+        if not isinstance(value, dict) or len(value) != 1:
+            raise CephaloError("pretrained weights: an expert conversion gave no single tensor")
+        return next(iter(value.values()))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        meta = {
+            p: [torch.empty(t.shape, device="meta") for t in pieces]
+            for p, pieces in self.pieces.items()
+        }
+        return tuple(self.assemble(meta).shape)
+
+    @property
+    def dtype(self) -> str:
+        bad = [t.dtype for t in self.stored() if t.dtype not in FLOAT_DTYPES]
+        return bad[0] if bad else self.stored()[0].dtype
+
+
+def _merged_tensor(directory: Path, target: str, pieces: list[MergedPiece], stored) -> MergedTensor:
+    first = pieces[0]
+    by_pattern: dict[str, dict[int, StoredTensor]] = {p: {} for p in first.patterns}
+    for piece in pieces:
+        by_pattern[piece.pattern][piece.index] = stored[piece.key]
+    counts = {len(v) for v in by_pattern.values()}
+    for pattern, found in by_pattern.items():
+        if sorted(found) != list(range(len(found))) or counts != {len(found)} or not found:
+            raise CephaloError(
+                f"pretrained weights in {directory}: the expert tensors of {target!r} are "
+                f"incomplete ({pattern!r}: experts {sorted(found)}); copy the whole model "
+                "directory again"
+            )
+    return MergedTensor(
+        {p: [found[i] for i in sorted(found)] for p, found in by_pattern.items()},
+        first.ops,
+        first.patterns,
+    )
 
 
 def _safetensors_error() -> type[Exception]:
@@ -162,11 +260,17 @@ class PretrainedWeights:
         stored = scan_directory(directory)
         known = {hf for hf_names in names.values() for hf in hf_names}
         skip = re.compile("|".join(f"({p})" for p in (*ALWAYS_IGNORED, *ignored)))
-        by_name: dict[str, StoredTensor] = {}
+        by_name: dict[str, StoredTensor | MergedTensor] = {}
+        merged: dict[str, list[MergedPiece]] = {}
         unexpected: list[StoredTensor] = []
         for key, t in stored.items():
             name = rename(key) if rename is not None else key
-            if name in known:
+            if isinstance(name, MergedPiece):
+                if name.target in known:
+                    merged.setdefault(name.target, []).append(name)
+                else:
+                    unexpected.append(t)
+            elif name in known:
                 by_name[name] = t
             elif not skip.search(key):
                 unexpected.append(t)
@@ -178,7 +282,9 @@ class PretrainedWeights:
                 f"{more} have no place in the model. Use the config the weights were saved with "
                 '(or model.init = "random")'
             )
-        self.sources: dict[str, StoredTensor] = {}
+        for target, pieces in merged.items():
+            by_name.setdefault(target, _merged_tensor(directory, target, pieces, stored))
+        self.sources: dict[str, StoredTensor | MergedTensor] = {}
         files = sorted({t.file.name for t in stored.values()})
         for ours, hf_names in names.items():
             found = next((by_name[n] for n in hf_names if n in by_name), None)
@@ -203,7 +309,7 @@ class PretrainedWeights:
             self.sources[ours] = found
 
     def files(self) -> list[Path]:
-        return sorted({t.file for t in self.sources.values()})
+        return sorted({s.file for t in self.sources.values() for s in _stored(t)})
 
     @torch.no_grad()
     def read(self, unit_name: str, param_names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -211,11 +317,13 @@ class PretrainedWeights:
         read from their files (only these tensors' bytes are read)."""
         from safetensors import safe_open
 
-        by_file: dict[Path, list[tuple[str, StoredTensor]]] = {}
+        by_file: dict[Path, list[tuple[Any, StoredTensor]]] = {}
         for pname in param_names:
-            t = self.sources[f"{unit_name}.{pname}"]
-            by_file.setdefault(t.file, []).append((pname, t))
-        values: dict[str, torch.Tensor] = {}
+            source = self.sources[f"{unit_name}.{pname}"]
+            for i, t in enumerate(_stored(source)):
+                part = pname if isinstance(source, StoredTensor) else (pname, i)
+                by_file.setdefault(t.file, []).append((part, t))
+        values: dict[Any, torch.Tensor] = {}
         for file, items in by_file.items():
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -237,10 +345,29 @@ class PretrainedWeights:
                     f"pretrained weights: cannot read {file}: {_first_line(e)}. The file is "
                     "damaged; copy or save it again"
                 ) from None
-        return {pname: values[pname] for pname in param_names}
+        out = {}
+        for pname in param_names:
+            source = self.sources[f"{unit_name}.{pname}"]
+            if isinstance(source, StoredTensor):
+                out[pname] = values.pop(pname)
+                continue
+            parts = iter(range(len(source.stored())))
+            tensors = {
+                p: [values.pop((pname, next(parts))) for _ in pieces]
+                for p, pieces in source.pieces.items()
+            }
+            out[pname] = source.assemble(tensors)
+        return out
+
+
+def _stored(source: StoredTensor | MergedTensor) -> list[StoredTensor]:
+    return [source] if isinstance(source, StoredTensor) else source.stored()
 
 
 __all__ = [
+    "MERGE_OPS",
+    "MergedPiece",
+    "MergedTensor",
     "SAFETENSORS_FILE",
     "SAFETENSORS_INDEX",
     "PretrainedWeights",

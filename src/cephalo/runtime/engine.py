@@ -197,6 +197,9 @@ class StepStats:
     """Ledger peak of host memory during the step (host state, offloaded boundaries)."""
     host_s: float = 0.0
     """Host seconds of the host-state optimizer step (AdamW and the uploads it issues)."""
+    aux_loss: float | None = None
+    """MoE with `output_router_logits`: the router load-balancing loss of the global batch
+    (transformers' `aux_loss`); `loss` includes `router_aux_loss_coef` x it."""
 
 
 @dataclass
@@ -957,8 +960,13 @@ class Engine:
         head_grad = loss_scale / max(n_tokens, 1)
         store = self._boundaries
         store.clear()  # normally empty; not after a step that raised
+        aux, aux_term = getattr(self.model, "router_aux", None), 0.0  # MoE router loss
+        if aux is not None:
+            aux.start(self.config.mode, self.device)
         if self.config.mode == "lga":
             loss_sum = self._forward_pass(mbs, store, keep_inputs=True)
+            if aux is not None:  # global-batch router statistics: one all-reduce
+                aux_term = aux.reduce(self._all_reduce, loss_scale)
             self._backward_after_forward(mbs, store, head_grad)
         else:
             # every rank must run the same number of collectives: pad with empty passes
@@ -970,6 +978,9 @@ class Engine:
                 self._backward_after_forward(chunk, store, head_grad)
         assert len(store) == 0, "the backward consumes every boundary"
         skipped, grad_norm = self._optimizer_step(loss_sum, loss_scale, lr, n_tokens)
+        if aux is not None:
+            aux.finish()
+            self._last_loss += aux_term
         self.step_index += 1
         peaks = self.ledger.peak_by_category
         return StepStats(
@@ -985,6 +996,7 @@ class Engine:
             loss_scale=loss_scale,
             host_peak_bytes=self.ledger.host_peak_bytes,
             host_s=self._host_s,
+            aux_loss=None if aux is None else aux.aux_loss,
         )
 
     @torch.no_grad()
