@@ -263,12 +263,19 @@ def test_moe_router_loss_over_the_global_batch(pool3, tmp_path, model_type):
 
     directory = str(save_tiny_model(model_type, tmp_path / model_type, seed=3))
     plan = make_plan(**UNEVEN, seq_len=SEQ, model=directory)
-    data = _lm_batches(STEPS, plan.global_batch_size)
+    data = make_data(STEPS, plan.global_batch_size, seq_len=SEQ, vocab=VOCAB)
     ref = train_transformers(directory, data, optim_config(CONFIG), clip_to_first_norm=0.8)
-    x = data[0][0]
+    # the reference's objective is transformers' own outputs.loss (which shifts its labels)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    own = hf(input_ids=x, labels=x)  # transformers shifts the labels itself
-    assert ref.losses[0] == pytest.approx(own.loss.item(), rel=1e-6)
+    x, y = _lm_batches(1, plan.global_batch_size)[0]
+    with torch.no_grad():
+        own = hf(input_ids=x, labels=x)
+        out = hf(input_ids=x)
+        ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    assert (ce + hf.config.router_aux_loss_coef * out.aux_loss).item() == pytest.approx(
+        own.loss.item(), rel=1e-6
+    )
+    x = data[0][0]
     micro_sizes = [2, 2, 1, 2, 1]  # ranks' micro-batches in global order (5 = 2+2+1, 2, 1)
     wrong = _per_micro_batch_aux(directory, x, micro_sizes)
     cfg = dataclasses.replace(CONFIG, grad_clip=ref.grad_clip)
@@ -277,7 +284,7 @@ def test_moe_router_loss_over_the_global_batch(pool3, tmp_path, model_type):
     print(
         f"{model_type}: aux cephalo {aux[0]['aux'][0]:.7f}, transformers {ref.aux_losses[0]:.7f}, "
         f"per-micro-batch {wrong:.7f}; loss {results[0]['losses'][0]:.7f} vs "
-        f"outputs.loss {own.loss.item():.7f}"
+        f"{ref.losses[0]:.7f}"
     )
     assert abs(wrong - ref.aux_losses[0]) > 1e-4 * ref.aux_losses[0]
     for r in aux:
