@@ -360,3 +360,46 @@ def test_a_size_of_zero_is_one_error():
     parameters); the adapter refuses them by name instead of training a 0-parameter model."""
     with pytest.raises(CephaloError, match="without parameters"):
         build_model("hf-llama-tiny", hidden_size=0)
+
+
+def test_moe_bad_inputs(tmp_path, monkeypatch):
+    """A quantized checkpoint, experts without a top-k, the router loss asked for without its
+    coefficient: one clear error each; output_router_logits off: said once, no aux term."""
+    from cephalo.modeling import hf as hf_module
+
+    quantized = save_tiny_model("gpt_oss", tmp_path / "q", seed=1)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CephaloError, match="quantized checkpoint.*'mxfp4'.*bf16"):
+        build_model(str(quantized))
+
+    directory = save_tiny_model("qwen3_moe", tmp_path / "m", seed=1)
+    config = json.loads((directory / "config.json").read_text())
+    with pytest.raises(CephaloError, match="num_experts_per_tok"):
+        build_model(str(directory), num_experts_per_tok=0)
+    with pytest.raises(CephaloError, match="router_aux_loss_coef"):
+        build_model(str(directory), router_aux_loss_coef=None)
+
+    config["output_router_logits"] = False
+    (directory / "config.json").write_text(json.dumps(config))
+    said = []
+    monkeypatch.setattr(hf_module, "log_without_aux", lambda *a: said.append(a))
+    hf_module._SAID_NO_AUX.discard(str(directory))
+    model = build_model(str(directory))
+    build_model(str(directory))
+    assert model.router_aux is None
+    assert len(said) == 1, said
+
+
+def test_moe_standard_mode_refuses_the_router_loss(tmp_path):
+    from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.engine import Engine, EngineConfig
+    from engine_common import make_plan
+
+    directory = str(save_tiny_model("olmoe", tmp_path / "o", seed=1))
+    plan = make_plan([2], [1.0], [1], seq_len=SEQ, model=directory)
+    engine = Engine(build_model(directory), plan, make_comm("local"), EngineConfig(mode="standard"))
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=gen(1))
+    with pytest.raises(CephaloError, match="lga"):
+        engine.train_step(x, x, lr=1e-3)

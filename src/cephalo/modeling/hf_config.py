@@ -155,7 +155,9 @@ def directory_config(directory: Path, overrides: dict[str, Any]):
                 if key in data:
                     setattr(self, key, data[key])
 
-    family_of(_Raw(read_config_json(directory)))
+    data = read_config_json(directory)
+    check_not_quantized(directory, data)
+    family_of(_Raw(data))
     tf = transformers_module()
     try:
         config = tf.AutoConfig.from_pretrained(str(directory), local_files_only=True)
@@ -165,6 +167,27 @@ def directory_config(directory: Path, overrides: dict[str, Any]):
         ) from None
     family_of(config)
     return apply_overrides(str(directory), config, overrides)
+
+
+def check_not_quantized(directory: Path, data: dict[str, Any]) -> None:
+    """A checkpoint stored quantized (MXFP4 gpt-oss, FP8, GPTQ, AWQ, bitsandbytes, ...): one
+    error saying what to do. Cephalo trains from floating-point weights (its own QLoRA
+    quantizes them itself)."""
+    qc = data.get("quantization_config")
+    if qc is None:
+        text = data.get("text_config")
+        qc = text.get("quantization_config") if isinstance(text, dict) else None
+    if qc is None:
+        return
+    method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+    raise CephaloError(
+        f"{directory} holds a quantized checkpoint (quantization_config: quant_method "
+        f"{str(method)!r}); cephalo trains from floating-point (fp32 / bf16 / fp16) weights. Use "
+        "the unquantized (bf16) release of the model, or dequantize it once with transformers "
+        "(from_pretrained with the method's dequantize option where it has one, then "
+        'save_pretrained). For QLoRA set model.adapter = "qlora" on the bf16 weights: cephalo '
+        "quantizes them itself"
+    )
 
 
 def apply_overrides(name: str, config, overrides: dict[str, Any]):

@@ -61,9 +61,15 @@ class StepRecord:
     ranks: RankStats
     """Per-rank timings and memory."""
     kind: str = "step"
+    aux_loss: float | None = None
+    """MoE with the router loss: transformers' `aux_loss` of the global batch (`loss`
+    includes `router_aux_loss_coef` x it); absent for other models."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["aux_loss"] is None:
+            del out["aux_loss"]
+        return out
 
 
 def _json_safe(value: Any) -> Any:
@@ -141,8 +147,9 @@ class MetricsLog:
             if record.get("kind") == "eval":
                 self._tb.add_scalar("val/loss", record["val_loss"], step)
             else:
-                for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s"):
-                    self._tb.add_scalar(f"train/{key}", record[key], step)
+                for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "aux_loss"):
+                    if key in record:
+                        self._tb.add_scalar(f"train/{key}", record[key], step)
                 for key, values in record["ranks"].items():
                     for rank, v in enumerate(values):
                         self._tb.add_scalar(f"rank{rank}/{key}", v, step)

@@ -476,6 +476,7 @@ class _Trainer:
                 tokens_per_s=tokens_per_s,
                 skipped=not finite,
                 ranks=ranks,
+                aux_loss=stats.aux_loss,
             )
             metrics.write(record.to_dict())
         progress.update(number, stats.loss, tokens_per_s, step_s)
