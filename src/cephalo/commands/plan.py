@@ -17,6 +17,7 @@ from cephalo.views.tables import (
     estimate_lines,
     host_memory_lines,
     make_console,
+    moe_lines,
     plan_table,
     strategy_line,
 )
@@ -250,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         f"[bold]{cm.meta['cluster_description']}[/bold]  {cm.model.name}, global batch "
         f"{args.global_batch}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}"
     )
-    for line in adapter_lines(cm):
+    for line in adapter_lines(cm) + moe_lines(cm):
         console.print(line, soft_wrap=True)
     for line in estimate_lines(cm):
         console.print(line, style="yellow", soft_wrap=True)

@@ -433,6 +433,7 @@ class HFUnitModel(UnitModel):
         config = hf_model.config
         hidden = config.hidden_size
         tied = hf_model.get_output_embeddings().weight is hf_model.get_input_embeddings().weight
+        moe = _moe_shape(units, settings, config) if settings is not None else {}
         spec = spec_from_units(
             units,
             name=name,
@@ -440,11 +441,13 @@ class HFUnitModel(UnitModel):
             hidden_size=hidden,
             num_heads=config.num_attention_heads,
             vocab_size=config.vocab_size,
-            ffn_hidden_size=getattr(config, "intermediate_size", None)
+            ffn_hidden_size=moe.pop("ffn_hidden_size", None)
+            or getattr(config, "intermediate_size", None)
             or getattr(config, "n_inner", None)
             or 4 * hidden,
             tied_embeddings=tied,
             max_seq_len=units[0].module.max_seq_len or 0,
+            **moe,
         )
         super().__init__(spec, units)
         self.router_aux = router_aux  # the MoE router loss (None: dense, or no aux term)
@@ -529,6 +532,34 @@ class HFUnitModel(UnitModel):
         values = self.initial_values(unit_name, owned, generator)
         for n, p in owned:
             p.copy_(values[n])
+
+
+def _moe_shape(units: list[Unit], settings, config) -> dict[str, int]:
+    """What the cost model needs of an MoE model: the parameters a token uses per block (all
+    but the routed experts, plus top-k of them: the routed experts' tensors are those under
+    an `experts` module with one row per expert) and the FFN width a token's activations
+    have (top-k experts + shared experts)."""
+    block = units[1].module if len(units) > 2 else None
+    if block is None:
+        return {}
+    total = routed = 0
+    for pname, p in block.named_parameters():
+        total += p.numel()
+        parts = pname.split(".")
+        if "experts" in parts[:-1] and p.dim() >= 2 and p.shape[0] == settings.num_experts:
+            routed += p.numel()
+    active = total - routed + routed * settings.top_k // settings.num_experts
+    width = getattr(config, "moe_intermediate_size", None) or getattr(
+        config, "intermediate_size", 0
+    )
+    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+    shared += (getattr(config, "n_shared_experts", None) or 0) * width
+    return {
+        "active_params_per_block": active,
+        "num_experts": settings.num_experts,
+        "experts_per_token": settings.top_k,
+        "ffn_hidden_size": settings.top_k * width + shared,
+    }
 
 
 def _children_first(module: nn.Module) -> Iterator[nn.Module]:

@@ -330,9 +330,12 @@ def spec_from_units(
     ffn_hidden_size: int,
     tied_embeddings: bool,
     max_seq_len: int,
+    active_params_per_block: int = 0,
+    num_experts: int = 0,
+    experts_per_token: int = 0,
 ) -> ModelSpec:
     """A `ModelSpec` whose parameter counts come from the real modules (so the cost model
-    plans exactly the model that will run)."""
+    plans exactly the model that will run); MoE: the active parameters per block too."""
     kinds = [u.kind for u in units]
     num_layers = len(units) - 2
     if kinds != ["embedding"] + ["block"] * num_layers + ["head"]:
@@ -357,4 +360,7 @@ def spec_from_units(
         tied_embeddings=tied_embeddings,
         max_seq_len=max_seq_len,
         block_linears=block_linears(units[1].module) if num_layers else (),
+        active_params_per_block=active_params_per_block,
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
     )

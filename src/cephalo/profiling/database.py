@@ -91,7 +91,9 @@ def model_signature(model: torch.nn.Module, spec: Any) -> str:
     # block_linears: already in the modules' repr (left out so that caches made before the
     # field existed stay valid)
     skip = ("name", "aliases", "block_linears")
-    shape = {k: v for k, v in asdict(spec).items() if k not in skip}
+    # the MoE fields only when set (dense models keep the signatures made before they existed)
+    moe = ("active_params_per_block", "num_experts", "experts_per_token")
+    shape = {k: v for k, v in asdict(spec).items() if k not in skip and not (k in moe and not v)}
     text = json.dumps(shape, sort_keys=True) + "\n" + repr(model)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -634,8 +634,13 @@ def _timing_entry(model: str, device: str, seq_len: int, dtype: str) -> tuple[di
 
 def block_flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
     """Forward FLOPs of one block for one sample: 2 per weight per token (the matmuls) plus
-    attention scores and weighted sum, 2 * 2 * seq^2 * h (Narayanan et al. 2021)."""
-    return 2.0 * spec.params_per_block * seq_len + 4.0 * seq_len * seq_len * spec.hidden_size
+    attention scores and weighted sum, 2 * 2 * seq^2 * h (Narayanan et al. 2021). The weights
+    are those a token uses: a mixture-of-experts block's active ones (top-k routed + shared
+    experts, `ModelSpec.compute_params_per_block`), assuming tokens spread evenly over the
+    experts (imbalance is not modelled)."""
+    return (
+        2.0 * spec.compute_params_per_block * seq_len + 4.0 * seq_len * seq_len * spec.hidden_size
+    )
 
 
 def head_flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
@@ -739,6 +744,8 @@ def timed_model_for(spec: ModelSpec) -> str | None:
     timings = _catalog()["timings"]
     if spec.name in timings:
         return spec.name
+    if spec.num_experts:  # no published model routes tokens to experts: FLOP-scaled
+        return None
     for name in timings:
         if name in MODELS and _block_shape(_model_spec(MODELS[name])) == _block_shape(spec):
             return name

@@ -44,6 +44,20 @@ class ModelSpec:
     """The Linear layers of one block (name, in, out): what LoRA adapts (`specs.adapter`). Read
     off the modules for a runnable model, from the family's shape for a catalog one; empty
     when unknown (then only full fine-tuning can be planned)."""
+    active_params_per_block: int = 0
+    """Mixture of experts: the parameters one token's forward uses in a block (attention,
+    router, shared experts and `experts_per_token` of the `num_experts` routed experts),
+    which its compute scales with; 0 for a dense block (all of `params_per_block`). Memory
+    (state, gathers) always counts `params_per_block`: every expert."""
+    num_experts: int = 0
+    """Routed experts per block (0: dense)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k; 0: dense)."""
+
+    @property
+    def compute_params_per_block(self) -> int:
+        """Parameters a token's forward multiplies by in one block (FLOP-scaled compute)."""
+        return self.active_params_per_block or self.params_per_block
 
     @property
     def num_units(self) -> int:

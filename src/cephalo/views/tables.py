@@ -311,6 +311,22 @@ def estimate_lines(cost_model) -> list[str]:
     return lines
 
 
+def moe_lines(cost_model) -> list[str]:
+    """A mixture-of-experts model: what its memory and its compute count (nothing for a
+    dense model)."""
+    m = cost_model.model
+    if not m.num_experts:
+        return []
+    return [
+        f"{m.name}: mixture of experts, {m.num_experts} experts per layer, {m.experts_per_token} "
+        f"per token. Memory counts every expert: {m.params_per_block / 1e6:,.1f} M parameters "
+        f"per layer ({m.total_params / 1e9:,.2f} B in all); compute counts the active ones: "
+        f"{m.compute_params_per_block / 1e6:,.1f} M per layer per token (FLOP-scaled "
+        "catalog times; measured profiles time the real layer). Tokens are assumed to spread "
+        "evenly over the experts."
+    ]
+
+
 def adapter_lines(cost_model) -> list[str]:
     """What an adapter plan trains and what it costs per parameter (nothing for full
     fine-tuning): the numbers `planning/layout.py` feeds the cost model."""
