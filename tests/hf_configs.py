@@ -173,3 +173,32 @@ def save_tiny_model(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(directory), **kwargs)
     return directory
+
+
+def save_tiny_gemma3_multimodal(directory: Path, seed: int = 0, dtype=torch.bfloat16) -> Path:
+    """A tiny `Gemma3ForConditionalGeneration` (vision tower, projector, the language model
+    of TINY["gemma3_text"]) written with save_pretrained; returns `directory`."""
+    import transformers
+
+    quiet_transformers()
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=TINY["gemma3_text"],
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Gemma3ForConditionalGeneration(config).to(dtype)
+    model.save_pretrained(str(directory))
+    return directory

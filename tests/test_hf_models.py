@@ -403,3 +403,41 @@ def test_moe_standard_mode_refuses_the_router_loss(tmp_path):
     x = torch.randint(0, VOCAB, (2, SEQ), generator=gen(1))
     with pytest.raises(CephaloError, match="lga"):
         engine.train_step(x, x, lr=1e-3)
+
+
+def test_gemma3_multimodal_trains_the_language_model_and_carries_the_vision_tower(tmp_path):
+    """A Gemma3ForConditionalGeneration directory (bf16): its language model is the units
+    (transformers' multimodal model's text logits, 0 difference); the export loads with
+    AutoModelForImageTextToText, the vision tower and projector bit-identical, the language
+    model the trained weights."""
+    from cephalo.modeling.hf_export import save_hf_directory
+    from hf_configs import save_tiny_gemma3_multimodal
+
+    source = save_tiny_gemma3_multimodal(tmp_path / "mm", seed=2)
+    (source / "tokenizer.json").write_text('{"version": "1.0"}')
+    model = build_model(str(source)).materialize("cpu", gen(0)).eval()
+    assert model.multimodal is not None and model.hf_config.model_type == "gemma3_text"
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(source), dtype=torch.float32)
+    input_ids, _, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            unit_logits(model, input_ids), hf.eval()(input_ids=input_ids).logits, rtol=0, atol=0
+        )
+        for _, _, p in model.named_unit_parameters():
+            p.add_(0.01)  # "trained"
+    assert "tokenizer.json" in save_hf_directory(model, tmp_path / "out")
+    out = transformers.AutoModelForImageTextToText.from_pretrained(
+        str(tmp_path / "out"), dtype=torch.float32
+    ).eval()
+    before, after = dict(hf.named_parameters()), dict(out.named_parameters())
+    assert set(before) == set(after)
+    carried = [k for k in before if not k.startswith(("model.language_model.", "lm_head."))]
+    assert any("vision_tower" in k for k in carried) and any("projector" in k for k in carried)
+    for k in carried:
+        assert torch.equal(before[k], after[k]), k
+    for k in set(before) - set(carried):
+        assert not torch.equal(before[k], after[k]), k
+    with torch.no_grad():
+        torch.testing.assert_close(
+            out(input_ids=input_ids).logits, unit_logits(model, input_ids), rtol=1e-6, atol=1e-6
+        )

@@ -424,6 +424,7 @@ class HFUnitModel(UnitModel):
         device: torch.device | str = "meta",
         directory: Path | None = None,
         pretrained: bool = False,
+        multimodal: bool = False,
     ):
         family = family_of(hf_config)
         settings = router_settings(hf_config, f"model {name}")
@@ -462,6 +463,12 @@ class HFUnitModel(UnitModel):
         # and the model's `_init_weights` is transformers' init scheme for any of its modules
         self.__dict__["rotary"] = rotary
         self.__dict__["_init_weights_of"] = hf_model._init_weights
+        self.multimodal = None
+        """The multimodal directory whose language model this is (`hf_multimodal`)."""
+        if multimodal:
+            from cephalo.modeling.hf_multimodal import MultimodalSource
+
+            self.multimodal = MultimodalSource(directory)
         self.weights: PretrainedWeights | None = None
         if pretrained:
             if directory is None:
@@ -472,7 +479,9 @@ class HFUnitModel(UnitModel):
                 directory,
                 self.hf_names,
                 shapes,
-                rename=checkpoint_key_renamer(hf_model, known),
+                rename=self.multimodal.renamer()
+                if self.multimodal is not None
+                else checkpoint_key_renamer(hf_model, known),
                 ignored=list(getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or []),
             )
 
@@ -645,15 +654,26 @@ def build_hf_directory_model(
 
     if init not in INIT_CHOICES:
         raise CephaloError(f"model.init must be one of {', '.join(INIT_CHOICES)}, got {init!r}")
+    from cephalo.modeling.hf_config import read_config_json
+    from cephalo.modeling.hf_multimodal import multimodal_type
+
     config = directory_config(directory, overrides)
     pretrained = init == "pretrained" or (init == "auto" and bool(weight_files_present(directory)))
-    return _build(name, config, device, directory, pretrained, overrides)
+    multimodal = multimodal_type(read_config_json(directory)) is not None
+    return _build(name, config, device, directory, pretrained, overrides, multimodal)
 
 
-def _build(name, config, device, directory, pretrained, overrides) -> HFUnitModel:
+def _build(name, config, device, directory, pretrained, overrides, multimodal=False) -> HFUnitModel:
     settings = overrides or "of its config"
     try:
-        model = HFUnitModel(name, config, device=device, directory=directory, pretrained=pretrained)
+        model = HFUnitModel(
+            name,
+            config,
+            device=device,
+            directory=directory,
+            pretrained=pretrained,
+            multimodal=multimodal,
+        )
     except (ValueError, TypeError, ZeroDivisionError, RuntimeError, AttributeError) as e:
         # shapes the config allowed but the modules do not (e.g. heads not dividing the width)
         raise CephaloError(

@@ -157,6 +157,12 @@ def directory_config(directory: Path, overrides: dict[str, Any]):
 
     data = read_config_json(directory)
     check_not_quantized(directory, data)
+    from cephalo.modeling.hf_multimodal import multimodal_type, text_config
+
+    if multimodal_type(data):  # Gemma 3 with its vision tower: the language model is trained
+        config = text_config(directory)
+        family_of(config)
+        return apply_overrides(str(directory), config, overrides)
     family_of(_Raw(data))
     tf = transformers_module()
     try:

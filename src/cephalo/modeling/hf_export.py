@@ -130,9 +130,15 @@ def save_hf_directory(
 ) -> list[str]:
     """Write `model` (or `state`) as a directory `AutoModelForCausalLM.from_pretrained` loads
     (config.json + safetensors, fp32), with the tokenizer files of the model's source
-    directory copied next to them. Returns the names of the copied files."""
+    directory copied next to them. The language model of a multimodal directory is written
+    back into it, the rest copied unchanged (`hf_multimodal`). Returns the names of the
+    copied files."""
     out.mkdir(parents=True, exist_ok=True)
-    to_hf_model(model, state).save_pretrained(str(out))
+    multimodal = getattr(model, "multimodal", None)
+    if multimodal is not None:  # the language model into its multimodal directory
+        multimodal.save(out, export_hf_state_dict(model, state), model.spec.tied_embeddings)
+    else:
+        to_hf_model(model, state).save_pretrained(str(out))
     copied = []
     source = getattr(model, "directory", None)
     if source is not None and Path(source).resolve() != out.resolve():

@@ -245,8 +245,9 @@ class PretrainedWeights:
     `names`: for each parameter `<unit>.<param>`, the transformers names it stands for (a
     tied weight has several; any one stored is enough). `shapes`: its logical shape.
     `rename`: a stored name -> the model's name for it (transformers' own checkpoint
-    renamings, e.g. a legacy name or a bare base-model checkpoint's missing prefix); the
-    identity by default. `ignored`: regexes of stored names to skip."""
+    renamings, e.g. a legacy name or a bare base-model checkpoint's missing prefix; None: a
+    tensor not trained and not read, e.g. a multimodal model's vision tower); the identity by
+    default. `ignored`: regexes of stored names to skip."""
 
     def __init__(
         self,
@@ -265,6 +266,8 @@ class PretrainedWeights:
         unexpected: list[StoredTensor] = []
         for key, t in stored.items():
             name = rename(key) if rename is not None else key
+            if name is None:  # carried unchanged (a multimodal model's vision tower)
+                continue
             if isinstance(name, MergedPiece):
                 if name.target in known:
                     merged.setdefault(name.target, []).append(name)
