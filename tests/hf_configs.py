@@ -87,6 +87,15 @@ TINY: dict[str, dict[str, Any]] = {
     "gpt_oss": dict(
         _MOE, head_dim=8, num_local_experts=4, intermediate_size=16, sliding_window=WINDOW
     ),
+    "granitemoe": dict(
+        _MOE,
+        num_local_experts=4,
+        embedding_multiplier=3.0,
+        logits_scaling=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.3,
+    ),
+    "flex_olmo": dict(_MOE, num_experts=4),
     "phi3": dict(_LLAMA_LIKE, sliding_window=WINDOW, resid_pdrop=0.0, embd_pdrop=0.0),
     "phi": dict(_LLAMA_LIKE, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
     "gpt_neox": dict(

@@ -72,6 +72,10 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family("Mixtral", masks="sliding_window"),
     "olmoe": Family("OLMoE"),
     "gpt_oss": Family("gpt-oss", masks="layer_types"),
+    "granitemoe": Family(
+        "GraniteMoE", embedding_multiplier="embedding_multiplier", logit_divisor="logits_scaling"
+    ),
+    "flex_olmo": Family("FlexOlmo"),
     "phi3": Family("Phi-3", masks="sliding_window"),
     "phi": Family("Phi", embedding_dropout="embed_dropout"),
     "gpt_neox": Family("GPT-NeoX", embedding_dropout="emb_dropout"),

@@ -43,7 +43,7 @@ import torch
 from cephalo.errors import CephaloError
 from cephalo.log import logger
 
-EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """Config fields naming the number of routed experts (the first one present counts)."""
 
 
