@@ -23,8 +23,9 @@ returning its failures; a check that raises is a failure, not the end of the run
   standard_eval    the standard (FSDP-like) schedule equals LGA; evaluation equals the loss
   collectives      all_gather_v / reduce_scatter_v: uneven, zero and equal sizes (the even
                    collectives, no flattening copy), every dtype, sync and async
-  hf_models        tiny Qwen2 and Gemma 2 directories: transformers' own first loss on the
-                   device (fp32), and bf16 training lowers the loss
+  hf_models        tiny Qwen2, Gemma 2, Gemma 3 and Qwen3-MoE (router loss on) directories:
+                   transformers' own first loss on the device (fp32), and bf16 training
+                   lowers the loss
   throughput       tokens/s and MFU of the engine against plain PyTorch (the same GPT-2 124M,
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
 
@@ -495,7 +496,8 @@ def check_uneven_engine(comm, device: torch.device, rel_tol: float) -> list[str]
 
 def check_hf_models(comm, device: torch.device) -> list[str]:
     """Transformers model directories through the engine on `device`: tiny Qwen2 (sliding-window
-    layers, tied embeddings) and Gemma 2 (eager attention, soft-capping, embedding scale)."""
+    layers, tied embeddings), Gemma 2 (eager attention, soft-capping, embedding scale), Gemma 3
+    (rotary per layer type) and Qwen3-MoE (experts, the router loss of the global batch)."""
     import tempfile
     from pathlib import Path
 
@@ -524,6 +526,17 @@ def check_hf_models(comm, device: torch.device) -> list[str]:
     configs = {
         "qwen2": dict(tiny, use_sliding_window=True, max_window_layers=2, tie_word_embeddings=True),
         "gemma2": dict(tiny, head_dim=32, final_logit_softcapping=30.0),
+        # interleaved local / global layers with their own rotary tables
+        "gemma3_text": dict(tiny, head_dim=32, sliding_window_pattern=2),
+        # the router loss over the global batch: transformers' outputs.loss includes it
+        "qwen3_moe": dict(
+            tiny,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            output_router_logits=True,
+            router_aux_loss_coef=0.1,
+        ),
     }
     seq, batch = 128, 4
     gen = torch.Generator().manual_seed(0)
