@@ -2,7 +2,11 @@
 measurements, train with the engine, and compare the cost model's predictions with what the
 engine measured, per rank.
 
-    python bench/prediction_accuracy.py [--steps 5] [--rounds 2]
+    python bench/prediction_accuracy.py [--steps 5] [--rounds 2] [--moe]
+
+`--moe`: the same on a mixture-of-experts model (a Qwen3-MoE directory written into a temporary
+folder: 4 layers of 8 experts, top 2, the router loss on), into bench/results/
+prediction_accuracy_moe.md.
 
 One run, three local gloo ranks (one intra-op thread each) standing in for devices of
 different speed and memory (`CLUSTER`): rank 0 as fast as the host with a small memory
@@ -55,7 +59,39 @@ from cephalo.specs.cluster import Cluster
 from cephalo.specs.profile import MeasuredProfiles
 
 CLUSTER = "cpu:mem=96MiB,cpu:slowdown=2:mem=256MiB,cpu:slowdown=4:mem=1GiB"
-MODEL = "gpt-small-demo"
+MODEL = os.environ.get("PREDICTION_MODEL", "gpt-small-demo")
+"""The model (a name or directory); `--moe` sets it (and the ranks read it from here)."""
+RESULT_NAME = "prediction_accuracy"
+MOE_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+    output_router_logits=True,
+    router_aux_loss_coef=0.01,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def write_moe_directory(directory: Path) -> str:
+    """A random Qwen3-MoE of `MOE_CONFIG` saved with save_pretrained (per-expert tensors)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model("qwen3_moe", **MOE_CONFIG)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
+    return str(directory)
+
+
 SEQ_LEN = 128
 DTYPE = "fp32"
 GLOBAL_BATCH = 28
@@ -212,7 +248,14 @@ def main() -> None:
         help="scheduling priority of this process and its ranks (negative: ahead of other jobs "
         "sharing the machine; needs privileges, ignored without)",
     )
+    ap.add_argument("--moe", action="store_true", help="a mixture-of-experts model instead")
     args = ap.parse_args()
+    global MODEL, RESULT_NAME
+    moe_dir = tempfile.TemporaryDirectory() if args.moe else contextlib.nullcontext()
+    if args.moe:
+        MODEL = write_moe_directory(Path(moe_dir.name) / "qwen3-moe-small")
+        os.environ["PREDICTION_MODEL"] = MODEL  # the ranks (started below) read it
+        RESULT_NAME = "prediction_accuracy_moe"
     nice = _raise_priority(args.nice)
     started = time.perf_counter()
     cluster = Cluster.parse(CLUSTER)
@@ -379,7 +422,7 @@ def main() -> None:
         ],
     ]
     result = Result(
-        name="prediction_accuracy",
+        name=RESULT_NAME,
         title="Prediction accuracy: measured profiles -> plan -> engine",
         emulated=f"Three CPU ranks on one 2-core host stand in for devices of different speed "
         f"(compute stretched by sleeping, `slowdown=`) and memory (ledger budget, `mem=`): "
@@ -492,7 +535,7 @@ def _plot(fig_data: dict, tput: dict, ideal: float, cluster: Cluster) -> str:
     axes[1].set_title("peak memory per rank (ledger)")
     axes[2].set_title("throughput")
     fig.tight_layout()
-    return save_figure(fig, "prediction_accuracy", note="emulated CPU cluster")
+    return save_figure(fig, RESULT_NAME, note="emulated CPU cluster")
 
 
 if __name__ == "__main__":

@@ -441,3 +441,46 @@ def test_gemma3_multimodal_trains_the_language_model_and_carries_the_vision_towe
         torch.testing.assert_close(
             out(input_ids=input_ids).logits, unit_logits(model, input_ids), rtol=1e-6, atol=1e-6
         )
+
+
+def test_cli_trains_an_moe_directory_logs_the_router_loss_and_exports_it(tmp_path):
+    """`cephalo train` on a Qwen3-MoE directory (per-expert checkpoint tensors, router loss
+    on): metrics.jsonl holds `aux_loss` beside `loss`; `cephalo export --hf` loads in
+    transformers with the trained weights' logits."""
+    from safetensors.torch import load_file
+
+    from cephalo.cli import main as cli_main
+
+    source = save_tiny_model("qwen3_moe", tmp_path / "moe", seed=6, vocab_size=256)
+    run = tmp_path / "run"
+    args = [
+        "train",
+        f"--model.name={source}",
+        f"--logging.dir={run}",
+        "--logging.progress=false",
+        "--data.seq_len=16",
+        "--train.steps=2",
+        "--train.warmup_steps=1",
+        "--train.global_batch_size=4",
+        "--train.eval_every=0",
+        "--parallel.plan=even",
+    ]
+    assert cli_main(args) == 0
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if r.get("kind") == "step"]
+    assert steps and all(r["aux_loss"] > 0 for r in steps)
+    out = tmp_path / "hf-out"
+    assert (
+        cli_main(["export", str(run), "--out", str(tmp_path / "w.safetensors"), "--hf", str(out)])
+        == 0
+    )
+    state = load_file(str(tmp_path / "w.safetensors"))
+    model = build_model(str(source), init="random").materialize("cpu", gen(0))
+    with torch.no_grad():
+        for unit, name, p in model.named_unit_parameters():
+            p.copy_(state[f"{unit}.{name}"])
+    input_ids = torch.randint(0, 256, (2, 16), generator=gen(0))
+    exported = load_hf(out).eval()
+    torch.testing.assert_close(
+        exported(input_ids).logits, unit_logits(model.eval(), input_ids), rtol=1e-5, atol=1e-5
+    )
