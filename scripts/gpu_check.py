@@ -541,6 +541,15 @@ def check_adapters(setup: Setup) -> tuple[list[str], str]:
             for dtype, steps in dtypes:
                 model = build_model(directory)
                 apply_adapter(model, AdapterSettings(kind=kind, r=8, alpha=16))
+                frozen_numel = {
+                    f"{u}.{n}": p.numel()
+                    for u, n, p in model.named_unit_parameters()
+                    if not p.requires_grad
+                }
+                quantized = sum(frozen_numel.get(k, 0) for k in model.quantized_parameters)
+                bound = (0.53 * quantized + 2 * (sum(frozen_numel.values()) - quantized)) / (
+                    2 * sum(frozen_numel.values())
+                )
                 plan = Plan(
                     "manual", directory, seq, batch, dtype, [RankPlan(0, "gpu", batch, 2, 2, 1.0)]
                 )
@@ -561,10 +570,14 @@ def check_adapters(setup: Setup) -> tuple[list[str], str]:
                     notes.append(f"{kind} {dtype} {losses[0]:.3f} -> {losses[-1]:.3f}")
                 del engine
     if setup.cuda and "qlora" in frozen and "lora" in frozen:  # both bf16 (tests/test_lora.py: CPU)
+        # NF4 holds the Linear weights in ~0.52 B each; embeddings and norms stay in bf16
+        # (the Linear share of a tiny model is smaller than of a real one: 0.3x there)
         ratio = frozen["qlora"] / frozen["lora"]
-        notes.append(f"NF4 base {ratio:.3f}x bf16's bytes")
-        if ratio > 0.3:
-            failures.append(f"the NF4 base takes {ratio:.3f}x the bf16 base's bytes (> 0.3)")
+        notes.append(f"NF4 base {ratio:.3f}x bf16's bytes (bound {bound:.3f})")
+        if ratio > bound:
+            failures.append(
+                f"the NF4 base takes {ratio:.3f}x the bf16 base's bytes (> {bound:.3f})"
+            )
     if "qlora" in kinds and setup.cuda:
         w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1))
         if not torch.equal(nf4_roundtrip(w.to(setup.device)).cpu(), nf4_roundtrip(w)):
