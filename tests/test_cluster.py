@@ -105,9 +105,9 @@ def test_spec_errors(spec, message):
 
 def test_unknown_type_lists_known_and_suggests():
     with pytest.raises(CephaloError) as e:
-        Cluster.parse("2xl4,rtx4090")
+        Cluster.parse("2xl4,rtx3095")
     msg = str(e.value)
-    assert "unknown device type 'rtx4090'" in msg
+    assert "unknown device type 'rtx3095'" in msg
     assert "Did you mean 'rtx3090'?" in msg
     for known in ("l4", "a6000", "p40", "h100-nvl", "cpu"):
         assert known in msg

@@ -364,3 +364,26 @@ def test_global_rng_continues_from_the_forward_across_steps():
         opt.step()
         expect.append(loss.item())
     assert ours == pytest.approx(expect, rel=1e-6)
+
+
+def test_token_counts_are_reduced_exactly():
+    """The global token count goes through the all-reduce as int64 (training) and fp64
+    (evaluation): an fp32 count is inexact above 2**24 tokens, which a large global batch of
+    long sequences passes (e.g. 4096 x 8192)."""
+    engine = Engine(
+        build_model("gpt-tiny"), make_plan([2], [1.0], [1]), LocalComm(), EngineConfig()
+    )
+    seen = []
+    real = engine.comm.all_reduce
+
+    def spy(t, op="sum"):
+        seen.append(t.dtype)
+        return real(t, op)
+
+    engine.comm.all_reduce = spy
+    x, y = make_data(1, 2)[0]
+    engine.train_step(x, y, lr=LR)
+    assert seen[0] == torch.int64  # the step's token count, before anything else
+    seen.clear()
+    engine.eval_loss(x, y)
+    assert seen == [torch.float64]
