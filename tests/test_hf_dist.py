@@ -127,7 +127,7 @@ def _lm_batches(steps: int, batch: int, seed: int = 5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "gemma3_text", "qwen3_moe"])
 def test_pretrained_loss_finetune_export_roundtrip(pool3, tmp_path, model_type):
     """bf16 pretrained files: the first step's loss is transformers' own loss on the batch;
     5 fine-tuning steps on 3 ranks; the exported directory (with the tokenizer files) loads
