@@ -484,3 +484,30 @@ def test_cli_trains_an_moe_directory_logs_the_router_loss_and_exports_it(tmp_pat
     torch.testing.assert_close(
         exported(input_ids).logits, unit_logits(model.eval(), input_ids), rtol=1e-5, atol=1e-5
     )
+
+
+def test_moe_router_loss_one_rank_micro_batches(tmp_path):
+    """One rank, 5 samples in micro-batches of 2: the router loss of the whole batch (not of
+    each micro-batch), as transformers + AdamW: losses, aux losses and parameters (the fast
+    counterpart of test_hf_dist's 3-rank check)."""
+    from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.runtime.optim import AdamWHyper
+    from engine_common import LR, TEST_EPS, make_data, make_plan, max_rel_diff, optim_config
+    from reference import train_transformers
+
+    directory = str(save_tiny_model("qwen3_moe", tmp_path / "m", seed=3))
+    plan = make_plan([5], [1.0], [2], seq_len=SEQ, model=directory)
+    data = make_data(3, 5, seq_len=SEQ, vocab=VOCAB)
+    cfg = EngineConfig(grad_clip=0.0, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
+    ref = train_transformers(directory, data, optim_config(cfg))
+    model = build_model(directory)
+    engine = Engine(model, plan, make_comm("local"), cfg)
+    stats = [engine.train_step(x, y, lr=LR) for x, y in data]
+    assert [s.aux_loss for s in stats] == pytest.approx(ref.aux_losses, rel=1e-5)
+    assert [s.loss for s in stats] == pytest.approx(ref.losses, rel=1e-5)
+    from cephalo.modeling.hf_export import export_hf_state_dict
+
+    ours = export_hf_state_dict(model, engine.full_state_dict())
+    diff, worst = max_rel_diff({k: ours[k] for k in ref.params}, ref.params)
+    assert diff <= 1e-5, (diff, worst)
