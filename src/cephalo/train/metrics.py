@@ -194,7 +194,14 @@ class ProgressDisplay:
             self._handlers = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
             self._streams = [h.setStream(sys.stderr) for h in self._handlers]
 
-    def update(self, step: int, loss: float, tokens_per_s: float, step_s: float) -> None:
+    def update(
+        self,
+        step: int,
+        loss: float,
+        tokens_per_s: float,
+        step_s: float,
+        aux_loss: float | None = None,
+    ) -> None:
         if not self.enabled:
             return
         if self._bar is not None:
@@ -207,10 +214,11 @@ class ProgressDisplay:
             )
         elif step % self._log_every == 0 or step == self.total_steps:
             logger.info(
-                "step %d/%d  loss %.4f  %s tok/s  %.3f s/step",
+                "step %d/%d  loss %.4f%s  %s tok/s  %.3f s/step",
                 step,
                 self.total_steps,
                 loss,
+                "" if aux_loss is None else f"  aux_loss {aux_loss:.4f}",
                 f"{tokens_per_s:,.0f}",
                 step_s,
             )

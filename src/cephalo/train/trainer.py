@@ -479,7 +479,7 @@ class _Trainer:
                 aux_loss=stats.aux_loss,
             )
             metrics.write(record.to_dict())
-        progress.update(number, stats.loss, tokens_per_s, step_s)
+        progress.update(number, stats.loss, tokens_per_s, step_s, aux_loss=stats.aux_loss)
         self._throughput.append(tokens_per_s)
         if finite:
             self.nonfinite_streak = 0
