@@ -45,7 +45,7 @@ from torch.func import functional_call
 from cephalo.modeling.units import Unit
 from cephalo.runtime.autograd import drain_grad, largest_saved_bytes
 from cephalo.runtime.comm import Comm
-from cephalo.runtime.dropout import SampleDropout
+from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.flat import FlatLayout
 from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
@@ -177,8 +177,8 @@ class UnitBench:
         return x, labels, gout
 
     def _dropout(self) -> contextlib.AbstractContextManager:
-        if not self.per_sample_dropout:
-            return contextlib.nullcontext()
+        if not (self.per_sample_dropout and module_uses_dropout(self.unit.module)):
+            return contextlib.nullcontext()  # as the engine: no mode without dropout
         return SampleDropout(0, 0, self.index, 0)
 
     def _run(

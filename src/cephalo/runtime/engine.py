@@ -75,10 +75,10 @@ from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
-from cephalo.runtime.autograd import drain_grad, largest_saved_bytes
+from cephalo.runtime.autograd import BackwardCharges, drain_grad
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm, Handle
-from cephalo.runtime.dropout import SampleDropout
+from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.flat import FlatLayout, FlatShard, ParamSlot, overlap, shard_ranges
 from cephalo.runtime.frozen import FrozenBase, FrozenGathered
@@ -364,6 +364,12 @@ class Engine:
             link=self.link if config.host_copy_bytes_per_s is not None else None,
         )
         """Boundary activations of the step in flight (empty between steps)."""
+        self._dropout_units = {
+            i for i, u in enumerate(model.units) if module_uses_dropout(u.module)
+        }
+        """Units that can drop anything: only they run under `SampleDropout`."""
+        self._charges = BackwardCharges(self.ledger)
+        """Activation and transient bytes per (unit, micro-batch shape), measured once."""
         self._build_shards()
         arena = (
             config.pinned_arena if config.pinned_arena is not None else self.device.type == "cuda"
@@ -674,7 +680,11 @@ class Engine:
             return functional_call(us.unit.module, params, args, kwargs, strict=False)
 
     def _dropout(self, us: _UnitShard, mb: _MicroBatch) -> contextlib.AbstractContextManager:
-        if not (self.config.per_sample_dropout and self.model.training):
+        if not (
+            self.config.per_sample_dropout
+            and self.model.training
+            and us.index in self._dropout_units
+        ):
             return contextlib.nullcontext()
         return SampleDropout(self.config.seed, self.step_index, us.index, mb.sample_offset)
 
@@ -849,18 +859,18 @@ class Engine:
             torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
         )
         gout_ctx = contextlib.nullcontext(head_out_grad) if last else store.loaded((u + 1, j))
+        key = (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
         with self._unit_input(store, u, j, mb) as x_in:
             x = x_in if u == 0 else x_in.detach().requires_grad_()
             self._restore_rng(mb.rng[u])
-            with gout_ctx as gout, torch.enable_grad(), self.ledger.track_activations():
+            with gout_ctx as gout, torch.enable_grad(), self._charges.activations(key):
                 out = self._run_unit(us, {**params, **leaves}, x, mb)
                 # Autograd's transient gradients are not saved tensors, so the ledger does not
                 # see them. At a backward's peak, the gradient w.r.t. the largest saved tensor
                 # coexists with the gradient it produces (the head: d log-probs and d logits,
                 # each the size of the saved log-probs) or with a parameter's gradient: charge
-                # the larger.
-                saved = largest_saved_bytes(out.grad_fn, self.ledger)
-                transient = saved + max(saved, param_grad)
+                # the larger (runtime/autograd.py, measured once per key).
+                transient = self._charges.transient(key, out, param_grad)
                 self.ledger.charge("grad_transient", transient)
                 inputs = ([x] if u > 0 else []) + list(leaves.values())
                 torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
