@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from cephalo.modeling.registry import build_model
 from cephalo.runtime import dropout as dropout_mod
 from cephalo.runtime.comm import LocalComm
