@@ -28,8 +28,11 @@ serialises the reduce-scatters.)
 LGA step (mode "lga"), per rank, over its micro-batches (plan `micro_batch_size`):
   forward:  for each unit: all-gather it (the next unit's gather prefetched), run EVERY
             micro-batch through it without a graph, keep each micro-batch's unit input
-            (device or host), release the gathered buffer. The head sums token losses.
-  backward: for each unit in reverse: all-gather it (prefetch the previous one), for each
+            (device or host), release the gathered buffer. The head computes its token loss
+            sums and its backward in one pass (runtime/head_loss.py: chunks of the sequence,
+            no full logits), stores its input gradients in its inputs' place and starts its
+            reduce-scatter.
+  backward: for each unit in reverse but the head: all-gather it (prefetch the previous one), for each
             micro-batch recompute the unit from its saved input with a graph, backprop
             the output gradient, add the parameter gradients into ONE full-unit fp32
             buffer, and keep the input gradient (in the saved input's place) as the
@@ -44,8 +47,8 @@ Tied weights (GPT-2's wte / lm_head): the first unit holding the parameter owns 
 later unit that uses it (the head) gathers the owner's slice range of that parameter as a
 second, smaller all-gather in each pass, and reduce-scatters its gradient for it straight
 back into the owner's gradient slice right after its own backward (no full-size buffer
-kept across the backward). Per step, a tied model therefore does 2 x units + 2 all-gathers
-and units + 1 reduce-scatters (LGA).
+kept across the backward). Per step, a tied model therefore does 2 x units all-gathers (the
+head and its borrowed slice once each) and units + 1 reduce-scatters (LGA).
 
 Loss. The gradient is that of the mean over all tokens of the GLOBAL batch: the global
 token count is all-reduced once per step before the backward and the head's output
@@ -75,6 +78,7 @@ from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
+from cephalo.runtime import head_loss
 from cephalo.runtime.autograd import BackwardCharges, drain_grad
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm, Handle
@@ -259,6 +263,9 @@ class _Gathered:
     handles: list[Handle]
     frozen: FrozenGathered | None = None
     """The unit's frozen parameters (LoRA / QLoRA base), gathered alongside."""
+    owned: bool = True
+    """`flat` and `tied` are ledger buffers (False: views of the fp32 shard itself, world
+    size 1: nothing to gather, nothing to copy)."""
 
     def params(self) -> dict[str, torch.Tensor]:
         views = self.unit.layout.views(self.flat)
@@ -370,6 +377,9 @@ class Engine:
         """Units that can drop anything: only they run under `SampleDropout`."""
         self._charges = BackwardCharges(self.ledger)
         """Activation and transient bytes per (unit, micro-batch shape), measured once."""
+        self._vocab = model.spec.vocab_size
+        self._head_reducing: list[_Reduce] = []
+        """The head's reduce-scatters, started at the end of the forward (`_head_pass`)."""
         self._build_shards()
         arena = (
             config.pinned_arena if config.pinned_arena is not None else self.device.type == "cuda"
@@ -575,22 +585,32 @@ class Engine:
         self._comm_wait_s += time.perf_counter() - t0
 
     def _start_gather(self, us: _UnitShard, async_op: bool) -> _Gathered:
-        """All-gather a unit (and the tied parameters it borrows) in compute dtype."""
-        flat = self.ledger.alloc("gathered", us.layout.numel, self.dtype, device=self.device)
+        """All-gather a unit (and the tied parameters it borrows) in compute dtype. World size
+        1 in fp32: the gathered unit is its shard itself (the comm sees out == shard: no copy)."""
+        owned = not (self.comm.world_size == 1 and us.param_buf is not None)
+        flat = (
+            self.ledger.alloc("gathered", us.layout.numel, self.dtype, device=self.device)
+            if owned
+            else us.param_buf
+        )
         handles, tied = [], []
         t0 = time.perf_counter()
         frozen = self.frozen.start_gather(us.index, async_op) if self.frozen else None
         if us.layout.numel:  # (a LoRA unit may have no trained parameters)
             handles.append(self._gather_piece(flat, us, 0, us.size, us.sizes, async_op))
         for b in us.borrows:
-            buf = self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
+            buf = (
+                self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
+                if owned
+                else b.owner.param_buf[b.local[0] : b.local[1]]
+            )
             tied.append(buf)
             handles.append(
                 self._gather_piece(buf, b.owner, b.local[0], b.local[1], b.sizes, async_op)
             )
         if not async_op:
             self._comm_wait_s += time.perf_counter() - t0
-        return _Gathered(us, flat, tied, handles, frozen)
+        return _Gathered(us, flat, tied, handles, frozen, owned)
 
     def _gather_piece(
         self,
@@ -604,6 +624,9 @@ class Engine:
         """All-gather into `out` this rank's elements [lo, hi) of `us`'s shard in compute dtype."""
         if us.param_buf is not None:  # fp32: master and the host part's copy in one buffer
             return self.comm.all_gather_v(out, us.param_buf[lo:hi], sizes, async_op=async_op)
+        if self.comm.world_size == 1 and hi <= us.dev_n:  # cast straight into the output
+            out.copy_(us.master[lo:hi])
+            return self.comm.all_gather_v(out, out, sizes, async_op=async_op)
         # the shard in compute dtype; the comm contract lets us free it once the call returns
         shard = self.ledger.alloc("gathered", hi - lo, self.dtype, device=self.device)
         d = us.dev_n
@@ -623,9 +646,10 @@ class Engine:
         return {**self.frozen.params(g.frozen), **g.params()}
 
     def _release(self, g: _Gathered) -> None:
-        self.ledger.free(g.flat)
-        for buf in g.tied:
-            self.ledger.free(buf)
+        if g.owned:
+            self.ledger.free(g.flat)
+            for buf in g.tied:
+                self.ledger.free(buf)
         if g.frozen is not None:
             self.frozen.release(g.frozen)
 
@@ -634,7 +658,10 @@ class Engine:
     ) -> _Reduce:
         """Start: the gradient of elements [lo, hi) of this rank's shard of `us` += this rank's
         piece of the sum over ranks of `full` (fp32, a ledger buffer `_finish_reduce` frees)."""
-        part = self.ledger.alloc("grad_accum", hi - lo, torch.float32, device=self.device)
+        if self.comm.world_size == 1:  # the sum is `full` itself: no output buffer, no copy
+            part = full
+        else:
+            part = self.ledger.alloc("grad_accum", hi - lo, torch.float32, device=self.device)
         t0 = time.perf_counter()
         if full.numel() == 0:  # a unit without trained parameters (LoRA): nothing to reduce
             return _Reduce(Handle(), part, us, lo, hi, full)
@@ -674,10 +701,62 @@ class Engine:
     def _run_unit(
         self, us: _UnitShard, params: dict[str, torch.Tensor], x: torch.Tensor, mb: _MicroBatch
     ) -> torch.Tensor:
-        args = (x, mb.labels) if us.unit.kind == "head" else (x,)
-        kwargs = {} if us.unit.kind == "head" else position_kwargs(self.model, mb.position_ids)
         with self._dropout(us, mb):
-            return functional_call(us.unit.module, params, args, kwargs, strict=False)
+            if us.unit.kind != "head":
+                kwargs = position_kwargs(self.model, mb.position_ids)
+                return functional_call(us.unit.module, params, (x,), kwargs, strict=False)
+            return head_loss.loss(self._head_fn(us, params), x, mb.labels, self._vocab)
+
+    def _head_fn(self, us: _UnitShard, params: dict[str, torch.Tensor]) -> head_loss.RunHead:
+        return lambda h, labels: functional_call(us.unit.module, params, (h, labels), strict=False)
+
+    def _head_pass(
+        self,
+        us: _UnitShard,
+        params: dict[str, torch.Tensor],
+        mbs: list[_MicroBatch],
+        store: BoundaryStore,
+        head_grad: float,
+    ) -> torch.Tensor:
+        """The head's loss and backward in one pass at the end of the forward
+        (runtime/head_loss.py): its gradient buffers filled, its input gradients stored in its
+        inputs' place, its reduce-scatters started (finished during the last block's backward,
+        `_backward_pass`). Returns the loss sum."""
+        acc, tied_acc = self._grad_buffers(us)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for j, mb in enumerate(mbs):
+            mb.rng[us.index] = self._save_rng()
+            loss_sum += self._backward_micro_batch(
+                us, params, mb, j, store, head_grad, acc, tied_acc
+            )
+        self._head_reducing = self._start_reduces(us, acc, tied_acc)
+        if not self.overlap_reduce:
+            for r in self._head_reducing:
+                self._finish_reduce(r)
+            self._head_reducing = []
+        return loss_sum
+
+    def _grad_buffers(self, us: _UnitShard) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Zeroed fp32 gradient buffers of a unit and of the tied parameters it borrows."""
+        acc = self.ledger.alloc(
+            "grad_accum", us.layout.numel, torch.float32, device=self.device, zero=True
+        )
+        tied_acc = [
+            self.ledger.alloc(
+                "grad_accum", b.slot.numel, torch.float32, device=self.device, zero=True
+            )
+            for b in us.borrows
+        ]
+        return acc, tied_acc
+
+    def _start_reduces(
+        self, us: _UnitShard, acc: torch.Tensor, tied_acc: list[torch.Tensor]
+    ) -> list[_Reduce]:
+        reducing = [self._start_reduce(us, 0, us.size, acc, us.sizes)]
+        for b, t_acc in zip(us.borrows, tied_acc, strict=True):
+            lo, hi = b.local
+            reducing.append(self._start_reduce(b.owner, lo, hi, t_acc, b.sizes))
+        return reducing
 
     def _dropout(self, us: _UnitShard, mb: _MicroBatch) -> contextlib.AbstractContextManager:
         if not (
@@ -743,11 +822,16 @@ class Engine:
 
     # ------------------------------------------------------------------ passes
     def _forward_pass(
-        self, mbs: list[_MicroBatch], store: BoundaryStore, keep_inputs: bool
+        self,
+        mbs: list[_MicroBatch],
+        store: BoundaryStore,
+        keep_inputs: bool,
+        head_grad: float | None = None,
     ) -> torch.Tensor:
         """Every unit over every micro-batch, no graph; store[(u, j)] receives unit u's input
         for micro-batch j (u >= 1; with `keep_inputs=False`, only until unit u has run).
-        Returns this rank's loss sum (fp32)."""
+        With `head_grad` (training), the head computes its loss and backward at once
+        (`_head_pass`). Returns this rank's loss sum (fp32)."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         n = len(self.shards)
         pending = self._start_gather(self.shards[0], async_op=self.config.prefetch)
@@ -758,6 +842,9 @@ class Engine:
             if self.config.prefetch and u + 1 < n:
                 pending = self._start_gather(self.shards[u + 1], async_op=True)
             with self._compute(), torch.no_grad():
+                if u == n - 1 and head_grad is not None:
+                    loss_sum += self._head_pass(us, params, mbs, store, head_grad)
+                    mbs = []  # done
                 for j, mb in enumerate(mbs):
                     mb.rng[u] = self._save_rng()
                     with self._unit_input(store, u, j, mb) as x:
@@ -794,9 +881,11 @@ class Engine:
         """Units in reverse: recompute with a graph, backprop, one gradient buffer per unit,
         one reduce-scatter per unit (plus one for a borrowed tied parameter), in flight
         during the next unit's backward (`EngineConfig.overlap_reduce`)."""
-        n = len(self.shards)
-        reducing: list[_Reduce] = []
-        pending = self._start_gather(self.shards[-1], async_op=self.config.prefetch)
+        # the head ran its backward in the forward (`_head_pass`); its reduce-scatters are in
+        # flight
+        n = len(self.shards) - 1
+        reducing, self._head_reducing = self._head_reducing, []
+        pending = self._start_gather(self.shards[n - 1], async_op=self.config.prefetch)
         for u in reversed(range(n)):
             us = self.shards[u]
             if u == 0 and not self._trains(us):  # a frozen embedding: no gradient to compute
@@ -808,15 +897,7 @@ class Engine:
             pending = None
             if self.config.prefetch and u > 0 and (u > 1 or self._trains(self.shards[0])):
                 pending = self._start_gather(self.shards[u - 1], async_op=True)
-            acc = self.ledger.alloc(
-                "grad_accum", us.layout.numel, torch.float32, device=self.device, zero=True
-            )
-            tied_acc = [
-                self.ledger.alloc(
-                    "grad_accum", b.slot.numel, torch.float32, device=self.device, zero=True
-                )
-                for b in us.borrows
-            ]
+            acc, tied_acc = self._grad_buffers(us)
             with self._compute():
                 for j, mb in enumerate(mbs):
                     self._backward_micro_batch(us, params, mb, j, store, head_grad, acc, tied_acc)
@@ -825,13 +906,10 @@ class Engine:
             # the previous unit's reduce-scatters ran while this unit's backward computed
             for r in reducing:
                 self._finish_reduce(r)
-            reducing = [self._start_reduce(us, 0, us.size, acc, us.sizes)]
-            for b, t_acc in zip(us.borrows, tied_acc, strict=True):
-                lo, hi = b.local
-                reducing.append(self._start_reduce(b.owner, lo, hi, t_acc, b.sizes))
+            reducing = self._start_reduces(us, acc, tied_acc)
             # the reduce-scatters hold the buffers now: no name here may keep them alive into
             # the next unit's backward once `_finish_reduce` has freed them in the ledger
-            acc = tied_acc = t_acc = None
+            acc = tied_acc = None
             if not self.overlap_reduce:
                 for r in reducing:
                     self._finish_reduce(r)
@@ -839,7 +917,7 @@ class Engine:
         for r in reducing:
             self._finish_reduce(r)
 
-    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc) -> None:
+    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc):
         u, last = us.index, us.index == len(self.shards) - 1
         frozen = self.frozen.names(u) if self.frozen else ()
         leaves = {n: v.detach().requires_grad_() for n, v in params.items() if n not in frozen}
@@ -860,6 +938,8 @@ class Engine:
         )
         gout_ctx = contextlib.nullcontext(head_out_grad) if last else store.loaded((u + 1, j))
         key = (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
+        if last:
+            return self._head_micro_batch(us, leaves, params, mb, j, store, head_out_grad, key)
         with self._unit_input(store, u, j, mb) as x_in:
             x = x_in if u == 0 else x_in.detach().requires_grad_()
             self._restore_rng(mb.rng[u])
@@ -881,6 +961,38 @@ class Engine:
             if u > 0:
                 store.put((u, j), x.grad)  # replaces the input: unit u-1's output gradient
                 x.grad = None
+        return None
+
+    def _head_micro_batch(self, us, leaves, params, mb, j, store, out_grad, key) -> torch.Tensor:
+        """The head over one micro-batch, chunk by chunk (runtime/head_loss.py): loss sum
+        returned, input gradient stored in the input's place."""
+        param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
+        charged = [0]
+
+        def on_chunk(out: torch.Tensor) -> None:  # this chunk's transient gradients
+            self.ledger.release("grad_transient", charged[0])
+            charged[0] = self._charges.transient(key, out, param_grad)
+            self.ledger.charge("grad_transient", charged[0])
+
+        u = us.index
+        run = self._head_fn(us, {**params, **leaves})
+        with self._unit_input(store, u, j, mb) as x_in:
+            self._restore_rng(mb.rng[u])
+            with self._charges.activations(key), self._dropout(us, mb):
+                loss, dx = head_loss.loss_and_backward(
+                    run,
+                    x_in,
+                    mb.labels,
+                    self._vocab,
+                    out_grad,
+                    list(leaves.values()),
+                    u > 0,
+                    on_chunk,
+                )
+            self.ledger.release("grad_transient", charged[0])
+        if u > 0:
+            store.put((u, j), dx)  # replaces the input: the last block's output gradient
+        return loss
 
     # ------------------------------------------------------------------ public API
     def _micro_batches(
@@ -968,7 +1080,7 @@ class Engine:
         store = self._boundaries
         store.clear()  # normally empty; not after a step that raised
         if self.config.mode == "lga":
-            loss_sum = self._forward_pass(mbs, store, keep_inputs=True)
+            loss_sum = self._forward_pass(mbs, store, keep_inputs=True, head_grad=head_grad)
             self._backward_after_forward(mbs, store, head_grad)
         else:
             # every rank must run the same number of collectives: pad with empty passes
@@ -976,7 +1088,7 @@ class Engine:
             loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
             for k in range(rounds):
                 chunk = mbs[k : k + 1]
-                loss_sum += self._forward_pass(chunk, store, keep_inputs=True)
+                loss_sum += self._forward_pass(chunk, store, keep_inputs=True, head_grad=head_grad)
                 self._backward_after_forward(chunk, store, head_grad)
         assert len(store) == 0, "the backward consumes every boundary"
         skipped, grad_norm = self._optimizer_step(loss_sum, loss_scale, lr, n_tokens)
