@@ -119,6 +119,8 @@ def head_chunk_positions(m, seq_len: int, vocab_size: int):
     """Sequence positions per head chunk for micro-batches of m samples (broadcasts)."""
     m = np.maximum(np.asarray(m, dtype=np.int64), 1)
     return np.clip(head_chunk_tokens(vocab_size) // m, 1, seq_len)
+
+
 DEFAULT_RESERVE_FRACTION = 0.05
 """Share of each device's memory kept free for fragmentation and library workspaces."""
 HOST_STATE_BYTES_PER_PARAM = 16

@@ -132,6 +132,10 @@ class EngineConfig:
     host_adamw: str | None = None
     """AdamW kernel of the host-held state: `fused` (fastest), `foreach` (bitwise the device
     path's arithmetic on a CPU); None: fused where this torch build has it for CPU tensors."""
+    adamw_kernel: str | None = None
+    """AdamW kernel of the device-held state (runtime/optim.py): `fused`, `foreach` (bitwise
+    the host's `foreach` on a CPU) or `single`; None: fused where this torch build has it for
+    the device, else foreach."""
     host_copy_bytes_per_s: float | None = None
     """CPU device emulation: every host <-> device copy lasts at least its bytes / this
     bandwidth (`cpu:...,pcie=12GB/s`), outside the compute stretch; None: memcpy speed."""
@@ -201,6 +205,9 @@ class StepStats:
     """Ledger peak of host memory during the step (host state, offloaded boundaries)."""
     host_s: float = 0.0
     """Host seconds of the host-state optimizer step (AdamW and the uploads it issues)."""
+    optimizer_s: float = 0.0
+    """Host seconds of the device optimizer phase (norm, clipping, AdamW; collectives and
+    host-state work excluded). runtime/step_timing.py splits a step with it."""
 
 
 @dataclass
@@ -400,6 +407,7 @@ class Engine:
                 for us in self.shards
             ],
             config.adamw,
+            config.adamw_kernel,
         )
         hosted = [us for us in self.shards if us.host is not None]
         self.host_optimizer = (
@@ -1091,7 +1099,9 @@ class Engine:
                 loss_sum += self._forward_pass(chunk, store, keep_inputs=True, head_grad=head_grad)
                 self._backward_after_forward(chunk, store, head_grad)
         assert len(store) == 0, "the backward consumes every boundary"
+        t_opt, comm_before = time.perf_counter(), self._comm_wait_s
         skipped, grad_norm = self._optimizer_step(loss_sum, loss_scale, lr, n_tokens)
+        optimizer_s = time.perf_counter() - t_opt - (self._comm_wait_s - comm_before)
         self.step_index += 1
         peaks = self.ledger.peak_by_category
         return StepStats(
@@ -1107,6 +1117,7 @@ class Engine:
             loss_scale=loss_scale,
             host_peak_bytes=self.ledger.host_peak_bytes,
             host_s=self._host_s,
+            optimizer_s=max(0.0, optimizer_s - self._host_s),
         )
 
     @torch.no_grad()
@@ -1149,9 +1160,7 @@ class Engine:
         if self.config.grad_clip > 0:
             coef = min(1.0, self.config.grad_clip / (grad_norm + 1e-6))
         with self._optimizer_work():
-            if coef < 1.0:
-                opt.scale_grads(coef)
-            opt.step(lr)
+            opt.step(lr, coef)  # (the fused kernel scales the gradients as it reads them)
             self._zero_device_grads()
         if host_opt is not None:
             # not under the emulated slowdown: the host is not the emulated device. On CUDA
