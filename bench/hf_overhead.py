@@ -244,7 +244,7 @@ def _plot(ratios: dict[str, list[float]]) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    for i, (family, rr) in enumerate(ratios.items()):
+    for i, rr in enumerate(ratios.values()):
         mid = median(rr)
         ax.bar(i, mid, color="tab:blue")
         ax.errorbar(i, mid, yerr=[[mid - rr[0]], [rr[-1] - mid]], color="k", capsize=4)
