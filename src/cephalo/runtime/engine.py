@@ -56,7 +56,8 @@ gradient is 1 / global_tokens (times the loss scale in fp16). The step's loss su
 squared gradient norm share one more all-reduce.
 
 Dropout. Masks are drawn per sample from (seed, step, unit, call, global sample index)
-(`cephalo.runtime.dropout.SampleDropout`), so they do not depend on the plan: any plan,
+(`cephalo.runtime.dropout.SampleDropout`, only around units that can drop anything:
+`module_uses_dropout`), so they do not depend on the plan: any plan,
 and a single-process reference running under the same mode, sees the same masks. The CPU
 and CUDA generator states are also saved before each (unit, micro-batch) forward and
 restored in its recompute, for any other randomness a model draws.
