@@ -1075,15 +1075,13 @@ class Engine:
         self._comm_wait_s = self._busy_s = self._host_s = 0.0
         self.ledger.reset_peak()
         self.model.train()
+        # counted on the caller's labels (host memory: no device sync per micro-batch)
+        n_local = int((labels != IGNORE_INDEX).sum())
         mbs = self._micro_batches(input_ids, labels, position_ids)
         # int64: an fp32 count is inexact above 2**24 tokens (a large global batch)
-        tokens = torch.tensor(
-            [sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs)],
-            dtype=torch.int64,
-            device=self.device,
-        )
+        tokens = torch.tensor([n_local], dtype=torch.int64, device=self.device)
         self._all_reduce(tokens)
-        n_tokens = int(tokens.item())
+        n_tokens = int(tokens.item()) if self.comm.world_size > 1 else n_local
         loss_scale = self.scaler.scale if self.scaler else 1.0
         head_grad = loss_scale / max(n_tokens, 1)
         store = self._boundaries
