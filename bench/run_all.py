@@ -52,7 +52,9 @@ BENCHES = [
     Bench("engine_vs_fsdp2", "Engine vs PyTorch FSDP2", 360),
     Bench("hetero_throughput", "Emulated heterogeneous clusters (measured)", 420),
     Bench("data_streaming", "Data preparation streams: memory vs corpus size", 300),
-    Bench("hf_overhead", "Cephalo on a Hugging Face model vs plain transformers", 180),
+    Bench("hf_overhead", "Cephalo on a Hugging Face model vs plain transformers", 420),
+    Bench("optimizer_step", "AdamW on a flat shard vs torch's fastest", 300),
+    Bench("python_overhead", "The engine's own Python cost on a small model", 300),
     Bench("packing", "Chat fine-tuning: packed vs padded samples", 180),
 ]
 

@@ -38,11 +38,12 @@ def _cm(host_bytes_per_s=1e12, tied=False, async_copies=True):
 
 def test_compute_bound_time_and_memory():
     # b=5, m=2: k=3 micro-batches (2, 2, 1). per unit fwd = 2*2 + 1 = 5, bwd = 5 (recompute) + 2*4 + 2 = 15;
-    # compute beats every collective, so 4 units x (5 + 15) = 80, + the last reduce-scatter 1.5;
+    # the head has no recompute (loss and backward in one pass): bwd 10; compute beats every
+    # collective, so 3 units x (5 + 15) + (5 + 10) = 75, + the last reduce-scatter 1.5;
     # optimizer 0.5 * 270 * 0.01 = 1.35
     c = _cm().rank_cost(0, batch_size=5, micro_batch_size=2, state_fraction=0.5)
-    assert c.step_s == pytest.approx(80 + 1.5 + 1.35)
-    assert c.compute_s == pytest.approx(80.0)
+    assert c.step_s == pytest.approx(75 + 1.5 + 1.35)
+    assert c.compute_s == pytest.approx(75.0)
     assert c.optimizer_s == pytest.approx(1.35)
     assert c.host_copy_s == 0.0
     # the peak is the largest of the step's phases (boundary 3*4*2 = 24 bytes per sample, act
@@ -74,10 +75,10 @@ def test_compute_bound_time_and_memory():
 def test_collectives_overlap_compute_but_the_last_reduce_scatter():
     # b=1, m=1: fwd 1, bwd 1 + 2 = 3; per unit max(compute, gather) forward, max(compute,
     # gather, scatter) backward: embedding max(1, 1.0) + max(3, 1.0, 1.5) = 4;
-    # blocks 2 x (max(1, 1.5) + max(3, 1.5, 2.5)) = 9; head max(1, .7) + max(3, .7, .9) = 4;
-    # + the embedding's reduce-scatter 1.5
+    # blocks 2 x (max(1, 1.5) + max(3, 1.5, 2.5)) = 9; head (no recompute, no second gather:
+    # bwd 2) max(1, .7) + max(2, .9) = 3; + the embedding's reduce-scatter 1.5
     c = _cm().rank_cost(0, 1, 1, 0.0)
-    assert c.step_s == pytest.approx(18.5)
+    assert c.step_s == pytest.approx(17.5)
     assert c.comm_s == pytest.approx(3.5 + 2 * 5.5 + 2.3)
     # a slow link (10 B/s): gather / scatter embedding 5.5 / 10.5, block 10.5 / 20.5, head 2.5 / 4.5;
     # embedding 5.5 + 10.5, blocks 2 x (10.5 + 20.5), head 2.5 + 4.5, + 10.5
@@ -116,30 +117,30 @@ def test_offload_moves_boundaries_to_host_and_costs_copies():
     on_device = cm.rank_cost(0, 5, 2, 0.0, offload=False)
     # there: the inputs of units 1..1 and the output gradients at 2, of all 5 samples
     assert on_device.memory.boundary == 2 * 5 * 24
-    assert on_device.step_s == pytest.approx(80 + 1.5)
+    assert on_device.step_s == pytest.approx(75 + 1.5)  # the head: no recompute
 
 
 def test_copies_without_async_copies_add_to_compute():
     # a CPU copies on its compute thread: per pass max(compute + copy, collective), and the
     # copies are the staging reads only (fwd: blocks and head 1; bwd: embedding 1, blocks 2, head 1)
     c = _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(0, 5, 2, 0.0, offload=True)
-    # copy 120 s; embedding 5 + (15 + 120); blocks 2 x ((5 + 120) + (15 + 240)); head (5 + 120) + (15 + 120);
-    # + the last scatter 1.5
-    assert c.step_s == pytest.approx(140 + 760 + 260 + 1.5)
+    # copy 120 s; embedding 5 + (15 + 120); blocks 2 x ((5 + 120) + (15 + 240)); head (5 + 120) +
+    # (10 + 120) (no recompute); + the last scatter 1.5
+    assert c.step_s == pytest.approx(140 + 760 + 255 + 1.5)
     assert c.host_copy_s == pytest.approx(9 * 120)
-    assert c.compute_s == pytest.approx(80 + 9 * 120)
+    assert c.compute_s == pytest.approx(75 + 9 * 120)
     # small copies: hidden under compute and collectives with async copies, added without
     # b=1, m=1, copy 24 B at 24 B/s = 1 s; fwd 1, bwd 3; collectives as in the gather/scatter test
     hidden = _cm(host_bytes_per_s=24.0).rank_cost(0, 1, 1, 0.0, offload=True)
-    assert hidden.step_s == pytest.approx(18.5)
+    assert hidden.step_s == pytest.approx(17.5)
     # embedding max(1, 1.0) + max(3 + 1, 1.0, 1.5); blocks 2 x (max(1 + 1, 1.5) + max(3 + 2, 1.5, 2.5));
-    # head (1 + 1) + max(3 + 1, .7, .9); + 1.5
+    # head (1 + 1) + max(2 + 1, .9) (no recompute, no second gather); + 1.5
     added = _cm(host_bytes_per_s=24.0, async_copies=False).rank_cost(0, 1, 1, 0.0, offload=True)
-    assert added.step_s == pytest.approx(5 + 14 + 6 + 1.5)
+    assert added.step_s == pytest.approx(5 + 14 + 5 + 1.5)
     # without offload there is nothing to copy either way
     assert _cm(host_bytes_per_s=1.0, async_copies=False).rank_cost(
         0, 5, 2, 0.0
-    ).step_s == pytest.approx(81.5)
+    ).step_s == pytest.approx(76.5)
 
 
 def test_async_copies_round_trip_and_default():
@@ -186,7 +187,7 @@ def test_peak_is_the_largest_phase():
 def test_single_device_has_no_collectives():
     prof = linear_profile("x", 1.0, 2.0, 0.0, optimizer_s_per_param=0.0)
     cm = cost_model([FakeDevice("x", 10**6)], {"x": prof}, bytes_per_s=1.0, latency_s=10.0)
-    assert cm.rank_cost(0, 1, 1, 1.0).step_s == pytest.approx(4 * (1 + 3))
+    assert cm.rank_cost(0, 1, 1, 1.0).step_s == pytest.approx(4 * (1 + 3) - 1)  # head: no recompute
 
 
 def test_micro_batch_larger_than_batch_is_clamped_in_memory():
@@ -199,9 +200,9 @@ def test_evaluate_plan_and_mismatches():
     ranks = [RankPlan(0, "x", 5, 2, 3, 0.5), RankPlan(1, "x", 0, 1, 0, 0.5)]
     plan = Plan("manual", "tiny", 3, 5, "fp16", ranks)
     ev = cm.evaluate(plan)
-    assert ev.step_s == pytest.approx(82.85)
-    assert ev.samples_per_s == pytest.approx(5 / 82.85)
-    assert ev.tokens_per_s == pytest.approx(3 * 5 / 82.85)
+    assert ev.step_s == pytest.approx(77.85)
+    assert ev.samples_per_s == pytest.approx(5 / 77.85)
+    assert ev.tokens_per_s == pytest.approx(3 * 5 / 77.85)
     assert ev.fits
     with pytest.raises(CephaloError, match="has 1 ranks but the cluster has 2"):
         cm.evaluate(Plan("manual", "tiny", 3, 5, "fp16", [RankPlan(0, "x", 5, 5, 1, 1.0)]))

@@ -138,11 +138,12 @@ def test_state_follows_fractions_and_collectives_do_not_depend_on_micro_batches(
         # 16 bytes per owned element; each unit rounds by at most one element
         assert abs(r["state_bytes"] - f * total) <= 16 * units
         assert r["state_bytes"] == 16 * sum(r["unit_sizes"])
-    # per step: 2 gathers per unit + 2 for the tied wte (head, both passes); 1 reduce-scatter
+    # per step: 2 gathers per unit but the head (1: loss and backward in one pass) + 1 for the
+    # tied wte (with the head); 1 reduce-scatter
     # per unit + 1 for the tied wte; all-reduce: token count, then (grad norm^2, loss sum);
     # full_state_dict adds one gather per unit
     expected = {
-        "all_gather_v": 2 * units + 2 + units,
+        "all_gather_v": 2 * units + units,
         "reduce_scatter_v": units + 1,
         "all_reduce": 2,
     }

@@ -47,6 +47,8 @@ def _plan(host=(0.0, 0.0, 0.0), overlap=(True, True, True), dtype="fp32", fracti
 
 
 def _cfg(**kw) -> EngineConfig:
+    """The device's AdamW is `foreach` here: the host's `foreach` is bitwise that path."""
+    kw.setdefault("adamw_kernel", "foreach")
     return EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1), **kw)
 
 

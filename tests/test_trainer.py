@@ -116,7 +116,15 @@ def test_run_writes_metrics_config_plan_and_checkpoints(tmp_path):
     assert first["loss"] == pytest.approx(result.losses[1])
     assert first["lr"] == pytest.approx(cfg.train.lr / 2)  # warmup step 1 of 2
     assert first["tokens"] == 4 * 16 and first["tokens_per_s"] > 0 and first["grad_norm"] > 0
-    assert set(first["ranks"]) == {"busy_s", "comm_wait_s", "idle_s", "peak_bytes"}
+    assert set(first["ranks"]) == {
+        "busy_s",
+        "comm_wait_s",
+        "idle_s",
+        "peak_bytes",
+        "optimizer_s",
+        "host_s",
+        "step_s",
+    }
     assert len(first["ranks"]["peak_bytes"]) == 1 and first["ranks"]["peak_bytes"][0] > 0
     evals = read_metrics(run / "metrics.jsonl", kind="eval")
     assert [r["step"] for r in evals] == [3, 6]

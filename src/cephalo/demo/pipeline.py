@@ -26,6 +26,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from rich.console import Console
 
@@ -44,6 +45,8 @@ from cephalo.planning.costmodel import CostModel, PlanEvaluation
 from cephalo.planning.plan import Plan
 from cephalo.planning.planner import make_plan
 from cephalo.planning.sources import measured_cost_model
+from cephalo.runtime.step_timing import PARTS as TIME_PARTS
+from cephalo.runtime.step_timing import split_step
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.profile import MeasuredProfiles
 from cephalo.train.config import JobConfig, config_to_toml
@@ -255,6 +258,13 @@ def summarize_run(strategy: str, run_dir: Path, wall_s: float, global_batch: int
     busy = [statistics.fmean(r["ranks"]["busy_s"][i] for r in timed) for i in range(n)]
     idle = [statistics.fmean(r["ranks"]["idle_s"][i] for r in timed) for i in range(n)]
     peak = [max(int(r["ranks"]["peak_bytes"][i]) for r in steps) for i in range(n)]
+    split = [
+        {
+            part: statistics.fmean(_split_of(r["ranks"], i)[part] for r in timed)
+            for part in TIME_PARTS
+        }
+        for i in range(n)
+    ]
     return RunSummary(
         strategy=strategy,
         run_dir=run_dir,
@@ -268,7 +278,21 @@ def summarize_run(strategy: str, run_dir: Path, wall_s: float, global_batch: int
         busy_s=busy,
         idle_s=idle,
         peak_bytes=peak,
+        time_split=split,
     )
+
+
+def _split_of(ranks: dict, i: int) -> dict[str, float]:
+    """Rank i's step time split (runtime/step_timing.py) from a metrics record's `ranks`."""
+    step_s = ranks.get("step_s", [0.0] * (i + 1))[i]
+    stats = SimpleNamespace(
+        busy_s=ranks["busy_s"][i],
+        comm_wait_s=ranks["comm_wait_s"][i],
+        optimizer_s=ranks.get("optimizer_s", [0.0] * (i + 1))[i],
+        host_s=ranks.get("host_s", [0.0] * (i + 1))[i],
+        step_s=step_s or ranks["busy_s"][i] + ranks["idle_s"][i],
+    )
+    return split_step(stats)
 
 
 def launch_run(cfg: JobConfig, config_path: Path, quiet: bool) -> float:

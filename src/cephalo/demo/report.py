@@ -20,6 +20,7 @@ from cephalo.demo.result import (
 )
 from cephalo.planning.costmodel import MEMORY_CATEGORIES
 from cephalo.planning.plan import Plan
+from cephalo.runtime.step_timing import PARTS as TIME_PARTS
 from cephalo.views.plots import pyplot
 
 MIB = 2**20
@@ -258,6 +259,26 @@ def _plan_rows(result: DemoResult) -> list[str]:
     return rows
 
 
+def _time_rows(result: DemoResult) -> list[str]:
+    """Where a step's time goes on each rank of the cephalo run (runtime/step_timing.py)."""
+    run = result.runs.get("cephalo")
+    if run is None or not run.time_split:
+        return []
+    rows = [
+        "## Where a step's time goes (cephalo run, mean per step)",
+        "",
+        "Compute: the units' passes (emulated slowdown included); communication: blocked in "
+        "collectives; optimizer: the device AdamW phase; host: host-held state work; other: "
+        "the engine's own Python work and the rest.",
+        "",
+        "| rank | " + " | ".join(f"{p} s" for p in TIME_PARTS) + " |",
+        "|---|" + "---|" * len(TIME_PARTS),
+    ]
+    for i, split in enumerate(run.time_split):
+        rows.append(f"| {i} | " + " | ".join(f"{split[p]:.3f}" for p in TIME_PARTS) + " |")
+    return [*rows, ""]
+
+
 def _strategy_rows(result: DemoResult) -> list[str]:
 
     even = result.plans["even"]
@@ -323,6 +344,7 @@ def report_markdown(result: DemoResult, images: dict[str, str]) -> str:
         "",
         f"![plan]({images['plan']})",
         "",
+        *_time_rows(result),
         "## Throughput: predicted and measured",
         "",
         *_strategy_rows(result),

@@ -11,7 +11,9 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
 
   per unit u (embedding, L blocks, head):
     forward    fwd_u  = (k-1) F_u(m) + F_u(last)
-    backward   bwd_u  = fwd_u (recompute) + (k-1) B_u(m) + B_u(last)
+    backward   bwd_u  = fwd_u (recompute) + (k-1) B_u(m) + B_u(last); the head has no
+               recompute and no second gather: its loss and backward run in one pass, at the
+               end of the forward (runtime/head_loss.py)
     collectives: all-gather of the unit's compute-dtype parameters in forward and again in
     backward, reduce-scatter of its fp32 gradient once in backward; ring cost
     (n-1)/n * bytes / slowest link + latency. They depend on the unit, not on b, m or s.
@@ -64,8 +66,8 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
                 transient gradients the ledger charges included)
     boundary    boundary activations still held (b samples each), or the micro-batch staging
                 buffers in use when offloaded
-    logits      in the head's backward: its profile curve, never less than the fp32 softmax
-                logits m * seq * vocab * 4
+    logits      in the head's backward: its profile curve, never less than one chunk of its
+                fp32 logits, m * min(seq, T // m) * vocab * 4 (T = `head_chunk_tokens`)
     reserve     allocator fragmentation and workspace
     With `overlap_reduce` false, a unit's backward holds its own fp32 gradient only.
 
@@ -103,6 +105,22 @@ GRAD_BYTES = 4
 """Gradients are accumulated and reduced in fp32."""
 LOGIT_BYTES = 4
 """The head's softmax runs in fp32."""
+HEAD_CHUNK_BYTES = 256 << 20
+"""The head runs over chunks of the sequence of about this many bytes of fp32 logits
+(runtime/head_loss.py): at most one chunk's logits exist at a time."""
+
+
+def head_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the head's loss (at least one)."""
+    return max(1, HEAD_CHUNK_BYTES // (max(vocab_size, 1) * LOGIT_BYTES))
+
+
+def head_chunk_positions(m, seq_len: int, vocab_size: int):
+    """Sequence positions per head chunk for micro-batches of m samples (broadcasts)."""
+    m = np.maximum(np.asarray(m, dtype=np.int64), 1)
+    return np.clip(head_chunk_tokens(vocab_size) // m, 1, seq_len)
+
+
 DEFAULT_RESERVE_FRACTION = 0.05
 """Share of each device's memory kept free for fragmentation and library workspaces."""
 HOST_STATE_BYTES_PER_PARAM = 16
@@ -517,7 +535,10 @@ class CostModel:
             f_fwd, f_bwd, dequant = self._time_factors[type_key][kind]
             deq = np.where(b > 0, dequant, 0.0)
             fwd = (full * t.fwd[kind].at(m) + t.fwd[kind].at(last)) * f_fwd + deq
-            bwd = fwd + (full * t.bwd[kind].at(m) + t.bwd[kind].at(last)) * f_bwd
+            # the head computes its loss and backward in one pass (runtime/head_loss.py): no
+            # recompute
+            recompute = 0.0 if kind == "head" else fwd
+            bwd = recompute + (full * t.bwd[kind].at(m) + t.bwd[kind].at(last)) * f_bwd
             out[kind] = (fwd, bwd)
         return out
 
@@ -579,13 +600,15 @@ class CostModel:
         for kind, (fwd, bwd) in passes.items():
             count = self.unit_counts[kind]
             gather, scatter = self.gather_s[kind], self.scatter_s[kind]
+            # the head is not gathered again in the backward (runtime/head_loss.py)
+            gather_b = 0.0 if kind == "head" else gather
             grad_down = x * self.gathered_params[kind] * GRAD_BYTES / bw if hosted else 0.0
             if profile.async_copies:
                 cf = copy_one * self.copies_fwd[kind]
                 cb = copy_one * self.copies_bwd[kind]
                 # the gradient copy of a unit runs beside the next unit's backward, with or
                 # without overlap (without, only the reduce-scatter is waited for at once)
-                hidden = np.maximum(np.maximum(np.maximum(bwd, gather), cb), grad_down)
+                hidden = np.maximum(np.maximum(np.maximum(bwd, gather_b), cb), grad_down)
                 backward = np.where(overlap, np.maximum(hidden, scatter), hidden + scatter)
                 total = total + count * (np.maximum(np.maximum(fwd, gather), cf) + backward)
                 compute = compute + count * (fwd + bwd)
@@ -597,8 +620,8 @@ class CostModel:
                     cb = cb + copy_one * self.writes_bwd[kind]
                 backward = np.where(
                     overlap,
-                    np.maximum(np.maximum(bwd + cb, gather), scatter),
-                    np.maximum(bwd + cb, gather) + scatter,
+                    np.maximum(np.maximum(bwd + cb, gather_b), scatter),
+                    np.maximum(bwd + cb, gather_b) + scatter,
                 )
                 total = total + count * (np.maximum(fwd + cf, gather) + backward + grad_down)
                 compute = compute + count * (fwd + bwd + cf + cb)
@@ -735,7 +758,10 @@ class CostModel:
                 "grad_accum": (units[u].trained + np.where(overlap, in_flight, 0)) * GRAD_BYTES,
             }
             if kind == "head":
-                logits = np.maximum(act, m_eff * self.sample_logit_bytes)
+                # one chunk of the head's logits at a time (runtime/head_loss.py)
+                chunk = head_chunk_positions(m_eff, self.seq_len, self.model.vocab_size)
+                chunk_bytes = m_eff * chunk * self.model.vocab_size * LOGIT_BYTES
+                logits = np.maximum(act, chunk_bytes)
                 phase["logits"] = np.where(working, logits, 0.0)
                 phase["boundary"] = held(L + 1, 1)  # every unit input; its own staged
             else:

@@ -43,9 +43,10 @@ import torch
 from torch.func import functional_call
 
 from cephalo.modeling.units import Unit
+from cephalo.runtime import head_loss
 from cephalo.runtime.autograd import drain_grad, largest_saved_bytes
 from cephalo.runtime.comm import Comm
-from cephalo.runtime.dropout import SampleDropout
+from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.flat import FlatLayout
 from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
@@ -177,8 +178,8 @@ class UnitBench:
         return x, labels, gout
 
     def _dropout(self) -> contextlib.AbstractContextManager:
-        if not self.per_sample_dropout:
-            return contextlib.nullcontext()
+        if not (self.per_sample_dropout and module_uses_dropout(self.unit.module)):
+            return contextlib.nullcontext()  # as the engine: no mode without dropout
         return SampleDropout(0, 0, self.index, 0)
 
     def _run(
@@ -217,6 +218,9 @@ class UnitBench:
                 functools.partial(drain_grad, self.acc[slot.offset : slot.end])
             )
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
+        if self.kind == "head":  # the engine's one pass of loss and backward, in chunks
+            self._head_backward(leaves, x, labels, gout, param_grad)
+            return
         with torch.enable_grad(), self.ledger.track_activations():
             out = self._run(leaves, x, labels)
             saved = largest_saved_bytes(out.grad_fn, self.ledger)
@@ -229,6 +233,27 @@ class UnitBench:
         if self.kind != "embedding":
             self._store(x.grad)
             x.grad = None
+
+    def _head_backward(self, leaves, x, labels, gout, param_grad: int) -> None:
+        """`Engine._head_micro_batch`: the head over chunks of the sequence."""
+        charged = [0]
+
+        def on_chunk(out: torch.Tensor) -> None:
+            self.ledger.release("grad_transient", charged[0])
+            saved = largest_saved_bytes(out.grad_fn, self.ledger)
+            charged[0] = saved + max(saved, param_grad)
+            self.ledger.charge("grad_transient", charged[0])
+
+        def run(h: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+            with self._dropout():
+                return functional_call(self.unit.module, leaves, (h, lab), strict=False)
+
+        with self.ledger.track_activations():
+            _, dx = head_loss.loss_and_backward(
+                run, x, labels, self.vocab, gout, list(leaves.values()), True, on_chunk
+            )
+        self.ledger.release("grad_transient", charged[0])
+        self._store(dx)
 
     def activation_bytes(self, m: int) -> int:
         """Peak bytes the engine's ledger adds during one recompute + backward: saved

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
-from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.memory import ACTIVATIONS, MemoryLedger
 
 
 def drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
@@ -39,3 +42,53 @@ def largest_saved_bytes(root, ledger: MemoryLedger) -> int:
                 largest = max(largest, value.untyped_storage().nbytes())
         stack.extend(fn for fn, _ in node.next_functions)
     return largest
+
+
+class BackwardCharges:
+    """What the ledger charges for one unit's recompute + backward, measured once per key
+    and charged as measured afterwards (no per-call graph walk, no saved-tensor hooks).
+
+    The key is (unit index, micro-batch shape, ...): the same graph over tensors of the same
+    shapes saves the same bytes. The first call of a key runs under the ledger's exact
+    `track_activations` and walks the graph (`largest_saved_bytes`); later calls charge the
+    recorded activation bytes before the forward and release them after the backward. The
+    peak is the same: saved tensors are all alive at the end of the forward, which is where
+    the transient gradients are charged too. `exact=True` measures every call (tests)."""
+
+    def __init__(self, ledger: MemoryLedger, exact: bool = False):
+        self.ledger = ledger
+        self.exact = exact
+        self._base = 0
+        self._known: dict[tuple, tuple[int, int]] = {}
+        """key -> (activation bytes saved by the forward, largest saved storage)."""
+
+    def known(self, key: tuple) -> bool:
+        return not self.exact and key in self._known
+
+    @contextmanager
+    def activations(self, key: tuple) -> Iterator[None]:
+        """Around the graph-building forward and its backward."""
+        ledger = self.ledger
+        if self.known(key):
+            nbytes = self._known[key][0]
+            ledger.charge(ACTIVATIONS, nbytes)
+            try:
+                yield
+            finally:
+                ledger.release(ACTIVATIONS, nbytes)
+            return
+        self._base = ledger.current_by_category.get(ACTIVATIONS, 0)
+        with ledger.track_activations():
+            yield
+
+    def transient(self, key: tuple, out: torch.Tensor, param_grad: int) -> int:
+        """Bytes of autograd's transient gradients to charge before `out`'s backward (call
+        inside `activations(key)`, after the forward): the largest saved storage plus the
+        larger of it and the largest parameter gradient (see the engine)."""
+        if self.known(key):
+            saved = self._known[key][1]
+        else:
+            saved = largest_saved_bytes(out.grad_fn, self.ledger)
+            held = self.ledger.current_by_category.get(ACTIVATIONS, 0) - self._base
+            self._known[key] = (held, saved)
+        return saved + max(saved, param_grad)

@@ -128,3 +128,29 @@ class SampleDropout(TorchFunctionMode):
         weights = torch.softmax(scores, dim=-1)
         weights = self._dropout(weights, dropout_p)
         return weights @ value
+
+
+def module_uses_dropout(module: torch.nn.Module) -> bool:
+    """Whether running `module` in training mode can drop anything: an `nn.Dropout`-like
+    submodule with p > 0, or a positive number in an attribute whose name says dropout
+    (`dropout`, `attention_dropout`, `dropout_p`: what SDPA-calling attention modules and
+    functional dropout read), on the module or on a transformers `config` it holds.
+    Conservative: a False here means no dropout call of the unit can draw a mask, so the
+    engine may run it without `SampleDropout` (no per-op Python dispatch)."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        holders = [vars(m)]
+        config = vars(m).get("config")
+        if config is not None and hasattr(config, "__dict__"):
+            holders.append(vars(config))
+        for attrs in holders:
+            for key, value in attrs.items():
+                if (
+                    "drop" in key.lower()
+                    and isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                    and value > 0
+                ):
+                    return True
+    return False

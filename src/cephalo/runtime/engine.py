@@ -28,8 +28,11 @@ serialises the reduce-scatters.)
 LGA step (mode "lga"), per rank, over its micro-batches (plan `micro_batch_size`):
   forward:  for each unit: all-gather it (the next unit's gather prefetched), run EVERY
             micro-batch through it without a graph, keep each micro-batch's unit input
-            (device or host), release the gathered buffer. The head sums token losses.
-  backward: for each unit in reverse: all-gather it (prefetch the previous one), for each
+            (device or host), release the gathered buffer. The head computes its token loss
+            sums and its backward in one pass (runtime/head_loss.py: chunks of the sequence,
+            no full logits), stores its input gradients in its inputs' place and starts its
+            reduce-scatter.
+  backward: for each unit in reverse but the head: all-gather it (prefetch the previous one), for each
             micro-batch recompute the unit from its saved input with a graph, backprop
             the output gradient, add the parameter gradients into ONE full-unit fp32
             buffer, and keep the input gradient (in the saved input's place) as the
@@ -44,8 +47,8 @@ Tied weights (GPT-2's wte / lm_head): the first unit holding the parameter owns 
 later unit that uses it (the head) gathers the owner's slice range of that parameter as a
 second, smaller all-gather in each pass, and reduce-scatters its gradient for it straight
 back into the owner's gradient slice right after its own backward (no full-size buffer
-kept across the backward). Per step, a tied model therefore does 2 x units + 2 all-gathers
-and units + 1 reduce-scatters (LGA).
+kept across the backward). Per step, a tied model therefore does 2 x units all-gathers (the
+head and its borrowed slice once each) and units + 1 reduce-scatters (LGA).
 
 Loss. The gradient is that of the mean over all tokens of the GLOBAL batch: the global
 token count is all-reduced once per step before the backward and the head's output
@@ -53,7 +56,8 @@ gradient is 1 / global_tokens (times the loss scale in fp16). The step's loss su
 squared gradient norm share one more all-reduce.
 
 Dropout. Masks are drawn per sample from (seed, step, unit, call, global sample index)
-(`cephalo.runtime.dropout.SampleDropout`), so they do not depend on the plan: any plan,
+(`cephalo.runtime.dropout.SampleDropout`, only around units that can drop anything:
+`module_uses_dropout`), so they do not depend on the plan: any plan,
 and a single-process reference running under the same mode, sees the same masks. The CPU
 and CUDA generator states are also saved before each (unit, micro-batch) forward and
 restored in its recompute, for any other randomness a model draws.
@@ -75,10 +79,11 @@ from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
-from cephalo.runtime.autograd import drain_grad, largest_saved_bytes
+from cephalo.runtime import head_loss
+from cephalo.runtime.autograd import BackwardCharges, drain_grad
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm, Handle
-from cephalo.runtime.dropout import SampleDropout
+from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.flat import FlatLayout, FlatShard, ParamSlot, overlap, shard_ranges
 from cephalo.runtime.frozen import FrozenBase, FrozenGathered
@@ -128,6 +133,10 @@ class EngineConfig:
     host_adamw: str | None = None
     """AdamW kernel of the host-held state: `fused` (fastest), `foreach` (bitwise the device
     path's arithmetic on a CPU); None: fused where this torch build has it for CPU tensors."""
+    adamw_kernel: str | None = None
+    """AdamW kernel of the device-held state (runtime/optim.py): `fused`, `foreach` (bitwise
+    the host's `foreach` on a CPU) or `single`; None: fused where this torch build has it for
+    the device, else foreach."""
     host_copy_bytes_per_s: float | None = None
     """CPU device emulation: every host <-> device copy lasts at least its bytes / this
     bandwidth (`cpu:...,pcie=12GB/s`), outside the compute stretch; None: memcpy speed."""
@@ -200,6 +209,9 @@ class StepStats:
     aux_loss: float | None = None
     """MoE with `output_router_logits`: the router load-balancing loss of the global batch
     (transformers' `aux_loss`); `loss` includes `router_aux_loss_coef` x it."""
+    optimizer_s: float = 0.0
+    """Host seconds of the device optimizer phase (norm, clipping, AdamW; collectives and
+    host-state work excluded). runtime/step_timing.py splits a step with it."""
 
 
 @dataclass
@@ -262,6 +274,9 @@ class _Gathered:
     handles: list[Handle]
     frozen: FrozenGathered | None = None
     """The unit's frozen parameters (LoRA / QLoRA base), gathered alongside."""
+    owned: bool = True
+    """`flat` and `tied` are ledger buffers (False: views of the fp32 shard itself, world
+    size 1: nothing to gather, nothing to copy)."""
 
     def params(self) -> dict[str, torch.Tensor]:
         views = self.unit.layout.views(self.flat)
@@ -367,6 +382,15 @@ class Engine:
             link=self.link if config.host_copy_bytes_per_s is not None else None,
         )
         """Boundary activations of the step in flight (empty between steps)."""
+        self._dropout_units = {
+            i for i, u in enumerate(model.units) if module_uses_dropout(u.module)
+        }
+        """Units that can drop anything: only they run under `SampleDropout`."""
+        self._charges = BackwardCharges(self.ledger)
+        """Activation and transient bytes per (unit, micro-batch shape), measured once."""
+        self._vocab = model.spec.vocab_size
+        self._head_reducing: list[_Reduce] = []
+        """The head's reduce-scatters, started at the end of the forward (`_head_pass`)."""
         self._build_shards()
         arena = (
             config.pinned_arena if config.pinned_arena is not None else self.device.type == "cuda"
@@ -387,6 +411,7 @@ class Engine:
                 for us in self.shards
             ],
             config.adamw,
+            config.adamw_kernel,
         )
         hosted = [us for us in self.shards if us.host is not None]
         self.host_optimizer = (
@@ -572,22 +597,32 @@ class Engine:
         self._comm_wait_s += time.perf_counter() - t0
 
     def _start_gather(self, us: _UnitShard, async_op: bool) -> _Gathered:
-        """All-gather a unit (and the tied parameters it borrows) in compute dtype."""
-        flat = self.ledger.alloc("gathered", us.layout.numel, self.dtype, device=self.device)
+        """All-gather a unit (and the tied parameters it borrows) in compute dtype. World size
+        1 in fp32: the gathered unit is its shard itself (the comm sees out == shard: no copy)."""
+        owned = not (self.comm.world_size == 1 and us.param_buf is not None)
+        flat = (
+            self.ledger.alloc("gathered", us.layout.numel, self.dtype, device=self.device)
+            if owned
+            else us.param_buf
+        )
         handles, tied = [], []
         t0 = time.perf_counter()
         frozen = self.frozen.start_gather(us.index, async_op) if self.frozen else None
         if us.layout.numel:  # (a LoRA unit may have no trained parameters)
             handles.append(self._gather_piece(flat, us, 0, us.size, us.sizes, async_op))
         for b in us.borrows:
-            buf = self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
+            buf = (
+                self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
+                if owned
+                else b.owner.param_buf[b.local[0] : b.local[1]]
+            )
             tied.append(buf)
             handles.append(
                 self._gather_piece(buf, b.owner, b.local[0], b.local[1], b.sizes, async_op)
             )
         if not async_op:
             self._comm_wait_s += time.perf_counter() - t0
-        return _Gathered(us, flat, tied, handles, frozen)
+        return _Gathered(us, flat, tied, handles, frozen, owned)
 
     def _gather_piece(
         self,
@@ -601,6 +636,9 @@ class Engine:
         """All-gather into `out` this rank's elements [lo, hi) of `us`'s shard in compute dtype."""
         if us.param_buf is not None:  # fp32: master and the host part's copy in one buffer
             return self.comm.all_gather_v(out, us.param_buf[lo:hi], sizes, async_op=async_op)
+        if self.comm.world_size == 1 and hi <= us.dev_n:  # cast straight into the output
+            out.copy_(us.master[lo:hi])
+            return self.comm.all_gather_v(out, out, sizes, async_op=async_op)
         # the shard in compute dtype; the comm contract lets us free it once the call returns
         shard = self.ledger.alloc("gathered", hi - lo, self.dtype, device=self.device)
         d = us.dev_n
@@ -620,9 +658,10 @@ class Engine:
         return {**self.frozen.params(g.frozen), **g.params()}
 
     def _release(self, g: _Gathered) -> None:
-        self.ledger.free(g.flat)
-        for buf in g.tied:
-            self.ledger.free(buf)
+        if g.owned:
+            self.ledger.free(g.flat)
+            for buf in g.tied:
+                self.ledger.free(buf)
         if g.frozen is not None:
             self.frozen.release(g.frozen)
 
@@ -631,7 +670,10 @@ class Engine:
     ) -> _Reduce:
         """Start: the gradient of elements [lo, hi) of this rank's shard of `us` += this rank's
         piece of the sum over ranks of `full` (fp32, a ledger buffer `_finish_reduce` frees)."""
-        part = self.ledger.alloc("grad_accum", hi - lo, torch.float32, device=self.device)
+        if self.comm.world_size == 1:  # the sum is `full` itself: no output buffer, no copy
+            part = full
+        else:
+            part = self.ledger.alloc("grad_accum", hi - lo, torch.float32, device=self.device)
         t0 = time.perf_counter()
         if full.numel() == 0:  # a unit without trained parameters (LoRA): nothing to reduce
             return _Reduce(Handle(), part, us, lo, hi, full)
@@ -671,13 +713,69 @@ class Engine:
     def _run_unit(
         self, us: _UnitShard, params: dict[str, torch.Tensor], x: torch.Tensor, mb: _MicroBatch
     ) -> torch.Tensor:
-        args = (x, mb.labels) if us.unit.kind == "head" else (x,)
-        kwargs = {} if us.unit.kind == "head" else position_kwargs(self.model, mb.position_ids)
         with self._dropout(us, mb):
-            return functional_call(us.unit.module, params, args, kwargs, strict=False)
+            if us.unit.kind != "head":
+                kwargs = position_kwargs(self.model, mb.position_ids)
+                return functional_call(us.unit.module, params, (x,), kwargs, strict=False)
+            return head_loss.loss(self._head_fn(us, params), x, mb.labels, self._vocab)
+
+    def _head_fn(self, us: _UnitShard, params: dict[str, torch.Tensor]) -> head_loss.RunHead:
+        return lambda h, labels: functional_call(us.unit.module, params, (h, labels), strict=False)
+
+    def _head_pass(
+        self,
+        us: _UnitShard,
+        params: dict[str, torch.Tensor],
+        mbs: list[_MicroBatch],
+        store: BoundaryStore,
+        head_grad: float,
+    ) -> torch.Tensor:
+        """The head's loss and backward in one pass at the end of the forward
+        (runtime/head_loss.py): its gradient buffers filled, its input gradients stored in its
+        inputs' place, its reduce-scatters started (finished during the last block's backward,
+        `_backward_pass`). Returns the loss sum."""
+        acc, tied_acc = self._grad_buffers(us)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for j, mb in enumerate(mbs):
+            mb.rng[us.index] = self._save_rng()
+            loss_sum += self._backward_micro_batch(
+                us, params, mb, j, store, head_grad, acc, tied_acc
+            )
+        self._head_reducing = self._start_reduces(us, acc, tied_acc)
+        if not self.overlap_reduce:
+            for r in self._head_reducing:
+                self._finish_reduce(r)
+            self._head_reducing = []
+        return loss_sum
+
+    def _grad_buffers(self, us: _UnitShard) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Zeroed fp32 gradient buffers of a unit and of the tied parameters it borrows."""
+        acc = self.ledger.alloc(
+            "grad_accum", us.layout.numel, torch.float32, device=self.device, zero=True
+        )
+        tied_acc = [
+            self.ledger.alloc(
+                "grad_accum", b.slot.numel, torch.float32, device=self.device, zero=True
+            )
+            for b in us.borrows
+        ]
+        return acc, tied_acc
+
+    def _start_reduces(
+        self, us: _UnitShard, acc: torch.Tensor, tied_acc: list[torch.Tensor]
+    ) -> list[_Reduce]:
+        reducing = [self._start_reduce(us, 0, us.size, acc, us.sizes)]
+        for b, t_acc in zip(us.borrows, tied_acc, strict=True):
+            lo, hi = b.local
+            reducing.append(self._start_reduce(b.owner, lo, hi, t_acc, b.sizes))
+        return reducing
 
     def _dropout(self, us: _UnitShard, mb: _MicroBatch) -> contextlib.AbstractContextManager:
-        if not (self.config.per_sample_dropout and self.model.training):
+        if not (
+            self.config.per_sample_dropout
+            and self.model.training
+            and us.index in self._dropout_units
+        ):
             return contextlib.nullcontext()
         return SampleDropout(self.config.seed, self.step_index, us.index, mb.sample_offset)
 
@@ -736,11 +834,16 @@ class Engine:
 
     # ------------------------------------------------------------------ passes
     def _forward_pass(
-        self, mbs: list[_MicroBatch], store: BoundaryStore, keep_inputs: bool
+        self,
+        mbs: list[_MicroBatch],
+        store: BoundaryStore,
+        keep_inputs: bool,
+        head_grad: float | None = None,
     ) -> torch.Tensor:
         """Every unit over every micro-batch, no graph; store[(u, j)] receives unit u's input
         for micro-batch j (u >= 1; with `keep_inputs=False`, only until unit u has run).
-        Returns this rank's loss sum (fp32)."""
+        With `head_grad` (training), the head computes its loss and backward at once
+        (`_head_pass`). Returns this rank's loss sum (fp32)."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         n = len(self.shards)
         pending = self._start_gather(self.shards[0], async_op=self.config.prefetch)
@@ -751,6 +854,9 @@ class Engine:
             if self.config.prefetch and u + 1 < n:
                 pending = self._start_gather(self.shards[u + 1], async_op=True)
             with self._compute(), torch.no_grad():
+                if u == n - 1 and head_grad is not None:
+                    loss_sum += self._head_pass(us, params, mbs, store, head_grad)
+                    mbs = []  # done
                 for j, mb in enumerate(mbs):
                     mb.rng[u] = self._save_rng()
                     with self._unit_input(store, u, j, mb) as x:
@@ -787,9 +893,11 @@ class Engine:
         """Units in reverse: recompute with a graph, backprop, one gradient buffer per unit,
         one reduce-scatter per unit (plus one for a borrowed tied parameter), in flight
         during the next unit's backward (`EngineConfig.overlap_reduce`)."""
-        n = len(self.shards)
-        reducing: list[_Reduce] = []
-        pending = self._start_gather(self.shards[-1], async_op=self.config.prefetch)
+        # the head ran its backward in the forward (`_head_pass`); its reduce-scatters are in
+        # flight
+        n = len(self.shards) - 1
+        reducing, self._head_reducing = self._head_reducing, []
+        pending = self._start_gather(self.shards[n - 1], async_op=self.config.prefetch)
         for u in reversed(range(n)):
             us = self.shards[u]
             if u == 0 and not self._trains(us):  # a frozen embedding: no gradient to compute
@@ -801,15 +909,7 @@ class Engine:
             pending = None
             if self.config.prefetch and u > 0 and (u > 1 or self._trains(self.shards[0])):
                 pending = self._start_gather(self.shards[u - 1], async_op=True)
-            acc = self.ledger.alloc(
-                "grad_accum", us.layout.numel, torch.float32, device=self.device, zero=True
-            )
-            tied_acc = [
-                self.ledger.alloc(
-                    "grad_accum", b.slot.numel, torch.float32, device=self.device, zero=True
-                )
-                for b in us.borrows
-            ]
+            acc, tied_acc = self._grad_buffers(us)
             with self._compute():
                 for j, mb in enumerate(mbs):
                     self._backward_micro_batch(us, params, mb, j, store, head_grad, acc, tied_acc)
@@ -818,13 +918,10 @@ class Engine:
             # the previous unit's reduce-scatters ran while this unit's backward computed
             for r in reducing:
                 self._finish_reduce(r)
-            reducing = [self._start_reduce(us, 0, us.size, acc, us.sizes)]
-            for b, t_acc in zip(us.borrows, tied_acc, strict=True):
-                lo, hi = b.local
-                reducing.append(self._start_reduce(b.owner, lo, hi, t_acc, b.sizes))
+            reducing = self._start_reduces(us, acc, tied_acc)
             # the reduce-scatters hold the buffers now: no name here may keep them alive into
             # the next unit's backward once `_finish_reduce` has freed them in the ledger
-            acc = tied_acc = t_acc = None
+            acc = tied_acc = None
             if not self.overlap_reduce:
                 for r in reducing:
                     self._finish_reduce(r)
@@ -832,7 +929,7 @@ class Engine:
         for r in reducing:
             self._finish_reduce(r)
 
-    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc) -> None:
+    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc):
         u, last = us.index, us.index == len(self.shards) - 1
         frozen = self.frozen.names(u) if self.frozen else ()
         leaves = {n: v.detach().requires_grad_() for n, v in params.items() if n not in frozen}
@@ -852,18 +949,20 @@ class Engine:
             torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
         )
         gout_ctx = contextlib.nullcontext(head_out_grad) if last else store.loaded((u + 1, j))
+        key = (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
+        if last:
+            return self._head_micro_batch(us, leaves, params, mb, j, store, head_out_grad, key)
         with self._unit_input(store, u, j, mb) as x_in:
             x = x_in if u == 0 else x_in.detach().requires_grad_()
             self._restore_rng(mb.rng[u])
-            with gout_ctx as gout, torch.enable_grad(), self.ledger.track_activations():
+            with gout_ctx as gout, torch.enable_grad(), self._charges.activations(key):
                 out = self._run_unit(us, {**params, **leaves}, x, mb)
                 # Autograd's transient gradients are not saved tensors, so the ledger does not
                 # see them. At a backward's peak, the gradient w.r.t. the largest saved tensor
                 # coexists with the gradient it produces (the head: d log-probs and d logits,
                 # each the size of the saved log-probs) or with a parameter's gradient: charge
-                # the larger.
-                saved = largest_saved_bytes(out.grad_fn, self.ledger)
-                transient = saved + max(saved, param_grad)
+                # the larger (runtime/autograd.py, measured once per key).
+                transient = self._charges.transient(key, out, param_grad)
                 self.ledger.charge("grad_transient", transient)
                 inputs = ([x] if u > 0 else []) + list(leaves.values())
                 torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
@@ -874,6 +973,38 @@ class Engine:
             if u > 0:
                 store.put((u, j), x.grad)  # replaces the input: unit u-1's output gradient
                 x.grad = None
+        return None
+
+    def _head_micro_batch(self, us, leaves, params, mb, j, store, out_grad, key) -> torch.Tensor:
+        """The head over one micro-batch, chunk by chunk (runtime/head_loss.py): loss sum
+        returned, input gradient stored in the input's place."""
+        param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
+        charged = [0]
+
+        def on_chunk(out: torch.Tensor) -> None:  # this chunk's transient gradients
+            self.ledger.release("grad_transient", charged[0])
+            charged[0] = self._charges.transient(key, out, param_grad)
+            self.ledger.charge("grad_transient", charged[0])
+
+        u = us.index
+        run = self._head_fn(us, {**params, **leaves})
+        with self._unit_input(store, u, j, mb) as x_in:
+            self._restore_rng(mb.rng[u])
+            with self._charges.activations(key), self._dropout(us, mb):
+                loss, dx = head_loss.loss_and_backward(
+                    run,
+                    x_in,
+                    mb.labels,
+                    self._vocab,
+                    out_grad,
+                    list(leaves.values()),
+                    u > 0,
+                    on_chunk,
+                )
+            self.ledger.release("grad_transient", charged[0])
+        if u > 0:
+            store.put((u, j), dx)  # replaces the input: the last block's output gradient
+        return loss
 
     # ------------------------------------------------------------------ public API
     def _micro_batches(
@@ -947,15 +1078,13 @@ class Engine:
         self._comm_wait_s = self._busy_s = self._host_s = 0.0
         self.ledger.reset_peak()
         self.model.train()
+        # counted on the caller's labels (host memory: no device sync per micro-batch)
+        n_local = int((labels != IGNORE_INDEX).sum())
         mbs = self._micro_batches(input_ids, labels, position_ids)
         # int64: an fp32 count is inexact above 2**24 tokens (a large global batch)
-        tokens = torch.tensor(
-            [sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs)],
-            dtype=torch.int64,
-            device=self.device,
-        )
+        tokens = torch.tensor([n_local], dtype=torch.int64, device=self.device)
         self._all_reduce(tokens)
-        n_tokens = int(tokens.item())
+        n_tokens = int(tokens.item()) if self.comm.world_size > 1 else n_local
         loss_scale = self.scaler.scale if self.scaler else 1.0
         head_grad = loss_scale / max(n_tokens, 1)
         store = self._boundaries
@@ -964,7 +1093,7 @@ class Engine:
         if aux is not None:
             aux.start(self.config.mode, self.device)
         if self.config.mode == "lga":
-            loss_sum = self._forward_pass(mbs, store, keep_inputs=True)
+            loss_sum = self._forward_pass(mbs, store, keep_inputs=True, head_grad=head_grad)
             if aux is not None:  # global-batch router statistics: one all-reduce
                 aux_term = aux.reduce(self._all_reduce, loss_scale)
             self._backward_after_forward(mbs, store, head_grad)
@@ -974,10 +1103,12 @@ class Engine:
             loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
             for k in range(rounds):
                 chunk = mbs[k : k + 1]
-                loss_sum += self._forward_pass(chunk, store, keep_inputs=True)
+                loss_sum += self._forward_pass(chunk, store, keep_inputs=True, head_grad=head_grad)
                 self._backward_after_forward(chunk, store, head_grad)
         assert len(store) == 0, "the backward consumes every boundary"
+        t_opt, comm_before = time.perf_counter(), self._comm_wait_s
         skipped, grad_norm = self._optimizer_step(loss_sum, loss_scale, lr, n_tokens)
+        optimizer_s = time.perf_counter() - t_opt - (self._comm_wait_s - comm_before)
         if aux is not None:
             aux.finish()
             self._last_loss += aux_term
@@ -997,6 +1128,7 @@ class Engine:
             host_peak_bytes=self.ledger.host_peak_bytes,
             host_s=self._host_s,
             aux_loss=None if aux is None else aux.aux_loss,
+            optimizer_s=max(0.0, optimizer_s - self._host_s),
         )
 
     @torch.no_grad()
@@ -1039,9 +1171,7 @@ class Engine:
         if self.config.grad_clip > 0:
             coef = min(1.0, self.config.grad_clip / (grad_norm + 1e-6))
         with self._optimizer_work():
-            if coef < 1.0:
-                opt.scale_grads(coef)
-            opt.step(lr)
+            opt.step(lr, coef)  # (the fused kernel scales the gradients as it reads them)
             self._zero_device_grads()
         if host_opt is not None:
             # not under the emulated slowdown: the host is not the emulated device. On CUDA

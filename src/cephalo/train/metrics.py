@@ -36,6 +36,12 @@ class RankStats:
     """Step time minus busy time: waiting for data, collectives or slower ranks."""
     peak_bytes: list[int] = field(default_factory=list)
     """Peak device memory of the engine's ledger during the step."""
+    optimizer_s: list[float] = field(default_factory=list)
+    """Seconds of the device optimizer phase (runtime/step_timing.py)."""
+    host_s: list[float] = field(default_factory=list)
+    """Seconds of host-held state work (its AdamW and copies)."""
+    step_s: list[float] = field(default_factory=list)
+    """The rank's own step time."""
 
 
 @dataclass

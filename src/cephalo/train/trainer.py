@@ -46,6 +46,7 @@ from cephalo.runtime.comm import Comm
 from cephalo.runtime.dist import init_distributed, peer_failure
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
+from cephalo.runtime.step_timing import format_split, split_step
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.chat_data import open_batches, resolve_job_dataset
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
@@ -64,7 +65,7 @@ from cephalo.train.metrics import (
 PLAN_FILE = "plan.json"
 CONFIG_FILE = "config.toml"
 # Per-rank values gathered each step for the metrics: busy, comm wait, step time, peak bytes.
-_RANK_FIELDS = 4
+_RANK_FIELDS = 6
 
 
 @dataclass
@@ -404,7 +405,14 @@ class _Trainer:
         """Every rank's timings and peak memory (one small all-gather), and the step time
         (the slowest rank's)."""
         mine = torch.tensor(
-            [stats.busy_s, stats.comm_wait_s, stats.step_s, float(stats.peak_bytes)],
+            [
+                stats.busy_s,
+                stats.comm_wait_s,
+                stats.step_s,
+                float(stats.peak_bytes),
+                stats.optimizer_s,
+                stats.host_s,
+            ],
             dtype=torch.float64,
             device=self.engine.device,
         )
@@ -420,7 +428,32 @@ class _Trainer:
             comm_wait_s=[r[1] for r in rows],
             idle_s=[max(0.0, r[2] - r[0]) for r in rows],
             peak_bytes=[int(r[3]) for r in rows],
+            optimizer_s=[r[4] for r in rows],
+            host_s=[r[5] for r in rows],
+            step_s=[r[2] for r in rows],
         ), max(r[2] for r in rows)
+
+    def _log_time_split(self, ranks: RankStats) -> None:
+        """Where each rank's step went (runtime/step_timing.py), every `log_every` steps."""
+        for r in range(len(ranks.busy_s)):
+            one = StepStats(
+                loss=0.0,
+                grad_norm=0.0,
+                n_tokens=0,
+                skipped=False,
+                busy_s=ranks.busy_s[r],
+                comm_wait_s=ranks.comm_wait_s[r],
+                step_s=ranks.step_s[r],
+                peak_bytes=0,
+                host_s=ranks.host_s[r],
+                optimizer_s=ranks.optimizer_s[r],
+            )
+            logger.info(
+                "step %d rank %d time: %s",
+                self.step,
+                r,
+                format_split(split_step(one), ranks.step_s[r]),
+            )
 
     def _maybe_kill(self, step_number: int) -> None:
         """Test hook: SIGKILL this rank just before `step_number` (see module docstring)."""
@@ -479,6 +512,7 @@ class _Trainer:
                 aux_loss=stats.aux_loss,
             )
             metrics.write(record.to_dict())
+            self._log_time_split(ranks)
         progress.update(number, stats.loss, tokens_per_s, step_s, aux_loss=stats.aux_loss)
         self._throughput.append(tokens_per_s)
         if finite:
