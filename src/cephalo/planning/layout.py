@@ -9,6 +9,8 @@ parameters (`specs.adapter.lora_params`), d the compute dtype's bytes, q = 0.515
                       full            lora                    qlora
   gather bytes        P_k d           P_k d + A_k d           W_k q + (P_k - W_k) d + A_k d
   held while computing  = gather bytes                        + W_k d (the dequantized weights)
+  dequantizing        0               0                       + torchao's temporaries of the
+                                                                largest weight (20 B x its chunk)
   gradients (fp32)    P_k             A_k                     A_k
   state at s = 1      16 P            d P + 16 A              q W + d (P - W) + 16 A
   optimizer params    P               A                       A
@@ -44,6 +46,7 @@ from cephalo.specs.adapter import (
     check_targets,
     frozen_bytes_per_param,
     lora_params,
+    nf4_dequant_transient_bytes,
 )
 from cephalo.specs.catalog import ADAMW_BYTES_PER_PARAM
 from cephalo.specs.model import ModelSpec
@@ -78,6 +81,9 @@ class UnitLayout:
     fwd_factor: float = 1.0
     bwd_factor: float = 1.0
     """Factors on the measured forward and backward (without recompute) times."""
+    dequant_transient_bytes: float = 0.0
+    """QLoRA: torchao's temporaries while the unit's largest NF4 weight is dequantized, on top
+    of `held_bytes` (`specs.adapter.nf4_dequant_transient_bytes`); 0 without NF4 weights."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,14 @@ def param_layout(
             bwd = (2 * matmul * share + 2 * attention + 2 * lora) / (2 * matmul + 2 * attention)
         else:  # embedding: a lookup whose backward is its weight gradient; head: a frozen matmul
             fwd, bwd = 1.0, 0.0 if k == "embedding" else share
-        units[k] = UnitLayout(p, w, a, a, gather, gather + w * d, w * (q + d), fwd, bwd)
+        transient = (
+            nf4_dequant_transient_bytes(max(lin.weight_params for lin in model.block_linears))
+            if w
+            else 0
+        )
+        units[k] = UnitLayout(
+            p, w, a, a, gather, gather + w * d, w * (q + d), fwd, bwd, float(transient)
+        )
     quantized_total = weights * model.num_layers if adapter.quantized else 0
     frozen = quantized_total * q + (model.total_params - quantized_total) * d
     a_total = a_block * model.num_layers
