@@ -33,7 +33,9 @@ QLoRA every pass of a block also dequantizes its W_k weights once (the whole mic
 of a layer uses them): q + d bytes per weight streamed at the bandwidth the profile's optimizer
 step reaches (`optimizer_s_per_param` / the 30 bytes AdamW streams per parameter). A profile
 measured on an adapter run (its meta `adapter` names the mode) already holds all of this and is
-used as measured.
+used as measured; one measured on a model with a frozen base (`cephalo profile` / the
+automatic plan of a LoRA or QLoRA job: its meta `adapter` is `lora`) has no factor but still
+gets QLoRA's dequantization, which the profiler does not run.
 """
 
 from __future__ import annotations
@@ -104,9 +106,12 @@ class ParamLayout:
     def time_factors(self, profile: DeviceProfile) -> dict[str, tuple[float, float, float]]:
         """Per unit kind (forward factor, backward factor, seconds to dequantize once) for a
         device profile; identity for a profile measured on an adapter run."""
-        if profile.meta.get("adapter", "none") != "none" or not self.adapter.frozen_base:
+        measured = profile.meta.get("adapter", "none")
+        if measured == "qlora" or not self.adapter.frozen_base:
             return {k: (1.0, 1.0, 0.0) for k in KINDS}
         s_per_byte = profile.optimizer_s_per_param / ADAMW_BYTES_PER_PARAM
+        if measured == "lora":  # measured with a frozen base; not the NF4 dequantization
+            return {k: (1.0, 1.0, u.dequant_bytes * s_per_byte) for k, u in self.units.items()}
         return {
             k: (u.fwd_factor, u.bwd_factor, u.dequant_bytes * s_per_byte)
             for k, u in self.units.items()

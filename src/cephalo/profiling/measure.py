@@ -147,6 +147,8 @@ class UnitBench:
         self.per_sample_dropout = per_sample_dropout
         named = list(unit.module.named_parameters())
         self.layout = FlatLayout(unit.name, named)
+        self.frozen = {n for n, p in named if not p.requires_grad}
+        """A LoRA base's parameters: no gradient, as in the engine (runtime/frozen.py)."""
         self.ledger = MemoryLedger(0, device)
         # a ledger buffer, as the engine's gathered parameters are: what autograd saves of
         # them is then not counted as activations (in the engine it is not either)
@@ -207,8 +209,15 @@ class UnitBench:
     ) -> None:
         """The engine's backward of one micro-batch (`Engine._backward_micro_batch`):
         recompute with a graph, drain each parameter gradient into the fp32 buffer as it is
-        produced, charge autograd's transient gradients, store the input gradient."""
-        leaves = {name: v.detach().requires_grad_() for name, v in self.params.items()}
+        produced, charge autograd's transient gradients, store the input gradient. A frozen
+        parameter (a LoRA base) is passed as it is: no gradient, as in the engine."""
+        leaves = {
+            name: v.detach().requires_grad_()
+            for name, v in self.params.items()
+            if name not in self.frozen
+        }
+        if self.kind == "embedding" and not leaves:
+            return  # a frozen embedding: the engine runs no backward for it
         if self.kind != "embedding":
             x = x.detach().requires_grad_()
         for name, leaf in leaves.items():
@@ -218,7 +227,7 @@ class UnitBench:
             )
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         with torch.enable_grad(), self.ledger.track_activations():
-            out = self._run(leaves, x, labels)
+            out = self._run({**self.params, **leaves}, x, labels)
             saved = largest_saved_bytes(out.grad_fn, self.ledger)
             transient = saved + max(saved, param_grad)
             self.ledger.charge("grad_transient", transient)

@@ -197,8 +197,16 @@ def measure_device(
             "measure_s": round(time.perf_counter() - started, 3),
             "repeats": settings.repeats,
             "concurrent": together is not None,
+            # a model with a frozen base (LoRA / QLoRA adapters applied) is measured as the
+            # engine runs it: no gradient for the base. The NF4 dequantization is not measured
+            # (the cost model adds it for QLoRA): such a profile is a `lora` one.
+            **({"adapter": "lora"} if _has_frozen_base(model) else {}),
         },
     )
+
+
+def _has_frozen_base(model: UnitModel) -> bool:
+    return any(not p.requires_grad for u in model.units for p in u.module.parameters())
 
 
 # ====================================================================== the whole cluster
