@@ -141,7 +141,10 @@ def _compare(label: str, plan: Plan, evaluation, results) -> list[float]:
         )
         assert abs(ratio - 1) <= TOLERANCE, (label, rank, ratio)
         # the sharded state (frozen base + adapters' 16 B) is what the plan says it is
-        assert ledger["state"] == pytest.approx(predicted.state, rel=0.01), (label, rank)
+        assert ledger.get("state", 0) == pytest.approx(predicted.state, rel=0.01, abs=1024), (
+            label,
+            rank,
+        )
     return ratios
 
 
