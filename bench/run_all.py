@@ -54,6 +54,7 @@ BENCHES = [
     Bench("data_streaming", "Data preparation streams: memory vs corpus size", 300),
     Bench("hf_overhead", "Cephalo on a Hugging Face model vs plain transformers", 180),
     Bench("packing", "Chat fine-tuning: packed vs padded samples", 180),
+    Bench("adapters", "Full fine-tuning vs LoRA vs QLoRA", 240),
 ]
 
 
