@@ -225,7 +225,9 @@ def main() -> None:
 
     full, lora, qlora = (data[m] for m in MODES)
     worst = max(
-        abs(p / q - 1) for d in data.values() for p, q in zip(d["peaks"], d["pred_peaks"], strict=True)
+        abs(p / q - 1)
+        for d in data.values()
+        for p, q in zip(d["peaks"], d["pred_peaks"], strict=True)
     )
     fig = _plot(data)
     params = spec.total_params

@@ -29,7 +29,8 @@ from cephalo.runtime.memory import MemoryBudgetExceeded
 from cephalo.specs.adapter import AdapterSpec
 from cephalo.specs.cluster import Cluster
 from dist_harness import dist_pool_fixture
-from engine_common import LR, make_data, make_plan as manual, one_thread, rank_slice
+from engine_common import LR, make_data, one_thread, rank_slice
+from engine_common import make_plan as manual
 from hf_configs import SEQ, VOCAB, quiet_transformers, save_tiny_model
 
 pytest.importorskip("peft")
