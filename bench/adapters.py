@@ -141,7 +141,30 @@ def _predict(directory: str) -> dict:
             Cluster.parse("cpu,cpu"), spec, SEQ, "fp32", measured, adapter=AdapterSpec(mode, R)
         )
         out[mode] = cm.evaluate(_plan(directory, mode))
+        if mode == "qlora":  # seconds to dequantize one block once, as the cost model has it
+            out["dequant_s"] = cm._time_factors["cpu"]["block"][2]
     return out
+
+
+def _dequant_s(linears, repeats: int = 3) -> float:
+    """Measured: seconds to dequantize one block's NF4 weights once (the runtime's
+    `dequantize_into`, torchao's `get_original_weight` per chunk), in this process."""
+    from cephalo.modeling.nf4 import dequantize_into, nf4_format, quantize
+
+    pieces = []
+    for lin in linears:
+        fmt = nf4_format((lin.out_features, lin.in_features))
+        raw = quantize(fmt, torch.randn(lin.out_features, lin.in_features) * 0.02)
+        pieces.append((fmt, raw, torch.empty(fmt.numel)))
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        for fmt, raw, out in pieces:
+            dequantize_into(fmt, raw, out)
+        return time.perf_counter() - t0
+
+    once()
+    return median([once() for _ in range(repeats)])
 
 
 def _model_categories(at_peak: dict[str, int]) -> dict[str, int]:
@@ -168,6 +191,9 @@ def main() -> None:
             ranks = pool.run(_run, directory, args.steps)
         predicted = _predict(directory)
         spec = _model(directory, "none").spec
+        dequant_measured = _dequant_s(spec.block_linears)
+    dequant_predicted = predicted.pop("dequant_s")
+    passes = 2 * SHAPE["num_hidden_layers"]  # each block dequantized in its forward and backward
 
     rows, data = [], {}
     for mode in MODES:
@@ -250,7 +276,12 @@ def main() -> None:
             f"- Step time: LoRA {lora['step'] / full['step']:.2f}x, QLoRA "
             f"{qlora['step'] / full['step']:.2f}x full fine-tuning's (measured); the cost model "
             f"predicted {lora['pred_step'] / full['pred_step']:.2f}x and "
-            f"{qlora['pred_step'] / full['pred_step']:.2f}x.",
+            f"{qlora['pred_step'] / full['pred_step']:.2f}x. QLoRA's dequantization: "
+            f"{dequant_measured * 1e3:.1f} ms per block measured (torchao on this CPU), "
+            f"{dequant_predicted * 1e3:.2f} ms in the cost model (the NF4 and fp32 bytes "
+            f"streamed at the optimizer step's bandwidth): {passes} per step, "
+            f"{passes * (dequant_measured - dequant_predicted) * 1e3:.0f} ms a step the cost "
+            "model does not see.",
         ],
         figures=[fig],
         details=[
