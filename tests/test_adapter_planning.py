@@ -197,6 +197,15 @@ def test_profile_measured_with_a_frozen_base_keeps_qloras_dequantization():
     assert again.rank_cost(0, 1, 1, 0.0).compute_s == pytest.approx(4 * (1 + 3) + 2 * 2 * deq)
 
 
+def test_measured_dequantization_rate_replaces_the_estimate():
+    """A profile of a QLoRA model carries the measured seconds per NF4 weight dequantized: each
+    pass of a block costs its 96 quantized weights at that rate instead of the bytes estimate."""
+    cm = _cm(QLORA_QV)
+    cm.profiles["x"].meta.update(adapter="lora", nf4_dequant_s_per_param=1e-3)
+    again = type(cm)(cm.model, 3, "fp16", cm.devices, cm.profiles, cm.comm, adapter=QLORA_QV)
+    assert again.rank_cost(0, 1, 1, 0.0).compute_s == pytest.approx(4 * (1 + 3) + 2 * 2 * 0.096)
+
+
 def test_qlora_dequantization_moment():
     """QLoRA's peak can fall as a block's weights are dequantized: the unit held with torchao's
     temporaries of its largest weight (20 B per element; fc: 32), no activations, no gradient

@@ -35,7 +35,8 @@ step reaches (`optimizer_s_per_param` / the 30 bytes AdamW streams per parameter
 measured on an adapter run (its meta `adapter` names the mode) already holds all of this and is
 used as measured; one measured on a model with a frozen base (`cephalo profile` / the
 automatic plan of a LoRA or QLoRA job: its meta `adapter` is `lora`) has no factor but still
-gets QLoRA's dequantization, which the profiler does not run.
+gets QLoRA's dequantization: timed by the profiler on a QLoRA model (meta
+`nf4_dequant_s_per_param`, seconds per weight), else estimated as above.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ FROZEN_MATMUL_BACKWARD_SHARE = 0.5
 """Backward FLOPs of a frozen matmul / those of a trained one: only the input gradient (one of
 the two matmuls) is computed. The ONE place the frozen-base backward saving is stated."""
 KINDS = ("embedding", "block", "head")
+NF4_DEQUANT_META = "nf4_dequant_s_per_param"
+"""A profile's meta key: seconds per weight of the runtime's NF4 dequantization, measured by the
+profiler on a QLoRA model (`profiling.measure.measure_nf4_dequant`)."""
 
 
 @dataclass(frozen=True)
@@ -109,13 +113,17 @@ class ParamLayout:
         measured = profile.meta.get("adapter", "none")
         if measured == "qlora" or not self.adapter.frozen_base:
             return {k: (1.0, 1.0, 0.0) for k in KINDS}
+        rate = profile.meta.get(NF4_DEQUANT_META)
         s_per_byte = profile.optimizer_s_per_param / ADAMW_BYTES_PER_PARAM
+
+        def dequant_s(u: UnitLayout) -> float:
+            # measured (a profile of the QLoRA model) or the bytes streamed at the optimizer's
+            # bandwidth (a lower bound: torchao's dequantization is slower, e.g. 12x on a CPU)
+            return u.quantized * rate if rate is not None else u.dequant_bytes * s_per_byte
+
         if measured == "lora":  # measured with a frozen base; not the NF4 dequantization
-            return {k: (1.0, 1.0, u.dequant_bytes * s_per_byte) for k, u in self.units.items()}
-        return {
-            k: (u.fwd_factor, u.bwd_factor, u.dequant_bytes * s_per_byte)
-            for k, u in self.units.items()
-        }
+            return {k: (1.0, 1.0, dequant_s(u)) for k, u in self.units.items()}
+        return {k: (u.fwd_factor, u.bwd_factor, dequant_s(u)) for k, u in self.units.items()}
 
 
 def param_layout(

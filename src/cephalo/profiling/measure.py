@@ -292,6 +292,28 @@ def measure_optimizer(
     return time_piece(step, device, timing, emulator) / numel
 
 
+NF4_DEQUANT_SHAPE = (1024, 1024)
+"""The weight `measure_nf4_dequant` dequantizes: one chunk (`specs.adapter.NF4_DEQUANT_CHUNK`)."""
+
+
+def measure_nf4_dequant(
+    device: torch.device,
+    dtype: torch.dtype,
+    timing: Timing,
+    emulator: ComputeEmulator | None = None,
+) -> float:
+    """Seconds per weight of QLoRA's dequantization as the engine runs it (runtime/frozen.py:
+    `modeling.nf4.dequantize_into`, torchao's `get_original_weight` per chunk) into `dtype`, as
+    it appears under `emulator` (the engine's dequantization is part of its stretched compute)."""
+    from cephalo.modeling.nf4 import dequantize_into, nf4_format, quantize
+
+    fmt = nf4_format(NF4_DEQUANT_SHAPE)
+    gen = torch.Generator().manual_seed(7)
+    raw = quantize(fmt, torch.randn(NF4_DEQUANT_SHAPE, generator=gen) * 0.02).to(device)
+    out = torch.empty(fmt.numel, dtype=dtype, device=device)
+    return time_piece(lambda: dequantize_into(fmt, raw, out), device, timing, emulator) / fmt.numel
+
+
 def measure_host_copy(
     device: torch.device,
     nbytes: int,
