@@ -56,6 +56,7 @@ BENCHES = [
     Bench("optimizer_step", "AdamW on a flat shard vs torch's fastest", 300),
     Bench("python_overhead", "The engine's own Python cost on a small model", 300),
     Bench("packing", "Chat fine-tuning: packed vs padded samples", 180),
+    Bench("adapters", "Full fine-tuning vs LoRA vs QLoRA", 240),
 ]
 
 

@@ -4,6 +4,7 @@ time and memory under a frozen base, the planner against the exhaustive search, 
 import json
 import math
 
+import numpy as np
 import pytest
 
 from cephalo import CephaloError
@@ -184,6 +185,50 @@ def test_profile_measured_on_an_adapter_run_is_used_as_measured():
     cm.profiles["x"].meta["adapter"] = "lora"
     again = type(cm)(cm.model, 3, "fp16", cm.devices, cm.profiles, cm.comm, adapter=QV)
     assert again.rank_cost(0, 1, 1, 0.0).compute_s == pytest.approx(4 * (1 + 3) - 1)
+
+
+def test_profile_measured_with_a_frozen_base_keeps_qloras_dequantization():
+    """A profile of the model with adapters (meta adapter `lora`: what the profiler records for
+    a frozen base) has no time factor, but the profiler never dequantizes NF4: QLoRA adds it."""
+    cm = _cm(QLORA_QV)
+    cm.profiles["x"].meta["adapter"] = "lora"
+    again = type(cm)(cm.model, 3, "fp16", cm.devices, cm.profiles, cm.comm, adapter=QLORA_QV)
+    deq = 96 * (Q + 2) * 0.01 / 30
+    assert again.rank_cost(0, 1, 1, 0.0).compute_s == pytest.approx(4 * (1 + 3) + 2 * 2 * deq)
+
+
+def test_measured_dequantization_rate_replaces_the_estimate():
+    """A profile of a QLoRA model carries the measured seconds per NF4 weight dequantized: each
+    pass of a block costs its 96 quantized weights at that rate instead of the bytes estimate."""
+    cm = _cm(QLORA_QV)
+    cm.profiles["x"].meta.update(adapter="lora", nf4_dequant_s_per_param=1e-3)
+    again = type(cm)(cm.model, 3, "fp16", cm.devices, cm.profiles, cm.comm, adapter=QLORA_QV)
+    assert again.rank_cost(0, 1, 1, 0.0).compute_s == pytest.approx(4 * (1 + 3) + 2 * 2 * 0.096)
+
+
+def test_qlora_dequantization_moment():
+    """QLoRA's peak can fall as a block's weights are dequantized: the unit held with torchao's
+    temporaries of its largest weight (20 B per element; fc: 32), no activations, no gradient
+    of its own, the next block's in flight; LoRA has no such moment."""
+    from cephalo.specs.adapter import nf4_dequant_transient_bytes
+
+    assert nf4_dequant_transient_bytes(32) == 20 * 32
+    assert nf4_dequant_transient_bytes(10**8) == 20 * (1 << 20)  # one chunk at a time
+    cq, cl = _cm(QLORA_QV), _cm(QV)
+    block = cq.layout.units["block"]
+    assert block.dequant_transient_bytes == 20 * 32
+    assert cl.layout.units["block"].dequant_transient_bytes == 0
+    args = ("x", np.array(4), np.array(4), np.array(False))
+    phases, lora = cq._phases(*args), cl._phases(*args)
+    assert len(phases) == len(lora) + 2  # the last block and the one before it
+    before_last = phases[-1]
+    assert before_last["gathered"] == block.held_bytes + 20 * 32
+    assert before_last["grad_accum"] == block.trained * 4  # the last block's, in flight
+    assert "activations" not in before_last
+    # the predicted peak is never below it
+    parts = cq.memory_parts("x", 10_000, 4, 4, False)
+    peak = sum(float(v) for c, v in parts.items() if c != "reserve")
+    assert peak >= sum(float(v) for v in before_last.values())
 
 
 def test_host_state_is_full_fine_tuning_only():

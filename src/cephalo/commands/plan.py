@@ -54,7 +54,7 @@ profiles scaled by FLOPs; the plan prints that estimate's leave-one-out error.
 
 With --adapter lora|qlora only LoRA adapters (rank --lora-r, every Linear of the blocks) are
 trained: the state shards hold the frozen base (compute dtype; NF4 for qlora) and 16 bytes per
-adapter parameter, and only the adapters' gradients are reduced (docs/adapters-planning.md).
+adapter parameter, and only the adapters' gradients are reduced (docs/adapters.md, Planning).
 
 strategies: cephalo (the optimiser), even (plain FSDP: equal batches and shards),
 proportional (batches proportional to speed, equal shards), all (compare the three).

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from cephalo.errors import CephaloError
+from cephalo.specs.adapter import NF4_DEQUANT_CHUNK, NF4_DEQUANT_TRANSIENT_BYTES
 
 BLOCK_SIZE = 64
 SCALER_BLOCK_SIZE = 256
@@ -142,11 +143,11 @@ def dequantize(fmt: Nf4Format, raw: torch.Tensor, dtype: torch.dtype) -> torch.T
     return dequantize_into(fmt, raw, out).view(fmt.shape)
 
 
-DEQUANT_CHUNK = 1 << 20
-"""Elements dequantized at a time, at most (whole scaler blocks)."""
-DEQUANT_TRANSIENT_BYTES = 20
-"""Bytes per element of a chunk that torchao's `get_original_weight` holds in temporaries at
-its peak (int64 codes, fp32 values and scales; measured 20.06 on the CPU)."""
+DEQUANT_CHUNK = NF4_DEQUANT_CHUNK
+"""Elements dequantized at a time, at most (whole scaler blocks; specs/adapter.py)."""
+DEQUANT_TRANSIENT_BYTES = NF4_DEQUANT_TRANSIENT_BYTES
+"""Bytes per element of a chunk that torchao's `get_original_weight` holds in temporaries
+(specs/adapter.py, where the cost model reads it too)."""
 
 
 def dequant_chunk(fmt: Nf4Format) -> int:

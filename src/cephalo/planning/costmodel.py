@@ -735,6 +735,12 @@ class CostModel:
           forward; all in the optimizer step, a moment with nothing else on the device. The
           state then grows through the backward while the boundaries shrink: the first
           block's backward is a candidate too.
+        - QLoRA, the start of a block's backward (the same blocks): its NF4 weights are
+          dequantized before the previous unit is prefetched and its own gradient buffer
+          exists, with no activations yet, but with torchao's temporaries of its largest
+          weight on top of the dequantized weights (`UnitLayout.dequant_transient_bytes`). On
+          a small model those temporaries outweigh a micro-batch's activations. (The forward's
+          dequantizations hold fewer boundaries and no gradient: never larger.)
         """
         L = self.model.num_layers
         kinds = ["embedding"] + ["block"] * L + ["head"]
@@ -780,7 +786,26 @@ class CostModel:
         )
         if lean:
             phases.append({})  # the optimizer step: the state alone
+        for u in self._dequant_candidates(lean):
+            # QLoRA: a block's NF4 weights dequantized as its backward starts (before the
+            # previous unit's prefetch and its own gradient buffer, no activations yet), with
+            # torchao's temporaries of the largest weight on top of all of them
+            phases.append(
+                {
+                    "gathered": units[u].held_bytes + units[u].dequant_transient_bytes,
+                    "grad_accum": np.where(overlap, units[u + 1].trained, 0) * GRAD_BYTES,
+                    "boundary": held(u + 1, 2),
+                }
+            )
         return phases
+
+    def _dequant_candidates(self, lean: bool = True) -> list[int]:
+        """The backward candidates (`_backward_candidates`) whose start `_phases` checks as a
+        moment of its own: the blocks, under QLoRA (dequantization temporaries); else none."""
+        if not self.layout.units["block"].dequant_transient_bytes:
+            return []
+        L = self.model.num_layers
+        return [u for u in self._backward_candidates(lean) if 0 < u <= L]
 
     def _backward_candidates(self, lean: bool = True) -> list[int]:
         """Units whose backward `_phases` checks, in its order: the head, the last block, the
@@ -804,7 +829,8 @@ class CostModel:
             return alive
 
         grads = [after(u) for u in self._backward_candidates(lean)] + [0]
-        return grads + [self.optimizer_params] if lean else grads
+        grads += [self.optimizer_params] if lean else []
+        return grads + [after(u) for u in self._dequant_candidates(lean)]
 
     def memory_without_state(
         self, type_key: str, capacity_bytes: int, b, m, offload, overlap_reduce=True

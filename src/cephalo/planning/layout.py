@@ -9,6 +9,8 @@ parameters (`specs.adapter.lora_params`), d the compute dtype's bytes, q = 0.515
                       full            lora                    qlora
   gather bytes        P_k d           P_k d + A_k d           W_k q + (P_k - W_k) d + A_k d
   held while computing  = gather bytes                        + W_k d (the dequantized weights)
+  dequantizing        0               0                       + torchao's temporaries of the
+                                                                largest weight (20 B x its chunk)
   gradients (fp32)    P_k             A_k                     A_k
   state at s = 1      16 P            d P + 16 A              q W + d (P - W) + 16 A
   optimizer params    P               A                       A
@@ -31,7 +33,10 @@ QLoRA every pass of a block also dequantizes its W_k weights once (the whole mic
 of a layer uses them): q + d bytes per weight streamed at the bandwidth the profile's optimizer
 step reaches (`optimizer_s_per_param` / the 30 bytes AdamW streams per parameter). A profile
 measured on an adapter run (its meta `adapter` names the mode) already holds all of this and is
-used as measured.
+used as measured; one measured on a model with a frozen base (`cephalo profile` / the
+automatic plan of a LoRA or QLoRA job: its meta `adapter` is `lora`) has no factor but still
+gets QLoRA's dequantization: timed by the profiler on a QLoRA model (meta
+`nf4_dequant_s_per_param`, seconds per weight), else estimated as above.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from cephalo.specs.adapter import (
     check_targets,
     frozen_bytes_per_param,
     lora_params,
+    nf4_dequant_transient_bytes,
 )
 from cephalo.specs.catalog import ADAMW_BYTES_PER_PARAM
 from cephalo.specs.model import ModelSpec
@@ -55,6 +61,9 @@ FROZEN_MATMUL_BACKWARD_SHARE = 0.5
 """Backward FLOPs of a frozen matmul / those of a trained one: only the input gradient (one of
 the two matmuls) is computed. The ONE place the frozen-base backward saving is stated."""
 KINDS = ("embedding", "block", "head")
+NF4_DEQUANT_META = "nf4_dequant_s_per_param"
+"""A profile's meta key: seconds per weight of the runtime's NF4 dequantization, measured by the
+profiler on a QLoRA model (`profiling.measure.measure_nf4_dequant`)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,9 @@ class UnitLayout:
     fwd_factor: float = 1.0
     bwd_factor: float = 1.0
     """Factors on the measured forward and backward (without recompute) times."""
+    dequant_transient_bytes: float = 0.0
+    """QLoRA: torchao's temporaries while the unit's largest NF4 weight is dequantized, on top
+    of `held_bytes` (`specs.adapter.nf4_dequant_transient_bytes`); 0 without NF4 weights."""
 
 
 @dataclass(frozen=True)
@@ -98,13 +110,20 @@ class ParamLayout:
     def time_factors(self, profile: DeviceProfile) -> dict[str, tuple[float, float, float]]:
         """Per unit kind (forward factor, backward factor, seconds to dequantize once) for a
         device profile; identity for a profile measured on an adapter run."""
-        if profile.meta.get("adapter", "none") != "none" or not self.adapter.frozen_base:
+        measured = profile.meta.get("adapter", "none")
+        if measured == "qlora" or not self.adapter.frozen_base:
             return {k: (1.0, 1.0, 0.0) for k in KINDS}
+        rate = profile.meta.get(NF4_DEQUANT_META)
         s_per_byte = profile.optimizer_s_per_param / ADAMW_BYTES_PER_PARAM
-        return {
-            k: (u.fwd_factor, u.bwd_factor, u.dequant_bytes * s_per_byte)
-            for k, u in self.units.items()
-        }
+
+        def dequant_s(u: UnitLayout) -> float:
+            # measured (a profile of the QLoRA model) or the bytes streamed at the optimizer's
+            # bandwidth (a lower bound: torchao's dequantization is slower, e.g. 12x on a CPU)
+            return u.quantized * rate if rate is not None else u.dequant_bytes * s_per_byte
+
+        if measured == "lora":  # measured with a frozen base; not the NF4 dequantization
+            return {k: (1.0, 1.0, dequant_s(u)) for k, u in self.units.items()}
+        return {k: (u.fwd_factor, u.bwd_factor, dequant_s(u)) for k, u in self.units.items()}
 
 
 def param_layout(
@@ -150,7 +169,14 @@ def param_layout(
             bwd = (2 * matmul * share + 2 * attention + 2 * lora) / (2 * matmul + 2 * attention)
         else:  # embedding: a lookup whose backward is its weight gradient; head: a frozen matmul
             fwd, bwd = 1.0, 0.0 if k == "embedding" else share
-        units[k] = UnitLayout(p, w, a, a, gather, gather + w * d, w * (q + d), fwd, bwd)
+        transient = (
+            nf4_dequant_transient_bytes(max(lin.weight_params for lin in model.block_linears))
+            if w
+            else 0
+        )
+        units[k] = UnitLayout(
+            p, w, a, a, gather, gather + w * d, w * (q + d), fwd, bwd, float(transient)
+        )
     quantized_total = weights * model.num_layers if adapter.quantized else 0
     frozen = quantized_total * q + (model.total_params - quantized_total) * d
     a_total = a_block * model.num_layers

@@ -95,6 +95,9 @@ def model_signature(model: torch.nn.Module, spec: Any) -> str:
     moe = ("active_params_per_block", "num_experts", "experts_per_token")
     shape = {k: v for k, v in asdict(spec).items() if k not in skip and not (k in moe and not v)}
     text = json.dumps(shape, sort_keys=True) + "\n" + repr(model)
+    quantized = getattr(model, "quantized_parameters", None)
+    if quantized:  # QLoRA: the same modules as LoRA, but the profile times the dequantization
+        text += "\nnf4: " + ",".join(sorted(quantized))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -148,6 +148,8 @@ class UnitBench:
         self.per_sample_dropout = per_sample_dropout
         named = list(unit.module.named_parameters())
         self.layout = FlatLayout(unit.name, named)
+        self.frozen = {n for n, p in named if not p.requires_grad}
+        """A LoRA base's parameters: no gradient, as in the engine (runtime/frozen.py)."""
         self.ledger = MemoryLedger(0, device)
         # a ledger buffer, as the engine's gathered parameters are: what autograd saves of
         # them is then not counted as activations (in the engine it is not either)
@@ -208,8 +210,15 @@ class UnitBench:
     ) -> None:
         """The engine's backward of one micro-batch (`Engine._backward_micro_batch`):
         recompute with a graph, drain each parameter gradient into the fp32 buffer as it is
-        produced, charge autograd's transient gradients, store the input gradient."""
-        leaves = {name: v.detach().requires_grad_() for name, v in self.params.items()}
+        produced, charge autograd's transient gradients, store the input gradient. A frozen
+        parameter (a LoRA base) is passed as it is: no gradient, as in the engine."""
+        leaves = {
+            name: v.detach().requires_grad_()
+            for name, v in self.params.items()
+            if name not in self.frozen
+        }
+        if self.kind == "embedding" and not leaves:
+            return  # a frozen embedding: the engine runs no backward for it
         if self.kind != "embedding":
             x = x.detach().requires_grad_()
         for name, leaf in leaves.items():
@@ -222,7 +231,7 @@ class UnitBench:
             self._head_backward(leaves, x, labels, gout, param_grad)
             return
         with torch.enable_grad(), self.ledger.track_activations():
-            out = self._run(leaves, x, labels)
+            out = self._run({**self.params, **leaves}, x, labels)
             saved = largest_saved_bytes(out.grad_fn, self.ledger)
             transient = saved + max(saved, param_grad)
             self.ledger.charge("grad_transient", transient)
@@ -306,6 +315,28 @@ def measure_optimizer(
         opt.zero_grad()
 
     return time_piece(step, device, timing, emulator) / numel
+
+
+NF4_DEQUANT_SHAPE = (1024, 1024)
+"""The weight `measure_nf4_dequant` dequantizes: one chunk (`specs.adapter.NF4_DEQUANT_CHUNK`)."""
+
+
+def measure_nf4_dequant(
+    device: torch.device,
+    dtype: torch.dtype,
+    timing: Timing,
+    emulator: ComputeEmulator | None = None,
+) -> float:
+    """Seconds per weight of QLoRA's dequantization as the engine runs it (runtime/frozen.py:
+    `modeling.nf4.dequantize_into`, torchao's `get_original_weight` per chunk) into `dtype`, as
+    it appears under `emulator` (the engine's dequantization is part of its stretched compute)."""
+    from cephalo.modeling.nf4 import dequantize_into, nf4_format, quantize
+
+    fmt = nf4_format(NF4_DEQUANT_SHAPE)
+    gen = torch.Generator().manual_seed(7)
+    raw = quantize(fmt, torch.randn(NF4_DEQUANT_SHAPE, generator=gen) * 0.02).to(device)
+    out = torch.empty(fmt.numel, dtype=dtype, device=device)
+    return time_piece(lambda: dequantize_into(fmt, raw, out), device, timing, emulator) / fmt.numel
 
 
 def measure_host_copy(

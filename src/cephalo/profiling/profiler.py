@@ -49,6 +49,7 @@ from cephalo.profiling.measure import (
     measure_collectives,
     measure_host_copy,
     measure_host_optimizer,
+    measure_nf4_dequant,
     measure_optimizer,
 )
 from cephalo.profiling.settings import ProfileSettings
@@ -167,6 +168,11 @@ def measure_device(
     if progress:
         progress(f"{device.type_key}: optimizer and host copies")
     opt_s = measure_optimizer(torch_device, settings.optimizer_numel, timing, emulator)
+    extra = {}
+    if model.quantized_parameters:  # QLoRA: the engine dequantizes every pass of a block
+        extra["nf4_dequant_s_per_param"] = measure_nf4_dequant(
+            torch_device, compute_dtype(dtype), timing, emulator
+        )
     host_opt_s = measure_host_optimizer(settings.optimizer_numel, timing)
     # the engine copies offloaded boundaries on a side stream only on CUDA (runtime/boundary.py);
     # elsewhere they are memcpys inside the (stretched) unit compute, or, with an emulated
@@ -197,8 +203,17 @@ def measure_device(
             "measure_s": round(time.perf_counter() - started, 3),
             "repeats": settings.repeats,
             "concurrent": together is not None,
+            # a model with a frozen base (LoRA / QLoRA adapters applied) is measured as the
+            # engine runs it: no gradient for the base. QLoRA's NF4 dequantization is timed on
+            # its own (seconds per weight; the cost model adds it per pass of a block).
+            **({"adapter": "lora"} if _has_frozen_base(model) else {}),
+            **extra,
         },
     )
+
+
+def _has_frozen_base(model: UnitModel) -> bool:
+    return any(not p.requires_grad for u in model.units for p in u.module.parameters())
 
 
 # ====================================================================== the whole cluster

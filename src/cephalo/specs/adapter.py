@@ -45,6 +45,11 @@ NF4_ABSMAX_BITS = 8
 NF4_ABSMAX_BLOCK = 256
 """Absmaxes sharing one fp32 second-level scale."""
 NF4_SCALE_BYTES = 4
+NF4_DEQUANT_CHUNK = 1 << 20
+"""Elements the runtime dequantizes at a time, at most (whole scaler blocks; modeling/nf4.py)."""
+NF4_DEQUANT_TRANSIENT_BYTES = 20
+"""Bytes per element of a chunk that torchao's `get_original_weight` holds in temporaries at
+its peak (int64 codes, fp32 values and scales; measured 20.06 on the CPU)."""
 
 
 def nf4_bytes_per_param() -> float:
@@ -56,6 +61,16 @@ def nf4_bytes_per_param() -> float:
         + NF4_ABSMAX_BITS / 8 / NF4_BLOCK
         + NF4_SCALE_BYTES / (NF4_BLOCK * NF4_ABSMAX_BLOCK)
     )
+
+
+def nf4_dequant_transient_bytes(numel: int) -> int:
+    """Bytes of torchao's temporaries while one NF4 weight of `numel` elements is dequantized:
+    `NF4_DEQUANT_TRANSIENT_BYTES` per element of a chunk (whole scaler blocks, at most about
+    `NF4_DEQUANT_CHUNK` elements; the whole weight when it is smaller). The runtime charges
+    this to its ledger (runtime/frozen.py) and the cost model counts it (planning/layout.py)."""
+    unit = NF4_BLOCK * NF4_ABSMAX_BLOCK
+    chunk = min(numel, max(unit, NF4_DEQUANT_CHUNK // unit * unit))
+    return NF4_DEQUANT_TRANSIENT_BYTES * chunk
 
 
 @dataclass(frozen=True)
