@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 from cephalo.errors import CephaloError
-from cephalo.planning.costmodel import CostModel, HostResources
+from cephalo.planning.costmodel import CostModel, HostResources, Links
 from cephalo.specs.catalog import catalog_profile, host_optimizer_s_per_param
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.model import ModelSpec
@@ -33,8 +33,19 @@ def profiles_cost_model(
     meta = {"profile_source": ",".join(sources)}
     kw.setdefault("host", host_resources(cluster, profiles))
     kw.setdefault("serial_reduce", True)
+    kw.setdefault("links", cluster_links(cluster))
     return CostModel(
         model_spec, seq_len, dtype, list(cluster.devices), profiles, comm, meta=meta, **kw
+    )
+
+
+def cluster_links(cluster: Cluster) -> Links:
+    """The cluster's intra- and inter-node links as the cost model charges them."""
+    return Links(
+        intra_bytes_per_s=cluster.intra_node_bytes_per_s,
+        inter_bytes_per_s=cluster.inter_node_bytes_per_s,
+        node_of=tuple(d.node for d in cluster.devices),
+        latency_s=cluster.collective_latency_s,
     )
 
 
