@@ -205,18 +205,26 @@ def plan_grouping(
                 hi = mid - 1
         return lo
 
-    # the upper end: a speed-proportional split, rounded up (it reaches B)
-    rates = [min(bmax, max(1, global_batch // g)) / T(k, min(bmax, max(1, global_batch // g))) for k in ks]
+    # brackets from a speed-proportional split: rounded down, the kinds' steps bound the
+    # optimum from below (the counts fall short of B below the least of them); rounded up, they
+    # reach B within the largest of them
+    probe = min(bmax, max(1, global_batch // g))
+    rates = [probe / T(k, probe) for k in ks]
+    if not all(math.isfinite(r) and r > 0 for r in rates):
+        rates = [1.0 for _ in ks]
     total_rate = sum(r * k.count for r, k in zip(rates, ks, strict=True))
-    t_hi = 0.0
-    for r, k in zip(rates, ks, strict=True):
-        b = min(bmax, max(1, math.ceil(global_batch * r / total_rate)))
-        t_hi = max(t_hi, T(k, b))
+    shares = [global_batch * r / total_rate for r in rates]
+    ups = [min(bmax, max(1, math.ceil(x))) for x in shares]
+    downs = [min(bmax, max(1, math.floor(x))) for x in shares]
+    t_hi = max(T(k, b) for k, b in zip(ks, ups, strict=True))
     if not math.isfinite(t_hi):
         t_hi = max(T(k, bmax) for k in ks)
         if not math.isfinite(t_hi):
             return GroupingResult(grouping, None, math.inf, "no split of the batch fits")
-    t_lo = max(T(k, 1) for k in ks) * (1 - 1e-12)
+    t_lo = max(T(k, 1) for k in ks)
+    if sum(k.count * b for k, b in zip(ks, downs, strict=True)) <= global_batch:
+        t_lo = max(t_lo, min(T(k, b) for k, b in zip(ks, downs, strict=True)))
+    t_lo *= 1 - 1e-12
     for k in ks:
         k.lo, k.hi = 0, bmax
         k.hi = max_b(k, t_hi)
