@@ -318,3 +318,27 @@ def _assemble(cm, B, grouping, kinds, batch_of, T, reduce_dtype) -> Plan:
 
     fill_predictions(cm, plan)
     return plan
+
+
+def grouping_lines(plan: Plan) -> list[str]:
+    """For `cephalo plan`: the shard groups of the plan and each candidate grouping's step."""
+    lines = []
+    if plan.hierarchical:
+        groups = "  ".join(
+            f"{i}: ranks {g[0]}-{g[-1]}" if g == list(range(g[0], g[-1] + 1)) else f"{i}: ranks {g}"
+            for i, g in enumerate(plan.groups)
+        )
+        lines.append(
+            f"shard groups ({plan.meta.get('grouping', 'custom')}): {groups}; gradients all-reduced "
+            f"between them once per step in {plan.cross_group_reduce_dtype}"
+        )
+    tried = plan.meta.get("groupings") or []
+    if len(tried) > 1:
+        parts = []
+        for t in tried:
+            step = t.get("step_s")
+            parts.append(
+                f"{t['grouping']} {step:.4g} s" if step is not None else f"{t['grouping']} does not fit"
+            )
+        lines.append("groupings (predicted step): " + ", ".join(parts))
+    return lines

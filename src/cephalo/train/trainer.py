@@ -116,7 +116,7 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
     plan from the measured cost model. Every rank gets the same profiles (broadcast by the
     profiler) and the planner is deterministic, so every rank makes the same plan; one tiny
     all-reduce checks it."""
-    from cephalo.planning.planner import make_plan
+    from cephalo.planning.groups import make_hierarchical_plan
     from cephalo.planning.sources import measured_cost_model
     from cephalo.profiling.profiler import profile_devices
     from cephalo.specs.adapter import ALL_LINEAR, adapter_spec
@@ -146,7 +146,13 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
             targets[0] if list(targets) == [ALL_LINEAR] else targets,
         ),
     )
-    plan = make_plan(cost_model, batch, "cephalo", model_name=cfg.model.name)
+    plan = make_hierarchical_plan(
+        cost_model,
+        batch,
+        hierarchy=cfg.parallel.hierarchy,
+        reduce_dtype=cfg.parallel.cross_node_reduce_dtype,
+        model_name=cfg.model.name,
+    )
     plan.meta["profiles"] = {
         "measured": measured.measured,
         "cached": measured.cached,
