@@ -97,9 +97,7 @@ def test_intra_and_inter_links_are_charged_separately():
     assert cm.comm.bytes_per_s == 1e9
     # the cross-group all-reduce: 2 (g-1)/g of the gradients over the inter-node link
     p = cm.layout.units["block"].trained
-    assert node.cross_reduce_s["block"] == pytest.approx(
-        p * 4 / 1e9 + cm.links.latency_s, rel=1e-9
-    )
+    assert node.cross_reduce_s["block"] == pytest.approx(p * 4 / 1e9 + cm.links.latency_s, rel=1e-9)
     bf16 = cm.group_model([0, 1], 2, "bf16")
     assert bf16.cross_reduce_s["block"] < 0.51 * node.cross_reduce_s["block"] + 1e-3
 

@@ -254,7 +254,11 @@ def run(args: argparse.Namespace) -> int:
                 )
             else:
                 plans[s] = make_plan(
-                    cm, args.global_batch, s, allow_offload=allow_offload, allow_host_state=host_state
+                    cm,
+                    args.global_batch,
+                    s,
+                    allow_offload=allow_offload,
+                    allow_host_state=host_state,
                 )
         except PlanDoesNotFit as e:
             if len(strategies) == 1 or s == "cephalo":

@@ -549,9 +549,7 @@ class CostModel:
         reduces its borrowed embedding slice too): what goes down to the host at x = 1."""
 
     # ------------------------------------------------------------------ shard groups
-    def group_model(
-        self, ranks: list[int], groups: int, reduce_dtype: str = "fp32"
-    ) -> CostModel:
+    def group_model(self, ranks: list[int], groups: int, reduce_dtype: str = "fp32") -> CostModel:
         """The cost model of one shard group of a hierarchical plan: the group's ranks (renumbered
         0..), its collectives over its own slowest link (intra-node for a group on one node), and
         the all-reduce between the `groups` groups over the inter-node link in `reduce_dtype`.
@@ -727,9 +725,7 @@ class CostModel:
             # backward of the units before it; the embedding's, last, has nothing to hide under
             ar = self.cross_reduce_s
             ar_all = sum(c * ar[k] for k, c in self.unit_counts.items())
-            backward_phase = np.maximum(
-                backward_phase + ar["embedding"], head_backward + ar_all
-            )
+            backward_phase = np.maximum(backward_phase + ar["embedding"], head_backward + ar_all)
         return forward_total + backward_phase, compute, copies
 
     def host_rates(self, rank: int) -> tuple[float, float, float]:

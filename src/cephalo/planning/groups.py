@@ -160,9 +160,7 @@ def plan_grouping(
             return GroupingResult(grouping, None, math.inf, str(e).splitlines()[0])
         return GroupingResult(grouping, p, p.predicted.step_s)
     if global_batch < g:
-        return GroupingResult(
-            grouping, None, math.inf, f"global batch {global_batch} < {g} groups"
-        )
+        return GroupingResult(grouping, None, math.inf, f"global batch {global_batch} < {g} groups")
     kinds: dict[tuple, _Kind] = {}
     for members in grouping.groups:
         key = _kind_key(cm, members)
@@ -246,9 +244,7 @@ def plan_grouping(
             for k, b, (_, hi) in zip(ks, bs, saved, strict=True):
                 k.lo, k.hi = b, hi
     # the optimum is the least known T(b) in (t_lo, t_hi] at which the counts reach B
-    values = sorted(
-        {T(k, b) for k in ks for b in range(max(1, k.lo), k.hi + 1)} | {t_hi}
-    )
+    values = sorted({T(k, b) for k in ks for b in range(max(1, k.lo), k.hi + 1)} | {t_hi})
     t_star = t_hi
     for v in values:
         if t_lo < v <= t_hi and count(v) >= global_batch and all(max_b(k, v) >= 1 for k in ks):
@@ -338,7 +334,9 @@ def grouping_lines(plan: Plan) -> list[str]:
         for t in tried:
             step = t.get("step_s")
             parts.append(
-                f"{t['grouping']} {step:.4g} s" if step is not None else f"{t['grouping']} does not fit"
+                f"{t['grouping']} {step:.4g} s"
+                if step is not None
+                else f"{t['grouping']} does not fit"
             )
         lines.append("groupings (predicted step): " + ", ".join(parts))
     return lines

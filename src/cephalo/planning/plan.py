@@ -420,7 +420,9 @@ def _validate(plan: Plan, source: str) -> None:
             )
         for i, g in enumerate(plan.shard_groups):
             if g.ranks != sorted(g.ranks):
-                raise CephaloError(f"{source}: shard_groups[{i}]: list the ranks in ascending order")
+                raise CephaloError(
+                    f"{source}: shard_groups[{i}]: list the ranks in ascending order"
+                )
     for i, members in enumerate(plan.groups):
         fr = [plan.ranks[r].state_fraction for r in members]
         fsum = sum(fr)
