@@ -80,7 +80,6 @@ from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm, Handle
 from cephalo.runtime.dropout import SampleDropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
-from cephalo.runtime.replicas import attach_replicas
 from cephalo.runtime.flat import FlatLayout, FlatShard, ParamSlot, overlap, shard_ranges
 from cephalo.runtime.frozen import FrozenBase, FrozenGathered
 from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
@@ -90,6 +89,7 @@ from cephalo.runtime.param_groups import wants_weight_decay
 from cephalo.runtime.pinned import ALIGN as PINNED_ALIGN
 from cephalo.runtime.pinned import PinnedArena
 from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
+from cephalo.runtime.replicas import attach_replicas
 
 MODES = ("lga", "standard")
 
