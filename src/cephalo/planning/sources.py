@@ -29,6 +29,13 @@ def profiles_cost_model(
             bytes_per_s=cluster.slowest_link_bytes_per_s(),
             latency_s=cluster.collective_latency_s,
         )
+    elif cluster.num_nodes > 1 and all(d.type == "cpu" for d in cluster.devices):
+        # emulated nodes: the measured rings ran on one machine; the emulated inter-node link
+        # (`;inter=RATE`, a delay per byte) bounds them
+        comm = CommProfile(
+            bytes_per_s=min(comm.bytes_per_s, cluster.inter_node_bytes_per_s),
+            latency_s=comm.latency_s,
+        )
     sources = sorted({p.source for p in profiles.values()})
     meta = {"profile_source": ",".join(sources)}
     kw.setdefault("host", host_resources(cluster, profiles))

@@ -89,7 +89,7 @@ from cephalo.runtime.param_groups import wants_weight_decay
 from cephalo.runtime.pinned import ALIGN as PINNED_ALIGN
 from cephalo.runtime.pinned import PinnedArena
 from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
-from cephalo.runtime.replicas import attach_replicas
+from cephalo.runtime.replicas import SlowLinkComm, attach_replicas
 
 MODES = ("lga", "standard")
 
@@ -328,6 +328,8 @@ class Engine:
         (runtime/replicas.py); None for a flat plan."""
         if self.replicas is not None:
             self.comm = comm = self.replicas.group_comm
+        elif config.inter_node_bytes_per_s:  # an emulated flat ring across slow nodes
+            self.comm = comm = SlowLinkComm(comm, config.inter_node_bytes_per_s)  # type: ignore[assignment]
         self.device = (
             torch.device(config.device)
             if config.device

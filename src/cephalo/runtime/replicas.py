@@ -12,8 +12,13 @@ the groups' pieces in group order, so all replicas hold bitwise the same sum. In
 `cross_group_reduce_dtype` bf16 the pieces travel (and are added, own piece included) as bf16
 values, accumulated in fp32.
 
-Emulation (`inter_node_bytes_per_s`): the exchange is charged a delay per byte sent, as
-`slowdown` charges compute, so a slow inter-node network shows on the CPU.
+Emulation (`inter_node_bytes_per_s`): the exchange is charged a delay per byte its node sends
+(the group's ranks share the node's link), as `slowdown` charges compute, so a slow inter-node
+network shows on the CPU; a flat plan's rings over emulated nodes are charged the same way
+(`SlowLinkComm`).
+
+Not yet: the exchange runs after the backward, not unit by unit beside it as the cost model
+assumes (`CostModel.step_time_of_passes`: the all-reduce partly hidden under the backward).
 """
 
 from __future__ import annotations
@@ -124,7 +129,11 @@ class Replicas:
                     total += parts[gi]
                 g[a:b].copy_(total)
         if self.inter_node_bytes_per_s:
-            delay = sent / self.inter_node_bytes_per_s - (time.perf_counter() - t0)
+            # the group's ranks share their node's link: together they send each of the group's
+            # elements to every other group (what the cost model charges a node for g = 2)
+            elem = torch.finfo(self.dtype).bits // 8
+            node_bytes = (len(self.groups) - 1) * sum(numel for _, numel, _ in grads) * elem
+            delay = node_bytes / self.inter_node_bytes_per_s - (time.perf_counter() - t0)
             if delay > 0:
                 time.sleep(delay)
         self.bytes_sent = sent
@@ -155,3 +164,61 @@ def attach_replicas(
     if not plan.hierarchical:
         return None
     return Replicas(plan, world, inter_node_bytes_per_s)
+
+
+def saved_state(engine) -> list:
+    """What this rank writes into a checkpoint: its shards, or nothing outside the first shard
+    group (every group holds the same replica; the logical layout needs each element once). Every
+    rank still loads its own ranges, so a checkpoint resumes under any plan, flat or not."""
+    if engine.replicas is not None and engine.replicas.index != 0:
+        return []
+    return engine.sharded_state()
+
+
+def emulate_links(config, cluster, emulated: bool):
+    """An emulated cluster spanning nodes (`cephalo run --devices "...@node1;inter=RATE"`): the
+    collectives that cross nodes are charged a delay per byte at the inter-node rate (the
+    all-reduce between shard groups; a flat plan's rings, `SlowLinkComm`)."""
+    from dataclasses import replace
+
+    if not emulated or cluster.num_nodes < 2:
+        return config
+    return replace(config, inter_node_bytes_per_s=float(cluster.inter_node_bytes_per_s))
+
+
+class SlowLinkComm:
+    """A `Comm` whose ring collectives wait as long as a ring over a link of `bytes_per_s` would
+    take ((n-1)/n of the gathered or reduced bytes), counted from the call: asynchronous calls
+    overlap the delay with compute, as a network would. Everything else is the inner comm's."""
+
+    def __init__(self, inner: Comm, bytes_per_s: float):
+        self._inner = inner
+        self._rate = float(bytes_per_s)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _delayed(self, handle, nbytes: int, async_op: bool):
+        from cephalo.runtime.comm import Handle
+
+        n = self._inner.world_size
+        due = time.perf_counter() + (n - 1) / n * nbytes / self._rate
+
+        def finish() -> None:
+            left = due - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+
+        if not async_op:
+            handle.wait()
+            finish()
+            return handle
+        return Handle([handle], finish)
+
+    def all_gather_v(self, out, shard, sizes, async_op: bool = False):
+        h = self._inner.all_gather_v(out, shard, sizes, async_op=async_op)
+        return self._delayed(h, out.numel() * out.element_size(), async_op)
+
+    def reduce_scatter_v(self, out, full, sizes, async_op: bool = False):
+        h = self._inner.reduce_scatter_v(out, full, sizes, async_op=async_op)
+        return self._delayed(h, full.numel() * full.element_size(), async_op)

@@ -46,6 +46,7 @@ from cephalo.runtime.comm import Comm
 from cephalo.runtime.dist import init_distributed, peer_failure
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
+from cephalo.runtime.replicas import emulate_links, saved_state
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.chat_data import open_batches, resolve_job_dataset
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
@@ -301,7 +302,13 @@ class _Trainer:
             model,
             self.plan,
             comm,
-            engine_config(cfg, self.device, is_emulated(cfg), share, job_torch_device(cfg, comm)),
+            emulate_links(
+                engine_config(
+                    cfg, self.device, is_emulated(cfg), share, job_torch_device(cfg, comm)
+                ),
+                self.cluster,
+                is_emulated(cfg),
+            ),
         )
         t = cfg.train
         self.schedule = LRSchedule(t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule)
@@ -344,7 +351,7 @@ class _Trainer:
         path = save_checkpoint(
             self.cfg.checkpoint_dir,
             self.step,
-            self.engine.sharded_state(),
+            saved_state(self.engine),
             extra,
             self._trainer_state(),
             self.comm,
