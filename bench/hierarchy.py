@@ -30,7 +30,7 @@ from _common import RankPool, Result, alternate, markdown_table, median, save_fi
 MODEL = "gpt-small-demo"
 SEQ_LEN = 64
 BATCH = 16
-RATE = "20MB/s"
+RATE = "8MB/s"
 SPEC = f"2xcpu@node0,2xcpu@node1;inter={RATE}"
 
 
@@ -113,7 +113,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         pool = RankPool(4, timeout_s=3600).start()
         try:
-            res = pool.run(_run, args.rounds, args.loss_steps, args.n_layer, cache)[0]
+            res = pool.run(
+                _run, args.rounds, args.loss_steps, args.n_layer, f"{cache}/profiles.json"
+            )[0]
         finally:
             pool.close()
     wall = time.perf_counter() - started

@@ -828,6 +828,8 @@ class Engine:
             # the previous unit's reduce-scatters ran while this unit's backward computed
             for r in reducing:
                 self._finish_reduce(r)
+            if self.replicas is not None and self.config.mode == "lga":
+                self.replicas.unit_final(self, u + 1)  # complete: its all-reduce can start
             reducing = [self._start_reduce(us, 0, us.size, acc, us.sizes)]
             for b, t_acc in zip(us.borrows, tied_acc, strict=True):
                 lo, hi = b.local
@@ -841,6 +843,8 @@ class Engine:
                 reducing = []
         for r in reducing:
             self._finish_reduce(r)
+        if self.replicas is not None and self.config.mode == "lga":
+            self.replicas.unit_final(self, 0)
 
     def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc) -> None:
         u, last = us.index, us.index == len(self.shards) - 1

@@ -17,8 +17,9 @@ Emulation (`inter_node_bytes_per_s`): the exchange is charged a delay per byte i
 network shows on the CPU; a flat plan's rings over emulated nodes are charged the same way
 (`SlowLinkComm`).
 
-Not yet: the exchange runs after the backward, not unit by unit beside it as the cost model
-assumes (`CostModel.step_time_of_passes`: the all-reduce partly hidden under the backward).
+Under layered gradient accumulation each unit's exchange starts as soon as its gradient shard is
+complete (`unit_final`, called by the engine's backward), beside the backward of the units before
+it, as the cost model charges it; the sums are made before the optimizer step (`finish`).
 """
 
 from __future__ import annotations
@@ -72,8 +73,12 @@ class Replicas:
         pgs = [dist.new_group(ranks=g) for g in self.groups]
         self.group_comm: Comm = make_comm(group=pgs[self.index], validate=world.validate)
         self._pieces: dict[int, list[_Piece]] = {}
+        self._inflight: dict[int, tuple] = {}
+        """Per unit whose exchange has started: (gradient shard, pieces, receive buffers, works)."""
+        self._due = 0.0
+        """Emulated link: when the exchanges started so far have crossed it."""
         self.bytes_sent = 0
-        """Bytes this rank sent to other groups in the last `all_reduce_grads`."""
+        """Bytes this rank has sent to other groups (a running count)."""
         self.wait_s = 0.0
 
     def _pieces_of(self, unit: int, numel: int) -> list[_Piece]:
@@ -93,26 +98,37 @@ class Replicas:
         return self._pieces[unit]
 
     @torch.no_grad()
-    def all_reduce_grads(self, grads: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Sum every unit's gradient shard over the groups, in place. `grads`: per unit (index,
-        numel of its flat buffer, this rank's fp32 gradient shard)."""
-        t0 = time.perf_counter()
-        ops, received, sent = [], [], 0
-        for unit, numel, g in grads:
-            pieces = self._pieces_of(unit, numel)
-            bufs = []
-            for p in pieces:
-                out = g[p.lo : p.hi].to(self.dtype).contiguous()
-                buf = torch.empty_like(out)
-                ops.append(dist.P2POp(dist.isend, out, p.peer, tag=unit))
-                ops.append(dist.P2POp(dist.irecv, buf, p.peer, tag=unit))
-                bufs.append(buf)
-                sent += out.numel() * out.element_size()
-            received.append((g, pieces, bufs))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
+    def start(self, unit: int, numel: int, g: torch.Tensor) -> None:
+        """Start the exchange of one unit's final gradient shard `g` with the other groups
+        (asynchronous; `finish` adds the pieces). On an emulated link the unit's bytes queue
+        behind the units started before it."""
+        if unit in self._inflight:
+            return
+        pieces = self._pieces_of(unit, numel)
+        ops, bufs = [], []
+        for p in pieces:
+            out = g[p.lo : p.hi].to(self.dtype).contiguous()
+            buf = torch.empty_like(out)
+            ops.append(dist.P2POp(dist.isend, out, p.peer, tag=unit))
+            ops.append(dist.P2POp(dist.irecv, buf, p.peer, tag=unit))
+            bufs.append(buf)
+            self.bytes_sent += out.numel() * out.element_size()
+        works = dist.batch_isend_irecv(ops) if ops else []
+        self._inflight[unit] = (g, pieces, bufs, works)
+        if self.inter_node_bytes_per_s:
+            # the group's ranks share their node's link: together they send each of the group's
+            # elements to every other group (what the cost model charges a node for g = 2)
+            elem = torch.finfo(self.dtype).bits // 8
+            node_bytes = (len(self.groups) - 1) * numel * elem
+            now = time.perf_counter()
+            self._due = max(self._due, now) + node_bytes / self.inter_node_bytes_per_s
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for every started exchange and sum each element over the groups, in place."""
+        for g, pieces, bufs, works in self._inflight.values():
+            for work in works:
                 work.wait()
-        for g, pieces, bufs in received:
             if not pieces:
                 continue
             # each group's ranges partition the buffer: cut this shard where any of them ends,
@@ -128,16 +144,31 @@ class Replicas:
                 for gi in sorted(parts):
                     total += parts[gi]
                 g[a:b].copy_(total)
-        if self.inter_node_bytes_per_s:
-            # the group's ranks share their node's link: together they send each of the group's
-            # elements to every other group (what the cost model charges a node for g = 2)
-            elem = torch.finfo(self.dtype).bits // 8
-            node_bytes = (len(self.groups) - 1) * sum(numel for _, numel, _ in grads) * elem
-            delay = node_bytes / self.inter_node_bytes_per_s - (time.perf_counter() - t0)
-            if delay > 0:
-                time.sleep(delay)
-        self.bytes_sent = sent
+        self._inflight.clear()
+        left = self._due - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        self._due = 0.0
+
+    def all_reduce_grads(self, grads: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Sum every unit's gradient shard over the groups, in place. `grads`: per unit (index,
+        numel of its flat buffer, this rank's fp32 gradient shard); units already started keep
+        their exchange."""
+        t0 = time.perf_counter()
+        for unit, numel, g in grads:
+            self.start(unit, numel, g)
+        self.finish()
         self.wait_s = time.perf_counter() - t0
+
+    def unit_final(self, engine, unit: int) -> None:
+        """Engine hook (layered gradient accumulation): unit `unit`'s gradient shard is complete
+        (its reduce-scatter and its borrowers' are done): start its exchange now, beside the
+        backward of the units before it. Units with host state wait for the optimizer step."""
+        if not 0 <= unit < len(engine.shards):
+            return
+        us = engine.shards[unit]
+        if us.host is None:
+            self.start(unit, us.layout.numel, engine._device_grad(us))
 
     def reduce_engine_grads(self, engine) -> float:
         """`all_reduce_grads` over an engine's units (the host-held part of a shard too);
