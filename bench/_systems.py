@@ -83,6 +83,7 @@ class OursTrainer:
         prefetch: bool = True,
         host_copy_bytes_per_s: float | None = None,
         overlap_reduce: bool = True,
+        inter_node_bytes_per_s: float | None = None,
     ):
         from cephalo.runtime.comm import make_comm
         from cephalo.runtime.engine import Engine, EngineConfig
@@ -104,6 +105,7 @@ class OursTrainer:
             prefetch=prefetch,
             host_copy_bytes_per_s=host_copy_bytes_per_s,
             overlap_reduce=overlap_reduce,
+            inter_node_bytes_per_s=inter_node_bytes_per_s,
         )
         self.engine = Engine(model, plan, self.comm, cfg)
         self.plan = plan

@@ -95,6 +95,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep all training state on the GPUs (the planner keeps it on the host only where it pays)",
     )
+    p.add_argument(
+        "--no-hierarchy",
+        action="store_true",
+        help="one flat replica over every GPU (by default the planner also tries one shard group "
+        "per node, or per few nodes, with a gradient all-reduce between them once per step)",
+    )
+    p.add_argument(
+        "--cross-node-reduce-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="dtype of the once-per-step gradient all-reduce between shard groups (default fp32; "
+        "bf16 halves the bytes over the inter-node network)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
     p.add_argument(
         "--plot",
@@ -214,6 +227,7 @@ def build_cost_model(
 
 
 def run(args: argparse.Namespace) -> int:
+    from cephalo.planning.groups import grouping_lines, make_hierarchical_plan
     from cephalo.planning.planner import make_plan
 
     if args.global_batch < 1:
@@ -230,9 +244,23 @@ def run(args: argparse.Namespace) -> int:
     plans: dict[str, Plan | PlanDoesNotFit] = {}
     for s in strategies:
         try:
-            plans[s] = make_plan(
-                cm, args.global_batch, s, allow_offload=allow_offload, allow_host_state=host_state
-            )
+            if s == "cephalo":
+                plans[s] = make_hierarchical_plan(
+                    cm,
+                    args.global_batch,
+                    hierarchy=not args.no_hierarchy,
+                    reduce_dtype=args.cross_node_reduce_dtype,
+                    allow_offload=allow_offload,
+                    allow_host_state=host_state,
+                )
+            else:
+                plans[s] = make_plan(
+                    cm,
+                    args.global_batch,
+                    s,
+                    allow_offload=allow_offload,
+                    allow_host_state=host_state,
+                )
         except PlanDoesNotFit as e:
             if len(strategies) == 1 or s == "cephalo":
                 raise
@@ -258,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))
     for line in host_memory_lines(ev):
         console.print(line, style="dim")
+    for line in grouping_lines(main_plan):
+        console.print(line, soft_wrap=True)
     for s in strategies:
         console.print(strategy_line(s, plans[s], even), soft_wrap=True)
     uses_host = isinstance(main_plan, Plan) and any(
@@ -265,8 +295,13 @@ def run(args: argparse.Namespace) -> int:
     )
     if "cephalo" in strategies and uses_host:
         try:
-            device_only: Plan | PlanDoesNotFit = make_plan(
-                cm, args.global_batch, allow_offload=allow_offload, allow_host_state=False
+            device_only: Plan | PlanDoesNotFit = make_hierarchical_plan(
+                cm,
+                args.global_batch,
+                hierarchy=not args.no_hierarchy,
+                reduce_dtype=args.cross_node_reduce_dtype,
+                allow_offload=allow_offload,
+                allow_host_state=False,
             )
         except PlanDoesNotFit as e:
             device_only = e

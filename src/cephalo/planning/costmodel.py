@@ -191,6 +191,39 @@ class HostResources:
         return [i for i, n in enumerate(self.node_of) if n == node]
 
 
+@dataclass(frozen=True)
+class Links:
+    """The cluster's links as the cost model charges them: within a node and between nodes
+    (`planning.sources` builds it from the cluster spec). A ring collective is bounded by its
+    slowest link: a group of ranks on one node runs at `intra_bytes_per_s`, one spanning nodes at
+    the smaller of the two."""
+
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    node_of: tuple[int, ...]
+    """Per rank: its node."""
+    latency_s: float = 0.0
+
+    def bytes_per_s(self, ranks) -> float:
+        if len({self.node_of[r] for r in ranks}) <= 1:
+            return self.intra_bytes_per_s
+        return min(self.intra_bytes_per_s, self.inter_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class CrossReduce:
+    """The once-per-step gradient all-reduce between shard groups (hierarchical plans): the ranks
+    owning the same bytes in different groups all-reduce them over the inter-node network. Per
+    node it moves 2 (g-1)/g of the node's share of the gradients in `dtype` through the node's
+    network link (`bytes_per_s`, shared by its ranks); the share is bounded by 1 (a node holding
+    its group's whole replica, exact for one node per group)."""
+
+    groups: int
+    dtype: str = "fp32"
+    bytes_per_s: float = math.inf
+    latency_s: float = 0.0
+
+
 @dataclass
 class MemoryBreakdown:
     """Device memory of one rank by category at its predicted peak, bytes (compare with the
@@ -392,6 +425,8 @@ class CostModel:
         host: HostResources | None = None,
         serial_reduce: bool = False,
         adapter: AdapterSpec | None = None,
+        links: Links | None = None,
+        cross_reduce: CrossReduce | None = None,
     ):
         if dtype not in DTYPE_BYTES:
             raise CephaloError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -416,6 +451,14 @@ class CostModel:
             raise CephaloError(
                 f"the host resources describe {len(host.node_of)} ranks but the cluster has {len(devices)}"
             )
+        if links is not None and len(links.node_of) != len(devices):
+            raise CephaloError(
+                f"the links describe {len(links.node_of)} ranks but the cluster has {len(devices)}"
+            )
+        self.links = links
+        """Intra- and inter-node links (None: every collective at `comm`'s bandwidth)."""
+        self.cross_reduce = cross_reduce
+        """The all-reduce between shard groups this model's ranks take part in (None: a flat plan)."""
         self.host = host
         """The hosts (memory per node, AdamW speed per rank); None: the planner keeps all state on
         the devices and host memory is not checked."""
@@ -477,8 +520,24 @@ class CostModel:
         for kind, u in self.layout.units.items():
             self.gather_s[kind] = ring * u.gather_bytes / comm.bytes_per_s + latency
             self.scatter_s[kind] = ring * u.trained * GRAD_BYTES / comm.bytes_per_s + latency
+        self.cross_reduce_s: dict[str, float] = {k: 0.0 for k in self.layout.units}
+        """Per unit kind: its gradient's all-reduce between shard groups (hierarchical plans),
+        started once the unit's reduce-scatter is done, one after another on the node's link."""
+        if cross_reduce is not None and cross_reduce.groups > 1:
+            if cross_reduce.dtype not in ("fp32", "bf16"):
+                raise CephaloError(
+                    f"cross-node reduce dtype {cross_reduce.dtype!r} is not one of fp32, bf16"
+                )
+            g = cross_reduce.groups
+            reduce_bytes = DTYPE_BYTES[cross_reduce.dtype]
+            for kind, u in self.layout.units.items():
+                self.cross_reduce_s[kind] = (
+                    2 * (g - 1) / g * u.trained * reduce_bytes / cross_reduce.bytes_per_s
+                    + cross_reduce.latency_s
+                )
         self.comm_total_s = sum(
-            c * (2 * self.gather_s[k] + self.scatter_s[k]) for k, c in self.unit_counts.items()
+            c * (2 * self.gather_s[k] + self.scatter_s[k] + self.cross_reduce_s[k])
+            for k, c in self.unit_counts.items()
         )
 
         self.reduce_out_bytes_per_fraction = (
@@ -506,6 +565,48 @@ class CostModel:
         )
         """Gradient elements reduce-scattered per step per unit of state fraction (a tied head
         reduces its borrowed embedding slice too): what goes down to the host at x = 1."""
+
+    # ------------------------------------------------------------------ shard groups
+    def group_model(self, ranks: list[int], groups: int, reduce_dtype: str = "fp32") -> CostModel:
+        """The cost model of one shard group of a hierarchical plan: the group's ranks (renumbered
+        0..), its collectives over its own slowest link (intra-node for a group on one node), and
+        the all-reduce between the `groups` groups over the inter-node link in `reduce_dtype`.
+        With `groups` 1 and every rank, the flat model (the same numbers as this one)."""
+        ranks = list(ranks)
+        links = self.links
+        if links is not None:
+            comm = CommProfile(bytes_per_s=links.bytes_per_s(ranks), latency_s=links.latency_s)
+            sub_links = replace(links, node_of=tuple(links.node_of[r] for r in ranks))
+            cross_bw = links.inter_bytes_per_s
+        else:
+            comm, sub_links, cross_bw = self.comm, None, self.comm.bytes_per_s
+        host = None
+        if self.host is not None:
+            host = HostResources(
+                node_of=tuple(self.host.node_of[r] for r in ranks),
+                memory_bytes=self.host.memory_bytes,
+                optimizer_s_per_param=tuple(self.host.optimizer_s_per_param[r] for r in ranks),
+            )
+        cross = None
+        if groups > 1:
+            latency = links.latency_s if links is not None else self.comm.latency_s
+            cross = CrossReduce(groups, reduce_dtype, cross_bw, latency)
+        return CostModel(
+            self.model,
+            self.seq_len,
+            self.dtype,
+            [self.devices[r] for r in ranks],
+            self.profiles,
+            comm,
+            reserve_bytes=self.reserve_bytes,
+            reserve_fraction=self.reserve_fraction,
+            meta=self.meta,
+            host=host,
+            serial_reduce=self.serial_reduce,
+            adapter=self.adapter,
+            links=sub_links,
+            cross_reduce=cross,
+        )
 
     # ------------------------------------------------------------------ per-device constants
     def capacity_bytes(self, rank: int) -> int:
@@ -593,7 +694,9 @@ class CostModel:
         profile = self.profiles[type_key]
         bw = profile.host_copy_bytes_per_s
         copy_one = np.where(offload, b * self.sample_boundary_bytes / bw, 0.0)
+        forward_total = 0.0
         total = 0.0
+        head_backward = 0.0
         compute = 0.0
         copies = 0.0
         grad_copies = 0.0
@@ -610,7 +713,7 @@ class CostModel:
                 # without overlap (without, only the reduce-scatter is waited for at once)
                 hidden = np.maximum(np.maximum(np.maximum(bwd, gather_b), cb), grad_down)
                 backward = np.where(overlap, np.maximum(hidden, scatter), hidden + scatter)
-                total = total + count * (np.maximum(np.maximum(fwd, gather), cf) + backward)
+                forward = np.maximum(np.maximum(fwd, gather), cf)
                 compute = compute + count * (fwd + bwd)
             else:
                 cf = copy_one * self.sync_copies_fwd[kind]
@@ -623,8 +726,13 @@ class CostModel:
                     np.maximum(np.maximum(bwd + cb, gather_b), scatter),
                     np.maximum(bwd + cb, gather_b) + scatter,
                 )
-                total = total + count * (np.maximum(fwd + cf, gather) + backward + grad_down)
+                forward = np.maximum(fwd + cf, gather)
+                backward = backward + grad_down
                 compute = compute + count * (fwd + bwd + cf + cb)
+            forward_total = forward_total + count * forward
+            total = total + count * backward
+            if kind == "head":
+                head_backward = count * backward
             copies = copies + count * (cf + cb)
             grad_copies = grad_copies + count * grad_down
         # the embedding's reduce-scatter (with overlap; without, every unit's is counted) and, on
@@ -633,7 +741,15 @@ class CostModel:
         tail = np.where(overlap, self.scatter_s["embedding"], 0.0)
         if profile.async_copies and hosted:
             tail = tail + x * self.gathered_params["embedding"] * GRAD_BYTES / bw
-        return total + tail, compute, copies
+        backward_phase = total + tail
+        if self.cross_reduce is not None and self.cross_reduce.groups > 1:
+            # hierarchical: each unit's gradient shard is all-reduced between the groups once its
+            # reduce-scatter is done, one unit after another on the node's link, beside the
+            # backward of the units before it; the embedding's, last, has nothing to hide under
+            ar = self.cross_reduce_s
+            ar_all = sum(c * ar[k] for k, c in self.unit_counts.items())
+            backward_phase = np.maximum(backward_phase + ar["embedding"], head_backward + ar_all)
+        return forward_total + backward_phase, compute, copies
 
     def host_rates(self, rank: int) -> tuple[float, float, float]:
         """Per host-held parameter on `rank`: (gradient copy down, upload of the compute-dtype
@@ -954,6 +1070,8 @@ class CostModel:
                     f"rank {r.rank} of the plan is a {r.device!r} but device {r.rank} of the cluster is a "
                     f"{d.type_key!r}; list the devices in the plan's order"
                 )
+        if plan.hierarchical and self.cross_reduce is None:
+            return self._evaluate_groups(plan)
         # identical ranks doing identical work cost the same: compute each combination once
         # (a 1024-GPU plan has a handful)
         cache: dict[tuple, RankCost] = {}
@@ -982,6 +1100,27 @@ class CostModel:
                     r.overlap_reduce,
                 )
             costs.append(replace(cache[key], rank=r.rank))
+        return PlanEvaluation(
+            ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len
+        )
+
+    def _evaluate_groups(self, plan: Plan) -> PlanEvaluation:
+        """A hierarchical plan: each shard group under its `group_model`, the ranks back in order."""
+        groups = plan.groups
+        costs: list[RankCost] = [None] * plan.world_size  # type: ignore[list-item]
+        for members in groups:
+            sub = self.group_model(members, len(groups), plan.cross_group_reduce_dtype)
+            part = Plan(
+                strategy=plan.strategy,
+                model=plan.model,
+                seq_len=plan.seq_len,
+                global_batch_size=sum(plan.ranks[r].batch_size for r in members) or 1,
+                dtype=plan.dtype,
+                ranks=[replace(plan.ranks[r], rank=i) for i, r in enumerate(members)],
+                meta=plan.meta,
+            )
+            for i, c in enumerate(sub.evaluate(part).ranks):
+                costs[members[i]] = replace(c, rank=members[i])
         return PlanEvaluation(
             ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len
         )

@@ -16,7 +16,11 @@ from typing import Any
 
 from cephalo.errors import CephaloError
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+"""Version 2 added `shard_groups` and `cross_group_reduce_dtype` (hierarchical sharding)."""
+READABLE_VERSIONS = (1, 2)
+"""Versions this cephalo reads: a version-1 plan is a flat plan (one shard group)."""
+REDUCE_DTYPES = ("fp32", "bf16")
 STRATEGIES = ("cephalo", "even", "proportional", "manual")
 DTYPES = ("fp32", "bf16", "fp16")
 # state fractions must sum to 1 within this tolerance (JSON round-trips floats exactly,
@@ -58,6 +62,16 @@ class RankPlan:
 
 
 @dataclass
+class ShardGroup:
+    """Ranks that hold one whole replica of the training state between them (uneven shards over
+    the group's links); groups all-reduce their gradient shards once per step. An object, not a
+    bare list, so a later stage (pipeline parallelism) can carry more per group."""
+
+    ranks: list[int]
+    """Global ranks of the group, ascending; their `state_fraction`s sum to 1."""
+
+
+@dataclass
 class Predicted:
     """Whole-step prediction of the cost model."""
 
@@ -83,6 +97,12 @@ class Plan:
     version: int = PLAN_FORMAT_VERSION
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form provenance (cluster spec, planner time, profile source, ...)."""
+    shard_groups: list[ShardGroup] | None = None
+    """Hierarchical sharding: the groups, each holding a replica (state fractions sum to 1 within
+    each group). None (or one group of every rank): the flat plan, one replica over all ranks."""
+    cross_group_reduce_dtype: str = "fp32"
+    """Dtype of the once-per-step gradient all-reduce between groups: `fp32` (exact) or `bf16`
+    (half the bytes; accumulated in fp32 either way). Only read when there are several groups."""
 
     # ---------------------------------------------------------------- derived
     @property
@@ -96,6 +116,24 @@ class Plan:
     @property
     def state_fractions(self) -> list[float]:
         return [r.state_fraction for r in self.ranks]
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The shard groups' ranks; one group of every rank for a flat plan."""
+        if not self.shard_groups:
+            return [list(range(len(self.ranks)))]
+        return [list(g.ranks) for g in self.shard_groups]
+
+    @property
+    def hierarchical(self) -> bool:
+        return len(self.groups) > 1
+
+    def group_of(self, rank: int) -> int:
+        """Index of the shard group `rank` belongs to."""
+        for i, g in enumerate(self.groups):
+            if rank in g:
+                return i
+        raise CephaloError(f"rank {rank} is in no shard group of the plan")
 
     def batch_offsets(self) -> list[int]:
         """Start of each rank's slice of the global batch (ranks take consecutive slices)."""
@@ -241,10 +279,10 @@ def _parse_plan(d: Any, source: str) -> Plan:
     if not isinstance(d, dict):
         raise CephaloError(f"{source}: a plan must be a JSON object, got {type(d).__name__}")
     version = _need(d, "version", int, source)
-    if version != PLAN_FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CephaloError(
-            f"{source}: plan format version {version} is not supported (this cephalo reads version "
-            f"{PLAN_FORMAT_VERSION}); re-create the plan with `cephalo plan`"
+            f"{source}: plan format version {version} is not supported (this cephalo reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}); re-create the plan with `cephalo plan`"
         )
     ranks_raw = _need(d, "ranks", list, source)
     ranks = []
@@ -287,6 +325,25 @@ def _parse_plan(d: Any, source: str) -> Plan:
     meta = d.get("meta", {})
     if not isinstance(meta, dict):
         raise CephaloError(f"{source}: field 'meta' must be an object")
+    groups = None
+    raw_groups = d.get("shard_groups")
+    if raw_groups is not None:
+        if not isinstance(raw_groups, list) or not raw_groups:
+            raise CephaloError(
+                f"{source}: field 'shard_groups' must be a non-empty list of objects or null"
+            )
+        groups = []
+        for i, g in enumerate(raw_groups):
+            where = f"{source}: shard_groups[{i}]"
+            if not isinstance(g, dict):
+                raise CephaloError(f"{where}: must be an object with 'ranks'")
+            members = _need(g, "ranks", list, where)
+            if not members or not all(
+                isinstance(r, int) and not isinstance(r, bool) for r in members
+            ):
+                raise CephaloError(f"{where}: 'ranks' must be a non-empty list of integers")
+            groups.append(ShardGroup(ranks=list(members)))
+    reduce_dtype = d.get("cross_group_reduce_dtype", "fp32")
     plan = Plan(
         strategy=_need(d, "strategy", str, source),
         model=_need(d, "model", str, source),
@@ -297,6 +354,8 @@ def _parse_plan(d: Any, source: str) -> Plan:
         predicted=predicted,
         version=version,
         meta=meta,
+        shard_groups=groups,
+        cross_group_reduce_dtype=reduce_dtype,
     )
     _validate(plan, source)
     return plan
@@ -347,8 +406,29 @@ def _validate(plan: Plan, source: str) -> None:
             f"{source}: rank batch sizes {plan.batch_sizes} sum to {total}, not global_batch_size "
             f"{plan.global_batch_size}"
         )
-    fsum = sum(plan.state_fractions)
-    if abs(fsum - 1.0) > FRACTION_SUM_TOL:
+    if plan.cross_group_reduce_dtype not in REDUCE_DTYPES:
         raise CephaloError(
-            f"{source}: state fractions {plan.state_fractions} sum to {fsum:.6g}, not 1"
+            f"{source}: cross_group_reduce_dtype {plan.cross_group_reduce_dtype!r} is not one of "
+            f"{', '.join(REDUCE_DTYPES)}"
         )
+    if plan.shard_groups:
+        seen: list[int] = sorted(r for g in plan.shard_groups for r in g.ranks)
+        if seen != list(range(len(plan.ranks))):
+            raise CephaloError(
+                f"{source}: shard_groups {[g.ranks for g in plan.shard_groups]} must hold every rank "
+                f"0..{len(plan.ranks) - 1} exactly once"
+            )
+        for i, g in enumerate(plan.shard_groups):
+            if g.ranks != sorted(g.ranks):
+                raise CephaloError(
+                    f"{source}: shard_groups[{i}]: list the ranks in ascending order"
+                )
+    for i, members in enumerate(plan.groups):
+        fr = [plan.ranks[r].state_fraction for r in members]
+        fsum = sum(fr)
+        if abs(fsum - 1.0) > FRACTION_SUM_TOL:
+            where = "" if not plan.hierarchical else f" of shard group {i} (ranks {members})"
+            raise CephaloError(
+                f"{source}: state fractions {fr}{where} sum to {fsum:.6g}, not 1"
+                + (" (each group holds a whole replica)" if plan.hierarchical else "")
+            )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 from cephalo.errors import CephaloError
-from cephalo.planning.costmodel import CostModel, HostResources
+from cephalo.planning.costmodel import CostModel, HostResources, Links
 from cephalo.specs.catalog import catalog_profile, host_optimizer_s_per_param
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.model import ModelSpec
@@ -29,12 +29,30 @@ def profiles_cost_model(
             bytes_per_s=cluster.slowest_link_bytes_per_s(),
             latency_s=cluster.collective_latency_s,
         )
+    elif cluster.num_nodes > 1 and all(d.type == "cpu" for d in cluster.devices):
+        # emulated nodes: the measured rings ran on one machine; the emulated inter-node link
+        # (`;inter=RATE`, a delay per byte) bounds them
+        comm = CommProfile(
+            bytes_per_s=min(comm.bytes_per_s, cluster.inter_node_bytes_per_s),
+            latency_s=comm.latency_s,
+        )
     sources = sorted({p.source for p in profiles.values()})
     meta = {"profile_source": ",".join(sources)}
     kw.setdefault("host", host_resources(cluster, profiles))
     kw.setdefault("serial_reduce", True)
+    kw.setdefault("links", cluster_links(cluster))
     return CostModel(
         model_spec, seq_len, dtype, list(cluster.devices), profiles, comm, meta=meta, **kw
+    )
+
+
+def cluster_links(cluster: Cluster) -> Links:
+    """The cluster's intra- and inter-node links as the cost model charges them."""
+    return Links(
+        intra_bytes_per_s=cluster.intra_node_bytes_per_s,
+        inter_bytes_per_s=cluster.inter_node_bytes_per_s,
+        node_of=tuple(d.node for d in cluster.devices),
+        latency_s=cluster.collective_latency_s,
     )
 
 

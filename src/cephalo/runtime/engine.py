@@ -94,6 +94,7 @@ from cephalo.runtime.param_groups import wants_weight_decay
 from cephalo.runtime.pinned import ALIGN as PINNED_ALIGN
 from cephalo.runtime.pinned import PinnedArena
 from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
+from cephalo.runtime.replicas import SlowLinkComm, attach_replicas
 
 MODES = ("lga", "standard")
 
@@ -124,6 +125,9 @@ class EngineConfig:
     seed: int = 0
     """Seeds the initial weights (identical on every rank) and the dropout masks."""
     slowdown: float = 1.0
+    inter_node_bytes_per_s: float | None = None
+    """Emulated inter-node link of a hierarchical plan: the all-reduce between shard groups is
+    charged a delay per byte sent (None: as fast as it runs)."""
     """CPU device emulation: compute is stretched by this factor (see emulation.py)."""
     memory_budget_bytes: int | None = None
     """Budget for a ledger the engine creates itself (None = unlimited)."""
@@ -335,6 +339,15 @@ class Engine:
         """Index of this rank's first sample in the global batch (ranks take consecutive slices)."""
         if config.validate_collectives is not None:
             comm.validate = config.validate_collectives
+        self.world = comm
+        """Every rank: the token count, the loss and the gradient norm (`comm`: the shard group's)."""
+        self.replicas = attach_replicas(plan, comm, config.inter_node_bytes_per_s)
+        """Hierarchical plans: this rank's shard group and the all-reduce between groups
+        (runtime/replicas.py); None for a flat plan."""
+        if self.replicas is not None:
+            self.comm = comm = self.replicas.group_comm
+        elif config.inter_node_bytes_per_s:  # an emulated flat ring across slow nodes
+            self.comm = comm = SlowLinkComm(comm, config.inter_node_bytes_per_s)  # type: ignore[assignment]
         self.device = (
             torch.device(config.device)
             if config.device
@@ -443,7 +456,7 @@ class Engine:
         for unit_name, pname, p in model.named_unit_parameters():
             owned.setdefault(index_of[unit_name], []).append((pname, p))
             owner_of[id(p)] = (index_of[unit_name], pname)
-        fractions = self.plan.state_fractions
+        fractions = self.replicas.fractions if self.replicas else self.plan.state_fractions
         self.shards: list[_UnitShard] = []
         # parameters with requires_grad False (a LoRA base) form the frozen base (frozen.py)
         self.frozen: FrozenBase | None = None
@@ -462,7 +475,7 @@ class Engine:
                 frozen = [(n, p) for n, p in params if not p.requires_grad]
                 params = [(n, p) for n, p in params if p.requires_grad]
             layout = FlatLayout(unit.name, params)
-            us = _UnitShard(i, unit, layout, shard_ranges(layout.numel, fractions), self.rank)
+            us = _UnitShard(i, unit, layout, shard_ranges(layout.numel, fractions), self.comm.rank)
             if on_meta:
                 # materialise ONE unit's initial values on the CPU (host memory: the largest
                 # unit, fp32), keep this rank's slice, drop the rest
@@ -489,7 +502,7 @@ class Engine:
                 owner = self.shards[owner_index]
                 slot = owner.layout.slot(owner_name)
                 pieces = [overlap(s, n, slot.offset, slot.numel) for s, n in owner.ranges]
-                lo, hi = pieces[self.rank]
+                lo, hi = pieces[self.comm.rank]
                 self.shards[i].borrows.append(
                     _Borrow(
                         pname,
@@ -706,7 +719,7 @@ class Engine:
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        self.comm.all_reduce(t, "sum")
+        self.world.all_reduce(t, "sum")
         self._comm_wait_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ compute helpers
@@ -918,6 +931,8 @@ class Engine:
             # the previous unit's reduce-scatters ran while this unit's backward computed
             for r in reducing:
                 self._finish_reduce(r)
+            if self.replicas is not None and self.config.mode == "lga":
+                self.replicas.unit_final(self, u + 1)  # complete: its all-reduce can start
             reducing = self._start_reduces(us, acc, tied_acc)
             # the reduce-scatters hold the buffers now: no name here may keep them alive into
             # the next unit's backward once `_finish_reduce` has freed them in the ledger
@@ -928,6 +943,8 @@ class Engine:
                 reducing = []
         for r in reducing:
             self._finish_reduce(r)
+        if self.replicas is not None and self.config.mode == "lga":
+            self.replicas.unit_final(self, 0)
 
     def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc):
         u, last = us.index, us.index == len(self.shards) - 1
@@ -1139,6 +1156,8 @@ class Engine:
         self.link.sync()  # every host gradient piece has arrived
         for us in self.shards:  # (lean: a unit no reduce-scatter reached has a zero gradient)
             self._device_grad(us)
+        if self.replicas is not None:  # once per step: sum the groups' gradient shards
+            self._comm_wait_s += self.replicas.reduce_engine_grads(self)
         with self._optimizer_work():
             if loss_scale != 1.0:
                 opt.scale_grads(1.0 / loss_scale)
@@ -1151,6 +1170,8 @@ class Engine:
             red[0] += host_opt.grad_sq_sum().to(red.device)
             self._host_s += time.perf_counter() - t0
         self._all_reduce(red)
+        if self.replicas is not None:  # every group holds the same, whole gradient
+            red[0] /= len(self.replicas.groups)
         grad_norm = float(red[0].sqrt())
         self._last_loss = float(red[1]) / max(n_tokens, 1)
         finite = math.isfinite(grad_norm)

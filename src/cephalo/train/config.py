@@ -180,6 +180,14 @@ class ParallelConfig:
     not a hang): in the first training step and evaluation only (the plan fixes the calls after
     that), in `every_step` (a small blocking exchange per collective), or `off` (also
     `CEPHALO_COMM_VALIDATE=0`)."""
+    hierarchy: bool = True
+    """Let the automatic plan shard per node (or per group of nodes) and all-reduce the gradients
+    between the groups once per step where the cost model predicts that faster than one flat
+    ring over every rank (docs/planner.md, "Shard groups"); false: always the flat plan."""
+    cross_node_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the once-per-step gradient all-reduce between shard groups (hierarchical plans):
+    `fp32` (exact: the same result as one flat replica) or `bf16` (half the bytes over the
+    inter-node network; accumulated in fp32 either way). The planner costs whichever is set."""
     offload: Literal["auto", "always", "never"] = "auto"
     """Keep layer-boundary activations on the host: `auto` (as the plan says), `always`, `never`."""
     host_memory: str | None = None
@@ -663,6 +671,10 @@ def _validate(cfg: JobConfig) -> None:
         t.eval_every == 0 or d.val_fraction > 0,
         f"train.eval_every = {t.eval_every} needs held-out data: set data.val_fraction > 0 "
         "or train.eval_every = 0",
+    )
+    check(
+        p.cross_node_reduce_dtype in ("fp32", "bf16"),
+        f"parallel.cross_node_reduce_dtype must be fp32 or bf16, got {p.cross_node_reduce_dtype!r}",
     )
     if p.plan not in ("auto", "even", "proportional"):
         check(

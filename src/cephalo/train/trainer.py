@@ -46,6 +46,7 @@ from cephalo.runtime.comm import Comm
 from cephalo.runtime.dist import init_distributed, peer_failure
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
+from cephalo.runtime.replicas import emulate_links, saved_state
 from cephalo.runtime.step_timing import format_split, split_step
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.chat_data import open_batches, resolve_job_dataset
@@ -117,7 +118,7 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
     plan from the measured cost model. Every rank gets the same profiles (broadcast by the
     profiler) and the planner is deterministic, so every rank makes the same plan; one tiny
     all-reduce checks it."""
-    from cephalo.planning.planner import make_plan
+    from cephalo.planning.groups import make_hierarchical_plan
     from cephalo.planning.sources import measured_cost_model
     from cephalo.profiling.profiler import profile_devices
     from cephalo.specs.adapter import ALL_LINEAR, adapter_spec
@@ -147,7 +148,13 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
             targets[0] if list(targets) == [ALL_LINEAR] else targets,
         ),
     )
-    plan = make_plan(cost_model, batch, "cephalo", model_name=cfg.model.name)
+    plan = make_hierarchical_plan(
+        cost_model,
+        batch,
+        hierarchy=cfg.parallel.hierarchy,
+        reduce_dtype=cfg.parallel.cross_node_reduce_dtype,
+        model_name=cfg.model.name,
+    )
     plan.meta["profiles"] = {
         "measured": measured.measured,
         "cached": measured.cached,
@@ -296,7 +303,13 @@ class _Trainer:
             model,
             self.plan,
             comm,
-            engine_config(cfg, self.device, is_emulated(cfg), share, job_torch_device(cfg, comm)),
+            emulate_links(
+                engine_config(
+                    cfg, self.device, is_emulated(cfg), share, job_torch_device(cfg, comm)
+                ),
+                self.cluster,
+                is_emulated(cfg),
+            ),
         )
         t = cfg.train
         self.schedule = LRSchedule(t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule)
@@ -339,7 +352,7 @@ class _Trainer:
         path = save_checkpoint(
             self.cfg.checkpoint_dir,
             self.step,
-            self.engine.sharded_state(),
+            saved_state(self.engine),
             extra,
             self._trainer_state(),
             self.comm,

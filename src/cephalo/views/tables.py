@@ -32,7 +32,9 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
     overlaps its reduce-scatters, `wait` where it waits for each (a unit gradient less)."""
     unit = {"GiB": GIB, "MiB": 2**20}[memory_unit]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    grouped = plan.hierarchical
     for col in (
+        *(("group",) if grouped else ()),
         "rank",
         "device",
         "batch",
@@ -51,6 +53,7 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
     for r, c in zip(plan.ranks, ev.ranks, strict=True):
         slowest = abs(c.step_s - ev.step_s) <= 1e-12 * max(ev.step_s, 1.0)
         table.add_row(
+            *((str(plan.group_of(r.rank)),) if grouped else ()),
             str(r.rank),
             r.device,
             str(r.batch_size),

@@ -1,0 +1,133 @@
+"""Hierarchical sharding at run time (issue #26): an emulated 2-node plan, 3 ranks + 2 ranks with
+different shard boundaries in the two groups, trains like one process (runtime/replicas.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cephalo.modeling.registry import build_model
+from cephalo.planning.plan import Plan, RankPlan, ShardGroup
+from cephalo.runtime.comm import make_comm
+from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.optim import AdamWHyper
+from dist_harness import dist_pool_fixture
+from engine_common import (
+    LR,
+    TEST_EPS,
+    make_data,
+    max_rel_diff,
+    one_thread,
+    rank_slice,
+    run_reference,
+)
+
+__all__ = ["one_thread"]
+pool5 = dist_pool_fixture(5, timeout_s=600)
+STEPS = 20
+
+
+def hierarchical_plan(reduce_dtype: str = "fp32") -> Plan:
+    ranks = [
+        RankPlan(0, "cpu", 3, 2, 2, 0.5),
+        RankPlan(1, "cpu", 1, 1, 1, 0.2),
+        RankPlan(2, "cpu", 2, 2, 1, 0.3),
+        RankPlan(3, "cpu", 1, 1, 1, 0.35),
+        RankPlan(4, "cpu", 1, 1, 1, 0.65),
+    ]
+    return Plan(
+        "manual",
+        "gpt-tiny",
+        16,
+        8,
+        "fp32",
+        ranks,
+        shard_groups=[ShardGroup([0, 1, 2]), ShardGroup([3, 4])],
+        cross_group_reduce_dtype=reduce_dtype,
+    )
+
+
+def _run(plan, cfg, data, overrides):
+    torch.set_num_threads(1)
+    comm = make_comm("gloo")
+    engine = Engine(build_model("gpt-tiny", **overrides), plan, comm, cfg)
+    stats = [
+        engine.train_step(rank_slice(plan, comm.rank, x), rank_slice(plan, comm.rank, y), lr=LR)
+        for x, y in data
+    ]
+    full = engine.full_state_dict()
+    return {
+        "params": full if comm.rank in (0, 3) else None,
+        "losses": [s.loss for s in stats],
+        "norms": [s.grad_norm for s in stats],
+        "sizes": [us.size for us in engine.shards],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_two_node_hierarchical_plan_matches_one_process(pool5, dropout):
+    plan = hierarchical_plan()
+    cfg = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
+    data = make_data(STEPS, plan.global_batch_size)
+    results = pool5.run(_run, plan, cfg, data, {"dropout": dropout})
+    ref = run_reference("gpt-tiny", {"dropout": dropout}, data, cfg)
+    for who in (0, 3):  # both replicas
+        diff, worst = max_rel_diff(results[who]["params"], ref.params)
+        print(f"group of rank {who}: max relative parameter difference {diff:.2e} ({worst})")
+        assert diff <= 1e-5, f"rank {who}: {diff:.2e} in {worst}"
+    assert results[0]["params"].keys() == results[3]["params"].keys()
+    for r in results:
+        assert r["losses"] == pytest.approx(ref.losses, rel=1e-5)
+        assert r["norms"] == pytest.approx(ref.grad_norms, rel=1e-5)
+    # the groups shard differently: the boundaries differ
+    assert results[0]["sizes"] != results[3]["sizes"]
+
+
+@pytest.mark.slow
+def test_bf16_cross_group_reduce_stays_close(pool5):
+    plan = hierarchical_plan("bf16")
+    cfg = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
+    data = make_data(5, plan.global_batch_size)
+    results = pool5.run(_run, plan, cfg, data, {"dropout": 0.0})
+    ref = run_reference("gpt-tiny", {"dropout": 0.0}, data, cfg)
+    # both replicas identical bit for bit (the same sum on every participant)
+    for k, v in results[0]["params"].items():
+        assert torch.equal(v, results[3]["params"][k]), k
+    assert results[0]["losses"] == pytest.approx(ref.losses, rel=1e-2)
+
+
+def _checkpoint_round_trip(root, data):
+    """Hierarchical for 3 steps, save; load under a flat 5-rank plan and the reverse."""
+    from cephalo.planning.planner import manual_plan
+    from cephalo.runtime.replicas import saved_state
+    from cephalo.train.checkpoint import load_checkpoint, save_checkpoint
+
+    torch.set_num_threads(1)
+    comm = make_comm("gloo")
+    cfg = EngineConfig(adamw=AdamWHyper(eps=TEST_EPS))
+    hier = hierarchical_plan()
+    flat = manual_plan(
+        "gpt-tiny", 16, [2, 2, 2, 1, 1], [1, 1, 1, 1, 1], [0.1, 0.3, 0.2, 0.25, 0.15]
+    )
+    out = {}
+    for first, second, name in ((hier, flat, "h2f"), (flat, hier, "f2h")):
+        a = Engine(build_model("gpt-tiny"), first, comm, cfg)
+        for x, y in data:
+            a.train_step(rank_slice(first, comm.rank, x), rank_slice(first, comm.rank, y), lr=LR)
+        want = a.full_state_dict()
+        save_checkpoint(f"{root}/{name}", 3, saved_state(a), a.extra_state(), {}, comm)
+        b = Engine(build_model("gpt-tiny"), second, comm, cfg)
+        load_checkpoint(f"{root}/{name}", b.sharded_state(), comm)
+        b.state_written()
+        got = b.full_state_dict()
+        out[name] = max((got[k] - want[k]).abs().max().item() for k in want)
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_hierarchical_as_flat_and_back(pool5, tmp_path):
+    data = make_data(3, 8)
+    results = pool5.run(_checkpoint_round_trip, str(tmp_path), data)
+    for r in results:
+        assert r == {"h2f": 0.0, "f2h": 0.0}
