@@ -424,7 +424,10 @@ class Engine:
                 for us in self.shards
             ],
             config.adamw,
-            config.adamw_kernel,
+            # replicas in several shard groups must stay bit-identical: the fused CPU kernel
+            # rounds an element differently in its vector body and in its tail, which fall at
+            # other elements under another group's shard boundaries
+            config.adamw_kernel or ("single" if self.replicas is not None else None),
         )
         hosted = [us for us in self.shards if us.host is not None]
         self.host_optimizer = (
