@@ -194,7 +194,7 @@ def test_profile_measured_with_a_frozen_base_keeps_qloras_dequantization():
     cm.profiles["x"].meta["adapter"] = "lora"
     again = type(cm)(cm.model, 3, "fp16", cm.devices, cm.profiles, cm.comm, adapter=QLORA_QV)
     deq = 96 * (Q + 2) * 0.01 / 30
-    assert again.rank_cost(0, 1, 1, 0.0).compute_s == pytest.approx(4 * (1 + 3) + 2 * 2 * deq)
+    assert again.rank_cost(0, 1, 1, 0.0).compute_s == pytest.approx(4 * (1 + 3) - 1 + 2 * 2 * deq)
 
 
 def test_measured_dequantization_rate_replaces_the_estimate():
@@ -203,7 +203,7 @@ def test_measured_dequantization_rate_replaces_the_estimate():
     cm = _cm(QLORA_QV)
     cm.profiles["x"].meta.update(adapter="lora", nf4_dequant_s_per_param=1e-3)
     again = type(cm)(cm.model, 3, "fp16", cm.devices, cm.profiles, cm.comm, adapter=QLORA_QV)
-    assert again.rank_cost(0, 1, 1, 0.0).compute_s == pytest.approx(4 * (1 + 3) + 2 * 2 * 0.096)
+    assert again.rank_cost(0, 1, 1, 0.0).compute_s == pytest.approx(4 * (1 + 3) - 1 + 2 * 2 * 0.096)
 
 
 def test_qlora_dequantization_moment():

@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             message = str(error)
         else:
             message = f"{type(error).__name__}: {error}"
-        announce_failure(message)
+        if not getattr(error, "consequence", False):  # only the cause, not its echoes
+            announce_failure(message)
         report_failure(message)
         if isinstance(error, CephaloError):
             if os.environ.get(envvars.ERROR_DIR):

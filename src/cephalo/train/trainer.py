@@ -211,6 +211,13 @@ def engine_config(
     )
 
 
+def _consequence(error: CephaloError) -> CephaloError:
+    """Mark an error as the consequence of another rank's failure: this rank does not announce
+    it as the cause (runtime/dist.py `announce_failure`)."""
+    error.consequence = True
+    return error
+
+
 def out_of_memory_message(rank: int, step: int, engine: Engine, err: BaseException) -> str:
     """One clear line for a real device's out-of-memory error (the others stop with it too:
     `runtime.dist.announce_failure`)."""
@@ -585,13 +592,17 @@ class _Trainer:
             return error
         peer = peer_failure(wait_s=2.0)  # the failed rank announced why (runtime/dist.py)
         if peer is not None:
-            return CephaloError(
-                f"rank {self.rank}: {what} stopped because {peer}; resume from the last "
-                "checkpoint with checkpoint.resume = auto once that is fixed"
+            return _consequence(
+                CephaloError(
+                    f"rank {self.rank}: {what} stopped because {peer}; resume from the last "
+                    "checkpoint with checkpoint.resume = auto once that is fixed"
+                )
             )
-        return CephaloError(
-            f"rank {self.rank}: {what} failed in a collective ({_short(error)}); another rank probably died or "
-            "stopped (see its error); resume from the last checkpoint with checkpoint.resume = auto"
+        return _consequence(
+            CephaloError(
+                f"rank {self.rank}: {what} failed in a collective ({_short(error)}); another rank probably died or "
+                "stopped (see its error); resume from the last checkpoint with checkpoint.resume = auto"
+            )
         )
 
     def run(self) -> TrainResult:
