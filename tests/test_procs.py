@@ -35,7 +35,9 @@ def test_timeout_kills_the_grandchildren(outer_tag):
 
 def test_a_command_that_leaves_processes_running_fails(outer_tag):
     # setsid: the leftover is in a session of its own, as torch elastic starts its workers
-    leak = "setsid sleep 60 >/dev/null 2>&1 & exit 0"
+    # (the short sleep: the leftover exists before the shell exits, also on a loaded machine,
+    # where its exec could otherwise still be under way when the check looks)
+    leak = "setsid sleep 60 >/dev/null 2>&1 & sleep 0.2; exit 0"
     with pytest.raises(pytest.fail.Exception, match=r"exited 0 but left 1 process\(es\) running"):
         run_tagged(["bash", "-c", leak], timeout_s=30, left_running_grace_s=0.5)
     assert tagged_pids(outer_tag) == []
