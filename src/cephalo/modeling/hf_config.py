@@ -16,6 +16,7 @@ from typing import Any
 from cephalo.errors import CephaloError
 from cephalo.modeling.gpt import MAX_LAYERS
 from cephalo.modeling.hf_families import family_of
+from cephalo.modeling.hf_multimodal import multimodal_type, text_config
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -157,13 +158,10 @@ def directory_config(directory: Path, overrides: dict[str, Any]):
 
     data = read_config_json(directory)
     check_not_quantized(directory, data)
-    from cephalo.modeling.hf_multimodal import multimodal_type, text_config
-
-    if multimodal_type(data):  # Gemma 3 with its vision tower: the language model is trained
-        config = text_config(directory)
-        family_of(config)
-        return apply_overrides(str(directory), config, overrides)
-    family_of(_Raw(data))
+    # Gemma 3 with its vision tower: its language model is what is trained
+    multimodal = multimodal_type(data) is not None
+    if not multimodal:
+        family_of(_Raw(data))
     tf = transformers_module()
     try:
         config = tf.AutoConfig.from_pretrained(str(directory), local_files_only=True)
@@ -171,6 +169,8 @@ def directory_config(directory: Path, overrides: dict[str, Any]):
         raise CephaloError(
             f"transformers cannot read {directory / 'config.json'}: {first_line(e)}"
         ) from None
+    if multimodal:
+        config = text_config(config)
     family_of(config)
     return apply_overrides(str(directory), config, overrides)
 

@@ -42,17 +42,9 @@ def multimodal_type(data: dict[str, Any]) -> str | None:
     return None
 
 
-def text_config(directory: Path):
-    """The language model's config (the causal LM cephalo builds) of a multimodal directory."""
-    from cephalo.modeling.hf_config import first_line, transformers_module
-
-    tf = transformers_module()
-    try:
-        full = tf.AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CephaloError(
-            f"transformers cannot read {directory / 'config.json'}: {first_line(e)}"
-        ) from None
+def text_config(full):
+    """The language model's config (the causal LM cephalo builds) from a multimodal
+    directory's config (`AutoConfig`, read by `hf_config.directory_config`)."""
     text = full.get_text_config()
     _, causal = TEXT_MODEL_TYPES[full.model_type]
     text.architectures = [causal]
@@ -69,9 +61,8 @@ class MultimodalSource:
     """The multimodal directory a language model came from: its name mapping and export."""
 
     def __init__(self, directory: Path):
-        from cephalo.modeling.hf_config import transformers_module
+        import transformers as tf  # present: its config was read through it
 
-        tf = transformers_module()
         self.directory = directory
         self.config = tf.AutoConfig.from_pretrained(str(directory), local_files_only=True)
         with torch.device("meta"):
