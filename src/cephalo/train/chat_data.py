@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import operator
 import os
 import time
 from collections.abc import Sequence
@@ -50,6 +49,7 @@ from cephalo.train.data import (
     DEFAULT_VAL_FRACTION,
     PREPARE_HINT,
     TOKENIZER_DIR,
+    EpochOrder,
     GlobalBatches,
     TokenFile,
     TokenFileMeta,
@@ -618,27 +618,18 @@ class DocumentBatches:
                 f"tokens, but one global batch needs {global_batch_size}: use a smaller global "
                 f"batch size or seq_len (packing), or more data"
             )
-        self.steps_per_epoch = self.num_train_windows // global_batch_size
+        self.order = EpochOrder(self.num_train_windows, global_batch_size, seed)
+        self.steps_per_epoch = self.order.steps_per_epoch
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_train_windows)
+        return self.order.order(epoch)
 
     def _train_samples(self, step: int, offset: int, size: int) -> np.ndarray:
-        step, offset, size = operator.index(step), operator.index(offset), operator.index(size)
-        if step < 0:
-            raise CephaloError(f"step must be a non-negative integer, got {step}")
-        if offset < 0 or size < 0 or offset + size > self.global_batch_size:
-            raise CephaloError(
-                f"slice [{offset}, {offset + size}) is outside the global batch of "
-                f"{self.global_batch_size}: the plan's batch sizes must sum to the global batch"
-            )
-        epoch, index = divmod(step, self.steps_per_epoch)
-        start = index * self.global_batch_size + offset
-        return self.epoch_order(epoch)[start : start + size]
+        return self.order.windows(step, offset, size)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rank_slice(step, 0, self.global_batch_size)

@@ -720,6 +720,44 @@ def resolve_dataset(
 
 
 # ----------------------------------------------------------------------------- batches
+class EpochOrder:
+    """Which training windows each step's global batch takes: every epoch visits the
+    `num_windows` windows in a permutation seeded by (seed, epoch), `global_batch_size` per
+    step; the last incomplete batch of an epoch is skipped. Shared by token windows
+    (`GlobalBatches`) and chat samples (`chat_data.DocumentBatches`)."""
+
+    def __init__(self, num_windows: int, global_batch_size: int, seed: int):
+        self.num_windows, self.global_batch_size, self.seed = num_windows, global_batch_size, seed
+        self.steps_per_epoch = num_windows // global_batch_size
+        self._cache: dict[int, np.ndarray] = {}
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The windows in the order epoch `epoch` visits them."""
+        order = self._cache.get(epoch)
+        if order is None:
+            # seeded by (seed, epoch) through SeedSequence: epochs of different seeds
+            # never share an order (seed + epoch would make seed 0 epoch 1 == seed 1 epoch 0)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            if len(self._cache) >= 2:  # consecutive steps need at most two epochs
+                self._cache.pop(min(self._cache))
+            self._cache[epoch] = order
+        return order
+
+    def windows(self, step: int, offset: int, size: int) -> np.ndarray:
+        """Windows of samples [offset, offset + size) of step's global batch."""
+        step, offset, size = operator.index(step), operator.index(offset), operator.index(size)
+        if step < 0:
+            raise CephaloError(f"step must be a non-negative integer, got {step}")
+        if offset < 0 or size < 0 or offset + size > self.global_batch_size:
+            raise CephaloError(
+                f"slice [{offset}, {offset + size}) is outside the global batch of "
+                f"{self.global_batch_size}: the plan's batch sizes must sum to the global batch"
+            )
+        epoch, index = divmod(step, self.steps_per_epoch)
+        start = index * self.global_batch_size + offset
+        return self.order(epoch)[start : start + size]
+
+
 class GlobalBatches:
     """Plan-invariant global batches over a token dataset.
 
@@ -785,8 +823,8 @@ class GlobalBatches:
                 f"batch needs {global_batch_size}: use a smaller seq_len or global batch size, "
                 f"or more data (`cephalo prepare-data`)"
             )
-        self.steps_per_epoch = self.num_train_windows // global_batch_size
-        self._order_cache: dict[int, np.ndarray] = {}
+        self.order = EpochOrder(self.num_train_windows, global_batch_size, seed)
+        self.steps_per_epoch = self.order.steps_per_epoch
 
     # ---------------------------------------------------------------- train
     @property
@@ -799,15 +837,7 @@ class GlobalBatches:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The training windows in the order epoch `epoch` visits them."""
-        order = self._order_cache.get(epoch)
-        if order is None:
-            # seeded by (seed, epoch) through SeedSequence: epochs of different seeds
-            # never share an order (seed + epoch would make seed 0 epoch 1 == seed 1 epoch 0)
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_train_windows)
-            if len(self._order_cache) >= 2:  # consecutive steps need at most two epochs
-                self._order_cache.pop(min(self._order_cache))
-            self._order_cache[epoch] = order
-        return order
+        return self.order.order(epoch)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole global batch of `step`: (input_ids, labels), each [B, seq_len] int64."""
@@ -818,18 +848,7 @@ class GlobalBatches:
 
         Rank i passes offset = plan.batch_offsets()[i], size = its batch_size (may be 0).
         """
-        step, offset, size = operator.index(step), operator.index(offset), operator.index(size)
-        if step < 0:
-            raise CephaloError(f"step must be a non-negative integer, got {step}")
-        if offset < 0 or size < 0 or offset + size > self.global_batch_size:
-            raise CephaloError(
-                f"slice [{offset}, {offset + size}) is outside the global batch of "
-                f"{self.global_batch_size}: the plan's batch sizes must sum to the global batch"
-            )
-        epoch, index = divmod(step, self.steps_per_epoch)
-        start = index * self.global_batch_size + offset
-        windows = self.epoch_order(epoch)[start : start + size]
-        return self._read(self.train_file, windows)
+        return self._read(self.train_file, self.order.windows(step, offset, size))
 
     def rank_positions(self, step: int, offset: int, size: int) -> None:
         """Token windows hold no documents of their own: positions 0, 1, ... (chat data's
