@@ -225,14 +225,6 @@ def _broadcast(obj: object, src: int, comm: Comm) -> object:
     return box[0]
 
 
-def _all_gather(obj: object, comm: Comm) -> list:
-    if comm.world_size == 1:
-        return [obj]
-    out: list = [None] * comm.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _torch_device(comm: Comm) -> torch.device:
     if comm.backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -374,7 +366,7 @@ def profile_devices(
     rank = comm.rank
     type_keys = list(dict.fromkeys(d.type_key for d in devices))
     first_rank = _measuring_ranks(devices, comm.world_size)
-    hosts = _all_gather(host_signature(tdev), comm)
+    hosts = comm.all_gather_object(host_signature(tdev))
     together = _concurrent(settings.concurrent, hosts, comm.backend)
     keys, comm_key = _keys(
         meta_model, seq_len, dtype, devices, hosts, first_rank, comm.backend, together
@@ -419,7 +411,7 @@ def profile_devices(
             materialised, seq_len, dtype, devices[rank], tdev, settings, progress, together=comm
         ).to_dict()
         del materialised
-        results = _all_gather(mine, comm)
+        results = comm.all_gather_object(mine)
         for k in type_keys:
             profiles[k] = DeviceProfile.from_dict(results[first_rank[k]])
             measured.append(k)

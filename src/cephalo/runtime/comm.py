@@ -215,6 +215,14 @@ class Comm(ABC):
         self.counters.add(name, t.numel() * t.element_size())
         self._all_reduce(t, op)
 
+    def all_gather_object(self, obj: object) -> list:
+        """Every rank's picklable `obj`, in rank order (small values: descriptions, profiles)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     @abstractmethod
     def barrier(self) -> None:
         """Block until every rank reaches this point."""

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from cephalo import __version__, envvars
 from cephalo.errors import CephaloError
@@ -161,14 +160,6 @@ def job_torch_device(cfg: JobConfig, comm: Comm) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _all_gather_objects(obj: object, comm: Comm) -> list:
-    if comm.world_size == 1:
-        return [obj]
-    out: list = [None] * comm.world_size
-    dist.all_gather_object(out, obj, group=comm.group)
-    return out
-
-
 def check_same_job(descriptions: list[RankDescription]) -> None:
     """Raise (on every rank: each sees the same list) if the ranks were started with different
     jobs, naming the fields that differ."""
@@ -229,7 +220,7 @@ def discover_cluster(cfg: JobConfig, comm: Comm) -> Cluster:
     """Every rank describes itself; the descriptions are all-gathered and checked (one job);
     the cluster is built from them (collective: call on every rank)."""
     mine = describe_own_device(cfg, comm.rank, comm.world_size)
-    descriptions = _all_gather_objects(mine, comm)
+    descriptions = comm.all_gather_object(mine)
     check_same_job(descriptions)
     links = Cluster.parse(cfg.parallel.devices) if cfg.parallel.devices else None
     return cluster_from_descriptions(descriptions, links)
