@@ -412,13 +412,13 @@ def check_uneven_collectives(comm, device: torch.device) -> list[str]:
                 what = f"{type(comm).__name__} {str(dtype)[6:]} sizes {sizes} async={async_op}"
                 shard = _shard_values(rank, sizes[rank]).to(device, dtype)
                 out = torch.full((sum(sizes),), -1.0, dtype=dtype, device=device)
-                comm.all_gather_v(out, shard, sizes, async_op=async_op).wait()
+                _backend(comm, "all_gather_v")(out, shard, sizes, async_op).wait()
                 expect = torch.cat([_shard_values(k, n) for k, n in enumerate(sizes)])
                 if not torch.equal(out.float().cpu(), expect):
                     failures.append(f"all_gather_v {what}: got {out[:8].tolist()}...")
                 full = _full_values(rank, sum(sizes)).to(device, dtype)
                 mine = torch.full((sizes[rank],), -1.0, dtype=dtype, device=device)
-                comm.reduce_scatter_v(mine, full, sizes, async_op=async_op).wait()
+                _backend(comm, "reduce_scatter_v")(mine, full, sizes, async_op).wait()
                 total = sum(_full_values(k, sum(sizes)) for k in range(world))
                 start = sum(sizes[:rank])
                 if not torch.equal(mine.float().cpu(), total[start : start + sizes[rank]]):
@@ -445,6 +445,15 @@ def check_uneven_collectives(comm, device: torch.device) -> list[str]:
             if "disagree on sizes" not in str(err):
                 failures.append(f"size mismatch raised the wrong error: {err}")
     return failures
+
+
+def _backend(comm, name: str) -> Callable:
+    """The collective `name` as the checks call it. At world size 1 the public call is a copy
+    whatever the backend (runtime/comm.py), so one GPU calls the backend's own implementation
+    (NCCL's padding, dtypes and streams) directly; at world size >= 2 the public call."""
+    if comm.world_size == 1:
+        return getattr(comm, f"_{name}")
+    return getattr(comm, name)
 
 
 def _shard_values(rank: int, n: int) -> torch.Tensor:

@@ -73,7 +73,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch.func import functional_call
 
 from cephalo.errors import CephaloError
 from cephalo.log import logger
@@ -81,6 +80,7 @@ from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
 from cephalo.runtime import head_loss
 from cephalo.runtime.autograd import BackwardCharges, drain_grad
+from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm, Handle
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
@@ -443,6 +443,8 @@ class Engine:
         self._validated: set[str] = set()
         """Kinds of pass ("train", "eval") whose collectives every rank has cross-checked."""
         self._cuda_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._bindings: dict[int, UnitBinding] = {}
+        """Each unit's parameter slots, found once (runtime/bind.py)."""
 
     # ------------------------------------------------------------------ setup
     @torch.no_grad()
@@ -732,11 +734,17 @@ class Engine:
         with self._dropout(us, mb):
             if us.unit.kind != "head":
                 kwargs = position_kwargs(self.model, mb.position_ids)
-                return functional_call(us.unit.module, params, (x,), kwargs, strict=False)
+                return self._binding(us)(params, (x,), kwargs)
             return head_loss.loss(self._head_fn(us, params), x, mb.labels, self._vocab)
 
     def _head_fn(self, us: _UnitShard, params: dict[str, torch.Tensor]) -> head_loss.RunHead:
-        return lambda h, labels: functional_call(us.unit.module, params, (h, labels), strict=False)
+        return lambda h, labels: self._binding(us)(params, (h, labels))
+
+    def _binding(self, us: _UnitShard) -> UnitBinding:
+        binding = self._bindings.get(us.index)
+        if binding is None:
+            binding = self._bindings[us.index] = UnitBinding(us.unit.module)
+        return binding
 
     def _head_pass(
         self,
