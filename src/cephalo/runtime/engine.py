@@ -819,9 +819,10 @@ class Engine:
         slowdown must be emulated, which needs the host to know the time now."""
         if self.device.type == "cuda" and self.emulator.slowdown == 1.0:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            stream = torch.cuda.current_stream(self.device)  # once: it builds a Stream object
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._cuda_events.append((start, end))
             return
         if self.device.type == "cuda":
