@@ -752,16 +752,45 @@ def _check_hf(setup: Setup) -> tuple[list[str], str]:
     return check_hf_models(setup.comm, setup.device), f"transformers {transformers.__version__}"
 
 
-def check_throughput(setup: Setup) -> tuple[list[str], str]:
-    """Tokens/s and MFU: the engine against plain PyTorch on the same model and batch."""
+def plain_step(setup: Setup, model_name: str, data, recompute: bool) -> Callable[[], None]:
+    """One step of plain PyTorch on the same model and batch: the model in the compute dtype,
+    `torch.optim.AdamW` (fused on CUDA) with weight decay on matrices, norm clipping; with
+    `recompute`, every block under activation checkpointing, as the engine recomputes it."""
     from cephalo.modeling.registry import build_model
     from cephalo.runtime.param_groups import adamw_param_groups
 
-    batch, micro, steps = (16, 16, 6) if setup.cuda else (4, 4, 3)
+    dtype = torch.bfloat16 if setup.cuda else torch.float32
+    model = build_model(model_name).materialize(setup.device, torch.Generator().manual_seed(0))
+    model.to(dtype)
+    named = [(f"{u}.{n}", p) for u, n, p in model.named_unit_parameters()]
+    opt = torch.optim.AdamW(adamw_param_groups(named, 0.1), lr=1e-4, fused=setup.cuda or None)
+    x, y = data[0].to(setup.device), data[1].to(setup.device)
+    n_tokens = y.numel()
+
+    def loss() -> torch.Tensor:
+        if not recompute:
+            return model(x, y)
+        h = model.units[0].module(x)
+        for u in model.units[1:-1]:
+            h = torch.utils.checkpoint.checkpoint(u.module, h, use_reentrant=False)
+        return model.units[-1].module(h, y) / n_tokens
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+
+    return step
+
+
+def check_throughput(setup: Setup) -> tuple[list[str], str]:
+    """Tokens/s and MFU: the engine against plain PyTorch on the same model and batch, with
+    and without recomputing the blocks (the engine recomputes every block)."""
+    batch, micro, steps = (16, 16, 10) if setup.cuda else (4, 4, 3)
     model_name = setup.big_model
     data = _data(_vocab(setup), batch, setup.seq, steps=1)[0]
     tokens = batch * setup.seq
-    dtype = torch.bfloat16 if setup.cuda else torch.float32
 
     def timed(step: Callable[[], None]) -> float:
         step()  # warm-up
@@ -778,29 +807,21 @@ def check_throughput(setup: Setup) -> tuple[list[str], str]:
     ours = timed(lambda: engine.train_step(*data, lr=1e-4))
     engine = None  # free its memory before the plain model's
     _free(setup)
-    plain = build_model(model_name).materialize(setup.device, torch.Generator().manual_seed(0))
-    plain.to(dtype)
-    named = [(f"{u}.{n}", p) for u, n, p in plain.named_unit_parameters()]
-    opt = torch.optim.AdamW(adamw_param_groups(named, 0.1), lr=1e-4, fused=setup.cuda or None)
-    x, y = data[0].to(setup.device), data[1].to(setup.device)
-
-    def plain_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        plain(x, y).backward()
-        opt.step()
-
-    theirs = timed(plain_step)
-    plain = opt = None
-    _free(setup)
+    theirs = {}
+    for recompute in (False, True):
+        theirs[recompute] = timed(plain_step(setup, model_name, data, recompute))
+        _free(setup)
     flops = 6 * params * tokens  # forward + backward, matmul-dominated (no attention term)
     peak = _peak_flops(setup)
-    ours_tps, theirs_tps = tokens / ours, tokens / theirs
+    tps = {k: tokens / v for k, v in theirs.items()}
+    ours_tps = tokens / ours
     note = (
-        f"{model_name} b{batch}x{setup.seq}: engine {ours_tps:,.0f} tok/s, plain PyTorch "
-        f"{theirs_tps:,.0f} tok/s ({ours_tps / theirs_tps:.2f}x)"
+        f"{model_name} b{batch}x{setup.seq}: engine {ours_tps:,.0f} tok/s; plain PyTorch "
+        f"{tps[False]:,.0f} ({ours_tps / tps[False]:.2f}x), with recompute {tps[True]:,.0f} "
+        f"({ours_tps / tps[True]:.2f}x)"
     )
     if peak:
-        note += f"; MFU {flops / ours / peak:.1%} vs {flops / theirs / peak:.1%}"
+        note += f"; MFU {flops / ours / peak:.1%} vs {flops / theirs[False] / peak:.1%}"
     return [], note
 
 

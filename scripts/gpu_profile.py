@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import Setup, _data, _engine, _sync, _vocab  # noqa: E402
+from gpu_check import Setup, _data, _engine, _sync, _vocab, plain_step  # noqa: E402
 
 
 def _median_step_s(setup: Setup, step: Callable[[], None], steps: int) -> float:
@@ -49,35 +49,6 @@ def _median_step_s(setup: Setup, step: Callable[[], None], steps: int) -> float:
         _sync(setup)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _plain(setup: Setup, model_name: str, data, recompute: bool) -> Callable[[], None]:
-    from cephalo.modeling.registry import build_model
-    from cephalo.runtime.param_groups import adamw_param_groups
-
-    dtype = torch.bfloat16 if setup.cuda else torch.float32
-    model = build_model(model_name).materialize(setup.device, torch.Generator().manual_seed(0))
-    model.to(dtype)
-    named = [(f"{u}.{n}", p) for u, n, p in model.named_unit_parameters()]
-    opt = torch.optim.AdamW(adamw_param_groups(named, 0.1), lr=1e-4, fused=setup.cuda or None)
-    x, y = data[0].to(setup.device), data[1].to(setup.device)
-    n_tokens = y.numel()
-
-    def loss() -> torch.Tensor:
-        if not recompute:
-            return model(x, y)
-        h = model.units[0].module(x)
-        for u in model.units[1:-1]:
-            h = torch.utils.checkpoint.checkpoint(u.module, h, use_reentrant=False)
-        return model.units[-1].module(h, y) / n_tokens
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-
-    return step
 
 
 def _torch_profile(setup: Setup, step: Callable[[], None], steps: int):
@@ -176,8 +147,8 @@ def run(setup: Setup, out: Path, steps: int) -> str:
                 _engine(setup, model_name, batch, batch, setup.low, prefetch=False), data
             ),
         ),
-        ("plain", lambda: _plain(setup, model_name, data, recompute=False)),
-        ("plain + recompute", lambda: _plain(setup, model_name, data, recompute=True)),
+        ("plain", lambda: plain_step(setup, model_name, data, recompute=False)),
+        ("plain + recompute", lambda: plain_step(setup, model_name, data, recompute=True)),
     ]
     for name, make in variants:
         step = make()
