@@ -39,7 +39,9 @@ LGA step (mode "lga"), per rank, over its micro-batches (plan `micro_batch_size`
             previous unit's output gradient; then ONE reduce-scatter of the unit's
             gradient to the shard owners.
   So each unit is gathered once per pass and reduced once per step whatever the number
-  of micro-batches. Standard mode (the baseline) runs the same per-unit machinery with
+  of micro-batches. A unit whose split is near even runs both as the even collectives on
+  padded buffers (runtime/padded.py), a skewed one as grouped collectives of its sizes.
+  Standard mode (the baseline) runs the same per-unit machinery with
   the micro-batch loop outermost: FSDP with per-unit activation checkpointing, whose
   collectives grow with the number of micro-batches.
 
@@ -79,7 +81,7 @@ from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import BackwardCharges, drain_grad
+from cephalo.runtime.autograd import BackwardCharges, drain_grad, drain_grad_pieces
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
@@ -91,6 +93,7 @@ from cephalo.runtime.head_pass import HeadPass
 from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.optim import ShardedAdamW, ShardGroup
+from cephalo.runtime.padded import PaddedSplit
 from cephalo.runtime.param_groups import wants_weight_decay
 from cephalo.runtime.pinned import ALIGN as PINNED_ALIGN
 from cephalo.runtime.pinned import PinnedArena
@@ -264,6 +267,9 @@ class Engine(UnitComm, HeadPass):
                 params = [(n, p) for n, p in params if p.requires_grad]
             layout = FlatLayout(unit.name, params)
             us = UnitShard(i, unit, layout, shard_ranges(layout.numel, fractions), self.comm.rank)
+            if self.config.padded_collectives and self.comm.world_size > 1:
+                us.padded = PaddedSplit.of(us.sizes)
+                us.pad_offset = us.padded.offset(self.comm.rank) if us.padded else 0
             if on_meta:
                 # materialise ONE unit's initial values on the CPU (host memory: the largest
                 # unit, fp32), keep this rank's slice, drop the rest
@@ -327,7 +333,12 @@ class Engine(UnitComm, HeadPass):
         us.dev_n = d = us.size - us.host_n
         if self.dtype == torch.float32:
             # one device buffer: the device part's master, then the host part's copy
-            us.param_buf = self._alloc_state(us.size).copy_(values)
+            if us.padded is None:
+                us.param_buf = self._alloc_state(us.size).copy_(values)
+            else:  # the padded chunk the gathers send (runtime/padded.py), zero around the shard
+                us.send_buf = self._alloc_state(us.padded.pad).zero_()
+                o = us.pad_offset
+                us.param_buf = us.send_buf[o : o + us.size].copy_(values)
             us.master, us.host_copy = us.param_buf[:d], us.param_buf[d:]
         else:
             us.master = self._alloc_state(d).copy_(values[:d])
@@ -572,11 +583,16 @@ class Engine(UnitComm, HeadPass):
         borrowed = {b.name: t for b, t in zip(us.borrows, tied_acc, strict=True)}
         for name, leaf in leaves.items():
             if name in borrowed:
-                dst = borrowed[name]
+                hook = functools.partial(drain_grad, borrowed[name])
             else:
                 slot = us.layout.slot(name)
-                dst = acc[slot.offset : slot.end]
-            leaf.register_post_accumulate_grad_hook(functools.partial(drain_grad, dst))
+                if us.padded is None:
+                    hook = functools.partial(drain_grad, acc[slot.offset : slot.end])
+                else:  # the padded gradient buffer (runtime/padded.py)
+                    hook = functools.partial(
+                        drain_grad_pieces, us.padded.slices(acc, slot.offset, slot.end)
+                    )
+            leaf.register_post_accumulate_grad_hook(hook)
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         head_out_grad = (
             torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
