@@ -92,7 +92,7 @@ from cephalo.runtime.frozen import FrozenBase
 from cephalo.runtime.head_pass import HeadPass
 from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
 from cephalo.runtime.memory import MemoryLedger
-from cephalo.runtime.optim import ShardedAdamW, ShardGroup
+from cephalo.runtime.optim import ShardedAdamW, ShardGroup, clip_coefficient
 from cephalo.runtime.padded import PaddedSplit
 from cephalo.runtime.param_groups import wants_weight_decay
 from cephalo.runtime.pinned import ALIGN as PINNED_ALIGN
@@ -773,6 +773,10 @@ class Engine(UnitComm, HeadPass):
         self._all_reduce(red)
         if self.replicas is not None:  # every group holds the same, whole gradient
             red[0] /= len(self.replicas.groups)
+        if self.scaler is None and host_opt is None and opt.kernel == "fused":
+            with self._optimizer_work():
+                self._device_step(red, lr)
+            return self._step_outcome(red, n_tokens)
         grad_norm = float(red[0].sqrt())
         self._last_loss = float(red[1]) / max(n_tokens, 1)
         finite = math.isfinite(grad_norm)
@@ -789,9 +793,7 @@ class Engine(UnitComm, HeadPass):
                 self._zero_device_grads()
             self._host_zero_grad()
             return True, grad_norm
-        coef = 1.0
-        if self.config.grad_clip > 0:
-            coef = min(1.0, self.config.grad_clip / (grad_norm + 1e-6))
+        coef = clip_coefficient(grad_norm, self.config.grad_clip) if self.config.grad_clip else 1.0
         with self._optimizer_work():
             opt.step(lr, coef)  # (the fused kernel scales the gradients as it reads them)
             self._zero_device_grads()
@@ -809,6 +811,29 @@ class Engine(UnitComm, HeadPass):
             self.link.wait_uploads()
             self._host_s += time.perf_counter() - t0
         return False, grad_norm
+
+    def _device_step(self, red: torch.Tensor, lr: float) -> None:
+        """The update without a host sync (all state on the device, no loss scaler, the fused
+        kernel): the clipping coefficient is computed and applied on the device, and a
+        non-finite norm makes the kernel leave everything as it is (`found_inf`).
+        scripts/gpu_check.py runs it under `torch.cuda.set_sync_debug_mode("error")`."""
+        norm = red[0].sqrt()
+        clip = self.config.grad_clip
+        coef = clip_coefficient(norm, clip) if clip else 1.0
+        self.optimizer.step(lr, coef, found_inf=(~torch.isfinite(norm)).to(torch.float32))
+        self._zero_device_grads()
+
+    def _step_outcome(self, red: torch.Tensor, n_tokens: int) -> tuple[bool, float]:
+        """After `_device_step` is queued: (skipped, gradient norm), one read of the device's
+        norm and loss sum. A skipped step is taken back (`step_count`); the trainer decides
+        how many skips it tolerates."""
+        norm_sq, loss = red.tolist()
+        self._last_loss = loss / max(n_tokens, 1)
+        grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
+        if math.isfinite(grad_norm):
+            return False, grad_norm
+        self.optimizer.step_count -= 1
+        return True, grad_norm
 
     def _device_grad(self, us: UnitShard) -> torch.Tensor:
         """The device part's gradient shard (a lean rank allocates it on first use)."""
