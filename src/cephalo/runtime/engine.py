@@ -99,7 +99,7 @@ from cephalo.runtime.pinned import ALIGN as PINNED_ALIGN
 from cephalo.runtime.pinned import PinnedArena
 from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
 from cephalo.runtime.replicas import SlowLinkComm, attach_replicas
-from cephalo.runtime.unit_comm import Reduce, UnitComm
+from cephalo.runtime.unit_comm import Gathered, Reduce, UnitComm
 from cephalo.runtime.unit_shard import Borrow, MicroBatch, UnitShard
 
 
@@ -191,6 +191,8 @@ class Engine(UnitComm, HeadPass):
         """Activation and transient bytes per (unit, micro-batch shape), measured once."""
         self._vocab = model.spec.vocab_size
         self._head_reducing: list[Reduce] = []
+        self._backward_prefetch: Gathered | None = None
+        """The last block's gather for the backward, started during the head pass."""
         """The head's reduce-scatters, started at the end of the forward (`_head_pass`)."""
         self._build_shards()
         arena = (
@@ -495,6 +497,9 @@ class Engine(UnitComm, HeadPass):
             pending = None
             if self.config.prefetch and u + 1 < n:
                 pending = self._start_gather(self.shards[u + 1], async_op=True)
+            elif self.config.prefetch and head_grad is not None and self._backward_gathers(n - 2):
+                # the head pass: the backward's first unit, the last block, gathers meanwhile
+                self._backward_prefetch = self._start_gather(self.shards[n - 2], async_op=True)
             with self._compute(), torch.no_grad():
                 if u == n - 1 and head_grad is not None:
                     loss_sum += self._head_pass(us, params, mbs, store, head_grad)
@@ -513,6 +518,11 @@ class Engine(UnitComm, HeadPass):
             self._release(g)
             del params  # the gathered buffers die with the ledger's count of them
         return loss_sum
+
+    def _backward_gathers(self, u: int) -> bool:
+        """Whether the backward gathers unit u (not the head: its backward ran in the forward;
+        not a frozen embedding: nothing to compute)."""
+        return 0 <= u < len(self.shards) - 1 and (u > 0 or self._trains(self.shards[0]))
 
     def _unit_input(self, store: BoundaryStore, u: int, j: int, mb: MicroBatch):
         """Unit u's input for micro-batch j: the token ids for the embedding, else the stored
@@ -537,7 +547,9 @@ class Engine(UnitComm, HeadPass):
         # flight
         n = len(self.shards) - 1
         reducing, self._head_reducing = self._head_reducing, []
-        pending = self._start_gather(self.shards[n - 1], async_op=self.config.prefetch)
+        pending, self._backward_prefetch = self._backward_prefetch, None
+        if pending is None and self._backward_gathers(n - 1):
+            pending = self._start_gather(self.shards[n - 1], async_op=self.config.prefetch)
         for u in reversed(range(n)):
             us = self.shards[u]
             if u == 0 and not self._trains(us):  # a frozen embedding: no gradient to compute
