@@ -6,7 +6,8 @@ a CI test does, so the checks themselves cannot rot unseen. Each check is a func
 returning its failures; a check that raises is a failure, not the end of the run.
 
   bf16_train       GPT-2 124M trains in bf16 (the loss falls); the ledger's device peak is
-                   within 10 % of torch.cuda.max_memory_allocated over a step
+                   within 10 % of torch.cuda.max_memory_allocated over a step; the update
+                   (clip coefficient on the device, fused AdamW) makes no host sync
   fp16_scaling     fp16 with dynamic loss scaling: the first loss equals fp32's (1e-2), an
                    overflowing step is skipped and halves the scale, training goes on
   offload_bitwise  boundaries offloaded to pinned host memory (4 micro-batches) against kept
@@ -132,10 +133,29 @@ def _vocab(setup: Setup) -> int:
 
 
 # ----------------------------------------------------------------------------- checks
+def _no_host_sync(engine) -> list[int]:
+    """Run the engine's update (clip coefficient, AdamW, zeroed gradients: `_device_step`)
+    under `torch.cuda.set_sync_debug_mode("error")`: a host sync in it raises. Returns a
+    one-item list counting the updates run that way."""
+    step, count = engine._device_step, [0]
+
+    def checked(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        count[0] += 1
+
+    engine._device_step = checked
+    return count
+
+
 def check_bf16_train(setup: Setup) -> tuple[list[str], str]:
     batch, micro, steps = (8, 4, 8) if setup.cuda else (4, 2, 6)
     data = _data(_vocab(setup), batch, setup.seq) * steps
     engine = _engine(setup, setup.big_model, batch, micro, setup.low)
+    no_sync = _no_host_sync(engine) if setup.cuda else None
     losses, ratios = [], []
     for x, y in data:
         _sync(setup)
@@ -150,6 +170,10 @@ def check_bf16_train(setup: Setup) -> tuple[list[str], str]:
     if not losses[-1] < losses[0] - 0.3:
         failures.append(f"loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
     note = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    if no_sync is not None:
+        if no_sync[0] != len(data):
+            failures.append(f"the update ran without a host sync {no_sync[0]} of {len(data)} steps")
+        note += f"; {no_sync[0]} updates without a host sync"
     if ratios:
         worst = max(abs(1 - r) for r in ratios[1:])  # step 0 holds one-off allocations
         note += f"; ledger/allocator peak {min(ratios[1:]):.3f}-{max(ratios[1:]):.3f}"

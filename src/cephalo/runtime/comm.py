@@ -19,7 +19,9 @@ forms would copy everything through a flattened buffer (a whole unit per call th
 the ledger nor the cost model counts) and, on NCCL, give up its ring / tree / NVLS algorithms.
 `counters.even_calls` counts the calls that took this path.
 - `PaddedComm`: pads every shard to `max(sizes)` and uses the even tensor collectives. More
-  traffic, different code path: a cross-check for the others.
+  traffic, different code path: a cross-check for the others. (The engine pads a near-even
+  split itself, in buffers allocated padded, and calls the even path with equal sizes:
+  runtime/padded.py.)
 
 Validation. Before every collective each rank checks its own arguments (1-D contiguous
 tensors, `len(sizes) == world_size`, non-negative sizes, matching numels and dtypes) and then,

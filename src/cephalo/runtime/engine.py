@@ -39,7 +39,9 @@ LGA step (mode "lga"), per rank, over its micro-batches (plan `micro_batch_size`
             previous unit's output gradient; then ONE reduce-scatter of the unit's
             gradient to the shard owners.
   So each unit is gathered once per pass and reduced once per step whatever the number
-  of micro-batches. Standard mode (the baseline) runs the same per-unit machinery with
+  of micro-batches. A unit whose split is near even runs both as the even collectives on
+  padded buffers (runtime/padded.py), a skewed one as grouped collectives of its sizes.
+  Standard mode (the baseline) runs the same per-unit machinery with
   the micro-batch loop outermost: FSDP with per-unit activation checkpointing, whose
   collectives grow with the number of micro-batches.
 
@@ -78,7 +80,7 @@ from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import BackwardCharges, drain_grad
+from cephalo.runtime.autograd import BackwardCharges, drain_grad, drain_grad_pieces
 from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm
@@ -90,13 +92,14 @@ from cephalo.runtime.frozen import FrozenBase
 from cephalo.runtime.head_pass import HeadPass
 from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
 from cephalo.runtime.memory import MemoryLedger
-from cephalo.runtime.optim import ShardedAdamW, ShardGroup
+from cephalo.runtime.optim import ShardedAdamW, ShardGroup, clip_coefficient
+from cephalo.runtime.padded import PaddedSplit
 from cephalo.runtime.param_groups import wants_weight_decay
 from cephalo.runtime.pinned import ALIGN as PINNED_ALIGN
 from cephalo.runtime.pinned import PinnedArena
 from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
 from cephalo.runtime.replicas import SlowLinkComm, attach_replicas
-from cephalo.runtime.unit_comm import Reduce, UnitComm
+from cephalo.runtime.unit_comm import Gathered, Reduce, UnitComm
 from cephalo.runtime.unit_shard import Borrow, MicroBatch, UnitShard
 
 
@@ -188,6 +191,8 @@ class Engine(UnitComm, HeadPass):
         """Activation and transient bytes per (unit, micro-batch shape), measured once."""
         self._vocab = model.spec.vocab_size
         self._head_reducing: list[Reduce] = []
+        self._backward_prefetch: Gathered | None = None
+        """The last block's gather for the backward, started during the head pass."""
         """The head's reduce-scatters, started at the end of the forward (`_head_pass`)."""
         self._build_shards()
         arena = (
@@ -266,6 +271,9 @@ class Engine(UnitComm, HeadPass):
                 params = [(n, p) for n, p in params if p.requires_grad]
             layout = FlatLayout(unit.name, params)
             us = UnitShard(i, unit, layout, shard_ranges(layout.numel, fractions), self.comm.rank)
+            if self.config.padded_collectives and self.comm.world_size > 1:
+                us.padded = PaddedSplit.of(us.sizes)
+                us.pad_offset = us.padded.offset(self.comm.rank) if us.padded else 0
             if on_meta:
                 # materialise ONE unit's initial values on the CPU (host memory: the largest
                 # unit, fp32), keep this rank's slice, drop the rest
@@ -329,7 +337,12 @@ class Engine(UnitComm, HeadPass):
         us.dev_n = d = us.size - us.host_n
         if self.dtype == torch.float32:
             # one device buffer: the device part's master, then the host part's copy
-            us.param_buf = self._alloc_state(us.size).copy_(values)
+            if us.padded is None:
+                us.param_buf = self._alloc_state(us.size).copy_(values)
+            else:  # the padded chunk the gathers send (runtime/padded.py), zero around the shard
+                us.send_buf = self._alloc_state(us.padded.pad).zero_()
+                o = us.pad_offset
+                us.param_buf = us.send_buf[o : o + us.size].copy_(values)
             us.master, us.host_copy = us.param_buf[:d], us.param_buf[d:]
         else:
             us.master = self._alloc_state(d).copy_(values[:d])
@@ -493,6 +506,9 @@ class Engine(UnitComm, HeadPass):
             pending = None
             if self.config.prefetch and u + 1 < n:
                 pending = self._start_gather(self.shards[u + 1], async_op=True)
+            elif self.config.prefetch and head_grad is not None and self._backward_gathers(n - 2):
+                # the head pass: the backward's first unit, the last block, gathers meanwhile
+                self._backward_prefetch = self._start_gather(self.shards[n - 2], async_op=True)
             with self._compute(), torch.no_grad():
                 if u == n - 1 and head_grad is not None:
                     loss_sum += self._head_pass(us, params, mbs, store, head_grad)
@@ -511,6 +527,11 @@ class Engine(UnitComm, HeadPass):
             self._release(g)
             del params  # the gathered buffers die with the ledger's count of them
         return loss_sum
+
+    def _backward_gathers(self, u: int) -> bool:
+        """Whether the backward gathers unit u (not the head: its backward ran in the forward;
+        not a frozen embedding: nothing to compute)."""
+        return 0 <= u < len(self.shards) - 1 and (u > 0 or self._trains(self.shards[0]))
 
     def _unit_input(self, store: BoundaryStore, u: int, j: int, mb: MicroBatch):
         """Unit u's input for micro-batch j: the token ids for the embedding, else the stored
@@ -535,7 +556,9 @@ class Engine(UnitComm, HeadPass):
         # flight
         n = len(self.shards) - 1
         reducing, self._head_reducing = self._head_reducing, []
-        pending = self._start_gather(self.shards[n - 1], async_op=self.config.prefetch)
+        pending, self._backward_prefetch = self._backward_prefetch, None
+        if pending is None and self._backward_gathers(n - 1):
+            pending = self._start_gather(self.shards[n - 1], async_op=self.config.prefetch)
         for u in reversed(range(n)):
             us = self.shards[u]
             if u == 0 and not self._trains(us):  # a frozen embedding: no gradient to compute
@@ -581,11 +604,16 @@ class Engine(UnitComm, HeadPass):
         borrowed = {b.name: t for b, t in zip(us.borrows, tied_acc, strict=True)}
         for name, leaf in leaves.items():
             if name in borrowed:
-                dst = borrowed[name]
+                hook = functools.partial(drain_grad, borrowed[name])
             else:
                 slot = us.layout.slot(name)
-                dst = acc[slot.offset : slot.end]
-            leaf.register_post_accumulate_grad_hook(functools.partial(drain_grad, dst))
+                if us.padded is None:
+                    hook = functools.partial(drain_grad, acc[slot.offset : slot.end])
+                else:  # the padded gradient buffer (runtime/padded.py)
+                    hook = functools.partial(
+                        drain_grad_pieces, us.padded.slices(acc, slot.offset, slot.end)
+                    )
+            leaf.register_post_accumulate_grad_hook(hook)
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         head_out_grad = (
             torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
@@ -766,6 +794,10 @@ class Engine(UnitComm, HeadPass):
         self._all_reduce(red)
         if self.replicas is not None:  # every group holds the same, whole gradient
             red[0] /= len(self.replicas.groups)
+        if self.scaler is None and host_opt is None and opt.kernel == "fused":
+            with self._optimizer_work():
+                self._device_step(red, lr)
+            return self._step_outcome(red, n_tokens)
         grad_norm = float(red[0].sqrt())
         self._last_loss = float(red[1]) / max(n_tokens, 1)
         finite = math.isfinite(grad_norm)
@@ -782,9 +814,7 @@ class Engine(UnitComm, HeadPass):
                 self._zero_device_grads()
             self._host_zero_grad()
             return True, grad_norm
-        coef = 1.0
-        if self.config.grad_clip > 0:
-            coef = min(1.0, self.config.grad_clip / (grad_norm + 1e-6))
+        coef = clip_coefficient(grad_norm, self.config.grad_clip) if self.config.grad_clip else 1.0
         with self._optimizer_work():
             opt.step(lr, coef)  # (the fused kernel scales the gradients as it reads them)
             self._zero_device_grads()
@@ -802,6 +832,29 @@ class Engine(UnitComm, HeadPass):
             self.link.wait_uploads()
             self._host_s += time.perf_counter() - t0
         return False, grad_norm
+
+    def _device_step(self, red: torch.Tensor, lr: float) -> None:
+        """The update without a host sync (all state on the device, no loss scaler, the fused
+        kernel): the clipping coefficient is computed and applied on the device, and a
+        non-finite norm makes the kernel leave everything as it is (`found_inf`).
+        scripts/gpu_check.py runs it under `torch.cuda.set_sync_debug_mode("error")`."""
+        norm = red[0].sqrt()
+        clip = self.config.grad_clip
+        coef = clip_coefficient(norm, clip) if clip else 1.0
+        self.optimizer.step(lr, coef, found_inf=(~torch.isfinite(norm)).to(torch.float32))
+        self._zero_device_grads()
+
+    def _step_outcome(self, red: torch.Tensor, n_tokens: int) -> tuple[bool, float]:
+        """After `_device_step` is queued: (skipped, gradient norm), one read of the device's
+        norm and loss sum. A skipped step is taken back (`step_count`); the trainer decides
+        how many skips it tolerates."""
+        norm_sq, loss = red.tolist()
+        self._last_loss = loss / max(n_tokens, 1)
+        grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
+        if math.isfinite(grad_norm):
+            return False, grad_norm
+        self.optimizer.step_count -= 1
+        return True, grad_norm
 
     def _device_grad(self, us: UnitShard) -> torch.Tensor:
         """The device part's gradient shard (a lean rank allocates it on first use)."""

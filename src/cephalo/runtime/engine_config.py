@@ -25,6 +25,10 @@ class EngineConfig:
     says: not norms, biases)."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
+    padded_collectives: bool = True
+    """Units whose split is near even (`planning.costmodel.padded_even`) gather and reduce with
+    the even collectives on padded buffers (runtime/padded.py); False: always the grouped
+    collectives of the exact sizes."""
     prefetch: bool = True
     """Start the next unit's all-gather while computing the current one."""
     overlap_reduce: bool = True

@@ -9,6 +9,7 @@ import torch
 
 from cephalo.runtime.flat import FlatLayout, ParamSlot
 from cephalo.runtime.host_state import HostGroup
+from cephalo.runtime.padded import PaddedSplit
 
 
 @dataclass
@@ -50,6 +51,12 @@ class UnitShard:
         self.exp_avg: torch.Tensor
         self.exp_avg_sq: torch.Tensor
         self.param_buf: torch.Tensor | None = None
+        self.padded: PaddedSplit | None = None
+        """A near-even split: the unit's collectives run padded-even (runtime/padded.py)."""
+        self.pad_offset = 0
+        """Padded-even: where this rank's elements start in its padded chunk."""
+        self.send_buf: torch.Tensor | None = None
+        """Padded-even, fp32: the padded chunk the gathers send, `param_buf` inside it."""
         """fp32 compute: one device buffer [master | host part's copy] of the whole shard."""
         self.host_copy: torch.Tensor
         """Device, compute dtype: the host part's parameters, for the all-gathers."""
