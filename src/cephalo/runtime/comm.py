@@ -16,7 +16,7 @@ returned `Handle` is waited for later), so the engine overlaps them with compute
 Equal sizes (an even split; every unit at world size 1 goes through `LocalComm`): NCCL calls
 `all_gather_into_tensor` / `reduce_scatter_tensor` on the buffers themselves, gloo
 `reduce_scatter_tensor` and, for the gather, its per-source broadcasts (`Comm.even_gather`:
-on gloo over loopback the broadcasts, which its worker threads run at once, took 0.6-0.85x the
+on gloo over loopback the broadcasts, which its worker threads run at once, took 0.55-0.9x the
 time of `all_gather_into_tensor` at 2 and 4 ranks and 0.6-4.8 MiB: bench/gloo_gather.py).
 The list forms would copy everything through a flattened buffer (a whole unit per call that
 neither the ledger nor the cost model counts) and, on NCCL, give up its ring / tree / NVLS
