@@ -50,6 +50,7 @@ BENCHES = [
     Bench("prediction_accuracy", "Cost-model prediction accuracy", 300),
     Bench("lga", "Layered vs standard gradient accumulation", 240),
     Bench("engine_vs_fsdp2", "Engine vs PyTorch FSDP2", 360),
+    Bench("gloo_gather", "Equal-size collectives on gloo", 120),
     Bench("hetero_throughput", "Emulated heterogeneous clusters (measured)", 420),
     Bench("data_streaming", "Data preparation streams: memory vs corpus size", 300),
     Bench("hf_overhead", "Cephalo on a Hugging Face model vs plain transformers", 420),

@@ -448,9 +448,11 @@ def check_uneven_collectives(comm, device: torch.device) -> list[str]:
                 if not torch.equal(mine.float().cpu(), total[start : start + sizes[rank]]):
                     failures.append(f"reduce_scatter_v {what}: got {mine[:8].tolist()}...")
     if world > 1 and type(comm).__name__ in ("GlooComm", "NcclComm"):
-        took = comm.counters.even_calls["all_gather_v"] - even_before["all_gather_v"]
-        if took < 6:  # the equal case, 3 dtypes x sync/async
-            failures.append(f"equal sizes took the even all-gather {took} times, not 6")
+        # the equal case, 3 dtypes x sync/async (gloo gathers with its broadcasts: even_gather)
+        for name in ("all_gather_v", "reduce_scatter_v"):
+            took = comm.counters.even_calls[name] - even_before[name]
+            if took < 6 and (name != "all_gather_v" or comm.even_gather):
+                failures.append(f"equal sizes took the even {name} {took} times, not 6")
     for op, expect in (("sum", world * (world + 1) / 2), ("max", float(world))):
         t = torch.full((3,), float(rank + 1), device=device)
         comm.all_reduce(t, op=op)

@@ -144,10 +144,11 @@ def test_gather_and_reduce_scatter_uneven(pool3, impl, dtype_name):
         assert nbytes == {"all_gather_v": others, "reduce_scatter_v": others, "all_reduce": 0}
 
 
-def _even_body():
+def _even_body(even_gather: bool = True):
     import torch.distributed as dist
 
     comm = make_comm("gloo")
+    comm.even_gather = even_gather
     out = []
     for sizes in ([4, 4, 4], [1, 1, 1], [4, 5, 4]):
         shard, full = _rank_data(sizes, torch.float32, dist.get_rank())
@@ -178,6 +179,13 @@ def test_equal_sizes_take_the_even_collectives(pool3):
             assert torch.equal(gathered, expect), (rank, sizes)
             assert reduce_diff <= 1e-6, (rank, sizes, reduce_diff)
             assert even == {"all_gather_v": calls, "reduce_scatter_v": calls, "all_reduce": 0}
+    # gloo's default gathers equal sizes with its broadcasts (faster there): same result
+    for results in pool3.run(_even_body, False):
+        for (gathered, _, even), sizes in zip(
+            results, ([4, 4, 4], [1, 1, 1], [4, 5, 4]), strict=True
+        ):
+            expect = torch.cat([_rank_data(sizes, torch.float32, r)[0] for r in range(3)])
+            assert torch.equal(gathered, expect) and even["all_gather_v"] == 0
 
 
 def _padded_vs_gloo_body(sizes: list[int]):

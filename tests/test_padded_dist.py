@@ -64,10 +64,13 @@ def test_padded_split_places_every_element_once(sizes):
     assert PaddedSplit.of([6, 5]) == PaddedSplit((6, 5), 6) and PaddedSplit.of([7, 5]) is None
 
 
-def _run(plan, cfg: EngineConfig, data, model: str = "gpt-tiny"):
+def _run(plan, cfg: EngineConfig, data, even_gather: bool = True):
+    """Train on this rank. `even_gather`: equal-size gathers as all_gather_into_tensor, as
+    on NCCL (gloo's default is its faster broadcasts, and then no padding)."""
     torch.set_num_threads(1)
     comm = make_comm("gloo")
-    engine = Engine(build_model(model, dropout=0.1), plan, comm, cfg)
+    comm.even_gather = even_gather
+    engine = Engine(build_model("gpt-tiny", dropout=0.1), plan, comm, cfg)
     state_bytes = engine.state_bytes()
     comm.counters.reset()
     stats = [
@@ -145,3 +148,6 @@ def test_counters_even_for_near_even_grouped_for_skewed(pool3):
     for r in skew:
         assert not any(r["padded"])
         assert r["even"]["all_gather_v"] == 0 and r["even"]["reduce_scatter_v"] == 0
+    # gloo's own default: broadcasts for the gathers, so nothing is padded
+    plain = pool3.run(_run, make_plan([3, 2, 2], NEAR_EVEN, [1, 1, 1]), EngineConfig(), data, False)
+    assert not any(any(r["padded"]) for r in plain)

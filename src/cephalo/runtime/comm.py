@@ -13,11 +13,14 @@ returned `Handle` is waited for later), so the engine overlaps them with compute
 - `NcclComm`: CUDA. `dist.all_gather` / `dist.reduce_scatter` with lists of uneven views;
   NCCL runs them as grouped broadcasts / reduces.
 
-Equal sizes (an even split; every unit at world size 1 goes through `LocalComm`): gloo and NCCL
-call `all_gather_into_tensor` / `reduce_scatter_tensor` on the buffers themselves. The list
-forms would copy everything through a flattened buffer (a whole unit per call that neither
-the ledger nor the cost model counts) and, on NCCL, give up its ring / tree / NVLS algorithms.
-`counters.even_calls` counts the calls that took this path.
+Equal sizes (an even split; every unit at world size 1 goes through `LocalComm`): NCCL calls
+`all_gather_into_tensor` / `reduce_scatter_tensor` on the buffers themselves, gloo
+`reduce_scatter_tensor` and, for the gather, its per-source broadcasts (`Comm.even_gather`:
+on gloo over loopback the broadcasts, which its worker threads run at once, took 0.55-0.9x the
+time of `all_gather_into_tensor` at 2 and 4 ranks and 0.6-4.8 MiB: bench/gloo_gather.py).
+The list forms would copy everything through a flattened buffer (a whole unit per call that
+neither the ledger nor the cost model counts) and, on NCCL, give up its ring / tree / NVLS
+algorithms. `counters.even_calls` counts the calls that took the even path.
 - `PaddedComm`: pads every shard to `max(sizes)` and uses the even tensor collectives. More
   traffic, different code path: a cross-check for the others. (The engine pads a near-even
   split itself, in buffers allocated padded, and calls the even path with equal sizes:
@@ -184,6 +187,10 @@ class Comm(ABC):
         """Whether ranks cross-check sizes/dtypes before each collective."""
         self.counters = CommCounters()
         """Calls and bytes per collective (tests assert on these)."""
+        self.even_gather = backend != "gloo"
+        """Equal sizes: gather with `all_gather_into_tensor` (NCCL: its ring / tree / NVLS
+        algorithms). False on gloo: per-source broadcasts, faster there (module docstring);
+        the engine pads near-even splits only where this is on (runtime/padded.py)."""
 
     # ---------------------------------------------------------------- public API
     def all_gather_v(
@@ -491,7 +498,7 @@ class GlooComm(_ProcessGroupComm):
     """gloo: gather as per-source async broadcasts, reduce-scatter as a list reduce_scatter."""
 
     def _all_gather_v(self, out, shard, sizes, async_op):
-        if _equal(sizes):
+        if _equal(sizes) and self.even_gather:
             self.counters.even_calls["all_gather_v"] += 1
             return _even_handle(_all_gather_even(out, shard, self.group), async_op)
         views = list(out.split(sizes))

@@ -252,6 +252,8 @@ class Engine(UnitComm, HeadPass):
             owned.setdefault(index_of[unit_name], []).append((pname, p))
             owner_of[id(p)] = (index_of[unit_name], pname)
         fractions = self.replicas.fractions if self.replicas else self.plan.state_fractions
+        padded = self.config.padded_collectives
+        padded = self.comm.even_gather if padded is None else padded
         self.shards: list[UnitShard] = []
         # parameters with requires_grad False (a LoRA base) form the frozen base (frozen.py)
         self.frozen: FrozenBase | None = None
@@ -271,7 +273,7 @@ class Engine(UnitComm, HeadPass):
                 params = [(n, p) for n, p in params if p.requires_grad]
             layout = FlatLayout(unit.name, params)
             us = UnitShard(i, unit, layout, shard_ranges(layout.numel, fractions), self.comm.rank)
-            if self.config.padded_collectives and self.comm.world_size > 1:
+            if padded and self.comm.world_size > 1:
                 us.padded = PaddedSplit.of(us.sizes)
                 us.pad_offset = us.padded.offset(self.comm.rank) if us.padded else 0
             if on_meta:

@@ -25,10 +25,11 @@ class EngineConfig:
     says: not norms, biases)."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
-    padded_collectives: bool = True
+    padded_collectives: bool | None = None
     """Units whose split is near even (`planning.costmodel.padded_even`) gather and reduce with
     the even collectives on padded buffers (runtime/padded.py); False: always the grouped
-    collectives of the exact sizes."""
+    collectives of the exact sizes; None: where the comm gathers equal sizes with the even
+    collective (`Comm.even_gather`: NCCL, not gloo)."""
     prefetch: bool = True
     """Start the next unit's all-gather while computing the current one."""
     overlap_reduce: bool = True
