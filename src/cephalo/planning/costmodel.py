@@ -608,6 +608,22 @@ class CostModel:
             cross_reduce=cross,
         )
 
+    def group_key(self, ranks: list[int]) -> tuple:
+        """Equal for two groups whose `group_model`s are the same up to the ranks' numbering:
+        their devices in order, their hosts (the group's nodes numbered in order of appearance)
+        and their links. Identical nodes are planned and evaluated once."""
+        devs = tuple((self.devices[r].type_key, int(self.devices[r].memory_bytes)) for r in ranks)
+        host = None
+        if self.host is not None:
+            index: dict[int, int] = {}
+            host = (
+                tuple(self.host.optimizer_s_per_param[r] for r in ranks),
+                tuple(self.host.memory_bytes[self.host.node_of[r]] for r in ranks),
+                tuple(index.setdefault(self.host.node_of[r], len(index)) for r in ranks),
+            )
+        links = None if self.links is None else self.links.bytes_per_s(ranks)
+        return devs, host, links
+
     # ------------------------------------------------------------------ per-device constants
     def capacity_bytes(self, rank: int) -> int:
         return int(self.devices[rank].memory_bytes)
@@ -1108,7 +1124,18 @@ class CostModel:
         """A hierarchical plan: each shard group under its `group_model`, the ranks back in order."""
         groups = plan.groups
         costs: list[RankCost] = [None] * plan.world_size  # type: ignore[list-item]
+        done: dict[tuple, list[RankCost]] = {}  # identical groups with identical plans, once
         for members in groups:
+            key = (
+                self.group_key(members),
+                tuple(
+                    tuple(v for k, v in vars(plan.ranks[r]).items() if k != "rank") for r in members
+                ),
+            )
+            if key in done:
+                for i, c in enumerate(done[key]):
+                    costs[members[i]] = replace(c, rank=members[i])
+                continue
             sub = self.group_model(members, len(groups), plan.cross_group_reduce_dtype)
             part = Plan(
                 strategy=plan.strategy,
@@ -1119,7 +1146,8 @@ class CostModel:
                 ranks=[replace(plan.ranks[r], rank=i) for i, r in enumerate(members)],
                 meta=plan.meta,
             )
-            for i, c in enumerate(sub.evaluate(part).ranks):
+            done[key] = sub.evaluate(part).ranks
+            for i, c in enumerate(done[key]):
                 costs[members[i]] = replace(c, rank=members[i])
         return PlanEvaluation(
             ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len

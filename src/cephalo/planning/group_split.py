@@ -1,6 +1,6 @@
 """The split of a global batch over shard groups: exact, with few plans of each kind of group.
 
-Groups of one *kind* (the same devices in the same order, hosts and links: `groups.kind_key`)
+Groups of one *kind* (the same devices in the same order, hosts and links: `CostModel.group_key`)
 share one `StepCurve`: T(b), the optimal step of such a group planned alone with b samples
 (`planner.make_plan` on its `CostModel.group_model`), memoised. Identical groups are therefore
 planned once per batch size whatever their number: the 128 nodes of a 1024-GPU cluster of six

@@ -11,7 +11,7 @@ For one grouping, each group g is planned by the flat planner on its own cost mo
 the optimal step of group g with b samples, is non-decreasing in b. The grouping's optimum is
 then min over splits sum_g b_g = B (b_g >= 1) of max_g T_g(b_g): the smallest T with
 sum_g maxB_g(T) >= B, where maxB_g(T) = the largest b with T_g(b) <= T. Groups of one kind
-(the same devices in the same order, hosts and links: `kind_key`) share one memoised curve
+(the same devices in the same order, hosts and links: `CostModel.group_key`) share one memoised curve
 T(b), so identical nodes are planned once per batch size however many there are, and
 `group_split.split_batch` finds the optimum with a few points of each curve. So the split is
 exact given the flat planner's per-group optima (`tests/test_hierarchy_planner.py` compares it
@@ -59,7 +59,7 @@ class GroupingResult:
 
 @dataclass
 class _Kind:
-    """The groups of one kind (`kind_key`): one step curve serves them all."""
+    """The groups of one kind (`CostModel.group_key`): one step curve serves them all."""
 
     curve: StepCurve
     members: list[list[int]] = field(default_factory=list)
@@ -158,7 +158,7 @@ def plan_grouping(
     bmax = global_batch - (g - 1)
     kinds: dict[tuple, _Kind] = {}
     for members in grouping.groups:
-        key = kind_key(cm, members)
+        key = cm.group_key(members)
         if key not in kinds:
             sub = cm.group_model(members, g, reduce_dtype)
             kinds[key] = _Kind(StepCurve(sub, bmax, planner_kw))
@@ -203,21 +203,6 @@ def plan_grouping(
         len(ks),
     )
     return GroupingResult(grouping, plan, step, plans_made=sum(k.curve.evaluations for k in ks))
-
-
-def kind_key(cm: CostModel, members: list[int]) -> tuple:
-    """What makes two groups plan alike: their devices in order, hosts and links."""
-    devs = tuple((cm.devices[r].type_key, int(cm.devices[r].memory_bytes)) for r in members)
-    host = None
-    if cm.host is not None:
-        index: dict[int, int] = {}  # the group's nodes numbered in order of appearance
-        host = (
-            tuple(cm.host.optimizer_s_per_param[r] for r in members),
-            tuple(cm.host.memory_bytes[cm.host.node_of[r]] for r in members),
-            tuple(index.setdefault(cm.host.node_of[r], len(index)) for r in members),
-        )
-    links = None if cm.links is None else cm.links.bytes_per_s(members)
-    return devs, host, links
 
 
 def _assemble(cm, B, grouping, kinds: list[_Kind], batch_of, reduce_dtype) -> Plan:

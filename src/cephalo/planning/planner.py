@@ -435,34 +435,45 @@ def _capacity(
 def _split_exact(fs: list[np.ndarray], B: int) -> tuple[float, list[int]] | None:
     """Max-plus DP over ranks: the split of B maximising the sum of capacities.
 
-    Each rank's step is one vectorised max over a (batch, total) matrix; among equal sums
-    the smallest batch of the rank wins (the first maximum), so the split is deterministic."""
-    best = np.full(B + 1, -np.inf)
-    best[0] = 0.0
-    args = []
-    totals = np.arange(B + 1)
+    Each rank's step is one vectorised max over a (batch, total) matrix, restricted to the
+    totals from which B is still reachable (at most the finite batches of the ranks before,
+    at least B less those of the ranks after); among equal sums the smallest batch of the rank
+    wins (the first maximum), so the split is deterministic."""
+    heads = []
     for f in fs:
         head = np.asarray(f[: min(len(f) - 1, B) + 1], dtype=np.float64)
         finite = np.isfinite(head)
         n_ok = int(np.argmin(finite)) if not finite.all() else head.size
         if n_ok == 0:
-            best = np.full(B + 1, -np.inf)
-            args.append(np.zeros(B + 1, dtype=np.int64))
-            continue
+            return None
+        heads.append(head[:n_ok])
+    most = [h.size - 1 for h in heads]
+    after = np.concatenate([np.cumsum(most[::-1])[::-1][1:], [0]])  # ranks after each
+    best = np.full(B + 1, -np.inf)
+    best[0] = 0.0
+    args = []
+    reach = 0
+    for head, rest in zip(heads, after, strict=True):
+        reach = min(B, reach + head.size - 1)
+        cols = np.arange(max(0, B - int(rest)), reach + 1)
+        n_ok = head.size
         bs = np.arange(n_ok)
         # cand[b, j] = best[j - b] + f[b] (j >= b), read from best padded with -inf in front
         padded = np.concatenate([np.full(n_ok, -np.inf), best])
-        cand = padded[n_ok + totals[None, :] - bs[:, None]] + head[:n_ok, None]
-        arg = np.argmax(cand, axis=0)
-        best = cand[arg, totals]
-        args.append(arg.astype(np.int64))
+        cand = padded[n_ok + cols[None, :] - bs[:, None]] + head[:, None]
+        pick = np.argmax(cand, axis=0)
+        best = np.full(B + 1, -np.inf)
+        best[cols] = cand[pick, np.arange(cols.size)]
+        arg = np.zeros(B + 1, dtype=np.int64)
+        arg[cols] = pick
+        args.append(arg)
     if not np.isfinite(best[B]):
         return None
-    split, rest = [], B
+    split, rest_b = [], B
     for arg in reversed(args):
-        b = int(arg[rest])
+        b = int(arg[rest_b])
         split.append(b)
-        rest -= b
+        rest_b -= b
     return float(best[B]), split[::-1]
 
 
