@@ -57,7 +57,10 @@ def _brute(tables, counts, B) -> float:
         if sum(split) == B:
             best = min(
                 best,
-                max(tab[b] if b < len(tab) else math.inf for tab, b in zip(per_group, split)),
+                max(
+                    tab[b] if b < len(tab) else math.inf
+                    for tab, b in zip(per_group, split, strict=True)
+                ),
             )
     return best
 
@@ -76,7 +79,7 @@ def test_exact_against_every_split_on_staircases(seed):
     if math.isfinite(t_star):
         # every group of a kind can take maxB(T*) samples, and together they hold B
         assert sum(c * b for c, b in zip(counts, best, strict=True)) >= B
-        assert all(1 <= b and tab[b] <= t_star for tab, b in zip(tables, best, strict=True))
+        assert all(b >= 1 and tab[b] <= t_star for tab, b in zip(tables, best, strict=True))
 
 
 def test_identical_groups_are_planned_once_per_batch_size():
@@ -90,5 +93,9 @@ def test_identical_groups_are_planned_once_per_batch_size():
         res = plan_grouping(cm, 32 * 8 * nodes, candidate_groupings(cm)[0], "bf16")
         assert res.plan is not None and res.plan.hierarchical
         made[nodes] = res.plans_made
+        # identical groups are evaluated once, each rank's cost on its own node
+        ev = cm.evaluate(res.plan)
+        assert ev.fits
+        assert [c.node for c in ev.ranks] == list(cm.host.node_of)
     assert made[128] <= 12 * len(types), made
     assert made[128] <= made[8] + 2 * len(types), made

@@ -1132,9 +1132,11 @@ class CostModel:
                     tuple(v for k, v in vars(plan.ranks[r]).items() if k != "rank") for r in members
                 ),
             )
-            if key in done:
+            if key in done:  # the same costs on this group's own ranks and nodes
                 for i, c in enumerate(done[key]):
-                    costs[members[i]] = replace(c, rank=members[i])
+                    r = members[i]
+                    node = self.host.node_of[r] if self.host is not None else c.node
+                    costs[r] = replace(c, rank=r, node=node)
                 continue
             sub = self.group_model(members, len(groups), plan.cross_group_reduce_dtype)
             part = Plan(

@@ -126,6 +126,7 @@ def make_hierarchical_plan(
                 {
                     "grouping": grouping.label,
                     "step_s": res.step_s if res.plan is not None else None,
+                    "plans": res.plans_made,
                     **({"reason": res.reason} if res.reason else {}),
                 }
             )
