@@ -535,6 +535,11 @@ class CostModel:
                     2 * (g - 1) / g * u.trained * reduce_bytes / cross_reduce.bytes_per_s
                     + cross_reduce.latency_s
                 )
+        self.cross_reduce_total_s = sum(
+            c * self.cross_reduce_s[k] for k, c in self.unit_counts.items()
+        )
+        """Every unit's all-reduce between shard groups, one after another on the node's link:
+        no rank of a hierarchical plan steps faster (its backward phase waits for them)."""
         self.comm_total_s = sum(
             c * (2 * self.gather_s[k] + self.scatter_s[k] + self.cross_reduce_s[k])
             for k, c in self.unit_counts.items()
@@ -763,8 +768,9 @@ class CostModel:
             # reduce-scatter is done, one unit after another on the node's link, beside the
             # backward of the units before it; the embedding's, last, has nothing to hide under
             ar = self.cross_reduce_s
-            ar_all = sum(c * ar[k] for k, c in self.unit_counts.items())
-            backward_phase = np.maximum(backward_phase + ar["embedding"], head_backward + ar_all)
+            backward_phase = np.maximum(
+                backward_phase + ar["embedding"], head_backward + self.cross_reduce_total_s
+            )
         return forward_total + backward_phase, compute, copies
 
     def host_rates(self, rank: int) -> tuple[float, float, float]:

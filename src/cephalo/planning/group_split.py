@@ -172,10 +172,10 @@ def split_batch(curves: list[StepCurve], counts: list[int], B: int) -> tuple[flo
     anchors = []
     for c, n in zip(curves, sizes, strict=True):
         q = min(max(1, n * (p // n)), c.bmax)
+        if not math.isfinite(c(q)) and not math.isfinite(c(1)):
+            return math.inf, [0] * len(curves)  # cannot hold a replica: no need to look further
         while q > 1 and not math.isfinite(c(q)):
             q //= 2
-        if not math.isfinite(c(q)):
-            return math.inf, [0] * len(curves)
         anchors.append(q)
     rates = [c.rate(q) for c, q in zip(curves, anchors, strict=True)]
     lines = [(q, c(q), r) for c, q, r in zip(curves, anchors, rates, strict=True)]

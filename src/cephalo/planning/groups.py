@@ -97,7 +97,9 @@ def make_hierarchical_plan(
     """The best plan over the flat one and the candidate groupings (`hierarchy=False`: the flat
     plan only). `planner_kw` goes to `planner.make_plan` (offload, host state, model name).
 
-    The returned plan's `meta["groupings"]` lists each candidate's predicted step."""
+    The returned plan's `meta["groupings"]` lists each candidate's predicted step. A grouping
+    whose all-reduce between groups alone (`CostModel.cross_reduce_total_s`, a floor under
+    every rank's step) takes at least the best step found is not planned (`at_least_s`)."""
     from cephalo.planning.planner import make_plan
 
     if reduce_dtype not in REDUCE_DTYPES:
@@ -121,6 +123,12 @@ def make_hierarchical_plan(
         for grouping in candidates:
             if groupings is None and grouping.label != "per node" and not replica_missing:
                 break  # groups of several nodes only where smaller ones cannot hold a replica
+            g = len(grouping.groups)
+            floor = cm.group_model(grouping.groups[0], g, reduce_dtype).cross_reduce_total_s
+            if floor >= best_step:  # its all-reduce alone is no faster than the best plan's step
+                summary.append({"grouping": grouping.label, "step_s": None, "at_least_s": floor})
+                replica_missing = False
+                continue
             res = plan_grouping(cm, global_batch, grouping, reduce_dtype, **planner_kw)
             summary.append(
                 {
@@ -253,10 +261,11 @@ def grouping_lines(plan: Plan) -> list[str]:
         parts = []
         for t in tried:
             step = t.get("step_s")
-            parts.append(
-                f"{t['grouping']} {step:.4g} s"
-                if step is not None
-                else f"{t['grouping']} does not fit"
-            )
+            if step is not None:
+                parts.append(f"{t['grouping']} {step:.4g} s")
+            elif "at_least_s" in t:  # not planned: its all-reduce alone takes this long
+                parts.append(f"{t['grouping']} >= {t['at_least_s']:.4g} s")
+            else:
+                parts.append(f"{t['grouping']} does not fit")
         lines.append("groupings (predicted step): " + ", ".join(parts))
     return lines
