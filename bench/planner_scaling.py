@@ -1,7 +1,9 @@
 """Planner wall time vs cluster size (catalog profiles of real GPU types, gpt-2.7b, seq 512, fp16).
 
 Targets (this 2-core machine): 16 devices / global batch 1024 in < 0.1 s; 256 devices / 8192
-in < 2 s; 1024 devices of 6 types / 32768 in < 10 s. The time is `make_plan(cost_model, B,
+in < 2 s; 1024 devices of 6 types / 32768 in < 10 s; with shard groups (issue #26), 1024 GPUs in
+128 nodes (8 GPUs of one of 6 types each, 25 Gb/s between nodes) in < 1 s, every grouping
+tried (`make_hierarchical_plan`: the flat plan and one group per node). The time is `make_plan(cost_model, B,
 "cephalo")` on a fresh cost model (its curve tables start empty, so tabulating them is
 included; loading the catalog is not), median of several runs. Beside it: the plan's
 predicted throughput against the `proportional` and `even` baselines of the same cost
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import cephalo.planning.planner as planner
 from _common import Result, markdown_table, median, print_table, save_figure, verdict
 from cephalo.planning.costmodel import CostModel
+from cephalo.planning.groups import make_hierarchical_plan
 from cephalo.planning.sources import catalog_cost_model
 from cephalo.specs.catalog import get_model_spec
 from cephalo.specs.cluster import Cluster
@@ -39,6 +42,10 @@ class Case:
 
 TARGETS = [Case(16, 4, 1024, 0.1), Case(256, 4, 8192, 2.0), Case(1024, 6, 32768, 10.0)]
 SWEEP = [Case(n, min(6, max(2, n // 4)), 32 * n) for n in (4, 8, 32, 64, 128, 512)]
+PER_NODE, INTER = 8, "3.1GB/s"
+"""Hierarchical cases: nodes of 8 GPUs of one type (types in turn), 25 Gb/s Ethernet between."""
+NODES = [Case(16, 6, 32 * 128), Case(64, 6, 32 * 512), Case(128, 6, 32 * 1024, 1.0)]
+"""`devices` here counts nodes; the target is the issue's."""
 
 
 def spec_for(case: Case) -> str:
@@ -60,6 +67,49 @@ def plan_time(
         plan = planner.make_plan(cm, B, strategy)
         times.append(time.perf_counter() - t0)
     return median(times), plan, cm
+
+
+def node_spec(case: Case) -> str:
+    """`case.devices` nodes of PER_NODE GPUs, node i of type i mod `case.types`."""
+    nodes = ",".join(f"{PER_NODE}x{TYPES[i % case.types]}@node{i}" for i in range(case.devices))
+    return f"{nodes};inter={INTER}"
+
+
+def hierarchical_rows() -> tuple[list[list[str]], bool]:
+    """Wall time of choosing the grouping (flat plan + per node), median of RUNS fresh cost models."""
+    rows, all_met = [], True
+    for case in NODES:
+        cluster = Cluster.parse(node_spec(case))
+        times, plan = [], None
+        for _ in range(RUNS):
+            cm = catalog_cost_model(cluster, get_model_spec(MODEL), SEQ_LEN, DTYPE)
+            t0 = time.perf_counter()
+            plan = make_hierarchical_plan(cm, case.global_batch, reduce_dtype="bf16")
+            times.append(time.perf_counter() - t0)
+        assert plan is not None and cm.evaluate(plan).fits
+        t = median(times)
+        tried = {g["grouping"]: g for g in plan.meta["groupings"]}
+        flat_step = tried["flat"]["step_s"]
+        met = None if case.target_s is None else t < case.target_s
+        all_met = all_met and met is not False
+        rows.append(
+            [
+                f"{case.devices * PER_NODE}",
+                f"{case.devices}",
+                f"{case.types}",
+                f"{case.global_batch}",
+                f"{t * 1000:.1f}",
+                "—" if case.target_s is None else f"< {case.target_s * 1000:.0f} {verdict(met)}",
+                plan.meta.get("grouping", "flat"),
+                f"{flat_step / plan.predicted.step_s:.3f}",
+                str(sum(g.get("plans", 0) for g in tried.values())),
+            ]
+        )
+        print(
+            f"{case.devices:4d} nodes, batch {case.global_batch:6d}: {t * 1000:8.1f} ms "
+            f"({plan.meta.get('grouping', 'flat')})"
+        )
+    return rows, all_met
 
 
 def exact_gap(cluster: Cluster, B: int) -> float | None:
@@ -120,6 +170,20 @@ def main() -> None:
         "hull / exact",
     ]
     print_table("planner scaling", headers, rows)
+    h_rows, h_met = hierarchical_rows()
+    h_headers = [
+        "GPUs",
+        "nodes",
+        "node types",
+        "global batch",
+        "planner ms (median)",
+        "target ms",
+        "chosen",
+        "vs flat",
+        "group plans made",
+    ]
+    print_table("planner scaling with shard groups", h_headers, h_rows)
+    all_met = all_met and h_met
 
     import matplotlib
 
@@ -141,6 +205,12 @@ def main() -> None:
     result = Result(name="planner_scaling", title="Planner scaling: wall time vs cluster size")
     result.summary.append(markdown_table(headers, rows))
     result.summary.append(
+        f"With shard groups (`make_hierarchical_plan`, bf16 cross-node reduce; {PER_NODE} GPUs of "
+        f"one type per node, node types in turn over the first 6 above, {INTER} between nodes; "
+        "the time includes the flat plan, one of the candidates):\n\n"
+        + markdown_table(h_headers, h_rows)
+    )
+    result.summary.append(
         f"All wall-time targets {verdict(all_met)}. `vs proportional` / `vs even`: predicted throughput of the "
         "cephalo plan over the baseline's, same cost model. `hull / exact`: the large-instance path's "
         "throughput over the exact dynamic program's on the same instance (1.0000 = the same plan quality)."
@@ -153,7 +223,10 @@ def main() -> None:
         "`CostModel` (curve tabulation included, catalog loading not). Identical devices share one set "
         "of tables, so the cost grows with the number of device TYPES and the per-device batch range, "
         "not with the number of devices; the split of the batch over ranks is exact (max-plus DP) on "
-        "small instances and a concave-hull greedy on large ones (docs/planner.md)."
+        "small instances and a concave-hull greedy on large ones (docs/planner.md). With shard "
+        "groups, identical nodes share one memoised curve of their best step against their batch, "
+        "so the planner's time grows with the number of node types: `group plans made` counts the "
+        "plans of single groups the split of the batch over the groups needed (planning/group_split.py)."
     )
     load = os.getloadavg()[0]
     result.details.append(

@@ -12,6 +12,7 @@ from cephalo.cli import main
 from cephalo.commands.plan import build_cost_model
 from cephalo.errors import CephaloError
 from cephalo.planning.advise import Advisor, select_frontier
+from cephalo.planning.groups import make_hierarchical_plan
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.offers import Offers
 
@@ -44,19 +45,24 @@ TIGHT_OFFERS = {
 }
 
 
-def make_advisor(settings, offers, allow_host_state: bool = True) -> Advisor:
+def make_advisor(
+    settings, offers, allow_host_state: bool = True, hierarchy: bool = True
+) -> Advisor:
     model, seq, dtype, batch = settings
     return Advisor(
         Offers.from_dict(offers),
         lambda spec: build_cost_model(spec, model, seq, dtype),
         batch,
         allow_host_state=allow_host_state,
+        hierarchy=hierarchy,
     )
 
 
 @pytest.fixture(scope="module")
 def small():
-    return make_advisor(SMALL, SMALL_OFFERS)
+    # flat plans keep planning all 624 clusters affordable; the tight inventories (nodes of 2,
+    # a slow network) check the search with shard groups
+    return make_advisor(SMALL, SMALL_OFFERS, hierarchy=False)
 
 
 @pytest.fixture(scope="module")
@@ -178,20 +184,36 @@ def _units(adv: Advisor, spec: str) -> tuple[int, ...]:
     raise AssertionError(spec)
 
 
-def test_frontier_throughput_is_what_cephalo_plan_reports(tight, tmp_path):
-    """Each E.cluster, planned by `cephalo plan --cluster E.cluster`, gives E.samples_per_s."""
-    found = tight.search()
-    assert any(";" in p.cluster for p in found.frontier)  # the links travel in the spec
+@pytest.mark.parametrize("flat", [False, True])
+def test_frontier_throughput_is_what_cephalo_plan_reports(flat, tmp_path):
+    """Each E.cluster, planned by `cephalo plan --cluster E.cluster`, gives E.samples_per_s: with
+    shard groups (a cluster of several offers is several nodes) and without (--no-hierarchy)."""
     model, seq, dtype, batch = TIGHT
+    adv = Advisor(
+        Offers.from_dict(TIGHT_OFFERS),
+        lambda spec: build_cost_model(spec, model, seq, dtype),
+        batch,
+        allow_host_state=False,
+        hierarchy=not flat,
+        reduce_dtype="bf16",
+    )
+    found = adv.search()
+    assert any(";" in p.cluster for p in found.frontier)  # the links travel in the spec
+    grouped = 0
     for p in found.frontier:
         out = tmp_path / "plan.json"
-        # the advisor plans flat (its floors bound flat plans; shard groups: issue #26, left)
         rc = main(
             ["plan", "--cluster", p.cluster, "--model", model, "--seq-len", str(seq),
-             "--dtype", dtype, "--global-batch", str(batch), "--json", str(out), "--no-hierarchy"]
+             "--dtype", dtype, "--global-batch", str(batch), "--json", str(out),
+             "--no-host-state", "--cross-node-reduce-dtype", "bf16"]
+            + (["--no-hierarchy"] if flat else [])
         )  # fmt: skip
         assert rc == 0
-        assert json.loads(out.read_text())["predicted"]["samples_per_s"] == p.samples_per_s
+        plan = json.loads(out.read_text())
+        assert plan["predicted"]["samples_per_s"] == p.samples_per_s
+        grouped += len(plan.get("shard_groups") or []) > 1
+    # shard groups pay on the slow network between the offers' nodes (and never without them)
+    assert (grouped > 0) == (not flat), grouped
 
 
 def test_marginal_values_are_planner_answers(small):
@@ -260,9 +282,11 @@ def advise(tmp_path, offers: dict, *extra: str, settings=SMALL):
 def test_cli_json_contract(tmp_path, capsys):
     out = tmp_path / "advice.json"
     png = tmp_path / "advice.png"
+    # flat plans (--no-hierarchy) keep the CLI's tests fast; the Advisor's own tests and the
+    # tight inventory below plan with shard groups
     rc = advise(
         tmp_path, SMALL_OFFERS, "--budget", "3", "--target-tokens-per-s", "4000",
-        "--have", "2xl4", "--json", str(out), "--plot", str(png),
+        "--have", "2xl4", "--json", str(out), "--plot", str(png), "--no-hierarchy",
     )  # fmt: skip
     assert rc == 0
     text = capsys.readouterr().out
@@ -304,7 +328,9 @@ def test_cli_budget_that_buys_nothing_names_the_cheapest_that_fits(tmp_path, cap
 
 def test_cli_target_no_cluster_meets(tmp_path, capsys):
     out = tmp_path / "a.json"
-    rc = advise(tmp_path, SMALL_OFFERS, "--target-tokens-per-s", "1e9", "--json", str(out))
+    rc = advise(
+        tmp_path, SMALL_OFFERS, "--target-tokens-per-s", "1e9", "--json", str(out), "--no-hierarchy"
+    )  # fmt: skip
     assert rc == 2
     err = capsys.readouterr().err
     assert "no cluster the offers allow reaches 1,000,000,000 tokens/s" in err
@@ -381,3 +407,28 @@ def test_cli_have_that_cannot_hold_the_model(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "T4 (16 GiB) cannot train llama-1.1b at global batch 16: llama-1.1b does not fit" in err
+
+
+def test_cli_plans_with_shard_groups_unless_told_not_to(tmp_path, capsys):
+    """A frontier cluster of several nodes is planned as `cephalo plan` plans it: with shard
+    groups by default (the all-reduce between them in --cross-node-reduce-dtype), flat with
+    --no-hierarchy."""
+    answers = {}
+    for flags in ((), ("--no-hierarchy",), ("--cross-node-reduce-dtype", "bf16")):
+        out = tmp_path / "a.json"
+        assert advise(tmp_path, TIGHT_OFFERS, "--json", str(out), "--no-host-state", *flags,
+                      settings=TIGHT) == 0  # fmt: skip
+        answers[flags] = {
+            e["cluster"]: e["samples_per_s"] for e in json.loads(out.read_text())["frontier"]
+        }
+    model, seq, dtype, batch = TIGHT
+    for flags, frontier in answers.items():
+        for spec, sps in frontier.items():
+            cm = build_cost_model(spec, model, seq, dtype)
+            plan = make_hierarchical_plan(
+                cm, batch, hierarchy="--no-hierarchy" not in flags,
+                reduce_dtype="bf16" if "bf16" in flags else "fp32", allow_host_state=False,
+            )  # fmt: skip
+            assert plan.predicted.samples_per_s == sps
+    # shard groups pay somewhere on this slow network: the frontier differs from the flat one
+    assert answers[()] != answers[("--no-hierarchy",)]

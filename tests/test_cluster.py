@@ -298,6 +298,18 @@ def test_node_ranges():
             Cluster.parse(bad)
 
 
+def test_inconsistent_node_specs_get_one_message(tmp_path):
+    """A node's host settings are given once (a node's ranks disagreeing with torchrun's map at
+    launch: tests/test_discovery.py)."""
+    p = tmp_path / "c.toml"
+    p.write_text(
+        '[[devices]]\ntype = "l4"\nnode = 0\n'
+        '[[nodes]]\nnode = 0\nhost_memory = "8GiB"\n[[nodes]]\nnode = 0\nhost_memory = "16GiB"\n'
+    )
+    with pytest.raises(CephaloError, match=r"nodes\[1\]: node 0 is listed twice in `nodes`"):
+        Cluster.from_file(p)
+
+
 def test_to_spec_of_files_and_links(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text(

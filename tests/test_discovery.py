@@ -4,6 +4,8 @@ tests/test_torchrun.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cephalo.errors import CephaloError
@@ -15,6 +17,7 @@ from cephalo.train.discovery import (
     cluster_from_descriptions,
     describe_own_device,
 )
+from cephalo.train.node_map import check_node_map
 
 # (name as torch.cuda.get_device_name reports it, memory GiB as total_memory reports it)
 CUDA_NAMES = [
@@ -95,3 +98,81 @@ def test_own_device_must_be_one_device(tmp_path, monkeypatch):
     monkeypatch.setenv("CEPHALO_DEVICE", "2xcpu")
     with pytest.raises(CephaloError, match="exactly one device"):
         describe_own_device(_cfg(tmp_path), 0, 1)
+
+
+def _ranks_on(tmp_path, monkeypatch, ranks, *cfg_extra):
+    """Each rank's description, from (CEPHALO_DEVICE, GROUP_RANK, LOCAL_WORLD_SIZE, host)."""
+    import cephalo.train.discovery as discovery
+
+    cfg = _cfg(tmp_path, *cfg_extra)
+    out = []
+    for rank, (spec, group, local, host) in enumerate(ranks):
+        for var, value in (("CEPHALO_DEVICE", spec), ("GROUP_RANK", group)):
+            if value is None:
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, value)
+        if local is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        monkeypatch.setattr(discovery.socket, "gethostname", lambda host=host: host)
+        out.append(describe_own_device(cfg, rank, len(ranks)))
+    return out
+
+
+def test_a_consistent_node_map_passes(tmp_path, monkeypatch):
+    # torchrun: two agents (on one machine or two), two ranks each
+    ok = [("cpu", "0", 2, "a"), ("cpu", "0", 2, "a"), ("cpu", "1", 2, "a"), ("cpu", "1", 2, "b")]
+    with pytest.raises(CephaloError, match="spans machines"):
+        check_node_map(_ranks_on(tmp_path, monkeypatch, ok))
+    ok[3] = ("cpu", "1", 2, "a")
+    check_node_map(_ranks_on(tmp_path, monkeypatch, ok))
+    # emulated nodes may split a machine (two @nodes on one host, one torchrun node)
+    split = [("cpu@node0", "0", 2, "a"), ("cpu@node1", "0", 2, "a")]
+    descriptions = _ranks_on(tmp_path, monkeypatch, split)
+    check_node_map(descriptions)
+    assert [d.node for d in cluster_from_descriptions(descriptions).devices] == [0, 1]
+    # no torchrun: the host name
+    check_node_map(_ranks_on(tmp_path, monkeypatch, [("cpu", None, None, "a")] * 2))
+
+
+@pytest.mark.parametrize(
+    "ranks, message",
+    [
+        (  # some ranks name their node in their device, others learn it from torchrun
+            [("cpu@node0", "0", 2, "a"), ("cpu", "0", 2, "a")],
+            "the ranks disagree about how they know their node: rank 0 from the cluster spec "
+            "(@nodeK); rank 1 from torchrun (GROUP_RANK)",
+        ),
+        (  # one emulated node on two machines
+            [("cpu@node0", None, None, "a"), ("cpu@node0", None, None, "b")],
+            "node 'node0' spans machines: rank 0 on host 'a', rank 1 on host 'b'",
+        ),
+        (  # two torchrun agents given the same --node-rank
+            [("cpu", "0", 1, "a"), ("cpu", "0", 1, "b")],
+            "node 'group0' spans machines",
+        ),
+        (  # the same --node-rank on one machine: torchrun's count says so
+            [("cpu", "0", 1, "a"), ("cpu", "0", 1, "a")],
+            "node 'group0' runs 1 ranks by torchrun's LOCAL_WORLD_SIZE but 2 report it (ranks 0, 1)",
+        ),
+        (
+            [("cpu", "0", 2, "a"), ("cpu", "0", 3, "a")],
+            "the ranks of node 'group0' disagree about how many ranks it runs (LOCAL_WORLD_SIZE): "
+            "rank 0 say 2, rank 1 say 3",
+        ),
+        (  # the spec joins two torchrun nodes into one
+            [("cpu@node0", "0", 1, "a"), ("cpu@node0", "1", 1, "a")],
+            "the cluster spec puts ranks 0, 1 on node0 but torchrun runs them on different nodes "
+            "(rank 0 on torchrun node 0, rank 1 on torchrun node 1)",
+        ),
+    ],
+)
+def test_ranks_that_disagree_about_their_node_get_one_message(
+    tmp_path, monkeypatch, ranks, message
+):
+    descriptions = _ranks_on(tmp_path, monkeypatch, ranks)
+    with pytest.raises(CephaloError, match=re.escape(message)) as err:
+        check_node_map(descriptions)
+    assert "start every rank the same way" in str(err.value)

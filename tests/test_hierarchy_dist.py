@@ -1,5 +1,6 @@
 """Hierarchical sharding at run time (issue #26): an emulated 2-node plan, 3 ranks + 2 ranks with
-different shard boundaries in the two groups, trains like one process (runtime/replicas.py)."""
+different shard boundaries in the two groups, and a 3-group plan (2 + 2 + 1 ranks), train like
+one process (runtime/replicas.py)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,26 @@ def hierarchical_plan(reduce_dtype: str = "fp32") -> Plan:
     )
 
 
+def three_group_plan() -> Plan:
+    """3 shard groups (2 + 2 + 1 ranks), each group's boundaries elsewhere."""
+    ranks = [
+        RankPlan(0, "cpu", 2, 2, 1, 0.3),
+        RankPlan(1, "cpu", 2, 1, 2, 0.7),
+        RankPlan(2, "cpu", 1, 1, 1, 0.6),
+        RankPlan(3, "cpu", 1, 1, 1, 0.4),
+        RankPlan(4, "cpu", 2, 2, 1, 1.0),
+    ]
+    return Plan(
+        "manual",
+        "gpt-tiny",
+        16,
+        8,
+        "fp32",
+        ranks,
+        shard_groups=[ShardGroup([0, 1]), ShardGroup([2, 3]), ShardGroup([4])],
+    )
+
+
 def _run(plan, cfg, data, overrides):
     torch.set_num_threads(1)
     comm = make_comm("gloo")
@@ -57,7 +78,8 @@ def _run(plan, cfg, data, overrides):
     ]
     full = engine.full_state_dict()
     return {
-        "params": full if comm.rank in (0, 3) else None,
+        "params": full if comm.rank in (0, 3, 4) else None,
+        "bytes_sent": engine.replicas.bytes_sent,
         "losses": [s.loss for s in stats],
         "norms": [s.grad_norm for s in stats],
         "sizes": [us.size for us in engine.shards],
@@ -82,6 +104,29 @@ def test_two_node_hierarchical_plan_matches_one_process(pool5, dropout):
         assert r["norms"] == pytest.approx(ref.grad_norms, rel=1e-5)
     # the groups shard differently: the boundaries differ
     assert results[0]["sizes"] != results[3]["sizes"]
+
+
+@pytest.mark.slow
+def test_three_groups_match_one_process_and_send_what_the_cost_model_charges(pool5):
+    """3 groups: every segment (an intersection of the groups' shards) is all-reduced among its
+    3 owners as a ring, so each rank sends 2 (g-1)/g = 4/3 of its shard per step (the cost
+    model's charge), not (g-1) = 2 of it as a send to every other owner would."""
+    plan = three_group_plan()
+    cfg = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
+    steps = 8
+    data = make_data(steps, plan.global_batch_size)
+    results = pool5.run(_run, plan, cfg, data, {"dropout": 0.0})
+    ref = run_reference("gpt-tiny", {"dropout": 0.0}, data, cfg)
+    for who in (0, 3, 4):  # the three replicas
+        diff, worst = max_rel_diff(results[who]["params"], ref.params)
+        assert diff <= 1e-5, f"rank {who}: {diff:.2e} in {worst}"
+    for r in results:
+        assert r["losses"] == pytest.approx(ref.losses, rel=1e-5)
+    # the groups shard differently (a group of one rank too: its token count is the world's)
+    assert results[0]["sizes"] != results[2]["sizes"] != results[4]["sizes"]
+    for r in results:
+        shard_bytes = 4 * sum(r["sizes"]) * steps
+        assert r["bytes_sent"] == pytest.approx(4 / 3 * shard_bytes, rel=1e-3)
 
 
 @pytest.mark.slow

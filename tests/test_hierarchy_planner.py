@@ -189,6 +189,17 @@ def test_group_that_cannot_hold_a_replica_falls_back_and_says_why():
     assert "cannot hold a replica" in tried["per node"]["reason"]
 
 
+def test_when_no_grouping_holds_a_replica_the_message_says_what_would_fit():
+    """Neither the flat plan nor any grouping fits: the flat plan's message, which says what
+    would (a smaller batch, more devices or memory), and nothing deeper."""
+    cluster = Cluster.parse("l4@node0,l4@node1;inter=1GB/s")
+    cluster.host_memory_bytes = 8 * 2**30
+    cm = catalog_cost_model(cluster, get_model_spec("llama-7b"), 1024, "fp16")
+    with pytest.raises(PlanDoesNotFit, match="does not fit on this cluster") as err:
+        make_hierarchical_plan(cm, 4, reduce_dtype="bf16")
+    assert re.search(r"add about \d+ more l4|largest global batch that fits", str(err.value))
+
+
 def test_no_hierarchy_and_one_node_give_the_flat_plan():
     cm = _cm("4xl4")
     assert not make_hierarchical_plan(cm, 16).hierarchical

@@ -5,7 +5,7 @@ torchrun starts 3 identical workers; tests/torchrun_worker.py gives each, throug
 all-gather their descriptions, profile each device type on a rank that has it, and must make
 one uneven automatic plan, the same on every rank, whose training equals one process's
 (the plan-invariance contract, tests/test_plan_invariance.py). Ranks started with different
-configs stop at once with one message on every rank.
+configs, or disagreeing about their node, stop at once with one message on every rank.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ def job_args(run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def torchrun(tmp_path: Path, args: list[str], rank_extra: str = ""):
+def torchrun(tmp_path: Path, args: list[str], rank_extra: str = "", devices: str = DEVICES):
     env = {
         **__import__("os").environ,
-        "TEST_DEVICES": DEVICES,
+        "TEST_DEVICES": devices,
         "TEST_OUT": str(tmp_path),
         "TEST_RANK_EXTRA": rank_extra,
         "CEPHALO_PROFILE_DB": str(tmp_path / "profiles.json"),
@@ -116,6 +116,22 @@ def test_ranks_started_with_different_jobs_stop_with_one_message(tmp_path):
             in proc.stderr
         )
     assert "train.steps: 6 on rank 0 vs 9 on rank 1" in proc.stderr
+
+
+def test_ranks_that_disagree_about_their_node_stop_with_one_message(tmp_path):
+    """Rank 0 names its node in its device spec (@node1), the others learn theirs from
+    torchrun: every rank stops with the same message, naming who says what."""
+    proc = torchrun(
+        tmp_path,
+        job_args(tmp_path / "run", "--parallel.plan=even"),
+        devices="cpu@node1:mem=1GiB;cpu:slowdown=4,mem=1GiB;cpu:slowdown=2,mem=1GiB",
+    )
+    assert proc.returncode != 0
+    for rank in range(3):
+        assert (
+            f"rank {rank}: cephalo: error: the ranks disagree about how they know their node: "
+            "rank 0 from the cluster spec (@nodeK); ranks 1, 2 from torchrun (GROUP_RANK)"
+        ) in proc.stderr
 
 
 def test_a_rank_out_of_memory_stops_the_other_nodes_at_once(tmp_path, processes):

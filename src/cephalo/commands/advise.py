@@ -12,6 +12,7 @@ from cephalo.commands.plan import (
     DEFAULT_MODEL,
     DEFAULT_SEQ_LEN,
     adapter_of,
+    add_grouping_arguments,
     add_model_arguments,
     build_cost_model,
 )
@@ -32,7 +33,9 @@ price_per_hour (USD per GPU), optionally per_node (GPUs come in whole nodes) and
 inter_node_bandwidth (docs/advise.md; configs/offers-example.toml has on-demand cloud prices
 with their sources). Every cluster those offers allow is a candidate; its throughput is what
 `cephalo plan --cluster SPEC` (same model settings) predicts for it, and the JSON gives each
-cluster as that SPEC.
+cluster as that SPEC. A cluster of several offers is several nodes: as `cephalo plan`, the
+planner also tries one shard group per node (--no-hierarchy: flat plans only;
+--cross-node-reduce-dtype bf16: the all-reduce between the groups in bf16).
 
 What it prints:
   - the Pareto frontier of price per hour against throughput, with $ per million tokens;
@@ -122,6 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep all training state on the GPUs (as `cephalo plan --no-host-state`)",
     )
+    add_grouping_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -154,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
         args.global_batch,
         allow_offload=not args.no_offload,
         allow_host_state=not args.no_host_state,
+        hierarchy=not args.no_hierarchy,
+        reduce_dtype=args.cross_node_reduce_dtype,
     )
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

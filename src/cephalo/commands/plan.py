@@ -95,6 +95,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep all training state on the GPUs (the planner keeps it on the host only where it pays)",
     )
+    add_grouping_arguments(p)
+    p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
+    p.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        help="draw per GPU its batch, state fraction, memory vs capacity and busy time",
+    )
+    p.set_defaults(func=run)
+
+
+def add_grouping_arguments(p: argparse.ArgumentParser) -> None:
+    """--no-hierarchy, --cross-node-reduce-dtype: the shard groups the planner may form (shared
+    with `advise`)."""
     p.add_argument(
         "--no-hierarchy",
         action="store_true",
@@ -108,13 +121,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="dtype of the once-per-step gradient all-reduce between shard groups (default fp32; "
         "bf16 halves the bytes over the inter-node network)",
     )
-    p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
-    p.add_argument(
-        "--plot",
-        metavar="PATH.png",
-        help="draw per GPU its batch, state fraction, memory vs capacity and busy time",
-    )
-    p.set_defaults(func=run)
 
 
 def add_model_arguments(

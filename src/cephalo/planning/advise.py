@@ -1,8 +1,9 @@
 """The advisor: which GPUs to rent or buy for a model, and what each device in a cluster is worth.
 
 Every count vector x over the offers (how many of each, `cephalo.specs.offers`) is a
-cluster, and its throughput is the planner's (`make_plan`, through the same cost-model
-factory `cephalo plan` uses). The advisor finds the Pareto frontier of price per hour
+cluster of nodes, and its throughput is the planner's (`make_hierarchical_plan`: the flat
+plan or shard groups, through the same cost-model factory and options `cephalo plan` uses;
+`planning/advise_clusters.py`). The advisor finds the Pareto frontier of price per hour
 against throughput over all of them, planning few (docs/advise.md has the long form):
 
 **Bound.** In a cluster of n devices whose slowest link is W, a rank taking b samples needs
@@ -14,7 +15,9 @@ samples, so the planner's step time is at least T_lb(x) = min{T >= L(0) : sum_j 
 beta_j(T) >= B} and its throughput at most B / T_lb(x). A cluster also needs sum_j x_j
 min(sigma_j, 1) >= 1, where sigma_j is the state fraction a device of type j can hold
 without samples (the planner's capacity at b = 0, which caps it at every b); a type with
-sigma_j < 0 cannot take part in any plan and is left out.
+sigma_j < 0 cannot take part in any plan and is left out. With shard groups a rank's
+collectives run over its group only, so L_j then uses the smallest group and fastest link any
+cluster of the offers can have (`advise_clusters.bound_ring`, the same for every cluster).
 
 **Search.** Best first in price: a heap of partial count vectors (offer by offer), keyed by
 a lower bound on the price of their completions, so clusters are met cheapest first and the
@@ -53,13 +56,20 @@ from typing import Any
 import numpy as np
 
 from cephalo.errors import CephaloError
+from cephalo.planning.advise_clusters import (
+    PlanOptions,
+    bound_ring,
+    cluster_of,
+    planned_samples_per_s,
+    renumber,
+    with_new_node,
+)
 from cephalo.planning.costmodel import CostModel
-from cephalo.planning.planner import MAX_MICRO_BATCH, MEMORY_SLACK_BYTES, make_plan
+from cephalo.planning.planner import MAX_MICRO_BATCH, MEMORY_SLACK_BYTES
 from cephalo.specs.cluster import (
     CPU_COLLECTIVE_LATENCY_S,
     GPU_COLLECTIVE_LATENCY_S,
     Cluster,
-    Device,
 )
 from cephalo.specs.offers import MICRO_USD_PER_USD, Offer, Offers
 from cephalo.specs.profile import CommProfile
@@ -279,7 +289,7 @@ class Advisor:
 
     `cost_model_for(spec)` must build the cost model `cephalo plan --cluster spec` plans
     with (commands/advise.py passes `build_cost_model` itself); every throughput reported is
-    `make_plan` on it."""
+    `make_hierarchical_plan` on it (`hierarchy=False`: the flat plan, as `--no-hierarchy`)."""
 
     def __init__(
         self,
@@ -288,6 +298,8 @@ class Advisor:
         global_batch: int,
         allow_offload: bool = True,
         allow_host_state: bool = True,
+        hierarchy: bool = True,
+        reduce_dtype: str = "fp32",
     ):
         if global_batch < 1:
             raise CephaloError(f"the global batch must be >= 1, got {global_batch}")
@@ -296,6 +308,7 @@ class Advisor:
         self.global_batch = global_batch
         self.allow_offload = allow_offload
         self.allow_host_state = allow_host_state
+        self.options = PlanOptions(allow_offload, allow_host_state, hierarchy, reduce_dtype)
         self.left_out: list[str] = []
         """Why an offer takes no part (no profile for the model, too little memory)."""
         self._cache: dict[str, float | None] = {}
@@ -333,6 +346,8 @@ class Advisor:
             else GPU_COLLECTIVE_LATENCY_S
         )
         self._comm_models: dict[tuple, CostModel] = {}
+        self._ring = bound_ring(self.offers, self.options)
+        """The bound's (devices, link) for every cluster with shard groups (None: flat)."""
         # bound tables are B + 1 floats each: keep about 64 MiB of each kind
         row_bytes = 8 * (global_batch + 1)
         self._tables = lru_cache(maxsize=max(64, min(8192, TABLE_CACHE_BYTES // row_bytes)))(
@@ -397,29 +412,9 @@ class Advisor:
 
     # ------------------------------------------------------------------ clusters
     def cluster_of(self, units: Sequence[int]) -> Cluster:
-        """The cluster of `units[j]` units (nodes, or GPUs) of each offer: each offer on its own
-        node(s), links the slowest of the offers used."""
-        devices: list[Device] = []
-        node = 0
-        used = []
-        for o, k in zip(self.offers, units, strict=True):
-            if k <= 0:
-                continue
-            used.append(o)
-            gpus = k * o.unit_gpus
-            per_node = o.per_node or gpus
-            for start in range(0, gpus, per_node):
-                devices.extend(
-                    Device(o.type, o.memory_bytes, node) for _ in range(min(per_node, gpus - start))
-                )
-                node += 1
-        if not devices:
-            raise CephaloError("internal: an empty cluster")
-        return Cluster(
-            devices,
-            intra_node_bytes_per_s=min(o.intra_bytes_per_s for o in used),
-            inter_node_bytes_per_s=min(o.inter_node_bytes_per_s for o in used),
-        )
+        """The cluster of `units[j]` units (nodes, or GPUs) of each offer (each offer on its own
+        node or nodes, `advise_clusters.cluster_of`)."""
+        return cluster_of(self.offers, units)
 
     def price_of(self, units: Sequence[int]) -> int:
         """Micro-USD per hour."""
@@ -431,14 +426,7 @@ class Advisor:
             started = time.perf_counter()
             cm = self.cost_model_for(spec)  # a bad spec or model is the user's to hear about
             try:
-                plan = make_plan(
-                    cm,
-                    self.global_batch,
-                    "cephalo",
-                    allow_offload=self.allow_offload,
-                    allow_host_state=self.allow_host_state,
-                )
-                self._cache[spec] = plan.predicted.samples_per_s
+                self._cache[spec] = planned_samples_per_s(cm, self.global_batch, self.options)
             except CephaloError as e:  # does not fit, or more samples per GPU than it plans
                 self._cache[spec] = None
                 self._errors[spec] = str(e)
@@ -490,7 +478,10 @@ class Advisor:
 
     # ------------------------------------------------------------------ the bound
     def _link(self, n: int, intra: float, inter: float, nodes: int) -> tuple[int, float]:
-        """(device count, slowest link) as the table key; one device has no collectives."""
+        """(device count, slowest link) as the table key; one device has no collectives. With
+        shard groups, the smallest group's over the fastest link, whatever the cluster."""
+        if self._ring is not None:
+            return self._ring
         if n <= 1:
             return 1, 0.0
         return n, (min(intra, inter) if nodes > 1 else intra)
@@ -910,7 +901,7 @@ class Advisor:
             rest = [d for i, d in enumerate(cluster.devices) if i != drop]
             if rest:
                 without = Cluster(
-                    _renumber(rest),
+                    renumber(rest),
                     intra_node_bytes_per_s=cluster.intra_node_bytes_per_s,
                     inter_node_bytes_per_s=cluster.inter_node_bytes_per_s,
                     collective_latency_s=cluster.collective_latency_s,
@@ -946,7 +937,7 @@ class Advisor:
                 more[j] += 1
                 with_cluster = self.cluster_of(more)
             else:
-                with_cluster = _with_new_node(cluster, o)
+                with_cluster = with_new_node(cluster, o)
             s_with = self.samples_per_s(with_cluster.to_spec()) or 0.0
             price = o.price_per_hour * o.unit_gpus
             gained = (s_with - sps) * self.seq_len
@@ -1025,28 +1016,6 @@ def _neg(key: tuple) -> tuple:
     """A key that sorts the other way (smaller keys win ties)."""
     n, units = key
     return (-n, tuple(-u for u in units))
-
-
-def _renumber(devices: list[Device]) -> list[Device]:
-    """Node numbers 0.. in order of first appearance (an emptied node disappears)."""
-    index: dict[int, int] = {}
-    out = []
-    for d in devices:
-        node = index.setdefault(d.node, len(index))
-        out.append(Device(d.type, d.memory_bytes, node, d.slowdown))
-    return out
-
-
-def _with_new_node(cluster: Cluster, o: Offer) -> Cluster:
-    """An owned cluster plus one unit of an offer, on a node of its own."""
-    node = max(d.node for d in cluster.devices) + 1
-    added = [Device(o.type, o.memory_bytes, node) for _ in range(o.unit_gpus)]
-    return Cluster(
-        cluster.devices + added,
-        intra_node_bytes_per_s=min(cluster.intra_node_bytes_per_s, o.intra_bytes_per_s),
-        inter_node_bytes_per_s=min(cluster.inter_node_bytes_per_s, o.inter_node_bytes_per_s),
-        collective_latency_s=cluster.collective_latency_s,
-    )
 
 
 def best_under_budget(frontier: list[FrontierPoint], budget: float) -> FrontierPoint | None:

@@ -562,6 +562,11 @@ class CostModel:
                     2 * (g - 1) / g * u.trained * reduce_bytes / cross_reduce.bytes_per_s
                     + cross_reduce.latency_s
                 )
+        self.cross_reduce_total_s = sum(
+            c * self.cross_reduce_s[k] for k, c in self.unit_counts.items()
+        )
+        """Every unit's all-reduce between shard groups, one after another on the node's link:
+        no rank of a hierarchical plan steps faster (its backward phase waits for them)."""
         self.comm_total_s = sum(
             c * (2 * self.gather_s[k] + self.scatter_s[k] + self.cross_reduce_s[k])
             for k, c in self.unit_counts.items()
@@ -634,6 +639,22 @@ class CostModel:
             links=sub_links,
             cross_reduce=cross,
         )
+
+    def group_key(self, ranks: list[int]) -> tuple:
+        """Equal for two groups whose `group_model`s are the same up to the ranks' numbering:
+        their devices in order, their hosts (the group's nodes numbered in order of appearance)
+        and their links. Identical nodes are planned and evaluated once."""
+        devs = tuple((self.devices[r].type_key, int(self.devices[r].memory_bytes)) for r in ranks)
+        host = None
+        if self.host is not None:
+            index: dict[int, int] = {}
+            host = (
+                tuple(self.host.optimizer_s_per_param[r] for r in ranks),
+                tuple(self.host.memory_bytes[self.host.node_of[r]] for r in ranks),
+                tuple(index.setdefault(self.host.node_of[r], len(index)) for r in ranks),
+            )
+        links = None if self.links is None else self.links.bytes_per_s(ranks)
+        return devs, host, links
 
     # ------------------------------------------------------------------ per-device constants
     def capacity_bytes(self, rank: int) -> int:
@@ -784,8 +805,9 @@ class CostModel:
             # reduce-scatter is done, one unit after another on the node's link, beside the
             # backward of the units before it; the embedding's, last, has nothing to hide under
             ar = self.cross_reduce_s
-            ar_all = sum(c * ar[k] for k, c in self.unit_counts.items())
-            backward_phase = np.maximum(backward_phase + ar["embedding"], head_backward + ar_all)
+            backward_phase = np.maximum(
+                backward_phase + ar["embedding"], head_backward + self.cross_reduce_total_s
+            )
         return forward_total + backward_phase, compute, copies
 
     def _padded(self, collective_s: float, comm_factor: float) -> float:
@@ -1162,7 +1184,20 @@ class CostModel:
         """A hierarchical plan: each shard group under its `group_model`, the ranks back in order."""
         groups = plan.groups
         costs: list[RankCost] = [None] * plan.world_size  # type: ignore[list-item]
+        done: dict[tuple, list[RankCost]] = {}  # identical groups with identical plans, once
         for members in groups:
+            key = (
+                self.group_key(members),
+                tuple(
+                    tuple(v for k, v in vars(plan.ranks[r]).items() if k != "rank") for r in members
+                ),
+            )
+            if key in done:  # the same costs on this group's own ranks and nodes
+                for i, c in enumerate(done[key]):
+                    r = members[i]
+                    node = self.host.node_of[r] if self.host is not None else c.node
+                    costs[r] = replace(c, rank=r, node=node)
+                continue
             sub = self.group_model(members, len(groups), plan.cross_group_reduce_dtype)
             part = Plan(
                 strategy=plan.strategy,
@@ -1173,7 +1208,8 @@ class CostModel:
                 ranks=[replace(plan.ranks[r], rank=i) for i, r in enumerate(members)],
                 meta=plan.meta,
             )
-            for i, c in enumerate(sub.evaluate(part).ranks):
+            done[key] = sub.evaluate(part).ranks
+            for i, c in enumerate(done[key]):
                 costs[members[i]] = replace(c, rank=members[i])
         return PlanEvaluation(
             ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len

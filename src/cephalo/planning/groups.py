@@ -10,12 +10,12 @@ network (`CostModel.group_model`, `CrossReduce`: one formula, in the cost model)
 For one grouping, each group g is planned by the flat planner on its own cost model; T_g(b),
 the optimal step of group g with b samples, is non-decreasing in b. The grouping's optimum is
 then min over splits sum_g b_g = B (b_g >= 1) of max_g T_g(b_g): the smallest T with
-sum_g maxB_g(T) >= B, where maxB_g(T) = the largest b with T_g(b) <= T. It is found by
-bisection on T with, per distinct kind of group (same devices in the same order, same hosts),
-a bracket [maxB(T_lo), maxB(T_hi)] that only narrows, and T_g(b) memoised; once every bracket
-is one sample wide the optimum is the least known T_g(b) at which the counts reach B. So the
-split is exact given the flat planner's per-group optima (`tests/test_hierarchy_planner.py`
-compares it with every split).
+sum_g maxB_g(T) >= B, where maxB_g(T) = the largest b with T_g(b) <= T. Groups of one kind
+(the same devices in the same order, hosts and links: `CostModel.group_key`) share one memoised curve
+T(b), so identical nodes are planned once per batch size however many there are, and
+`group_split.split_batch` finds the optimum with a few points of each curve. So the split is
+exact given the flat planner's per-group optima (`tests/test_hierarchy_planner.py` compares it
+with every split).
 
 The candidates: the flat plan always (so a hierarchical plan is only returned where it is
 predicted faster), one group per node, and groups of k = 2, 4, 8, ... consecutive nodes, the
@@ -33,10 +33,8 @@ from dataclasses import dataclass, field
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.log import logger
 from cephalo.planning.costmodel import CostModel
+from cephalo.planning.group_split import StepCurve, split_batch
 from cephalo.planning.plan import REDUCE_DTYPES, Plan, RankPlan, ShardGroup
-
-BISECT_REL_TOL = 1e-7
-"""Relative width at which the bisection on T stops even if some bracket is still open."""
 
 
 @dataclass
@@ -55,20 +53,16 @@ class GroupingResult:
     step_s: float
     reason: str = ""
     """Why there is no plan (a group that cannot hold a replica)."""
+    plans_made: int = 0
+    """Plans of single groups made to find it (one curve per kind of group)."""
 
 
 @dataclass
 class _Kind:
-    """Groups with the same devices and hosts: one memo of T(b) serves them all."""
+    """The groups of one kind (`CostModel.group_key`): one step curve serves them all."""
 
-    cm: CostModel
-    count: int
+    curve: StepCurve
     members: list[list[int]] = field(default_factory=list)
-    memo: dict[int, tuple[float, Plan | None]] = field(default_factory=dict)
-    lo: int = 0
-    """maxB(T_lo): T(b) <= T_lo for b <= lo (0: not even one sample)."""
-    hi: int = 0
-    """maxB(T_hi)."""
 
 
 def node_groups(cm: CostModel) -> list[list[int]]:
@@ -103,7 +97,9 @@ def make_hierarchical_plan(
     """The best plan over the flat one and the candidate groupings (`hierarchy=False`: the flat
     plan only). `planner_kw` goes to `planner.make_plan` (offload, host state, model name).
 
-    The returned plan's `meta["groupings"]` lists each candidate's predicted step."""
+    The returned plan's `meta["groupings"]` lists each candidate's predicted step. A grouping
+    whose all-reduce between groups alone (`CostModel.cross_reduce_total_s`, a floor under
+    every rank's step) takes at least the best step found is not planned (`at_least_s`)."""
     from cephalo.planning.planner import make_plan
 
     if reduce_dtype not in REDUCE_DTYPES:
@@ -127,11 +123,18 @@ def make_hierarchical_plan(
         for grouping in candidates:
             if groupings is None and grouping.label != "per node" and not replica_missing:
                 break  # groups of several nodes only where smaller ones cannot hold a replica
+            g = len(grouping.groups)
+            floor = cm.group_model(grouping.groups[0], g, reduce_dtype).cross_reduce_total_s
+            if floor >= best_step:  # its all-reduce alone is no faster than the best plan's step
+                summary.append({"grouping": grouping.label, "step_s": None, "at_least_s": floor})
+                replica_missing = False
+                continue
             res = plan_grouping(cm, global_batch, grouping, reduce_dtype, **planner_kw)
             summary.append(
                 {
                     "grouping": grouping.label,
                     "step_s": res.step_s if res.plan is not None else None,
+                    "plans": res.plans_made,
                     **({"reason": res.reason} if res.reason else {}),
                 }
             )
@@ -161,101 +164,36 @@ def plan_grouping(
         return GroupingResult(grouping, p, p.predicted.step_s)
     if global_batch < g:
         return GroupingResult(grouping, None, math.inf, f"global batch {global_batch} < {g} groups")
+    bmax = global_batch - (g - 1)
     kinds: dict[tuple, _Kind] = {}
     for members in grouping.groups:
-        key = _kind_key(cm, members)
+        key = cm.group_key(members)
         if key not in kinds:
-            kinds[key] = _Kind(cm.group_model(members, g, reduce_dtype), 0)
-        kinds[key].count += 1
+            sub = cm.group_model(members, g, reduce_dtype)
+            kinds[key] = _Kind(StepCurve(sub, bmax, planner_kw))
         kinds[key].members.append(members)
     ks = list(kinds.values())
-    bmax = global_batch - (g - 1)
-
-    def T(kind: _Kind, b: int) -> float:
-        if b not in kind.memo:
-            try:
-                p = make_plan(kind.cm, b, **planner_kw)
-                kind.memo[b] = (p.predicted.step_s, p)
-            except PlanDoesNotFit as e:
-                kind.memo[b] = (math.inf, None)
-                kind.memo.setdefault(-1, (math.inf, e))  # type: ignore[arg-type]
-        return kind.memo[b][0]
-
-    for k in ks:
-        if not math.isfinite(T(k, 1)):
-            err = k.memo.get(-1, (0, None))[1]
-            first = str(err).splitlines()[0] if err is not None else "does not fit"
-            return GroupingResult(
-                grouping,
-                None,
-                math.inf,
-                f"ranks {k.members[0]} cannot hold a replica: {first}",
-            )
-
-    def max_b(kind: _Kind, t: float) -> int:
-        """Largest b in [kind.lo, kind.hi] with T(b) <= t (kind.lo when none above it)."""
-        lo, hi = kind.lo, kind.hi
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if T(kind, mid) <= t:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    # brackets from a speed-proportional split: rounded down, the kinds' steps bound the
-    # optimum from below (the counts fall short of B below the least of them); rounded up, they
-    # reach B within the largest of them
-    probe = min(bmax, max(1, global_batch // g))
-    rates = [probe / T(k, probe) for k in ks]
-    if not all(math.isfinite(r) and r > 0 for r in rates):
-        rates = [1.0 for _ in ks]
-    total_rate = sum(r * k.count for r, k in zip(rates, ks, strict=True))
-    shares = [global_batch * r / total_rate for r in rates]
-    ups = [min(bmax, max(1, math.ceil(x))) for x in shares]
-    downs = [min(bmax, max(1, math.floor(x))) for x in shares]
-    t_hi = max(T(k, b) for k, b in zip(ks, ups, strict=True))
-    if not math.isfinite(t_hi):
-        t_hi = max(T(k, bmax) for k in ks)
-        if not math.isfinite(t_hi):
-            return GroupingResult(grouping, None, math.inf, "no split of the batch fits")
-    t_lo = max(T(k, 1) for k in ks)
-    if sum(k.count * b for k, b in zip(ks, downs, strict=True)) <= global_batch:
-        t_lo = max(t_lo, min(T(k, b) for k, b in zip(ks, downs, strict=True)))
-    t_lo *= 1 - 1e-12
-    for k in ks:
-        k.lo, k.hi = 0, bmax
-        k.hi = max_b(k, t_hi)
-        k.lo = max_b(_Kind(k.cm, k.count, memo=k.memo, lo=0, hi=k.hi), t_lo)
-
-    def count(t: float) -> int:
-        return sum(k.count * max_b(k, t) for k in ks)
-
-    while any(k.hi - k.lo > 1 for k in ks) and t_hi - t_lo > BISECT_REL_TOL * t_hi:
-        mid = 0.5 * (t_lo + t_hi)
-        saved = [(k.lo, k.hi) for k in ks]
-        bs = [max_b(k, mid) for k in ks]
-        if sum(k.count * b for k, b in zip(ks, bs, strict=True)) >= global_batch and min(bs) >= 1:
-            t_hi = mid
-            for k, b, (lo, _) in zip(ks, bs, saved, strict=True):
-                k.lo, k.hi = lo, b
-        else:
-            t_lo = mid
-            for k, b, (_, hi) in zip(ks, bs, saved, strict=True):
-                k.lo, k.hi = b, hi
-    # the optimum is the least known T(b) in (t_lo, t_hi] at which the counts reach B
-    values = sorted({T(k, b) for k in ks for b in range(max(1, k.lo), k.hi + 1)} | {t_hi})
-    t_star = t_hi
-    for v in values:
-        if t_lo < v <= t_hi and count(v) >= global_batch and all(max_b(k, v) >= 1 for k in ks):
-            t_star = v
-            break
-    # per group: its kind's maxB(t_star), trimmed to B (trimming only shortens a group's step)
+    t_star, best = split_batch([k.curve for k in ks], [len(k.members) for k in ks], global_batch)
+    if not math.isfinite(t_star):
+        for k in ks:
+            if not math.isfinite(k.curve(1)):
+                try:  # why (the curve's plans skip the explanation)
+                    make_plan(k.curve.cm, 1, **planner_kw)
+                    first = "does not fit"
+                except PlanDoesNotFit as e:
+                    first = str(e).splitlines()[0]
+                return GroupingResult(
+                    grouping,
+                    None,
+                    math.inf,
+                    f"ranks {k.members[0]} cannot hold a replica: {first}",
+                )
+        return GroupingResult(grouping, None, math.inf, "no split of the batch fits")
+    # per group: its kind's maxB(T*), trimmed to B (trimming only shortens a group's step)
     per_group: list[int] = []
     order = []
-    for k in ks:
-        b = max_b(k, t_star)
-        per_group.extend([b] * k.count)
+    for k, b in zip(ks, best, strict=True):
+        per_group.extend([b] * len(k.members))
         order.extend(k.members)
     excess = sum(per_group) - global_batch
     while excess > 0:  # take samples back from the group with the most (each keeps >= 1)
@@ -263,43 +201,33 @@ def plan_grouping(
         per_group[j] -= 1
         excess -= 1
     batch_of = {tuple(m): b for m, b in zip(order, per_group, strict=True)}
-    plan = _assemble(cm, global_batch, grouping, kinds, batch_of, T, reduce_dtype)
+    plan = _assemble(cm, global_batch, grouping, ks, batch_of, reduce_dtype)
     step = plan.predicted.step_s
-    logger.debug("grouping %s: step %.4g s, batches %s", grouping.label, step, per_group)
-    return GroupingResult(grouping, plan, step)
+    logger.debug(
+        "grouping %s: step %.4g s, batches %s, %d plans of %d kinds of group",
+        grouping.label,
+        step,
+        per_group,
+        sum(k.curve.evaluations for k in ks),
+        len(ks),
+    )
+    return GroupingResult(grouping, plan, step, plans_made=sum(k.curve.evaluations for k in ks))
 
 
-def _kind_key(cm: CostModel, members: list[int]) -> tuple:
-    devs = tuple((cm.devices[r].type_key, int(cm.devices[r].memory_bytes)) for r in members)
-    host = None
-    if cm.host is not None:
-        host = (
-            tuple(cm.host.optimizer_s_per_param[r] for r in members),
-            tuple(cm.host.memory_bytes[cm.host.node_of[r]] for r in members),
-            len({cm.host.node_of[r] for r in members}),
-        )
-    links = None if cm.links is None else cm.links.bytes_per_s(members)
-    return devs, host, links
-
-
-def _assemble(cm, B, grouping, kinds, batch_of, T, reduce_dtype) -> Plan:
+def _assemble(cm, B, grouping, kinds: list[_Kind], batch_of, reduce_dtype) -> Plan:
     ranks: list[RankPlan | None] = [None] * len(cm.devices)
-    kind_of = {tuple(m): k for k in kinds.values() for m in k.members}
+    kind_of = {tuple(m): k for k in kinds for m in k.members}
+    sub_plans = []
     for members in grouping.groups:
-        kind = kind_of[tuple(members)]
-        b = batch_of[tuple(members)]
-        T(kind, b)
-        sub = kind.memo[b][1]
-        assert sub is not None
+        sub = kind_of[tuple(members)].curve.plan(batch_of[tuple(members)])
+        sub_plans.append(sub)
         for local, r in zip(sub.ranks, members, strict=True):
             ranks[r] = RankPlan(**{**local.__dict__, "rank": r})
-    first = next(iter(kinds.values())).memo
-    sub_meta = next(p for _, p in first.values() if isinstance(p, Plan)).meta
-    meta = {k: v for k, v in sub_meta.items() if k not in ("planner_wall_s",)}
+    meta = {k: v for k, v in sub_plans[0].meta.items() if k not in ("planner_wall_s",)}
     meta.update(cm.meta)
     plan = Plan(
         strategy="cephalo",
-        model=next(p for _, p in first.values() if isinstance(p, Plan)).model,
+        model=sub_plans[0].model,
         seq_len=cm.seq_len,
         global_batch_size=B,
         dtype=cm.dtype,
@@ -333,10 +261,11 @@ def grouping_lines(plan: Plan) -> list[str]:
         parts = []
         for t in tried:
             step = t.get("step_s")
-            parts.append(
-                f"{t['grouping']} {step:.4g} s"
-                if step is not None
-                else f"{t['grouping']} does not fit"
-            )
+            if step is not None:
+                parts.append(f"{t['grouping']} {step:.4g} s")
+            elif "at_least_s" in t:  # not planned: its all-reduce alone takes this long
+                parts.append(f"{t['grouping']} >= {t['at_least_s']:.4g} s")
+            else:
+                parts.append(f"{t['grouping']} does not fit")
         lines.append("groupings (predicted step): " + ", ".join(parts))
     return lines

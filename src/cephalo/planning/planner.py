@@ -142,13 +142,16 @@ def make_plan(
     model_name: str | None = None,
     allow_host_state: bool = True,
     host_state_min_gain: float = HOST_STATE_MIN_GAIN,
+    explain: bool = True,
 ) -> Plan:
     """Make a plan for `global_batch` samples per step (see the module docstring).
 
     `allow_host_state=False` keeps all training state on the devices even where the cost model
     knows the hosts (the plan to compare with); a plan with host state is only returned where
     its predicted step is at least `host_state_min_gain` shorter than that of the best plan
-    without (or where none fits without)."""
+    without (or where none fits without). `explain=False`: a plan that does not fit raises a
+    `PlanDoesNotFit` without working out why (searches that only need to know, such as the
+    split over shard groups, skip the search for the largest batch that fits)."""
     if global_batch < 1:
         raise CephaloError(f"the global batch must be >= 1, got {global_batch}")
     if strategy not in PLANNER_STRATEGIES:
@@ -164,7 +167,7 @@ def make_plan(
             and not cost_model.adapter.frozen_base,
             serial=cost_model.serial_reduce,
         )
-        choice = _optimise(cost_model, global_batch, allowed)
+        choice = _optimise(cost_model, global_batch, allowed, explain)
         if allowed.host and choice.host is not None and any(h > 0 for h in choice.host):
             choice, allowed = _unless_marginal(
                 cost_model, global_batch, allowed, choice, "host", host_state_min_gain
@@ -430,30 +433,47 @@ def _capacity(
 
 
 def _split_exact(fs: list[np.ndarray], B: int) -> tuple[float, list[int]] | None:
-    """Max-plus DP over ranks: the split of B maximising the sum of capacities."""
+    """Max-plus DP over ranks: the split of B maximising the sum of capacities.
+
+    Each rank's step is one vectorised max over a (batch, total) matrix, restricted to the
+    totals from which B is still reachable (at most the finite batches of the ranks before,
+    at least B less those of the ranks after); among equal sums the smallest batch of the rank
+    wins (the first maximum), so the split is deterministic."""
+    heads = []
+    for f in fs:
+        head = np.asarray(f[: min(len(f) - 1, B) + 1], dtype=np.float64)
+        finite = np.isfinite(head)
+        n_ok = int(np.argmin(finite)) if not finite.all() else head.size
+        if n_ok == 0:
+            return None
+        heads.append(head[:n_ok])
+    most = [h.size - 1 for h in heads]
+    after = np.concatenate([np.cumsum(most[::-1])[::-1][1:], [0]])  # ranks after each
     best = np.full(B + 1, -np.inf)
     best[0] = 0.0
     args = []
-    for f in fs:
-        new = np.full(B + 1, -np.inf)
+    reach = 0
+    for head, rest in zip(heads, after, strict=True):
+        reach = min(B, reach + head.size - 1)
+        cols = np.arange(max(0, B - int(rest)), reach + 1)
+        n_ok = head.size
+        bs = np.arange(n_ok)
+        # cand[b, j] = best[j - b] + f[b] (j >= b), read from best padded with -inf in front
+        padded = np.concatenate([np.full(n_ok, -np.inf), best])
+        cand = padded[n_ok + cols[None, :] - bs[:, None]] + head[:, None]
+        pick = np.argmax(cand, axis=0)
+        best = np.full(B + 1, -np.inf)
+        best[cols] = cand[pick, np.arange(cols.size)]
         arg = np.zeros(B + 1, dtype=np.int64)
-        for b in range(min(len(f) - 1, B) + 1):
-            if not np.isfinite(f[b]):
-                break
-            cand = np.full(B + 1, -np.inf)
-            cand[b:] = best[: B + 1 - b] + f[b]
-            better = cand > new
-            new[better] = cand[better]
-            arg[better] = b
-        best = new
+        arg[cols] = pick
         args.append(arg)
     if not np.isfinite(best[B]):
         return None
-    split, rest = [], B
+    split, rest_b = [], B
     for arg in reversed(args):
-        b = int(arg[rest])
+        b = int(arg[rest_b])
         split.append(b)
-        rest -= b
+        rest_b -= b
     return float(best[B]), split[::-1]
 
 
@@ -595,10 +615,12 @@ def _exact(groups: list[_Group], B: int) -> bool:
     return n * (B + 1) * (max(g.bmax for g in groups) + 1) <= EXACT_DP_MAX_WORK
 
 
-def _optimise(cm: CostModel, B: int, allowed: _Allowed) -> _Choice:
+def _optimise(cm: CostModel, B: int, allowed: _Allowed, explain: bool = True) -> _Choice:
     groups = _groups(cm)
     found = _fits_at_all(cm, groups, B, allowed)
     if found is None:
+        if not explain:
+            raise PlanDoesNotFit(f"{cm.model.name} does not fit at global batch {B}")
         raise _does_not_fit(cm, B, allowed)
     while True:
         exact = _exact(groups, B)
@@ -634,7 +656,7 @@ def _unless_marginal(
     for a 0.03 % predicted gain ran 10 % slower, bench/results/hetero_throughput.md B)."""
     narrower = replace(allowed, **{option: False})
     try:
-        without = _optimise(cm, B, narrower)
+        without = _optimise(cm, B, narrower, explain=False)  # the reason is not shown
     except PlanDoesNotFit:
         return choice, allowed
     steps = [cm.evaluate(_to_plan(cm, B, "cephalo", c, None)).step_s for c in (choice, without)]

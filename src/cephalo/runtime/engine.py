@@ -291,6 +291,8 @@ class Engine(UnitComm, HeadPass):
             self._alloc_unit_state(us, full[us.start : us.start + us.size])
             del full  # before the next unit's values exist: at most two units at a time
             self.shards.append(us)
+        if self.replicas is not None:  # every rank: the owners' sub-groups of every unit
+            self.replicas.prepare([us.layout.numel for us in self.shards])
         for i, unit in enumerate(model.units):
             for pname, p in unit.module.named_parameters():
                 owner_index, owner_name = owner_of[id(p)]
@@ -725,7 +727,7 @@ class Engine(UnitComm, HeadPass):
         # int64: an fp32 count is inexact above 2**24 tokens (a large global batch)
         tokens = torch.tensor([n_local], dtype=torch.int64, device=self.device)
         self._all_reduce(tokens)
-        n_tokens = int(tokens.item()) if self.comm.world_size > 1 else n_local
+        n_tokens = int(tokens.item()) if self.world.world_size > 1 else n_local
         loss_scale = self.scaler.scale if self.scaler else 1.0
         head_grad = loss_scale / max(n_tokens, 1)
         store = self._boundaries

@@ -3,14 +3,15 @@
 A hierarchical plan (`Plan.shard_groups`, docs/plan-format.md) splits the ranks into groups, each
 holding a whole replica of the training state sharded unevenly over its own ranks. The engine
 runs today's uneven all-gathers and reduce-scatters on the group's sub-process-group
-(`group_comm`); after the backward, once per step whatever the micro-batches, every rank
-all-reduces its gradient shard with the ranks that own the same elements in the other groups.
-The groups' shard boundaries differ, so the reduce runs over the intersections of the ranges:
-for each unit, each intersection of this rank's range with a rank's range of another group is
-exchanged with that rank (one send and one receive, point to point), and every participant adds
-the groups' pieces in group order, so all replicas hold bitwise the same sum. In
-`cross_group_reduce_dtype` bf16 the pieces travel (and are added, own piece included) as bf16
-values, accumulated in fp32.
+(`group_comm`); after the backward, once per step whatever the micro-batches, the ranks that own
+the same elements in different groups all-reduce their gradient shards. The groups' shard
+boundaries differ, so the reduce runs over the intersections of the ranges: every group's
+boundaries cut a unit's buffer into segments, each owned by one rank of each group, and each
+segment is all-reduced among its g owners on their own process sub-group (made once, for every
+unit, by `prepare`). The backend runs that all-reduce as a ring (gloo, NCCL): each owner sends
+2 (g-1)/g of its segment, what the cost model charges (`CostModel.cross_reduce_s`), and every
+owner ends with the same sum. In `cross_group_reduce_dtype` bf16 the segments travel and are
+summed as bf16 (half the bytes), and land back in the fp32 gradient.
 
 Emulation (`inter_node_bytes_per_s`): the exchange is charged a delay per byte its node sends
 (the group's ranks share the node's link), as `slowdown` charges compute, so a slow inter-node
@@ -19,7 +20,9 @@ network shows on the CPU; a flat plan's rings over emulated nodes are charged th
 
 Under layered gradient accumulation each unit's exchange starts as soon as its gradient shard is
 complete (`unit_final`, called by the engine's backward), beside the backward of the units before
-it, as the cost model charges it; the sums are made before the optimizer step (`finish`).
+it, as the cost model charges it; the sums are made before the optimizer step (`finish`). A
+segment whose owners include a rank with host state waits for the optimizer step on every owner
+(a sub-group's all-reduces must start in the same order on all of its ranks).
 """
 
 from __future__ import annotations
@@ -39,14 +42,37 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
-class _Piece:
-    peer: int
-    """Global rank of the other group's owner."""
-    group: int
-    """Its group index."""
+class _Segment:
+    """One intersection of this rank's shard with a rank's shard of every other group."""
+
     lo: int
     hi: int
-    """The intersection, relative to this rank's shard start."""
+    """Relative to this rank's shard start."""
+    owners: tuple[int, ...]
+    """Its owner in each group, in group order (global ranks; this rank among them)."""
+
+
+def owner_segments(
+    numel: int, groups: list[list[int]], fractions: list[list[float]]
+) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(start, end, owners) covering [0, numel): where every group's shard boundaries cut the
+    buffer, each piece with its owner in each group (consecutive pieces of the same owners
+    merged: each owner's range is one interval)."""
+    ranges = [shard_ranges(numel, f) for f in fractions]
+    cuts = sorted({0, numel, *(s for rs in ranges for s, _ in rs)})
+    out: list[tuple[int, int, tuple[int, ...]]] = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        if b <= a:
+            continue
+        owners = tuple(
+            next(r for r, (s, n) in zip(members, rs, strict=True) if s <= a < s + n)
+            for members, rs in zip(groups, ranges, strict=True)
+        )
+        if out and out[-1][2] == owners and out[-1][1] == a:
+            out[-1] = (out[-1][0], b, owners)
+        else:
+            out.append((a, b, owners))
+    return out
 
 
 class Replicas:
@@ -72,79 +98,88 @@ class Replicas:
         # every rank creates every group, in the same order (torch.distributed's contract)
         pgs = [dist.new_group(ranks=g) for g in self.groups]
         self.group_comm: Comm = make_comm(group=pgs[self.index], validate=world.validate)
-        self._pieces: dict[int, list[_Piece]] = {}
-        self._inflight: dict[int, tuple] = {}
-        """Per unit whose exchange has started: (gradient shard, pieces, receive buffers, works)."""
+        self._owner_groups: dict[tuple[int, ...], object] = {}
+        """Per owner tuple: the process sub-group its segments are all-reduced on (`prepare`)."""
+        self._late = {r for r, rp in enumerate(plan.ranks) if rp.host_state_fraction > 0}
+        """Ranks with host state: their segments are reduced at the optimizer step."""
+        self._segments: dict[int, list[_Segment]] = {}
+        self._started: dict[int, set[int]] = {}
+        """Per unit: the indices of its segments whose all-reduce has started."""
+        self._inflight: list[tuple[torch.Tensor, int, int, torch.Tensor | None, object]] = []
+        """(gradient shard, lo, hi, bf16 buffer or None, work) of every started all-reduce."""
         self._due = 0.0
         """Emulated link: when the exchanges started so far have crossed it."""
         self.bytes_sent = 0
-        """Bytes this rank has sent to other groups (a running count)."""
+        """Bytes this rank has sent to other groups (a running count: 2 (g-1)/g per segment)."""
         self.wait_s = 0.0
 
-    def _pieces_of(self, unit: int, numel: int) -> list[_Piece]:
-        if unit not in self._pieces:
-            mine = shard_ranges(numel, self.fractions)[self.local_rank]
-            start, end = mine[0], mine[0] + mine[1]
-            out = []
-            for gi, members in enumerate(self.groups):
-                if gi == self.index:
-                    continue
-                fr = [self.plan.ranks[r].state_fraction for r in members]
-                for r, (s, n) in zip(members, shard_ranges(numel, fr), strict=True):
-                    lo, hi = max(start, s), min(end, s + n)
-                    if hi > lo:
-                        out.append(_Piece(r, gi, lo - start, hi - start))
-            self._pieces[unit] = out
-        return self._pieces[unit]
+    def prepare(self, numels: list[int]) -> None:
+        """Make the owners' sub-groups of every unit's segments (collective: every rank calls it
+        with the same unit sizes; torch.distributed needs every rank at every `new_group`)."""
+        fr = [[self.plan.ranks[r].state_fraction for r in members] for members in self.groups]
+        tuples: set[tuple[int, ...]] = set()
+        for unit, numel in enumerate(numels):
+            segs = owner_segments(numel, self.groups, fr)
+            tuples.update(owners for _, _, owners in segs)
+            start = shard_ranges(numel, self.fractions)[self.local_rank][0]
+            self._segments[unit] = [
+                _Segment(a - start, b - start, owners)
+                for a, b, owners in segs
+                if self.world.rank in owners
+            ]
+        for owners in sorted(tuples - set(self._owner_groups)):
+            self._owner_groups[owners] = dist.new_group(ranks=list(owners))
+
+    def _segments_of(self, unit: int) -> list[_Segment]:
+        if unit not in self._segments:
+            raise CephaloError(
+                f"internal: unit {unit}'s cross-group segments were not prepared (Replicas.prepare)"
+            )
+        return self._segments[unit]
 
     @torch.no_grad()
-    def start(self, unit: int, numel: int, g: torch.Tensor) -> None:
-        """Start the exchange of one unit's final gradient shard `g` with the other groups
-        (asynchronous; `finish` adds the pieces). On an emulated link the unit's bytes queue
-        behind the units started before it."""
-        if unit in self._inflight:
-            return
-        pieces = self._pieces_of(unit, numel)
-        ops, bufs = [], []
-        for p in pieces:
-            out = g[p.lo : p.hi].to(self.dtype).contiguous()
-            buf = torch.empty_like(out)
-            ops.append(dist.P2POp(dist.isend, out, p.peer, tag=unit))
-            ops.append(dist.P2POp(dist.irecv, buf, p.peer, tag=unit))
-            bufs.append(buf)
-            self.bytes_sent += out.numel() * out.element_size()
-        works = dist.batch_isend_irecv(ops) if ops else []
-        self._inflight[unit] = (g, pieces, bufs, works)
-        if self.inter_node_bytes_per_s:
-            # the group's ranks share their node's link: together they send each of the group's
-            # elements to every other group (what the cost model charges a node for g = 2)
+    def start(self, unit: int, numel: int, g: torch.Tensor, early: bool = False) -> None:
+        """Start the all-reduce of one unit's final gradient shard `g` with the other groups, one
+        per segment on its owners' sub-group (asynchronous; `finish` waits and writes the sums
+        back). `early` (from the backward): segments with a host-state owner wait. On an emulated
+        link the unit's bytes queue behind the units started before it."""
+        done = self._started.setdefault(unit, set())
+        sent = started = 0
+        segments = self._segments_of(unit)
+        for i, seg in enumerate(segments):
+            if i in done or (early and self._late.intersection(seg.owners)):
+                continue
+            done.add(i)
+            part = g[seg.lo : seg.hi]
+            buf = part.to(self.dtype) if self.dtype != g.dtype else None
+            part_to_reduce = buf if buf is not None else part  # fp32: in place
+            group = self._owner_groups[seg.owners]
+            work = dist.all_reduce(part_to_reduce, group=group, async_op=True)
+            self._inflight.append((g, seg.lo, seg.hi, buf, work))
+            n = len(seg.owners)
+            sent += int(2 * (n - 1) / n * part_to_reduce.numel() * part_to_reduce.element_size())
+            started += seg.hi - seg.lo
+        self.bytes_sent += sent
+        mine = sum(seg.hi - seg.lo for seg in segments)
+        if self.inter_node_bytes_per_s and started:
+            # the group's ranks share their node's link: each sends its segments' ring share,
+            # 2 (g-1)/g of them, so the node sends 2 (g-1)/g of the unit (the cost model's
+            # charge for one node per group), this call the part of it started now
             elem = torch.finfo(self.dtype).bits // 8
-            node_bytes = (len(self.groups) - 1) * numel * elem
+            g_count = len(self.groups)
+            node_bytes = 2 * (g_count - 1) / g_count * numel * elem * started / mine
             now = time.perf_counter()
             self._due = max(self._due, now) + node_bytes / self.inter_node_bytes_per_s
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Wait for every started exchange and sum each element over the groups, in place."""
-        for g, pieces, bufs, works in self._inflight.values():
-            for work in works:
-                work.wait()
-            if not pieces:
-                continue
-            # each group's ranges partition the buffer: cut this shard where any of them ends,
-            # then add the groups' pieces of each cut in group order (the same sum everywhere)
-            cuts = sorted({0, g.numel(), *(p.lo for p in pieces), *(p.hi for p in pieces)})
-            own = g.to(self.dtype).float()
-            for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-                parts = {self.index: own[a:b]}
-                for p, buf in zip(pieces, bufs, strict=True):
-                    if p.lo <= a and b <= p.hi:
-                        parts[p.group] = buf[a - p.lo : b - p.lo].float()
-                total = torch.zeros(b - a, dtype=torch.float32, device=g.device)
-                for gi in sorted(parts):
-                    total += parts[gi]
-                g[a:b].copy_(total)
+        """Wait for every started all-reduce and write the sums back, in place."""
+        for g, lo, hi, buf, work in self._inflight:
+            work.wait()
+            if buf is not None:
+                g[lo:hi].copy_(buf.float())
         self._inflight.clear()
+        self._started.clear()
         left = self._due - time.perf_counter()
         if left > 0:
             time.sleep(left)
@@ -152,8 +187,8 @@ class Replicas:
 
     def all_reduce_grads(self, grads: list[tuple[int, int, torch.Tensor]]) -> None:
         """Sum every unit's gradient shard over the groups, in place. `grads`: per unit (index,
-        numel of its flat buffer, this rank's fp32 gradient shard); units already started keep
-        their exchange."""
+        numel of its flat buffer, this rank's fp32 gradient shard); segments already started
+        keep their all-reduce."""
         t0 = time.perf_counter()
         for unit, numel, g in grads:
             self.start(unit, numel, g)
@@ -168,7 +203,7 @@ class Replicas:
             return
         us = engine.shards[unit]
         if us.host is None:
-            self.start(unit, us.layout.numel, engine._device_grad(us))
+            self.start(unit, us.layout.numel, engine._device_grad(us), early=True)
 
     def reduce_engine_grads(self, engine) -> float:
         """`all_reduce_grads` over an engine's units (the host-held part of a shard too);

@@ -426,6 +426,10 @@ class Cluster:
             n = e.get("node")
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise CephaloError(f"{at}: `node` must be an integer >= 0, got {n!r}")
+            if n in node_memory or n in node_optimizer:
+                raise CephaloError(
+                    f"{at}: node {n} is listed twice in `nodes`; give each node's host settings once"
+                )
             if n not in present:
                 raise CephaloError(
                     f"{at}: node {n} has no devices (nodes in use: {', '.join(map(str, sorted(present)))})"

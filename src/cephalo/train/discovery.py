@@ -11,7 +11,9 @@ One path for real and emulated clusters alike:
    - else the CPU.
 2. the descriptions are all-gathered (`discover_cluster`); every rank builds the same
    `Cluster` from the same list, so no rank ever assumes anything about another, and the
-   profiler then measures each distinct type on a rank that has it.
+   profiler then measures each distinct type on a rank that has it. Ranks that disagree about
+   their node (how they know it, a node spanning machines, torchrun's count) stop with one
+   message on every rank (`node_map.py`).
 
 The same all-gather carries a fingerprint of the job (config, world size, cephalo's
 version): ranks started with different configs stop with one message on every rank, naming
@@ -35,6 +37,7 @@ from cephalo.runtime.comm import Comm
 from cephalo.specs.catalog import DEFAULT_HOST_MEMORY_BYTES, device_type_for_gpu
 from cephalo.specs.cluster import Cluster, Device, parse_bytes
 from cephalo.train.config import JobConfig
+from cephalo.train.node_map import check_node_map
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,14 @@ class RankDescription:
     """Fingerprint of the job this rank was started with."""
     job_fields: dict
     """The flattened config the fingerprint hashes (to name the fields that differ)."""
+    node_source: str = "host"
+    """How it knows its node: `spec` (@nodeK), `torchrun` (GROUP_RANK) or `host` (host name)."""
+    host: str = ""
+    """The machine it runs on (its host name)."""
+    torchrun_group: str | None = None
+    """torchrun's GROUP_RANK, where torchrun started it."""
+    local_world_size: int | None = None
+    """torchrun's LOCAL_WORLD_SIZE: the ranks its node runs."""
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -84,9 +95,22 @@ def physical_host_memory() -> int:
         return DEFAULT_HOST_MEMORY_BYTES
 
 
-def _torchrun_node() -> str:
+def _torchrun_group() -> str | None:
     group_rank = os.environ.get("GROUP_RANK")
-    return f"group{group_rank}" if group_rank not in (None, "") else socket.gethostname()
+    return group_rank if group_rank not in (None, "") else None
+
+
+def _torchrun_node() -> tuple[str, str]:
+    """(node, how it is known): torchrun's group rank, else the host name."""
+    group = _torchrun_group()
+    return (f"group{group}", "torchrun") if group is not None else (socket.gethostname(), "host")
+
+
+def _local_world_size() -> int | None:
+    try:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
 
 
 def _one_device(spec: str, what: str) -> tuple[Device, Cluster]:
@@ -116,12 +140,12 @@ def describe_own_device(cfg: JobConfig, rank: int, world_size: int) -> RankDescr
                 f"{cluster.world_size} processes (`cephalo run` starts one per device)"
             )
         device = cluster.devices[rank]
-        node, name = f"node{device.node}", "cpu"
+        (node, source), name = (f"node{device.node}", "spec"), "cpu"
         host = host_override or cluster.host_memory_of(device.node)
     elif own_spec:
         device, cluster = _one_device(own_spec, f"{envvars.DEVICE}")
         explicit_node = "@" in own_spec
-        node = f"node{device.node}" if explicit_node else _torchrun_node()
+        node, source = (f"node{device.node}", "spec") if explicit_node else _torchrun_node()
         name = device.type
         host = host_override or cluster.host_memory_of(device.node)
     elif torch.cuda.is_available() and cfg.parallel.backend != "gloo":
@@ -129,13 +153,25 @@ def describe_own_device(cfg: JobConfig, rank: int, world_size: int) -> RankDescr
         props = torch.cuda.get_device_properties(index)
         memory = int(props.total_memory)
         device = Device(type=device_type_for_gpu(props.name, memory), memory_bytes=memory)
-        node, name = _torchrun_node(), props.name
+        (node, source), name = _torchrun_node(), props.name
         host = host_override or physical_host_memory()
     else:
         device = Device(type="cpu", memory_bytes=Cluster.parse("cpu").devices[0].memory_bytes)
-        node, name = _torchrun_node(), "cpu"
+        (node, source), name = _torchrun_node(), "cpu"
         host = host_override or DEFAULT_HOST_MEMORY_BYTES
-    return RankDescription(rank, device.to_dict(), node, int(host), name, job, fields)
+    return RankDescription(
+        rank,
+        device.to_dict(),
+        node,
+        int(host),
+        name,
+        job,
+        fields,
+        node_source=source,
+        host=socket.gethostname(),
+        torchrun_group=_torchrun_group(),
+        local_world_size=_local_world_size(),
+    )
 
 
 def is_emulated(cfg: JobConfig) -> bool:
@@ -217,10 +253,12 @@ def cluster_from_descriptions(
 
 
 def discover_cluster(cfg: JobConfig, comm: Comm) -> Cluster:
-    """Every rank describes itself; the descriptions are all-gathered and checked (one job);
-    the cluster is built from them (collective: call on every rank)."""
+    """Every rank describes itself; the descriptions are all-gathered and checked (one job, one
+    rank-to-node map: `node_map`); the cluster is built from them (collective: call on every
+    rank)."""
     mine = describe_own_device(cfg, comm.rank, comm.world_size)
     descriptions = comm.all_gather_object(mine)
     check_same_job(descriptions)
+    check_node_map(descriptions)
     links = Cluster.parse(cfg.parallel.devices) if cfg.parallel.devices else None
     return cluster_from_descriptions(descriptions, links)
