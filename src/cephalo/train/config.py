@@ -703,10 +703,6 @@ def _validate(cfg: JobConfig) -> None:
     )
     check(p.max_restarts >= 0, f"parallel.max_restarts must be >= 0, got {p.max_restarts}")
     check(
-        p.replan in ("own", "auto", "off"),
-        f"parallel.replan must be own, auto or off, got {p.replan!r}",
-    )
-    check(
         p.calibrate_after >= 2,
         f"parallel.calibrate_after must be >= 2 (the first step is not measured), got {p.calibrate_after}",
     )

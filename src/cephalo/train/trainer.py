@@ -44,6 +44,7 @@ from cephalo.planning.plan import Plan
 from cephalo.planning.planner import simple_plan
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dist import init_distributed, peer_failure
+from cephalo.runtime.emulation import drifted_slowdown
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
 from cephalo.runtime.replicas import emulate_links, saved_state
@@ -513,6 +514,9 @@ class _Trainer:
         where = (self.step, self.engine.sample_offset, self.rank_plan.batch_size)
         input_ids, labels = self.batches.rank_slice(*where)
         positions = self.batches.rank_positions(*where)  # packed chat samples, else None
+        drift = drifted_slowdown(number, self.rank)  # an emulated device changing speed
+        if drift is not None:
+            self.engine.emulator.slowdown = drift
         try:
             self._maybe_run_out_of_memory(number)
             stats = self.engine.train_step(input_ids, labels, lr, position_ids=positions)
