@@ -7,7 +7,10 @@ the cost model predicts for the plan being run, rank by rank, and returns a cost
 coefficients match the measurements:
 
 - compute, per device type: the profile's forward and backward times scaled by the median
-  over that type's ranks of measured / predicted compute (busy) time;
+  over that type's ranks of measured / predicted compute time, where the measured compute
+  is the rank's own work outside the optimizer (its unit compute and the engine's per-step
+  work around it: the step without collective waits, optimizer and host work), since the
+  cost model has no term of its own for the engine's Python work;
 - device optimizer speed, per device type: `optimizer_s_per_param` scaled the same way;
 - host optimizer speed, per rank: the host's AdamW time per parameter scaled by measured /
   predicted host-state time (ranks with host state only);
@@ -44,6 +47,13 @@ class RankSample:
     host_s: float
     step_s: float
     peak_bytes: int
+    comm_wait_s: float = 0.0
+
+    @property
+    def work_s(self) -> float:
+        """The rank's own work outside the optimizer phase: unit compute plus the engine's
+        per-step work around it (the step without waits, optimizer and host work)."""
+        return max(self.busy_s, self.step_s - self.comm_wait_s - self.optimizer_s - self.host_s)
 
 
 @dataclass
@@ -51,18 +61,22 @@ class StepLog:
     """Per-step measurements of every rank since the plan now running started."""
 
     steps: list[list[RankSample]] = field(default_factory=list)
+    window: int = 0
+    """Calibrate from the last `window` steps only (0: every step since the plan started), so
+    that a device that changed speed is seen as it is now."""
 
     def add(self, ranks) -> None:
         """Record one step's `RankStats` (every rank's values)."""
         self.steps.append(
             [
-                RankSample(b, o, h, s, p)
-                for b, o, h, s, p in zip(
+                RankSample(b, o, h, s, p, w)
+                for b, o, h, s, p, w in zip(
                     ranks.busy_s,
                     ranks.optimizer_s,
                     ranks.host_s,
                     ranks.step_s,
                     ranks.peak_bytes,
+                    ranks.comm_wait_s,
                     strict=True,
                 )
             ]
@@ -72,8 +86,9 @@ class StepLog:
         self.steps.clear()
 
     def usable(self) -> list[list[RankSample]]:
-        """The steps calibration reads: all but the first (warm-up) one."""
-        return self.steps[1:]
+        """The steps calibration reads: all but the first (warm-up) one, the last `window`."""
+        usable = self.steps[1:]
+        return usable[-self.window :] if self.window else usable
 
     def median(self, rank: int, attr: str) -> float:
         return statistics.median(getattr(s[rank], attr) for s in self.usable())
@@ -206,7 +221,7 @@ def refit(cm: CostModel, plan: Plan, log: StepLog) -> Calibration:
     host_scale: dict[int, float] = {}
     excess = 0
     for r, pc in enumerate(predicted):
-        busy = log.median(r, "busy_s")
+        busy = log.median(r, "work_s")
         fits.append(
             RankFit(
                 r,

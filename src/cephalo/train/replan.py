@@ -118,7 +118,7 @@ class Replanner:
         p = cfg.parallel
         self.cfg, self.rank = cfg, rank
         self.cost_model = cost_model
-        self.log = StepLog()
+        self.log = StepLog(window=p.calibrate_every)
         self.switches: list[Switch] = []
         self.calibrations: list[Calibration] = []
         wanted = p.replan == "auto" or (p.replan == "own" and plan_is_own)
