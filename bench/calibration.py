@@ -1,9 +1,11 @@
 """Calibration and re-planning while training (issue #25), on an emulated cluster.
 
-    python bench/calibration.py [--steps 22] [--change 8]
+    python bench/calibration.py [--steps 20] [--change 8]
 
 EMULATED: two local gloo ranks on this CPU stand in for a fast and a 2x slower device
-(`cpu`, `cpu:slowdown=2`). At step `--change` the fast device becomes 4x slower
+(`cpu:slowdown=3`, `cpu:slowdown=6`: slowdowns well above 1 so that the emulated speeds, not
+the other jobs sharing this machine's cores, decide each rank's time). At step `--change` the
+fast device becomes 4x slower (slowdown 12)
 (`CEPHALO_EMULATE_DRIFT`, runtime/emulation.py: thermal throttling, a neighbour's job), so
 its profile is wrong from then on. Three jobs, side by side in one run, each `train(cfg)`
 on the same ranks (`parallel.plan = auto`, one shared profile database):
@@ -11,7 +13,7 @@ on the same ranks (`parallel.plan = auto`, one shared profile database):
 - **calibrated**: the drifting cluster, `parallel.replan = own`, calibrating every
   `CAL_EVERY` steps: it sees the change, re-plans and switches without a restart;
 - **not calibrated**: the same with `parallel.replan = off` (the plan made at the start);
-- **true profile**: the cluster as it is after the change (`cpu:slowdown=4,cpu:slowdown=2`),
+- **true profile**: the cluster as it is after the change (`cpu:slowdown=12,cpu:slowdown=6`),
   profiled and planned so from the start, `replan = off`: the reference.
 
 Targets: within 10 steps of the change the calibrated run's throughput (median step over the
@@ -46,9 +48,9 @@ from cephalo.train.trainer import train
 MODEL = "gpt-small-demo"
 SEQ_LEN = 128
 BATCH = 16
-DECLARED = "cpu,cpu:slowdown=2"
-TRUE = "cpu:slowdown=4,cpu:slowdown=2"
-DRIFT_RANK, DRIFT_SLOWDOWN = 0, 4
+DECLARED = "cpu:slowdown=3,cpu:slowdown=6"
+TRUE = "cpu:slowdown=12,cpu:slowdown=6"
+DRIFT_RANK, DRIFT_SLOWDOWN = 0, 12
 CAL_EVERY = 4
 TAIL = 3
 
@@ -89,7 +91,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=22)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--change", type=int, default=8, help="step from which the device drifts")
     args = ap.parse_args()
     raise_priority()
@@ -218,7 +220,7 @@ def main() -> None:
     Result(
         "calibration",
         "Calibration and re-planning while training",
-        emulated=f"two CPU ranks ({DECLARED}); rank {DRIFT_RANK} becomes {DRIFT_SLOWDOWN}x slower at step {args.change}",
+        emulated=f"two CPU ranks ({DECLARED}); rank {DRIFT_RANK} runs at slowdown {DRIFT_SLOWDOWN} from step {args.change}",
         summary=summary,
         details=details,
         figures=[fig_name],

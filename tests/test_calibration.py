@@ -118,3 +118,28 @@ def test_user_plans_are_followed_unless_replan_auto(tmp_path):
 def test_bad_settings_are_one_clear_message(tmp_path, override, message):
     with pytest.raises(CephaloError, match=message.replace("[", r"\[").replace(")", r"\)")):
         _cfg(tmp_path, override).validate()
+
+
+def test_relayout_moves_pieces_between_any_tilings_in_small_windows():
+    import torch
+
+    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.flat import FlatShard
+    from cephalo.runtime.relayout import relayout
+
+    a, b = torch.arange(10.0), torch.arange(100.0, 106.0).view(2, 3)
+    old = [
+        FlatShard("w", (10,), 0, a[:7].clone()),
+        FlatShard("w", (10,), 7, a[7:].clone()),
+        FlatShard("v", (2, 3), 0, b.flatten().clone()),
+    ]
+    new_w, new_v = torch.zeros(10), torch.zeros(6)
+    new = [
+        FlatShard("v", (2, 3), 0, new_v[:1]),
+        FlatShard("v", (2, 3), 1, new_v[1:]),
+        FlatShard("w", (10,), 0, new_w[:2]),
+        FlatShard("w", (10,), 2, new_w[2:]),
+    ]
+    moved = relayout(old, new, LocalComm(), torch.device("cpu"), window_elems=3)
+    assert moved == 16
+    assert torch.equal(new_w, a) and torch.equal(new_v, b.flatten())
