@@ -153,14 +153,19 @@ class Replanner:
         if forced is not None:
             self._switch(trainer, forced, "test hook", None, 0.0, metrics)
             return
-        if not self.enabled or trainer.step >= self.cfg.train.steps or not self._due():
+        if not self.enabled or not self._due():
             return
+        last = trainer.step >= self.cfg.train.steps  # calibrated and logged, not re-planned
         started = time.perf_counter()
         calibration = refit(self.cost_model, trainer.plan, self.log)
         self.cost_model = calibration.cost_model
         self.calibrations.append(calibration)
         current = calibration.cost_model.evaluate(trainer.plan).step_s
-        candidate, gain, why_not = self._replan(calibration.cost_model, current)
+        candidate, gain, why_not = (
+            (None, None, "the run's last step")
+            if last
+            else self._replan(calibration.cost_model, current)
+        )
         # rank 0 decides for everyone
         decided = trainer.comm.all_gather_object(candidate.to_dict() if candidate else None)[0]
         replan_s = time.perf_counter() - started
