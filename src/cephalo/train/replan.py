@@ -164,7 +164,7 @@ class Replanner:
         candidate, gain, why_not = (
             (None, None, "the run's last step")
             if last
-            else self._replan(calibration.cost_model, current)
+            else self._replan(calibration.cost_model, current, trainer.plan)
         )
         # rank 0 decides for everyone
         decided = trainer.comm.all_gather_object(candidate.to_dict() if candidate else None)[0]
@@ -197,7 +197,9 @@ class Replanner:
             )
             self._switch(trainer, Plan.from_dict(decided), reason, gain, replan_s, metrics)
 
-    def _replan(self, cm: CostModel, current_s: float) -> tuple[Plan | None, float | None, str]:
+    def _replan(
+        self, cm: CostModel, current_s: float, running: Plan
+    ) -> tuple[Plan | None, float | None, str]:
         """(the new plan or None, its predicted gain, why not)."""
         from cephalo.errors import PlanDoesNotFit
         from cephalo.planning.groups import make_hierarchical_plan
@@ -224,6 +226,9 @@ class Replanner:
                     f"{p.replan_min_gain:.0%})"
                 ),
             )
+        # where the profiles came from stays true of the new plan; say what it replaced
+        plan.meta = {**{k: v for k, v in running.meta.items() if k == "profiles"}, **plan.meta}
+        plan.meta["calibrated"] = {"replaces": running.strategy, "predicted_gain": gain}
         return plan, gain, ""
 
     def _switch(self, trainer, plan: Plan, reason: str, gain, replan_s: float, metrics) -> None:
