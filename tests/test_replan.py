@@ -158,3 +158,37 @@ def test_failed_switch_is_one_clear_error(pool3, tmp_path):
     assert "re-plan after step 5 failed" in str(info.value)
     # the step-5 checkpoint was written before the switch: the restart loses nothing
     assert (tmp_path / "fails" / "checkpoints" / "step_000005").is_dir()
+
+
+@pytest.mark.slow
+def test_failed_switch_restarts_from_its_checkpoint_and_trains_each_step_once(tmp_path):
+    """Under `cephalo run --max-restarts 1` a switch that fails after step 7 (no checkpoint
+    due there: the switch writes one first) restarts from step 7 under the configured plan:
+    every step once in metrics.jsonl, the losses of an uninterrupted run."""
+    import os
+    import sys
+
+    from procs import run_tagged
+    from run_common import tiny_job_args
+
+    ranks = [RankPlan(0, "cpu", 3, 1, 3, 0.5), RankPlan(1, "cpu", 1, 1, 1, 0.2)]
+    ranks.append(RankPlan(2, "cpu", 2, 2, 1, 0.3, host_state_fraction=1.0))
+    plan = tmp_path / "p.json"
+    Plan("manual", "gpt-tiny", 16, 6, "fp32", ranks).to_json(plan)
+    reference = train(load_config(None, tiny_job_args(tmp_path / "reference")))
+    run = tmp_path / "run"
+    proc = run_tagged(
+        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu,cpu", "--max-restarts", "1"]
+        + tiny_job_args(run),
+        timeout_s=300,
+        env={**os.environ, envvars.TEST_REPLAN: f"7:{plan}", envvars.TEST_REPLAN_FAIL: "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the agent restarted the job (the failure's message: test_failed_switch_is_one_clear_error)
+    # and it resumed from the checkpoint the switch wrote first, under the configured plan
+    assert "step_000007 at step 7 (saved under plan even, now even)" in proc.stderr
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # no step twice
+    for r in records:
+        ref = reference.losses[r["step"]]
+        assert abs(r["loss"] - ref) <= TOL * abs(ref), r["step"]

@@ -14,7 +14,7 @@ One home for the names, so a reader (and `docs/`) finds them all here:
 | `CEPHALO_TEST_OOM_AT_STEP` | `train.trainer` | test hook: that rank runs out of memory at a step |
 | `CEPHALO_TEST_REPLAN` | `train.replan` | test hook: `STEP:PLAN.json[,STEP:PLAN.json...]`, switch to that plan after that step (no calibration) |
 | `CEPHALO_EMULATE_DRIFT` | `runtime.emulation` | `STEP:RANK:SLOWDOWN[,...]`: an emulated rank computes at another slowdown from a step on (a device that changes speed) |
-| `CEPHALO_TEST_REPLAN_FAIL` | `train.replan` | test hook: a re-plan fails (as an out-of-memory would) |
+| `CEPHALO_TEST_REPLAN_FAIL` | `train.replan` | test hook: a re-plan fails (as an out-of-memory would; in the first attempt only) |
 """
 
 from __future__ import annotations
