@@ -124,7 +124,8 @@ class Replanner:
         self.cost_model = cost_model
         self.log = StepLog(window=p.calibrate_every)
         self.switches: list[Switch] = []
-        self.calibrations: list[Calibration] = []
+        self.last_calibration: Calibration | None = None
+        """The newest refit (older ones are dropped: each holds a cost model)."""
         wanted = p.replan == "auto" or (p.replan == "own" and plan_is_own)
         self.enabled = wanted and cost_model is not None
         if rank == 0 and wanted and cost_model is None:
@@ -163,7 +164,7 @@ class Replanner:
         started = time.perf_counter()
         calibration = refit(self.cost_model, trainer.plan, self.log)
         self.cost_model = calibration.cost_model
-        self.calibrations.append(calibration)
+        self.last_calibration = calibration
         current = calibration.cost_model.evaluate(trainer.plan).step_s
         candidate, gain, why_not = (
             (None, None, "the run's last step")

@@ -121,9 +121,9 @@ def auto_plan(
 ) -> tuple[Plan, CostModel]:
     """`parallel.plan = auto`: profile every device type of the job (collective; cached in
     the profile database `cfg.profile_cache`, so a second run is instant), then the cephalo
-    plan from the measured cost model (returned too: calibration refits it). Every rank gets the same profiles (broadcast by the
-    profiler) and the planner is deterministic, so every rank makes the same plan; one tiny
-    all-reduce checks it."""
+    plan from the measured cost model (returned too: calibration refits it). Every rank gets
+    the same profiles (broadcast by the profiler) and the planner is deterministic, so every
+    rank makes the same plan; one tiny all-reduce checks it."""
     from cephalo.planning.groups import make_hierarchical_plan
     from cephalo.planning.sources import measured_cost_model
     from cephalo.profiling.profiler import profile_devices
