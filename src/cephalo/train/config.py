@@ -217,7 +217,8 @@ class ParallelConfig:
     measured); at or above `train.steps`, calibration never happens (said once)."""
     calibrate_every: int = 10
     """After the first calibration, calibrate again every this many steps (0: only once per
-    plan). A switch to a new plan starts the count again."""
+    plan). A switch to a new plan starts the count again. A calibration reads at most the last
+    this many steps, so a device that changed speed is seen as it is now."""
     replan_min_gain: float = 0.03
     """Switch only when the re-made plan's predicted step is at least this fraction faster than
     the running plan's, both predicted by the calibrated cost model (0.03: 3 %)."""
