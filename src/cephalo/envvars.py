@@ -12,6 +12,9 @@ One home for the names, so a reader (and `docs/`) finds them all here:
 | `CEPHALO_DEVICE` | `train.discovery` | this process's own (emulated) device, one cluster-spec device, e.g. `cpu:slowdown=2,mem=1GiB` (when `parallel.devices` is unset) |
 | `CEPHALO_TEST_KILL_AT_STEP`, `CEPHALO_TEST_KILL_RANK` | `train.trainer` | test hook: SIGKILL a rank before a step |
 | `CEPHALO_TEST_OOM_AT_STEP` | `train.trainer` | test hook: that rank runs out of memory at a step |
+| `CEPHALO_TEST_REPLAN` | `train.replan` | test hook: `STEP:PLAN.json[,STEP:PLAN.json...]`, switch to that plan after that step (no calibration) |
+| `CEPHALO_EMULATE_DRIFT` | `runtime.emulation` | `STEP:RANK:SLOWDOWN[,...]`: an emulated rank computes at another slowdown from a step on (a device that changes speed) |
+| `CEPHALO_TEST_REPLAN_FAIL` | `train.replan` | test hook: a re-plan fails (as an out-of-memory would; in the first attempt only) |
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ DEVICE = "CEPHALO_DEVICE"
 KILL_AT_STEP = "CEPHALO_TEST_KILL_AT_STEP"
 KILL_RANK = "CEPHALO_TEST_KILL_RANK"
 OOM_AT_STEP = "CEPHALO_TEST_OOM_AT_STEP"
+TEST_REPLAN = "CEPHALO_TEST_REPLAN"
+TEST_REPLAN_FAIL = "CEPHALO_TEST_REPLAN_FAIL"
+EMULATE_DRIFT = "CEPHALO_EMULATE_DRIFT"
 
 
 @contextlib.contextmanager

@@ -23,12 +23,14 @@ own duration.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from cephalo import envvars
 from cephalo.errors import CephaloError
 
 
@@ -106,3 +108,22 @@ class ComputeEmulator:
             time.sleep(extra)
             self.stretched_s += extra
         return duration
+
+
+def drifted_slowdown(step: int, rank: int) -> float | None:
+    """An emulated device whose speed changes during the run (thermal throttling, a
+    neighbour's job): `CEPHALO_EMULATE_DRIFT=STEP:RANK:SLOWDOWN[,...]` makes rank RANK compute
+    at SLOWDOWN from step STEP (1-based) on, whatever its profile says. The slowdown from the
+    latest entry at or before `step` for this rank; None: no drift for it."""
+    found: tuple[int, float] | None = None
+    for item in filter(None, os.environ.get(envvars.EMULATE_DRIFT, "").split(",")):
+        try:
+            at, who, factor = item.split(":")
+            entry = (int(at), int(who), float(factor))
+        except ValueError:
+            raise CephaloError(
+                f"{envvars.EMULATE_DRIFT}={item!r}: write STEP:RANK:SLOWDOWN, e.g. 10:1:4"
+            ) from None
+        if entry[1] == rank and entry[0] <= step and (found is None or entry[0] >= found[0]):
+            found = (entry[0], entry[2])
+    return None if found is None else found[1]

@@ -206,6 +206,22 @@ class ParallelConfig:
     """`cephalo run`: restart the whole worker group up to this many times after a failure (the
     elastic agent); with `checkpoint.resume = auto` the restarted workers continue from the newest
     checkpoint. `--max-restarts N` on the command line wins."""
+    replan: Literal["own", "auto", "off"] = "own"
+    """Re-plan while training, from the job's own measurements (docs/calibration.md): `own`
+    (default) re-plans only a plan cephalo made itself (`plan = auto`: its profiles may be
+    wrong, and the job measures better), and follows `even`, `proportional` and plan files as
+    given; `auto` re-plans any plan, a plan file too (calibrating the catalog's profiles for
+    `even` / `proportional`); `off` never re-plans."""
+    calibrate_after: int = 5
+    """Steps under a plan before its first calibration (the first of them, the warm-up, is not
+    measured); at or above `train.steps`, calibration never happens (said once)."""
+    calibrate_every: int = 10
+    """After the first calibration, calibrate again every this many steps (0: only once per
+    plan). A switch to a new plan starts the count again. A calibration reads at most the last
+    this many steps, so a device that changed speed is seen as it is now."""
+    replan_min_gain: float = 0.03
+    """Switch only when the re-made plan's predicted step is at least this fraction faster than
+    the running plan's, both predicted by the calibrated cost model (0.03: 3 %)."""
 
 
 @dataclass
@@ -687,6 +703,15 @@ def _validate(cfg: JobConfig) -> None:
         f"parallel.timeout_s must be > 0 and at most {MAX_TIMEOUT_S:.0e} seconds, got {p.timeout_s}",
     )
     check(p.max_restarts >= 0, f"parallel.max_restarts must be >= 0, got {p.max_restarts}")
+    check(
+        p.calibrate_after >= 2,
+        f"parallel.calibrate_after must be >= 2 (the first step is not measured), got {p.calibrate_after}",
+    )
+    check(p.calibrate_every >= 0, f"parallel.calibrate_every must be >= 0, got {p.calibrate_every}")
+    check(
+        0 <= p.replan_min_gain < 1,
+        f"parallel.replan_min_gain must be in [0, 1) (0.03: 3 %), got {p.replan_min_gain}",
+    )
     check(
         p.devices is None or bool(p.devices.strip()),
         "parallel.devices must not be empty (leave it unset)",

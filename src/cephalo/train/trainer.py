@@ -39,11 +39,12 @@ from cephalo.log import init_logging, logger
 from cephalo.modeling.lora import adapter_settings, apply_adapter
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
-from cephalo.planning.costmodel import check_host_memory
+from cephalo.planning.costmodel import CostModel, check_host_memory
 from cephalo.planning.plan import Plan
 from cephalo.planning.planner import simple_plan
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dist import init_distributed, peer_failure
+from cephalo.runtime.emulation import drifted_slowdown
 from cephalo.runtime.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.optim import AdamWHyper
 from cephalo.runtime.replicas import emulate_links, saved_state
@@ -62,6 +63,7 @@ from cephalo.train.metrics import (
     require_tensorboard,
     truncate_metrics,
 )
+from cephalo.train.replan import Replanner, catalog_model_or_none
 
 PLAN_FILE = "plan.json"
 CONFIG_FILE = "config.toml"
@@ -88,6 +90,8 @@ class TrainResult:
     last_checkpoint: Path | None = None
     tokens_per_s: float = 0.0
     """Mean throughput over the run's steps (the first step, which warms up, excluded if possible)."""
+    replans: list[dict[str, Any]] = field(default_factory=list)
+    """Each switch to a new plan during the run: when, why, how long (train/replan.py)."""
 
 
 # ----------------------------------------------------------------------------- cluster and plan
@@ -112,12 +116,14 @@ def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int) -> Plan:
     return plan
 
 
-def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) -> Plan:
+def auto_plan(
+    cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm
+) -> tuple[Plan, CostModel]:
     """`parallel.plan = auto`: profile every device type of the job (collective; cached in
     the profile database `cfg.profile_cache`, so a second run is instant), then the cephalo
-    plan from the measured cost model. Every rank gets the same profiles (broadcast by the
-    profiler) and the planner is deterministic, so every rank makes the same plan; one tiny
-    all-reduce checks it."""
+    plan from the measured cost model (returned too: calibration refits it). Every rank gets
+    the same profiles (broadcast by the profiler) and the planner is deterministic, so every
+    rank makes the same plan; one tiny all-reduce checks it."""
     from cephalo.planning.groups import make_hierarchical_plan
     from cephalo.planning.sources import measured_cost_model
     from cephalo.profiling.profiler import profile_devices
@@ -177,7 +183,7 @@ def auto_plan(cfg: JobConfig, model: UnitModel, cluster: Cluster, comm: Comm) ->
             "ranks made different automatic plans (different profiles?); write one plan with "
             "`cephalo plan --out plan.json` and set parallel.plan to it"
         )
-    return plan
+    return plan, cost_model
 
 
 def engine_config(
@@ -269,9 +275,11 @@ class _Trainer:
         self.device = self.cluster.devices[self.rank]
         model = build_job_model(cfg)
         if cfg.parallel.plan == "auto":
-            self.plan = auto_plan(cfg, model, self.cluster, comm)
+            self.plan, cost_model = auto_plan(cfg, model, self.cluster, comm)
         else:
             self.plan = resolve_plan(cfg, self.cluster, self.world_size)
+            cost_model = catalog_model_or_none(cfg, model.spec, self.cluster)
+        self.replanner = Replanner(cfg, cost_model, cfg.parallel.plan == "auto", self.rank)
         self.rank_plan = self.plan.ranks[self.rank]
         data_path = resolve_job_dataset(
             cfg.data.path,
@@ -300,24 +308,8 @@ class _Trainer:
                 f"train.eval_every = {cfg.train.eval_every} but dataset {data_path} has no validation windows of "
                 f"{self.batches.window} tokens: raise data.val_fraction or set train.eval_every = 0"
             )
-        # every node's host memory must hold what the plan puts there (checked on every rank
-        # alike, before any allocation)
-        node_of = [d.node for d in self.cluster.devices]
-        host_memory = {n: self.cluster.host_memory_of(n) for n in self.cluster.nodes()}
-        check_host_memory(self.plan, model.spec, node_of, host_memory)
-        share = host_memory[self.device.node] // len(self.cluster.ranks_on_node(self.device.node))
-        self.engine = Engine(
-            model,
-            self.plan,
-            comm,
-            emulate_links(
-                engine_config(
-                    cfg, self.device, is_emulated(cfg), share, job_torch_device(cfg, comm)
-                ),
-                self.cluster,
-                is_emulated(cfg),
-            ),
-        )
+        self.model_spec = model.spec
+        self.engine = self.make_engine(self.plan, model)
         t = cfg.train
         self.schedule = LRSchedule(t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule)
         self.step = 0
@@ -334,6 +326,24 @@ class _Trainer:
                 [r.micro_batch_size for r in self.plan.ranks],
             )
             logger.info("data: %s", self.batches.describe())
+
+    def make_engine(self, plan: Plan, model: UnitModel | None = None) -> Engine:
+        """An engine for this rank under `plan` (a fresh model unless given; collective).
+        Every node's host memory must hold what the plan puts there: checked first, on every
+        rank alike, before any allocation."""
+        cfg, comm = self.cfg, self.comm
+        node_of = [d.node for d in self.cluster.devices]
+        host_memory = {n: self.cluster.host_memory_of(n) for n in self.cluster.nodes()}
+        check_host_memory(plan, self.model_spec, node_of, host_memory)
+        share = host_memory[self.device.node] // len(self.cluster.ranks_on_node(self.device.node))
+        emulated = is_emulated(cfg)
+        config = engine_config(cfg, self.device, emulated, share, job_torch_device(cfg, comm))
+        return Engine(
+            model if model is not None else build_job_model(cfg),
+            plan,
+            comm,
+            emulate_links(config, self.cluster, emulated),
+        )
 
     # ------------------------------------------------------------------ run directory
     def write_run_files(self) -> None:
@@ -504,6 +514,9 @@ class _Trainer:
         where = (self.step, self.engine.sample_offset, self.rank_plan.batch_size)
         input_ids, labels = self.batches.rank_slice(*where)
         positions = self.batches.rank_positions(*where)  # packed chat samples, else None
+        drift = drifted_slowdown(number, self.rank)  # an emulated device changing speed
+        if drift is not None:
+            self.engine.emulator.slowdown = drift
         try:
             self._maybe_run_out_of_memory(number)
             stats = self.engine.train_step(input_ids, labels, lr, position_ids=positions)
@@ -512,6 +525,7 @@ class _Trainer:
                 out_of_memory_message(self.rank, self.step + 1, self.engine, err)
             ) from err
         ranks, step_s = self._gather_rank_stats(stats)
+        self._last_ranks = ranks
         self.step = number
         finite = not stats.skipped and math.isfinite(stats.loss)
         tokens_per_s = stats.n_tokens / step_s if step_s > 0 else 0.0
@@ -640,6 +654,8 @@ class _Trainer:
                         progress.message(f"step {self.step}: validation loss {val:.4f}")
                 if (every and self.step % every == 0) or self.step == steps:
                     self.save()
+                # calibration, and a switch to a better plan at this step boundary
+                self.replanner.after_step(self, self._last_ranks, metrics)
         except (RuntimeError, TimeoutError) as e:
             raise self._collective_failure(e, f"step {self.step + 1}") from None
         finally:
@@ -647,6 +663,7 @@ class _Trainer:
             if metrics is not None:
                 metrics.close()
         self.result.final_step = self.step
+        self.result.replans = [s.to_dict() for s in self.replanner.switches]
         rates = self._throughput[1:] or self._throughput
         self.result.tokens_per_s = sum(rates) / len(rates) if rates else 0.0
         if self.rank == 0 and self.result.losses:

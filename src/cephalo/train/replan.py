@@ -1,0 +1,288 @@
+"""Re-planning while training: calibrate the cost model from the running job, re-plan with
+it, and switch every rank to the new plan at a step boundary without a restart.
+
+    after each step: StepLog.add(gathered stats)
+    at calibrate_after, then every calibrate_every steps: refit -> re-plan -> decide (rank 0)
+    switch: new engine under the new plan -> state re-laid out (collectives) -> continue
+
+The global batch of a step depends only on the step number (the data contract), so the new
+plan trains exactly what the old one would have: a switch equals a checkpoint save + resume
+under the new plan (tests/test_replan.py checks it to 1e-5).
+
+Every rank holds the same gathered measurements, so every rank could decide alike; rank 0's
+decision is nevertheless the one all take (one small all-gather), so that floating-point
+differences between hosts can never split the job.
+
+A switch that fails (out of memory while both engines exist, a lost rank) raises: under
+`cephalo run --max-restarts N` the elastic agent restarts the job from its last checkpoint,
+under the plan the config names (nothing is trained twice: metrics are truncated to it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from cephalo import envvars
+from cephalo.errors import CephaloError, first_line
+from cephalo.log import logger
+from cephalo.planning.costmodel import CostModel
+from cephalo.planning.plan import Plan
+from cephalo.runtime.relayout import relayout
+from cephalo.runtime.replicas import saved_state
+from cephalo.train.calibration import Calibration, StepLog, refit
+
+
+class _Trainer(Protocol):
+    """What a switch reads and replaces in the trainer (train/trainer.py `_Trainer`)."""
+
+    cfg: Any
+    comm: Any
+    rank: int
+    step: int
+    plan: Plan
+    rank_plan: Any
+    engine: Any
+    result: Any
+    run_dir: Path
+
+    def make_engine(self, plan: Plan) -> Any: ...
+
+    def write_run_files(self) -> None: ...
+
+    def save(self) -> Path: ...
+
+
+@dataclass
+class Switch:
+    """One re-plan that happened."""
+
+    step: int
+    """Steps done when the new plan took over (it runs from step + 1)."""
+    reason: str
+    predicted_gain: float | None
+    seconds: float
+    """Wall time of the switch: engine, re-layout, plan file (re-planning itself excluded)."""
+    replan_s: float
+    """Wall time of the calibration and re-planning before it."""
+    batches: list[int]
+    micro_batches: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "replan", **vars(self)}
+
+
+def switch_plan(trainer: _Trainer, plan: Plan) -> float:
+    """Every rank (collective): continue `trainer`'s job under `plan` from the next step.
+    Returns the seconds it took."""
+    started = time.perf_counter()
+    plan.validate(world_size=trainer.comm.world_size, model=trainer.cfg.model.name)
+    if plan.global_batch_size != trainer.plan.global_batch_size:
+        raise CephaloError(
+            f"a re-plan must keep the global batch of {trainer.plan.global_batch_size} (data contract), "
+            f"the new plan has {plan.global_batch_size}"
+        )
+    # test hook, first attempt only: a restarted job gets past it (as CEPHALO_TEST_KILL_AT_STEP)
+    if (
+        os.environ.get(envvars.TEST_REPLAN_FAIL)
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    ):
+        raise torch.OutOfMemoryError(f"{envvars.TEST_REPLAN_FAIL}: out of memory (test hook)")
+    old = trainer.engine
+    new = trainer.make_engine(plan)
+    relayout(saved_state(old), new.sharded_state(), old.world, old.device)
+    new.state_written()
+    new.load_extra_state(old.extra_state())
+    trainer.engine, trainer.plan, trainer.rank_plan = new, plan, plan.ranks[trainer.rank]
+    trainer.result.plan = plan
+    del old
+    trainer.write_run_files()  # rank 0: plan.json is the plan now running
+    return time.perf_counter() - started
+
+
+def _forced(step: int) -> Plan | None:
+    """Test hook `CEPHALO_TEST_REPLAN=STEP:PLAN.json[,STEP:PLAN.json...]`: that plan after
+    that step."""
+    for item in filter(None, os.environ.get(envvars.TEST_REPLAN, "").split(",")):
+        at, _, path = item.partition(":")
+        if int(at) == step:
+            return Plan.from_json(path)
+    return None
+
+
+class Replanner:
+    """Calibration and re-planning of one job (the same object state on every rank)."""
+
+    def __init__(self, cfg, cost_model: CostModel | None, plan_is_own: bool, rank: int):
+        p = cfg.parallel
+        self.cfg, self.rank = cfg, rank
+        self.cost_model = cost_model
+        self.log = StepLog(window=p.calibrate_every)
+        self.switches: list[Switch] = []
+        self.last_calibration: Calibration | None = None
+        """The newest refit (older ones are dropped: each holds a cost model)."""
+        wanted = p.replan == "auto" or (p.replan == "own" and plan_is_own)
+        self.enabled = wanted and cost_model is not None
+        if rank == 0 and wanted and cost_model is None:
+            logger.info(
+                "parallel.replan: no cost model for this plan (no profiles): not re-planning"
+            )
+        if self.enabled and p.calibrate_after >= cfg.train.steps:
+            if rank == 0:
+                logger.info(
+                    "parallel.calibrate_after = %d >= train.steps = %d: no calibration in this run",
+                    p.calibrate_after,
+                    cfg.train.steps,
+                )
+            self.enabled = False
+
+    def _due(self) -> bool:
+        n, p = len(self.log.steps), self.cfg.parallel
+        if n == p.calibrate_after:
+            return True
+        return (
+            bool(p.calibrate_every)
+            and n > p.calibrate_after
+            and (n - p.calibrate_after) % p.calibrate_every == 0
+        )
+
+    def after_step(self, trainer: _Trainer, ranks, metrics) -> None:
+        """Record the step's gathered stats; calibrate, re-plan and switch when due."""
+        self.log.add(ranks)
+        forced = _forced(trainer.step)
+        if forced is not None:
+            self._switch(trainer, forced, "test hook", None, 0.0, metrics)
+            return
+        if not self.enabled or not self._due():
+            return
+        last = trainer.step >= self.cfg.train.steps  # calibrated and logged, not re-planned
+        started = time.perf_counter()
+        calibration = refit(self.cost_model, trainer.plan, self.log)
+        self.cost_model = calibration.cost_model
+        self.last_calibration = calibration
+        current = calibration.cost_model.evaluate(trainer.plan).step_s
+        candidate, gain, why_not = (
+            (None, None, "the run's last step")
+            if last
+            else self._replan(calibration.cost_model, current, trainer.plan)
+        )
+        # rank 0 decides for everyone
+        decided = trainer.comm.all_gather_object(candidate.to_dict() if candidate else None)[0]
+        replan_s = time.perf_counter() - started
+        if self.rank == 0:
+            for fit in calibration.ranks:
+                logger.info("calibration after step %d: %s", trainer.step, fit.line())
+            changes = calibration.changes()
+            logger.info(
+                "calibration after step %d: %s; %s",
+                trainer.step,
+                ", ".join(changes) if changes else "the cost model matched",
+                f"re-planning (predicted gain {gain:.1%})" if decided else why_not,
+            )
+        if metrics is not None:
+            metrics.write(
+                {
+                    "kind": "calibration",
+                    "step": trainer.step,
+                    **calibration.to_dict(),
+                    "current_predicted_step_s": current,
+                    "predicted_gain": gain,
+                    "replanned": decided is not None,
+                    "why_not": None if decided else why_not,
+                }
+            )
+        if decided is not None:
+            reason = (
+                f"calibration predicts {gain:.1%} faster steps ({', '.join(calibration.changes())})"
+            )
+            self._switch(trainer, Plan.from_dict(decided), reason, gain, replan_s, metrics)
+
+    def _replan(
+        self, cm: CostModel, current_s: float, running: Plan
+    ) -> tuple[Plan | None, float | None, str]:
+        """(the new plan or None, its predicted gain, why not)."""
+        from cephalo.errors import PlanDoesNotFit
+        from cephalo.planning.groups import make_hierarchical_plan
+
+        p = self.cfg.parallel
+        try:
+            plan = make_hierarchical_plan(
+                cm,
+                self.cfg.train.global_batch_size,
+                hierarchy=p.hierarchy,
+                reduce_dtype=p.cross_node_reduce_dtype,
+                model_name=self.cfg.model.name,
+            )
+        except PlanDoesNotFit as e:
+            return None, None, f"no plan fits the measured memory ({e})"
+        new_s = plan.predicted.step_s if plan.predicted else cm.evaluate(plan).step_s
+        gain = current_s / new_s - 1.0 if new_s > 0 else 0.0
+        if gain < p.replan_min_gain:
+            return (
+                None,
+                gain,
+                (
+                    f"keeping the plan (a new one would gain {gain:.1%} < parallel.replan_min_gain "
+                    f"{p.replan_min_gain:.0%})"
+                ),
+            )
+        # where the profiles came from stays true of the new plan; say what it replaced
+        plan.meta = {**{k: v for k, v in running.meta.items() if k == "profiles"}, **plan.meta}
+        plan.meta["calibrated"] = {"replaces": running.strategy, "predicted_gain": gain}
+        return plan, gain, ""
+
+    def _switch(self, trainer, plan: Plan, reason: str, gain, replan_s: float, metrics) -> None:
+        every = self.cfg.checkpoint.every
+        if not (every and trainer.step % every == 0):
+            trainer.save()  # a failed switch then restarts from this very step: nothing lost
+        try:
+            seconds = switch_plan(trainer, plan)
+        except (RuntimeError, CephaloError) as e:
+            raise CephaloError(
+                f"rank {self.rank}: the re-plan after step {trainer.step} failed ({first_line(e)}); "
+                f"the job stops with its checkpoint {trainer.result.last_checkpoint}: under "
+                "`cephalo run --max-restarts N` it restarts from there under the configured plan, "
+                "else resume with checkpoint.resume = auto (parallel.replan = off to stay on it)"
+            ) from e
+        self.log.clear()  # the old plan's measurements do not describe the new one
+        event = Switch(
+            trainer.step,
+            reason,
+            gain,
+            seconds,
+            replan_s,
+            plan.batch_sizes,
+            [r.micro_batch_size for r in plan.ranks],
+        )
+        self.switches.append(event)
+        if self.rank == 0:
+            logger.info(
+                "re-planned after step %d (%s) in %.2f s + %.2f s switch: batches %s, micro-batches %s",
+                trainer.step,
+                reason,
+                replan_s,
+                seconds,
+                event.batches,
+                event.micro_batches,
+            )
+        if metrics is not None:
+            metrics.write(event.to_dict())
+
+
+def catalog_model_or_none(cfg, model_spec, cluster) -> CostModel | None:
+    """The cost model to calibrate for a plan cephalo did not profile for (`even`,
+    `proportional`, a plan file) under `parallel.replan = auto`: the catalog's profiles of the
+    cluster's devices, or None where the catalog has none (an emulated CPU)."""
+    if cfg.parallel.replan != "auto" or cfg.parallel.plan == "auto":
+        return None
+    from cephalo.planning.sources import catalog_cost_model
+
+    try:
+        return catalog_cost_model(cluster, model_spec, cfg.data.seq_len, cfg.model.dtype)
+    except CephaloError:
+        return None
