@@ -37,7 +37,8 @@ returning its failures; a check that raises is a failure, not the end of the run
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
 
 `--collectives` (torchrun, one process per GPU, world size >= 2): the uneven NCCL collectives
-and an uneven engine plan against one process (gpu_check.sh runs it where 2 GPUs exist).
+and an uneven engine plan, skewed and near even (padded-even, runtime/padded.py), against one
+process (gpu_check.sh runs it where 2 GPUs exist).
 Exit status: 0 all checks pass, 1 a check failed, 77 no CUDA GPU (nothing was run).
 """
 
@@ -501,10 +502,14 @@ def check_collectives(setup: Setup) -> tuple[list[str], str]:
     return failures, f"{type(setup.comm).__name__}, world size {setup.comm.world_size}"
 
 
-def check_uneven_engine(comm, device: torch.device, rel_tol: float) -> list[str]:
+def check_uneven_engine(
+    comm, device: torch.device, rel_tol: float, near_even: bool = False
+) -> list[str]:
     """gpt-tiny (fp32, dropout 0.1) on an uneven plan over `comm` (batches 5, 3, 1, ...,
     state fractions ~ 6 : 3 : 1 : ..., micro-batching) for `ENGINE_STEPS` steps: the losses
-    and gradient norms of one process training the whole batch, within `rel_tol`."""
+    and gradient norms of one process training the whole batch, within `rel_tol`.
+    `near_even`: fractions ~ 11 : 10 : 10 : ..., which a comm with `even_gather` (NCCL) runs
+    padded-even (runtime/padded.py)."""
     from cephalo.modeling.registry import build_model
     from cephalo.planning.planner import manual_plan
     from cephalo.runtime.comm import LocalComm
@@ -512,7 +517,7 @@ def check_uneven_engine(comm, device: torch.device, rel_tol: float) -> list[str]
 
     world, rank, seq = comm.world_size, comm.rank, 16
     batches = [5, 3] + [1] * (world - 2)
-    weights = [6, 3] + [1] * (world - 2)
+    weights = [11, 10] + [10] * (world - 2) if near_even else [6, 3] + [1] * (world - 2)
     fractions = [w / sum(weights) for w in weights]
     micro = [2, 3] + [1] * (world - 2)
     plan = manual_plan("gpt-tiny", seq, batches, micro, fractions)
@@ -523,6 +528,9 @@ def check_uneven_engine(comm, device: torch.device, rel_tol: float) -> list[str]
     gen = torch.Generator().manual_seed(0)
     first = sum(batches[:rank])
     failures = []
+    padded = sum(us.padded is not None for us in ours.shards)
+    if near_even and comm.even_gather and padded != len(ours.shards):
+        failures.append(f"near-even split: {padded} of {len(ours.shards)} units padded-even")
     for step in range(ENGINE_STEPS):
         x = torch.randint(0, 256, (sum(batches), seq), generator=gen)
         y = torch.roll(x, -1, dims=1)
@@ -974,6 +982,7 @@ def collectives_main() -> int:
     failures += check_uneven_collectives(make_comm("padded"), device)
     # fp32 on GPUs: cuBLAS may sum in another order per batch size; 1e-4 over 3 steps
     failures += check_uneven_engine(comm, device, rel_tol=1e-4)
+    failures += check_uneven_engine(comm, device, rel_tol=1e-4, near_even=True)
     for f in failures:
         print(f"gpu_check: rank {comm.rank}: FAIL - {f}", flush=True)
     count = torch.tensor([len(failures)], device=device)

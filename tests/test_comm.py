@@ -495,7 +495,16 @@ def _gpu_checks_on_gloo(path: str) -> list[str]:
         check.check_uneven_collectives(make_comm("auto"), cpu)
         + check.check_uneven_collectives(make_comm("padded"), cpu)
         + check.check_uneven_engine(make_comm("auto"), cpu, rel_tol=1e-5)
+        + check.check_uneven_engine(make_comm("auto"), cpu, rel_tol=1e-5, near_even=True)
+        + check.check_uneven_engine(_even_gather(make_comm("auto")), cpu, 1e-5, near_even=True)
     )
+
+
+def _even_gather(comm):
+    """gloo gathering equal sizes as NCCL does (all_gather_into_tensor): the engine then pads
+    a near-even split (runtime/padded.py)."""
+    comm.even_gather = True
+    return comm
 
 
 @pytest.mark.slow

@@ -17,8 +17,9 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     collectives: all-gather of the unit's compute-dtype parameters in forward and again in
     backward, reduce-scatter of its fp32 gradient once in backward; ring cost
     (n-1)/n * bytes / slowest link + latency. They depend on the unit, not on b, m or s,
-    except that a near-even split runs them padded-even (`padded_even`): its padding travels
-    too, charged by `collective_factor` (N x max / sum of the split) when a plan is evaluated.
+    except that a near-even split runs them padded-even on NCCL (`padded_even`): its padding
+    travels too, `collective_factor` (N x max / sum of the split), which `rank_cost` charges
+    when given it (`comm_factor`).
     All are overlapped with compute: the all-gather of the next unit is prefetched while
     this one computes, and the engine's reduce-scatter of a unit's gradient runs while the
     next unit's backward computes (runtime/engine.py `_backward_pass`). Each unit's
@@ -141,7 +142,9 @@ def padded_even(sizes) -> bool:
 def collective_factor(sizes) -> float:
     """Bytes a unit's all-gather or reduce-scatter moves over the bytes of its unit: N x
     max(sizes) / sum(sizes) padded-even (the padding travels too), else 1. The one place the
-    padding's bytes are charged (`CostModel.evaluate`, `rank_cost(comm_factor=...)`)."""
+    padding's bytes are charged (`rank_cost(comm_factor=...)`). `evaluate` and the planner do
+    not apply it yet: the cost model does not know the backend (gloo does not pad), and the
+    planner would have to weigh it to stay exact (test_planner's exhaustive check)."""
     sizes = [float(n) for n in sizes]
     return len(sizes) * max(sizes) / sum(sizes) if padded_even(sizes) else 1.0
 
@@ -1150,7 +1153,6 @@ class CostModel:
         # (a 1024-GPU plan has a handful)
         cache: dict[tuple, RankCost] = {}
         costs = []
-        comm_factor = collective_factor(plan.state_fractions)
         for r, d in zip(plan.ranks, self.devices, strict=True):
             key = (
                 d.type_key,
@@ -1173,7 +1175,6 @@ class CostModel:
                     r.offload_activations,
                     r.host_state_fraction,
                     r.overlap_reduce,
-                    comm_factor,
                 )
             costs.append(replace(cache[key], rank=r.rank))
         return PlanEvaluation(

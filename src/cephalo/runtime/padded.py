@@ -16,8 +16,9 @@ pieces (`slices`).
 The padding never reaches the state: the optimizer, the gradient norm, the checkpoint and
 `Engine.state_bytes` see the shard's own elements only (the master is a view inside the
 padded buffer), and the padding's gradient is dropped when the reduce-scatter output is added
-into the gradient shard. The cost model charges the padding's bytes
-(`planning.costmodel.collective_factor`).
+into the gradient shard. `planning.costmodel.collective_factor` gives the padding's bytes, which
+`CostModel.rank_cost(comm_factor=...)` charges (plan evaluation and the planner do not apply it
+yet).
 """
 
 from __future__ import annotations
