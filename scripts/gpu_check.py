@@ -6,7 +6,8 @@ a CI test does, so the checks themselves cannot rot unseen. Each check is a func
 returning its failures; a check that raises is a failure, not the end of the run.
 
   bf16_train       GPT-2 124M trains in bf16 (the loss falls); the ledger's device peak is
-                   within 10 % of torch.cuda.max_memory_allocated over a step
+                   within 10 % of torch.cuda.max_memory_allocated over a step; the update
+                   (clip coefficient on the device, fused AdamW) makes no host sync
   fp16_scaling     fp16 with dynamic loss scaling: the first loss equals fp32's (1e-2), an
                    overflowing step is skipped and halves the scale, training goes on
   offload_bitwise  boundaries offloaded to pinned host memory (4 micro-batches) against kept
@@ -132,10 +133,29 @@ def _vocab(setup: Setup) -> int:
 
 
 # ----------------------------------------------------------------------------- checks
+def _no_host_sync(engine) -> list[int]:
+    """Run the engine's update (clip coefficient, AdamW, zeroed gradients: `_device_step`)
+    under `torch.cuda.set_sync_debug_mode("error")`: a host sync in it raises. Returns a
+    one-item list counting the updates run that way."""
+    step, count = engine._device_step, [0]
+
+    def checked(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        count[0] += 1
+
+    engine._device_step = checked
+    return count
+
+
 def check_bf16_train(setup: Setup) -> tuple[list[str], str]:
     batch, micro, steps = (8, 4, 8) if setup.cuda else (4, 2, 6)
     data = _data(_vocab(setup), batch, setup.seq) * steps
     engine = _engine(setup, setup.big_model, batch, micro, setup.low)
+    no_sync = _no_host_sync(engine) if setup.cuda else None
     losses, ratios = [], []
     for x, y in data:
         _sync(setup)
@@ -150,6 +170,10 @@ def check_bf16_train(setup: Setup) -> tuple[list[str], str]:
     if not losses[-1] < losses[0] - 0.3:
         failures.append(f"loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
     note = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    if no_sync is not None:
+        if no_sync[0] != len(data):
+            failures.append(f"the update ran without a host sync {no_sync[0]} of {len(data)} steps")
+        note += f"; {no_sync[0]} updates without a host sync"
     if ratios:
         worst = max(abs(1 - r) for r in ratios[1:])  # step 0 holds one-off allocations
         note += f"; ledger/allocator peak {min(ratios[1:]):.3f}-{max(ratios[1:]):.3f}"
@@ -412,13 +436,13 @@ def check_uneven_collectives(comm, device: torch.device) -> list[str]:
                 what = f"{type(comm).__name__} {str(dtype)[6:]} sizes {sizes} async={async_op}"
                 shard = _shard_values(rank, sizes[rank]).to(device, dtype)
                 out = torch.full((sum(sizes),), -1.0, dtype=dtype, device=device)
-                comm.all_gather_v(out, shard, sizes, async_op=async_op).wait()
+                _backend(comm, "all_gather_v")(out, shard, sizes, async_op).wait()
                 expect = torch.cat([_shard_values(k, n) for k, n in enumerate(sizes)])
                 if not torch.equal(out.float().cpu(), expect):
                     failures.append(f"all_gather_v {what}: got {out[:8].tolist()}...")
                 full = _full_values(rank, sum(sizes)).to(device, dtype)
                 mine = torch.full((sizes[rank],), -1.0, dtype=dtype, device=device)
-                comm.reduce_scatter_v(mine, full, sizes, async_op=async_op).wait()
+                _backend(comm, "reduce_scatter_v")(mine, full, sizes, async_op).wait()
                 total = sum(_full_values(k, sum(sizes)) for k in range(world))
                 start = sum(sizes[:rank])
                 if not torch.equal(mine.float().cpu(), total[start : start + sizes[rank]]):
@@ -445,6 +469,15 @@ def check_uneven_collectives(comm, device: torch.device) -> list[str]:
             if "disagree on sizes" not in str(err):
                 failures.append(f"size mismatch raised the wrong error: {err}")
     return failures
+
+
+def _backend(comm, name: str) -> Callable:
+    """The collective `name` as the checks call it. At world size 1 the public call is a copy
+    whatever the backend (runtime/comm.py), so one GPU calls the backend's own implementation
+    (NCCL's padding, dtypes and streams) directly; at world size >= 2 the public call."""
+    if comm.world_size == 1:
+        return getattr(comm, f"_{name}")
+    return getattr(comm, name)
 
 
 def _shard_values(rank: int, n: int) -> torch.Tensor:
@@ -743,16 +776,45 @@ def _check_hf(setup: Setup) -> tuple[list[str], str]:
     return check_hf_models(setup.comm, setup.device), f"transformers {transformers.__version__}"
 
 
-def check_throughput(setup: Setup) -> tuple[list[str], str]:
-    """Tokens/s and MFU: the engine against plain PyTorch on the same model and batch."""
+def plain_step(setup: Setup, model_name: str, data, recompute: bool) -> Callable[[], None]:
+    """One step of plain PyTorch on the same model and batch: the model in the compute dtype,
+    `torch.optim.AdamW` (fused on CUDA) with weight decay on matrices, norm clipping; with
+    `recompute`, every block under activation checkpointing, as the engine recomputes it."""
     from cephalo.modeling.registry import build_model
     from cephalo.runtime.param_groups import adamw_param_groups
 
-    batch, micro, steps = (16, 16, 6) if setup.cuda else (4, 4, 3)
+    dtype = torch.bfloat16 if setup.cuda else torch.float32
+    model = build_model(model_name).materialize(setup.device, torch.Generator().manual_seed(0))
+    model.to(dtype)
+    named = [(f"{u}.{n}", p) for u, n, p in model.named_unit_parameters()]
+    opt = torch.optim.AdamW(adamw_param_groups(named, 0.1), lr=1e-4, fused=setup.cuda or None)
+    x, y = data[0].to(setup.device), data[1].to(setup.device)
+    n_tokens = y.numel()
+
+    def loss() -> torch.Tensor:
+        if not recompute:
+            return model(x, y)
+        h = model.units[0].module(x)
+        for u in model.units[1:-1]:
+            h = torch.utils.checkpoint.checkpoint(u.module, h, use_reentrant=False)
+        return model.units[-1].module(h, y) / n_tokens
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+
+    return step
+
+
+def check_throughput(setup: Setup) -> tuple[list[str], str]:
+    """Tokens/s and MFU: the engine against plain PyTorch on the same model and batch, with
+    and without recomputing the blocks (the engine recomputes every block)."""
+    batch, micro, steps = (16, 16, 10) if setup.cuda else (4, 4, 3)
     model_name = setup.big_model
     data = _data(_vocab(setup), batch, setup.seq, steps=1)[0]
     tokens = batch * setup.seq
-    dtype = torch.bfloat16 if setup.cuda else torch.float32
 
     def timed(step: Callable[[], None]) -> float:
         step()  # warm-up
@@ -769,29 +831,21 @@ def check_throughput(setup: Setup) -> tuple[list[str], str]:
     ours = timed(lambda: engine.train_step(*data, lr=1e-4))
     engine = None  # free its memory before the plain model's
     _free(setup)
-    plain = build_model(model_name).materialize(setup.device, torch.Generator().manual_seed(0))
-    plain.to(dtype)
-    named = [(f"{u}.{n}", p) for u, n, p in plain.named_unit_parameters()]
-    opt = torch.optim.AdamW(adamw_param_groups(named, 0.1), lr=1e-4, fused=setup.cuda or None)
-    x, y = data[0].to(setup.device), data[1].to(setup.device)
-
-    def plain_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        plain(x, y).backward()
-        opt.step()
-
-    theirs = timed(plain_step)
-    plain = opt = None
-    _free(setup)
+    theirs = {}
+    for recompute in (False, True):
+        theirs[recompute] = timed(plain_step(setup, model_name, data, recompute))
+        _free(setup)
     flops = 6 * params * tokens  # forward + backward, matmul-dominated (no attention term)
     peak = _peak_flops(setup)
-    ours_tps, theirs_tps = tokens / ours, tokens / theirs
+    tps = {k: tokens / v for k, v in theirs.items()}
+    ours_tps = tokens / ours
     note = (
-        f"{model_name} b{batch}x{setup.seq}: engine {ours_tps:,.0f} tok/s, plain PyTorch "
-        f"{theirs_tps:,.0f} tok/s ({ours_tps / theirs_tps:.2f}x)"
+        f"{model_name} b{batch}x{setup.seq}: engine {ours_tps:,.0f} tok/s; plain PyTorch "
+        f"{tps[False]:,.0f} ({ours_tps / tps[False]:.2f}x), with recompute {tps[True]:,.0f} "
+        f"({ours_tps / tps[True]:.2f}x)"
     )
     if peak:
-        note += f"; MFU {flops / ours / peak:.1%} vs {flops / theirs / peak:.1%}"
+        note += f"; MFU {flops / ours / peak:.1%} vs {flops / theirs[False] / peak:.1%}"
     return [], note
 
 

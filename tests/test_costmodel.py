@@ -274,3 +274,22 @@ def test_step_time_of_passes_is_step_time_parts():
         c = cm.step_time_of_passes("x", b, cm._pass_times("x", b, m), offload)
         for x, y in zip(a, c, strict=True):
             assert np.array_equal(x, y)
+
+
+def test_padded_even_split_is_charged_its_padding():
+    """A near-even split's collectives move N x max(fractions) of each unit (the padding
+    travels, runtime/padded.py); a skewed one its exact bytes. Comm-bound ranks (batch 0)."""
+    cm = _cm()
+
+    def rank1(fractions):
+        ranks = [RankPlan(0, "x", 1, 1, 1, fractions[0]), RankPlan(1, "x", 0, 1, 0, fractions[1])]
+        return cm.evaluate(Plan("manual", "tiny", 3, 1, "fp16", ranks)).ranks[1]
+
+    even, near, skew = rank1([0.5, 0.5]), rank1([0.55, 0.45]), rank1([0.7, 0.3])
+    # 4 units x 3 collectives, each 0.5 s of latency (not stretched) and bytes (x 1.1)
+    assert near.comm_s == pytest.approx(1.1 * even.comm_s - 0.1 * 12 * 0.5)
+    assert skew.comm_s == pytest.approx(even.comm_s)
+    # the comm-only step, 13.6 s (test_rank_without_samples_...): 9 collectives' latency and
+    # their bytes x 1.1
+    assert even.step_s - even.optimizer_s == pytest.approx(13.6)
+    assert near.step_s - near.optimizer_s == pytest.approx(9 * 0.5 + 1.1 * (13.6 - 9 * 0.5))

@@ -95,3 +95,57 @@ def test_world_size_one_gathers_in_place():
     engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig())
     stats = engine.train_step(*make_data(1, 4)[0], 1e-3)
     assert stats.peak_by_category.get("gathered", 0) == 0
+
+
+def _clipped(monkeypatch, on_host: bool):
+    """3 steps with clipping active (fused AdamW, all state on the device): the engine's
+    update without a host sync, or (`on_host`) with its coefficient read back to the host
+    first, as the update was made before it moved to the device."""
+    from cephalo.runtime.optim import ShardedAdamW
+
+    real = ShardedAdamW.step
+    calls = []
+
+    def step(self, lr, grad_scale=1.0, found_inf=None):
+        calls.append(isinstance(grad_scale, torch.Tensor))
+        if on_host:
+            assert found_inf is not None and float(found_inf) == 0.0
+            return real(self, lr, float(grad_scale))
+        return real(self, lr, grad_scale, found_inf)
+
+    monkeypatch.setattr(ShardedAdamW, "step", step)
+    plan = make_plan([4], [1.0], [2])
+    cfg = EngineConfig(adamw_kernel="fused", grad_clip=0.05)
+    engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), cfg)
+    stats = [engine.train_step(x, y, 1e-3) for x, y in make_data(3, 4)]
+    assert calls == [True] * 3 and all(s.grad_norm > 0.05 for s in stats)  # clipped
+    return stats, engine.full_state_dict()
+
+
+def test_clip_coefficient_on_the_device_is_the_host_update(monkeypatch):
+    """The clipping coefficient computed and applied as a device tensor gives bitwise the
+    update of the same coefficient as a host float."""
+    dev_stats, dev = _clipped(monkeypatch, on_host=False)
+    host_stats, host = _clipped(monkeypatch, on_host=True)
+    assert [(s.loss, s.grad_norm) for s in dev_stats] == [(s.loss, s.grad_norm) for s in host_stats]
+    for name, t in host.items():
+        assert torch.equal(dev[name], t), name
+
+
+def test_non_finite_gradient_skips_without_a_host_sync():
+    """A non-finite norm leaves every parameter and moment as it was (the fused kernel's
+    found_inf) and the step is reported skipped and taken back."""
+    plan = make_plan([4], [1.0], [2])
+    engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(adamw_kernel="fused"))
+    data = make_data(2, 4)
+    engine.train_step(*data[0], 1e-3)
+    us = engine.shards[1]
+    before = [t.clone() for t in (us.master, us.exp_avg, us.exp_avg_sq)]
+    us.master[0] = float("inf")
+    before[0][0] = float("inf")
+    stats = engine.train_step(*data[1], 1e-3)
+    assert stats.skipped and not torch.isfinite(torch.tensor(stats.grad_norm))
+    assert engine.optimizer.step_count == 1
+    for a, b in zip((us.master, us.exp_avg, us.exp_avg_sq), before, strict=True):
+        assert torch.equal(a, b)
+    assert all(int(g.grad.count_nonzero()) == 0 for g in engine.optimizer.groups)

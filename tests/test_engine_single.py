@@ -267,6 +267,21 @@ def test_gpu_check_cpu_parts_pass():
     assert proc.stdout.rstrip().endswith("gpu_check: PASS")
 
 
+def test_gpu_profile_runs_on_the_cpu(tmp_path):
+    """scripts/gpu_profile.py (where a GPU step's time goes) runs its measurements on the CPU:
+    the first lent GPU gets a script that works."""
+    script = GPU_CHECK.parent / "gpu_profile.py"
+    proc = run_tagged(
+        [sys.executable, str(script), "--cpu", "--steps", "2", "--out", str(tmp_path)],
+        timeout_s=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    report = (tmp_path / "gpu_profile.md").read_text()
+    for variant in ("engine", "engine, no prefetch", "plain", "plain + recompute"):
+        assert re.search(rf"^\| {re.escape(variant)} \| [0-9.]+ \|", report, re.MULTILINE), variant
+    assert "engine: cProfile, own time" in report
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA GPU: scripts/gpu_check.sh not run"

@@ -8,6 +8,13 @@ library users can catch it. Anything else escaping is a bug.
 from __future__ import annotations
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type name if it has none): what a
+    one-line error message quotes of a library's error."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class CephaloError(Exception):
     """A user-facing error: the message says what is wrong and what to do about it."""
 

@@ -44,11 +44,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from cephalo.errors import CephaloError
+from cephalo.errors import CephaloError, first_line
 from cephalo.modeling.hf_config import (
     HF_PRESETS,
     directory_config,
-    first_line,
     preset_config,
     transformers_module,
 )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cephalo.errors import CephaloError
+from cephalo.errors import CephaloError, first_line
 from cephalo.modeling.gpt import MAX_LAYERS
 from cephalo.modeling.hf_families import family_of
 from cephalo.modeling.hf_multimodal import multimodal_type, text_config
@@ -252,11 +252,6 @@ def check_generic_settings(name: str, overrides: dict[str, Any]) -> None:
         raise CephaloError(
             f"model {name}: tie_embeddings must be true or false, got {overrides['tie_embeddings']!r}"
         )
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 __all__ = [

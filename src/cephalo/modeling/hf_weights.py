@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from cephalo.errors import CephaloError
+from cephalo.errors import CephaloError, first_line
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -185,14 +185,9 @@ def _header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
             return out
     except (_safetensors_error(), OSError, ValueError) as e:
         raise CephaloError(
-            f"pretrained weights: cannot read {file}: {_first_line(e)}. The file is damaged or not "
+            f"pretrained weights: cannot read {file}: {first_line(e)}. The file is damaged or not "
             'safetensors; copy or save it again (or set model.init = "random")'
         ) from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def scan_directory(directory: Path) -> dict[str, StoredTensor]:
@@ -205,7 +200,7 @@ def scan_directory(directory: Path) -> dict[str, StoredTensor]:
                 raise TypeError("weight_map is not an object")
         except (ValueError, KeyError, TypeError) as e:
             raise CephaloError(
-                f"pretrained weights: {index_path} is damaged ({_first_line(e)}); it must map "
+                f"pretrained weights: {index_path} is damaged ({first_line(e)}); it must map "
                 'every tensor name to its shard file: {"weight_map": {"name": "file"}}'
             ) from None
         headers = {name: _header(directory / name) for name in sorted(set(weight_map.values()))}
@@ -345,7 +340,7 @@ class PretrainedWeights:
                         values[pname] = value
             except (_safetensors_error(), OSError) as e:
                 raise CephaloError(
-                    f"pretrained weights: cannot read {file}: {_first_line(e)}. The file is "
+                    f"pretrained weights: cannot read {file}: {first_line(e)}. The file is "
                     "damaged; copy or save it again"
                 ) from None
         out = {}

@@ -16,7 +16,9 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
                end of the forward (runtime/head_loss.py)
     collectives: all-gather of the unit's compute-dtype parameters in forward and again in
     backward, reduce-scatter of its fp32 gradient once in backward; ring cost
-    (n-1)/n * bytes / slowest link + latency. They depend on the unit, not on b, m or s.
+    (n-1)/n * bytes / slowest link + latency. They depend on the unit, not on b, m or s,
+    except that a near-even split runs them padded-even (`padded_even`): its padding travels
+    too, charged by `collective_factor` (N x max / sum of the split) when a plan is evaluated.
     All are overlapped with compute: the all-gather of the next unit is prefetched while
     this one computes, and the engine's reduce-scatter of a unit's gradient runs while the
     next unit's backward computes (runtime/engine.py `_backward_pass`). Each unit's
@@ -119,6 +121,29 @@ def head_chunk_positions(m, seq_len: int, vocab_size: int):
     """Sequence positions per head chunk for micro-batches of m samples (broadcasts)."""
     m = np.maximum(np.asarray(m, dtype=np.int64), 1)
     return np.clip(head_chunk_tokens(vocab_size) // m, 1, seq_len)
+
+
+PAD_EVEN_SLACK = 1.15
+"""A unit's shards are padded to equal size, and its collectives run as the even ones
+(`all_gather_into_tensor` / `reduce_scatter_tensor`: NCCL's ring, tree and NVLS algorithms),
+where the padding adds at most this factor to the bytes they move; a more skewed split keeps
+the grouped broadcasts / reduces of its exact sizes (runtime/padded.py)."""
+
+
+def padded_even(sizes) -> bool:
+    """Whether a split of `sizes` (elements or fractions per rank of one shard group) runs
+    padded-even: max(sizes) x N <= PAD_EVEN_SLACK x sum(sizes), over 2 ranks or more."""
+    sizes = [float(n) for n in sizes]
+    total = sum(sizes)
+    return len(sizes) > 1 and total > 0 and max(sizes) * len(sizes) <= PAD_EVEN_SLACK * total
+
+
+def collective_factor(sizes) -> float:
+    """Bytes a unit's all-gather or reduce-scatter moves over the bytes of its unit: N x
+    max(sizes) / sum(sizes) padded-even (the padding travels too), else 1. The one place the
+    padding's bytes are charged (`CostModel.evaluate`, `rank_cost(comm_factor=...)`)."""
+    sizes = [float(n) for n in sizes]
+    return len(sizes) * max(sizes) / sum(sizes) if padded_even(sizes) else 1.0
 
 
 DEFAULT_RESERVE_FRACTION = 0.05
@@ -513,6 +538,8 @@ class CostModel:
         n = len(self.devices)
         ring = (n - 1) / n if n > 1 else 0.0
         latency = comm.latency_s if n > 1 else 0.0
+        self.comm_latency_s = latency
+        """The latency in each collective's time (the part padding does not stretch)."""
         self.gather_s: dict[str, float] = {}
         """Per unit kind: one all-gather (overlapped with compute by the prefetch)."""
         self.scatter_s: dict[str, float] = {}
@@ -664,7 +691,9 @@ class CostModel:
             out[kind] = (fwd, bwd)
         return out
 
-    def step_time_parts(self, type_key: str, b, m, offload, overlap_reduce=True, host_part=0.0):
+    def step_time_parts(
+        self, type_key: str, b, m, offload, overlap_reduce=True, host_part=0.0, comm_factor=1.0
+    ):
         """(time without the optimizer, compute, host-copy time) of a rank; broadcasts over b,
         m, offload, overlap_reduce and host_part (x = h * s, the host-held fraction of the model,
         whose gradients go down to the host in the backward).
@@ -672,9 +701,16 @@ class CostModel:
         The optimizer (`optimizer_phase_s`) is added by the caller because the planner chooses
         s after the rest. On a device without async copies the compute includes the boundary
         copies (the gradient copies to the host run outside the unit compute, on the same thread).
+        `comm_factor`: `collective_factor` of the plan's split (its padding's bytes).
         """
         return self.step_time_of_passes(
-            type_key, b, self._pass_times(type_key, b, m), offload, overlap_reduce, host_part
+            type_key,
+            b,
+            self._pass_times(type_key, b, m),
+            offload,
+            overlap_reduce,
+            host_part,
+            comm_factor,
         )
 
     def fastest_pass_times(self, type_key: str, b, max_micro_batch: int):
@@ -701,7 +737,7 @@ class CostModel:
         return out
 
     def step_time_of_passes(
-        self, type_key: str, b, passes, offload, overlap_reduce=True, host_part=0.0
+        self, type_key: str, b, passes, offload, overlap_reduce=True, host_part=0.0, comm_factor=1.0
     ):
         """`step_time_parts` from per-kind (forward, recompute + backward) kernel times: the
         collectives and host copies each pass overlaps with, and the last reduce-scatter.
@@ -723,7 +759,8 @@ class CostModel:
         grad_copies = 0.0
         for kind, (fwd, bwd) in passes.items():
             count = self.unit_counts[kind]
-            gather, scatter = self.gather_s[kind], self.scatter_s[kind]
+            gather = self._padded(self.gather_s[kind], comm_factor)
+            scatter = self._padded(self.scatter_s[kind], comm_factor)
             # the head is not gathered again in the backward (runtime/head_loss.py)
             gather_b = 0.0 if kind == "head" else gather
             grad_down = x * self.gathered_params[kind] * GRAD_BYTES / bw if hosted else 0.0
@@ -759,7 +796,7 @@ class CostModel:
         # the embedding's reduce-scatter (with overlap; without, every unit's is counted) and, on
         # a GPU, the copy of its gradient to the host, last of the backward, have no compute left
         # to hide under
-        tail = np.where(overlap, self.scatter_s["embedding"], 0.0)
+        tail = np.where(overlap, self._padded(self.scatter_s["embedding"], comm_factor), 0.0)
         if profile.async_copies and hosted:
             tail = tail + x * self.gathered_params["embedding"] * GRAD_BYTES / bw
         backward_phase = total + tail
@@ -772,6 +809,10 @@ class CostModel:
                 backward_phase + ar["embedding"], head_backward + self.cross_reduce_total_s
             )
         return forward_total + backward_phase, compute, copies
+
+    def _padded(self, collective_s: float, comm_factor: float) -> float:
+        """A collective's time with its bytes times `comm_factor` (`collective_factor`)."""
+        return collective_s + (comm_factor - 1.0) * (collective_s - self.comm_latency_s)
 
     def host_rates(self, rank: int) -> tuple[float, float, float]:
         """Per host-held parameter on `rank`: (gradient copy down, upload of the compute-dtype
@@ -1015,9 +1056,10 @@ class CostModel:
         offload: bool = False,
         host_fraction: float = 0.0,
         overlap_reduce: bool = True,
+        comm_factor: float = 1.0,
     ) -> RankCost:
         """One rank's time and memory; `host_fraction` is the plan's `host_state_fraction` h (the
-        part of this rank's shard on the host)."""
+        part of this rank's shard on the host); `comm_factor` the split's `collective_factor`."""
         if not 0.0 <= host_fraction <= 1.0:
             raise CephaloError(
                 f"rank {rank}: host_state_fraction must be in [0, 1] (0: all state on the device, "
@@ -1038,7 +1080,7 @@ class CostModel:
         cap = self.capacity_bytes(rank)
         x = state_fraction * host_fraction
         total, compute, copies = self.step_time_parts(
-            key, batch_size, micro_batch_size, offload, overlap_reduce, x
+            key, batch_size, micro_batch_size, offload, overlap_reduce, x, comm_factor
         )
         opt, host_s = self.optimizer_phase_s(rank, state_fraction, x)
         parts = self.memory_parts(
@@ -1058,7 +1100,17 @@ class CostModel:
             step_s=float(total) + float(opt),
             compute_s=float(compute),
             optimizer_s=float(opt),
-            comm_s=self.comm_total_s,
+            comm_s=self.comm_total_s
+            + sum(
+                c
+                * (
+                    2 * self._padded(self.gather_s[k], comm_factor)
+                    + self._padded(self.scatter_s[k], comm_factor)
+                    - 2 * self.gather_s[k]
+                    - self.scatter_s[k]
+                )
+                for k, c in self.unit_counts.items()
+            ),
             host_copy_s=float(copies),
             memory=mem,
             capacity_bytes=cap,
@@ -1098,6 +1150,7 @@ class CostModel:
         # (a 1024-GPU plan has a handful)
         cache: dict[tuple, RankCost] = {}
         costs = []
+        comm_factor = collective_factor(plan.state_fractions)
         for r, d in zip(plan.ranks, self.devices, strict=True):
             key = (
                 d.type_key,
@@ -1120,6 +1173,7 @@ class CostModel:
                     r.offload_activations,
                     r.host_state_fraction,
                     r.overlap_reduce,
+                    comm_factor,
                 )
             costs.append(replace(cache[key], rank=r.rank))
         return PlanEvaluation(

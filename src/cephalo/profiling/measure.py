@@ -4,7 +4,7 @@ Every unit measurement replays what the engine does for one micro-batch (runtime
 so the cost model's numbers are the engine's numbers:
 
 - forward: parameters are views of one gathered flat buffer in the compute dtype, the unit
-  runs through `functional_call` under `no_grad` (and under the engine's per-sample dropout
+  runs through its `UnitBinding` (runtime/bind.py) under `no_grad` (and under the engine's per-sample dropout
   mode), and its output is stored into a fresh ledger buffer (the boundary activation);
 - recompute + backward: parameters and input become fresh leaves, the unit runs again with
   a graph under the ledger's `track_activations`, `autograd.grad` back-propagates the output
@@ -40,11 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.func import functional_call
 
 from cephalo.modeling.units import Unit
 from cephalo.runtime import head_loss
 from cephalo.runtime.autograd import drain_grad, largest_saved_bytes
+from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
@@ -143,6 +143,7 @@ class UnitBench:
         per_sample_dropout: bool = True,
     ):
         self.unit, self.index, self.kind = unit, index, unit.kind
+        self._binding = UnitBinding(unit.module)
         self.seq_len, self.hidden, self.vocab = seq_len, hidden, vocab
         self.device, self.dtype = device, dtype
         self.per_sample_dropout = per_sample_dropout
@@ -189,7 +190,7 @@ class UnitBench:
     ) -> torch.Tensor:
         args = (x, labels) if self.kind == "head" else (x,)
         with self._dropout():
-            return functional_call(self.unit.module, params, args, strict=False)
+            return self._binding(params, args)
 
     def _store(self, t: torch.Tensor) -> None:
         buf = self.ledger.alloc("boundary", t.numel(), t.dtype, device=self.device)
@@ -255,7 +256,7 @@ class UnitBench:
 
         def run(h: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
             with self._dropout():
-                return functional_call(self.unit.module, leaves, (h, lab), strict=False)
+                return self._binding(leaves, (h, lab))
 
         with self.ledger.track_activations():
             _, dx = head_loss.loss_and_backward(

@@ -17,6 +17,15 @@ def drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
     leaf.grad = None
 
 
+def drain_grad_pieces(dsts: list[torch.Tensor], leaf: torch.Tensor) -> None:
+    """`drain_grad` into consecutive pieces (a parameter split by a padded buffer's padding)."""
+    grad, at = leaf.grad.reshape(-1), 0
+    for dst in dsts:
+        dst.add_(grad[at : at + dst.numel()])
+        at += dst.numel()
+    leaf.grad = None
+
+
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
 """Names of the saved-tensor attributes of each autograd node type (dir() is slow)."""
 

@@ -19,7 +19,9 @@ forms would copy everything through a flattened buffer (a whole unit per call th
 the ledger nor the cost model counts) and, on NCCL, give up its ring / tree / NVLS algorithms.
 `counters.even_calls` counts the calls that took this path.
 - `PaddedComm`: pads every shard to `max(sizes)` and uses the even tensor collectives. More
-  traffic, different code path: a cross-check for the others.
+  traffic, different code path: a cross-check for the others. (The engine pads a near-even
+  split itself, in buffers allocated padded, and calls the even path with equal sizes:
+  runtime/padded.py.)
 
 Validation. Before every collective each rank checks its own arguments (1-D contiguous
 tensors, `len(sizes) == world_size`, non-negative sizes, matching numels and dtypes) and then,
@@ -194,6 +196,8 @@ class Comm(ABC):
         sizes = self._agreed_sizes(name, sizes, [("out", out), ("shard", shard)], out, None)
         own = sizes[self.rank]
         self.counters.add(name, (sum(sizes) - own) * out.element_size())
+        if self.world_size == 1:  # any backend: a process-group call would only copy
+            return _copy_unless_same(out, shard)
         return self._all_gather_v(out, shard, sizes, async_op)
 
     def reduce_scatter_v(
@@ -206,6 +210,8 @@ class Comm(ABC):
         sizes = self._agreed_sizes(name, sizes, [("out", out), ("full", full)], full, None)
         own = sizes[self.rank]
         self.counters.add(name, (sum(sizes) - own) * full.element_size())
+        if self.world_size == 1:
+            return _copy_unless_same(out, full)
         return self._reduce_scatter_v(out, full, sizes, async_op)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
@@ -213,7 +219,8 @@ class Comm(ABC):
         name = "all_reduce"
         self._agreed_sizes(name, None, [("t", t)], t, op)
         self.counters.add(name, t.numel() * t.element_size())
-        self._all_reduce(t, op)
+        if self.world_size > 1:
+            self._all_reduce(t, op)
 
     def all_gather_object(self, obj: object) -> list:
         """Every rank's picklable `obj`, in rank order (small values: descriptions, profiles)."""
@@ -383,6 +390,13 @@ class Comm(ABC):
         return f"{name}: ranks disagree on sizes ({per_rank}); every rank must pass the same sizes"
 
 
+def _copy_unless_same(out: torch.Tensor, src: torch.Tensor) -> Handle:
+    """A one-rank collective: the result is `src` itself (no copy where `out` is `src`)."""
+    if out.data_ptr() != src.data_ptr():
+        out.copy_(src)
+    return Handle()
+
+
 class LocalComm(Comm):
     """World size 1 without a process group: every collective is a copy."""
 
@@ -390,14 +404,10 @@ class LocalComm(Comm):
         super().__init__(rank=0, world_size=1, backend="local", group=None, validate=validate)
 
     def _all_gather_v(self, out, shard, sizes, async_op):
-        if out.data_ptr() != shard.data_ptr():
-            out.copy_(shard)
-        return Handle()
+        return _copy_unless_same(out, shard)
 
     def _reduce_scatter_v(self, out, full, sizes, async_op):
-        if out.data_ptr() != full.data_ptr():
-            out.copy_(full)
-        return Handle()
+        return _copy_unless_same(out, full)
 
     def _all_reduce(self, t, op):
         return None

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from cephalo.errors import CephaloError
+from cephalo.errors import CephaloError, first_line
 from cephalo.log import logger
 from cephalo.runtime.comm import Comm, LocalComm, make_comm
 
@@ -88,11 +88,6 @@ def uses_shared_store(env: dict[str, str]) -> bool:
 def restarted_on_shared_store(env: dict[str, str]) -> bool:
     """A restarted worker group on a shared store (see `SHARED_STORE_ENV`)."""
     return uses_shared_store(env) and env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def init_distributed(
@@ -166,7 +161,7 @@ def init_distributed(
         )
         raise CephaloError(
             f"could not start the {backend} process group (rank {rank} of {world_size}, "
-            f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}): {_first_line(err)}.{hint}"
+            f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}): {first_line(err)}.{hint}"
         ) from err
     logger.info(
         "rank %d/%d: %s process group up (timeout %.0fs)", rank, world_size, backend, timeout_s

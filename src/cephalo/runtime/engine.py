@@ -39,7 +39,9 @@ LGA step (mode "lga"), per rank, over its micro-batches (plan `micro_batch_size`
             previous unit's output gradient; then ONE reduce-scatter of the unit's
             gradient to the shard owners.
   So each unit is gathered once per pass and reduced once per step whatever the number
-  of micro-batches. Standard mode (the baseline) runs the same per-unit machinery with
+  of micro-batches. A unit whose split is near even runs both as the even collectives on
+  padded buffers (runtime/padded.py), a skewed one as grouped collectives of its sizes.
+  Standard mode (the baseline) runs the same per-unit machinery with
   the micro-batch loop outermost: FSDP with per-unit activation checkpointing, whose
   collectives grow with the number of micro-batches.
 
@@ -70,252 +72,38 @@ import functools
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
-from torch.func import functional_call
 
 from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import BackwardCharges, drain_grad
+from cephalo.runtime.autograd import BackwardCharges, drain_grad, drain_grad_pieces
+from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.boundary import BoundaryStore
-from cephalo.runtime.comm import Comm, Handle
+from cephalo.runtime.comm import Comm
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
-from cephalo.runtime.flat import FlatLayout, FlatShard, ParamSlot, overlap, shard_ranges
-from cephalo.runtime.frozen import FrozenBase, FrozenGathered
+from cephalo.runtime.engine_config import EngineConfig, StepStats
+from cephalo.runtime.flat import FlatLayout, FlatShard, overlap, shard_ranges
+from cephalo.runtime.frozen import FrozenBase
+from cephalo.runtime.head_pass import HeadPass
 from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
 from cephalo.runtime.memory import MemoryLedger
-from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
+from cephalo.runtime.optim import ShardedAdamW, ShardGroup, clip_coefficient
+from cephalo.runtime.padded import PaddedSplit
 from cephalo.runtime.param_groups import wants_weight_decay
 from cephalo.runtime.pinned import ALIGN as PINNED_ALIGN
 from cephalo.runtime.pinned import PinnedArena
 from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
 from cephalo.runtime.replicas import SlowLinkComm, attach_replicas
-
-MODES = ("lga", "standard")
-
-
-@dataclass
-class EngineConfig:
-    """How the engine runs a step (the plan says who does what; this says how)."""
-
-    mode: str = "lga"
-    """`lga` (layered gradient accumulation) or `standard` (micro-batch at a time, FSDP-like)."""
-    compute_dtype: str | None = None
-    """`fp32`, `bf16` or `fp16` for gathered parameters and activations; None: the plan's dtype.
-    Gradients are accumulated and reduced in fp32; master weights and AdamW state are fp32."""
-    adamw: AdamWHyper = field(default_factory=AdamWHyper)
-    """AdamW betas, epsilon and decoupled weight decay (applied where `wants_weight_decay`
-    says: not norms, biases)."""
-    grad_clip: float = 1.0
-    """Max global gradient norm (0 = no clipping)."""
-    prefetch: bool = True
-    """Start the next unit's all-gather while computing the current one."""
-    overlap_reduce: bool = True
-    """Reduce-scatter a unit's gradient while the next unit's backward computes (one more
-    fp32 unit gradient is then alive at a time) where the plan's `overlap_reduce` for this
-    rank says so (the planner turns it off on a rank short of memory); False: never, wait for
-    each at once."""
-    offload: bool | None = None
-    """Keep boundary activations on the host; None: the plan's `offload_activations`."""
-    seed: int = 0
-    """Seeds the initial weights (identical on every rank) and the dropout masks."""
-    slowdown: float = 1.0
-    inter_node_bytes_per_s: float | None = None
-    """Emulated inter-node link of a hierarchical plan: the all-reduce between shard groups is
-    charged a delay per byte sent (None: as fast as it runs)."""
-    """CPU device emulation: compute is stretched by this factor (see emulation.py)."""
-    memory_budget_bytes: int | None = None
-    """Budget for a ledger the engine creates itself (None = unlimited)."""
-    host_memory_budget_bytes: int | None = None
-    """Host memory budget for a ledger the engine creates itself (None = unlimited): this
-    rank's share of its node's host memory."""
-    host_adamw: str | None = None
-    """AdamW kernel of the host-held state: `fused` (fastest), `foreach` (bitwise the device
-    path's arithmetic on a CPU); None: fused where this torch build has it for CPU tensors."""
-    adamw_kernel: str | None = None
-    """AdamW kernel of the device-held state (runtime/optim.py): `fused`, `foreach` (bitwise
-    the host's `foreach` on a CPU) or `single`; None: fused where this torch build has it for
-    the device, else foreach."""
-    host_copy_bytes_per_s: float | None = None
-    """CPU device emulation: every host <-> device copy lasts at least its bytes / this
-    bandwidth (`cpu:...,pcie=12GB/s`), outside the compute stretch; None: memcpy speed."""
-    validate_collectives: bool | None = None
-    """Cross-rank size checks before each collective; None: the comm's own setting."""
-    validate_every_step: bool = False
-    """With validation on: check the collectives of every step. False: of the first training
-    step and the first evaluation only; the plan fixes the call sequence after that, and the
-    check's small blocking exchange would otherwise synchronise the ranks at every prefetch."""
-    device: str | None = None
-    """Compute device; None: the current CUDA device under NCCL, else the CPU."""
-    per_sample_dropout: bool = True
-    """Plan-invariant dropout masks (see dropout.py); False: the global RNG stream
-    (faster on GPUs, but masks then depend on the micro-batching)."""
-    pinned_arena: bool | None = None
-    """Offloaded boundary activations in one exact-size page-locked block per rank
-    (runtime/pinned.py), sized from the plan by `Engine.boundary_host_bytes`; None: on CUDA
-    only (True also on the CPU, where nothing is page-locked: its bookkeeping is tested)."""
-    loss_scale_init: float = 2.0**16
-    """fp16 only: the initial dynamic loss scale."""
-    loss_scale_growth_interval: int = 200
-    """fp16 only: good steps before the loss scale doubles."""
-
-    def validate(self) -> None:
-        """Raise `CephaloError` naming the first bad field."""
-        if self.mode not in MODES:
-            raise CephaloError(f"engine mode {self.mode!r} is not one of {', '.join(MODES)}")
-        self.adamw.validate()
-        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
-            raise CephaloError(
-                f"engine setting grad_clip must be a finite number >= 0, got {self.grad_clip}"
-            )
-        if self.loss_scale_init <= 0 or self.loss_scale_growth_interval < 1:
-            raise CephaloError("loss_scale_init must be > 0 and loss_scale_growth_interval >= 1")
-        bw = self.host_copy_bytes_per_s
-        if bw is not None and not (bw > 0 and math.isfinite(bw)):
-            raise CephaloError(
-                f"engine setting host_copy_bytes_per_s must be a positive number, got {bw}"
-            )
+from cephalo.runtime.unit_comm import Gathered, Reduce, UnitComm
+from cephalo.runtime.unit_shard import Borrow, MicroBatch, UnitShard
 
 
-@dataclass
-class StepStats:
-    """What one `train_step` did (the same on every rank except timings and memory)."""
-
-    loss: float
-    """Mean token loss over the global batch (before the update)."""
-    grad_norm: float
-    """Global gradient norm before clipping (unscaled)."""
-    n_tokens: int
-    """Tokens with a label in the global batch."""
-    skipped: bool
-    """fp16: the step was skipped because the gradient was not finite."""
-    busy_s: float
-    """Seconds of unit compute (stretched by the emulated slowdown; CUDA: stream time)."""
-    comm_wait_s: float
-    """Host seconds blocked in collectives (on NCCL a wait only orders streams: ~0)."""
-    step_s: float
-    """Wall-clock seconds of the whole step."""
-    peak_bytes: int
-    """Ledger peak of device memory during the step."""
-    peak_by_category: dict[str, int] = field(default_factory=dict)
-    """Ledger peak per category during the step."""
-    loss_scale: float = 1.0
-    """fp16: the loss scale used for this step."""
-    host_peak_bytes: int = 0
-    """Ledger peak of host memory during the step (host state, offloaded boundaries)."""
-    host_s: float = 0.0
-    """Host seconds of the host-state optimizer step (AdamW and the uploads it issues)."""
-    aux_loss: float | None = None
-    """MoE with `output_router_logits`: the router load-balancing loss of the global batch
-    (transformers' `aux_loss`); `loss` includes `router_aux_loss_coef` x it."""
-    optimizer_s: float = 0.0
-    """Host seconds of the device optimizer phase (norm, clipping, AdamW; collectives and
-    host-state work excluded). runtime/step_timing.py splits a step with it."""
-
-
-@dataclass
-class _Borrow:
-    """A parameter a unit uses but another unit owns (tied weights)."""
-
-    name: str
-    """Name within the borrowing unit's module."""
-    owner: _UnitShard
-    slot: ParamSlot
-    """The parameter's place in the owner's layout."""
-    sizes: list[int]
-    """Per rank: how much of the parameter lies in that rank's shard of the owner."""
-    local: tuple[int, int]
-    """[lo, hi) of this rank's part, relative to the owner's shard start."""
-
-
-class _UnitShard:
-    """One unit on this rank: its layout, its shard range, and the state slices."""
-
-    def __init__(
-        self, index: int, unit, layout: FlatLayout, ranges: list[tuple[int, int]], rank: int
-    ):
-        self.index = index
-        self.unit = unit
-        self.layout = layout
-        self.ranges = ranges
-        self.sizes = [size for _, size in ranges]
-        self.start, self.size = ranges[rank]
-        self.borrows: list[_Borrow] = []
-        self.decay_segments: list[tuple[int, int]] = []
-        self.host_n = 0
-        """Elements of the shard kept on the host (its last ones)."""
-        self.dev_n = self.size
-        """Elements of the shard whose state is on the device (its first ones)."""
-        # device part [0, dev_n) of the shard
-        self.master: torch.Tensor
-        self.grad: torch.Tensor
-        self.exp_avg: torch.Tensor
-        self.exp_avg_sq: torch.Tensor
-        self.param_buf: torch.Tensor | None = None
-        """fp32 compute: one device buffer [master | host part's copy] of the whole shard."""
-        self.host_copy: torch.Tensor
-        """Device, compute dtype: the host part's parameters, for the all-gathers."""
-        self.host: HostGroup | None = None
-        """Host part [dev_n, size): master, gradient and moments in host memory."""
-        self.host_upload: torch.Tensor | None = None
-        """Host, compute dtype (not fp32): the updated host part, cast for its upload."""
-        self.host_grad_written = False
-        """The host gradient received a piece this step (later pieces are added to it)."""
-
-
-@dataclass
-class _Gathered:
-    """A unit's parameters gathered in compute dtype (maybe still in flight)."""
-
-    unit: _UnitShard
-    flat: torch.Tensor
-    tied: list[torch.Tensor]
-    handles: list[Handle]
-    frozen: FrozenGathered | None = None
-    """The unit's frozen parameters (LoRA / QLoRA base), gathered alongside."""
-    owned: bool = True
-    """`flat` and `tied` are ledger buffers (False: views of the fp32 shard itself, world
-    size 1: nothing to gather, nothing to copy)."""
-
-    def params(self) -> dict[str, torch.Tensor]:
-        views = self.unit.layout.views(self.flat)
-        for borrow, buf in zip(self.unit.borrows, self.tied, strict=True):
-            views[borrow.name] = buf.view(borrow.slot.shape)
-        return views
-
-
-@dataclass
-class _Reduce:
-    """A reduce-scatter in flight: `part` receives this rank's piece of the sum of `full`,
-    then is added into `grad_slice`."""
-
-    handle: Handle
-    part: torch.Tensor
-    unit: _UnitShard
-    """Whose gradient receives it: elements [lo, hi) of its shard."""
-    lo: int
-    hi: int
-    full: torch.Tensor
-
-
-@dataclass
-class _MicroBatch:
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    sample_offset: int
-    """Index of its first sample in the global batch."""
-    position_ids: torch.Tensor | None = None
-    """Per-document positions of packed samples (None: 0, 1, ... in every row)."""
-    rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
-    """Generator states saved before each unit's forward, by unit index."""
-
-
-class Engine:
+class Engine(UnitComm, HeadPass):
     """Sharded data-parallel training of a `UnitModel` under a `Plan` (see module docstring).
 
     The engine takes the model over: after construction its parameters are meta tensors
@@ -402,7 +190,9 @@ class Engine:
         self._charges = BackwardCharges(self.ledger)
         """Activation and transient bytes per (unit, micro-batch shape), measured once."""
         self._vocab = model.spec.vocab_size
-        self._head_reducing: list[_Reduce] = []
+        self._head_reducing: list[Reduce] = []
+        self._backward_prefetch: Gathered | None = None
+        """The last block's gather for the backward, started during the head pass."""
         """The head's reduce-scatters, started at the end of the forward (`_head_pass`)."""
         self._build_shards()
         arena = (
@@ -443,6 +233,8 @@ class Engine:
         self._validated: set[str] = set()
         """Kinds of pass ("train", "eval") whose collectives every rank has cross-checked."""
         self._cuda_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._bindings: dict[int, UnitBinding] = {}
+        """Each unit's parameter slots, found once (runtime/bind.py)."""
 
     # ------------------------------------------------------------------ setup
     @torch.no_grad()
@@ -460,7 +252,7 @@ class Engine:
             owned.setdefault(index_of[unit_name], []).append((pname, p))
             owner_of[id(p)] = (index_of[unit_name], pname)
         fractions = self.replicas.fractions if self.replicas else self.plan.state_fractions
-        self.shards: list[_UnitShard] = []
+        self.shards: list[UnitShard] = []
         # parameters with requires_grad False (a LoRA base) form the frozen base (frozen.py)
         self.frozen: FrozenBase | None = None
         if any(not p.requires_grad for p in model.parameters()):
@@ -478,7 +270,10 @@ class Engine:
                 frozen = [(n, p) for n, p in params if not p.requires_grad]
                 params = [(n, p) for n, p in params if p.requires_grad]
             layout = FlatLayout(unit.name, params)
-            us = _UnitShard(i, unit, layout, shard_ranges(layout.numel, fractions), self.comm.rank)
+            us = UnitShard(i, unit, layout, shard_ranges(layout.numel, fractions), self.comm.rank)
+            if self.config.padded_collectives and self.comm.world_size > 1:
+                us.padded = PaddedSplit.of(us.sizes)
+                us.pad_offset = us.padded.offset(self.comm.rank) if us.padded else 0
             if on_meta:
                 # materialise ONE unit's initial values on the CPU (host memory: the largest
                 # unit, fp32), keep this rank's slice, drop the rest
@@ -509,7 +304,7 @@ class Engine:
                 pieces = [overlap(s, n, slot.offset, slot.numel) for s, n in owner.ranges]
                 lo, hi = pieces[self.comm.rank]
                 self.shards[i].borrows.append(
-                    _Borrow(
+                    Borrow(
                         pname,
                         owner,
                         slot,
@@ -537,14 +332,19 @@ class Engine:
     def _alloc_state(self, numel: int) -> torch.Tensor:
         return self.ledger.alloc("state", numel, torch.float32, device=self.device)
 
-    def _alloc_unit_state(self, us: _UnitShard, values: torch.Tensor) -> None:
+    def _alloc_unit_state(self, us: UnitShard, values: torch.Tensor) -> None:
         """This rank's state of one unit from its shard's initial fp32 `values`: the device
         part, and the host part of `host_fraction` (see the module docstring)."""
         us.host_n = min(us.size, round(self.host_fraction * us.size))
         us.dev_n = d = us.size - us.host_n
         if self.dtype == torch.float32:
             # one device buffer: the device part's master, then the host part's copy
-            us.param_buf = self._alloc_state(us.size).copy_(values)
+            if us.padded is None:
+                us.param_buf = self._alloc_state(us.size).copy_(values)
+            else:  # the padded chunk the gathers send (runtime/padded.py), zero around the shard
+                us.send_buf = self._alloc_state(us.padded.pad).zero_()
+                o = us.pad_offset
+                us.param_buf = us.send_buf[o : o + us.size].copy_(values)
             us.master, us.host_copy = us.param_buf[:d], us.param_buf[d:]
         else:
             us.master = self._alloc_state(d).copy_(values[:d])
@@ -571,7 +371,7 @@ class Engine:
         if self.dtype != torch.float32:
             us.host_upload = host(us.host_n, self.dtype)
 
-    def _upload(self, us: _UnitShard) -> None:
+    def _upload(self, us: UnitShard) -> None:
         """The host part's updated parameters up to the device copy the gathers read."""
         assert us.host is not None
         if us.host_upload is None:  # fp32: the master itself
@@ -608,187 +408,23 @@ class Engine:
                 if b is not None:
                     module._buffers[name] = b.to(self.device)
 
-    # ------------------------------------------------------------------ collectives
-    def _wait(self, handle: Handle) -> None:
-        t0 = time.perf_counter()
-        handle.wait()
-        self._comm_wait_s += time.perf_counter() - t0
-
-    def _start_gather(self, us: _UnitShard, async_op: bool) -> _Gathered:
-        """All-gather a unit (and the tied parameters it borrows) in compute dtype. World size
-        1 in fp32: the gathered unit is its shard itself (the comm sees out == shard: no copy)."""
-        owned = not (self.comm.world_size == 1 and us.param_buf is not None)
-        flat = (
-            self.ledger.alloc("gathered", us.layout.numel, self.dtype, device=self.device)
-            if owned
-            else us.param_buf
-        )
-        handles, tied = [], []
-        t0 = time.perf_counter()
-        frozen = self.frozen.start_gather(us.index, async_op) if self.frozen else None
-        if us.layout.numel:  # (a LoRA unit may have no trained parameters)
-            handles.append(self._gather_piece(flat, us, 0, us.size, us.sizes, async_op))
-        for b in us.borrows:
-            buf = (
-                self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
-                if owned
-                else b.owner.param_buf[b.local[0] : b.local[1]]
-            )
-            tied.append(buf)
-            handles.append(
-                self._gather_piece(buf, b.owner, b.local[0], b.local[1], b.sizes, async_op)
-            )
-        if not async_op:
-            self._comm_wait_s += time.perf_counter() - t0
-        return _Gathered(us, flat, tied, handles, frozen, owned)
-
-    def _gather_piece(
-        self,
-        out: torch.Tensor,
-        us: _UnitShard,
-        lo: int,
-        hi: int,
-        sizes: list[int],
-        async_op: bool,
-    ) -> Handle:
-        """All-gather into `out` this rank's elements [lo, hi) of `us`'s shard in compute dtype."""
-        if us.param_buf is not None:  # fp32: master and the host part's copy in one buffer
-            return self.comm.all_gather_v(out, us.param_buf[lo:hi], sizes, async_op=async_op)
-        if self.comm.world_size == 1 and hi <= us.dev_n:  # cast straight into the output
-            out.copy_(us.master[lo:hi])
-            return self.comm.all_gather_v(out, out, sizes, async_op=async_op)
-        # the shard in compute dtype; the comm contract lets us free it once the call returns
-        shard = self.ledger.alloc("gathered", hi - lo, self.dtype, device=self.device)
-        d = us.dev_n
-        if min(hi, d) > lo:
-            shard[: min(hi, d) - lo].copy_(us.master[lo : min(hi, d)])
-        if hi > max(lo, d):
-            shard[max(lo, d) - lo :].copy_(us.host_copy[max(lo, d) - d : hi - d])
-        handle = self.comm.all_gather_v(out, shard, sizes, async_op=async_op)
-        self.ledger.free(shard)
-        return handle
-
-    def _finish_gather(self, g: _Gathered) -> dict[str, torch.Tensor]:
-        for h in g.handles + (g.frozen.handles if g.frozen else []):
-            self._wait(h)
-        if g.frozen is None:
-            return g.params()
-        return {**self.frozen.params(g.frozen), **g.params()}
-
-    def _release(self, g: _Gathered) -> None:
-        if g.owned:
-            self.ledger.free(g.flat)
-            for buf in g.tied:
-                self.ledger.free(buf)
-        if g.frozen is not None:
-            self.frozen.release(g.frozen)
-
-    def _start_reduce(
-        self, us: _UnitShard, lo: int, hi: int, full: torch.Tensor, sizes: list[int]
-    ) -> _Reduce:
-        """Start: the gradient of elements [lo, hi) of this rank's shard of `us` += this rank's
-        piece of the sum over ranks of `full` (fp32, a ledger buffer `_finish_reduce` frees)."""
-        if self.comm.world_size == 1:  # the sum is `full` itself: no output buffer, no copy
-            part = full
-        else:
-            part = self.ledger.alloc("grad_accum", hi - lo, torch.float32, device=self.device)
-        t0 = time.perf_counter()
-        if full.numel() == 0:  # a unit without trained parameters (LoRA): nothing to reduce
-            return _Reduce(Handle(), part, us, lo, hi, full)
-        handle = self.comm.reduce_scatter_v(part, full, sizes, async_op=True)
-        self._comm_wait_s += time.perf_counter() - t0  # the call itself (and any validation)
-        return _Reduce(handle, part, us, lo, hi, full)
-
-    def _trains(self, us: _UnitShard) -> bool:
-        """The unit has trained parameters (a LoRA unit may have only frozen ones)."""
-        return us.layout.numel > 0 or bool(us.borrows)
-
-    def _finish_reduce(self, r: _Reduce) -> None:
-        self._wait(r.handle)
-        us, d = r.unit, r.unit.dev_n
-        if min(r.hi, d) > r.lo:
-            self._device_grad(us)[r.lo : min(r.hi, d)].add_(r.part[: min(r.hi, d) - r.lo])
-        if r.hi > max(r.lo, d):
-            # the host part goes down to the host gradient (CUDA: on the side stream, while
-            # the next unit's backward runs)
-            a = max(r.lo, d)
-            assert us.host is not None
-            self.link.down(
-                us.host.grad[a - d : r.hi - d], r.part[a - r.lo :], accumulate=us.host_grad_written
-            )
-            us.host_grad_written = True
-        self.ledger.free(r.part)
-        self.ledger.free(r.full)
-        # and let the buffers die now (a name still holding this record would keep them)
-        r.part = r.full = None  # type: ignore[assignment]
-
-    def _all_reduce(self, t: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        self.world.all_reduce(t, "sum")
-        self._comm_wait_s += time.perf_counter() - t0
-
     # ------------------------------------------------------------------ compute helpers
     def _run_unit(
-        self, us: _UnitShard, params: dict[str, torch.Tensor], x: torch.Tensor, mb: _MicroBatch
+        self, us: UnitShard, params: dict[str, torch.Tensor], x: torch.Tensor, mb: MicroBatch
     ) -> torch.Tensor:
         with self._dropout(us, mb):
             if us.unit.kind != "head":
                 kwargs = position_kwargs(self.model, mb.position_ids)
-                return functional_call(us.unit.module, params, (x,), kwargs, strict=False)
+                return self._binding(us)(params, (x,), kwargs)
             return head_loss.loss(self._head_fn(us, params), x, mb.labels, self._vocab)
 
-    def _head_fn(self, us: _UnitShard, params: dict[str, torch.Tensor]) -> head_loss.RunHead:
-        return lambda h, labels: functional_call(us.unit.module, params, (h, labels), strict=False)
+    def _binding(self, us: UnitShard) -> UnitBinding:
+        binding = self._bindings.get(us.index)
+        if binding is None:
+            binding = self._bindings[us.index] = UnitBinding(us.unit.module)
+        return binding
 
-    def _head_pass(
-        self,
-        us: _UnitShard,
-        params: dict[str, torch.Tensor],
-        mbs: list[_MicroBatch],
-        store: BoundaryStore,
-        head_grad: float,
-    ) -> torch.Tensor:
-        """The head's loss and backward in one pass at the end of the forward
-        (runtime/head_loss.py): its gradient buffers filled, its input gradients stored in its
-        inputs' place, its reduce-scatters started (finished during the last block's backward,
-        `_backward_pass`). Returns the loss sum."""
-        acc, tied_acc = self._grad_buffers(us)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for j, mb in enumerate(mbs):
-            mb.rng[us.index] = self._save_rng()
-            loss_sum += self._backward_micro_batch(
-                us, params, mb, j, store, head_grad, acc, tied_acc
-            )
-        self._head_reducing = self._start_reduces(us, acc, tied_acc)
-        if not self.overlap_reduce:
-            for r in self._head_reducing:
-                self._finish_reduce(r)
-            self._head_reducing = []
-        return loss_sum
-
-    def _grad_buffers(self, us: _UnitShard) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Zeroed fp32 gradient buffers of a unit and of the tied parameters it borrows."""
-        acc = self.ledger.alloc(
-            "grad_accum", us.layout.numel, torch.float32, device=self.device, zero=True
-        )
-        tied_acc = [
-            self.ledger.alloc(
-                "grad_accum", b.slot.numel, torch.float32, device=self.device, zero=True
-            )
-            for b in us.borrows
-        ]
-        return acc, tied_acc
-
-    def _start_reduces(
-        self, us: _UnitShard, acc: torch.Tensor, tied_acc: list[torch.Tensor]
-    ) -> list[_Reduce]:
-        reducing = [self._start_reduce(us, 0, us.size, acc, us.sizes)]
-        for b, t_acc in zip(us.borrows, tied_acc, strict=True):
-            lo, hi = b.local
-            reducing.append(self._start_reduce(b.owner, lo, hi, t_acc, b.sizes))
-        return reducing
-
-    def _dropout(self, us: _UnitShard, mb: _MicroBatch) -> contextlib.AbstractContextManager:
+    def _dropout(self, us: UnitShard, mb: MicroBatch) -> contextlib.AbstractContextManager:
         if not (
             self.config.per_sample_dropout
             and self.model.training
@@ -813,9 +449,10 @@ class Engine:
         slowdown must be emulated, which needs the host to know the time now."""
         if self.device.type == "cuda" and self.emulator.slowdown == 1.0:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            stream = torch.cuda.current_stream(self.device)  # once: it builds a Stream object
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._cuda_events.append((start, end))
             return
         if self.device.type == "cuda":
@@ -853,7 +490,7 @@ class Engine:
     # ------------------------------------------------------------------ passes
     def _forward_pass(
         self,
-        mbs: list[_MicroBatch],
+        mbs: list[MicroBatch],
         store: BoundaryStore,
         keep_inputs: bool,
         head_grad: float | None = None,
@@ -871,6 +508,9 @@ class Engine:
             pending = None
             if self.config.prefetch and u + 1 < n:
                 pending = self._start_gather(self.shards[u + 1], async_op=True)
+            elif self.config.prefetch and head_grad is not None and self._backward_gathers(n - 2):
+                # the head pass: the backward's first unit, the last block, gathers meanwhile
+                self._backward_prefetch = self._start_gather(self.shards[n - 2], async_op=True)
             with self._compute(), torch.no_grad():
                 if u == n - 1 and head_grad is not None:
                     loss_sum += self._head_pass(us, params, mbs, store, head_grad)
@@ -890,13 +530,18 @@ class Engine:
             del params  # the gathered buffers die with the ledger's count of them
         return loss_sum
 
-    def _unit_input(self, store: BoundaryStore, u: int, j: int, mb: _MicroBatch):
+    def _backward_gathers(self, u: int) -> bool:
+        """Whether the backward gathers unit u (not the head: its backward ran in the forward;
+        not a frozen embedding: nothing to compute)."""
+        return 0 <= u < len(self.shards) - 1 and (u > 0 or self._trains(self.shards[0]))
+
+    def _unit_input(self, store: BoundaryStore, u: int, j: int, mb: MicroBatch):
         """Unit u's input for micro-batch j: the token ids for the embedding, else the stored
         boundary."""
         return contextlib.nullcontext(mb.input_ids) if u == 0 else store.loaded((u, j))
 
     def _backward_after_forward(
-        self, mbs: list[_MicroBatch], store: BoundaryStore, head_grad: float
+        self, mbs: list[MicroBatch], store: BoundaryStore, head_grad: float
     ) -> None:
         """The backward pass, leaving the random generators where the forward left them: the
         recompute rewinds them unit by unit, and without this the next step would draw the
@@ -905,9 +550,7 @@ class Engine:
         self._backward_pass(mbs, store, head_grad)
         self._restore_rng(after_forward)
 
-    def _backward_pass(
-        self, mbs: list[_MicroBatch], store: BoundaryStore, head_grad: float
-    ) -> None:
+    def _backward_pass(self, mbs: list[MicroBatch], store: BoundaryStore, head_grad: float) -> None:
         """Units in reverse: recompute with a graph, backprop, one gradient buffer per unit,
         one reduce-scatter per unit (plus one for a borrowed tied parameter), in flight
         during the next unit's backward (`EngineConfig.overlap_reduce`)."""
@@ -915,7 +558,9 @@ class Engine:
         # flight
         n = len(self.shards) - 1
         reducing, self._head_reducing = self._head_reducing, []
-        pending = self._start_gather(self.shards[n - 1], async_op=self.config.prefetch)
+        pending, self._backward_prefetch = self._backward_prefetch, None
+        if pending is None and self._backward_gathers(n - 1):
+            pending = self._start_gather(self.shards[n - 1], async_op=self.config.prefetch)
         for u in reversed(range(n)):
             us = self.shards[u]
             if u == 0 and not self._trains(us):  # a frozen embedding: no gradient to compute
@@ -961,11 +606,16 @@ class Engine:
         borrowed = {b.name: t for b, t in zip(us.borrows, tied_acc, strict=True)}
         for name, leaf in leaves.items():
             if name in borrowed:
-                dst = borrowed[name]
+                hook = functools.partial(drain_grad, borrowed[name])
             else:
                 slot = us.layout.slot(name)
-                dst = acc[slot.offset : slot.end]
-            leaf.register_post_accumulate_grad_hook(functools.partial(drain_grad, dst))
+                if us.padded is None:
+                    hook = functools.partial(drain_grad, acc[slot.offset : slot.end])
+                else:  # the padded gradient buffer (runtime/padded.py)
+                    hook = functools.partial(
+                        drain_grad_pieces, us.padded.slices(acc, slot.offset, slot.end)
+                    )
+            leaf.register_post_accumulate_grad_hook(hook)
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         head_out_grad = (
             torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
@@ -997,41 +647,10 @@ class Engine:
                 x.grad = None
         return None
 
-    def _head_micro_batch(self, us, leaves, params, mb, j, store, out_grad, key) -> torch.Tensor:
-        """The head over one micro-batch, chunk by chunk (runtime/head_loss.py): loss sum
-        returned, input gradient stored in the input's place."""
-        param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
-        charged = [0]
-
-        def on_chunk(out: torch.Tensor) -> None:  # this chunk's transient gradients
-            self.ledger.release("grad_transient", charged[0])
-            charged[0] = self._charges.transient(key, out, param_grad)
-            self.ledger.charge("grad_transient", charged[0])
-
-        u = us.index
-        run = self._head_fn(us, {**params, **leaves})
-        with self._unit_input(store, u, j, mb) as x_in:
-            self._restore_rng(mb.rng[u])
-            with self._charges.activations(key), self._dropout(us, mb):
-                loss, dx = head_loss.loss_and_backward(
-                    run,
-                    x_in,
-                    mb.labels,
-                    self._vocab,
-                    out_grad,
-                    list(leaves.values()),
-                    u > 0,
-                    on_chunk,
-                )
-            self.ledger.release("grad_transient", charged[0])
-        if u > 0:
-            store.put((u, j), dx)  # replaces the input: the last block's output gradient
-        return loss
-
     # ------------------------------------------------------------------ public API
     def _micro_batches(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
-    ) -> list[_MicroBatch]:
+    ) -> list[MicroBatch]:
         rp = self.rank_plan
         if position_ids is not None and position_ids.shape != input_ids.shape:
             raise CephaloError(
@@ -1056,7 +675,7 @@ class Engine:
         first = self.sample_offset
         m = rp.micro_batch_size
         return [
-            _MicroBatch(
+            MicroBatch(
                 input_ids[a : a + m],
                 labels[a : a + m],
                 first + a,
@@ -1177,6 +796,10 @@ class Engine:
         self._all_reduce(red)
         if self.replicas is not None:  # every group holds the same, whole gradient
             red[0] /= len(self.replicas.groups)
+        if self.scaler is None and host_opt is None and opt.kernel == "fused":
+            with self._optimizer_work():
+                self._device_step(red, lr)
+            return self._step_outcome(red, n_tokens)
         grad_norm = float(red[0].sqrt())
         self._last_loss = float(red[1]) / max(n_tokens, 1)
         finite = math.isfinite(grad_norm)
@@ -1193,9 +816,7 @@ class Engine:
                 self._zero_device_grads()
             self._host_zero_grad()
             return True, grad_norm
-        coef = 1.0
-        if self.config.grad_clip > 0:
-            coef = min(1.0, self.config.grad_clip / (grad_norm + 1e-6))
+        coef = clip_coefficient(grad_norm, self.config.grad_clip) if self.config.grad_clip else 1.0
         with self._optimizer_work():
             opt.step(lr, coef)  # (the fused kernel scales the gradients as it reads them)
             self._zero_device_grads()
@@ -1214,7 +835,30 @@ class Engine:
             self._host_s += time.perf_counter() - t0
         return False, grad_norm
 
-    def _device_grad(self, us: _UnitShard) -> torch.Tensor:
+    def _device_step(self, red: torch.Tensor, lr: float) -> None:
+        """The update without a host sync (all state on the device, no loss scaler, the fused
+        kernel): the clipping coefficient is computed and applied on the device, and a
+        non-finite norm makes the kernel leave everything as it is (`found_inf`).
+        scripts/gpu_check.py runs it under `torch.cuda.set_sync_debug_mode("error")`."""
+        norm = red[0].sqrt()
+        clip = self.config.grad_clip
+        coef = clip_coefficient(norm, clip) if clip else 1.0
+        self.optimizer.step(lr, coef, found_inf=(~torch.isfinite(norm)).to(torch.float32))
+        self._zero_device_grads()
+
+    def _step_outcome(self, red: torch.Tensor, n_tokens: int) -> tuple[bool, float]:
+        """After `_device_step` is queued: (skipped, gradient norm), one read of the device's
+        norm and loss sum. A skipped step is taken back (`step_count`); the trainer decides
+        how many skips it tolerates."""
+        norm_sq, loss = red.tolist()
+        self._last_loss = loss / max(n_tokens, 1)
+        grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
+        if math.isfinite(grad_norm):
+            return False, grad_norm
+        self.optimizer.step_count -= 1
+        return True, grad_norm
+
+    def _device_grad(self, us: UnitShard) -> torch.Tensor:
         """The device part's gradient shard (a lean rank allocates it on first use)."""
         if us.grad.numel() != us.dev_n:
             us.grad = self._alloc_state(us.dev_n).zero_()

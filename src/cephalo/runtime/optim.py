@@ -7,7 +7,9 @@ slice listed in `decay_segments` (built once from `wants_weight_decay`).
 Kernels (`ShardedAdamW(kernel=)`): `fused` (default where this torch build has one for the
 device: CUDA, and recent CPU builds) is torch's `_fused_adamw_` over every run of every
 unit at once, two launches per step (decayed runs, the rest), with the clipping coefficient
-passed as its `grad_scale` tensor (no pass over the gradients of its own); `foreach` is
+passed as its `grad_scale` tensor (no pass over the gradients of its own; the engine computes
+it on the device, `clip_coefficient`, and a non-finite norm skips the update through the
+kernel's `found_inf`: no host sync before the update); `foreach` is
 torch's multi-tensor AdamW, bitwise the single-tensor arithmetic on the CPU; `single`
 repeats, op for op, `torch.optim.AdamW`'s single-tensor path. All match a single-process
 reference to fp32 rounding (fused rounds a little differently: about 1e-8 per step on
@@ -25,6 +27,15 @@ from torch.optim import adamw as torch_adamw
 from cephalo.errors import CephaloError
 
 ADAMW_KERNELS = ("fused", "foreach", "single")
+
+
+def clip_coefficient(norm, max_norm: float):
+    """The factor gradient-norm clipping multiplies the gradients by: min(1, max_norm / (norm +
+    1e-6)), as torch's `clip_grad_norm_`. `norm` a float, or a tensor: then the result is a
+    tensor on its device (no host sync)."""
+    if isinstance(norm, torch.Tensor):
+        return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    return min(1.0, max_norm / (norm + 1e-6))
 
 
 def default_adamw_kernel(device: torch.device | str) -> str:
@@ -103,11 +114,21 @@ class ShardedAdamW:
         self._runs = [split_runs(g.param.numel(), g.decay_segments) for g in groups]
 
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+    def step(
+        self,
+        lr: float,
+        grad_scale: float | torch.Tensor = 1.0,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
         """One update with every gradient multiplied by `grad_scale` first (the clipping
-        coefficient; the fused kernel applies it as it reads the gradients)."""
+        coefficient, a float or a 0-dim tensor on the device; the fused kernel applies it as it
+        reads the gradients). `found_inf` (fused only): a 0-dim tensor, nonzero to leave every
+        parameter and moment as it is (the caller then takes the step back: `step_count`)."""
+        if found_inf is not None and self.kernel != "fused":
+            raise ValueError("found_inf needs the fused AdamW kernel")
+        on_device = isinstance(grad_scale, torch.Tensor)
         if self.kernel == "single":
-            if grad_scale != 1.0:
+            if on_device or grad_scale != 1.0:
                 self.scale_grads(grad_scale)
             self._single_step(lr)
             return
@@ -115,12 +136,16 @@ class ShardedAdamW:
         beta1, beta2 = self.hyper.betas
         fused = self.kernel == "fused"
         scale = None
-        if grad_scale != 1.0:
-            if fused:  # the kernel divides by it
+        if on_device or grad_scale != 1.0:
+            if fused and on_device:  # the kernel divides by it (in fp64, then rounded: as below)
+                scale = (1.0 / grad_scale).to(torch.float32)
+            elif fused:
                 device = self.groups[0].param.device
                 scale = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=device)
             else:
                 self.scale_grads(grad_scale)
+        if found_inf is not None:
+            found_inf = found_inf.to(torch.float32)
         for k, wd in enumerate((self.hyper.weight_decay, 0.0)):
             views = [
                 (g.param[a:b], g.grad[a:b], g.exp_avg[a:b], g.exp_avg_sq[a:b])
@@ -145,6 +170,7 @@ class ShardedAdamW:
                 foreach=not fused,
                 fused=fused,
                 grad_scale=scale,
+                found_inf=found_inf,
                 amsgrad=False,
                 beta1=beta1,
                 beta2=beta2,
@@ -188,6 +214,8 @@ class ShardedAdamW:
                 total += g.grad.pow(2).sum(dtype=torch.float64)
         return total
 
-    def scale_grads(self, factor: float) -> None:
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        if isinstance(factor, torch.Tensor):  # fp32, as a Python float factor is applied
+            factor = factor.to(torch.float32)
         for g in self.groups:
             g.grad.mul_(factor)

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from cephalo.errors import CephaloError
+from cephalo.errors import CephaloError, first_line
 from cephalo.train.corpus import (
     JSONL_SUFFIXES,
     PARQUET_SUFFIXES,
@@ -288,7 +288,7 @@ class ChatRenderer:
             )
         except Exception as e:  # jinja2 errors, the template's raise_exception, KeyError ...
             raise CephaloError(
-                f"{where}: the chat template raised {type(e).__name__}: {_first_line(e)}"
+                f"{where}: the chat template raised {type(e).__name__}: {first_line(e)}"
             ) from e
         if not isinstance(text, str):
             raise CephaloError(f"{where}: the chat template did not render a string")
@@ -453,8 +453,3 @@ def _check_prefix(prefix: str, whole: str, where: str, what: str, turn: str = ""
         f"conversation's beginning are prefixes of the whole with data.chat_template"
         + (f" ({turn})" if turn else "")
     )
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cephalo.errors import CephaloError
+from cephalo.errors import CephaloError, first_line
 from cephalo.modeling.hf_config import TOKENIZER_FILES
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
@@ -133,7 +133,7 @@ class HFTokenizer:
             tok = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         except Exception as e:  # transformers raises ValueError, OSError, ImportError, ...
             raise CephaloError(
-                f"cannot load the tokenizer in {directory} ({_first_line(e)}); check its "
+                f"cannot load the tokenizer in {directory} ({first_line(e)}); check its "
                 f"tokenizer files, or pass another tokenizer"
             ) from e
         vocab = tok.get_vocab()
@@ -166,7 +166,7 @@ class HFTokenizer:
         try:
             tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises plain Exceptions on bad JSON
-            raise CephaloError(f"{path} is not a tokenizer JSON ({_first_line(e)})") from e
+            raise CephaloError(f"{path} is not a tokenizer JSON ({first_line(e)})") from e
         vocab_size = max(
             tok.get_vocab_size(with_added_tokens=True),
             max(tok.get_vocab().values(), default=-1) + 1,
@@ -231,8 +231,3 @@ def _read_json(path: Path) -> dict:
     except (OSError, ValueError) as e:
         raise CephaloError(f"cannot read {path} ({e})") from e
     return data if isinstance(data, dict) else {}
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
