@@ -8,6 +8,7 @@ exited, a process in a session of its own (as torch elastic starts its workers).
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,5 +57,10 @@ def test_kill_all_ends_reparented_descendants(outer_tag):
     with started_processes() as procs:
         # the shell exits at once; its child, in a new session, is re-parented
         procs.start(["bash", "-c", "setsid sleep 60 & exit 0"]).wait(timeout=10)
+        # the background child may still be between fork and exec (its /proc entry briefly
+        # unreadable) when the shell has exited: look again for a few seconds
+        deadline = time.monotonic() + 10
+        while len(tagged_pids(procs.tag)) != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(tagged_pids(procs.tag)) == 1
     assert tagged_pids(procs.tag) == [] and tagged_pids(outer_tag) == []
