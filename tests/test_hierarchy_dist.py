@@ -142,6 +142,50 @@ def test_bf16_cross_group_reduce_stays_close(pool5):
     assert results[0]["losses"] == pytest.approx(ref.losses, rel=1e-2)
 
 
+def _bf16_exchange(plan, numel: int, seed: int):
+    """Every rank's gradient shard of one unit, random, all-reduced across the groups in bf16."""
+    from cephalo.runtime.flat import shard_ranges
+    from cephalo.runtime.replicas import Replicas
+
+    comm = make_comm("gloo")
+    full = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + r)) for r in range(5)]
+    rep = Replicas(plan, comm)
+    rep.prepare([numel, numel])
+    start, size = shard_ranges(numel, rep.fractions)[rep.local_rank]
+    grads = [full[comm.rank][start : start + size].clone() for _ in range(2)]
+    rep.all_reduce_grads([(0, numel, grads[0]), (1, numel, grads[1])])
+    return start, grads
+
+
+@pytest.mark.slow
+def test_bf16_cross_group_reduce_sums_in_fp32(pool5):
+    """3 groups (3 owners per segment): bf16 on the wire, the sum in fp32, rounded once, the
+    same bits on every owner (a bf16 ring would round after each of its partial sums)."""
+    from dataclasses import replace
+
+    plan = replace(three_group_plan(), cross_group_reduce_dtype="bf16")
+    numel, seed = 1001, 7
+    results = pool5.run(_bf16_exchange, plan, numel, seed)
+    full = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + r)) for r in range(5)]
+    groups = plan.groups
+    # element i of group k's replica comes from the rank of group k that owns it
+    owner_of = []
+    for members in groups:
+        own = torch.empty(numel, dtype=torch.long)
+        for r in members:
+            start, grads = results[r]
+            own[start : start + grads[0].numel()] = r
+        owner_of.append(own)
+    contrib = torch.stack(
+        [torch.stack(full)[owner_of[k], torch.arange(numel)] for k in range(len(groups))]
+    )
+    # the owners' group-rank order is their global order; each group holds one owner
+    want = contrib.to(torch.bfloat16).float().sum(0).to(torch.bfloat16).float()
+    for r, (start, grads) in enumerate(results):
+        for g in grads:
+            assert torch.equal(g, want[start : start + g.numel()]), f"rank {r}"
+
+
 def _checkpoint_round_trip(root, data):
     """Hierarchical for 3 steps, save; load under a flat 5-rank plan and the reverse."""
     from cephalo.planning.planner import manual_plan

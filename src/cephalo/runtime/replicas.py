@@ -10,8 +10,11 @@ boundaries cut a unit's buffer into segments, each owned by one rank of each gro
 segment is all-reduced among its g owners on their own process sub-group (made once, for every
 unit, by `prepare`). The backend runs that all-reduce as a ring (gloo, NCCL): each owner sends
 2 (g-1)/g of its segment, what the cost model charges (`CostModel.cross_reduce_s`), and every
-owner ends with the same sum. In `cross_group_reduce_dtype` bf16 the segments travel and are
-summed as bf16 (half the bytes), and land back in the fp32 gradient.
+owner ends with the same sum. In `cross_group_reduce_dtype` bf16 the segments travel as bf16
+(half the bytes) but are summed in fp32 (`_Bf16Reduce`): a ring all-reduce in bf16 would round
+after every partial sum, g-1 roundings; here each owner receives its chunk of every owner's
+segment (an all-to-all), adds them in fp32, rounds once, and the rounded chunks are all-gathered,
+the same 2 (g-1)/g of the segment's bf16 bytes a ring sends. Every owner gets the same bits.
 
 Emulation (`inter_node_bytes_per_s`): the exchange is charged a delay per byte its node sends
 (the group's ranks share the node's link), as `slowdown` charges compute, so a slow inter-node
@@ -39,6 +42,51 @@ from cephalo.runtime.comm import Comm, make_comm
 from cephalo.runtime.flat import shard_ranges
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class _Bf16Reduce:
+    """One segment's all-reduce with bf16 on the wire and an fp32 sum: an all-to-all of the
+    owners' bf16 segments (padded to g equal chunks, one per owner), then, once it is done, this
+    owner's chunk summed in fp32 and rounded to bf16 once, then an all-gather of the sums."""
+
+    grad: torch.Tensor
+    lo: int
+    hi: int
+    group: object
+    received: torch.Tensor
+    """(g, chunk) bf16: every owner's chunk of the segment that this owner sums."""
+    work: object
+    """The all-to-all's, then the all-gather's."""
+    gathered: torch.Tensor | None = None
+
+    @classmethod
+    def start(cls, grad: torch.Tensor, lo: int, hi: int, group, owners: int) -> _Bf16Reduce:
+        n = hi - lo
+        chunk = -(-n // owners)
+        send = torch.zeros(owners * chunk, dtype=torch.bfloat16, device=grad.device)
+        send[:n].copy_(grad[lo:hi])
+        received = torch.empty(owners, chunk, dtype=torch.bfloat16, device=grad.device)
+        work = dist.all_to_all_single(received.view(-1), send, group=group, async_op=True)
+        return cls(grad, lo, hi, group, received, work)
+
+    def gather(self) -> None:
+        """Second phase: sum this owner's chunk in fp32 (the all-to-all must have finished) and
+        start the all-gather of every owner's rounded sum."""
+        self.work.wait()
+        summed = self.received.float().sum(0).to(torch.bfloat16)
+        self.gathered = torch.empty(
+            self.received.numel(), dtype=torch.bfloat16, device=summed.device
+        )
+        self.work = dist.all_gather_into_tensor(
+            self.gathered, summed, group=self.group, async_op=True
+        )
+
+    def finish(self) -> None:
+        if self.gathered is None:
+            self.gather()
+        self.work.wait()
+        self.grad[self.lo : self.hi].copy_(self.gathered[: self.hi - self.lo])
 
 
 @dataclass
@@ -105,8 +153,12 @@ class Replicas:
         self._segments: dict[int, list[_Segment]] = {}
         self._started: dict[int, set[int]] = {}
         """Per unit: the indices of its segments whose all-reduce has started."""
-        self._inflight: list[tuple[torch.Tensor, int, int, torch.Tensor | None, object]] = []
-        """(gradient shard, lo, hi, bf16 buffer or None, work) of every started all-reduce."""
+        self._inflight: list[object] = []
+        """The work of every started fp32 all-reduce (in place) or `_Bf16Reduce`."""
+        self._first_phase: dict[tuple[int, ...], _Bf16Reduce] = {}
+        """Per owner tuple: its last bf16 reduce still in its all-to-all. Its all-gather starts
+        before the owners' next collective on that sub-group, so every owner issues the
+        sub-group's collectives in the same order (the backends' contract)."""
         self._due = 0.0
         """Emulated link: when the exchanges started so far have crossed it."""
         self.bytes_sent = 0
@@ -150,14 +202,20 @@ class Replicas:
             if i in done or (early and self._late.intersection(seg.owners)):
                 continue
             done.add(i)
-            part = g[seg.lo : seg.hi]
-            buf = part.to(self.dtype) if self.dtype != g.dtype else None
-            part_to_reduce = buf if buf is not None else part  # fp32: in place
             group = self._owner_groups[seg.owners]
-            work = dist.all_reduce(part_to_reduce, group=group, async_op=True)
-            self._inflight.append((g, seg.lo, seg.hi, buf, work))
             n = len(seg.owners)
-            sent += int(2 * (n - 1) / n * part_to_reduce.numel() * part_to_reduce.element_size())
+            if self.dtype == g.dtype:  # in place
+                part = g[seg.lo : seg.hi]
+                self._inflight.append(dist.all_reduce(part, group=group, async_op=True))
+            else:
+                earlier = self._first_phase.pop(seg.owners, None)
+                if earlier is not None:
+                    earlier.gather()
+                part = _Bf16Reduce.start(g, seg.lo, seg.hi, group, n)
+                self._first_phase[seg.owners] = part
+                self._inflight.append(part)
+            elem = torch.finfo(self.dtype).bits // 8
+            sent += int(2 * (n - 1) / n * (seg.hi - seg.lo) * elem)
             started += seg.hi - seg.lo
         self.bytes_sent += sent
         mine = sum(seg.hi - seg.lo for seg in segments)
@@ -174,11 +232,14 @@ class Replicas:
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for every started all-reduce and write the sums back, in place."""
-        for g, lo, hi, buf, work in self._inflight:
-            work.wait()
-            if buf is not None:
-                g[lo:hi].copy_(buf.float())
+        # in the order started: per sub-group, every owner starts the all-gathers in one order
+        for work in self._inflight:
+            if isinstance(work, _Bf16Reduce):
+                work.finish()
+            else:
+                work.wait()
         self._inflight.clear()
+        self._first_phase.clear()
         self._started.clear()
         left = self._due - time.perf_counter()
         if left > 0:
