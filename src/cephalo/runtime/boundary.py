@@ -57,7 +57,10 @@ class BoundaryStore:
             buf.copy_(t.reshape(-1))
         else:
             buf = self.ledger.alloc(
-                "host/boundary", t.numel(), t.dtype, pin=True  # page-locked on CUDA
+                "host/boundary",
+                t.numel(),
+                t.dtype,
+                pin=True,  # page-locked on CUDA
             )
             if self.link is not None:
                 self.link.copy(buf, t.reshape(-1))
