@@ -61,9 +61,10 @@ class StepLog:
     """Per-step measurements of every rank since the plan now running started."""
 
     steps: list[list[RankSample]] = field(default_factory=list)
-    window: int = 0
-    """Calibrate from the last `window` steps only (0: every step since the plan started), so
-    that a device that changed speed is seen as it is now."""
+    since: int = 0
+    """Calibrate from the steps since this index only (`mark` sets it at each calibration): a
+    device that changed speed is seen as it is now, and two calibrations in a row read disjoint
+    steps, so a gain one of them predicts is confirmed by independent measurements."""
 
     def add(self, ranks) -> None:
         """Record one step's `RankStats` (every rank's values)."""
@@ -83,12 +84,19 @@ class StepLog:
         )
 
     def clear(self) -> None:
+        """A new plan: its measurements start afresh (the old plan's batches, micro-batches and
+        shards are not the new one's, so they must not drive the new plan's fit)."""
         self.steps.clear()
+        self.since = 0
+
+    def mark(self) -> None:
+        """A calibration read the steps so far: the next one reads only the steps after them."""
+        self.since = len(self.steps)
 
     def usable(self) -> list[list[RankSample]]:
-        """The steps calibration reads: all but the first (warm-up) one, the last `window`."""
-        usable = self.steps[1:]
-        return usable[-self.window :] if self.window else usable
+        """The steps calibration reads: those since the last `mark`, never the plan's first
+        (warm-up) step."""
+        return self.steps[max(1, self.since) :]
 
     def median(self, rank: int, attr: str) -> float:
         return statistics.median(getattr(s[rank], attr) for s in self.usable())
