@@ -233,6 +233,9 @@ class Replanner:
                     "step": trainer.step,
                     **calibration.to_dict(),
                     "current_predicted_step_s": current,
+                    # the plan calibrated (the running one)
+                    "batches": trainer.plan.batch_sizes,
+                    "micro_batches": [r.micro_batch_size for r in trainer.plan.ranks],
                     "predicted_gain": gain,
                     "confirming": pending is not None,
                     "replanned": decided is not None,
