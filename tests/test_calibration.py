@@ -10,7 +10,7 @@ import pytest
 
 from cephalo import CephaloError
 from cephalo.planning.planner import make_plan
-from cephalo.train.calibration import StepLog, refit
+from cephalo.train.calibration import StepLog, predicted_step_s, refit
 from cephalo.train.config import load_config
 from cephalo.train.metrics import RankStats
 from cephalo.train.replan import Replanner
@@ -26,19 +26,28 @@ def _cm(reserve_bytes: int = 0):
     return cost_model(devices, profiles, reserve_bytes=reserve_bytes)
 
 
-def _stats(cm, plan, compute_factor: dict[str, float], noise: float = 0.0, peak_extra: int = 0):
-    """One step's measurements: the prediction with each type's compute x factor."""
+def _stats(
+    cm,
+    plan,
+    compute_factor: dict[str, float],
+    noise: float = 0.0,
+    peak_extra: int = 0,
+    sync_s: float = 0.0,
+):
+    """One step's measurements: the prediction with each type's compute x factor; `sync_s`:
+    seconds the step takes beyond its slowest rank's work, waited in collectives by all."""
     pred = cm.evaluate(plan).ranks
     busy = [p.compute_s * compute_factor[p.device] * (1 + noise) for p in pred]
     opt = [p.optimizer_s for p in pred]
+    step = max(b + o for b, o in zip(busy, opt, strict=True)) + sync_s  # ranks end together
     return RankStats(
         busy_s=busy,
-        comm_wait_s=[0.0] * len(pred),
+        comm_wait_s=[step - b - o for b, o in zip(busy, opt, strict=True)],
         idle_s=[0.0] * len(pred),
         peak_bytes=[p.peak_bytes - p.memory.reserve + peak_extra for p in pred],
         optimizer_s=opt,
         host_s=[0.0] * len(pred),
-        step_s=[b + o for b, o in zip(busy, opt, strict=True)],
+        step_s=[step] * len(pred),
     )
 
 
@@ -72,6 +81,33 @@ def test_refit_raises_the_reserve_to_the_measured_peak():
     assert cal.reserve_bytes == 5000
     for r, p in enumerate(cal.cost_model.evaluate(plan).ranks):
         assert p.peak_bytes >= cal.ranks[r].measured_peak_bytes
+
+
+def test_refit_measures_the_synchronisation_no_rank_explains():
+    # every rank waits 50 ms per step beyond the slowest rank's work (collectives the model
+    # takes as hidden, ranks meeting at every unit): the refit's predicted step covers it
+    cm = _cm()
+    plan = make_plan(cm, 12)
+    log = StepLog()
+    for noise in (0.3, 0.0, 0.01, -0.01):  # the first (warm-up) step is not read
+        log.add(_stats(cm, plan, {"a": 1.0, "b": 3.0}, noise=noise, sync_s=0.05))
+    measured = log.job_step_s()
+    cal = refit(cm, plan, log)
+    assert cal.sync_s == pytest.approx(0.05, rel=0.05)
+    assert predicted_step_s(cal.cost_model, plan, cal.sync_s) == pytest.approx(measured, rel=0.01)
+    assert cm.evaluate(plan).step_s < 0.8 * measured  # without it: far below the measured step
+    assert any("synchronisation 5" in c for c in cal.changes())
+    slowest = max(cal.ranks, key=lambda f: f.measured_compute_s)
+    assert slowest.measured_other_s == pytest.approx(0.05, rel=0.05)
+    # refitted again from the same steps: predicted within 1 %, the term not compounded
+    again = refit(cal.cost_model, plan, log, cal.sync_s)
+    assert again.sync_s == pytest.approx(cal.sync_s, rel=1e-6)
+    assert max(f.predicted_step_s for f in again.ranks) == pytest.approx(measured, rel=0.01)
+    # a step the ranks' own times explain leaves none (and never a negative one)
+    log = StepLog()
+    for _ in range(3):
+        log.add(_stats(cm, plan, {"a": 1.0, "b": 3.0}))
+    assert refit(cm, plan, log).sync_s == pytest.approx(0.0, abs=1e-9)
 
 
 def test_refit_needs_two_steps():
@@ -178,7 +214,7 @@ class _Metrics:
         self.records.append(record)
 
 
-def _drive(tmp_path, monkeypatch, truth, steps: int, *extra: str):
+def _drive(tmp_path, monkeypatch, truth, steps: int, *extra: str, sync_s: float = 0.0):
     """A Replanner over `steps` synthetic steps: after step s every rank measures the profile's
     prediction for the running plan with its type's compute x `truth(s)[type]`. A switch
     (patched: no engines) just puts the new plan in place. Returns (steps after which it
@@ -212,7 +248,10 @@ def _drive(tmp_path, monkeypatch, truth, steps: int, *extra: str):
     metrics = _Metrics()
     for s in range(1, steps + 1):
         trainer.step = s
-        replanner.after_step(trainer, _stats(cm, trainer.plan, truth(s)), metrics)
+        stats = _stats(cm, trainer.plan, truth(s), sync_s=sync_s)
+        metrics.write({"kind": "step", "step": s, "step_s": stats.step_s[0]})
+        replanner.after_step(trainer, stats, metrics)
+    _drive.steps = {r["step"]: r["step_s"] for r in metrics.records if r["kind"] == "step"}
     calibrations = [r for r in metrics.records if r["kind"] == "calibration"]
     switches = replanner.switches
     return [w.step for w in switches], [w.batches for w in switches], calibrations
@@ -259,6 +298,25 @@ def test_noise_that_blames_each_type_in_turn_never_switches(tmp_path, monkeypatc
     assert at == []
     # the gains were there, one calibration at a time
     assert sum(c["confirming"] for c in calibrations) == len(calibrations) - 1
+
+
+def test_the_predicted_gain_counts_the_synchronisation(tmp_path, monkeypatch):
+    # a wrong profile (type b 3x slower) and 0.3 s of synchronisation per step that no plan
+    # removes: the re-plan's predicted gain is the one measured after the switch (without
+    # the synchronisation term it would predict the gain of the ranks' work alone, far more)
+    at, _, calibrations = _drive(
+        tmp_path, monkeypatch, lambda s: {"a": 1.0, "b": 3.0}, 30, sync_s=0.3
+    )
+    assert at == [10]
+    steps = _drive.steps
+    measured_gain = steps[9] / steps[12] - 1.0
+    switch = next(c for c in calibrations if c["replanned"])
+    assert switch["predicted_gain"] == pytest.approx(measured_gain, abs=0.01)
+    assert switch["sync_s"] == pytest.approx(0.3, rel=0.01)
+    # after the switch the calibrated model predicts the step as measured
+    after = next(c for c in calibrations if c["step"] == 15)
+    predicted = max(f["predicted_step_s"] for f in after["ranks"])  # the slowest rank's
+    assert predicted == pytest.approx(steps[15], rel=0.01)
 
 
 def test_a_real_change_replans_within_the_window(tmp_path, monkeypatch):

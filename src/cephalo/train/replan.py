@@ -45,7 +45,7 @@ from cephalo.planning.costmodel import CostModel
 from cephalo.planning.plan import Plan
 from cephalo.runtime.relayout import relayout
 from cephalo.runtime.replicas import saved_state
-from cephalo.train.calibration import Calibration, StepLog, refit
+from cephalo.train.calibration import Calibration, StepLog, predicted_step_s, refit
 
 
 class _Trainer(Protocol):
@@ -136,6 +136,8 @@ class Replanner:
         self.switches: list[Switch] = []
         self.last_calibration: Calibration | None = None
         """The newest refit (older ones are dropped: each holds a cost model)."""
+        self.sync_s = 0.0
+        """The newest refit's synchronisation per step (`Calibration.sync_s`)."""
         self.next_due: int | None = p.calibrate_after
         """Steps logged under the running plan at which the next calibration comes (None: no more)."""
         self.pending_gain: float | None = None
@@ -177,12 +179,13 @@ class Replanner:
             return
         last = trainer.step >= self.cfg.train.steps  # calibrated and logged, not re-planned
         started = time.perf_counter()
-        before = self.cost_model  # the previous calibration's fit (on other, earlier steps)
-        calibration = refit(self.cost_model, trainer.plan, self.log)
+        # the previous calibration's fit (on other, earlier steps)
+        before, before_sync = self.cost_model, self.sync_s
+        calibration = refit(self.cost_model, trainer.plan, self.log, self.sync_s)
         self.log.mark()  # the next calibration reads only the steps after these
-        self.cost_model = calibration.cost_model
+        self.cost_model, self.sync_s = calibration.cost_model, calibration.sync_s
         self.last_calibration = calibration
-        current = calibration.cost_model.evaluate(trainer.plan).step_s
+        current = predicted_step_s(calibration.cost_model, trainer.plan, self.sync_s)
         candidate, gain, why_not = (
             (None, None, "the run's last step")
             if last
@@ -193,8 +196,9 @@ class Replanner:
             # the previous calibration saw a gain too: does its fit, on its own steps, predict
             # this very plan faster by the margin? (Two windows that blame different ranks
             # each predict a gain, for opposite plans: that is noise, not a change.)
-            before_s = before.evaluate(candidate).step_s
-            earlier = before.evaluate(trainer.plan).step_s / before_s - 1.0 if before_s else 0.0
+            before_s = predicted_step_s(before, candidate, before_sync)
+            running_s = predicted_step_s(before, trainer.plan, before_sync)
+            earlier = running_s / before_s - 1.0 if before_s else 0.0
             if earlier < self.cfg.parallel.replan_min_gain:
                 earlier = None
         pending = None
@@ -267,7 +271,7 @@ class Replanner:
             )
         except PlanDoesNotFit as e:
             return None, None, f"no plan fits the measured memory ({e})"
-        new_s = plan.predicted.step_s if plan.predicted else cm.evaluate(plan).step_s
+        new_s = predicted_step_s(cm, plan, self.sync_s)
         gain = current_s / new_s - 1.0 if new_s > 0 else 0.0
         if gain < p.replan_min_gain:
             return (
