@@ -8,10 +8,10 @@ it, and switch every rank to the new plan at a step boundary without a restart.
 Damping. A switch needs the gain to persist: two calibrations in a row, each fitted on its
 own steps (StepLog.mark), must each predict the new plan at least `replan_min_gain` faster
 than the running one (the plan is made from the second fit and checked against the first's).
-The one that confirms comes early, `calibrate_after` steps after the first (a real change is followed
-within calibrate_every + calibrate_after steps of being seen); a gain that one window's noise
-or a passing stall predicted is not confirmed by the next, and the plan stays. After a switch
-the log starts afresh: the old plan's measurements (other batches, micro-batches, shards)
+The one that confirms comes early, `calibrate_after` steps after the first (a real change is
+followed within calibrate_every + calibrate_after steps of being seen); a gain that one
+window's noise or a passing stall predicted is not confirmed by the next, and the plan stays.
+After a switch the log starts afresh: the old plan's measurements (other batches, micro-batches, shards)
 never drive the new plan's fit, and the new plan must itself be measured twice before the job
 moves again, so it cannot flip back and forth on every calibration.
 
