@@ -18,13 +18,13 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from rich import box
 from rich.table import Table
 
 from cephalo.demo.result import CalibrationEvent, ThrottleRun
 from cephalo.specs.drift import DriftEntry, parse_drift
 from cephalo.train.config import JobConfig
 from cephalo.train.metrics import read_metrics
+from cephalo.views.tables import calibration_table
 
 THROTTLE_RANK = 0
 """The fast device (`cpu`, the largest batch): its throttling costs the most."""
@@ -113,26 +113,15 @@ def _seconds(e: CalibrationEvent) -> str:
     return f"{e.replan_s:.2f} + {e.switch_s:.2f}"
 
 
+def _row(e: CalibrationEvent) -> list[str]:
+    """A calibration's cells, as the console table and the report show them."""
+    return [str(e.step), _ratios(e), _gain(e), e.decision, _batches(e), _seconds(e)]
+
+
 def throttle_table(run: ThrottleRun) -> Table:
     """One row per calibration (console)."""
-    table = Table(
-        title=f"calibrations (rank {run.rank} throttled {run.slowdown:g}x from step {run.at_step})",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
-    for col in (
-        "after step",
-        "measured / predicted compute, per rank",
-        "predicted gain",
-        "decision",
-        "batches",
-        "re-plan + switch s",
-    ):
-        table.add_column(col, justify="left" if col in ("decision", "batches") else "right")
-    for e in run.events:
-        table.add_row(str(e.step), _ratios(e), _gain(e), e.decision, _batches(e), _seconds(e))
-    return table
+    title = f"calibrations (rank {run.rank} throttled {run.slowdown:g}x from step {run.at_step})"
+    return calibration_table(title, [_row(e) for e in run.events])
 
 
 def throttle_summary(run: ThrottleRun) -> str:
@@ -174,11 +163,7 @@ def throttle_markdown(run: ThrottleRun, image: str) -> list[str]:
         "batches | re-plan + switch s |",
         "|---|---|---|---|---|---|",
     ]
-    for e in run.events:
-        rows.append(
-            f"| {e.step} | {_ratios(e)} | {_gain(e)} | {e.decision} | {_batches(e)} | "
-            f"{_seconds(e)} |"
-        )
+    rows += ["| " + " | ".join(_row(e)) + " |" for e in run.events]
     rows += [
         "",
         "Measured / predicted compute: the median over the steps the calibration read, against "
@@ -208,9 +193,10 @@ def plot_throttle(run: ThrottleRun, path: Path) -> Path:
         ax.axvline(
             e.step + 0.5, color="tab:blue", linestyle=":", label="re-planned" if i == 0 else None
         )
-    for e in run.events:
-        if e.decision == "confirming":
-            ax.axvline(e.step + 0.5, color="tab:orange", linestyle=":", alpha=0.6)
+    confirming = [e for e in run.events if e.decision == "confirming"]
+    for i, e in enumerate(confirming):
+        label = "a gain seen, to confirm" if i == 0 else None
+        ax.axvline(e.step + 0.5, color="tab:orange", linestyle=":", alpha=0.6, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("step time (s)")
     ax.set_title(f"rank {run.rank} {run.slowdown:g}x slower from step {run.at_step}")
