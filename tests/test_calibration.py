@@ -276,6 +276,15 @@ def test_a_wrong_profile_is_replanned_once_then_the_plan_stays(tmp_path, monkeyp
     assert not any(c["replanned"] or c["confirming"] for c in later)
 
 
+def test_calibrate_every_0_calibrates_once_per_plan_and_confirms(tmp_path, monkeypatch):
+    at, _, calibrations = _drive(
+        tmp_path, monkeypatch, lambda s: {"a": 1.0, "b": 3.0}, 40, "--parallel.calibrate_every=0"
+    )
+    assert at == [10]
+    # the first plan's calibration and the one confirming it; the new plan's one
+    assert [c["step"] for c in calibrations] == [5, 10, 15]
+
+
 def test_a_passing_stall_does_not_replan(tmp_path, monkeypatch):
     # type b is 2x slower in the first calibration's steps only, then as profiled: the gain
     # that calibration predicts is not confirmed by the next, and the plan stays
