@@ -1,9 +1,9 @@
 """The demo's re-planning run: a device throttles mid-run, and the job corrects its own plan.
 
     train under the job's own plan (parallel.plan = auto: the cached profiles, the same planner)
-    -> from step THROTTLE_STEP rank THROTTLE_RANK computes THROTTLE_SLOWDOWN x slower than its
-       profile (parallel.emulate_drift: thermal throttling, a neighbour's job)
-    -> calibration every CALIBRATE steps (train/calibration.py) finds its compute off the model
+    -> from a step on (`throttle_schedule`) rank THROTTLE_RANK computes THROTTLE_SLOWDOWN x
+       slower than its profile (parallel.emulate_drift: thermal throttling, a neighbour's job)
+    -> calibration every few steps (train/calibration.py) finds its compute off the model
     -> the re-made plan is predicted faster; the next calibration, on fresh steps, confirms it
        (train/replan.py damping) -> every rank switches at a step boundary, without a restart
     -> report: per calibration, measured / predicted compute per rank, the predicted gain, the
