@@ -51,7 +51,11 @@ BATCH = 16
 DECLARED = "cpu:slowdown=3,cpu:slowdown=6"
 TRUE = "cpu:slowdown=12,cpu:slowdown=6"
 DRIFT_RANK, DRIFT_SLOWDOWN = 0, 12
-CAL_EVERY = 4
+CAL_EVERY = 3
+"""Calibrate every 3 steps (and confirm a gain 3 steps later, train/replan.py's damping): a
+change at step 8 is seen after step 9 (steps 7-9, two of them changed) and confirmed after 12,
+so the throughput window (steps 16-18) runs the new plan. At 4 (this bench's value before the
+damping) the switch would come after step 16, inside that window."""
 TAIL = 3
 
 

@@ -4,12 +4,13 @@ the re-planner's decisions (train/replan.py) on synthetic measurements."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from cephalo import CephaloError
 from cephalo.planning.planner import make_plan
-from cephalo.train.calibration import StepLog, refit
+from cephalo.train.calibration import StepLog, predicted_step_s, refit
 from cephalo.train.config import load_config
 from cephalo.train.metrics import RankStats
 from cephalo.train.replan import Replanner
@@ -25,19 +26,28 @@ def _cm(reserve_bytes: int = 0):
     return cost_model(devices, profiles, reserve_bytes=reserve_bytes)
 
 
-def _stats(cm, plan, compute_factor: dict[str, float], noise: float = 0.0, peak_extra: int = 0):
-    """One step's measurements: the prediction with each type's compute x factor."""
+def _stats(
+    cm,
+    plan,
+    compute_factor: dict[str, float],
+    noise: float = 0.0,
+    peak_extra: int = 0,
+    sync_s: float = 0.0,
+):
+    """One step's measurements: the prediction with each type's compute x factor; `sync_s`:
+    seconds the step takes beyond its slowest rank's work, waited in collectives by all."""
     pred = cm.evaluate(plan).ranks
     busy = [p.compute_s * compute_factor[p.device] * (1 + noise) for p in pred]
     opt = [p.optimizer_s for p in pred]
+    step = max(b + o for b, o in zip(busy, opt, strict=True)) + sync_s  # ranks end together
     return RankStats(
         busy_s=busy,
-        comm_wait_s=[0.0] * len(pred),
+        comm_wait_s=[step - b - o for b, o in zip(busy, opt, strict=True)],
         idle_s=[0.0] * len(pred),
         peak_bytes=[p.peak_bytes - p.memory.reserve + peak_extra for p in pred],
         optimizer_s=opt,
         host_s=[0.0] * len(pred),
-        step_s=[b + o for b, o in zip(busy, opt, strict=True)],
+        step_s=[step] * len(pred),
     )
 
 
@@ -71,6 +81,33 @@ def test_refit_raises_the_reserve_to_the_measured_peak():
     assert cal.reserve_bytes == 5000
     for r, p in enumerate(cal.cost_model.evaluate(plan).ranks):
         assert p.peak_bytes >= cal.ranks[r].measured_peak_bytes
+
+
+def test_refit_measures_the_synchronisation_no_rank_explains():
+    # every rank waits 50 ms per step beyond the slowest rank's work (collectives the model
+    # takes as hidden, ranks meeting at every unit): the refit's predicted step covers it
+    cm = _cm()
+    plan = make_plan(cm, 12)
+    log = StepLog()
+    for noise in (0.3, 0.0, 0.01, -0.01):  # the first (warm-up) step is not read
+        log.add(_stats(cm, plan, {"a": 1.0, "b": 3.0}, noise=noise, sync_s=0.05))
+    measured = log.job_step_s()
+    cal = refit(cm, plan, log)
+    assert cal.sync_s == pytest.approx(0.05, rel=0.05)
+    assert predicted_step_s(cal.cost_model, plan, cal.sync_s) == pytest.approx(measured, rel=0.01)
+    assert cm.evaluate(plan).step_s < 0.8 * measured  # without it: far below the measured step
+    assert any("synchronisation 5" in c for c in cal.changes())
+    slowest = max(cal.ranks, key=lambda f: f.measured_compute_s)
+    assert slowest.measured_other_s == pytest.approx(0.05, rel=0.05)
+    # refitted again from the same steps: predicted within 1 %, the term not compounded
+    again = refit(cal.cost_model, plan, log, cal.sync_s)
+    assert again.sync_s == pytest.approx(cal.sync_s, rel=1e-6)
+    assert max(f.predicted_step_s for f in again.ranks) == pytest.approx(measured, rel=0.01)
+    # a step the ranks' own times explain leaves none (and never a negative one)
+    log = StepLog()
+    for _ in range(3):
+        log.add(_stats(cm, plan, {"a": 1.0, "b": 3.0}))
+    assert refit(cm, plan, log).sync_s == pytest.approx(0.0, abs=1e-9)
 
 
 def test_refit_needs_two_steps():
@@ -113,11 +150,25 @@ def test_user_plans_are_followed_unless_replan_auto(tmp_path):
         ("--parallel.calibrate_after=1", "parallel.calibrate_after must be >= 2"),
         ("--parallel.calibrate_every=-1", "parallel.calibrate_every must be >= 0"),
         ("--parallel.replan_min_gain=1.5", "parallel.replan_min_gain must be in [0, 1)"),
+        ("--parallel.emulate_drift=8:0", "write STEP:RANK:SLOWDOWN"),
+        ("--parallel.emulate_drift=8:0:0.5", "the slowdown >= 1"),
     ],
 )
 def test_bad_settings_are_one_clear_message(tmp_path, override, message):
     with pytest.raises(CephaloError, match=message.replace("[", r"\[").replace(")", r"\)")):
         _cfg(tmp_path, override).validate()
+
+
+def test_emulated_drift_takes_the_latest_change_of_each_rank(monkeypatch):
+    from cephalo import envvars
+    from cephalo.runtime.emulation import drifted_slowdown
+
+    spec = "8:0:4, 12:0:2,10:1:3"
+    assert [drifted_slowdown(s, 0, spec) for s in (7, 8, 11, 12, 40)] == [None, 4, 4, 2, 2]
+    assert drifted_slowdown(9, 1, spec) is None and drifted_slowdown(10, 1, spec) == 3
+    # the config's setting wins over the environment's, which serves jobs without one
+    monkeypatch.setenv(envvars.EMULATE_DRIFT, "1:1:6")
+    assert drifted_slowdown(10, 1, spec) == 3 and drifted_slowdown(10, 1) == 6
 
 
 def test_relayout_moves_pieces_between_any_tilings_in_small_windows():
@@ -143,3 +194,147 @@ def test_relayout_moves_pieces_between_any_tilings_in_small_windows():
     moved = relayout(old, new, LocalComm(), torch.device("cpu"), window_elems=3)
     assert moved == 16
     assert torch.equal(new_w, a) and torch.equal(new_v, b.flatten())
+
+
+# ----------------------------------------------------------------------------- damping
+class _Comm:
+    """One rank: rank 0's decision is its own."""
+
+    world_size = 1
+
+    def all_gather_object(self, obj):
+        return [obj]
+
+
+class _Metrics:
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+
+def _drive(tmp_path, monkeypatch, truth, steps: int, *extra: str, sync_s: float = 0.0):
+    """A Replanner over `steps` synthetic steps: after step s every rank measures the profile's
+    prediction for the running plan with its type's compute x `truth(s)[type]`. A switch
+    (patched: no engines) just puts the new plan in place. Returns (steps after which it
+    switched, plans switched to, calibration records)."""
+    cfg = load_config(
+        None,
+        [
+            f"--logging.dir={tmp_path}",
+            "--parallel.plan=even",
+            "--parallel.replan=auto",
+            f"--train.steps={steps}",
+            "--train.global_batch_size=12",
+            *extra,
+        ],
+    )
+    cm = _cm()
+
+    def switch(trainer, plan):
+        trainer.plan = plan
+        return 0.01
+
+    monkeypatch.setattr("cephalo.train.replan.switch_plan", switch)
+    trainer = SimpleNamespace(
+        step=0,
+        plan=make_plan(cm, 12),
+        comm=_Comm(),
+        save=lambda: None,
+        result=SimpleNamespace(last_checkpoint=None),
+    )
+    replanner = Replanner(cfg, cm, plan_is_own=False, rank=0)
+    metrics = _Metrics()
+    for s in range(1, steps + 1):
+        trainer.step = s
+        stats = _stats(cm, trainer.plan, truth(s), sync_s=sync_s)
+        metrics.write({"kind": "step", "step": s, "step_s": stats.step_s[0]})
+        replanner.after_step(trainer, stats, metrics)
+    _drive.steps = {r["step"]: r["step_s"] for r in metrics.records if r["kind"] == "step"}
+    calibrations = [r for r in metrics.records if r["kind"] == "calibration"]
+    switches = replanner.switches
+    return [w.step for w in switches], [w.batches for w in switches], calibrations
+
+
+def test_a_wrong_profile_is_replanned_once_then_the_plan_stays(tmp_path, monkeypatch):
+    # type b is 3x slower than profiled, steadily (+-2 % noise): one switch, confirmed by the
+    # calibration after the first on fresh steps, then the plan holds for the whole run
+    def truth(step):
+        noise = 0.02 if step % 2 else -0.02
+        return {"a": 1.0 + noise, "b": 3.0 - noise}
+
+    at, batches, calibrations = _drive(tmp_path, monkeypatch, truth, 60)
+    assert at == [10]  # seen at step 5 (calibrate_after), confirmed 5 steps later
+    assert batches[0][2] < 4  # the slow type gets fewer samples
+    first, second = calibrations[:2]
+    assert first["step"] == 5 and first["confirming"] and not first["replanned"]
+    assert "confirming on the next 5 steps" in first["why_not"]
+    assert second["step"] == 10 and second["replanned"]
+    later = calibrations[2:]
+    assert [c["step"] for c in later] == [15, 25, 35, 45, 55]  # calibrate_every after the switch
+    assert not any(c["replanned"] or c["confirming"] for c in later)
+
+
+def test_calibrate_every_0_calibrates_once_per_plan_and_confirms(tmp_path, monkeypatch):
+    at, _, calibrations = _drive(
+        tmp_path, monkeypatch, lambda s: {"a": 1.0, "b": 3.0}, 40, "--parallel.calibrate_every=0"
+    )
+    assert at == [10]
+    # the first plan's calibration and the one confirming it; the new plan's one
+    assert [c["step"] for c in calibrations] == [5, 10, 15]
+
+
+def test_a_passing_stall_does_not_replan(tmp_path, monkeypatch):
+    # type b is 2x slower in the first calibration's steps only, then as profiled: the gain
+    # that calibration predicts is not confirmed by the next, and the plan stays
+    at, _, calibrations = _drive(
+        tmp_path, monkeypatch, lambda s: {"a": 1.0, "b": 2.0 if s <= 5 else 1.0}, 30
+    )
+    assert at == []
+    assert calibrations[0]["confirming"] and calibrations[0]["predicted_gain"] >= 0.03
+    assert not calibrations[1]["confirming"] and not calibrations[1]["replanned"]
+
+
+def test_noise_that_blames_each_type_in_turn_never_switches(tmp_path, monkeypatch):
+    # each calibration's steps make another type look 2x slow: each predicts a gain, for an
+    # opposite plan; the previous fit does not see that plan faster, so nothing is confirmed
+    def truth(step):
+        window = (step - 1) // 5  # calibrate_every = calibrate_after = 5: one window each
+        return {"a": 2.0, "b": 1.0} if window % 2 == 0 else {"a": 1.0, "b": 2.0}
+
+    at, _, calibrations = _drive(tmp_path, monkeypatch, truth, 40, "--parallel.calibrate_every=5")
+    assert at == []
+    # the gains were there, one calibration at a time
+    assert sum(c["confirming"] for c in calibrations) == len(calibrations) - 1
+
+
+def test_the_predicted_gain_counts_the_synchronisation(tmp_path, monkeypatch):
+    # a wrong profile (type b 3x slower) and 0.3 s of synchronisation per step that no plan
+    # removes: the re-plan's predicted gain is the one measured after the switch (without
+    # the synchronisation term it would predict the gain of the ranks' work alone, far more)
+    at, _, calibrations = _drive(
+        tmp_path, monkeypatch, lambda s: {"a": 1.0, "b": 3.0}, 30, sync_s=0.3
+    )
+    assert at == [10]
+    steps = _drive.steps
+    measured_gain = steps[9] / steps[12] - 1.0
+    switch = next(c for c in calibrations if c["replanned"])
+    assert switch["predicted_gain"] == pytest.approx(measured_gain, abs=0.01)
+    assert switch["sync_s"] == pytest.approx(0.3, rel=0.01)
+    # after the switch the calibrated model predicts the step as measured
+    after = next(c for c in calibrations if c["step"] == 15)
+    predicted = max(f["predicted_step_s"] for f in after["ranks"])  # the slowest rank's
+    assert predicted == pytest.approx(steps[15], rel=0.01)
+
+
+def test_a_real_change_replans_within_the_window(tmp_path, monkeypatch):
+    # as profiled until step 23, then type a (ranks 0 and 1) computes 4x slower (throttling):
+    # the first calibration that reads only changed steps (after step 35: steps 26-35) sees
+    # it, the next, 5 steps later, confirms it; then the new plan holds
+    at, batches, calibrations = _drive(
+        tmp_path, monkeypatch, lambda s: {"a": 4.0 if s >= 23 else 1.0, "b": 1.0}, 70
+    )
+    assert at == [40]
+    assert batches[0][0] < 4 and batches[0][2] > 4
+    assert [c["step"] for c in calibrations if c["confirming"]] == [35]

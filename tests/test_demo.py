@@ -94,6 +94,23 @@ def test_quick_demo_writes_the_report(tmp_path):
     steps = read_metrics(out / "cephalo" / "metrics.jsonl")
     assert len(steps) == 6 and len(steps[0]["ranks"]["busy_s"]) == 4
     assert (out / "plans" / "cephalo.json").is_file() and (out / "profile.json").is_file()
+    # the re-planning run: its own plan, a throttled rank, a row per calibration read back
+    # from its metrics (whether the tiny model's throttling leads to a switch is not asserted:
+    # its compute is small next to the collectives on a shared machine)
+    assert "## The plan corrects itself" in report
+    assert (out / "replan.png").stat().st_size > 5000
+    replan_cfg = load_config(out / "replan.toml")
+    assert replan_cfg.parallel.plan == "auto" and replan_cfg.parallel.emulate_drift == "5:0:4"
+    calibrations = read_metrics(out / "replan" / "metrics.jsonl", kind="calibration")
+    assert [c["step"] for c in calibrations][:2] == [2, 4]  # calibrate_after = every = 2
+    rows = re.findall(
+        r"^\| (\d+) \| [-\d. ]+ \| [^|]+ \| (kept|confirming|re-planned) \|", report, flags=re.M
+    )
+    assert [int(r[0]) for r in rows] == [c["step"] for c in calibrations]
+    switched = [c["step"] for c in calibrations if c["replanned"]]
+    assert [int(r[0]) for r in rows if r[1] == "re-planned"] == switched
+    for step in switched:  # a switch is confirmed: the calibration before it saw the gain
+        assert next(c for c in calibrations if c["step"] == step - 2)["confirming"]
 
 
 # ----------------------------------------------------------------------------- config and budget

@@ -15,7 +15,9 @@ what it does (about 3 minutes on 2 cores; profiles are cached, so a rerun is fas
   3. runs the even plan for a few steps to measure its throughput (and this machine's speed)
   4. trains a small GPT on the bundled corpus under the cephalo plan for the time budget
      (elastic launch of 4 `cephalo train` workers, rank 0 shows a progress bar)
-  5. writes runs/demo/report.md with loss, per-rank busy/idle and throughput plots
+  5. re-plans while training: the job under its own plan, rank 0 throttled 4x from step 9;
+     calibration sees it, the next calibration confirms, every rank switches (no restart)
+  6. writes runs/demo/report.md with loss, per-rank busy/idle, throughput and re-plan plots
 
 examples:
   cephalo demo

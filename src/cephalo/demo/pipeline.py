@@ -1,6 +1,8 @@
 """`cephalo demo`: the whole pipeline on four emulated devices of this machine's CPU.
 
-    profile -> plan (cephalo vs baselines) -> short baseline run -> train under the cephalo plan -> report
+    profile -> plan (cephalo vs baselines) -> short baseline run -> train under the cephalo plan
+    -> a device throttles mid-run: the job calibrates, re-plans and switches (demo/throttle.py)
+    -> report
 
 The baseline (even plan) runs first and only for a few steps: its measured throughput is the
 comparison, and its measured step time calibrates how many steps of the cephalo run fit the
@@ -39,6 +41,13 @@ from cephalo.demo.result import (
     DemoResult,
     RunSummary,
     describe_cluster,
+)
+from cephalo.demo.throttle import (
+    THROTTLE_RANK,
+    read_throttle_run,
+    throttle_job_config,
+    throttle_summary,
+    throttle_table,
 )
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.planning.costmodel import CostModel, PlanEvaluation
@@ -358,7 +367,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
         f"global batch {B}, {cfg.model.dtype}, the bundled pydoc corpus (byte-level)"
     )
 
-    console.rule("[bold]1/5 profile the devices")
+    console.rule("[bold]1/6 profile the devices")
     t0 = time.perf_counter()
     measured = profile_cluster(cfg, cluster, console, in_process=options.quick)
     timings["profile"] = time.perf_counter() - t0
@@ -370,7 +379,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
             f"latency {measured.comm.latency_s * 1e3:.1f} ms"
         )
 
-    console.rule("[bold]2/5 plan")
+    console.rule("[bold]2/6 plan")
     t0 = time.perf_counter()
     cm = measured_cost_model(cluster, spec, cfg.data.seq_len, cfg.model.dtype, measured)
     plans = make_plans(cm, B, cfg.model.name)
@@ -405,7 +414,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
     quiet = console.is_terminal
     baseline, baseline_predicted = None, None
     if comparison is None:
-        console.rule("[bold]3/5 baseline")
+        console.rule("[bold]3/6 baseline")
         console.print("neither the even nor the proportional plan fits in memory: no baseline run")
     else:
         # The baseline runs first: its measured speed on this machine (shared cores, other
@@ -414,7 +423,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
         assert isinstance(base_plan, Plan) and base_plan.predicted is not None
         base_steps = 3 if options.quick else options.baseline_steps
         console.rule(
-            f"[bold]3/5 baseline: a short run under the {comparison} plan ({base_steps} steps)"
+            f"[bold]3/6 baseline: a short run under the {comparison} plan ({base_steps} steps)"
         )
         if comparison != "even":
             console.print(
@@ -438,7 +447,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
     steps = training_steps(
         options, ceph.predicted.step_s, cluster.world_size, baseline, baseline_predicted
     )
-    console.rule(f"[bold]4/5 train under the cephalo plan ({steps} steps)")
+    console.rule(f"[bold]4/6 train under the cephalo plan ({steps} steps)")
     run_cfg = demo_job_config(out / "cephalo", options.quick)
     run_cfg.parallel.plan = str(plan_dir / "cephalo.json")
     run_cfg.train.steps = steps
@@ -449,7 +458,19 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
     timings["train cephalo"] = wall
     result.runs["cephalo"] = summarize_run("cephalo", out / "cephalo", wall, B)
 
-    console.rule("[bold]5/5 report")
+    t_cfg = throttle_job_config(cfg, out / "replan", options.quick)
+    console.rule(
+        f"[bold]5/6 the plan corrects itself: rank {THROTTLE_RANK} throttles mid-run "
+        f"({t_cfg.train.steps} steps, calibrating every {t_cfg.parallel.calibrate_every})"
+    )
+    shutil.rmtree(out / "replan", ignore_errors=True)
+    wall = launch_run(t_cfg, out / "replan.toml", quiet)
+    timings["train replan"] = wall
+    result.throttle = read_throttle_run(t_cfg, wall)
+    console.print(throttle_table(result.throttle))
+    console.print(throttle_summary(result.throttle))
+
+    console.rule("[bold]6/6 report")
     timings["total"] = time.perf_counter() - started
     report = write_report(result)
     _print_summary(console, result, report)
@@ -475,4 +496,6 @@ def _print_summary(console: Console, result: DemoResult, report: Path) -> None:
     console.print(
         f"loss {ceph.losses[min(ceph.losses)]:.3f} at step 1 -> {ceph.losses[last]:.3f} at step {last}{val}"
     )
+    if result.throttle is not None:
+        console.print(f"re-planning run: {throttle_summary(result.throttle)}")
     console.print(f"demo took {result.timings_s['total']:.0f} s; report: [bold]{report}[/bold]")

@@ -5,6 +5,7 @@ loss.png         training and validation loss of the cephalo run
 ranks.png        per rank: mean busy and idle seconds per step, for each measured run
 throughput.png   measured samples/s per plan, the cost model's predictions, the ideal bound
 plan.png         the cephalo plan per rank (batch, state, memory vs budget, busy time)
+replan.png       step time per step of the re-planning run (throttling, re-plans marked)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from cephalo.demo.result import (
     RunSummary,
     describe_cluster,
 )
+from cephalo.demo.throttle import plot_throttle, throttle_markdown
 from cephalo.planning.costmodel import MEMORY_CATEGORIES
 from cephalo.planning.plan import Plan
 from cephalo.runtime.step_timing import PARTS as TIME_PARTS
@@ -388,6 +390,11 @@ def report_markdown(result: DemoResult, images: dict[str, str]) -> str:
         "",
         f"![loss]({images['loss']})",
         "",
+        *(
+            throttle_markdown(result.throttle, images["replan"])
+            if result.throttle is not None
+            else []
+        ),
         "## Timings",
         "",
         "| phase | seconds |",
@@ -405,6 +412,15 @@ def report_markdown(result: DemoResult, images: dict[str, str]) -> str:
             f"`cephalo run --config {result.options.out / (name + '.toml')}`"
             for name in result.runs
         ],
+        *(
+            [
+                f"- `replan/`: the re-planning run (its metrics.jsonl has a `calibration` record per "
+                f"calibration and a `replan` record per switch); rerun it with `cephalo run --config "
+                f"{result.options.out / 'replan.toml'}`"
+            ]
+            if result.throttle is not None
+            else []
+        ),
         f"- `{Path(result.config.profile_cache).name}`: the profile database",
         "",
     ]
@@ -429,6 +445,9 @@ def write_report(result: DemoResult) -> Path:
     plot_ranks(result, out / images["ranks"])
     plot_throughput(result, out / images["throughput"])
     plot_plan_demo(result, out / images["plan"])
+    if result.throttle is not None:
+        images["replan"] = "replan.png"
+        plot_throttle(result.throttle, out / images["replan"])
     path = out / "report.md"
     path.write_text(report_markdown(result, images))
     return path

@@ -3,6 +3,7 @@ everything the report shows (`DemoResult`). Plain data, shared by the pipeline a
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,67 @@ class RunSummary:
 
 
 @dataclass
+class CalibrationEvent:
+    """One calibration of the throttled run (a `calibration` record of its metrics.jsonl, and
+    the `replan` record of the switch it led to)."""
+
+    step: int
+    """Steps done when it calibrated."""
+    predicted_compute_s: list[float]
+    """Per rank: the compute the cost model predicted for the running plan, before this refit."""
+    measured_compute_s: list[float]
+    """Per rank: the median measured compute over the steps this calibration read."""
+    predicted_gain: float | None
+    """The re-made plan's predicted speedup over the running one (None: not re-planned)."""
+    decision: str
+    """`re-planned`, `confirming` (a first sighting of a gain) or `kept`."""
+    why_not: str
+    batches: list[int]
+    """The running plan's batches."""
+    micro_batches: list[int] = field(default_factory=list)
+    """The running plan's micro-batch sizes."""
+    new_batches: list[int] | None = None
+    """The plan switched to (re-planned only)."""
+    new_micro_batches: list[int] | None = None
+    replan_s: float | None = None
+    """Calibration and re-planning, seconds (re-planned only)."""
+    switch_s: float | None = None
+    """The switch: engine, state re-layout, plan file, seconds (re-planned only)."""
+
+    def ratios(self) -> list[float | None]:
+        """Per rank: measured / predicted compute (None: a rank with no samples, no compute)."""
+        return [
+            m / p if p > 0 else None
+            for m, p in zip(self.measured_compute_s, self.predicted_compute_s, strict=True)
+        ]
+
+
+@dataclass
+class ThrottleRun:
+    """The demo's re-planning run: a device throttles mid-run, calibration sees it, re-plans."""
+
+    run_dir: Path
+    rank: int
+    """The rank that throttles."""
+    at_step: int
+    """It computes `slowdown` times slower than its profile from this step on."""
+    slowdown: float
+    wall_s: float
+    step_s: dict[int, float] = field(default_factory=dict)
+    """Measured step time per step."""
+    events: list[CalibrationEvent] = field(default_factory=list)
+
+    @property
+    def switches(self) -> list[CalibrationEvent]:
+        return [e for e in self.events if e.decision == "re-planned"]
+
+    def median_step_s(self, first: int, last: int) -> float | None:
+        """Median measured step over steps first..last (None: none in the run)."""
+        xs = [s for k, s in self.step_s.items() if first <= k <= last]
+        return statistics.median(xs) if xs else None
+
+
+@dataclass
 class DemoResult:
     """Everything the report needs."""
 
@@ -76,6 +138,8 @@ class DemoResult:
     comparison: str | None = None
     """The baseline the cephalo run is compared with (`even`, else `proportional`), None if none fits."""
     timings_s: dict[str, float] = field(default_factory=dict)
+    throttle: ThrottleRun | None = None
+    """The re-planning run (None: not run)."""
 
 
 def describe_cluster(cluster: Cluster) -> str:

@@ -32,6 +32,7 @@ import torch
 
 from cephalo import envvars
 from cephalo.errors import CephaloError
+from cephalo.specs.drift import parse_drift, slowdown_at
 
 
 def thread_cpu_measures_work(device: torch.device) -> bool:
@@ -110,20 +111,11 @@ class ComputeEmulator:
         return duration
 
 
-def drifted_slowdown(step: int, rank: int) -> float | None:
-    """An emulated device whose speed changes during the run (thermal throttling, a
-    neighbour's job): `CEPHALO_EMULATE_DRIFT=STEP:RANK:SLOWDOWN[,...]` makes rank RANK compute
-    at SLOWDOWN from step STEP (1-based) on, whatever its profile says. The slowdown from the
-    latest entry at or before `step` for this rank; None: no drift for it."""
-    found: tuple[int, float] | None = None
-    for item in filter(None, os.environ.get(envvars.EMULATE_DRIFT, "").split(",")):
-        try:
-            at, who, factor = item.split(":")
-            entry = (int(at), int(who), float(factor))
-        except ValueError:
-            raise CephaloError(
-                f"{envvars.EMULATE_DRIFT}={item!r}: write STEP:RANK:SLOWDOWN, e.g. 10:1:4"
-            ) from None
-        if entry[1] == rank and entry[0] <= step and (found is None or entry[0] >= found[0]):
-            found = (entry[0], entry[2])
-    return None if found is None else found[1]
+def drifted_slowdown(step: int, rank: int, spec: str | None = None) -> float | None:
+    """An emulated device whose speed changes during the run (specs/drift.py): the slowdown
+    rank `rank` computes at in `step` under `spec` (the job's `parallel.emulate_drift`), else
+    under `CEPHALO_EMULATE_DRIFT`; None: no drift for it (yet)."""
+    if spec:
+        return slowdown_at(parse_drift(spec), step, rank)
+    env = os.environ.get(envvars.EMULATE_DRIFT)
+    return slowdown_at(parse_drift(env, envvars.EMULATE_DRIFT), step, rank) if env else None

@@ -16,7 +16,12 @@ coefficients match the measurements:
   predicted host-state time (ranks with host state only);
 - memory reserve: raised so that every rank's predicted peak covers its measured ledger peak
   (never lowered below the reserve the model had: the ledger does not see the allocator's
-  fragmentation).
+  fragmentation);
+- synchronisation (`Calibration.sync_s`): the measured step beyond the refitted model's
+  slowest rank, what every rank waits in collectives that no rank's own time explains
+  (collectives taken as hidden that are not, per-step collectives, ranks meeting at every
+  unit); added to every plan's predicted step (`predicted_step_s`), so it does not change
+  the plan the planner picks, but it makes the predicted step and the gain of a re-plan true.
 
 Link bandwidths are not refitted: the time a rank waits in a collective mixes the link with
 the other ranks' lateness (load imbalance), which the compute scale already explains.
@@ -55,15 +60,21 @@ class RankSample:
         per-step work around it (the step without waits, optimizer and host work)."""
         return max(self.busy_s, self.step_s - self.comm_wait_s - self.optimizer_s - self.host_s)
 
+    @property
+    def other_s(self) -> float:
+        """The rest of the step: collectives not hidden and waits for the other ranks."""
+        return max(0.0, self.step_s - self.work_s - self.optimizer_s - self.host_s)
+
 
 @dataclass
 class StepLog:
     """Per-step measurements of every rank since the plan now running started."""
 
     steps: list[list[RankSample]] = field(default_factory=list)
-    window: int = 0
-    """Calibrate from the last `window` steps only (0: every step since the plan started), so
-    that a device that changed speed is seen as it is now."""
+    since: int = 0
+    """Calibrate from the steps since this index only (`mark` sets it at each calibration): a
+    device that changed speed is seen as it is now, and two calibrations in a row read disjoint
+    steps, so a gain one of them predicts is confirmed by independent measurements."""
 
     def add(self, ranks) -> None:
         """Record one step's `RankStats` (every rank's values)."""
@@ -83,18 +94,29 @@ class StepLog:
         )
 
     def clear(self) -> None:
+        """A new plan: its measurements start afresh (the old plan's batches, micro-batches and
+        shards are not the new one's, so they must not drive the new plan's fit)."""
         self.steps.clear()
+        self.since = 0
+
+    def mark(self) -> None:
+        """A calibration read the steps so far: the next one reads only the steps after them."""
+        self.since = len(self.steps)
 
     def usable(self) -> list[list[RankSample]]:
-        """The steps calibration reads: all but the first (warm-up) one, the last `window`."""
-        usable = self.steps[1:]
-        return usable[-self.window :] if self.window else usable
+        """The steps calibration reads: those since the last `mark`, never the plan's first
+        (warm-up) step."""
+        return self.steps[max(1, self.since) :]
 
     def median(self, rank: int, attr: str) -> float:
         return statistics.median(getattr(s[rank], attr) for s in self.usable())
 
     def max_peak(self, rank: int) -> int:
         return max(s[rank].peak_bytes for s in self.usable())
+
+    def job_step_s(self) -> float:
+        """The median step of the job (a step ends when its slowest rank's does)."""
+        return statistics.median(max(r.step_s for r in s) for s in self.usable())
 
 
 @dataclass
@@ -109,12 +131,17 @@ class RankFit:
     measured_compute_s: float
     predicted_peak_bytes: int
     measured_peak_bytes: int
+    predicted_other_s: float = 0.0
+    """The step beyond compute and optimizer: collectives not hidden, host work, the
+    un-modelled synchronisation (`Calibration.sync_s`) and, measured, waits for other ranks."""
+    measured_other_s: float = 0.0
 
     def line(self) -> str:
         return (
             f"rank {self.rank} ({self.device}): step {self.predicted_step_s:.3f} s predicted / "
             f"{self.measured_step_s:.3f} s measured, compute {self.predicted_compute_s:.3f} / "
-            f"{self.measured_compute_s:.3f} s, peak {self.predicted_peak_bytes / 2**20:.1f} / "
+            f"{self.measured_compute_s:.3f} s, collectives and waits {self.predicted_other_s:.3f} / "
+            f"{self.measured_other_s:.3f} s, peak {self.predicted_peak_bytes / 2**20:.1f} / "
             f"{self.measured_peak_bytes / 2**20:.1f} MiB"
         )
 
@@ -132,6 +159,8 @@ class Calibration:
     """Per rank with host state: the factor on its host's AdamW time per parameter."""
     reserve_bytes: int | None
     """The memory reserve the new model holds back (None: unchanged, a fraction of capacity)."""
+    sync_s: float = 0.0
+    """Seconds per step that the refitted model leaves unexplained (`predicted_step_s`)."""
 
     def changes(self) -> list[str]:
         """What the refit changed, one phrase each (empty: nothing noticeable)."""
@@ -146,6 +175,8 @@ class Calibration:
         ]
         if self.reserve_bytes is not None:
             out.append(f"memory reserve {self.reserve_bytes / 2**20:.1f} MiB")
+        if self.sync_s >= 0.0005:
+            out.append(f"synchronisation {self.sync_s * 1e3:.0f} ms per step")
         return out
 
     def to_dict(self) -> dict:
@@ -154,6 +185,7 @@ class Calibration:
             "optimizer_scale": self.optimizer_scale,
             "host_optimizer_scale": {str(k): v for k, v in self.host_optimizer_scale.items()},
             "reserve_bytes": self.reserve_bytes,
+            "sync_s": self.sync_s,
             "ranks": [vars(r) for r in self.ranks],
         }
 
@@ -210,9 +242,17 @@ def rebuilt(
     )
 
 
-def refit(cm: CostModel, plan: Plan, log: StepLog) -> Calibration:
-    """The cost model refitted to `log`'s measurements of `plan` (see the module docstring).
-    `log` must hold at least two steps (the first is not read)."""
+def predicted_step_s(cm: CostModel, plan: Plan, sync_s: float = 0.0) -> float:
+    """The step a calibrated model predicts for `plan`: the slowest rank's, and the
+    synchronisation the refit measured beyond it (the same for every plan: it moves the step,
+    not the planner's choice, and makes the predicted gains of re-planning honest)."""
+    return cm.evaluate(plan).step_s + sync_s
+
+
+def refit(cm: CostModel, plan: Plan, log: StepLog, sync_s: float = 0.0) -> Calibration:
+    """The cost model refitted to `log`'s measurements of `plan` (see the module docstring);
+    `sync_s`: the previous refit's, part of what the model predicted. `log` must hold at least
+    two steps (the first is not read)."""
     if len(log.usable()) < 1:
         raise ValueError("calibration needs at least two measured steps")
     predicted = cm.evaluate(plan).ranks
@@ -226,12 +266,14 @@ def refit(cm: CostModel, plan: Plan, log: StepLog) -> Calibration:
             RankFit(
                 r,
                 pc.device,
-                pc.step_s,
+                pc.step_s + sync_s,
                 log.median(r, "step_s"),
                 pc.compute_s,
                 busy,
                 pc.peak_bytes - pc.memory.reserve,
                 log.max_peak(r),
+                max(0.0, pc.step_s - pc.compute_s - pc.optimizer_s) + sync_s,
+                log.median(r, "other_s"),
             )
         )
         if plan.ranks[r].batch_size > 0 and (f := _ratio(busy, pc.compute_s)) is not None:
@@ -258,11 +300,12 @@ def refit(cm: CostModel, plan: Plan, log: StepLog) -> Calibration:
     reserve = None
     if excess > 0:  # some rank's measured peak is above its predicted peak with the reserve
         reserve = max(cm.reserve_for(cm.capacity_bytes(r)) for r in range(n)) + excess
-    return Calibration(
-        rebuilt(cm, profiles, host, reserve),
-        fits,
-        compute,
-        optimizer,
-        host_scale,
-        reserve,
-    )
+    refitted = rebuilt(cm, profiles, host, reserve)
+    # What no rank's own time explains: the refitted ranks match their measured work, so the
+    # rest of the measured step is the model's blind spot: collectives it takes as hidden
+    # under compute that are not (no spare cores, or a backend that blocks), per-step
+    # collectives it does not cost (token count, gradient norm), and ranks that meet at every
+    # unit's collectives (a near-balanced plan's sum of per-unit maxima exceeds the maximum
+    # of per-rank sums). Refitted afresh each time (not compounded), never negative.
+    sync = max(0.0, log.job_step_s() - refitted.evaluate(plan).step_s)
+    return Calibration(refitted, fits, compute, optimizer, host_scale, reserve, sync)

@@ -38,6 +38,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package
 from cephalo.errors import CephaloError
 from cephalo.profiling.settings import ProfileSettings
 from cephalo.specs.cluster import parse_bytes
+from cephalo.specs.drift import parse_drift
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 
@@ -214,14 +215,21 @@ class ParallelConfig:
     `even` / `proportional`); `off` never re-plans."""
     calibrate_after: int = 5
     """Steps under a plan before its first calibration (the first of them, the warm-up, is not
-    measured); at or above `train.steps`, calibration never happens (said once)."""
+    measured); at or above `train.steps`, calibration never happens (said once). Also the steps
+    after a calibration that predicted a gain until the one that must confirm it."""
     calibrate_every: int = 10
     """After the first calibration, calibrate again every this many steps (0: only once per
-    plan). A switch to a new plan starts the count again. A calibration reads at most the last
-    this many steps, so a device that changed speed is seen as it is now."""
+    plan, and the confirming one). A switch to a new plan starts the count again. A calibration
+    reads only the steps since the previous one, so a device that changed speed is seen as it
+    is now."""
     replan_min_gain: float = 0.03
     """Switch only when the re-made plan's predicted step is at least this fraction faster than
-    the running plan's, both predicted by the calibrated cost model (0.03: 3 %)."""
+    the running plan's, both predicted by the calibrated cost model (0.03: 3 %), at two
+    calibrations in a row (the second confirms the first on fresh steps: no flip-flop on noise)."""
+    emulate_drift: str | None = None
+    """Emulated devices: `STEP:RANK:SLOWDOWN[,...]` makes rank RANK compute at SLOWDOWN from step
+    STEP on, whatever its profile says (a GPU that throttles mid-run; `cephalo demo` shows
+    calibration and re-planning with it). Unset: `CEPHALO_EMULATE_DRIFT`, else none."""
 
 
 @dataclass
@@ -712,6 +720,10 @@ def _validate(cfg: JobConfig) -> None:
         0 <= p.replan_min_gain < 1,
         f"parallel.replan_min_gain must be in [0, 1) (0.03: 3 %), got {p.replan_min_gain}",
     )
+    try:
+        parse_drift(p.emulate_drift)
+    except CephaloError as e:
+        problems.append(str(e))
     check(
         p.devices is None or bool(p.devices.strip()),
         "parallel.devices must not be empty (leave it unset)",

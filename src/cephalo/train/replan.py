@@ -5,6 +5,16 @@ it, and switch every rank to the new plan at a step boundary without a restart.
     at calibrate_after, then every calibrate_every steps: refit -> re-plan -> decide (rank 0)
     switch: new engine under the new plan -> state re-laid out (collectives) -> continue
 
+Damping. A switch needs the gain to persist: two calibrations in a row, each fitted on its
+own steps (StepLog.mark), must each predict the new plan at least `replan_min_gain` faster
+than the running one (the plan is made from the second fit and checked against the first's).
+The one that confirms comes early, `calibrate_after` steps after the first (a real change is
+followed within calibrate_every + calibrate_after steps of being seen); a gain that one
+window's noise or a passing stall predicted is not confirmed by the next, and the plan stays.
+After a switch the log starts afresh: the old plan's measurements (other batches, micro-batches, shards)
+never drive the new plan's fit, and the new plan must itself be measured twice before the job
+moves again, so it cannot flip back and forth on every calibration.
+
 The global batch of a step depends only on the step number (the data contract), so the new
 plan trains exactly what the old one would have: a switch equals a checkpoint save + resume
 under the new plan (tests/test_replan.py checks it to 1e-5).
@@ -35,7 +45,7 @@ from cephalo.planning.costmodel import CostModel
 from cephalo.planning.plan import Plan
 from cephalo.runtime.relayout import relayout
 from cephalo.runtime.replicas import saved_state
-from cephalo.train.calibration import Calibration, StepLog, refit
+from cephalo.train.calibration import Calibration, StepLog, predicted_step_s, refit
 
 
 class _Trainer(Protocol):
@@ -122,10 +132,16 @@ class Replanner:
         p = cfg.parallel
         self.cfg, self.rank = cfg, rank
         self.cost_model = cost_model
-        self.log = StepLog(window=p.calibrate_every)
+        self.log = StepLog()
         self.switches: list[Switch] = []
         self.last_calibration: Calibration | None = None
         """The newest refit (older ones are dropped: each holds a cost model)."""
+        self.sync_s = 0.0
+        """The newest refit's synchronisation per step (`Calibration.sync_s`)."""
+        self.next_due: int | None = p.calibrate_after
+        """Steps logged under the running plan at which the next calibration comes (None: no more)."""
+        self.pending_gain: float | None = None
+        """The gain the previous calibration predicted and the next must confirm (None: none)."""
         wanted = p.replan == "auto" or (p.replan == "own" and plan_is_own)
         self.enabled = wanted and cost_model is not None
         if rank == 0 and wanted and cost_model is None:
@@ -142,14 +158,15 @@ class Replanner:
             self.enabled = False
 
     def _due(self) -> bool:
-        n, p = len(self.log.steps), self.cfg.parallel
-        if n == p.calibrate_after:
-            return True
-        return (
-            bool(p.calibrate_every)
-            and n > p.calibrate_after
-            and (n - p.calibrate_after) % p.calibrate_every == 0
-        )
+        return len(self.log.steps) == self.next_due
+
+    def _schedule(self, confirming: bool) -> int:
+        """After a calibration: steps until the next one (0: none). A gain to confirm is
+        checked early, on as many fresh steps as a plan's first calibration reads."""
+        p = self.cfg.parallel
+        if confirming:
+            return min(p.calibrate_after, p.calibrate_every or p.calibrate_after)
+        return p.calibrate_every
 
     def after_step(self, trainer: _Trainer, ranks, metrics) -> None:
         """Record the step's gathered stats; calibrate, re-plan and switch when due."""
@@ -162,17 +179,44 @@ class Replanner:
             return
         last = trainer.step >= self.cfg.train.steps  # calibrated and logged, not re-planned
         started = time.perf_counter()
-        calibration = refit(self.cost_model, trainer.plan, self.log)
-        self.cost_model = calibration.cost_model
+        # the previous calibration's fit (on other, earlier steps)
+        before, before_sync = self.cost_model, self.sync_s
+        calibration = refit(self.cost_model, trainer.plan, self.log, self.sync_s)
+        self.log.mark()  # the next calibration reads only the steps after these
+        self.cost_model, self.sync_s = calibration.cost_model, calibration.sync_s
         self.last_calibration = calibration
-        current = calibration.cost_model.evaluate(trainer.plan).step_s
+        current = predicted_step_s(calibration.cost_model, trainer.plan, self.sync_s)
         candidate, gain, why_not = (
             (None, None, "the run's last step")
             if last
             else self._replan(calibration.cost_model, current, trainer.plan)
         )
-        # rank 0 decides for everyone
-        decided = trainer.comm.all_gather_object(candidate.to_dict() if candidate else None)[0]
+        earlier = None
+        if candidate is not None and self.pending_gain is not None:
+            # the previous calibration saw a gain too: does its fit, on its own steps, predict
+            # this very plan faster by the margin? (Two windows that blame different ranks
+            # each predict a gain, for opposite plans: that is noise, not a change.)
+            before_s = predicted_step_s(before, candidate, before_sync)
+            running_s = predicted_step_s(before, trainer.plan, before_sync)
+            earlier = running_s / before_s - 1.0 if before_s else 0.0
+            if earlier < self.cfg.parallel.replan_min_gain:
+                earlier = None
+        pending = None
+        if candidate is not None and earlier is None:
+            # a first sighting: switch only if the next calibration, on fresh steps, agrees
+            candidate, pending = None, gain
+            why_not = (
+                f"a new plan would gain {gain:.1%}; confirming on the next "
+                f"{self._schedule(confirming=True)} steps before switching"
+            )
+        # rank 0 decides for everyone, the schedule of the next calibration included: ranks
+        # that calibrated at different steps would deadlock in this very all-gather
+        decided, pending, gain, earlier = trainer.comm.all_gather_object(
+            (candidate.to_dict() if candidate else None, pending, gain, earlier)
+        )[0]
+        self.pending_gain = pending
+        every = self._schedule(confirming=pending is not None)
+        self.next_due = len(self.log.steps) + every if every else None
         replan_s = time.perf_counter() - started
         if self.rank == 0:
             for fit in calibration.ranks:
@@ -182,7 +226,9 @@ class Replanner:
                 "calibration after step %d: %s; %s",
                 trainer.step,
                 ", ".join(changes) if changes else "the cost model matched",
-                f"re-planning (predicted gain {gain:.1%})" if decided else why_not,
+                f"re-planning (predicted gain {gain:.1%}, {earlier:.1%} by the calibration before)"
+                if decided
+                else why_not,
             )
         if metrics is not None:
             metrics.write(
@@ -191,14 +237,19 @@ class Replanner:
                     "step": trainer.step,
                     **calibration.to_dict(),
                     "current_predicted_step_s": current,
+                    # the plan calibrated (the running one)
+                    "batches": trainer.plan.batch_sizes,
+                    "micro_batches": [r.micro_batch_size for r in trainer.plan.ranks],
                     "predicted_gain": gain,
+                    "confirming": pending is not None,
                     "replanned": decided is not None,
                     "why_not": None if decided else why_not,
                 }
             )
         if decided is not None:
             reason = (
-                f"calibration predicts {gain:.1%} faster steps ({', '.join(calibration.changes())})"
+                f"calibration predicts {gain:.1%} faster steps, {earlier:.1%} by the calibration "
+                f"before ({', '.join(calibration.changes())})"
             )
             self._switch(trainer, Plan.from_dict(decided), reason, gain, replan_s, metrics)
 
@@ -220,7 +271,7 @@ class Replanner:
             )
         except PlanDoesNotFit as e:
             return None, None, f"no plan fits the measured memory ({e})"
-        new_s = plan.predicted.step_s if plan.predicted else cm.evaluate(plan).step_s
+        new_s = predicted_step_s(cm, plan, self.sync_s)
         gain = current_s / new_s - 1.0 if new_s > 0 else 0.0
         if gain < p.replan_min_gain:
             return (
@@ -250,6 +301,7 @@ class Replanner:
                 "else resume with checkpoint.resume = auto (parallel.replan = off to stay on it)"
             ) from e
         self.log.clear()  # the old plan's measurements do not describe the new one
+        self.next_due, self.pending_gain = self.cfg.parallel.calibrate_after, None
         event = Switch(
             trainer.step,
             reason,

@@ -514,7 +514,7 @@ class _Trainer:
         where = (self.step, self.engine.sample_offset, self.rank_plan.batch_size)
         input_ids, labels = self.batches.rank_slice(*where)
         positions = self.batches.rank_positions(*where)  # packed chat samples, else None
-        drift = drifted_slowdown(number, self.rank)  # an emulated device changing speed
+        drift = drifted_slowdown(number, self.rank, self.cfg.parallel.emulate_drift)
         if drift is not None:
             self.engine.emulator.slowdown = drift
         try:

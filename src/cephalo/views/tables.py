@@ -453,3 +453,23 @@ def marginal_tables(m: Marginal, seq_len: int) -> list[Table]:
             style="bold" if a is best else None,
         )
     return [devices, adds]
+
+
+def calibration_table(title: str, rows: list[list[str]]) -> Table:
+    """One row per calibration of a running job (the demo's re-planning run): after which
+    step, measured / predicted compute of each rank, the re-made plan's predicted gain, the
+    decision, the batches, re-plan + switch seconds; every cell formatted by the caller."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in (
+        "after step",
+        "compute meas./pred.",
+        "gain",
+        "decision",
+        "batches",
+        "re-plan+switch s",
+    ):
+        left = col in ("decision", "batches")
+        table.add_column(col, justify="left" if left else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    return table
