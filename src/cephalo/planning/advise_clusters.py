@@ -17,12 +17,12 @@ completions with it stays valid as they grow).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cephalo.errors import CephaloError
 from cephalo.planning.costmodel import CostModel
-from cephalo.planning.groups import make_hierarchical_plan
+from cephalo.planning.groups import Grouping, make_hierarchical_plan
 from cephalo.planning.plan import REDUCE_DTYPES
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.specs.offers import Offer
@@ -47,14 +47,21 @@ class PlanOptions:
             )
 
 
-def planned_samples_per_s(cm: CostModel, global_batch: int, options: PlanOptions) -> float:
+def planned_samples_per_s(
+    cm: CostModel,
+    global_batch: int,
+    options: PlanOptions,
+    step_floor: Callable[[CostModel, Grouping], float] | None = None,
+) -> float:
     """The throughput `cephalo plan` predicts for the cluster of `cm` (raises `CephaloError`
-    where no plan fits)."""
+    where no plan fits). `step_floor(cm, grouping)`: a lower bound on a grouping's step, to
+    skip groupings that cannot beat the best plan (`groups.make_hierarchical_plan`)."""
     plan = make_hierarchical_plan(
         cm,
         global_batch,
         hierarchy=options.hierarchy,
         reduce_dtype=options.reduce_dtype,
+        step_floor=None if step_floor is None else lambda g: step_floor(cm, g),
         allow_offload=options.allow_offload,
         allow_host_state=options.allow_host_state,
     )
