@@ -16,19 +16,22 @@ beta_j(T) >= B} and its throughput at most B / T_lb(x). A cluster also needs sum
 min(sigma_j, 1) >= 1, where sigma_j is the state fraction a device of type j can hold
 without samples (the planner's capacity at b = 0, which caps it at every b); a type with
 sigma_j < 0 cannot take part in any plan and is left out. With shard groups a rank's
-collectives run over its group only, so L_j then uses the smallest group and fastest link any
-cluster of the offers can have (`advise_clusters.bound_ring`, the same for every cluster).
+collectives run over its group only, plus the all-reduce between the groups: a cluster's bound
+is the best of its flat plan's and each candidate grouping's (`advise_bound.py`, which holds
+the tables L_j and the bounds of complete and partial clusters).
 
 **Search.** Best first in price: a heap of partial count vectors (offer by offer), keyed by
 a lower bound on the price of their completions, so clusters are met cheapest first and the
 best throughput f below a price is known when a cluster of that price is met. A cluster is
 planned only if its bound reaches f (the frontier needs more than f); a partial vector is
 expanded only if some completion can: with the partial's device count and links (a
-completion has more devices and no faster link, so every beta_j only shrinks), the samples
-and the state the remaining offers must add are two covering constraints, and their
-cheapest fractional (LP) cover bounds the completion's price from below, or proves that
-none can. Each pruning is exact, so the frontier equals planning every count vector
-(`exhaustive_frontier`, and tests/test_advise.py on every inventory of up to 4 types x 4).
+completion has more devices and no faster link, so every beta_j only shrinks; with shard
+groups beta_j is the larger of that and the most any group lets a rank of offer j take,
+`BoundTables.betas`), the samples and the state the remaining offers must add are two
+covering constraints, and their cheapest fractional (LP) cover bounds the completion's price
+from below, or proves that none can. Each pruning is exact, so the frontier equals planning
+every count vector (`exhaustive_frontier`, and tests/test_advise.py on every inventory of up
+to 4 types x 4).
 
 **Tolerance.** A frontier can have thousands of points (6 types x 64 GPUs: 7.5e10 clusters).
 After `plans_per_level` planner calls at one tolerance g the search continues with g doubled
