@@ -58,7 +58,14 @@ from typing import Any
 import numpy as np
 
 from cephalo.errors import CephaloError
-from cephalo.planning.advise_bound import STATE_SLACK, BoundTables, TypeBound, flat_ring
+from cephalo.planning.advise_bound import (
+    STATE_SLACK,
+    BoundTables,
+    TypeBound,
+    flat_ring,
+    solo_host_part,
+    solo_optimizer_s,
+)
 from cephalo.planning.advise_clusters import (
     PlanOptions,
     cluster_of,
@@ -338,6 +345,7 @@ class Advisor:
             self._latency,
             hierarchy,
             reduce_dtype,
+            allow_host_state,
         )
         """The bound's tables, and the bounds of complete and partial clusters."""
         self._state_lp = [self._lp_cover(d, self._state_cap) for d in range(len(self.offers) + 1)]
@@ -388,7 +396,33 @@ class Advisor:
         passes = cm.fastest_pass_times(type_key, np.arange(B + 1), max(mmax, 1))
         # (b up to B: the planner never puts more than MAX_BATCH_PER_RANK on one rank, so
         # counting larger b only loosens the bound)
-        self.types[type_key] = TypeBound(type_key, cap, mmax, min(state_cap, 1.0), passes)
+        # a device alone in its group holds the whole state: at least its leanest bytes beside
+        # the working memory, and its optimizer phase (`advise_bound.solo_optimizer_s`)
+        hosted = self.allow_host_state and not cm.adapter.frozen_base
+        # (the host AdamW of a node of one rank: sharing a host only slows it, and the
+        # advisor's clusters override no host's speed)
+        host_s = (
+            (cm.host.optimizer_s_per_param[0] if cm.host is not None else 0.0) if hosted else None
+        )
+        whole = (
+            min(cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction)
+            if hosted
+            else cm.bytes_per_fraction
+        )
+        solo = np.nonzero(mem + MEMORY_SLACK_BYTES + whole <= cap)[0]
+        solo_mmax = int(ms[solo[-1]]) if solo.size else 0
+        host_part = solo_host_part(cm, cap, idle, hosted)
+        self.types[type_key] = TypeBound(
+            type_key,
+            cap,
+            mmax,
+            min(state_cap, 1.0),
+            passes,
+            solo_mmax,
+            cm.fastest_pass_times(type_key, np.arange(B + 1), max(solo_mmax, 1)),
+            solo_optimizer_s(cm, type_key, host_s, host_part),
+            host_part,
+        )
         self._profiles.update(cm.profiles)
         return None
 

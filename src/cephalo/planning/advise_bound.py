@@ -49,6 +49,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cephalo.planning.costmodel import CostModel, CrossReduce
+from cephalo.planning.planner import MEMORY_SLACK_BYTES
 from cephalo.specs.offers import Offer
 from cephalo.specs.profile import CommProfile
 
@@ -60,12 +61,16 @@ STATE_SLACK = 1e-9
 
 class Ring(NamedTuple):
     """The collectives of one rank: a ring of `n` devices over `link` bytes/s, and (`groups` >
-    1) the all-reduce between that many shard groups over `cross` bytes/s."""
+    1) the all-reduce between that many shard groups over `cross` bytes/s. `solo`, where not
+    None: the rank is its group's (or cluster's) only device, so it holds the whole state
+    (micro-batches as `TypeBound.solo_passes`), and its optimizer phase takes at least `solo`
+    seconds (`solo_optimizer_s`)."""
 
     n: int
     link: float
     groups: int = 1
     cross: float = 0.0
+    solo: float | None = None
 
 
 NO_COLLECTIVES = Ring(1, 0.0)
@@ -88,6 +93,55 @@ class TypeBound:
     """State fraction the device holds without samples, at most 1."""
     passes: dict[str, tuple[np.ndarray, np.ndarray]]
     """Per unit kind, the fastest forward and backward of b = 0..B samples."""
+    solo_max_micro_batch: int = 0
+    """Largest micro-batch whose working memory fits beside the whole state (at its leanest)."""
+    solo_passes: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+    """`passes` with micro-batches of at most `solo_max_micro_batch`."""
+    solo_optimizer_s: float = 0.0
+    """The least optimizer phase of a device holding the whole state, on a node of its own
+    (the advisor's clusters: its host not shared)."""
+    solo_host_part: float = 0.0
+    """The least part of the whole state such a device keeps on the host (`solo_host_part`):
+    its gradients go down to the host in the backward."""
+
+
+def solo_host_part(cm: CostModel, capacity: int, idle: float, host_state: bool) -> float:
+    """The least part x of the whole state a device of this type must keep on the host to
+    hold all of it: its device bytes (1 - x) Bs + x Bd (Bs per fraction on the device, Bd per
+    fraction on the host: its compute-dtype copy and reduce-scatter output) fit in what is
+    left beside its least working memory `idle` (0 without host state, or where all fits)."""
+    Bs, Bd = cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction
+    room = capacity - MEMORY_SLACK_BYTES - idle
+    if not host_state or Bs <= Bd or room >= Bs:
+        return 0.0
+    return min(1.0, (Bs - room) / (Bs - Bd))
+
+
+def solo_optimizer_s(
+    cm: CostModel, type_key: str, host_s_per_param: float | None, host_part: float = 0.0
+) -> float:
+    """The least optimizer phase (`CostModel.optimizer_phase_s`) of a device of this type that
+    holds the whole state (s = 1), x >= `host_part` of it on a host whose AdamW takes at least
+    `host_s_per_param` seconds per parameter (None: no host state, x = 0).
+
+    On the device it takes (1 - x) a, a = trained parameters x seconds per parameter; the
+    host part x P h (its AdamW) and x P u (the uploads of all P parameters in the compute dtype
+    over the host link). With async copies the phase is the max of the three, at least
+    max((1 - x) a, x b), b = P max(h, u), least at x = max(a / (a + b), host_part) (where x b
+    is the larger); without, their sum, at least (1 - x) a + x b, b = P (h + u), linear in x:
+    least at x = host_part or 1."""
+    a = cm.optimizer_params * cm.optimizer_s_per_param(type_key)
+    if host_s_per_param is None:
+        return a
+    profile = cm.profiles[type_key]
+    up = cm.dtype_bytes / profile.host_copy_bytes_per_s
+    if not profile.async_copies:
+        b = cm.total_params * (host_s_per_param + up)
+        return min((1 - host_part) * a + host_part * b, b)
+    b = cm.total_params * max(host_s_per_param, up)
+    if a + b <= 0:
+        return 0.0
+    return max(a * b / (a + b), host_part * b)
 
 
 def flat_ring(n: int, intra: float, inter: float, nodes: int) -> Ring:
@@ -147,6 +201,7 @@ class BoundTables:
         latency_s: float,
         hierarchy: bool,
         reduce_dtype: str,
+        host_state: bool,
     ):
         self.base = base
         self.profiles = profiles
@@ -156,6 +211,9 @@ class BoundTables:
         self.latency_s = latency_s
         self.hierarchy = hierarchy
         self.reduce_dtype = reduce_dtype
+        self.host_state = host_state and not base.adapter.frozen_base
+        """Whether the planner may keep state on the host (`--no-host-state`; not for a frozen
+        base)."""
         self.state_cap = np.array([types[o.type].state_cap for o in self.offers])
         self.node_size = [o.per_node or 1 for o in self.offers]
         """Per offer: the fewest devices a node of it has in any cluster."""
@@ -202,12 +260,23 @@ class BoundTables:
         return cm
 
     def _table(self, type_key: str, ring: Ring) -> np.ndarray:
-        """L(b) for b = 0..B: a lower bound on a rank's step time (no optimizer) at b samples."""
+        """L(b) for b = 0..B: a lower bound on a rank's step time at b samples (no optimizer,
+        but for a `solo` rank: its whole state's least optimizer phase, and its micro-batches
+        only as large as fit beside that state)."""
         t = self.types[type_key]
-        cm = self._comm_model(ring)
+        cm = self._comm_model(ring._replace(solo=None))
         bs = np.arange(self.global_batch + 1)
-        L = np.array(cm.step_time_of_passes(type_key, bs, t.passes, False)[0], dtype=np.float64)
-        if t.max_micro_batch == 0:
+        passes, mmax = t.passes, t.max_micro_batch
+        if ring.solo is not None and t.solo_passes is not None:
+            passes, mmax = t.solo_passes, t.solo_max_micro_batch
+        # a solo rank's host part x >= solo_host_part: its gradient copies only add time
+        x = t.solo_host_part if ring.solo is not None else 0.0
+        L = np.array(
+            cm.step_time_of_passes(type_key, bs, passes, False, True, x)[0], dtype=np.float64
+        )
+        if ring.solo is not None:
+            L += ring.solo
+        if mmax == 0:
             L[1:] = np.inf  # not even one sample fits: this device only holds state
         return L
 
@@ -269,6 +338,8 @@ class BoundTables:
         nodes = [(self.offers[j].type, g) for j, g in nodes_of(self.offers, units)]
         n = sum(g for _, g in nodes)
         flat = flat_ring(n, intra, inter, len(nodes))
+        if n == 1:  # one device: it holds the whole state
+            flat = flat._replace(solo=self.types[nodes[0][0]].solo_optimizer_s)
         shapes: list[Shape] = [[[(t, g, flat) for t, g in nodes]]]
         if not self.hierarchy or len(nodes) < 2:
             return shapes
@@ -282,7 +353,7 @@ class BoundTables:
                 ring = (
                     Ring(size, link, len(chunks), inter)
                     if size > 1
-                    else Ring(1, 0.0, len(chunks), inter)
+                    else Ring(1, 0.0, len(chunks), inter, self.types[chunk[0][0]].solo_optimizer_s)
                 )
                 plan.append([(t, g, ring) for t, g in chunk])
             if all(self._holds_replica(group) for group in plan):
@@ -303,13 +374,17 @@ class BoundTables:
             ring = Ring(
                 len(members), links.bytes_per_s(members), len(groups), links.inter_bytes_per_s
             )
-            if len(members) <= 1:
-                ring = Ring(1, 0.0, len(groups), links.inter_bytes_per_s)
             for r in members:
                 d = cm.devices[r]
                 t = self.types.get(d.type_key)
                 if t is None or int(d.memory_bytes) != t.capacity:
                     return 0.0
+                if len(members) == 1:  # alone: the whole state, its host's AdamW speed
+                    host = cm.host.optimizer_s_per_param[r] if cm.host is not None else None
+                    solo = solo_optimizer_s(
+                        cm, d.type_key, host if self.host_state else None, t.solo_host_part
+                    )
+                    ring = Ring(1, 0.0, len(groups), links.inter_bytes_per_s, solo)
                 group[(d.type_key, ring)] = group.get((d.type_key, ring), 0) + 1
             plan.append([(t, g, ring) for (t, ring), g in group.items()])
         if not all(self._holds_replica(group) for group in plan):
