@@ -114,6 +114,12 @@ def grouped_tight():
     return make_advisor(TIGHT, GROUPED_TIGHT_OFFERS, allow_host_state=False, reduce_dtype="bf16")
 
 
+@pytest.fixture(scope="module")
+def grouped_tight_host():
+    # a T4 alone in its group holds llama-1.1b's whole state only with part of it on the host
+    return make_advisor(TIGHT, GROUPED_TIGHT_OFFERS, reduce_dtype="bf16")
+
+
 def planned(adv: Advisor) -> dict[tuple, float | None]:
     """The planner's throughput of every count vector (cached in the advisor)."""
     out = {}
@@ -138,7 +144,9 @@ def _frontier_within(adv: Advisor, records, max_units) -> list[tuple[str, float]
     return [(adv.cluster_of(k[1]).to_spec(), s) for _, s, k in select_frontier(inside)]
 
 
-@pytest.mark.parametrize("which", ["small", "tight", "tight_host", "grouped", "grouped_tight"])
+@pytest.mark.parametrize(
+    "which", ["small", "tight", "tight_host", "grouped", "grouped_tight", "grouped_tight_host"]
+)
 def test_search_equals_brute_force_on_every_inventory(which, request):
     """Every inventory of up to 4 types x 0..4 GPUs (and the tight one's every sub-inventory):
     the search's frontier is exactly the brute-force one, clusters and throughputs."""
@@ -165,7 +173,9 @@ def test_search_equals_brute_force_on_every_inventory(which, request):
         assert len(brute_force(adv, table, adv._max_units)) >= 8  # a frontier worth the name
 
 
-@pytest.mark.parametrize("which", ["small", "tight", "tight_host", "grouped", "grouped_tight"])
+@pytest.mark.parametrize(
+    "which", ["small", "tight", "tight_host", "grouped", "grouped_tight", "grouped_tight_host"]
+)
 def test_bound_holds_for_every_cluster(which, request):
     """No plan beats the bound the search prunes with; a cluster whose bound is 0 because its
     state cannot fit is one the planner cannot fit either."""
@@ -186,7 +196,7 @@ def test_bound_holds_for_every_cluster(which, request):
         assert sps is not None and 0 < sps <= adv.upper_bound((1, 0, 0))
 
 
-@pytest.mark.parametrize("which", ["grouped", "grouped_tight"])
+@pytest.mark.parametrize("which", ["grouped", "grouped_tight", "grouped_tight_host"])
 def test_shard_groups_bound(which, request):
     """Where shard groups win: each candidate grouping's floor (the bound the planner skips
     groupings with) is below its plan's step, and infinite only where the grouping has no plan;
@@ -194,7 +204,7 @@ def test_shard_groups_bound(which, request):
     planner's throughput (a bound that dropped the groups' collectives or their all-reduce
     would plan far more clusters)."""
     adv = request.getfixturevalue(which)
-    model, seq, dtype, batch = TIGHT if which == "grouped_tight" else GROUPED
+    model, seq, dtype, batch = GROUPED if which == "grouped" else TIGHT
     kw = {"allow_host_state": which != "grouped_tight"}
     labels, hierarchical = set(), 0
     for units, sps in planned(adv).items():
@@ -213,7 +223,9 @@ def test_shard_groups_bound(which, request):
         labels.add(plan.meta.get("grouping"))
         assert sps >= 0.9 * adv.upper_bound(units), units
     assert hierarchical >= 15
-    assert labels >= ({"per node"} if which == "grouped" else {"2 nodes"})
+    assert labels >= ({"2 nodes"} if which == "grouped_tight" else {"per node"})
+    if which == "grouped_tight_host":  # the bound of a T4 alone: state partly on the host
+        assert 0 < adv.types["t4"].solo_host_part < 1
 
 
 def test_links_and_nodes_of_the_clusters(tight):
