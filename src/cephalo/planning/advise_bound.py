@@ -12,7 +12,7 @@ pay the same formula with the cross-group all-reduce in it). L only grows with n
 slower link or cross link (each enters a time as bytes / rate or (n - 1) / n and (g - 1) / g
 factors, inside sums and maxima), which is what makes the relaxations below valid.
 
-**A complete cluster** (`HierarchicalBound.step_lower_bound`) steps no faster than the least of
+**A complete cluster** (`BoundTables.step_lower_bound`) steps no faster than the least of
 
 - its flat plan's bound: every rank on the ring of all n devices over the slowest link;
 - per candidate grouping the planner may try (`groups.candidate_groupings`: one group per
@@ -26,6 +26,17 @@ Each bound is the least T (at least every rank's L(0): ranks without samples sti
 communicate) at which the ranks' samples max{b : L(b) <= T} sum to the global batch. The
 planner returns the best of the flat plan and the groupings it plans (a subset of these), so
 the least of these bounds is below its step.
+
+A rank alone in its group (a node of one GPU), or in a cluster of one device, holds the whole
+state (a `solo` ring): its micro-batches are only those whose working memory fits beside the
+state's leanest bytes, it keeps at least `solo_host_part` of the state on the host (whose
+gradients go down in the backward: `step_time_of_passes` with that host part), and its
+optimizer phase, which the cost model adds to the step, takes at least `solo_optimizer_s`. On
+nodes of one GPU these terms are most of what separates a group's plan from its passes.
+
+The planner skips a grouping once no candidate left can beat the best plan it has
+(`grouping_floor`, from the cluster's own cost model, through `make_hierarchical_plan`'s
+`step_floor`).
 
 **A partial cluster** (the search's heap holds count vectors fixed for the first offers only)
 is bounded through every completion at once, by per-offer samples (`betas`) that no rank of
