@@ -225,7 +225,7 @@ def test_shard_groups_bound(which, request):
     assert hierarchical >= 15
     assert labels >= ({"2 nodes"} if which == "grouped_tight" else {"per node"})
     if which == "grouped_tight_host":  # the bound of a T4 alone: state partly on the host
-        assert 0 < adv.types["t4"].solo_host_part < 1
+        assert 0 < adv.types["t4"].solo.host_part < 1
 
 
 def test_links_and_nodes_of_the_clusters(tight):

@@ -63,8 +63,7 @@ from cephalo.planning.advise_bound import (
     BoundTables,
     TypeBound,
     flat_ring,
-    solo_host_part,
-    solo_optimizer_s,
+    solo_bound,
 )
 from cephalo.planning.advise_clusters import (
     PlanOptions,
@@ -396,32 +395,13 @@ class Advisor:
         passes = cm.fastest_pass_times(type_key, np.arange(B + 1), max(mmax, 1))
         # (b up to B: the planner never puts more than MAX_BATCH_PER_RANK on one rank, so
         # counting larger b only loosens the bound)
-        # a device alone in its group holds the whole state: at least its leanest bytes beside
-        # the working memory, and its optimizer phase (`advise_bound.solo_optimizer_s`)
-        hosted = self.allow_host_state and not cm.adapter.frozen_base
-        # (the host AdamW of a node of one rank: sharing a host only slows it, and the
-        # advisor's clusters override no host's speed)
-        host_s = (
-            (cm.host.optimizer_s_per_param[0] if cm.host is not None else 0.0) if hosted else None
-        )
-        whole = (
-            min(cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction)
-            if hosted
-            else cm.bytes_per_fraction
-        )
-        solo = np.nonzero(mem + MEMORY_SLACK_BYTES + whole <= cap)[0]
-        solo_mmax = int(ms[solo[-1]]) if solo.size else 0
-        host_part = solo_host_part(cm, cap, idle, hosted)
         self.types[type_key] = TypeBound(
             type_key,
             cap,
             mmax,
             min(state_cap, 1.0),
             passes,
-            solo_mmax,
-            cm.fastest_pass_times(type_key, np.arange(B + 1), max(solo_mmax, 1)),
-            solo_optimizer_s(cm, type_key, host_s, host_part),
-            host_part,
+            solo_bound(cm, type_key, B, ms, mem, idle, self.allow_host_state),
         )
         self._profiles.update(cm.profiles)
         return None

@@ -74,7 +74,7 @@ class Ring(NamedTuple):
     """The collectives of one rank: a ring of `n` devices over `link` bytes/s, and (`groups` >
     1) the all-reduce between that many shard groups over `cross` bytes/s. `solo`, where not
     None: the rank is its group's (or cluster's) only device, so it holds the whole state
-    (micro-batches as `TypeBound.solo_passes`), and its optimizer phase takes at least `solo`
+    (micro-batches as `SoloBound.passes`), and its optimizer phase takes at least `solo`
     seconds (`solo_optimizer_s`)."""
 
     n: int
@@ -104,16 +104,57 @@ class TypeBound:
     """State fraction the device holds without samples, at most 1."""
     passes: dict[str, tuple[np.ndarray, np.ndarray]]
     """Per unit kind, the fastest forward and backward of b = 0..B samples."""
-    solo_max_micro_batch: int = 0
+    solo: SoloBound | None = None
+    """What a device of this type holding the whole state is bound by (None: as any other)."""
+
+
+@dataclass
+class SoloBound:
+    """A device that holds the whole state: alone in its shard group, or the whole cluster."""
+
+    max_micro_batch: int
     """Largest micro-batch whose working memory fits beside the whole state (at its leanest)."""
-    solo_passes: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
-    """`passes` with micro-batches of at most `solo_max_micro_batch`."""
-    solo_optimizer_s: float = 0.0
-    """The least optimizer phase of a device holding the whole state, on a node of its own
-    (the advisor's clusters: its host not shared)."""
-    solo_host_part: float = 0.0
-    """The least part of the whole state such a device keeps on the host (`solo_host_part`):
-    its gradients go down to the host in the backward."""
+    passes: dict[str, tuple[np.ndarray, np.ndarray]]
+    """`TypeBound.passes` with micro-batches of at most `max_micro_batch`."""
+    optimizer_s: float
+    """The least optimizer phase, on a node of its own (the advisor's clusters: its host not
+    shared with other ranks, its speed not overridden)."""
+    host_part: float
+    """The least part of the state it keeps on the host (`solo_host_part`): its gradients go
+    down to the host in the backward."""
+
+
+def solo_bound(
+    cm: CostModel,
+    type_key: str,
+    batch: int,
+    ms: np.ndarray,
+    working: np.ndarray,
+    idle: float,
+    host_state: bool,
+) -> SoloBound:
+    """The `SoloBound` of a type from its one-device cost model `cm`: `working[i]` is the least
+    working memory of a micro-batch of `ms[i]` samples, `idle` that without samples (the
+    advisor's leanest choices), `host_state` whether the planner may keep state on the host."""
+    hosted = host_state and not cm.adapter.frozen_base
+    # the state's leanest device bytes: with host state, its compute-dtype copy and reduce
+    # output only, where that is less
+    whole = (
+        min(cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction)
+        if hosted
+        else cm.bytes_per_fraction
+    )
+    fits = np.nonzero(working + MEMORY_SLACK_BYTES + whole <= cm.capacity_bytes(0))[0]
+    mmax = int(ms[fits[-1]]) if fits.size else 0
+    host_part = solo_host_part(cm, cm.capacity_bytes(0), idle, hosted)
+    # the host AdamW of a node of one rank (this model's cluster): sharing a host only slows it
+    host_s = (cm.host.optimizer_s_per_param[0] if cm.host is not None else 0.0) if hosted else None
+    return SoloBound(
+        mmax,
+        cm.fastest_pass_times(type_key, np.arange(batch + 1), max(mmax, 1)),
+        solo_optimizer_s(cm, type_key, host_s, host_part),
+        host_part,
+    )
 
 
 def solo_host_part(cm: CostModel, capacity: int, idle: float, host_state: bool) -> float:
@@ -277,11 +318,10 @@ class BoundTables:
         t = self.types[type_key]
         cm = self._comm_model(ring._replace(solo=None))
         bs = np.arange(self.global_batch + 1)
-        passes, mmax = t.passes, t.max_micro_batch
-        if ring.solo is not None and t.solo_passes is not None:
-            passes, mmax = t.solo_passes, t.solo_max_micro_batch
-        # a solo rank's host part x >= solo_host_part: its gradient copies only add time
-        x = t.solo_host_part if ring.solo is not None else 0.0
+        passes, mmax, x = t.passes, t.max_micro_batch, 0.0
+        if ring.solo is not None and t.solo is not None:
+            # a solo rank's host part is at least solo.host_part: its gradient copies add time
+            passes, mmax, x = t.solo.passes, t.solo.max_micro_batch, t.solo.host_part
         L = np.array(
             cm.step_time_of_passes(type_key, bs, passes, False, True, x)[0], dtype=np.float64
         )
@@ -350,7 +390,7 @@ class BoundTables:
         n = sum(g for _, g in nodes)
         flat = flat_ring(n, intra, inter, len(nodes))
         if n == 1:  # one device: it holds the whole state
-            flat = flat._replace(solo=self.types[nodes[0][0]].solo_optimizer_s)
+            flat = flat._replace(solo=self._solo_optimizer_s(nodes[0][0]))
         shapes: list[Shape] = [[[(t, g, flat) for t, g in nodes]]]
         if not self.hierarchy or len(nodes) < 2:
             return shapes
@@ -364,7 +404,7 @@ class BoundTables:
                 ring = (
                     Ring(size, link, len(chunks), inter)
                     if size > 1
-                    else Ring(1, 0.0, len(chunks), inter, self.types[chunk[0][0]].solo_optimizer_s)
+                    else Ring(1, 0.0, len(chunks), inter, self._solo_optimizer_s(chunk[0][0]))
                 )
                 plan.append([(t, g, ring) for t, g in chunk])
             if all(self._holds_replica(group) for group in plan):
@@ -392,15 +432,18 @@ class BoundTables:
                     return 0.0
                 if len(members) == 1:  # alone: the whole state, its host's AdamW speed
                     host = cm.host.optimizer_s_per_param[r] if cm.host is not None else None
-                    solo = solo_optimizer_s(
-                        cm, d.type_key, host if self.host_state else None, t.solo_host_part
-                    )
+                    part = t.solo.host_part if t.solo is not None else 0.0
+                    solo = solo_optimizer_s(cm, d.type_key, host if self.host_state else None, part)
                     ring = Ring(1, 0.0, len(groups), links.inter_bytes_per_s, solo)
                 group[(d.type_key, ring)] = group.get((d.type_key, ring), 0) + 1
             plan.append([(t, g, ring) for (t, ring), g in group.items()])
         if not all(self._holds_replica(group) for group in plan):
             return math.inf
         return self._plan_time(plan)
+
+    def _solo_optimizer_s(self, type_key: str) -> float:
+        solo = self.types[type_key].solo
+        return solo.optimizer_s if solo is not None else 0.0
 
     def _holds_replica(self, group: Group) -> bool:
         return sum(g * self.types[t].state_cap for t, g, _ in group) >= 1 - STATE_SLACK
