@@ -330,10 +330,12 @@ class Advisor:
         )
         self._max_units = np.array([o.max_units for o in self.offers], dtype=np.int64)
         self._state_cap = np.array([self.types[o.type].state_cap for o in self.offers])
+        # the least collective latency a cluster of these offers has (`Cluster`: a cluster with
+        # a CPU device has the CPU's, a GPU-only one the GPU's): a bound may charge no more
         self._latency = (
-            CPU_COLLECTIVE_LATENCY_S
-            if any(o.type == "cpu" for o in self.offers)
-            else GPU_COLLECTIVE_LATENCY_S
+            GPU_COLLECTIVE_LATENCY_S
+            if any(o.type != "cpu" for o in self.offers)
+            else CPU_COLLECTIVE_LATENCY_S
         )
         self._bounds = BoundTables(
             base,
