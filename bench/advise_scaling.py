@@ -17,7 +17,8 @@ Target: 6 types x 64 GPUs each (7.5e10 clusters) answered in < 30 s with its bou
 realized gap of the default search (how far below the exact frontier it ever falls) is set
 beside the bound it promises.
 
-Run: python bench/advise_scaling.py
+Run: python bench/advise_scaling.py (`--offers-example`: only the example offers file, with
+shard groups and flat, printed)
 """
 
 from __future__ import annotations
@@ -68,6 +69,40 @@ def advisor(gpus: int, types: list[str] = TYPES, per_node: int | None = None) ->
         }
     )
     return Advisor(offers, lambda spec: build_cost_model(spec, MODEL, SEQ_LEN, DTYPE), GLOBAL_BATCH)
+
+
+EXAMPLE_MODEL, EXAMPLE_BATCH, EXAMPLE_PLANS_PER_LEVEL = "gpt-2.7b", 256, 20
+"""The offers-example case: the example file as it is (nodes of 1, 4 and 8 GPUs, each offer on
+its own network), where shard groups are among the plans; 20 exact plans per tolerance level."""
+
+
+def offers_example() -> list[list[str]]:
+    """Rows (search, wall s, plans, frontier, bound) of the example offers file, with shard
+    groups (as `cephalo advise` plans) and flat (`--no-hierarchy`), each on a fresh advisor."""
+    rows = []
+    for hierarchy in (True, False):
+        started = time.perf_counter()
+        adv = Advisor(
+            Offers.from_file(
+                Path(__file__).resolve().parents[1] / "configs" / "offers-example.toml"
+            ),
+            lambda spec: build_cost_model(spec, EXAMPLE_MODEL, SEQ_LEN, DTYPE),
+            EXAMPLE_BATCH,
+            hierarchy=hierarchy,
+        )
+        found = adv.search(plans_per_level=EXAMPLE_PLANS_PER_LEVEL)
+        wall = time.perf_counter() - started
+        rows.append(
+            [
+                "shard groups" if hierarchy else "flat (--no-hierarchy)",
+                f"{wall:.1f}",
+                str(found.stats.plans),
+                str(len(found.frontier)),
+                "exact" if found.bound.exact else f"{100 * found.bound.tolerance:.2g} %",
+            ]
+        )
+        print("offers example:", rows[-1], flush=True)
+    return rows
 
 
 @dataclass
@@ -172,6 +207,7 @@ def main() -> None:
     ]
     for row in sailor_rows:
         print("3 x 256 in nodes of 8:", row, flush=True)
+    example_rows = offers_example()
     headers = [
         "inventory (types x GPUs)",
         "clusters",
@@ -263,6 +299,12 @@ def main() -> None:
         "planner and cost model are not ours (it also chooses tensor and pipeline parallelism), "
         "so this is the size of the question, not a like-for-like race."
     )
+    result.summary.append(
+        f"The example offers file as it is ({EXAMPLE_MODEL}, batch {EXAMPLE_BATCH}, "
+        f"{EXAMPLE_PLANS_PER_LEVEL} exact plans per tolerance level; nodes of 1, 4 and 8 GPUs, "
+        "so shard groups are among the plans):\n\n"
+        + markdown_table(["search", "wall s", "plans", "frontier", "bound"], example_rows)
+    )
     result.figures.append(fig_name)
     result.details.append(
         f"Method: {MODEL}, seq {SEQ_LEN}, {DTYPE}, global batch {GLOBAL_BATCH}; the types "
@@ -282,4 +324,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:] == ["--offers-example"]:  # that case alone, printed (no results file)
+        offers_example()
+    else:
+        main()

@@ -12,7 +12,7 @@ from cephalo.cli import main
 from cephalo.commands.plan import build_cost_model
 from cephalo.errors import CephaloError
 from cephalo.planning.advise import Advisor, select_frontier
-from cephalo.planning.groups import make_hierarchical_plan
+from cephalo.planning.groups import candidate_groupings, make_hierarchical_plan, plan_grouping
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.offers import Offers
 
@@ -43,10 +43,38 @@ TIGHT_OFFERS = {
         {"type": "p100", "max_count": 3, "price_per_hour": 0.40, "intra_node_bandwidth": "8GB/s"},
     ]
 }
+# nodes of one GPU (their own groups hold whole replicas: no collectives inside a group) and of
+# two, each offer on a slower network: shard groups win on most clusters of several nodes
+# (`grouped`: one group per node; `grouped_tight`: llama-1.1b does not fit a T4's memory
+# without host state, so groups of 2 nodes), which the bound must allow for and the search
+# must still equal brute force on
+GROUPED = ("bert-base", 512, "fp32", 8)
+GROUPED_OFFERS = {
+    "offer": [
+        {"type": "t4", "max_count": 3, "price_per_hour": 0.35, "per_node": 1,
+         "inter_node_bandwidth": "1GB/s"},
+        {"type": "l4", "max_count": 4, "price_per_hour": 0.80, "per_node": 2,
+         "inter_node_bandwidth": "2GB/s"},
+        {"type": "a6000", "max_count": 2, "price_per_hour": 0.79},
+    ]
+}  # fmt: skip
+GROUPED_TIGHT_OFFERS = {
+    "offer": [
+        {"type": "t4", "max_count": 3, "price_per_hour": 0.35, "per_node": 1,
+         "inter_node_bandwidth": "1GB/s"},
+        {"type": "l4", "max_count": 4, "price_per_hour": 0.80, "per_node": 2,
+         "inter_node_bandwidth": "3GB/s"},
+        {"type": "p100", "max_count": 2, "price_per_hour": 0.40, "intra_node_bandwidth": "8GB/s"},
+    ]
+}  # fmt: skip
 
 
 def make_advisor(
-    settings, offers, allow_host_state: bool = True, hierarchy: bool = True
+    settings,
+    offers,
+    allow_host_state: bool = True,
+    hierarchy: bool = True,
+    reduce_dtype: str = "fp32",
 ) -> Advisor:
     model, seq, dtype, batch = settings
     return Advisor(
@@ -55,6 +83,7 @@ def make_advisor(
         batch,
         allow_host_state=allow_host_state,
         hierarchy=hierarchy,
+        reduce_dtype=reduce_dtype,
     )
 
 
@@ -73,6 +102,22 @@ def tight():
 @pytest.fixture(scope="module")
 def tight_host():
     return make_advisor(TIGHT, TIGHT_OFFERS)
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    return make_advisor(GROUPED, GROUPED_OFFERS, reduce_dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def grouped_tight():
+    return make_advisor(TIGHT, GROUPED_TIGHT_OFFERS, allow_host_state=False, reduce_dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def grouped_tight_host():
+    # a T4 alone in its group holds llama-1.1b's whole state only with part of it on the host
+    return make_advisor(TIGHT, GROUPED_TIGHT_OFFERS, reduce_dtype="bf16")
 
 
 def planned(adv: Advisor) -> dict[tuple, float | None]:
@@ -99,7 +144,9 @@ def _frontier_within(adv: Advisor, records, max_units) -> list[tuple[str, float]
     return [(adv.cluster_of(k[1]).to_spec(), s) for _, s, k in select_frontier(inside)]
 
 
-@pytest.mark.parametrize("which", ["small", "tight", "tight_host"])
+@pytest.mark.parametrize(
+    "which", ["small", "tight", "tight_host", "grouped", "grouped_tight", "grouped_tight_host"]
+)
 def test_search_equals_brute_force_on_every_inventory(which, request):
     """Every inventory of up to 4 types x 0..4 GPUs (and the tight one's every sub-inventory):
     the search's frontier is exactly the brute-force one, clusters and throughputs."""
@@ -126,7 +173,9 @@ def test_search_equals_brute_force_on_every_inventory(which, request):
         assert len(brute_force(adv, table, adv._max_units)) >= 8  # a frontier worth the name
 
 
-@pytest.mark.parametrize("which", ["small", "tight", "tight_host"])
+@pytest.mark.parametrize(
+    "which", ["small", "tight", "tight_host", "grouped", "grouped_tight", "grouped_tight_host"]
+)
 def test_bound_holds_for_every_cluster(which, request):
     """No plan beats the bound the search prunes with; a cluster whose bound is 0 because its
     state cannot fit is one the planner cannot fit either."""
@@ -145,6 +194,38 @@ def test_bound_holds_for_every_cluster(which, request):
         # with most of its state in host memory one T4 trains it, and the bound knows it can
         sps = adv.samples_per_s(adv.cluster_of((1, 0, 0)).to_spec())
         assert sps is not None and 0 < sps <= adv.upper_bound((1, 0, 0))
+
+
+@pytest.mark.parametrize("which", ["grouped", "grouped_tight", "grouped_tight_host"])
+def test_shard_groups_bound(which, request):
+    """Where shard groups win: each candidate grouping's floor (the bound the planner skips
+    groupings with) is below its plan's step, and infinite only where the grouping has no plan;
+    the advisor's answer is the planner's without the floors; and the bound stays close to the
+    planner's throughput (a bound that dropped the groups' collectives or their all-reduce
+    would plan far more clusters)."""
+    adv = request.getfixturevalue(which)
+    model, seq, dtype, batch = GROUPED if which == "grouped" else TIGHT
+    kw = {"allow_host_state": which != "grouped_tight"}
+    labels, hierarchical = set(), 0
+    for units, sps in planned(adv).items():
+        cm = build_cost_model(adv.cluster_of(units).to_spec(), model, seq, dtype)
+        for grouping in candidate_groupings(cm):
+            floor = adv._bounds.grouping_floor(cm, grouping.groups)
+            res = plan_grouping(cm, batch, grouping, "bf16", **kw)
+            if res.plan is None:
+                continue
+            assert math.isfinite(floor) and floor <= res.step_s * (1 + 1e-12), (units, grouping)
+        if sps is None:
+            continue
+        plan = make_hierarchical_plan(cm, batch, reduce_dtype="bf16", **kw)
+        assert plan.predicted.samples_per_s == sps, units
+        hierarchical += plan.hierarchical
+        labels.add(plan.meta.get("grouping"))
+        assert sps >= 0.9 * adv.upper_bound(units), units
+    assert hierarchical >= 15
+    assert labels >= ({"2 nodes"} if which == "grouped_tight" else {"per node"})
+    if which == "grouped_tight_host":  # the bound of a T4 alone: state partly on the host
+        assert 0 < adv.types["t4"].solo.host_part < 1
 
 
 def test_links_and_nodes_of_the_clusters(tight):

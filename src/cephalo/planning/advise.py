@@ -16,19 +16,22 @@ beta_j(T) >= B} and its throughput at most B / T_lb(x). A cluster also needs sum
 min(sigma_j, 1) >= 1, where sigma_j is the state fraction a device of type j can hold
 without samples (the planner's capacity at b = 0, which caps it at every b); a type with
 sigma_j < 0 cannot take part in any plan and is left out. With shard groups a rank's
-collectives run over its group only, so L_j then uses the smallest group and fastest link any
-cluster of the offers can have (`advise_clusters.bound_ring`, the same for every cluster).
+collectives run over its group only, plus the all-reduce between the groups: a cluster's bound
+is the best of its flat plan's and each candidate grouping's (`advise_bound.py`, which holds
+the tables L_j and the bounds of complete and partial clusters).
 
 **Search.** Best first in price: a heap of partial count vectors (offer by offer), keyed by
 a lower bound on the price of their completions, so clusters are met cheapest first and the
 best throughput f below a price is known when a cluster of that price is met. A cluster is
 planned only if its bound reaches f (the frontier needs more than f); a partial vector is
 expanded only if some completion can: with the partial's device count and links (a
-completion has more devices and no faster link, so every beta_j only shrinks), the samples
-and the state the remaining offers must add are two covering constraints, and their
-cheapest fractional (LP) cover bounds the completion's price from below, or proves that
-none can. Each pruning is exact, so the frontier equals planning every count vector
-(`exhaustive_frontier`, and tests/test_advise.py on every inventory of up to 4 types x 4).
+completion has more devices and no faster link, so every beta_j only shrinks; with shard
+groups beta_j is the larger of that and the most any group lets a rank of offer j take,
+`BoundTables.betas`), the samples and the state the remaining offers must add are two
+covering constraints, and their cheapest fractional (LP) cover bounds the completion's price
+from below, or proves that none can. Each pruning is exact, so the frontier equals planning
+every count vector (`exhaustive_frontier`, and tests/test_advise.py on every inventory of up
+to 4 types x 4).
 
 **Tolerance.** A frontier can have thousands of points (6 types x 64 GPUs: 7.5e10 clusters).
 After `plans_per_level` planner calls at one tolerance g the search continues with g doubled
@@ -50,21 +53,27 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from cephalo.errors import CephaloError
+from cephalo.planning.advise_bound import (
+    STATE_SLACK,
+    BoundTables,
+    TypeBound,
+    flat_ring,
+    solo_bound,
+)
 from cephalo.planning.advise_clusters import (
     PlanOptions,
-    bound_ring,
     cluster_of,
     planned_samples_per_s,
     renumber,
     with_new_node,
 )
 from cephalo.planning.costmodel import CostModel
+from cephalo.planning.groups import Grouping
 from cephalo.planning.planner import MAX_MICRO_BATCH, MEMORY_SLACK_BYTES
 from cephalo.specs.cluster import (
     CPU_COLLECTIVE_LATENCY_S,
@@ -72,7 +81,6 @@ from cephalo.specs.cluster import (
     Cluster,
 )
 from cephalo.specs.offers import MICRO_USD_PER_USD, Offer, Offers
-from cephalo.specs.profile import CommProfile
 
 CostModelFactory = Callable[[str], CostModel]
 """A cost model for a cluster spec string: what `cephalo plan --cluster SPEC` plans with."""
@@ -84,10 +92,6 @@ FIRST_TOLERANCE = 0.005
 BOUND_SLACK = 1e-9
 """Relative margin on every bound test: a cluster is skipped only when its bound is below
 the threshold by more than floating-point noise."""
-STATE_SLACK = 1e-9
-"""A cluster whose devices' state capacities sum to below 1 - this cannot fit."""
-TABLE_CACHE_BYTES = 64 * 2**20
-"""Memory for each of the two caches of the bound's tables."""
 _HUGE_T = float(np.finfo(np.float64).max)
 """Step time standing for "no threshold yet" (beta counts every finite L_j(b))."""
 
@@ -270,20 +274,6 @@ class Marginal:
 
 
 # ====================================================================== the advisor
-@dataclass
-class _Type:
-    """What the bound needs of one device type (from its one-device cost model)."""
-
-    key: str
-    capacity: int
-    max_micro_batch: int
-    """Largest micro-batch whose working memory fits (0: not even one sample fits)."""
-    state_cap: float
-    """State fraction the device holds without samples, at most 1."""
-    passes: dict[str, tuple[np.ndarray, np.ndarray]]
-    """Per unit kind, the fastest forward and backward of b = 0..B samples."""
-
-
 class Advisor:
     """The clusters `offers` allow for one model, global batch, sequence length and dtype.
 
@@ -315,7 +305,7 @@ class Advisor:
         self._errors: dict[str, str] = {}
         self.plans = 0
         self.planner_s = 0.0
-        self.types: dict[str, _Type] = {}
+        self.types: dict[str, TypeBound] = {}
         self._profiles: dict = {}
         self._model_cm: CostModel | None = None
         notes: dict[str, str | None] = {}
@@ -340,24 +330,25 @@ class Advisor:
         )
         self._max_units = np.array([o.max_units for o in self.offers], dtype=np.int64)
         self._state_cap = np.array([self.types[o.type].state_cap for o in self.offers])
+        # the least collective latency a cluster of these offers has (`Cluster`: a cluster with
+        # a CPU device has the CPU's, a GPU-only one the GPU's): a bound may charge no more
         self._latency = (
-            CPU_COLLECTIVE_LATENCY_S
-            if any(o.type == "cpu" for o in self.offers)
-            else GPU_COLLECTIVE_LATENCY_S
+            GPU_COLLECTIVE_LATENCY_S
+            if any(o.type != "cpu" for o in self.offers)
+            else CPU_COLLECTIVE_LATENCY_S
         )
-        self._comm_models: dict[tuple, CostModel] = {}
-        self._ring = bound_ring(self.offers, self.options)
-        """The bound's (devices, link) for every cluster with shard groups (None: flat)."""
-        # bound tables are B + 1 floats each: keep about 64 MiB of each kind
-        row_bytes = 8 * (global_batch + 1)
-        self._tables = lru_cache(maxsize=max(64, min(8192, TABLE_CACHE_BYTES // row_bytes)))(
-            self._tables_uncached
+        self._bounds = BoundTables(
+            base,
+            self._profiles,
+            self.types,
+            self.offers,
+            global_batch,
+            self._latency,
+            hierarchy,
+            reduce_dtype,
+            allow_host_state,
         )
-        self._stack = lru_cache(
-            maxsize=max(16, TABLE_CACHE_BYTES // (row_bytes * len(self.offers)))
-        )(self._stack_uncached)
-        self._betas_T: float | None = None
-        self._betas_memo: dict[tuple[int, float], tuple[np.ndarray, float]] = {}
+        """The bound's tables, and the bounds of complete and partial clusters."""
         self._state_lp = [self._lp_cover(d, self._state_cap) for d in range(len(self.offers) + 1)]
 
     # ------------------------------------------------------------------ set-up
@@ -406,7 +397,14 @@ class Advisor:
         passes = cm.fastest_pass_times(type_key, np.arange(B + 1), max(mmax, 1))
         # (b up to B: the planner never puts more than MAX_BATCH_PER_RANK on one rank, so
         # counting larger b only loosens the bound)
-        self.types[type_key] = _Type(type_key, cap, mmax, min(state_cap, 1.0), passes)
+        self.types[type_key] = TypeBound(
+            type_key,
+            cap,
+            mmax,
+            min(state_cap, 1.0),
+            passes,
+            solo_bound(cm, type_key, B, ms, mem, idle, self.allow_host_state),
+        )
         self._profiles.update(cm.profiles)
         return None
 
@@ -426,13 +424,20 @@ class Advisor:
             started = time.perf_counter()
             cm = self.cost_model_for(spec)  # a bad spec or model is the user's to hear about
             try:
-                self._cache[spec] = planned_samples_per_s(cm, self.global_batch, self.options)
+                self._cache[spec] = planned_samples_per_s(
+                    cm, self.global_batch, self.options, self._grouping_floor
+                )
             except CephaloError as e:  # does not fit, or more samples per GPU than it plans
                 self._cache[spec] = None
                 self._errors[spec] = str(e)
             self.plans += 1
             self.planner_s += time.perf_counter() - started
         return self._cache[spec]
+
+    def _grouping_floor(self, cm: CostModel, grouping: Grouping) -> float:
+        """The bound's least step of a plan of `cm`'s cluster in these shard groups: the planner
+        skips groupings that cannot beat the best plan (the answer stays the planner's)."""
+        return self._bounds.grouping_floor(cm, grouping.groups)
 
     def does_not_fit_reason(self, spec: str) -> str | None:
         self.samples_per_s(spec)
@@ -477,65 +482,13 @@ class Advisor:
         return int(np.prod(self._max_units + 1)) - 1
 
     # ------------------------------------------------------------------ the bound
-    def _link(self, n: int, intra: float, inter: float, nodes: int) -> tuple[int, float]:
-        """(device count, slowest link) as the table key; one device has no collectives. With
-        shard groups, the smallest group's over the fastest link, whatever the cluster."""
-        if self._ring is not None:
-            return self._ring
-        if n <= 1:
-            return 1, 0.0
-        return n, (min(intra, inter) if nodes > 1 else intra)
-
-    def _comm_model(self, n: int, link: float) -> CostModel:
-        key = (n, link)
-        cm = self._comm_models.get(key)
-        if cm is None:
-            base = self._model_cm
-            comm = CommProfile(bytes_per_s=link if n > 1 else 1.0, latency_s=self._latency)
-            cm = CostModel(
-                base.model,
-                base.seq_len,
-                base.dtype,
-                base.devices[:1] * n,
-                self._profiles,
-                comm,
-                reserve_bytes=base.reserve_bytes,
-                reserve_fraction=base.reserve_fraction,
-                adapter=base.adapter,
-            )
-            self._comm_models[key] = cm
-        return cm
-
-    def _tables_uncached(self, type_key: str, n: int, link: float) -> np.ndarray:
-        """L(b) for b = 0..B: a lower bound on a rank's step time (no optimizer) at b samples."""
-        t = self.types[type_key]
-        cm = self._comm_model(n, link)
-        bs = np.arange(self.global_batch + 1)
-        L = np.array(cm.step_time_of_passes(type_key, bs, t.passes, False)[0], dtype=np.float64)
-        if t.max_micro_batch == 0:
-            L[1:] = np.inf  # not even one sample fits: this device only holds state
-        return L
-
-    def _stacked(self, n: int, link: float) -> np.ndarray:
-        """[offer, b]: `_tables` of every offer's type, one row each."""
-        return self._stack(n, link)
-
-    def _stack_uncached(self, n: int, link: float) -> np.ndarray:
-        return np.stack([self._tables(o.type, n, link)[1:] for o in self.offers])
-
-    def _betas(self, n: int, link: float, T: float) -> tuple[np.ndarray, float]:
-        """Per offer: samples one GPU can take within step time T; and the collective floor
-        (L(0), the same for every type: a rank without samples only communicates). Cached for
-        the last T (the search asks for one T until its best throughput rises)."""
-        if self._betas_T != T:
-            self._betas_T, self._betas_memo = T, {}
-        hit = self._betas_memo.get((n, link))
-        if hit is None:
-            stacked = self._stacked(n, link)
-            floor = float(self._tables(self.offers[0].type, n, link)[0])
-            betas = np.array([np.searchsorted(row, T, side="right") for row in stacked])
-            hit = self._betas_memo[(n, link)] = (betas, floor)
-        return hit
+    def _partial_betas(
+        self, n: int, intra: float, inter: float, nodes: int, T: float
+    ) -> tuple[np.ndarray, float]:
+        """Per offer, the most samples one of its GPUs takes within T in any completion of a
+        partial cluster with n devices on `nodes` nodes and these links, flat or in shard
+        groups (`BoundTables.betas`); and the least collective floor L(0)."""
+        return self._bounds.betas(flat_ring(n, intra, inter, nodes), T, (intra, inter))
 
     def upper_bound(self, units: Sequence[int]) -> float:
         """B / T_lb: no plan of this cluster exceeds this many samples/s (0: cannot fit)."""
@@ -543,34 +496,11 @@ class Advisor:
         gpus = x * self._unit_gpus
         if float(np.dot(gpus, self._state_cap)) < 1 - STATE_SLACK or gpus.sum() == 0:
             return 0.0
-        n, link = self._link(*self._shape(x))
-        tables = [
-            self._tables(o.type, n, link) for o, g in zip(self.offers, gpus, strict=True) if g
-        ]
-        used = [int(g) for g in gpus if g]
-        floor = float(tables[0][0])
-        cand = np.unique(np.concatenate([L[1:] for L in tables] + [[floor]]))
-        cand = cand[np.isfinite(cand) & (cand >= floor)]
-
-        def covers(T: float) -> bool:
-            return (
-                sum(
-                    g * int(np.searchsorted(L[1:], T, side="right"))
-                    for g, L in zip(used, tables, strict=True)
-                )
-                >= self.global_batch
-            )
-
-        if cand.size == 0 or not covers(float(cand[-1])):
+        _, intra, inter, _ = self._shape(x)
+        t = self._bounds.step_lower_bound(x, intra, inter)
+        if not math.isfinite(t):
             return 0.0
-        lo, hi = 0, cand.size - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if covers(float(cand[mid])):
-                hi = mid
-            else:
-                lo = mid + 1
-        return self.global_batch / float(cand[lo]) if cand[lo] > 0 else math.inf
+        return self.global_batch / t if t > 0 else math.inf
 
     def _shape(self, x: np.ndarray) -> tuple[int, float, float, int]:
         """(devices, slowest intra link, slowest inter link, nodes) of a count vector."""
@@ -679,7 +609,7 @@ class Advisor:
                     continue
                 group_price = price
                 need = max(v, group_best[0] if group_best else 0.0)
-                if not self._may_reach(np.asarray(units), n, intra, inter, nodes, need):
+                if not self._may_reach(np.asarray(units), intra, inter, need):
                     stats["skipped"] += 1
                     continue
                 spec = self.cluster_of(units).to_spec()
@@ -704,8 +634,7 @@ class Advisor:
                 continue
             # a partial vector: bound its completions, then push its children
             T = self._threshold_time(v)
-            m, link = self._link(n, intra, inter, nodes)
-            betas, floor = self._betas(m, link, T)
+            betas, floor = self._partial_betas(n, intra, inter, nodes, T)
             if floor > T:
                 stats["pruned"] += 1
                 continue
@@ -730,9 +659,7 @@ class Advisor:
                     b_betas, b_floor = betas, floor
                 else:
                     c_nodes = nodes + (lo if o.per_node else 1)
-                    b_betas, b_floor = self._betas(
-                        *self._link(n + lo * u, c_intra, c_inter, c_nodes), T
-                    )
+                    b_betas, b_floor = self._partial_betas(n + lo * u, c_intra, c_inter, c_nodes, T)
                     if b_floor > T:
                         stats["pruned"] += hi - lo + 1
                         continue
@@ -807,7 +734,9 @@ class Advisor:
         )
         added = 1
         for _ in range(4):
-            add_betas, add_floor = self._betas(*self._link(n + added, link, link, 1), T)
+            add_betas, add_floor = self._bounds.betas(
+                flat_ring(n + added, link, link, 1), T, (intra, inter)
+            )
             if add_floor > T:
                 return best
             missing = B - int(np.dot(gpus, add_betas[:depth]))
@@ -841,17 +770,12 @@ class Advisor:
                 return float(math.ceil(count - 1e-9))
         return math.inf
 
-    def _may_reach(
-        self, x: np.ndarray, n: int, intra: float, inter: float, nodes: int, v: float
-    ) -> bool:
+    def _may_reach(self, x: np.ndarray, intra: float, inter: float, v: float) -> bool:
         """Can this cluster's bound reach v samples/s (and its state fit)?"""
         gpus = x * self._unit_gpus
         if float(np.dot(gpus, self._state_cap)) < 1 - STATE_SLACK:
             return False
-        T = self._threshold_time(v)
-        m, link = self._link(n, intra, inter, nodes)
-        betas, floor = self._betas(m, link, T)
-        return floor <= T and int(np.dot(gpus, betas)) >= self.global_batch
+        return self._bounds.reaches(x, intra, inter, self._threshold_time(v))
 
     # ------------------------------------------------------------------ reference
     def exhaustive_frontier(self) -> list[FrontierPoint]:

@@ -1,28 +1,21 @@
-"""The advisor's clusters: a count vector over the offers as a cluster of nodes, how such a
-cluster is planned (as `cephalo plan` plans it: flat, or in shard groups), and what the bound
-on its throughput may assume about its collectives.
+"""The advisor's clusters: a count vector over the offers as a cluster of nodes, and how such a
+cluster is planned (as `cephalo plan` plans it: flat, or in shard groups).
 
 A cluster of several offers is several nodes (each offer on its own node or nodes of
 `per_node` GPUs), so the planner also tries one shard group per node (or per few nodes):
 collectives inside a node, one gradient all-reduce between the groups per step
-(`planning/groups.py`). The advisor's bound (`Advisor.upper_bound`) charges each rank the
-collectives of a ring of n devices over a link W; for a flat plan those are the cluster's device
-count and slowest link, but a shard group rings only over its own nodes, whose link may be the
-faster intra-node one. So with shard groups the bound charges the ring of the smallest group any
-plan of these offers can form (one node of the offer with the smallest nodes) over the fastest
-intra-node link of any offer, and no all-reduce between groups: at most what any plan of any
-cluster of these offers spends, the same for every cluster (so bounding a partial cluster's
-completions with it stays valid as they grow).
+(`planning/groups.py`). The advisor's bound on such plans, and the floors with which the
+planner skips groupings that cannot win, are in `planning/advise_bound.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cephalo.errors import CephaloError
 from cephalo.planning.costmodel import CostModel
-from cephalo.planning.groups import make_hierarchical_plan
+from cephalo.planning.groups import Grouping, make_hierarchical_plan
 from cephalo.planning.plan import REDUCE_DTYPES
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.specs.offers import Offer
@@ -47,29 +40,25 @@ class PlanOptions:
             )
 
 
-def planned_samples_per_s(cm: CostModel, global_batch: int, options: PlanOptions) -> float:
+def planned_samples_per_s(
+    cm: CostModel,
+    global_batch: int,
+    options: PlanOptions,
+    step_floor: Callable[[CostModel, Grouping], float] | None = None,
+) -> float:
     """The throughput `cephalo plan` predicts for the cluster of `cm` (raises `CephaloError`
-    where no plan fits)."""
+    where no plan fits). `step_floor(cm, grouping)`: a lower bound on a grouping's step, to
+    skip groupings that cannot beat the best plan (`groups.make_hierarchical_plan`)."""
     plan = make_hierarchical_plan(
         cm,
         global_batch,
         hierarchy=options.hierarchy,
         reduce_dtype=options.reduce_dtype,
+        step_floor=None if step_floor is None else lambda g: step_floor(cm, g),
         allow_offload=options.allow_offload,
         allow_host_state=options.allow_host_state,
     )
     return plan.predicted.samples_per_s
-
-
-def bound_ring(offers: Sequence[Offer], options: PlanOptions) -> tuple[int, float] | None:
-    """(devices, link) of the collectives the bound charges every cluster of `offers` with
-    shard groups (see the module docstring); None for flat plans (each cluster's own)."""
-    if not options.hierarchy or not offers:
-        return None
-    smallest = min(o.per_node or o.unit_gpus for o in offers)
-    if smallest <= 1:
-        return 1, 0.0  # a group of one device has no collectives
-    return smallest, max(o.intra_bytes_per_s for o in offers)
 
 
 def cluster_of(offers: Sequence[Offer], units: Sequence[int]) -> Cluster:

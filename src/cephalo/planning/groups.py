@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cephalo.errors import CephaloError, PlanDoesNotFit
@@ -92,6 +93,7 @@ def make_hierarchical_plan(
     hierarchy: bool = True,
     reduce_dtype: str = "fp32",
     groupings: list[Grouping] | None = None,
+    step_floor: Callable[[Grouping], float] | None = None,
     **planner_kw,
 ) -> Plan:
     """The best plan over the flat one and the candidate groupings (`hierarchy=False`: the flat
@@ -99,7 +101,12 @@ def make_hierarchical_plan(
 
     The returned plan's `meta["groupings"]` lists each candidate's predicted step. A grouping
     whose all-reduce between groups alone (`CostModel.cross_reduce_total_s`, a floor under
-    every rank's step) takes at least the best step found is not planned (`at_least_s`)."""
+    every rank's step) takes at least the best step found is not planned (`at_least_s`).
+
+    `step_floor(grouping)`, where given, is a lower bound on the step of every plan of the
+    grouping (the advisor's, `advise_bound.BoundTables.grouping_floor`): once no candidate left
+    has a floor below the best step found, none of them is planned. Only then, so the candidates
+    planned before are those planned without it, and the plan returned is the same."""
     from cephalo.planning.planner import make_plan
 
     if reduce_dtype not in REDUCE_DTYPES:
@@ -119,10 +126,21 @@ def make_hierarchical_plan(
     summary = [{"grouping": "flat", "step_s": best_step if flat_error is None else None}]
     if hierarchy and len(node_groups(cm)) > 1:
         candidates = groupings if groupings is not None else candidate_groupings(cm)
+        # the least floor of each candidate and those after it: a grouping that cannot win
+        # is still planned while a later one could, as whether the later ones are tried
+        # depends on its plan (below)
+        floors = [step_floor(c) for c in candidates] if step_floor is not None else []
+        rest = [min(floors[i:]) for i in range(len(floors))]
         replica_missing = False
-        for grouping in candidates:
+        for i, grouping in enumerate(candidates):
             if groupings is None and grouping.label != "per node" and not replica_missing:
                 break  # groups of several nodes only where smaller ones cannot hold a replica
+            if rest and rest[i] >= best_step:
+                summary.extend(
+                    {"grouping": c.label, "step_s": None, "at_least_s": f}
+                    for c, f in zip(candidates[i:], floors[i:], strict=True)
+                )
+                break  # no candidate left can beat the best plan
             g = len(grouping.groups)
             floor = cm.group_model(grouping.groups[0], g, reduce_dtype).cross_reduce_total_s
             if floor >= best_step:  # its all-reduce alone is no faster than the best plan's step

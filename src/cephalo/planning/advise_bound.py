@@ -1,0 +1,488 @@
+"""The advisor's bound tables: per device type, a lower bound L(b) on a rank's step time at b
+samples for the collectives it may run, and from them the bound on a cluster's throughput, flat
+or in shard groups (`Advisor.upper_bound`; docs/advise.md, "The search, and why it is exact").
+
+A table is keyed by the collectives a rank takes part in, a `Ring`: a ring of `n` devices over
+a link of `link` bytes/s, and (shard groups) the all-reduce between `groups` groups over the
+inter-node link `cross` in the advisor's reduce dtype. L(b) = `CostModel.step_time_of_passes`
+of the type's fastest passes of b samples (no offload) on a one-type cost model with that ring:
+no plan of such a rank steps faster (the planner's step only grows with each pass time, offload
+only adds copies; a group's plan is the flat planner's on `CostModel.group_model`, whose ranks
+pay the same formula with the cross-group all-reduce in it). L only grows with n, groups, and a
+slower link or cross link (each enters a time as bytes / rate or (n - 1) / n and (g - 1) / g
+factors, inside sums and maxima), which is what makes the relaxations below valid.
+
+**A complete cluster** (`BoundTables.step_lower_bound`) steps no faster than the least of
+
+- its flat plan's bound: every rank on the ring of all n devices over the slowest link;
+- per candidate grouping the planner may try (`groups.candidate_groupings`: one group per
+  node, per 2, 4, ... consecutive nodes; the cluster's nodes are known, so the groups are
+  too): each rank on its own group's ring (the group's devices, intra-node link for a group on
+  one node, the slower of both links otherwise) plus the all-reduce between that many groups
+  over the cluster's inter-node link. A grouping with a group whose devices cannot hold a
+  replica (state capacities summing below 1) has no plan, and every group takes >= 1 sample.
+
+Each bound is the least T (at least every rank's L(0): ranks without samples still
+communicate) at which the ranks' samples max{b : L(b) <= T} sum to the global batch. The
+planner returns the best of the flat plan and the groupings it plans (a subset of these), so
+the least of these bounds is below its step.
+
+A rank alone in its group (a node of one GPU), or in a cluster of one device, holds the whole
+state (a `solo` ring): its micro-batches are only those whose working memory fits beside the
+state's leanest bytes, it keeps at least `solo_host_part` of the state on the host (whose
+gradients go down in the backward: `step_time_of_passes` with that host part), and its
+optimizer phase, which the cost model adds to the step, takes at least `solo_optimizer_s`. On
+nodes of one GPU these terms are most of what separates a group's plan from its passes.
+
+The planner skips a grouping once no candidate left can beat the best plan it has
+(`grouping_floor`, from the cluster's own cost model, through `make_hierarchical_plan`'s
+`step_floor`).
+
+**A partial cluster** (the search's heap holds count vectors fixed for the first offers only)
+is bounded through every completion at once, by per-offer samples (`betas`) that no rank of
+that offer exceeds in any completion: the largest of the flat table's (ring of the devices a
+completion has at least, over the partial's slowest link) and a shard-group table's. In any
+grouping a rank's group holds at least its own node (`per_node` devices; 1 for an offer
+without nodes, whose count is not known yet) over at most the fastest intra-node link the
+completion may have, and at least 2 groups all-reduce over at most its fastest inter-node link
+(the largest groupings the planner tries have 2 groups); a completion's links are never faster
+than the partial's. Taking each offer's larger samples of the two covers both kinds of plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from cephalo.planning.costmodel import CostModel, CrossReduce
+from cephalo.planning.planner import MEMORY_SLACK_BYTES
+from cephalo.specs.offers import Offer
+from cephalo.specs.profile import CommProfile
+
+TABLE_CACHE_BYTES = 64 * 2**20
+"""Memory for each of the two caches of the bound's tables."""
+STATE_SLACK = 1e-9
+"""Devices whose state capacities sum to below 1 - this cannot hold a replica."""
+
+
+class Ring(NamedTuple):
+    """The collectives of one rank: a ring of `n` devices over `link` bytes/s, and (`groups` >
+    1) the all-reduce between that many shard groups over `cross` bytes/s. `solo`, where not
+    None: the rank is its group's (or cluster's) only device, so it holds the whole state
+    (micro-batches as `SoloBound.passes`), and its optimizer phase takes at least `solo`
+    seconds (`solo_optimizer_s`)."""
+
+    n: int
+    link: float
+    groups: int = 1
+    cross: float = 0.0
+    solo: float | None = None
+
+
+NO_COLLECTIVES = Ring(1, 0.0)
+
+Group = list[tuple[str, int, Ring]]
+"""The ranks of one shard group: (device type, GPUs, their ring)."""
+Shape = list[Group]
+"""A plan's shard groups (one for a flat plan)."""
+
+
+@dataclass
+class TypeBound:
+    """What the bound needs of one device type (from its one-device cost model)."""
+
+    key: str
+    capacity: int
+    max_micro_batch: int
+    """Largest micro-batch whose working memory fits (0: not even one sample fits)."""
+    state_cap: float
+    """State fraction the device holds without samples, at most 1."""
+    passes: dict[str, tuple[np.ndarray, np.ndarray]]
+    """Per unit kind, the fastest forward and backward of b = 0..B samples."""
+    solo: SoloBound | None = None
+    """What a device of this type holding the whole state is bound by (None: as any other)."""
+
+
+@dataclass
+class SoloBound:
+    """A device that holds the whole state: alone in its shard group, or the whole cluster."""
+
+    max_micro_batch: int
+    """Largest micro-batch whose working memory fits beside the whole state (at its leanest)."""
+    passes: dict[str, tuple[np.ndarray, np.ndarray]]
+    """`TypeBound.passes` with micro-batches of at most `max_micro_batch`."""
+    optimizer_s: float
+    """The least optimizer phase, on a node of its own (the advisor's clusters: its host not
+    shared with other ranks, its speed not overridden)."""
+    host_part: float
+    """The least part of the state it keeps on the host (`solo_host_part`): its gradients go
+    down to the host in the backward."""
+
+
+def solo_bound(
+    cm: CostModel,
+    type_key: str,
+    batch: int,
+    ms: np.ndarray,
+    working: np.ndarray,
+    idle: float,
+    host_state: bool,
+) -> SoloBound:
+    """The `SoloBound` of a type from its one-device cost model `cm`: `working[i]` is the least
+    working memory of a micro-batch of `ms[i]` samples, `idle` that without samples (the
+    advisor's leanest choices), `host_state` whether the planner may keep state on the host."""
+    hosted = host_state and not cm.adapter.frozen_base
+    # the state's leanest device bytes: with host state, its compute-dtype copy and reduce
+    # output only, where that is less
+    whole = (
+        min(cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction)
+        if hosted
+        else cm.bytes_per_fraction
+    )
+    fits = np.nonzero(working + MEMORY_SLACK_BYTES + whole <= cm.capacity_bytes(0))[0]
+    mmax = int(ms[fits[-1]]) if fits.size else 0
+    host_part = solo_host_part(cm, cm.capacity_bytes(0), idle, hosted)
+    # the host AdamW of a node of one rank (this model's cluster): sharing a host only slows it
+    host_s = (cm.host.optimizer_s_per_param[0] if cm.host is not None else 0.0) if hosted else None
+    return SoloBound(
+        mmax,
+        cm.fastest_pass_times(type_key, np.arange(batch + 1), max(mmax, 1)),
+        solo_optimizer_s(cm, type_key, host_s, host_part),
+        host_part,
+    )
+
+
+def solo_host_part(cm: CostModel, capacity: int, idle: float, host_state: bool) -> float:
+    """The least part x of the whole state a device of this type must keep on the host to
+    hold all of it: its device bytes (1 - x) Bs + x Bd (Bs per fraction on the device, Bd per
+    fraction on the host: its compute-dtype copy and reduce-scatter output) fit in what is
+    left beside its least working memory `idle` (0 without host state, or where all fits)."""
+    Bs, Bd = cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction
+    room = capacity - MEMORY_SLACK_BYTES - idle
+    if not host_state or Bs <= Bd or room >= Bs:
+        return 0.0
+    return min(1.0, (Bs - room) / (Bs - Bd))
+
+
+def solo_optimizer_s(
+    cm: CostModel, type_key: str, host_s_per_param: float | None, host_part: float = 0.0
+) -> float:
+    """The least optimizer phase (`CostModel.optimizer_phase_s`) of a device of this type that
+    holds the whole state (s = 1), x >= `host_part` of it on a host whose AdamW takes at least
+    `host_s_per_param` seconds per parameter (None: no host state, x = 0).
+
+    On the device it takes (1 - x) a, a = trained parameters x seconds per parameter; the
+    host part x P h (its AdamW) and x P u (the uploads of all P parameters in the compute dtype
+    over the host link). With async copies the phase is the max of the three, at least
+    max((1 - x) a, x b), b = P max(h, u), least at x = max(a / (a + b), host_part) (where x b
+    is the larger); without, their sum, at least (1 - x) a + x b, b = P (h + u), linear in x:
+    least at x = host_part or 1."""
+    a = cm.optimizer_params * cm.optimizer_s_per_param(type_key)
+    if host_s_per_param is None:
+        return a
+    profile = cm.profiles[type_key]
+    up = cm.dtype_bytes / profile.host_copy_bytes_per_s
+    if not profile.async_copies:
+        b = cm.total_params * (host_s_per_param + up)
+        return min((1 - host_part) * a + host_part * b, b)
+    b = cm.total_params * max(host_s_per_param, up)
+    if a + b <= 0:
+        return 0.0
+    return max(a * b / (a + b), host_part * b)
+
+
+def flat_ring(n: int, intra: float, inter: float, nodes: int) -> Ring:
+    """The ring of a flat plan of n devices on `nodes` nodes: the slowest link it crosses."""
+    if n <= 1:
+        return NO_COLLECTIVES
+    return Ring(n, min(intra, inter) if nodes > 1 else intra)
+
+
+def nodes_of(offers: Sequence[Offer], units: Sequence[int]) -> list[tuple[int, int]]:
+    """(offer index, GPUs) of each node of the cluster `advise_clusters.cluster_of` builds, in
+    its order: an offer's whole nodes of `per_node` GPUs, or one node of all its GPUs."""
+    out = []
+    for j, (o, k) in enumerate(zip(offers, units, strict=True)):
+        if k <= 0:
+            continue
+        if o.per_node:
+            out.extend([(j, o.per_node)] * int(k))
+        else:
+            out.append((j, int(k) * o.unit_gpus))
+    return out
+
+
+def cover_time(ranks: list[tuple[int, np.ndarray]], batch: int) -> float:
+    """The least T >= every table's L(0) at which sum count * max{b : L(b) <= T} >= batch, for
+    (count, L) pairs (inf: no T does)."""
+    floor = max(float(L[0]) for _, L in ranks)
+    cand = np.unique(np.concatenate([L[1:] for _, L in ranks] + [np.array([floor])]))
+    cand = cand[np.isfinite(cand) & (cand >= floor)]
+
+    def covers(T: float) -> bool:
+        return sum(c * int(np.searchsorted(L[1:], T, side="right")) for c, L in ranks) >= batch
+
+    if cand.size == 0 or not covers(float(cand[-1])):
+        return math.inf
+    lo, hi = 0, cand.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if covers(float(cand[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(cand[lo])
+
+
+class BoundTables:
+    """The tables L(b) of every offer's type under every ring the search asks about, cached,
+    and the bounds built from them (see the module docstring)."""
+
+    def __init__(
+        self,
+        base: CostModel,
+        profiles: dict,
+        types: dict[str, TypeBound],
+        offers: Sequence[Offer],
+        global_batch: int,
+        latency_s: float,
+        hierarchy: bool,
+        reduce_dtype: str,
+        host_state: bool,
+    ):
+        self.base = base
+        self.profiles = profiles
+        self.types = types
+        self.offers = list(offers)
+        self.global_batch = global_batch
+        self.latency_s = latency_s
+        self.hierarchy = hierarchy
+        self.reduce_dtype = reduce_dtype
+        self.host_state = host_state and not base.adapter.frozen_base
+        """Whether the planner may keep state on the host (`--no-host-state`; not for a frozen
+        base)."""
+        self.state_cap = np.array([types[o.type].state_cap for o in self.offers])
+        self.node_size = [o.per_node or 1 for o in self.offers]
+        """Per offer: the fewest devices a node of it has in any cluster."""
+        self.max_intra = max(o.intra_bytes_per_s for o in self.offers)
+        self.max_inter = max(o.inter_node_bytes_per_s for o in self.offers)
+        self._comm_models: dict[Ring, CostModel] = {}
+        # bound tables are B + 1 floats each: keep about 64 MiB of each kind
+        row_bytes = 8 * (global_batch + 1)
+        self.table: Callable[[str, Ring], np.ndarray] = lru_cache(
+            maxsize=max(64, min(8192, TABLE_CACHE_BYTES // row_bytes))
+        )(self._table)
+        self._stack = lru_cache(
+            maxsize=max(16, TABLE_CACHE_BYTES // (row_bytes * len(self.offers)))
+        )(self._stack_uncached)
+        self._betas_T: float | None = None
+        self._betas_memo: dict[tuple, tuple[np.ndarray, float]] = {}
+
+    # ------------------------------------------------------------------ tables
+    def _comm_model(self, ring: Ring) -> CostModel:
+        cm = self._comm_models.get(ring)
+        if cm is None:
+            base = self.base
+            comm = CommProfile(
+                bytes_per_s=ring.link if ring.n > 1 else 1.0, latency_s=self.latency_s
+            )
+            cross = (
+                CrossReduce(ring.groups, self.reduce_dtype, ring.cross, self.latency_s)
+                if ring.groups > 1
+                else None
+            )
+            cm = CostModel(
+                base.model,
+                base.seq_len,
+                base.dtype,
+                base.devices[:1] * ring.n,
+                self.profiles,
+                comm,
+                reserve_bytes=base.reserve_bytes,
+                reserve_fraction=base.reserve_fraction,
+                adapter=base.adapter,
+                cross_reduce=cross,
+            )
+            self._comm_models[ring] = cm
+        return cm
+
+    def _table(self, type_key: str, ring: Ring) -> np.ndarray:
+        """L(b) for b = 0..B: a lower bound on a rank's step time at b samples (no optimizer,
+        but for a `solo` rank: its whole state's least optimizer phase, and its micro-batches
+        only as large as fit beside that state)."""
+        t = self.types[type_key]
+        cm = self._comm_model(ring._replace(solo=None))
+        bs = np.arange(self.global_batch + 1)
+        passes, mmax, x = t.passes, t.max_micro_batch, 0.0
+        if ring.solo is not None and t.solo is not None:
+            # a solo rank's host part is at least solo.host_part: its gradient copies add time
+            passes, mmax, x = t.solo.passes, t.solo.max_micro_batch, t.solo.host_part
+        L = np.array(
+            cm.step_time_of_passes(type_key, bs, passes, False, True, x)[0], dtype=np.float64
+        )
+        if ring.solo is not None:
+            L += ring.solo
+        if mmax == 0:
+            L[1:] = np.inf  # not even one sample fits: this device only holds state
+        return L
+
+    def _stack_uncached(self, rings: tuple[Ring, ...]) -> np.ndarray:
+        """[offer, b >= 1]: offer j's table under rings[j]."""
+        return np.stack(
+            [self.table(o.type, r)[1:] for o, r in zip(self.offers, rings, strict=True)]
+        )
+
+    def _group_rings(self, intra: float, inter: float) -> tuple[Ring, ...]:
+        """Per offer: the cheapest collectives its ranks have in any shard group of a cluster
+        whose links are at most intra and inter (see the module docstring)."""
+        return tuple(
+            NO_COLLECTIVES._replace(groups=2, cross=inter) if s <= 1 else Ring(s, intra, 2, inter)
+            for s in self.node_size
+        )
+
+    # ------------------------------------------------------------------ partial clusters
+    def betas(
+        self, ring: Ring, T: float, links: tuple[float, float] | None
+    ) -> tuple[np.ndarray, float]:
+        """Per offer: the most samples one of its GPUs can take within step time T in a flat
+        plan on `ring`, or (`links` = the most intra- and inter-node rates a completion may
+        have, with shard groups) in any shard group; and the least L(0) of those tables. Cached
+        for the last T (the search asks for one T until its best throughput rises)."""
+        if self._betas_T != T:
+            self._betas_T, self._betas_memo = T, {}
+        key = (ring, links if self.hierarchy else None)
+        hit = self._betas_memo.get(key)
+        if hit is None:
+            flat = (ring,) * len(self.offers)
+            betas = self._count(flat, T)
+            floor = float(self.table(self.offers[0].type, ring)[0])
+            if self.hierarchy and links is not None:
+                intra = min(links[0], self.max_intra)
+                inter = min(links[1], self.max_inter)
+                grouped = self._group_rings(intra, inter)
+                betas = np.maximum(betas, self._count(grouped, T))
+                floor = min(
+                    floor,
+                    *(
+                        float(self.table(o.type, r)[0])
+                        for o, r in zip(self.offers, grouped, strict=True)
+                    ),
+                )
+            hit = self._betas_memo[key] = (betas, floor)
+        return hit
+
+    def _count(self, rings: tuple[Ring, ...], T: float) -> np.ndarray:
+        stacked = self._stack(rings)
+        return np.array([np.searchsorted(row, T, side="right") for row in stacked])
+
+    # ------------------------------------------------------------------ complete clusters
+    def plan_shapes(self, units: Sequence[int], intra: float, inter: float) -> list[Shape]:
+        """The plans the planner may make of the cluster of `units`: per plan, per group,
+        (type, GPUs, ring) of its ranks; the flat plan first, then each candidate grouping
+        (`groups.candidate_groupings` on `advise_clusters.cluster_of`'s nodes: one group per
+        node, then per 2, 4, ... consecutive nodes) whose groups can each hold a replica."""
+        nodes = [(self.offers[j].type, g) for j, g in nodes_of(self.offers, units)]
+        n = sum(g for _, g in nodes)
+        flat = flat_ring(n, intra, inter, len(nodes))
+        if n == 1:  # one device: it holds the whole state
+            flat = flat._replace(solo=self._solo_optimizer_s(nodes[0][0]))
+        shapes: list[Shape] = [[[(t, g, flat) for t, g in nodes]]]
+        if not self.hierarchy or len(nodes) < 2:
+            return shapes
+        k = 1
+        while k < len(nodes):
+            chunks = [nodes[i : i + k] for i in range(0, len(nodes), k)]
+            plan = []
+            for chunk in chunks:
+                size = sum(g for _, g in chunk)
+                link = intra if len(chunk) == 1 else min(intra, inter)
+                ring = (
+                    Ring(size, link, len(chunks), inter)
+                    if size > 1
+                    else Ring(1, 0.0, len(chunks), inter, self._solo_optimizer_s(chunk[0][0]))
+                )
+                plan.append([(t, g, ring) for t, g in chunk])
+            if all(self._holds_replica(group) for group in plan):
+                shapes.append(plan)
+            k *= 2
+        return shapes
+
+    def grouping_floor(self, cm: CostModel, groups: list[list[int]]) -> float:
+        """A lower bound on the step of any plan of the cluster of `cm` in these shard groups
+        (inf: a group cannot hold a replica; 0 where the cluster has devices or links the
+        tables do not describe: another type or memory, another collective latency)."""
+        links = cm.links
+        if links is None or links.latency_s < self.latency_s or len(groups) < 2:
+            return 0.0
+        plan = []
+        for members in groups:
+            group: dict[tuple[str, Ring], int] = {}
+            ring = Ring(
+                len(members), links.bytes_per_s(members), len(groups), links.inter_bytes_per_s
+            )
+            for r in members:
+                d = cm.devices[r]
+                t = self.types.get(d.type_key)
+                if t is None or int(d.memory_bytes) != t.capacity:
+                    return 0.0
+                if len(members) == 1:  # alone: the whole state, its host's AdamW speed
+                    host = cm.host.optimizer_s_per_param[r] if cm.host is not None else None
+                    part = t.solo.host_part if t.solo is not None else 0.0
+                    solo = solo_optimizer_s(cm, d.type_key, host if self.host_state else None, part)
+                    ring = Ring(1, 0.0, len(groups), links.inter_bytes_per_s, solo)
+                group[(d.type_key, ring)] = group.get((d.type_key, ring), 0) + 1
+            plan.append([(t, g, ring) for (t, ring), g in group.items()])
+        if not all(self._holds_replica(group) for group in plan):
+            return math.inf
+        return self._plan_time(plan)
+
+    def _solo_optimizer_s(self, type_key: str) -> float:
+        solo = self.types[type_key].solo
+        return solo.optimizer_s if solo is not None else 0.0
+
+    def _holds_replica(self, group: Group) -> bool:
+        return sum(g * self.types[t].state_cap for t, g, _ in group) >= 1 - STATE_SLACK
+
+    def _plan_ranks(self, plan: Shape) -> list[tuple[int, np.ndarray]]:
+        """(GPUs, table) of a plan's ranks, one pair per type and ring."""
+        ranks: dict[tuple[str, Ring], int] = {}
+        for group in plan:
+            for t, g, ring in group:
+                ranks[(t, ring)] = ranks.get((t, ring), 0) + g
+        return [(c, self.table(t, ring)) for (t, ring), c in ranks.items()]
+
+    def _plan_time(self, plan: Shape) -> float:
+        """The least step of a plan of this shape (`cover_time`; in shard groups, also the
+        least at which every group takes a sample)."""
+        t = cover_time(self._plan_ranks(plan), self.global_batch)
+        if len(plan) > 1:
+            t = max(t, max(self._one_sample(group) for group in plan))
+        return t
+
+    def step_lower_bound(self, units: Sequence[int], intra: float, inter: float) -> float:
+        """The least step time any plan of the cluster can have (inf: none fits; the caller
+        checks the cluster's total state capacity)."""
+        return min(self._plan_time(plan) for plan in self.plan_shapes(units, intra, inter))
+
+    def reaches(self, units: Sequence[int], intra: float, inter: float, T: float) -> bool:
+        """Whether some plan of the cluster may step within T (`step_lower_bound` <= T, without
+        its search)."""
+        for plan in self.plan_shapes(units, intra, inter):
+            ranks = self._plan_ranks(plan)
+            if max(float(L[0]) for _, L in ranks) > T:
+                continue
+            if len(plan) > 1 and max(self._one_sample(group) for group in plan) > T:
+                continue
+            held = sum(c * int(np.searchsorted(L[1:], T, side="right")) for c, L in ranks)
+            if held >= self.global_batch:
+                return True
+        return False
+
+    def _one_sample(self, group: Group) -> float:
+        """The least step at which some rank of the group takes a sample."""
+        return min(float(self.table(t, ring)[1]) for t, _, ring in group)
