@@ -912,8 +912,9 @@ class CostModel:
             for k, n in self.unit_counts.items()
         )
 
-    def evaluate(self, plan: Plan) -> PlanEvaluation:
-        """Per-rank time and memory of any plan (made by the planner or by hand)."""
+    def evaluate(self, plan: Plan, charge_padding: bool = True) -> PlanEvaluation:
+        """Per-rank time and memory of any plan (made by the planner or by hand).
+        `charge_padding` False: as if its split ran unpadded (the planner's relaxation)."""
         if plan.world_size != len(self.devices):
             raise CephaloError(
                 f"the plan has {plan.world_size} ranks but the cluster has {len(self.devices)} devices; "
@@ -940,7 +941,7 @@ class CostModel:
             return group_cost.evaluate_groups(self, plan)
         # the split runs padded-even where the backend pads and it is near even: every rank's
         # collectives and padded buffers are charged for it (collective_cost.py)
-        pad = self.split_padding(plan.state_fractions)
+        pad = self.split_padding(plan.state_fractions) if charge_padding else 0.0
         # identical ranks doing identical work cost the same: compute each combination once
         # (a 1024-GPU plan has a handful)
         cache: dict[tuple, RankCost] = {}
