@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 PAD_EVEN_SLACK = 1.15
 """A unit's shards are padded to equal size, and its collectives run as the even ones
 (`all_gather_into_tensor` / `reduce_scatter_tensor`: NCCL's ring, tree and NVLS algorithms),
@@ -67,8 +69,11 @@ def split_padding(fractions: Sequence[float], enabled: bool) -> float:
     return max(float(f) for f in fractions) / sum(float(f) for f in fractions)
 
 
-def pad_factor(pad: float, world: int) -> float:
-    """The bytes factor of a split padded to `pad` over `world` ranks (1: unpadded)."""
+def pad_factor(pad, world: int):
+    """The bytes factor of a split padded to `pad` over `world` ranks (1: unpadded); broadcasts."""
+    if np.ndim(pad):
+        pad = np.asarray(pad, dtype=np.float64)
+        return np.where(pad > 0, world * pad, 1.0)
     return world * pad if pad > 0 else 1.0
 
 
@@ -118,12 +123,12 @@ class Collectives:
             scatter_padded_s={k: ring * b / bytes_per_s for k, b in scatter_bytes.items()},
         )
 
-    def gather(self, kind: str, pad: float = 0.0) -> float:
+    def gather(self, kind: str, pad=0.0):
         """One all-gather of a unit of `kind` under a split padded to `pad` (0: unpadded)."""
         extra = pad_factor(pad, self.world) - 1.0
         return self.gather_s[kind] + extra * self.gather_padded_s[kind]
 
-    def scatter(self, kind: str, pad: float = 0.0) -> float:
+    def scatter(self, kind: str, pad=0.0):
         """One reduce-scatter of a unit of `kind`'s fp32 gradient under a split padded to `pad`."""
         extra = pad_factor(pad, self.world) - 1.0
         return self.scatter_s[kind] + extra * self.scatter_padded_s[kind]

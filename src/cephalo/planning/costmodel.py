@@ -794,7 +794,8 @@ class CostModel:
         whole = np.stack([sum((np.ceil(v) for v in ph.values()), zero) for ph in phases])
         peak = np.argmax(raw, axis=0)  # the first of equal phases, as in `memory_parts`
         total = np.take_along_axis(whole, peak[None], axis=0)[0]
-        padded = pad * self.padding_bytes_per_fraction if pad > 0 else 0.0
+        pad = np.asarray(pad, dtype=np.float64)  # broadcasts too (tests scan the padding)
+        padded = np.where(pad > 0, pad * self.padding_bytes_per_fraction, 0.0)
         return total + math.ceil(self.reserve_for(capacity_bytes)) + padded
 
     def state_bytes(self, fraction, host_part=0.0) -> np.ndarray:

@@ -58,6 +58,8 @@ class Attempt(Generic[C]):
     choice: C
     lower: float
     step_s: float
+    pad: float = 0.0
+    """The choice's split's padding (`CostModel.split_padding`)."""
 
 
 def best_with_padding(
@@ -79,10 +81,15 @@ def best_with_padding(
     best = relaxed
     searches = 0
 
-    def consider(a: Attempt[C] | None) -> None:
+    def consider(a: Attempt[C] | None, charged: float | None = None) -> None:
+        """Keep `a` if it is the best so far; made under a charge of `charged`, only if it runs
+        padded to at most that: the search's tables then hold its memory with the planner's
+        slack, as every plan the planner returns does."""
         nonlocal best, searches
         searches += 1
-        if a is not None and a.step_s < best.step_s:
+        if a is None or (charged is not None and not 0.0 < a.pad <= charged * (1 + 1e-12)):
+            return
+        if a.step_s < best.step_s:
             best = a
 
     floor = least_unpadded_fraction(world)
@@ -91,10 +98,14 @@ def best_with_padding(
             consider(search(floor_rank=j, floor=floor))
 
     lo, hi = 1.0 / world, PAD_EVEN_SLACK / world
+    # the ends of the range as plans of their own: an exactly even split pays no padding, and
+    # the branch and bound would only approach it
+    consider(search(pad=lo, clip=lo), lo)
+    consider(search(pad=hi, clip=hi), hi)
 
     def bound(a: float, b: float) -> float:
         att = search(pad=a, clip=b)
-        consider(att)
+        consider(att, a)
         return att.lower if att is not None else math.inf
 
     heap = [(bound(lo, hi), lo, hi)]
@@ -112,7 +123,7 @@ def best_with_padding(
             )
             break
         mid = 0.5 * (a + b)
-        consider(search(pad=mid, clip=mid))  # W(mid): a plan charged as it runs
+        consider(search(pad=mid, clip=mid), mid)  # W(mid): a plan charged as it runs
         for x, y in ((a, mid), (mid, b)):
             heapq.heappush(heap, (max(lower, bound(x, y)), x, y))
     return best.choice

@@ -704,12 +704,12 @@ def _optimise_charged(cm: CostModel, B: int, allowed: _Allowed, explain: bool = 
             c = _optimise(cm, B, replace(allowed, rel_tol=PADDED_REL_TOL, **regime), False)
         except PlanDoesNotFit:
             return None
-        return Attempt(c, c.lower, step_s(c))
+        return Attempt(c, c.lower, step_s(c), cm.split_padding(c.fraction))
 
     kinds = [g.ranks[0] for g in _groups(cm)]
     return best_with_padding(
         len(cm.devices),
-        Attempt(relaxed, relaxed.lower, step_s(relaxed)),
+        Attempt(relaxed, relaxed.lower, step_s(relaxed), cm.split_padding(relaxed.fraction)),
         cm.split_padding(relaxed.fraction),
         step_s(relaxed, padded=False),
         kinds,
