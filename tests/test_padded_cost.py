@@ -280,3 +280,27 @@ def test_planner_avoids_or_pays_the_padding(speeds, opt, mems, how):
         assert 0.5 < top < max(relaxed.state_fractions) and split_padding(
             plan.state_fractions, True
         )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_three_ranks_between_the_bounds(seed):
+    """Three ranks, padding on: the plan fits and lies between the charge-free optimum (a lower
+    bound on every plan) and that optimum as it would run (a plan the search also weighs)."""
+    rng = np.random.default_rng(seed)
+    speeds = tuple(1.0 + 0.1 * rng.random(3))
+    mems = tuple(int(m) for m in rng.integers(4500, 9000, 3))
+    profiles = {
+        f"d{i}": linear_profile(f"d{i}", 1.0 / s, 2.0 / s, 120.0, 0.05, fwd_intercept=0.2 / s)
+        for i, s in enumerate(speeds)
+    }
+    devices = [FakeDevice(f"d{i}", m) for i, m in enumerate(mems)]
+    kw = {"bytes_per_s": float(rng.choice([20.0, 100.0])), "latency_s": 0.01}
+    cm = cost_model(devices, profiles, padded_collectives=True, **kw)
+    free = cost_model(devices, profiles, **kw)
+    relaxed = make_plan(free, 6)
+    plan = make_plan(cm, 6)
+    ev, as_run = cm.evaluate(plan), cm.evaluate(relaxed)
+    assert ev.fits
+    assert ev.step_s >= free.evaluate(relaxed).step_s * (1 - 1e-5)
+    if as_run.fits:
+        assert ev.step_s <= as_run.step_s * (1 + 1e-12)
