@@ -10,7 +10,8 @@ padding travels too. The runtime does this where its comm gathers equal sizes wi
 collective (`Comm.even_gather`): on NCCL, not on gloo. The cost model cannot see the backend,
 so it reads the devices (`backend_pads`): the runtime picks NCCL on CUDA GPUs and gloo on CPUs
 (runtime/dist.py), so a cluster of GPUs pads and one of CPUs (emulated devices included) does
-not; `CostModel(padded_collectives=...)` overrides it (a GPU job forced onto gloo).
+not; `CostModel(padded_collectives=...)` overrides it: the trainer's automatic plan passes its
+comm's `even_gather` (exactly what its engine does), a replan of a job forced onto gloo False.
 
 A padded split is described by its largest state fraction u (the runtime's pad, per unit, is
 u x the unit's trained elements); `pad` = 0 means the split runs unpadded. Its charge, the ONE
