@@ -14,8 +14,9 @@ not; `CostModel(padded_collectives=...)` overrides it: the trainer's automatic p
 comm's `even_gather` (exactly what its engine does), a replan of a job forced onto gloo False.
 
 A padded split is described by its largest state fraction u (the runtime's pad, per unit, is
-u x the unit's trained elements); `pad` = 0 means the split runs unpadded. Its charge, the ONE
-place it is made (`CostModel` reads these, every consumer reads `CostModel`):
+u x the unit's trained elements); `pad` = 0 means the split runs unpadded. Its charge is made
+in the cost model only (the time by `Collectives` here, the memory by `CostModel._phases` and
+`CostModel.padding_bytes_per_fraction`), and every consumer reads it from `CostModel`:
   time    every collective of a unit's trained part moves N x u of it instead of all of it
           (`collective_factor`); the frozen base of an adapter run is gathered unpadded
           (runtime/frozen.py) and the latency does not stretch
