@@ -24,10 +24,12 @@ in the cost model only (the time by `Collectives` here, the memory by `CostModel
           (`CostModel._phases`); the reduce-scatter output is u of the largest unit, not s
           (every rank receives a whole padded chunk), and in fp32 the shard buffer a gather
           sends from (the master inside it) is u of the model, not s: (u - s) x
-          `CostModel.padding_bytes_per_fraction` more than unpadded
+          `CostModel.padding_bytes_per_fraction` more than unpadded; with more than 2 ranks
+          the unit computing also holds copies of the parameters that straddle padding
+          (runtime/padded.py `views`), bounded by (N-1) // 2 of its largest
+          (`CostModel.straddle_params`)
 Not charged, padded or not: the transient compute-dtype chunk a gather sends in fp16 / bf16
-(its shard, or its padded chunk), and with more than 2 ranks the copies of the parameters
-that straddle padding (runtime/padded.py `views`), at most a few parameters per unit.
+(its shard, or its padded chunk).
 An exactly even split (u = 1/N) pays nothing: N x u = 1. The rule is decided on the plan's
 fractions; the runtime decides it per unit on whole elements, which agrees away from the
 threshold (the planner keeps `SKEW_MARGIN` past it, `least_unpadded_fraction`).

@@ -340,6 +340,21 @@ class CostModel:
             "head": own[-1],
         }
         """Per unit kind: the trained elements its padded buffers hold N x u of."""
+        largest = {
+            "embedding": model.vocab_size * model.hidden_size,
+            "block": max(
+                (lin.weight_params for lin in model.block_linears),
+                default=model.params_per_block,
+            ),
+            "head": model.head_params,
+        }
+        self.straddle_params = {
+            k: (n - 1) // 2 * min(largest[k], p) for k, p in self.padded_params.items()
+        }
+        """Per unit kind, padded: the elements of its parameters that straddle padding, which a
+        computing unit holds as copies (runtime/padded.py `views`: between an odd rank's piece
+        and the next one's, at most one parameter each; bounded by the largest, the token
+        embedding's, a block's largest Linear weight or the head)."""
         self.collectives = Collectives.ring(
             n,
             comm.bytes_per_s,
@@ -676,6 +691,12 @@ class CostModel:
         stretch = pad_factor(pad, len(self.devices)) - 1.0
         pad_gathered = [stretch * self.padded_params[k] * self.dtype_bytes for k in kinds]
         pad_grad = [stretch * self.padded_params[k] * GRAD_BYTES for k in kinds]
+        # ... and the unit computing holds its parameters that straddle padding as copies
+        padded = np.asarray(pad) > 0
+        computing = [
+            p + np.where(padded, self.straddle_params[k] * self.dtype_bytes, 0.0)
+            for p, k in zip(pad_gathered, kinds, strict=True)
+        ]
         working = b > 0
         m_eff = np.where(working, np.minimum(m, np.maximum(b, 1)), 0)
         t = self._tables[type_key]
@@ -694,7 +715,7 @@ class CostModel:
             prefetched = units[u - 1].gather_bytes + pad_gathered[u - 1] if u > 0 else 0
             phase = {
                 # this unit as it computes, the prefetched one as gathered
-                "gathered": units[u].held_bytes + pad_gathered[u] + prefetched,
+                "gathered": units[u].held_bytes + computing[u] + prefetched,
                 "grad_accum": units[u].trained * GRAD_BYTES
                 + pad_grad[u]
                 + np.where(overlap, in_flight, 0),
@@ -718,7 +739,7 @@ class CostModel:
             {
                 "gathered": units[-1].held_bytes
                 + units[-2].gather_bytes
-                + pad_gathered[-1]
+                + computing[-1]
                 + pad_gathered[-2],
                 "boundary": held(L + 1, 1),
             }
@@ -732,7 +753,7 @@ class CostModel:
             phases.append(
                 {
                     "gathered": units[u].held_bytes
-                    + pad_gathered[u]
+                    + computing[u]
                     + units[u].dequant_transient_bytes,
                     "grad_accum": np.where(
                         overlap, units[u + 1].trained * GRAD_BYTES + pad_grad[u + 1], 0
