@@ -1,8 +1,9 @@
 """The cost model: time and peak memory of one rank under a plan. The ONE place these formulas live.
 
 Its parts by concept: the collectives and the padded-even rule (`collective_cost.py`), shard
-groups of hierarchical plans (`group_cost.py`), host memory (`host_cost.py`) and the result
-values (`cost_results.py`); `CostModel` here puts them together and is the one way in.
+groups of hierarchical plans (`group_cost.py`), host memory (`host_cost.py`), the result
+values (`cost_results.py`) and the profile curves as tables (`curve_tables.py`); `CostModel`
+here puts them together and is the one way in.
 
 The planner, `cephalo simulate` and the benchmarks all call into this module, so a plan is
 always judged by the same numbers it was made with. Every formula is written once, over
@@ -116,6 +117,7 @@ from cephalo.planning.cost_results import (
     PlanEvaluation,
     RankCost,
 )
+from cephalo.planning.curve_tables import TypeTables
 from cephalo.planning.group_cost import CrossReduce, Links, cross_reduce_times
 from cephalo.planning.host_cost import (
     HOST_STATE_BYTES_PER_PARAM,
@@ -183,43 +185,6 @@ class DeviceLike(Protocol):
 
     type_key: str
     memory_bytes: int
-
-
-class _CurveTable:
-    """A profile curve tabulated at integer micro-batch sizes 0..n (value 0 at 0), grown on demand."""
-
-    def __init__(self, curve, zero_at_zero: bool = True):
-        self.curve = curve
-        self.values = np.zeros(1)
-        self.zero_at_zero = zero_at_zero
-
-    def at(self, x: np.ndarray | int) -> np.ndarray:
-        x = np.asarray(x, dtype=np.int64)
-        need = int(x.max()) if x.size else 0
-        if need >= len(self.values):
-            n = max(need + 1, 2 * len(self.values))
-            start = len(self.values)
-            # the curve is linear beyond its last measured point: evaluate it up to one step past
-            # that point and extend the line (calling it per point would refit the slope each time)
-            last = int(math.ceil(self.curve.xs[-1])) + 1
-            direct = np.array([self.curve(float(v)) for v in range(start, min(n, last + 1))])
-            values = np.concatenate([self.values, direct])
-            if n > len(values):
-                slope = self.curve(float(last)) - self.curve(float(last - 1))
-                beyond = np.arange(len(values), n)
-                values = np.concatenate([values, self.curve(float(last)) + slope * (beyond - last)])
-            self.values = values
-        return self.values[x]
-
-
-class _TypeTables:
-    """Tabulated curves of one device profile (one table per unit kind and quantity)."""
-
-    def __init__(self, profile: DeviceProfile):
-        self.profile = profile
-        self.fwd = {k: _CurveTable(u.fwd_s) for k, u in profile.units.items()}
-        self.bwd = {k: _CurveTable(u.bwd_s) for k, u in profile.units.items()}
-        self.act = {k: _CurveTable(u.activation_bytes) for k, u in profile.units.items()}
 
 
 class CostModel:
@@ -290,7 +255,7 @@ class CostModel:
         self.meta = dict(meta or {})
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.total_params = model.total_params
-        self._tables = {k: _TypeTables(p) for k, p in profiles.items()}
+        self._tables = {k: TypeTables(p) for k, p in profiles.items()}
         self.adapter = adapter or AdapterSpec()
         """What is trained: everything, or LoRA adapters on a frozen (NF4 for qlora) base."""
         self.layout = param_layout(model, seq_len, self.dtype_bytes, self.adapter)
