@@ -73,6 +73,7 @@ def cost_model(
     bytes_per_s: float = 1e12,
     latency_s: float = 0.0,
     reserve_bytes: int = 0,
+    padded_collectives: bool = False,
 ) -> CostModel:
     return CostModel(
         model or tiny_model(),
@@ -82,4 +83,5 @@ def cost_model(
         profiles,
         CommProfile(bytes_per_s=bytes_per_s, latency_s=latency_s),
         reserve_bytes=reserve_bytes,
+        padded_collectives=padded_collectives,
     )

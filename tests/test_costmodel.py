@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from cephalo import CephaloError, Plan, RankPlan
-from cephalo.planning.costmodel import collective_factor
 from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
 
 # tiny model: embedding 50, 2 blocks of 100, head 20 params -> P = 270; seq 3, hidden 4, vocab 10, fp16
@@ -275,20 +274,3 @@ def test_step_time_of_passes_is_step_time_parts():
         c = cm.step_time_of_passes("x", b, cm._pass_times("x", b, m), offload)
         for x, y in zip(a, c, strict=True):
             assert np.array_equal(x, y)
-
-
-def test_padded_even_split_is_charged_its_padding():
-    """A near-even split's collectives move N x max(fractions) of each unit (the padding
-    travels, runtime/padded.py): `rank_cost` with its `collective_factor` stretches every
-    collective's bytes, not its latency. A comm-bound rank (batch 0)."""
-    cm = _cm()
-    assert collective_factor([0.55, 0.45]) == pytest.approx(1.1)
-    assert collective_factor([0.7, 0.3]) == 1.0 and collective_factor([0.5, 0.5]) == 1.0
-    even = cm.rank_cost(1, 0, 1, 0.45)
-    near = cm.rank_cost(1, 0, 1, 0.45, comm_factor=collective_factor([0.55, 0.45]))
-    # 4 units x 3 collectives, each 0.5 s of latency (not stretched) and bytes (x 1.1)
-    assert near.comm_s == pytest.approx(1.1 * even.comm_s - 0.1 * 12 * 0.5)
-    # the comm-only step, 13.6 s (test_rank_without_samples_...): 9 collectives' latency and
-    # their bytes x 1.1
-    assert even.step_s - even.optimizer_s == pytest.approx(13.6)
-    assert near.step_s - near.optimizer_s == pytest.approx(9 * 0.5 + 1.1 * (13.6 - 9 * 0.5))

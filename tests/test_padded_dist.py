@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cephalo.modeling.registry import build_model
-from cephalo.planning.costmodel import collective_factor, padded_even
+from cephalo.planning.collective_cost import collective_factor, padded_even
 from cephalo.runtime.comm import make_comm
 from cephalo.runtime.engine import Engine, EngineConfig
 from cephalo.runtime.flat import FlatLayout

@@ -1,5 +1,10 @@
 """The cost model: time and peak memory of one rank under a plan. The ONE place these formulas live.
 
+Its parts by concept: the collectives and the padded-even rule (`collective_cost.py`), shard
+groups of hierarchical plans (`group_cost.py`), host memory (`host_cost.py`), the result
+values (`cost_results.py`) and the profile curves as tables (`curve_tables.py`); `CostModel`
+here puts them together and is the one way in.
+
 The planner, `cephalo simulate` and the benchmarks all call into this module, so a plan is
 always judged by the same numbers it was made with. Every formula is written once, over
 numpy arrays that broadcast: the planner evaluates whole tables of (batch, micro-batch,
@@ -16,10 +21,11 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
                end of the forward (runtime/head_loss.py)
     collectives: all-gather of the unit's compute-dtype parameters in forward and again in
     backward, reduce-scatter of its fp32 gradient once in backward; ring cost
-    (n-1)/n * bytes / slowest link + latency. They depend on the unit, not on b, m or s,
-    except that a near-even split runs them padded-even on NCCL (`padded_even`): its padding
-    travels too, `collective_factor` (N x max / sum of the split), which `rank_cost` charges
-    when given it (`comm_factor`).
+    (n-1)/n * bytes / slowest link + latency (planning/collective_cost.py). They depend on the
+    unit, not on b, m or s, except that a near-even split runs them padded-even where the
+    backend pads (`padded_collectives`: NCCL): its padding travels too, N x u of the unit's
+    trained part for u the split's largest fraction, and its padded buffers are held
+    (`pad`, charged by `evaluate` and weighed by the planner; collective_cost.py says how).
     All are overlapped with compute: the all-gather of the next unit is prefetched while
     this one computes, and the engine's reduce-scatter of a unit's gradient runs while the
     next unit's backward computes (runtime/engine.py `_backward_pass`). Each unit's
@@ -89,19 +95,65 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
 
 from cephalo.errors import CephaloError
+from cephalo.planning import group_cost
+from cephalo.planning.collective_cost import (
+    PAD_EVEN_SLACK,
+    Collectives,
+    backend_pads,
+    collective_factor,
+    pad_factor,
+    padded_even,
+    split_padding,
+)
+from cephalo.planning.cost_results import (
+    MEMORY_CATEGORIES,
+    MemoryBreakdown,
+    PlanEvaluation,
+    RankCost,
+)
+from cephalo.planning.curve_tables import TypeTables
+from cephalo.planning.group_cost import CrossReduce, Links, cross_reduce_times
+from cephalo.planning.host_cost import (
+    HOST_STATE_BYTES_PER_PARAM,
+    HostResources,
+    check_host_memory,
+    host_bytes,
+    host_shortfall_message,
+)
 from cephalo.planning.layout import param_layout
 from cephalo.planning.plan import Plan
 from cephalo.specs.adapter import AdapterSpec
+from cephalo.specs.catalog import DTYPE_BYTES
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import CommProfile, DeviceProfile
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+__all__ = [  # what callers import from here; each has its home in the module named
+    "DTYPE_BYTES",
+    "MEMORY_CATEGORIES",
+    "PAD_EVEN_SLACK",
+    "CostModel",
+    "CrossReduce",
+    "HostResources",
+    "Links",
+    "MemoryBreakdown",
+    "PlanEvaluation",
+    "RankCost",
+    "backend_pads",
+    "check_host_memory",
+    "collective_factor",
+    "head_chunk_tokens",
+    "host_bytes",
+    "host_shortfall_message",
+    "padded_even",
+    "split_padding",
+]
+
 STATE_BYTES_PER_PARAM = 16
 """fp32 master (4) + fp32 gradient (4) + Adam exp_avg (4) + exp_avg_sq (4)."""
 GRAD_BYTES = 4
@@ -124,76 +176,8 @@ def head_chunk_positions(m, seq_len: int, vocab_size: int):
     return np.clip(head_chunk_tokens(vocab_size) // m, 1, seq_len)
 
 
-PAD_EVEN_SLACK = 1.15
-"""A unit's shards are padded to equal size, and its collectives run as the even ones
-(`all_gather_into_tensor` / `reduce_scatter_tensor`: NCCL's ring, tree and NVLS algorithms),
-where the padding adds at most this factor to the bytes they move; a more skewed split keeps
-the grouped broadcasts / reduces of its exact sizes (runtime/padded.py)."""
-
-
-def padded_even(sizes) -> bool:
-    """Whether a split of `sizes` (elements or fractions per rank of one shard group) runs
-    padded-even: max(sizes) x N <= PAD_EVEN_SLACK x sum(sizes), over 2 ranks or more."""
-    sizes = [float(n) for n in sizes]
-    total = sum(sizes)
-    return len(sizes) > 1 and total > 0 and max(sizes) * len(sizes) <= PAD_EVEN_SLACK * total
-
-
-def collective_factor(sizes) -> float:
-    """Bytes a unit's all-gather or reduce-scatter moves over the bytes of its unit: N x
-    max(sizes) / sum(sizes) padded-even (the padding travels too), else 1. The one place the
-    padding's bytes are charged (`rank_cost(comm_factor=...)`). `evaluate` and the planner do
-    not apply it yet: the cost model does not know the backend (gloo does not pad), and the
-    planner would have to weigh it to stay exact (test_planner's exhaustive check)."""
-    sizes = [float(n) for n in sizes]
-    return len(sizes) * max(sizes) / sum(sizes) if padded_even(sizes) else 1.0
-
-
 DEFAULT_RESERVE_FRACTION = 0.05
 """Share of each device's memory kept free for fragmentation and library workspaces."""
-HOST_STATE_BYTES_PER_PARAM = 16
-"""A host-held parameter in host memory: fp32 master, gradient, two Adam moments (pinned on CUDA)."""
-MEMORY_CATEGORIES = (
-    "state",
-    "gathered",
-    "grad_accum",
-    "activations",
-    "boundary",
-    "logits",
-    "reserve",
-)
-
-
-def host_bytes(model: ModelSpec, seq_len: int, dtype: str, b, offload, host_part) -> np.ndarray:
-    """Host memory of a rank taking b samples, with boundaries offloaded or not, and the part
-    `host_part` x (= h * s) of the model's state on the host; broadcasts (see the module
-    docstring)."""
-    d = DTYPE_BYTES[dtype]
-    per_param = HOST_STATE_BYTES_PER_PARAM + (0 if dtype == "fp32" else d)
-    b = np.asarray(b, dtype=np.int64)
-    held = np.where(
-        np.asarray(offload, dtype=bool),
-        (model.num_layers + 1) * b * seq_len * model.hidden_size * d,
-        0,
-    )
-    return np.asarray(host_part) * model.total_params * per_param + held
-
-
-def check_host_memory(
-    plan: Plan, model: ModelSpec, node_of: list[int], memory_bytes: dict[int, int]
-) -> None:
-    """Raise `CephaloError` naming every node whose host memory is too small for what the
-    plan's ranks put there (host state and offloaded activations)."""
-    by_node: dict[int, tuple[int | None, list[tuple[int, int]]]] = {}
-    for r, node in zip(plan.ranks, node_of, strict=True):
-        x = r.state_fraction * r.host_state_fraction
-        nbytes = host_bytes(model, plan.seq_len, plan.dtype, r.batch_size, r.offload_activations, x)
-        by_node.setdefault(node, (memory_bytes[node], []))[1].append(
-            (r.rank, int(math.ceil(float(nbytes))))
-        )
-    message = host_shortfall_message(by_node)
-    if message:
-        raise CephaloError(message)
 
 
 class DeviceLike(Protocol):
@@ -201,239 +185,6 @@ class DeviceLike(Protocol):
 
     type_key: str
     memory_bytes: int
-
-
-@dataclass(frozen=True)
-class HostResources:
-    """What the cost model knows about the hosts of a cluster (`planning.sources` builds it from
-    the cluster, the profiles and the catalog's defaults)."""
-
-    node_of: tuple[int, ...]
-    """Per rank: its node."""
-    memory_bytes: dict[int, int]
-    """Per node: host memory, shared by the node's ranks (host state + offloaded activations)."""
-    optimizer_s_per_param: tuple[float, ...]
-    """Per rank: host AdamW seconds per host-held parameter (the node's host shared by its ranks)."""
-
-    def ranks_on(self, node: int) -> list[int]:
-        return [i for i, n in enumerate(self.node_of) if n == node]
-
-
-@dataclass(frozen=True)
-class Links:
-    """The cluster's links as the cost model charges them: within a node and between nodes
-    (`planning.sources` builds it from the cluster spec). A ring collective is bounded by its
-    slowest link: a group of ranks on one node runs at `intra_bytes_per_s`, one spanning nodes at
-    the smaller of the two."""
-
-    intra_bytes_per_s: float
-    inter_bytes_per_s: float
-    node_of: tuple[int, ...]
-    """Per rank: its node."""
-    latency_s: float = 0.0
-
-    def bytes_per_s(self, ranks) -> float:
-        if len({self.node_of[r] for r in ranks}) <= 1:
-            return self.intra_bytes_per_s
-        return min(self.intra_bytes_per_s, self.inter_bytes_per_s)
-
-
-@dataclass(frozen=True)
-class CrossReduce:
-    """The once-per-step gradient all-reduce between shard groups (hierarchical plans): the ranks
-    owning the same bytes in different groups all-reduce them over the inter-node network. Per
-    node it moves 2 (g-1)/g of the node's share of the gradients in `dtype` through the node's
-    network link (`bytes_per_s`, shared by its ranks); the share is bounded by 1 (a node holding
-    its group's whole replica, exact for one node per group)."""
-
-    groups: int
-    dtype: str = "fp32"
-    bytes_per_s: float = math.inf
-    latency_s: float = 0.0
-
-
-@dataclass
-class MemoryBreakdown:
-    """Device memory of one rank by category at its predicted peak, bytes (compare with the
-    runtime ledger's `at_peak_by_category`, where `activations` here also holds the ledger's
-    `grad_transient` and `boundary` its `staging`)."""
-
-    state: int = 0
-    """Owned shard of fp32 master weights, gradients and Adam moments."""
-    gathered: int = 0
-    """Gathered compute-dtype parameters: current unit + prefetched unit."""
-    grad_accum: int = 0
-    """Full fp32 gradient buffers of two units and one reduce-scatter output."""
-    activations: int = 0
-    """One unit's recompute + backward activations at the micro-batch size."""
-    boundary: int = 0
-    """Layer-boundary activations still held (staging buffers when offloaded)."""
-    logits: int = 0
-    """The head's recompute + backward for one micro-batch (at least its fp32 logits); 0
-    unless the peak falls in the head's backward."""
-    reserve: int = 0
-    """Kept free for fragmentation and workspaces."""
-
-    @property
-    def total(self) -> int:
-        return sum(getattr(self, c) for c in MEMORY_CATEGORIES)
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass
-class RankCost:
-    """The cost model's verdict on one rank of a plan."""
-
-    rank: int
-    device: str
-    step_s: float
-    """This rank's time for one step, its collectives included (the step is the max of these)."""
-    compute_s: float
-    """Forward + recompute + backward kernel time (busy time without the optimizer); on a
-    device without async copies, the host copies too (they run on the compute thread)."""
-    optimizer_s: float
-    comm_s: float
-    """Total collective time (mostly hidden under compute)."""
-    host_copy_s: float
-    """Total boundary-activation copy time to and from the host (0 without offload)."""
-    memory: MemoryBreakdown
-    capacity_bytes: int
-    host_state_s: float = 0.0
-    """Host-state time: the host AdamW, the uploads of the updated parameters and the gradient
-    copies to the host (on a GPU mostly beside other work; the step time says what shows)."""
-    host_bytes: int = 0
-    """Host memory of this rank: host state and offloaded boundary activations."""
-    node: int = 0
-    host_capacity_bytes: int | None = None
-    """Host memory of this rank's node (shared with the node's other ranks); None: unknown."""
-
-    @property
-    def busy_s(self) -> float:
-        return self.compute_s + self.optimizer_s
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.memory.total
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.total <= self.capacity_bytes
-
-    @property
-    def shortfall_bytes(self) -> int:
-        return max(0, self.memory.total - self.capacity_bytes)
-
-
-@dataclass
-class PlanEvaluation:
-    """A whole plan through the cost model."""
-
-    ranks: list[RankCost]
-    global_batch_size: int
-    seq_len: int
-    step_s: float = field(init=False)
-    samples_per_s: float = field(init=False)
-    tokens_per_s: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.step_s = max(r.step_s for r in self.ranks)
-        self.samples_per_s = self.global_batch_size / self.step_s if self.step_s > 0 else math.inf
-        self.tokens_per_s = self.samples_per_s * self.seq_len
-
-    def host_by_node(self) -> dict[int, tuple[int, int | None, list[int]]]:
-        """Per node: (host bytes its ranks use, its host memory or None, its ranks)."""
-        out: dict[int, tuple[int, int | None, list[int]]] = {}
-        for r in self.ranks:
-            used, cap, ranks = out.get(r.node, (0, r.host_capacity_bytes, []))
-            out[r.node] = (used + r.host_bytes, cap, [*ranks, r.rank])
-        return out
-
-    @property
-    def host_fits(self) -> bool:
-        """Every node's host memory holds what its ranks put there."""
-        return all(cap is None or used <= cap for used, cap, _ in self.host_by_node().values())
-
-    @property
-    def fits(self) -> bool:
-        return all(r.fits for r in self.ranks) and self.host_fits
-
-    def host_shortfall_message(self) -> str | None:
-        """One line per node whose host memory is too small for the plan, or None."""
-        return host_shortfall_message(
-            {
-                node: (cap, [(r.rank, r.host_bytes) for r in self.ranks if r.node == node])
-                for node, (_, cap, _ranks) in self.host_by_node().items()
-            }
-        )
-
-
-def host_shortfall_message(
-    by_node: dict[int, tuple[int | None, list[tuple[int, int]]]],
-) -> str | None:
-    """The per-node message for nodes whose host memory (cap) is smaller than what their ranks
-    (rank, bytes) put there, or None when every node holds it."""
-    lines = []
-    for node, (cap, ranks) in by_node.items():
-        total = sum(n for _, n in ranks)
-        if cap is None or total <= cap:
-            continue
-        parts = ", ".join(f"rank {r} {_gib(n)}" for r, n in ranks if n)
-        lines.append(
-            f"node {node} has {_gib(cap)} of host memory but the plan puts {_gib(total)} there "
-            f"({parts}; short {_gib(total - cap)})"
-        )
-    if not lines:
-        return None
-    return (
-        "; ".join(lines)
-        + ": lower host_state_fraction (or offload fewer activations) on those ranks, give the "
-        "node more host memory (`host_memory` in the cluster file), or plan again (`cephalo plan`)"
-    )
-
-
-def _gib(n: float) -> str:
-    if abs(n) >= 0.01 * 1024**3:
-        return f"{n / 1024**3:.2f} GiB"
-    return f"{n / 1024**2:.1f} MiB"
-
-
-class _CurveTable:
-    """A profile curve tabulated at integer micro-batch sizes 0..n (value 0 at 0), grown on demand."""
-
-    def __init__(self, curve, zero_at_zero: bool = True):
-        self.curve = curve
-        self.values = np.zeros(1)
-        self.zero_at_zero = zero_at_zero
-
-    def at(self, x: np.ndarray | int) -> np.ndarray:
-        x = np.asarray(x, dtype=np.int64)
-        need = int(x.max()) if x.size else 0
-        if need >= len(self.values):
-            n = max(need + 1, 2 * len(self.values))
-            start = len(self.values)
-            # the curve is linear beyond its last measured point: evaluate it up to one step past
-            # that point and extend the line (calling it per point would refit the slope each time)
-            last = int(math.ceil(self.curve.xs[-1])) + 1
-            direct = np.array([self.curve(float(v)) for v in range(start, min(n, last + 1))])
-            values = np.concatenate([self.values, direct])
-            if n > len(values):
-                slope = self.curve(float(last)) - self.curve(float(last - 1))
-                beyond = np.arange(len(values), n)
-                values = np.concatenate([values, self.curve(float(last)) + slope * (beyond - last)])
-            self.values = values
-        return self.values[x]
-
-
-class _TypeTables:
-    """Tabulated curves of one device profile (one table per unit kind and quantity)."""
-
-    def __init__(self, profile: DeviceProfile):
-        self.profile = profile
-        self.fwd = {k: _CurveTable(u.fwd_s) for k, u in profile.units.items()}
-        self.bwd = {k: _CurveTable(u.bwd_s) for k, u in profile.units.items()}
-        self.act = {k: _CurveTable(u.activation_bytes) for k, u in profile.units.items()}
 
 
 class CostModel:
@@ -455,6 +206,7 @@ class CostModel:
         adapter: AdapterSpec | None = None,
         links: Links | None = None,
         cross_reduce: CrossReduce | None = None,
+        padded_collectives: bool = False,
     ):
         if dtype not in DTYPE_BYTES:
             raise CephaloError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -503,7 +255,7 @@ class CostModel:
         self.meta = dict(meta or {})
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.total_params = model.total_params
-        self._tables = {k: _TypeTables(p) for k, p in profiles.items()}
+        self._tables = {k: TypeTables(p) for k, p in profiles.items()}
         self.adapter = adapter or AdapterSpec()
         """What is trained: everything, or LoRA adapters on a frozen (NF4 for qlora) base."""
         self.layout = param_layout(model, seq_len, self.dtype_bytes, self.adapter)
@@ -539,41 +291,56 @@ class CostModel:
         self.writes_bwd = {"embedding": 0, "block": 1, "head": 1}
 
         n = len(self.devices)
-        ring = (n - 1) / n if n > 1 else 0.0
-        latency = comm.latency_s if n > 1 else 0.0
-        self.comm_latency_s = latency
-        """The latency in each collective's time (the part padding does not stretch)."""
-        self.gather_s: dict[str, float] = {}
-        """Per unit kind: one all-gather (overlapped with compute by the prefetch)."""
-        self.scatter_s: dict[str, float] = {}
+        self.padded_collectives = bool(padded_collectives)
+        """Whether the runtime pads this cluster's near-even splits, so `evaluate` and the planner
+        charge the padding (collective_cost.py). `planning.sources` sets it from the cluster
+        (`backend_pads`: CUDA GPUs over NCCL yes, CPUs over gloo no); a cost model built by
+        hand knows no backend and charges none unless told."""
+        own = self.layout.owned_trained
+        # the elements of each kind of unit the runtime pads: the unit's own trained ones (a tied
+        # head's borrowed embedding and an adapter run's frozen base are gathered unpadded)
+        self.padded_params = {
+            "embedding": own[0],
+            "block": own[1] if model.num_layers else 0,
+            "head": own[-1],
+        }
+        """Per unit kind: the trained elements its padded buffers hold N x u of."""
+        largest = {
+            "embedding": model.vocab_size * model.hidden_size,
+            "block": max(
+                (lin.weight_params for lin in model.block_linears),
+                default=model.params_per_block,
+            ),
+            "head": model.head_params,
+        }
+        self.straddle_params = {
+            k: (n - 1) // 2 * min(largest[k], p) for k, p in self.padded_params.items()
+        }
+        """Per unit kind, padded: the elements of its parameters that straddle padding, which a
+        computing unit holds as copies (runtime/padded.py `views`: between an odd rank's piece
+        and the next one's, at most one parameter each; bounded by the largest, the token
+        embedding's, a block's largest Linear weight or the head)."""
+        self.collectives = Collectives.ring(
+            n,
+            comm.bytes_per_s,
+            comm.latency_s,
+            {k: u.gather_bytes for k, u in self.layout.units.items()},
+            {k: p * self.dtype_bytes for k, p in self.padded_params.items()},
+            {k: u.trained * GRAD_BYTES for k, u in self.layout.units.items()},
+        )
+        """The ring collectives of each kind of unit, padded or not (collective_cost.py)."""
+        self.gather_s = self.collectives.gather_s
+        """Per unit kind: one all-gather (overlapped with compute by the prefetch), unpadded."""
+        self.scatter_s = self.collectives.scatter_s
         """Per unit kind: the reduce-scatter of its gradient (overlapped with the next backward)."""
-        for kind, u in self.layout.units.items():
-            self.gather_s[kind] = ring * u.gather_bytes / comm.bytes_per_s + latency
-            self.scatter_s[kind] = ring * u.trained * GRAD_BYTES / comm.bytes_per_s + latency
-        self.cross_reduce_s: dict[str, float] = {k: 0.0 for k in self.layout.units}
+        self.cross_reduce_s = cross_reduce_times(self.layout, cross_reduce)
         """Per unit kind: its gradient's all-reduce between shard groups (hierarchical plans),
         started once the unit's reduce-scatter is done, one after another on the node's link."""
-        if cross_reduce is not None and cross_reduce.groups > 1:
-            if cross_reduce.dtype not in ("fp32", "bf16"):
-                raise CephaloError(
-                    f"cross-node reduce dtype {cross_reduce.dtype!r} is not one of fp32, bf16"
-                )
-            g = cross_reduce.groups
-            reduce_bytes = DTYPE_BYTES[cross_reduce.dtype]
-            for kind, u in self.layout.units.items():
-                self.cross_reduce_s[kind] = (
-                    2 * (g - 1) / g * u.trained * reduce_bytes / cross_reduce.bytes_per_s
-                    + cross_reduce.latency_s
-                )
         self.cross_reduce_total_s = sum(
             c * self.cross_reduce_s[k] for k, c in self.unit_counts.items()
         )
         """Every unit's all-reduce between shard groups, one after another on the node's link:
         no rank of a hierarchical plan steps faster (its backward phase waits for them)."""
-        self.comm_total_s = sum(
-            c * (2 * self.gather_s[k] + self.scatter_s[k] + self.cross_reduce_s[k])
-            for k, c in self.unit_counts.items()
-        )
 
         self.reduce_out_bytes_per_fraction = (
             max(u.trained for u in self.layout.units.values()) * GRAD_BYTES
@@ -590,6 +357,12 @@ class CostModel:
         )
         """Device bytes per unit of host-held fraction x: its compute-dtype copy and its share of
         the reduce-scatter output (which lands on the device before it goes down)."""
+        self.padding_bytes_per_fraction = self.reduce_out_bytes_per_fraction + (
+            self.optimizer_params * GRAD_BYTES if dtype == "fp32" else 0
+        )
+        """Padded-even (collective_cost.py): the device bytes a rank holds at u instead of at its
+        own fraction s, per unit of fraction: the reduce-scatter output (a whole padded chunk)
+        and, in fp32, the shard buffer a gather sends from (the master lives inside it)."""
         self.host_bytes_per_param = HOST_STATE_BYTES_PER_PARAM + (
             0 if dtype == "fp32" else self.dtype_bytes
         )
@@ -600,64 +373,6 @@ class CostModel:
         )
         """Gradient elements reduce-scattered per step per unit of state fraction (a tied head
         reduces its borrowed embedding slice too): what goes down to the host at x = 1."""
-
-    # ------------------------------------------------------------------ shard groups
-    def group_model(self, ranks: list[int], groups: int, reduce_dtype: str = "fp32") -> CostModel:
-        """The cost model of one shard group of a hierarchical plan: the group's ranks (renumbered
-        0..), its collectives over its own slowest link (intra-node for a group on one node), and
-        the all-reduce between the `groups` groups over the inter-node link in `reduce_dtype`.
-        With `groups` 1 and every rank, the flat model (the same numbers as this one)."""
-        ranks = list(ranks)
-        links = self.links
-        if links is not None:
-            comm = CommProfile(bytes_per_s=links.bytes_per_s(ranks), latency_s=links.latency_s)
-            sub_links = replace(links, node_of=tuple(links.node_of[r] for r in ranks))
-            cross_bw = links.inter_bytes_per_s
-        else:
-            comm, sub_links, cross_bw = self.comm, None, self.comm.bytes_per_s
-        host = None
-        if self.host is not None:
-            host = HostResources(
-                node_of=tuple(self.host.node_of[r] for r in ranks),
-                memory_bytes=self.host.memory_bytes,
-                optimizer_s_per_param=tuple(self.host.optimizer_s_per_param[r] for r in ranks),
-            )
-        cross = None
-        if groups > 1:
-            latency = links.latency_s if links is not None else self.comm.latency_s
-            cross = CrossReduce(groups, reduce_dtype, cross_bw, latency)
-        return CostModel(
-            self.model,
-            self.seq_len,
-            self.dtype,
-            [self.devices[r] for r in ranks],
-            self.profiles,
-            comm,
-            reserve_bytes=self.reserve_bytes,
-            reserve_fraction=self.reserve_fraction,
-            meta=self.meta,
-            host=host,
-            serial_reduce=self.serial_reduce,
-            adapter=self.adapter,
-            links=sub_links,
-            cross_reduce=cross,
-        )
-
-    def group_key(self, ranks: list[int]) -> tuple:
-        """Equal for two groups whose `group_model`s are the same up to the ranks' numbering:
-        their devices in order, their hosts (the group's nodes numbered in order of appearance)
-        and their links. Identical nodes are planned and evaluated once."""
-        devs = tuple((self.devices[r].type_key, int(self.devices[r].memory_bytes)) for r in ranks)
-        host = None
-        if self.host is not None:
-            index: dict[int, int] = {}
-            host = (
-                tuple(self.host.optimizer_s_per_param[r] for r in ranks),
-                tuple(self.host.memory_bytes[self.host.node_of[r]] for r in ranks),
-                tuple(index.setdefault(self.host.node_of[r], len(index)) for r in ranks),
-            )
-        links = None if self.links is None else self.links.bytes_per_s(ranks)
-        return devs, host, links
 
     # ------------------------------------------------------------------ per-device constants
     def capacity_bytes(self, rank: int) -> int:
@@ -670,6 +385,15 @@ class CostModel:
 
     def optimizer_s_per_param(self, type_key: str) -> float:
         return self.profiles[type_key].optimizer_s_per_param
+
+    # ------------------------------------------------------------------ shard groups (group_cost.py)
+    def group_model(self, ranks: list[int], groups: int, reduce_dtype: str = "fp32") -> CostModel:
+        """The cost model of one shard group of a hierarchical plan (`group_cost.group_model`)."""
+        return group_cost.group_model(self, ranks, groups, reduce_dtype)
+
+    def group_key(self, ranks: list[int]) -> tuple:
+        """Equal for groups whose `group_model`s are the same (`group_cost.group_key`)."""
+        return group_cost.group_key(self, ranks)
 
     # ------------------------------------------------------------------ formulas (broadcasting)
     def _pass_times(self, type_key: str, b, m):
@@ -695,7 +419,7 @@ class CostModel:
         return out
 
     def step_time_parts(
-        self, type_key: str, b, m, offload, overlap_reduce=True, host_part=0.0, comm_factor=1.0
+        self, type_key: str, b, m, offload, overlap_reduce=True, host_part=0.0, pad=0.0
     ):
         """(time without the optimizer, compute, host-copy time) of a rank; broadcasts over b,
         m, offload, overlap_reduce and host_part (x = h * s, the host-held fraction of the model,
@@ -704,7 +428,8 @@ class CostModel:
         The optimizer (`optimizer_phase_s`) is added by the caller because the planner chooses
         s after the rest. On a device without async copies the compute includes the boundary
         copies (the gradient copies to the host run outside the unit compute, on the same thread).
-        `comm_factor`: `collective_factor` of the plan's split (its padding's bytes).
+        `pad`: the split's largest fraction where it runs padded-even, else 0 (`split_padding`):
+        its collectives then move the padding too (collective_cost.py).
         """
         return self.step_time_of_passes(
             type_key,
@@ -713,7 +438,7 @@ class CostModel:
             offload,
             overlap_reduce,
             host_part,
-            comm_factor,
+            pad,
         )
 
     def fastest_pass_times(self, type_key: str, b, max_micro_batch: int):
@@ -740,7 +465,7 @@ class CostModel:
         return out
 
     def step_time_of_passes(
-        self, type_key: str, b, passes, offload, overlap_reduce=True, host_part=0.0, comm_factor=1.0
+        self, type_key: str, b, passes, offload, overlap_reduce=True, host_part=0.0, pad=0.0
     ):
         """`step_time_parts` from per-kind (forward, recompute + backward) kernel times: the
         collectives and host copies each pass overlaps with, and the last reduce-scatter.
@@ -762,8 +487,8 @@ class CostModel:
         grad_copies = 0.0
         for kind, (fwd, bwd) in passes.items():
             count = self.unit_counts[kind]
-            gather = self._padded(self.gather_s[kind], comm_factor)
-            scatter = self._padded(self.scatter_s[kind], comm_factor)
+            gather = self.collectives.gather(kind, pad)
+            scatter = self.collectives.scatter(kind, pad)
             # the head is not gathered again in the backward (runtime/head_loss.py)
             gather_b = 0.0 if kind == "head" else gather
             grad_down = x * self.gathered_params[kind] * GRAD_BYTES / bw if hosted else 0.0
@@ -799,7 +524,7 @@ class CostModel:
         # the embedding's reduce-scatter (with overlap; without, every unit's is counted) and, on
         # a GPU, the copy of its gradient to the host, last of the backward, have no compute left
         # to hide under
-        tail = np.where(overlap, self._padded(self.scatter_s["embedding"], comm_factor), 0.0)
+        tail = np.where(overlap, self.collectives.scatter("embedding", pad), 0.0)
         if profile.async_copies and hosted:
             tail = tail + x * self.gathered_params["embedding"] * GRAD_BYTES / bw
         backward_phase = total + tail
@@ -812,10 +537,6 @@ class CostModel:
                 backward_phase + ar["embedding"], head_backward + self.cross_reduce_total_s
             )
         return forward_total + backward_phase, compute, copies
-
-    def _padded(self, collective_s: float, comm_factor: float) -> float:
-        """A collective's time with its bytes times `comm_factor` (`collective_factor`)."""
-        return collective_s + (comm_factor - 1.0) * (collective_s - self.comm_latency_s)
 
     def host_rates(self, rank: int) -> tuple[float, float, float]:
         """Per host-held parameter on `rank`: (gradient copy down, upload of the compute-dtype
@@ -856,6 +577,7 @@ class CostModel:
         overlap_reduce=True,
         state_fraction=None,
         host_part=0.0,
+        pad=0.0,
     ) -> dict[str, np.ndarray]:
         """Device memory by category at the predicted peak of a step, without what grows
         with the state fraction (`state` and the reduce-scatter output in `grad_accum`);
@@ -870,7 +592,7 @@ class CostModel:
         offload = np.asarray(offload, dtype=bool)
         overlap = np.asarray(overlap_reduce, dtype=bool)
         shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape)
-        phases = self._phases(type_key, b, m, offload, overlap)
+        phases = self._phases(type_key, b, m, offload, overlap, pad)
         grads = self._phase_grads(not bool(np.all(overlap)))
         if state_fraction is not None:
             s, x = np.asarray(state_fraction), np.asarray(host_part)
@@ -895,7 +617,9 @@ class CostModel:
         out["reserve"] = np.zeros(shape) + self.reserve_for(capacity_bytes)
         return out
 
-    def _phases(self, type_key: str, b, m, offload, overlap=True) -> list[dict[str, np.ndarray]]:
+    def _phases(
+        self, type_key: str, b, m, offload, overlap=True, pad=0.0
+    ) -> list[dict[str, np.ndarray]]:
         """Device bytes by category at the moments of a step where the peak can fall (the
         ledger's view, runtime/engine.py); `_phase_grads` says, per moment, whose gradient
         shards a rank without reduce overlap holds then. Units in order: embedding, L blocks,
@@ -927,6 +651,17 @@ class CostModel:
         L = self.model.num_layers
         kinds = ["embedding"] + ["block"] * L + ["head"]
         units = [self.layout.units[k] for k in kinds]
+        # padded-even (`pad` > 0): a unit's gathered buffer and fp32 gradient hold N x u of its
+        # trained part, the padding included (collective_cost.py)
+        stretch = pad_factor(pad, len(self.devices)) - 1.0
+        pad_gathered = [stretch * self.padded_params[k] * self.dtype_bytes for k in kinds]
+        pad_grad = [stretch * self.padded_params[k] * GRAD_BYTES for k in kinds]
+        # ... and the unit computing holds its parameters that straddle padding as copies
+        padded = np.asarray(pad) > 0
+        computing = [
+            p + np.where(padded, self.straddle_params[k] * self.dtype_bytes, 0.0)
+            for p, k in zip(pad_gathered, kinds, strict=True)
+        ]
         working = b > 0
         m_eff = np.where(working, np.minimum(m, np.maximum(b, 1)), 0)
         t = self._tables[type_key]
@@ -939,11 +674,16 @@ class CostModel:
         def backward(u: int) -> dict[str, np.ndarray]:
             kind = kinds[u]
             act = t.act[kind].at(m_eff)
-            in_flight = units[u + 1].trained if u + 1 < len(kinds) else 0
+            in_flight = (
+                units[u + 1].trained * GRAD_BYTES + pad_grad[u + 1] if u + 1 < len(kinds) else 0
+            )
+            prefetched = units[u - 1].gather_bytes + pad_gathered[u - 1] if u > 0 else 0
             phase = {
                 # this unit as it computes, the prefetched one as gathered
-                "gathered": units[u].held_bytes + (units[u - 1].gather_bytes if u > 0 else 0),
-                "grad_accum": (units[u].trained + np.where(overlap, in_flight, 0)) * GRAD_BYTES,
+                "gathered": units[u].held_bytes + computing[u] + prefetched,
+                "grad_accum": units[u].trained * GRAD_BYTES
+                + pad_grad[u]
+                + np.where(overlap, in_flight, 0),
             }
             if kind == "head":
                 # one chunk of the head's logits at a time (runtime/head_loss.py)
@@ -962,7 +702,10 @@ class CostModel:
         phases = [backward(u) for u in self._backward_candidates(lean)]
         phases.append(
             {
-                "gathered": units[-1].held_bytes + units[-2].gather_bytes,
+                "gathered": units[-1].held_bytes
+                + units[-2].gather_bytes
+                + computing[-1]
+                + pad_gathered[-2],
                 "boundary": held(L + 1, 1),
             }
         )
@@ -974,8 +717,12 @@ class CostModel:
             # torchao's temporaries of the largest weight on top of all of them
             phases.append(
                 {
-                    "gathered": units[u].held_bytes + units[u].dequant_transient_bytes,
-                    "grad_accum": np.where(overlap, units[u + 1].trained, 0) * GRAD_BYTES,
+                    "gathered": units[u].held_bytes
+                    + computing[u]
+                    + units[u].dequant_transient_bytes,
+                    "grad_accum": np.where(
+                        overlap, units[u + 1].trained * GRAD_BYTES + pad_grad[u + 1], 0
+                    ),
                     "boundary": held(u + 1, 2),
                 }
             )
@@ -1015,22 +762,27 @@ class CostModel:
         return grads + [after(u) for u in self._dequant_candidates(lean)]
 
     def memory_without_state(
-        self, type_key: str, capacity_bytes: int, b, m, offload, overlap_reduce=True
+        self, type_key: str, capacity_bytes: int, b, m, offload, overlap_reduce=True, pad=0.0
     ) -> np.ndarray:
         """`memory_parts`' total: whole bytes per category, exactly as `rank_cost` reports
-        them (the planner's tables: one stack of the phases' totals, not one per category)."""
+        them (the planner's tables: one stack of the phases' totals, not one per category).
+        Padded to `pad` (> 0), the padded buffers included: the phases' and the u x
+        `padding_bytes_per_fraction` a rank holds whatever its own fraction
+        (`fraction_bytes(s, pad)` then counts s at the rest of `bytes_per_fraction`)."""
         b = np.asarray(b, dtype=np.int64)
         m = np.maximum(np.asarray(m, dtype=np.int64), 1)
         offload = np.asarray(offload, dtype=bool)
         overlap = np.asarray(overlap_reduce, dtype=bool)
         shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape)
-        phases = self._phases(type_key, b, m, offload, overlap)
+        phases = self._phases(type_key, b, m, offload, overlap, pad)
         zero = np.zeros(shape)
         raw = np.stack([sum((v for v in ph.values()), zero) for ph in phases])
         whole = np.stack([sum((np.ceil(v) for v in ph.values()), zero) for ph in phases])
         peak = np.argmax(raw, axis=0)  # the first of equal phases, as in `memory_parts`
         total = np.take_along_axis(whole, peak[None], axis=0)[0]
-        return total + math.ceil(self.reserve_for(capacity_bytes))
+        pad = np.asarray(pad, dtype=np.float64)  # broadcasts too (tests scan the padding)
+        padded = np.where(pad > 0, pad * self.padding_bytes_per_fraction, 0.0)
+        return total + math.ceil(self.reserve_for(capacity_bytes)) + padded
 
     def state_bytes(self, fraction, host_part=0.0) -> np.ndarray:
         """The `state` category at state fraction `fraction`, `host_part` of the model (a part of
@@ -1044,10 +796,29 @@ class CostModel:
         activations of b samples when offloaded (all of them after the forward)."""
         return host_bytes(self.model, self.seq_len, self.dtype, b, offload, host_part)
 
-    def fraction_bytes(self, fraction) -> np.ndarray:
+    def fraction_bytes(self, fraction, pad=0.0) -> np.ndarray:
         """All bytes that grow with the state fraction (state + reduce-scatter output): what
-        `memory_without_state` leaves out."""
-        return np.asarray(fraction) * self.bytes_per_fraction
+        `memory_without_state` (with the same `pad`) leaves out."""
+        return np.asarray(fraction) * self.bytes_per_fraction_at(pad)
+
+    def bytes_per_fraction_at(self, pad: float = 0.0) -> float:
+        """`bytes_per_fraction` under a split padded to `pad`: padded, the reduce-scatter output
+        and the fp32 send buffer are held at u, whatever s (`memory_without_state`)."""
+        if pad > 0:
+            return self.bytes_per_fraction - self.padding_bytes_per_fraction
+        return self.bytes_per_fraction
+
+    def host_part_bytes_per_fraction_at(self, pad: float = 0.0) -> float:
+        """`host_part_device_bytes_per_fraction` under a split padded to `pad` (the host part's
+        share of the reduce-scatter output and its fp32 copy are in the padded buffers)."""
+        if pad > 0:
+            return self.host_part_device_bytes_per_fraction - self.padding_bytes_per_fraction
+        return self.host_part_device_bytes_per_fraction
+
+    def split_padding(self, fractions) -> float:
+        """The `pad` of a split of state fractions over this cluster: its largest fraction where
+        the runtime pads it (`padded_collectives` and near even), else 0 (collective_cost.py)."""
+        return split_padding(list(fractions), self.padded_collectives)
 
     # ------------------------------------------------------------------ one rank, one plan
     def rank_cost(
@@ -1059,10 +830,12 @@ class CostModel:
         offload: bool = False,
         host_fraction: float = 0.0,
         overlap_reduce: bool = True,
-        comm_factor: float = 1.0,
+        pad: float = 0.0,
     ) -> RankCost:
         """One rank's time and memory; `host_fraction` is the plan's `host_state_fraction` h (the
-        part of this rank's shard on the host); `comm_factor` the split's `collective_factor`."""
+        part of this rank's shard on the host); `pad` the split's largest fraction where it runs
+        padded-even (`split_padding`; `evaluate` finds it), else 0: its collectives and padded
+        buffers are then charged (collective_cost.py)."""
         if not 0.0 <= host_fraction <= 1.0:
             raise CephaloError(
                 f"rank {rank}: host_state_fraction must be in [0, 1] (0: all state on the device, "
@@ -1083,14 +856,18 @@ class CostModel:
         cap = self.capacity_bytes(rank)
         x = state_fraction * host_fraction
         total, compute, copies = self.step_time_parts(
-            key, batch_size, micro_batch_size, offload, overlap_reduce, x, comm_factor
+            key, batch_size, micro_batch_size, offload, overlap_reduce, x, pad
         )
         opt, host_s = self.optimizer_phase_s(rank, state_fraction, x)
         parts = self.memory_parts(
-            key, cap, batch_size, micro_batch_size, offload, overlap_reduce, state_fraction, x
+            key, cap, batch_size, micro_batch_size, offload, overlap_reduce, state_fraction, x, pad
         )
-        parts["grad_accum"] = (
-            parts["grad_accum"] + state_fraction * self.reduce_out_bytes_per_fraction
+        # padded, a rank receives a whole padded chunk of each reduce-scatter (u, not s) and in
+        # fp32 sends its gathers from a padded chunk holding its master (collective_cost.py)
+        held = max(pad, state_fraction) if pad > 0 else state_fraction
+        parts["grad_accum"] = parts["grad_accum"] + held * self.reduce_out_bytes_per_fraction
+        parts["state"] = parts["state"] + (held - state_fraction) * (
+            self.padding_bytes_per_fraction - self.reduce_out_bytes_per_fraction
         )
         mem = MemoryBreakdown(**{k: int(math.ceil(float(v))) for k, v in parts.items()})
         grad_down = (
@@ -1103,17 +880,7 @@ class CostModel:
             step_s=float(total) + float(opt),
             compute_s=float(compute),
             optimizer_s=float(opt),
-            comm_s=self.comm_total_s
-            + sum(
-                c
-                * (
-                    2 * self._padded(self.gather_s[k], comm_factor)
-                    + self._padded(self.scatter_s[k], comm_factor)
-                    - 2 * self.gather_s[k]
-                    - self.scatter_s[k]
-                )
-                for k, c in self.unit_counts.items()
-            ),
+            comm_s=self.comm_s(pad),
             host_copy_s=float(copies),
             memory=mem,
             capacity_bytes=cap,
@@ -1123,8 +890,18 @@ class CostModel:
             host_capacity_bytes=self.host.memory_bytes[node] if self.host is not None else None,
         )
 
-    def evaluate(self, plan: Plan) -> PlanEvaluation:
-        """Per-rank time and memory of any plan (made by the planner or by hand)."""
+    def comm_s(self, pad: float = 0.0) -> float:
+        """Every collective of a step (two gathers and a reduce-scatter per unit, the all-reduce
+        between shard groups), mostly hidden under compute; padded to `pad` where it is."""
+        c = self.collectives
+        return sum(
+            n * (2 * c.gather(k, pad) + c.scatter(k, pad) + self.cross_reduce_s[k])
+            for k, n in self.unit_counts.items()
+        )
+
+    def evaluate(self, plan: Plan, charge_padding: bool = True) -> PlanEvaluation:
+        """Per-rank time and memory of any plan (made by the planner or by hand).
+        `charge_padding` False: as if its split ran unpadded (the planner's relaxation)."""
         if plan.world_size != len(self.devices):
             raise CephaloError(
                 f"the plan has {plan.world_size} ranks but the cluster has {len(self.devices)} devices; "
@@ -1148,7 +925,10 @@ class CostModel:
                     f"{d.type_key!r}; list the devices in the plan's order"
                 )
         if plan.hierarchical and self.cross_reduce is None:
-            return self._evaluate_groups(plan)
+            return group_cost.evaluate_groups(self, plan)
+        # the split runs padded-even where the backend pads and it is near even: every rank's
+        # collectives and padded buffers are charged for it (collective_cost.py)
+        pad = self.split_padding(plan.state_fractions) if charge_padding else 0.0
         # identical ranks doing identical work cost the same: compute each combination once
         # (a 1024-GPU plan has a handful)
         cache: dict[tuple, RankCost] = {}
@@ -1175,43 +955,9 @@ class CostModel:
                     r.offload_activations,
                     r.host_state_fraction,
                     r.overlap_reduce,
+                    pad,
                 )
             costs.append(replace(cache[key], rank=r.rank))
-        return PlanEvaluation(
-            ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len
-        )
-
-    def _evaluate_groups(self, plan: Plan) -> PlanEvaluation:
-        """A hierarchical plan: each shard group under its `group_model`, the ranks back in order."""
-        groups = plan.groups
-        costs: list[RankCost] = [None] * plan.world_size  # type: ignore[list-item]
-        done: dict[tuple, list[RankCost]] = {}  # identical groups with identical plans, once
-        for members in groups:
-            key = (
-                self.group_key(members),
-                tuple(
-                    tuple(v for k, v in vars(plan.ranks[r]).items() if k != "rank") for r in members
-                ),
-            )
-            if key in done:  # the same costs on this group's own ranks and nodes
-                for i, c in enumerate(done[key]):
-                    r = members[i]
-                    node = self.host.node_of[r] if self.host is not None else c.node
-                    costs[r] = replace(c, rank=r, node=node)
-                continue
-            sub = self.group_model(members, len(groups), plan.cross_group_reduce_dtype)
-            part = Plan(
-                strategy=plan.strategy,
-                model=plan.model,
-                seq_len=plan.seq_len,
-                global_batch_size=sum(plan.ranks[r].batch_size for r in members) or 1,
-                dtype=plan.dtype,
-                ranks=[replace(plan.ranks[r], rank=i) for i, r in enumerate(members)],
-                meta=plan.meta,
-            )
-            done[key] = sub.evaluate(part).ranks
-            for i, c in enumerate(done[key]):
-                costs[members[i]] = replace(c, rank=members[i])
         return PlanEvaluation(
             ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len
         )

@@ -51,6 +51,7 @@ import numpy as np
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.log import logger
 from cephalo.planning.costmodel import CostModel
+from cephalo.planning.padded_search import PADDED_REL_TOL, Attempt, best_with_padding
 from cephalo.planning.plan import Plan, Predicted, RankPlan, largest_remainder
 from cephalo.specs.cluster import Cluster
 
@@ -116,6 +117,8 @@ class _Group:
     host_rates: tuple[float, float, float] = (math.inf, math.inf, math.inf)
     """Per host-held parameter: gradient copy, upload, host AdamW seconds (`CostModel.host_rates`)."""
     async_copies: bool = True
+    floor: float = 0.0
+    """The state fraction this group's one rank must own at least (`_Allowed.floor_rank`)."""
 
     @property
     def size(self) -> int:
@@ -132,6 +135,17 @@ class _Allowed:
     """Keep state on the host (the cost model knows the hosts)."""
     serial: bool = False
     """Wait for each reduce-scatter at once."""
+    pad: float = 0.0
+    """The split's padding charged (`CostModel.split_padding`; 0: none): the padded-even search
+    (padded_search.py) plans under a charge; the plain search is the charge-free relaxation."""
+    clip: float = 1.0
+    """The largest state fraction any rank may own (padded-even: the split's padding)."""
+    floor_rank: int = -1
+    """A rank that must own at least `floor` of the state (>= 0), so that the split runs
+    unpadded (padded_search.py)."""
+    floor: float = 0.0
+    rel_tol: float = BISECT_REL_TOL
+    """Relative precision of the step-time bisection."""
 
 
 def make_plan(
@@ -167,7 +181,7 @@ def make_plan(
             and not cost_model.adapter.frozen_base,
             serial=cost_model.serial_reduce,
         )
-        choice = _optimise(cost_model, global_batch, allowed, explain)
+        choice = _optimise_charged(cost_model, global_batch, allowed, explain)
         if allowed.host and choice.host is not None and any(h > 0 for h in choice.host):
             choice, allowed = _unless_marginal(
                 cost_model, global_batch, allowed, choice, "host", host_state_min_gain
@@ -197,15 +211,17 @@ def make_plan(
 
 
 # ====================================================================== the optimiser
-def _groups(cm: CostModel) -> list[_Group]:
+def _groups(cm: CostModel, allowed: _Allowed | None = None) -> list[_Group]:
     by_key: dict[tuple, _Group] = {}
+    floor_rank = allowed.floor_rank if allowed is not None else -1
     for i, d in enumerate(cm.devices):
         share, rates = math.inf, (math.inf, math.inf, math.inf)
         if cm.host is not None:
             node = cm.host.node_of[i]
             share = cm.host.memory_bytes[node] / len(cm.host.ranks_on(node))
             rates = cm.host_rates(i)
-        key = (d.type_key, int(d.memory_bytes), share, rates)
+        # the rank with a floor on its fraction is a group of its own (its capacity differs)
+        key = (d.type_key, int(d.memory_bytes), share, rates, i == floor_rank)
         if key not in by_key:
             by_key[key] = _Group(
                 type_key=d.type_key,
@@ -214,6 +230,7 @@ def _groups(cm: CostModel) -> list[_Group]:
                 host_share=share,
                 host_rates=rates,
                 async_copies=cm.profiles[d.type_key].async_copies,
+                floor=allowed.floor if i == floor_rank and allowed is not None else 0.0,
             )
         by_key[key].ranks.append(i)
     groups = list(by_key.values())
@@ -226,7 +243,7 @@ def _largest_micro_batch(cm: CostModel, g: _Group, allowed: _Allowed) -> int:
     """Largest m whose working memory (no state) fits at all (memory grows with m)."""
     ms = np.arange(1, MAX_MICRO_BATCH + 1)
     mem = cm.memory_without_state(
-        g.type_key, g.capacity, ms, ms, allowed.offload, not allowed.serial
+        g.type_key, g.capacity, ms, ms, allowed.offload, not allowed.serial, allowed.pad
     )
     fits = np.nonzero(mem + MEMORY_SLACK_BYTES <= g.capacity)[0]
     return int(ms[fits[-1]]) if fits.size else 0
@@ -264,10 +281,16 @@ def _tabulate(cm: CostModel, g: _Group, bmax: int, allowed: _Allowed) -> None:
     o_axis = np.array(offs)[None, None, :, None]
     ov_axis = np.array(overlaps)[None, None, None, :]
     t_all, _, _ = cm.step_time_parts(
-        g.type_key, bs[..., None, None], ms[..., None, None], o_axis, ov_axis
+        g.type_key, bs[..., None, None], ms[..., None, None], o_axis, ov_axis, pad=allowed.pad
     )
     mem_all = cm.memory_without_state(
-        g.type_key, g.capacity, bs[..., None, None], ms[..., None, None], o_axis, ov_axis
+        g.type_key,
+        g.capacity,
+        bs[..., None, None],
+        ms[..., None, None],
+        o_axis,
+        ov_axis,
+        allowed.pad,
     )
     shape = (bmax + 1, ms.shape[1], len(offs), len(overlaps))
     t_all, mem_all = np.broadcast_to(t_all, shape), np.broadcast_to(mem_all, shape)
@@ -279,7 +302,7 @@ def _tabulate(cm: CostModel, g: _Group, bmax: int, allowed: _Allowed) -> None:
             valid = ms <= np.maximum(bs, 1)
             t = np.where(valid, t, np.inf)
             memcap = (g.capacity - MEMORY_SLACK_BYTES - np.where(valid, mem, np.inf)) / (
-                cm.bytes_per_fraction
+                cm.bytes_per_fraction_at(allowed.pad)
             )
             host_b = np.broadcast_to(cm.host_bytes(bs, o, 0.0), t.shape).astype(np.float64)
             if allowed.host:
@@ -362,7 +385,7 @@ def _host_rates(g: _Group) -> tuple[float, float, float]:
 
 
 def _host_cap(
-    cm: CostModel, rates, time_left, mem_left, host_left
+    cm: CostModel, rates, time_left, mem_left, host_left, pad: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray]:
     """The largest state fraction x + y a rank can own (x on the host, y on the device) within
     `time_left` seconds for its optimizer phase and host copies, `mem_left` device bytes and
@@ -373,7 +396,7 @@ def _host_cap(
     concave objective x + y(x): its maximum is at 0, at x_max or where the two bounds cross."""
     P = cm.total_params
     o_all, a1, a2 = rates
-    Bs, Bd = cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction
+    Bs, Bd = cm.bytes_per_fraction_at(pad), cm.host_part_bytes_per_fraction_at(pad)
     tl = np.asarray(time_left, dtype=np.float64)
     ml = np.asarray(mem_left, dtype=np.float64)
     hl = np.asarray(host_left, dtype=np.float64)
@@ -384,8 +407,10 @@ def _host_cap(
         at = np.where(timed, tl / np.where(timed, o, 1.0), np.inf)
         bt = np.where(timed, P * np.asarray(a1) / np.where(timed, o, 1.0), 0.0)
         am, bm = ml / Bs, Bd / Bs
+        # padded fp32: the host part's device copy lives in the padded send buffer (Bd 0)
+        by_mem = ml / Bd if Bd > 0 else np.inf
         x_max = np.minimum(
-            np.minimum(hl / (P * cm.host_bytes_per_param), ml / Bd), tl / (P * np.asarray(a2))
+            np.minimum(hl / (P * cm.host_bytes_per_param), by_mem), tl / (P * np.asarray(a2))
         )
         x_max = np.maximum(x_max, 0.0)
         cross = np.clip((at - am) / (bt - bm), 0.0, x_max)
@@ -403,17 +428,21 @@ def _capacity(
     g: _Group, T: float, cm: CostModel | None = None, allowed: _Allowed | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """cap(b; T) for b = 0..bmax (-inf where b cannot run within T), and the option achieving it."""
-    if allowed is not None and allowed.host:
+    allowed = allowed or _Allowed(offload=False)
+    if allowed.host:
         assert cm is not None
+        Bs = cm.bytes_per_fraction_at(allowed.pad)
         with np.errstate(invalid="ignore"):
-            mem_left = np.where(np.isfinite(g.memcap), g.memcap * cm.bytes_per_fraction, -1.0)
+            mem_left = np.where(np.isfinite(g.memcap), g.memcap * Bs, -1.0)
             time_left = np.where(np.isfinite(g.time), T - g.time, -1.0)
-        cap, _ = _host_cap(cm, _host_rates(g), time_left, mem_left, g.host_share - g.host_boundary)
+        cap, _ = _host_cap(
+            cm, _host_rates(g), time_left, mem_left, g.host_share - g.host_boundary, allowed.pad
+        )
         cap = np.where(np.isfinite(g.time) & np.isfinite(cap), cap, -np.inf)
         best = np.argmax(cap, axis=1)
         f = cap[np.arange(cap.shape[0]), best]
-        f = np.where(f >= 0, np.minimum(f, 1.0), -np.inf)
-        return np.minimum.accumulate(f), best
+        f = np.where(f >= 0, np.minimum(f, allowed.clip), -np.inf)
+        return _floored(np.minimum.accumulate(f), g.floor), best
     if math.isinf(T):
         timecap = np.where(np.isfinite(g.time), np.inf, -np.inf)
     elif g.opt_s_per_fraction > 0:
@@ -426,10 +455,16 @@ def _capacity(
     cap = np.minimum(g.memcap, timecap)
     best = np.argmax(cap, axis=1)
     f = cap[np.arange(cap.shape[0]), best]
-    f = np.where(f >= 0, np.minimum(f, 1.0), -np.inf)
+    f = np.where(f >= 0, np.minimum(f, allowed.clip), -np.inf)
     # cap is non-increasing in b; enforce it so the feasible batches form a prefix 0..k
     f = np.minimum.accumulate(f)
-    return f, best
+    return _floored(f, g.floor), best
+
+
+def _floored(f: np.ndarray, floor: float) -> np.ndarray:
+    """cap(b) of a rank that must own at least `floor`: -inf where it cannot (still a prefix of
+    finite batches, cap being non-increasing in b)."""
+    return np.where(f >= floor, f, -np.inf) if floor > 0 else f
 
 
 def _split_exact(fs: list[np.ndarray], B: int) -> tuple[float, list[int]] | None:
@@ -581,6 +616,8 @@ class _Choice:
     """host_state_fraction per rank (None: all 0)."""
     overlap: list[bool] | None = None
     """overlap_reduce per rank (None: all True)."""
+    lower: float = 0.0
+    """A step time no plan of the search that made it reaches (its bisection's infeasible end)."""
 
 
 def _fits_at_all(cm: CostModel, groups: list[_Group], B: int, allowed: _Allowed):
@@ -616,7 +653,9 @@ def _exact(groups: list[_Group], B: int) -> bool:
 
 
 def _optimise(cm: CostModel, B: int, allowed: _Allowed, explain: bool = True) -> _Choice:
-    groups = _groups(cm)
+    """The optimum under `allowed` (its padding charge included), `lower` set to a step time at
+    which no plan is feasible (a certified lower bound)."""
+    groups = _groups(cm, allowed)
     found = _fits_at_all(cm, groups, B, allowed)
     if found is None:
         if not explain:
@@ -626,7 +665,7 @@ def _optimise(cm: CostModel, B: int, allowed: _Allowed, explain: bool = True) ->
         exact = _exact(groups, B)
         T_hi = _step_time_of(cm, groups, found, allowed)
         T_lo = 0.0
-        while T_hi - T_lo > BISECT_REL_TOL * T_hi:
+        while T_hi - T_lo > allowed.rel_tol * T_hi:
             mid = 0.5 * (T_lo + T_hi)
             f = _feasible(groups, mid, B, exact, cm, allowed)
             if f is None:
@@ -643,7 +682,39 @@ def _optimise(cm: CostModel, B: int, allowed: _Allowed, explain: bool = True) ->
         found = _feasible(groups, T_hi, B, _exact(groups, B), cm, allowed) or _fits_at_all(
             cm, groups, B, allowed
         )
-    return _water_fill(cm, groups, found, allowed)
+    choice = _water_fill(cm, groups, found, allowed)
+    choice.lower = T_lo
+    return choice
+
+
+def _optimise_charged(cm: CostModel, B: int, allowed: _Allowed, explain: bool = True) -> _Choice:
+    """`_optimise` where the backend pads near-even splits (`CostModel.padded_collectives`):
+    the charge-free optimum, or a better plan that pays its padding (padded_search.py)."""
+    relaxed = _optimise(cm, B, allowed, explain)
+    if not cm.padded_collectives or len(cm.devices) < 2:
+        return relaxed
+
+    def step_s(c: _Choice, padded: bool = True) -> float:
+        plan = _to_plan(cm, B, "cephalo", c, None, predict=False)
+        ev = cm.evaluate(plan, charge_padding=padded)
+        return ev.step_s if ev.fits else math.inf
+
+    def search(**regime) -> Attempt[_Choice] | None:
+        try:
+            c = _optimise(cm, B, replace(allowed, rel_tol=PADDED_REL_TOL, **regime), False)
+        except PlanDoesNotFit:
+            return None
+        return Attempt(c, c.lower, step_s(c), cm.split_padding(c.fraction))
+
+    kinds = [g.ranks[0] for g in _groups(cm)]
+    return best_with_padding(
+        len(cm.devices),
+        Attempt(relaxed, relaxed.lower, step_s(relaxed), cm.split_padding(relaxed.fraction)),
+        cm.split_padding(relaxed.fraction),
+        step_s(relaxed, padded=False),
+        kinds,
+        search,
+    )
 
 
 def _unless_marginal(
@@ -656,7 +727,7 @@ def _unless_marginal(
     for a 0.03 % predicted gain ran 10 % slower, bench/results/hetero_throughput.md B)."""
     narrower = replace(allowed, **{option: False})
     try:
-        without = _optimise(cm, B, narrower, explain=False)  # the reason is not shown
+        without = _optimise_charged(cm, B, narrower, explain=False)  # the reason is not shown
     except PlanDoesNotFit:
         return choice, allowed
     steps = [cm.evaluate(_to_plan(cm, B, "cephalo", c, None)).step_s for c in (choice, without)]
@@ -729,15 +800,19 @@ def _water_fill(cm: CostModel, groups: list[_Group], found, allowed: _Allowed) -
     """Fractions that minimise the slowest rank's time under every rank's memory cap."""
     opts = _rank_options(cm, groups, found)
     if allowed.host:
-        return _water_fill_host(cm, groups, opts)
+        return _water_fill_host(cm, groups, opts, allowed)
     batch = [o.batch for o in opts]
     micro = [o.micro for o in opts]
     off = [o.offload for o in opts]
     t = [o.time for o in opts]
     mc = [o.memcap for o in opts]
     opt = [cm.optimizer_params * cm.optimizer_s_per_param(d.type_key) for d in cm.devices]
-    mc_arr = np.clip(np.array(mc), 0.0, 1.0)
+    mc_arr = np.clip(np.array(mc), 0.0, allowed.clip)
     t_arr, opt_arr = np.array(t), np.array(opt)
+    j, floor = allowed.floor_rank, allowed.floor
+
+    def enough(c: np.ndarray) -> bool:
+        return c.sum() >= 1.0 and (j < 0 or c[j] >= floor)
 
     def caps(T: float) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -755,26 +830,26 @@ def _water_fill(cm: CostModel, groups: list[_Group], found, allowed: _Allowed) -
         hi = lo + float(opt_arr.max())  # every rank can then take its whole memory cap (<= 1)
         while hi - lo > 1e-12 * max(hi, 1e-30) and hi - lo > 1e-15:
             mid = 0.5 * (lo + hi)
-            if caps(mid).sum() >= 1.0:
+            if enough(caps(mid)):
                 hi = mid
             else:
                 lo = mid
         c = caps(hi)
-        if c.sum() < 1.0:
+        if not enough(c):
             # the optimizer is so cheap that T' is lost in float resolution: time does not
             # limit anyone, memory does
             c = mc_arr
     total = float(c.sum())
     if total <= 0:
         raise CephaloError("internal: no rank can hold any state after planning")
-    fractions = c / total
+    fractions = _fractions(c, j, floor)
     # The bisection leaves the bottleneck ranks a residue (~1e-11) of state; an exact 0 reads
     # better and gives them an empty shard. Keep the residue if dropping it would push another
     # rank past its memory.
     snapped = np.where(fractions < FRACTION_SNAP, 0.0, fractions)
     if snapped.sum() > 0:
         snapped = snapped / snapped.sum()
-        if np.all(snapped <= np.maximum(mc_arr, fractions)):
+        if np.all(snapped <= np.maximum(mc_arr, fractions)) and (j < 0 or snapped[j] >= floor):
             fractions = snapped
     return _Choice(
         batch=batch,
@@ -785,7 +860,24 @@ def _water_fill(cm: CostModel, groups: list[_Group], found, allowed: _Allowed) -
     )
 
 
-def _water_fill_host(cm: CostModel, groups: list[_Group], opts: list[_RankOption]) -> _Choice:
+def _fractions(c: np.ndarray, j: int = -1, floor: float = 0.0) -> np.ndarray:
+    """State fractions summing to 1 from caps `c` (sum >= 1), each at most its cap: in
+    proportion to the caps, except that rank `j` (>= 0) keeps at least `floor` (c[j] >= floor):
+    it takes max(floor, its proportional share) and the others share the rest in proportion,
+    which their caps hold (c[j] + the others' >= 1)."""
+    total = float(c.sum())
+    if j < 0:
+        return c / total
+    rest = total - float(c[j])
+    s_j = max(floor, float(c[j]) / total)
+    out = c * ((1.0 - s_j) / rest) if rest > 0 else np.zeros_like(c)
+    out[j] = s_j
+    return out
+
+
+def _water_fill_host(
+    cm: CostModel, groups: list[_Group], opts: list[_RankOption], allowed: _Allowed
+) -> _Choice:
     """The water-filling with host state: the smallest T' at which the ranks' largest state
     fractions (`_host_cap`) sum to 1; then each rank's fraction at its cap (normalised) and the
     host part that makes it fastest within its memory (the least its memory needs where the
@@ -793,7 +885,7 @@ def _water_fill_host(cm: CostModel, groups: list[_Group], opts: list[_RankOption
     by_rank = _group_of(groups)
     n = len(opts)
     P = cm.total_params
-    Bs, Bd = cm.bytes_per_fraction, cm.host_part_device_bytes_per_fraction
+    Bs, Bd = cm.bytes_per_fraction_at(allowed.pad), cm.host_part_bytes_per_fraction_at(allowed.pad)
     mem_left = np.array([max(o.memcap, 0.0) * Bs for o in opts])
     host_left = np.array([by_rank[i].host_share - opts[i].host_boundary for i in range(n)])
     t = np.array([o.time for o in opts])
@@ -803,12 +895,17 @@ def _water_fill_host(cm: CostModel, groups: list[_Group], opts: list[_RankOption
     )
 
     def caps(T: float) -> tuple[np.ndarray, np.ndarray]:
-        cs, xs = _host_cap(cm, rates, T - t, mem_left, host_left)
-        return np.minimum(np.maximum(cs, 0.0), 1.0), xs
+        cs, xs = _host_cap(cm, rates, T - t, mem_left, host_left, allowed.pad)
+        return np.minimum(np.maximum(cs, 0.0), allowed.clip), xs
+
+    j, floor = allowed.floor_rank, allowed.floor
+
+    def enough(c: np.ndarray) -> bool:
+        return c.sum() >= 1.0 and (j < 0 or c[j] >= floor)
 
     lo = float(t.max())
     hi = lo + max(g.opt_s_per_fraction for g in groups) + 1e-12
-    while caps(hi)[0].sum() < 1.0:  # the host-state work may exceed the device optimizer's
+    while not enough(caps(hi)[0]):  # the host-state work may exceed the device optimizer's
         hi = lo + 2 * (hi - lo)
         if hi - lo > 1e12:
             raise CephaloError(
@@ -816,15 +913,17 @@ def _water_fill_host(cm: CostModel, groups: list[_Group], opts: list[_RankOption
             )
     while hi - lo > 1e-12 * max(hi, 1e-30) and hi - lo > 1e-15:
         mid = 0.5 * (lo + hi)
-        if caps(mid)[0].sum() >= 1.0:
+        if enough(caps(mid)[0]):
             hi = mid
         else:
             lo = mid
     c, _ = caps(hi)
-    fractions = c / c.sum()
+    fractions = _fractions(c, j, floor)
     snapped = np.where(fractions < FRACTION_SNAP, 0.0, fractions)
     if snapped.sum() > 0 and np.all(snapped <= np.maximum(c, fractions)):
-        fractions = snapped / snapped.sum()
+        snapped = snapped / snapped.sum()
+        if j < 0 or snapped[j] >= floor:
+            fractions = snapped
     host = []
     for i in range(n):
         s_i = float(fractions[i])
@@ -980,7 +1079,14 @@ def simple_plan(
 
 
 # ====================================================================== output
-def _to_plan(cm: CostModel, B: int, strategy: str, c: _Choice, model_name: str | None) -> Plan:
+def _to_plan(
+    cm: CostModel,
+    B: int,
+    strategy: str,
+    c: _Choice,
+    model_name: str | None,
+    predict: bool = True,
+) -> Plan:
     ranks = []
     for i, d in enumerate(cm.devices):
         b = c.batch[i]
@@ -1009,7 +1115,8 @@ def _to_plan(cm: CostModel, B: int, strategy: str, c: _Choice, model_name: str |
         ranks=ranks,
         meta=dict(cm.meta),
     )
-    fill_predictions(cm, plan)
+    if predict:
+        fill_predictions(cm, plan)
     return plan
 
 
@@ -1027,7 +1134,7 @@ def fill_predictions(cm: CostModel, plan: Plan) -> None:
 
 # ====================================================================== does not fit
 def _memory_only_fits(cm: CostModel, B: int, allowed: _Allowed) -> bool:
-    return _fits_at_all(cm, _groups(cm), B, allowed) is not None
+    return _fits_at_all(cm, _groups(cm, allowed), B, allowed) is not None
 
 
 def _does_not_fit(cm: CostModel, B: int, allowed: _Allowed) -> PlanDoesNotFit:

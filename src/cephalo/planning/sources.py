@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 from cephalo.errors import CephaloError
+from cephalo.planning.collective_cost import backend_pads
 from cephalo.planning.costmodel import CostModel, HostResources, Links
 from cephalo.specs.catalog import catalog_profile, host_optimizer_s_per_param
 from cephalo.specs.cluster import Cluster
@@ -41,6 +42,8 @@ def profiles_cost_model(
     kw.setdefault("host", host_resources(cluster, profiles))
     kw.setdefault("serial_reduce", True)
     kw.setdefault("links", cluster_links(cluster))
+    # the runtime pads near-even splits on NCCL (CUDA GPUs), not on gloo (CPUs): charge it there
+    kw.setdefault("padded_collectives", backend_pads([d.type for d in cluster.devices]))
     return CostModel(
         model_spec, seq_len, dtype, list(cluster.devices), profiles, comm, meta=meta, **kw
     )

@@ -26,7 +26,7 @@ class EngineConfig:
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
     padded_collectives: bool | None = None
-    """Units whose split is near even (`planning.costmodel.padded_even`) gather and reduce with
+    """Units whose split is near even (`planning.collective_cost.padded_even`) gather and reduce with
     the even collectives on padded buffers (runtime/padded.py); False: always the grouped
     collectives of the exact sizes; None: where the comm gathers equal sizes with the even
     collective (`Comm.even_gather`: NCCL, not gloo)."""

@@ -1,4 +1,4 @@
-"""Padded-even collectives: a unit whose split is near even (`planning.costmodel.padded_even`)
+"""Padded-even collectives: a unit whose split is near even (`planning.collective_cost.padded_even`)
 is gathered and reduced with the even collectives (`all_gather_into_tensor` /
 `reduce_scatter_tensor`) instead of grouped broadcasts / reduces of its exact sizes.
 
@@ -16,9 +16,9 @@ pieces (`slices`).
 The padding never reaches the state: the optimizer, the gradient norm, the checkpoint and
 `Engine.state_bytes` see the shard's own elements only (the master is a view inside the
 padded buffer), and the padding's gradient is dropped when the reduce-scatter output is added
-into the gradient shard. `planning.costmodel.collective_factor` gives the padding's bytes, which
-`CostModel.rank_cost(comm_factor=...)` charges (plan evaluation and the planner do not apply it
-yet).
+into the gradient shard. The cost model charges the padding's bytes and buffers wherever this
+runs (`planning.collective_cost`: `CostModel.evaluate` and the planner, on a cluster whose
+backend pads).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cephalo.planning.costmodel import padded_even
+from cephalo.planning.collective_cost import padded_even
 from cephalo.runtime.flat import FlatLayout
 
 

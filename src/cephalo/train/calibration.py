@@ -239,6 +239,7 @@ def rebuilt(
         adapter=cm.adapter,
         links=cm.links,
         cross_reduce=cm.cross_reduce,
+        padded_collectives=cm.padded_collectives,
     )
 
 

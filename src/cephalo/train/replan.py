@@ -335,6 +335,9 @@ def catalog_model_or_none(cfg, model_spec, cluster) -> CostModel | None:
     from cephalo.planning.sources import catalog_cost_model
 
     try:
-        return catalog_cost_model(cluster, model_spec, cfg.data.seq_len, cfg.model.dtype)
+        kw = {}
+        if cfg.parallel.backend == "gloo":  # GPUs forced onto gloo: the engine pads nothing
+            kw["padded_collectives"] = False
+        return catalog_cost_model(cluster, model_spec, cfg.data.seq_len, cfg.model.dtype, **kw)
     except CephaloError:
         return None

@@ -153,6 +153,9 @@ def auto_plan(
             cfg.model.lora_r,
             targets[0] if list(targets) == [ALL_LINEAR] else targets,
         ),
+        # the engine pads near-even splits exactly where this comm has the even collectives
+        # (EngineConfig.padded_collectives' default): the planner charges it there
+        padded_collectives=comm.even_gather,
     )
     plan = make_hierarchical_plan(
         cost_model,
