@@ -101,7 +101,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from cephalo.errors import CephaloError
-from cephalo.planning import group_cost
 from cephalo.planning.collective_cost import (
     PAD_EVEN_SLACK,
     Collectives,
@@ -118,7 +117,7 @@ from cephalo.planning.cost_results import (
     RankCost,
 )
 from cephalo.planning.curve_tables import TypeTables
-from cephalo.planning.group_cost import CrossReduce, Links, cross_reduce_times
+from cephalo.planning.group_cost import CrossReduce, Links, ShardGroupCosts, cross_reduce_times
 from cephalo.planning.host_cost import (
     HOST_STATE_BYTES_PER_PARAM,
     HostResources,
@@ -187,7 +186,7 @@ class DeviceLike(Protocol):
     memory_bytes: int
 
 
-class CostModel:
+class CostModel(ShardGroupCosts):
     """Time and memory of each rank of a cluster for one model, sequence length and dtype."""
 
     def __init__(
@@ -385,15 +384,6 @@ class CostModel:
 
     def optimizer_s_per_param(self, type_key: str) -> float:
         return self.profiles[type_key].optimizer_s_per_param
-
-    # ------------------------------------------------------------------ shard groups (group_cost.py)
-    def group_model(self, ranks: list[int], groups: int, reduce_dtype: str = "fp32") -> CostModel:
-        """The cost model of one shard group of a hierarchical plan (`group_cost.group_model`)."""
-        return group_cost.group_model(self, ranks, groups, reduce_dtype)
-
-    def group_key(self, ranks: list[int]) -> tuple:
-        """Equal for groups whose `group_model`s are the same (`group_cost.group_key`)."""
-        return group_cost.group_key(self, ranks)
 
     # ------------------------------------------------------------------ formulas (broadcasting)
     def _pass_times(self, type_key: str, b, m):
@@ -925,7 +915,7 @@ class CostModel:
                     f"{d.type_key!r}; list the devices in the plan's order"
                 )
         if plan.hierarchical and self.cross_reduce is None:
-            return group_cost.evaluate_groups(self, plan)
+            return self._evaluate_groups(plan)
         # the split runs padded-even where the backend pads and it is near even: every rank's
         # collectives and padded buffers are charged for it (collective_cost.py)
         pad = self.split_padding(plan.state_fractions) if charge_padding else 0.0

@@ -1,15 +1,14 @@
 """Shard groups of a hierarchical plan as the cost model charges them: the cluster's links
 (`Links`: a group's collectives run at its slowest link), the once-per-step all-reduce of the
-gradient shards between groups (`CrossReduce`, `cross_reduce_times`), one group's own cost
-model (`group_model`), the key that says two groups cost the same (`group_key`) and a
-hierarchical plan's evaluation, group by group (`evaluate_groups`). `CostModel` calls these;
-its methods of the same names are the public way in."""
+gradient shards between groups (`CrossReduce`, `cross_reduce_times`), and, as `CostModel`'s
+mixin `ShardGroupCosts`, one group's own cost model (`group_model`), the key that says two
+groups cost the same (`group_key`) and a hierarchical plan's evaluation, group by group."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from cephalo.errors import CephaloError
 from cephalo.planning.cost_results import PlanEvaluation, RankCost
@@ -19,7 +18,6 @@ from cephalo.specs.catalog import DTYPE_BYTES
 from cephalo.specs.profile import CommProfile
 
 if TYPE_CHECKING:
-    from cephalo.planning.costmodel import CostModel
     from cephalo.planning.layout import ParamLayout
 
 
@@ -77,97 +75,99 @@ def cross_reduce_times(layout: ParamLayout, cross_reduce: CrossReduce | None) ->
     return out
 
 
-def group_model(
-    cm: CostModel, ranks: list[int], groups: int, reduce_dtype: str = "fp32"
-) -> CostModel:
-    """The cost model of one shard group of a hierarchical plan: the group's ranks (renumbered
-    0..), its collectives over its own slowest link (intra-node for a group on one node), and
-    the all-reduce between the `groups` groups over the inter-node link in `reduce_dtype`.
-    With `groups` 1 and every rank, the flat model (the same numbers as this one)."""
-    ranks = list(ranks)
-    links = cm.links
-    if links is not None:
-        comm = CommProfile(bytes_per_s=links.bytes_per_s(ranks), latency_s=links.latency_s)
-        sub_links = replace(links, node_of=tuple(links.node_of[r] for r in ranks))
-        cross_bw = links.inter_bytes_per_s
-    else:
-        comm, sub_links, cross_bw = cm.comm, None, cm.comm.bytes_per_s
-    host = None
-    if cm.host is not None:
-        host = HostResources(
-            node_of=tuple(cm.host.node_of[r] for r in ranks),
-            memory_bytes=cm.host.memory_bytes,
-            optimizer_s_per_param=tuple(cm.host.optimizer_s_per_param[r] for r in ranks),
+class ShardGroupCosts:
+    """`CostModel`'s methods for shard groups (a mixin: these read the model's devices, hosts,
+    links and profiles, and build one group's own model of the same class)."""
+
+    def group_model(self, ranks: list[int], groups: int, reduce_dtype: str = "fp32") -> Self:
+        """The cost model of one shard group of a hierarchical plan: the group's ranks (renumbered
+        0..), its collectives over its own slowest link (intra-node for a group on one node), and
+        the all-reduce between the `groups` groups over the inter-node link in `reduce_dtype`.
+        With `groups` 1 and every rank, the flat model (the same numbers as this one)."""
+        ranks = list(ranks)
+        links = self.links
+        if links is not None:
+            comm = CommProfile(bytes_per_s=links.bytes_per_s(ranks), latency_s=links.latency_s)
+            sub_links = replace(links, node_of=tuple(links.node_of[r] for r in ranks))
+            cross_bw = links.inter_bytes_per_s
+        else:
+            comm, sub_links, cross_bw = self.comm, None, self.comm.bytes_per_s
+        host = None
+        if self.host is not None:
+            host = HostResources(
+                node_of=tuple(self.host.node_of[r] for r in ranks),
+                memory_bytes=self.host.memory_bytes,
+                optimizer_s_per_param=tuple(self.host.optimizer_s_per_param[r] for r in ranks),
+            )
+        cross = None
+        if groups > 1:
+            latency = links.latency_s if links is not None else self.comm.latency_s
+            cross = CrossReduce(groups, reduce_dtype, cross_bw, latency)
+        return type(self)(
+            self.model,
+            self.seq_len,
+            self.dtype,
+            [self.devices[r] for r in ranks],
+            self.profiles,
+            comm,
+            reserve_bytes=self.reserve_bytes,
+            reserve_fraction=self.reserve_fraction,
+            meta=self.meta,
+            host=host,
+            serial_reduce=self.serial_reduce,
+            adapter=self.adapter,
+            links=sub_links,
+            cross_reduce=cross,
+            padded_collectives=self.padded_collectives,
         )
-    cross = None
-    if groups > 1:
-        latency = links.latency_s if links is not None else cm.comm.latency_s
-        cross = CrossReduce(groups, reduce_dtype, cross_bw, latency)
-    return type(cm)(
-        cm.model,
-        cm.seq_len,
-        cm.dtype,
-        [cm.devices[r] for r in ranks],
-        cm.profiles,
-        comm,
-        reserve_bytes=cm.reserve_bytes,
-        reserve_fraction=cm.reserve_fraction,
-        meta=cm.meta,
-        host=host,
-        serial_reduce=cm.serial_reduce,
-        adapter=cm.adapter,
-        links=sub_links,
-        cross_reduce=cross,
-        padded_collectives=cm.padded_collectives,
-    )
 
+    def group_key(self, ranks: list[int]) -> tuple:
+        """Equal for two groups whose `group_model`s are the same up to the ranks' numbering:
+        their devices in order, their hosts (the group's nodes numbered in order of appearance)
+        and their links. Identical nodes are planned and evaluated once."""
+        devs = tuple((self.devices[r].type_key, int(self.devices[r].memory_bytes)) for r in ranks)
+        host = None
+        if self.host is not None:
+            index: dict[int, int] = {}
+            host = (
+                tuple(self.host.optimizer_s_per_param[r] for r in ranks),
+                tuple(self.host.memory_bytes[self.host.node_of[r]] for r in ranks),
+                tuple(index.setdefault(self.host.node_of[r], len(index)) for r in ranks),
+            )
+        links = None if self.links is None else self.links.bytes_per_s(ranks)
+        return devs, host, links
 
-def group_key(cm: CostModel, ranks: list[int]) -> tuple:
-    """Equal for two groups whose `group_model`s are the same up to the ranks' numbering:
-    their devices in order, their hosts (the group's nodes numbered in order of appearance)
-    and their links. Identical nodes are planned and evaluated once."""
-    devs = tuple((cm.devices[r].type_key, int(cm.devices[r].memory_bytes)) for r in ranks)
-    host = None
-    if cm.host is not None:
-        index: dict[int, int] = {}
-        host = (
-            tuple(cm.host.optimizer_s_per_param[r] for r in ranks),
-            tuple(cm.host.memory_bytes[cm.host.node_of[r]] for r in ranks),
-            tuple(index.setdefault(cm.host.node_of[r], len(index)) for r in ranks),
-        )
-    links = None if cm.links is None else cm.links.bytes_per_s(ranks)
-    return devs, host, links
-
-
-def evaluate_groups(cm: CostModel, plan: Plan) -> PlanEvaluation:
-    """A hierarchical plan: each shard group under its `group_model`, the ranks back in order."""
-    groups = plan.groups
-    costs: list[RankCost] = [None] * plan.world_size  # type: ignore[list-item]
-    done: dict[tuple, list[RankCost]] = {}  # identical groups with identical plans, once
-    for members in groups:
-        key = (
-            group_key(cm, members),
-            tuple(tuple(v for k, v in vars(plan.ranks[r]).items() if k != "rank") for r in members),
-        )
-        if key in done:  # the same costs on this group's own ranks and nodes
+    def _evaluate_groups(self, plan: Plan) -> PlanEvaluation:
+        """A hierarchical plan: each shard group under its `group_model`, the ranks back in order."""
+        groups = plan.groups
+        costs: list[RankCost] = [None] * plan.world_size  # type: ignore[list-item]
+        done: dict[tuple, list[RankCost]] = {}  # identical groups with identical plans, once
+        for members in groups:
+            key = (
+                self.group_key(members),
+                tuple(
+                    tuple(v for k, v in vars(plan.ranks[r]).items() if k != "rank") for r in members
+                ),
+            )
+            if key in done:  # the same costs on this group's own ranks and nodes
+                for i, c in enumerate(done[key]):
+                    r = members[i]
+                    node = self.host.node_of[r] if self.host is not None else c.node
+                    costs[r] = replace(c, rank=r, node=node)
+                continue
+            sub = self.group_model(members, len(groups), plan.cross_group_reduce_dtype)
+            part = Plan(
+                strategy=plan.strategy,
+                model=plan.model,
+                seq_len=plan.seq_len,
+                global_batch_size=sum(plan.ranks[r].batch_size for r in members) or 1,
+                dtype=plan.dtype,
+                ranks=[replace(plan.ranks[r], rank=i) for i, r in enumerate(members)],
+                meta=plan.meta,
+            )
+            done[key] = sub.evaluate(part).ranks
             for i, c in enumerate(done[key]):
-                r = members[i]
-                node = cm.host.node_of[r] if cm.host is not None else c.node
-                costs[r] = replace(c, rank=r, node=node)
-            continue
-        sub = group_model(cm, members, len(groups), plan.cross_group_reduce_dtype)
-        part = Plan(
-            strategy=plan.strategy,
-            model=plan.model,
-            seq_len=plan.seq_len,
-            global_batch_size=sum(plan.ranks[r].batch_size for r in members) or 1,
-            dtype=plan.dtype,
-            ranks=[replace(plan.ranks[r], rank=i) for i, r in enumerate(members)],
-            meta=plan.meta,
+                costs[members[i]] = replace(c, rank=members[i])
+        return PlanEvaluation(
+            ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len
         )
-        done[key] = sub.evaluate(part).ranks
-        for i, c in enumerate(done[key]):
-            costs[members[i]] = replace(c, rank=members[i])
-    return PlanEvaluation(
-        ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len
-    )
