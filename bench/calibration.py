@@ -1,6 +1,6 @@
 """Calibration and re-planning while training (issue #25), on an emulated cluster.
 
-    python bench/calibration.py [--steps 20] [--change 8]
+    python bench/calibration.py [--steps 20] [--change 8] [--only drift|cluster-b]
 
 EMULATED: two local gloo ranks on this CPU stand in for a fast and a 2x slower device
 (`cpu:slowdown=3`, `cpu:slowdown=6`: slowdowns well above 1 so that the emulated speeds, not
@@ -20,6 +20,24 @@ Targets: within 10 steps of the change the calibrated run's throughput (median s
 last `TAIL` steps of those 10) reaches >= 0.95x the true-profile run's over the same steps;
 after calibration the predicted step (the calibrated cost model's, before the last refit)
 is within 5 % of the measured one on every rank; a re-plan + switch takes < 2 s.
+
+CLUSTER B (`--only cluster-b` runs this section alone): cluster B of hetero_throughput.py,
+`cpu:mem=44MiB,cpu:slowdown=2:mem=64MiB` (speeds 2:1, both short of memory, the budgets
+enforced by the engine's ledger), global batch 48, its model (gpt-small-demo, n_layer 4,
+untied embeddings, no dropout) and its profile settings, on the same two ranks as above.
+Side by side in one run, each `train(cfg)` with `parallel.plan = auto` from the same profiles:
+
+- **not calibrated**: the plan the job makes itself from its profiles, `replan = off`;
+- **calibrated**: the same with `replan = own`, calibrating every `CAL_EVERY` steps;
+- **ideal**: hetero_throughput.py's bound, by its code (`_systems.SoloTrainer`,
+  `ideal_tokens_per_s`): every rank trains alone (world size 1, no collectives) at the largest
+  micro-batch up to 8 whose working memory fits its `mem=`, all ranks at once, per round the
+  sum of their samples per compute second; measured in rounds before and after the two jobs
+  (the machine's load moves) and the median round taken.
+
+Throughput: the median step over the steps after calibration settles (from the second step
+after the calibrated job's last switch, or after its second calibration if it never switches,
+to the end), the same steps for both jobs. Target (issue #25): calibrated >= 0.9 x ideal.
 """
 
 from __future__ import annotations
@@ -29,6 +47,8 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from _common import (
@@ -40,10 +60,14 @@ from _common import (
     save_figure,
     verdict,
 )
+from _systems import ideal_tokens_per_s
 from cephalo import envvars
 from cephalo.envvars import scoped_environ
-from cephalo.train.config import load_config
+from cephalo.planning.plan import Plan
+from cephalo.train.config import JobConfig, load_config
 from cephalo.train.trainer import train
+from hetero_throughput import CASES, profile_cluster
+from hetero_throughput import model_overrides as hetero_overrides
 
 MODEL = "gpt-small-demo"
 SEQ_LEN = 128
@@ -59,7 +83,15 @@ damping) the switch would come after step 16, inside that window."""
 TAIL = 3
 
 
-def _config(run_dir: Path, devices: str, replan: str, steps: int, profiles: Path):
+def _config(
+    run_dir: Path,
+    devices: str,
+    replan: str,
+    steps: int,
+    profiles: Path,
+    batch: int = BATCH,
+    extra: Sequence[str] = (),
+) -> JobConfig:
     return load_config(
         None,
         [
@@ -68,7 +100,7 @@ def _config(run_dir: Path, devices: str, replan: str, steps: int, profiles: Path
             "--logging.log_every=1",
             f"--model.name={MODEL}",
             f"--data.seq_len={SEQ_LEN}",
-            f"--train.global_batch_size={BATCH}",
+            f"--train.global_batch_size={batch}",
             f"--train.steps={steps}",
             "--train.eval_every=0",
             "--parallel.plan=auto",
@@ -79,11 +111,12 @@ def _config(run_dir: Path, devices: str, replan: str, steps: int, profiles: Path
             "--checkpoint.every=0",
             f"--profile.cache={profiles}",
             "--profile.repeats=2",
+            *extra,
         ],
     )
 
 
-def _train(cfg, env: dict[str, str]):
+def _train(cfg: JobConfig, env: dict[str, str]) -> list[dict]:
     with scoped_environ(env):
         result = train(cfg)
     return result.replans
@@ -93,13 +126,44 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@dataclass
+class Section:
+    """One section's part of the results file."""
+
+    summary: list[str]
+    details: list[str]
+    figures: list[str]
+    emulated: str
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="steps of the drift section's jobs")
     ap.add_argument("--change", type=int, default=8, help="step from which the device drifts")
+    ap.add_argument("--b-steps", type=int, default=18, help="steps of the cluster-B section's jobs")
+    ap.add_argument("--only", choices=SECTIONS, default=None, help="run one section alone")
     args = ap.parse_args()
     raise_priority()
     started = time.perf_counter()
+    sections = [args.only] if args.only else list(SECTIONS)
+    done: list[Section] = []
+    with tempfile.TemporaryDirectory() as tmp, RankPool(2, timeout_s=900) as pool:
+        for name in sections:
+            done.append(SECTIONS[name](args, pool, Path(tmp) / name))
+    Result(
+        # a section run alone gets its own file, so the full run's results stay as they were
+        "calibration" if args.only is None else f"calibration_{args.only.replace('-', '_')}",
+        "Calibration and re-planning while training",
+        emulated="; ".join(d.emulated for d in done),
+        summary=[b for d in done for b in d.summary],
+        details=[b for d in done for b in d.details] + ["## Method", __doc__.split("\n\n", 2)[2]],
+        figures=[f for d in done for f in d.figures],
+    ).write(time.perf_counter() - started)
+
+
+def _drift(args: argparse.Namespace, pool, tmp: Path) -> Section:
+    """The drift section: a device slows down mid-run (the module docstring)."""
+    tmp.mkdir(parents=True)
     drift = {envvars.EMULATE_DRIFT: f"{args.change}:{DRIFT_RANK}:{DRIFT_SLOWDOWN}"}
     jobs = {
         "calibrated": (DECLARED, "own", drift),
@@ -107,13 +171,12 @@ def main() -> None:
         "true profile": (TRUE, "off", {}),
     }
     runs: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp, RankPool(2, timeout_s=900) as pool:
-        profiles = Path(tmp) / "profiles.json"
-        for name, (devices, replan, env) in jobs.items():
-            run_dir = Path(tmp) / name.replace(" ", "-")
-            print(f"{name}: {devices}, replan = {replan}, {env or 'no drift'}", flush=True)
-            pool.run(_train, _config(run_dir, devices, replan, args.steps, profiles), env)
-            runs[name] = _records(run_dir)
+    profiles = tmp / "profiles.json"
+    for name, (devices, replan, env) in jobs.items():
+        run_dir = tmp / name.replace(" ", "-")
+        print(f"{name}: {devices}, replan = {replan}, {env or 'no drift'}", flush=True)
+        pool.run(_train, _config(run_dir, devices, replan, args.steps, profiles), env)
+        runs[name] = _records(run_dir)
 
     def steps_of(name: str) -> dict[int, float]:
         return {r["step"]: r["step_s"] for r in runs[name] if r.get("kind") == "step"}
@@ -186,6 +249,7 @@ def main() -> None:
     ok_prediction = max(pred_errors) <= 0.05
     ok_time = all(r["replan_s"] + r["seconds"] < 2.0 for r in switches) and bool(switches)
     summary = [
+        "## A device slows down mid-run",
         markdown_table(headers, rows),
         f"- calibrated >= 0.95x the true-profile plan within 10 steps of the change: "
         f"{ratio['calibrated']:.2f}x, re-planned after step(s) {[r['step'] for r in switches]} "
@@ -197,15 +261,13 @@ def main() -> None:
         f"{verdict(ok_time)}",
     ]
     details = [
-        "## Re-plans of the calibrated job",
+        "## Drift: re-plans of the calibrated job",
         markdown_table(switch_headers, switch_rows),
-        f"## Prediction after calibration (step {last['step']})",
+        f"## Drift: prediction after calibration (step {last['step']})",
         "The plan's predicted step (the slowest rank's, as a synchronous step ends together) by "
         "the cost model as calibrated before this calibration, against each rank's median "
         "measured step since.",
         markdown_table(pred_headers, pred_rows),
-        "## Method",
-        __doc__.split("\n\n", 2)[2],
     ]
     import matplotlib.pyplot as plt
 
@@ -221,14 +283,218 @@ def main() -> None:
     ax.set_ylabel("tokens/s")
     ax.legend()
     fig_name = save_figure(fig, "calibration", note="emulated")
-    Result(
-        "calibration",
-        "Calibration and re-planning while training",
-        emulated=f"two CPU ranks ({DECLARED}); rank {DRIFT_RANK} runs at slowdown {DRIFT_SLOWDOWN} from step {args.change}",
-        summary=summary,
-        details=details,
-        figures=[fig_name],
-    ).write(time.perf_counter() - started)
+    return Section(
+        summary,
+        details,
+        [fig_name],
+        f"two CPU ranks ({DECLARED}); rank {DRIFT_RANK} runs at slowdown {DRIFT_SLOWDOWN} "
+        f"from step {args.change}",
+    )
+
+
+# ====================================================================== cluster B
+B_CASE = next(c for c in CASES if c.label.startswith("B"))
+B_N_LAYER = 4
+"""hetero_throughput.py's default model depth."""
+B_TAIL_MIN = 4
+"""Fewest settled steps the throughput is read over (else the verdict says so)."""
+IDEAL_ROUNDS = 3
+"""Solo rounds before and after the two jobs (plus one warm-up each)."""
+
+
+def _b_extra() -> list[str]:
+    """hetero_throughput.py's model and profile settings as config overrides, so that the
+    job plans from the profiles that bench plans from."""
+    ov = ",".join(f"{k}={str(v).lower()}" for k, v in hetero_overrides(B_N_LAYER).items())
+    return [
+        f"--model.overrides={ov}",
+        "--profile.warmup=1",
+        "--profile.time_cap_s=6.0",
+        "--profile.max_micro_batch=8",
+        "--profile.per_sample_dropout=false",
+    ]
+
+
+def _solo_rounds(spec: str, cache: str, rounds: int) -> dict:
+    """Runs on every rank: hetero_throughput.py's ideal-bound term for this rank, `rounds`
+    solo steps (after one warm-up), all ranks at once."""
+    import torch.distributed as dist
+
+    from _systems import SoloTrainer, make_data
+
+    cluster, cm, _, _ = profile_cluster(spec, B_N_LAYER, cache)
+    solo = SoloTrainer(
+        MODEL, hetero_overrides(B_N_LAYER), SEQ_LEN, cm, cluster.devices[dist.get_rank()]
+    )
+    x, y = make_data(solo.batch, SEQ_LEN, 256)
+    rates = []
+    for _ in range(1 + rounds):
+        dist.barrier()
+        rates.append(solo.samples_per_s(x, y))
+    return {"rates": rates[1:], "micro_batch": solo.micro_batch}
+
+
+def _plan_text(run_dir: Path) -> str:
+    """The plan the job ran last (plan.json: rank 0 rewrites it at every switch)."""
+    plan = Plan.from_json(run_dir / "plan.json")
+    return "; ".join(
+        f"b={r.batch_size} m={r.micro_batch_size} s={r.state_fraction:.2f}"
+        + (" off" if r.offload_activations else "")
+        + (f" host={r.host_state_fraction:.2f}" if r.host_state_fraction else "")
+        + ("" if r.overlap_reduce else " wait")
+        for r in plan.ranks
+    )
+
+
+def _cluster_b(args: argparse.Namespace, pool, tmp: Path) -> Section:
+    """Cluster B of hetero_throughput.py: plain plan, calibrated plan and ideal bound."""
+    tmp.mkdir(parents=True)
+    spec, batch = B_CASE.spec, B_CASE.global_batch
+    profiles = tmp / "profiles.json"
+    solo: list[dict] = []
+    print(f"cluster B ({spec}): ideal, {IDEAL_ROUNDS} solo rounds", flush=True)
+    solo.append(pool.run(_solo_rounds, spec, str(profiles), IDEAL_ROUNDS))
+    jobs = {"not calibrated": "off", "calibrated": "own"}
+    runs: dict[str, list[dict]] = {}
+    plans: dict[str, str] = {}
+    for name, replan in jobs.items():
+        run_dir = tmp / name.replace(" ", "-")
+        print(f"cluster B: {name}, replan = {replan}", flush=True)
+        cfg = _config(run_dir, spec, replan, args.b_steps, profiles, batch, _b_extra())
+        pool.run(_train, cfg, {})
+        runs[name] = _records(run_dir)
+        plans[name] = _plan_text(run_dir)
+    print(f"cluster B: ideal, {IDEAL_ROUNDS} more solo rounds", flush=True)
+    solo.append(pool.run(_solo_rounds, spec, str(profiles), IDEAL_ROUNDS))
+    # per rank, the rounds of both phases (a round is all ranks at once)
+    rates = [solo[0][r]["rates"] + solo[1][r]["rates"] for r in range(len(solo[0]))]
+    ideal = ideal_tokens_per_s(rates, SEQ_LEN)
+
+    def steps_of(name: str) -> dict[int, float]:
+        return {r["step"]: r["step_s"] for r in runs[name] if r.get("kind") == "step"}
+
+    switches = [r for r in runs["calibrated"] if r.get("kind") == "replan"]
+    cals = [r for r in runs["calibrated"] if r.get("kind") == "calibration"]
+    # settled: the first step under the last plan warms up (never read by calibration either)
+    settle = switches[-1]["step"] + 2 if switches else 2 * CAL_EVERY + 1
+    window = [s for s in range(settle, args.b_steps + 1)]
+    tok = {
+        name: batch * SEQ_LEN / statistics.median(steps_of(name)[s] for s in window)
+        for name in jobs
+    }
+    frac = tok["calibrated"] / ideal
+    ok = frac >= 0.9 and len(window) >= B_TAIL_MIN
+    headers = [
+        "job",
+        f"tokens/s, steps {window[0]}-{window[-1]} (median step)",
+        "x ideal",
+        "plan at the end (per rank: batch, micro-batch, state fraction, off = offloaded "
+        "activations, host = host state fraction, wait = no reduce overlap)",
+    ]
+    rows = [[name, f"{tok[name]:,.0f}", f"{tok[name] / ideal:.2f}", plans[name]] for name in jobs]
+    rows.append(
+        [
+            "ideal (solo ranks, summed)",
+            f"{ideal:,.0f}",
+            "1.00",
+            "solo micro-batch " + " / ".join(str(r["micro_batch"]) for r in solo[0]),
+        ]
+    )
+    print_table("cluster B: throughput after calibration settles", headers, rows)
+    switch_headers = [
+        "after step",
+        "batches",
+        "micro-batches",
+        "re-plan + switch (s)",
+        "predicted gain",
+    ]
+    switch_rows = [
+        [
+            r["step"],
+            r["batches"],
+            r["micro_batches"],
+            f"{r['replan_s'] + r['seconds']:.2f}",
+            f"{r['predicted_gain']:.1%}" if r["predicted_gain"] is not None else "—",
+        ]
+        for r in switches
+    ]
+    print_table("cluster B: re-plans of the calibrated job", switch_headers, switch_rows)
+    cal_headers = [
+        "after step",
+        "per rank: compute measured / predicted",
+        "per rank: step measured (s)",
+        "per rank: peak measured / predicted (MiB)",
+        "predicted gain",
+        "decision",
+    ]
+    cal_rows = [
+        [
+            c["step"],
+            " / ".join(
+                f"{f['measured_compute_s'] / f['predicted_compute_s']:.2f}" for f in c["ranks"]
+            ),
+            " / ".join(f"{f['measured_step_s']:.3f}" for f in c["ranks"]),
+            " / ".join(
+                f"{f['measured_peak_bytes'] / 2**20:.1f} / {f['predicted_peak_bytes'] / 2**20:.1f}"
+                for f in c["ranks"]
+            ),
+            f"{c['predicted_gain']:+.1%}" if c.get("predicted_gain") is not None else "—",
+            "re-planned"
+            if c.get("replanned")
+            else "confirming"
+            if c.get("confirming")
+            else (c.get("why_not") or "kept"),
+        ]
+        for c in cals
+    ]
+    print_table("cluster B: calibrations", cal_headers, cal_rows)
+    summary = [
+        f"## Cluster B of hetero_throughput (`{spec}`), global batch {batch}",
+        markdown_table(headers, rows, "lrrl"),
+        f"- calibrated >= 0.9 x ideal: {frac:.2f} x over steps {window[0]}-{window[-1]} "
+        f"({len(window)} steps), re-planned after step(s) {[r['step'] for r in switches]}: "
+        f"{verdict(ok)}",
+    ]
+    details = [
+        "## Cluster B: re-plans of the calibrated job",
+        markdown_table(switch_headers, switch_rows) if switch_rows else "None.",
+        "## Cluster B: calibrations of the calibrated job",
+        markdown_table(cal_headers, cal_rows),
+        "## Cluster B: ideal bound's terms",
+        "Solo samples per compute second per rank, rounds before the jobs | after them: "
+        + "; ".join(
+            f"rank {r}: "
+            + " ".join(f"{v:.2f}" for v in solo[0][r]["rates"])
+            + " | "
+            + " ".join(f"{v:.2f}" for v in solo[1][r]["rates"])
+            for r in range(len(solo[0]))
+        ),
+    ]
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name in jobs:
+        st = steps_of(name)
+        xs = sorted(k for k in st if k > 1)
+        ax.plot(xs, [batch * SEQ_LEN / st[k] for k in xs], marker=".", label=name)
+    ax.axhline(ideal, color="black", lw=1, label="ideal")
+    ax.axhline(0.9 * ideal, color="black", ls="--", lw=1, label="0.9 x ideal")
+    for r in switches:
+        ax.axvline(r["step"] + 0.5, color="tab:orange", ls=":", lw=1)
+    ax.set_xlabel("step (dotted: re-plan)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"cluster B ({spec}), B={batch}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig_name = save_figure(fig, "calibration_cluster_b", note="emulated")
+    return Section(
+        summary, details, [fig_name], f"cluster B: two CPU ranks ({spec}), budgets enforced"
+    )
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, object, Path], Section]] = {
+    "drift": _drift,
+    "cluster-b": _cluster_b,
+}
 
 
 if __name__ == "__main__":

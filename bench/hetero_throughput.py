@@ -92,7 +92,7 @@ CASES = [
 ]
 
 
-def _overrides(n_layer: int) -> dict:
+def model_overrides(n_layer: int) -> dict:
     return {"n_layer": n_layer, "tie_embeddings": False, "dropout": 0.0}
 
 
@@ -108,7 +108,7 @@ def profile_cluster(spec: str, n_layer: int, cache: str):
     from cephalo.specs.cluster import Cluster
 
     cluster = Cluster.parse(spec)
-    ov = _overrides(n_layer)
+    ov = model_overrides(n_layer)
     settings = ProfileSettings(
         repeats=2, warmup=1, time_cap_s=6.0, max_micro_batch=8, per_sample_dropout=False
     )
@@ -138,7 +138,7 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
     rank = dist.get_rank()
     cluster, cm, profile_s, measured = profile_cluster(case.spec, n_layer, cache)
     device = cluster.devices[rank]
-    ov = _overrides(n_layer)
+    ov = model_overrides(n_layer)
     plans, misfit = {}, {}
     for s in STRATEGIES:
         try:
