@@ -13,7 +13,10 @@ followed within calibrate_every + calibrate_after steps of being seen); a gain t
 window's noise or a passing stall predicted is not confirmed by the next, and the plan stays.
 After a switch the log starts afresh: the old plan's measurements (other batches, micro-batches, shards)
 never drive the new plan's fit, and the new plan must itself be measured twice before the job
-moves again, so it cannot flip back and forth on every calibration.
+moves again, so it cannot flip back and forth on every calibration. Nor does it go back to a plan
+it left unless that plan's own measured step was `replan_min_gain` faster than the running
+plan's now (`Replanner._went_slower`): one compute scale per device type cannot fit an error
+that depends on the plan, so each plan's fit may predict the other faster.
 
 The global batch of a step depends only on the step number (the data contract), so the new
 plan trains exactly what the old one would have: a switch equals a checkpoint save + resume
