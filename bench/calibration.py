@@ -530,7 +530,7 @@ def _cluster_b(args: argparse.Namespace, pool, tmp: Path) -> Section:
     print_table("cluster B: calibrations", cal_headers, cal_rows)
     summary = [
         f"## Cluster B of hetero_throughput (`{spec}`), global batch {batch}",
-        markdown_table(headers, rows, "lrrl"),
+        markdown_table(headers, rows, "lrrrl"),
         f"- calibrated >= 0.9 x ideal (measured next to it): {frac:.2f} x over steps {window[0]}-{window[-1]} "
         f"({len(window)} steps), re-planned after step(s) {[r['step'] for r in switches]}: "
         f"{outcome}",
