@@ -26,8 +26,9 @@ Measurements shared by both:
 
 from __future__ import annotations
 
+import statistics
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -298,3 +299,50 @@ class CollectiveCounter:
         for d in (self.calls, self.bytes):
             for k in d:
                 d[k] = 0
+
+
+# ====================================================================== ideal bound
+SOLO_MICRO_BATCH = 8
+"""Largest micro-batch of the solo runs behind the ideal bound (CPU time per sample is flat beyond ~4)."""
+
+
+class SoloTrainer:
+    """One rank's term of the ideal bound: the engine training ALONE on this rank (world size
+    1, no collectives, the whole model) at the rank's best micro-batch: the largest up to
+    `SOLO_MICRO_BATCH` whose working memory without any training state (boundaries
+    offloaded) fits the device, as planner_quality's ideal bound has it. Memory is otherwise
+    ignored: the whole state would not fit a small device. Shared by hetero_throughput.py
+    and calibration.py so that both benches bound a cluster the same way."""
+
+    def __init__(self, model_name: str, overrides: dict, seq_len: int, cm: Any, device: Any):
+        import numpy as np
+
+        from cephalo.planning.planner import manual_plan
+
+        ms = np.arange(1, SOLO_MICRO_BATCH + 1)
+        fits = (
+            cm.memory_without_state(device.type_key, device.memory_bytes, ms, ms, True)
+            <= device.memory_bytes
+        )
+        self.micro_batch = int(ms[fits].max()) if fits.any() else 1
+        self.batch = 2 * self.micro_batch  # two micro-batches: accumulation is part of a step
+        plan = manual_plan(
+            model_name, seq_len, [self.batch], [self.micro_batch], [1.0], [device.type_key]
+        )
+        self.trainer = OursTrainer(
+            model_name, overrides, plan, slowdown=device.slowdown, comm_impl="local"
+        )
+
+    def samples_per_s(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One solo step on the first rows of (x, y): this rank's samples per compute second
+        (`StepStats.busy_s`, without the optimizer step)."""
+        out = self.trainer.engine.train_step(x[: self.batch], y[: self.batch], LR)
+        return self.batch / out.busy_s
+
+
+def ideal_tokens_per_s(solo: Sequence[Sequence[float]], seq_len: int) -> float:
+    """The ideal bound from each rank's solo samples/s per round (`solo[rank][round]`, all
+    ranks measured at the same time in a round, so they share the machine's cores as the
+    ranks do in training): per round the ranks' sum, the median round, in tokens/s."""
+    rounds = min(len(r) for r in solo)
+    return statistics.median(sum(r[i] for r in solo) for i in range(rounds)) * seq_len

@@ -54,6 +54,7 @@ from _common import (
     save_figure,
     verdict,
 )
+from _systems import ideal_tokens_per_s
 
 MODEL = "gpt-small-demo"
 SEQ_LEN = 128
@@ -65,8 +66,6 @@ LABELS = {
 }
 OURS = ("cephalo", "cephalo-device", "cephalo-main")
 COLUMNS = (*STRATEGIES, "fsdp2")
-SOLO_MICRO_BATCH = 8
-"""Largest micro-batch of the solo runs behind the ideal bound (CPU time per sample is flat beyond ~4)."""
 
 
 @dataclass
@@ -93,27 +92,23 @@ CASES = [
 ]
 
 
-def _overrides(n_layer: int) -> dict:
+def model_overrides(n_layer: int) -> dict:
     return {"n_layer": n_layer, "tie_embeddings": False, "dropout": 0.0}
 
 
-def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cache: str) -> dict:
-    """Runs on every rank: profile, plan, then time the four columns in rotated order."""
-    from _systems import Fsdp2Trainer, OursTrainer, make_data
-    from cephalo.errors import PlanDoesNotFit
+def profile_cluster(spec: str, n_layer: int, cache: str):
+    """Runs on every rank: the cluster's measured cost model, as the planner sees it here
+    (`profile_devices` with this bench's short settings, then `measured_cost_model`).
+    Returns (cluster, cost model, profiling seconds, the profiles)."""
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.planner import make_plan, manual_plan
     from cephalo.planning.sources import measured_cost_model
     from cephalo.profiling.profiler import profile_devices
     from cephalo.profiling.settings import ProfileSettings
     from cephalo.runtime.comm import make_comm
-    from cephalo.runtime.live_bytes import tracked_peak_bytes
     from cephalo.specs.cluster import Cluster
 
-    rank = dist.get_rank()
-    cluster = Cluster.parse(case.spec)
-    device = cluster.devices[rank]
-    ov = _overrides(n_layer)
+    cluster = Cluster.parse(spec)
+    ov = model_overrides(n_layer)
     settings = ProfileSettings(
         repeats=2, warmup=1, time_cap_s=6.0, max_micro_batch=8, per_sample_dropout=False
     )
@@ -130,6 +125,20 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
     )
     profile_s = time.perf_counter() - t0
     cm = measured_cost_model(cluster, build_model(MODEL, **ov).spec, SEQ_LEN, "fp32", measured)
+    return cluster, cm, profile_s, measured
+
+
+def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cache: str) -> dict:
+    """Runs on every rank: profile, plan, then time the four columns in rotated order."""
+    from _systems import Fsdp2Trainer, OursTrainer, SoloTrainer, make_data
+    from cephalo.errors import PlanDoesNotFit
+    from cephalo.planning.planner import make_plan
+    from cephalo.runtime.live_bytes import tracked_peak_bytes
+
+    rank = dist.get_rank()
+    cluster, cm, profile_s, measured = profile_cluster(case.spec, n_layer, cache)
+    device = cluster.devices[rank]
+    ov = model_overrides(n_layer)
     plans, misfit = {}, {}
     for s in STRATEGIES:
         try:
@@ -164,22 +173,10 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
         MODEL, ov, even_batches, fsdp_micro, checkpointing=False, slowdown=device.slowdown
     )
     # The ideal column: every rank trains ALONE (world size 1, no collectives) at the same
-    # time as the others, so the solo speeds share the machine as the ranks do in training.
-    # its best micro-batch: the largest up to SOLO_MICRO_BATCH whose working memory (no state,
-    # boundaries offloaded) fits the device, as planner_quality's ideal bound has it
-    ms = np.arange(1, SOLO_MICRO_BATCH + 1)
-    fits = (
-        cm.memory_without_state(device.type_key, device.memory_bytes, ms, ms, True)
-        <= device.memory_bytes
-    )
-    solo_m = int(ms[fits].max()) if fits.any() else 1
-    solo_b = 2 * solo_m
-    solo_plan = manual_plan(MODEL, SEQ_LEN, [solo_b], [solo_m], [1.0], [device.type_key])
-    systems["ideal"] = OursTrainer(
-        MODEL, ov, solo_plan, slowdown=device.slowdown, comm_impl="local"
-    )
+    # time as the others, so the solo speeds share the machine as the ranks do in training
+    solo = SoloTrainer(MODEL, ov, SEQ_LEN, cm, device)
+    systems["ideal"] = solo
     x, y = make_data(B, SEQ_LEN, 256)
-    xs, ys = x[:solo_b], y[:solo_b]
     times: dict[str, list[float]] = {s: [] for s in systems}
     peaks: dict[str, int] = {s: 0 for s in systems}
     host_peaks: dict[str, int] = {s: 0 for s in plans}
@@ -189,8 +186,7 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
         dist.barrier()
         t = time.perf_counter()
         if name == "ideal":
-            out = systems[name].engine.train_step(xs, ys, 1e-4)
-            times[name].append(solo_b / out.busy_s)  # this rank's solo samples/s of compute
+            times[name].append(solo.samples_per_s(x, y))  # this rank's solo samples/s of compute
             continue
         out = systems[name].step(x, y)
         times[name].append(time.perf_counter() - t)
@@ -211,7 +207,7 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
         "profile_s": profile_s,
         "busy": busy,
         "wait": wait,
-        "solo_m": solo_m,
+        "solo_m": solo.micro_batch,
         "fsdp_micro": fsdp_micro,
         "misfit": misfit,
         "plans": {
@@ -269,10 +265,7 @@ def main() -> None:
             }
             tok = {s: case.global_batch * SEQ_LEN / median(step[s]) for s in cols}
             # ideal: per round, the sum of the ranks' concurrent solo samples/s
-            ideal = (
-                median([sum(r["times"]["ideal"][i] for r in per_rank) for i in range(args.rounds)])
-                * SEQ_LEN
-            )
+            ideal = ideal_tokens_per_s([r["times"]["ideal"] for r in per_rank], SEQ_LEN)
             solo = [median(r["times"]["ideal"]) for r in per_rank]
             over = {
                 s: [
@@ -506,7 +499,6 @@ def _plot(results: list[dict]) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     x = np.arange(len(results))

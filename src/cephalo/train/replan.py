@@ -13,7 +13,10 @@ followed within calibrate_every + calibrate_after steps of being seen); a gain t
 window's noise or a passing stall predicted is not confirmed by the next, and the plan stays.
 After a switch the log starts afresh: the old plan's measurements (other batches, micro-batches, shards)
 never drive the new plan's fit, and the new plan must itself be measured twice before the job
-moves again, so it cannot flip back and forth on every calibration.
+moves again, so it cannot flip back and forth on every calibration. Nor does it go back to a plan
+it left unless that plan's own measured step was `replan_min_gain` faster than the running
+plan's now (`Replanner._went_slower`): one compute scale per device type cannot fit an error
+that depends on the plan, so each plan's fit may predict the other faster.
 
 The global batch of a step depends only on the step number (the data contract), so the new
 plan trains exactly what the old one would have: a switch equals a checkpoint save + resume
@@ -31,6 +34,7 @@ under the plan the config names (nothing is trained twice: metrics are truncated
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +146,10 @@ class Replanner:
         """Steps logged under the running plan at which the next calibration comes (None: no more)."""
         self.pending_gain: float | None = None
         """The gain the previous calibration predicted and the next must confirm (None: none)."""
+        self.left: dict[tuple, tuple[int, float]] = {}
+        """Plans this job ran and switched away from (`plan_key`): the step it left each after
+        and its median measured step there. A plan's own measurement outranks a prediction
+        of it, so the job does not go back to a plan it measured slower (see `_went_slower`)."""
         wanted = p.replan == "auto" or (p.replan == "own" and plan_is_own)
         self.enabled = wanted and cost_model is not None
         if rank == 0 and wanted and cost_model is None:
@@ -182,6 +190,7 @@ class Replanner:
         # the previous calibration's fit (on other, earlier steps)
         before, before_sync = self.cost_model, self.sync_s
         calibration = refit(self.cost_model, trainer.plan, self.log, self.sync_s)
+        now_s = self.log.job_step_s()  # the running plan as measured, on the steps just read
         self.log.mark()  # the next calibration reads only the steps after these
         self.cost_model, self.sync_s = calibration.cost_model, calibration.sync_s
         self.last_calibration = calibration
@@ -191,6 +200,8 @@ class Replanner:
             if last
             else self._replan(calibration.cost_model, current, trainer.plan)
         )
+        if candidate is not None and (back := self._went_slower(candidate, now_s)):
+            candidate, why_not = None, back
         earlier = None
         if candidate is not None and self.pending_gain is not None:
             # the previous calibration saw a gain too: does its fit, on its own steps, predict
@@ -253,6 +264,27 @@ class Replanner:
             )
             self._switch(trainer, Plan.from_dict(decided), reason, gain, replan_s, metrics)
 
+    def _went_slower(self, candidate: Plan, now_s: float) -> str:
+        """Why not to go back to `candidate` ("" if it is new, or measured fast enough): a plan
+        the job ran before and left, whose measured step there was not `replan_min_gain` faster
+        than the running plan's now. Calibration fits one compute scale per device type, so a
+        profile whose error depends on the plan (its curve's shape over micro-batch sizes, a
+        rank's memory pressure) makes each plan's fit predict the other faster, and the job
+        would flip between them; the measurement of that very plan settles it. (Measured at
+        another time, under another load: a plan left because a device slowed down was fast
+        then, so this never blocks going back to it when the device recovers, and the fit
+        itself still has to predict the gain.)"""
+        seen = self.left.get(plan_key(candidate))
+        if seen is None:
+            return ""
+        step, measured_s = seen
+        if now_s / measured_s - 1.0 >= self.cfg.parallel.replan_min_gain:
+            return ""
+        return (
+            f"keeping the plan (the new one is the plan run until step {step}, measured at "
+            f"{measured_s:.3f} s per step there against {now_s:.3f} s now: not going back)"
+        )
+
     def _replan(
         self, cm: CostModel, current_s: float, running: Plan
     ) -> tuple[Plan | None, float | None, str]:
@@ -291,6 +323,7 @@ class Replanner:
         every = self.cfg.checkpoint.every
         if not (every and trainer.step % every == 0):
             trainer.save()  # a failed switch then restarts from this very step: nothing lost
+        old_plan = trainer.plan
         try:
             seconds = switch_plan(trainer, plan)
         except (RuntimeError, CephaloError) as e:
@@ -300,6 +333,9 @@ class Replanner:
                 "`cephalo run --max-restarts N` it restarts from there under the configured plan, "
                 "else resume with checkpoint.resume = auto (parallel.replan = off to stay on it)"
             ) from e
+        if len(self.log.steps) > 1:  # the plan left, as measured (its first step warms up)
+            measured_s = statistics.median(max(r.step_s for r in st) for st in self.log.steps[1:])
+            self.left[plan_key(old_plan)] = (trainer.step, measured_s)
         self.log.clear()  # the old plan's measurements do not describe the new one
         self.next_due, self.pending_gain = self.cfg.parallel.calibrate_after, None
         event = Switch(
@@ -324,6 +360,22 @@ class Replanner:
             )
         if metrics is not None:
             metrics.write(event.to_dict())
+
+
+def plan_key(plan: Plan) -> tuple:
+    """What makes two plans the same plan to run: every rank's batch, micro-batch, shard,
+    host state, offload and reduce overlap."""
+    return tuple(
+        (
+            r.batch_size,
+            r.micro_batch_size,
+            round(r.state_fraction, 6),
+            round(r.host_state_fraction, 6),
+            r.offload_activations,
+            r.overlap_reduce,
+        )
+        for r in plan.ranks
+    )
 
 
 def catalog_model_or_none(cfg, model_spec, cluster) -> CostModel | None:
