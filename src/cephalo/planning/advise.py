@@ -483,12 +483,26 @@ class Advisor:
 
     # ------------------------------------------------------------------ the bound
     def _partial_betas(
-        self, n: int, intra: float, inter: float, nodes: int, T: float
+        self, units: tuple[int, ...], n: int, intra: float, inter: float, nodes: int, T: float
     ) -> tuple[np.ndarray, float]:
         """Per offer, the most samples one of its GPUs takes within T in any completion of a
-        partial cluster with n devices on `nodes` nodes and these links, flat or in shard
-        groups (`BoundTables.betas`); and the least collective floor L(0)."""
-        return self._bounds.betas(flat_ring(n, intra, inter, nodes), T, (intra, inter))
+        partial cluster (the counts `units` of the first offers: n devices on `nodes` nodes and
+        these links), flat or in shard groups (`BoundTables.betas`); and the least collective
+        floor L(0)."""
+        ring = flat_ring(n, intra, inter, nodes)
+        return self._bounds.betas(ring, T, (intra, inter), self._node_sizes(units))
+
+    def _node_sizes(self, units: tuple[int, ...]) -> tuple[int, ...]:
+        """Per offer, the fewest devices its node has in any completion of the counts `units`
+        of the first offers: an offer without `per_node` puts all its GPUs on one node, so once
+        its count is fixed so is its node (a shard group holds at least its node: the tighter
+        the node, the tighter the bound; with nodes of one device assumed, the bound of a
+        cluster of a few big nodes is that of no collectives at all)."""
+        sizes = list(self._bounds.node_size)
+        for j, k in enumerate(units):
+            if k and not self.offers[j].per_node:
+                sizes[j] = int(k) * self.offers[j].unit_gpus
+        return tuple(sizes)
 
     def upper_bound(self, units: Sequence[int]) -> float:
         """B / T_lb: no plan of this cluster exceeds this many samples/s (0: cannot fit)."""
@@ -634,13 +648,15 @@ class Advisor:
                 continue
             # a partial vector: bound its completions, then push its children
             T = self._threshold_time(v)
-            betas, floor = self._partial_betas(n, intra, inter, nodes, T)
+            betas, floor = self._partial_betas(units, n, intra, inter, nodes, T)
             if floor > T:
                 stats["pruned"] += 1
                 continue
             gpus = np.asarray(units, dtype=np.int64) * self._unit_gpus[:depth]
             held = float(np.dot(gpus, self._state_cap[:depth]))
-            own = self._completion_cost(depth, gpus, n, intra, inter, nodes, T, betas, held)
+            own = self._completion_cost(
+                depth, gpus, n, intra, inter, nodes, T, betas, held, self._node_sizes(units)
+            )
             if not math.isfinite(own):
                 stats["pruned"] += 1
                 continue
@@ -659,7 +675,9 @@ class Advisor:
                     b_betas, b_floor = betas, floor
                 else:
                     c_nodes = nodes + (lo if o.per_node else 1)
-                    b_betas, b_floor = self._partial_betas(n + lo * u, c_intra, c_inter, c_nodes, T)
+                    b_betas, b_floor = self._partial_betas(
+                        (*units, lo), n + lo * u, c_intra, c_inter, c_nodes, T
+                    )
                     if b_floor > T:
                         stats["pruned"] += hi - lo + 1
                         continue
@@ -712,6 +730,7 @@ class Advisor:
         T: float,
         betas: np.ndarray,
         held: float,
+        sizes: tuple[int, ...],
     ) -> float:
         """A lower bound on the extra price (micro-USD) of a completion of the partial vector
         (offers < depth fixed at `gpus`) whose bound beats step time T; inf if none can.
@@ -720,7 +739,8 @@ class Advisor:
         those adding devices. Those have more nodes than the partial (every offer has its
         own), so once it has a node their slowest link is the inter-node one, and at least as
         many devices as it takes to cover the samples still missing: found by covering with
-        the partial's tables, then again with tables at that many devices, which only shrink."""
+        the partial's tables, then again with tables at that many devices, which only shrink.
+        `sizes`: per offer, the fewest devices its node has (`_node_sizes`)."""
         B = self.global_batch
         best = math.inf
         if n > 0 and held >= 1 - STATE_SLACK and int(np.dot(gpus, betas[:depth])) >= B:
@@ -735,7 +755,7 @@ class Advisor:
         added = 1
         for _ in range(4):
             add_betas, add_floor = self._bounds.betas(
-                flat_ring(n + added, link, link, 1), T, (intra, inter)
+                flat_ring(n + added, link, link, 1), T, (intra, inter), sizes
             )
             if add_floor > T:
                 return best

@@ -65,7 +65,7 @@ from cephalo.specs.offers import Offer
 from cephalo.specs.profile import CommProfile
 
 TABLE_CACHE_BYTES = 64 * 2**20
-"""Memory for each of the two caches of the bound's tables."""
+"""Memory for the cache of the bound's tables."""
 STATE_SLACK = 1e-9
 """Devices whose state capacities sum to below 1 - this cannot hold a replica."""
 
@@ -272,14 +272,13 @@ class BoundTables:
         self.max_intra = max(o.intra_bytes_per_s for o in self.offers)
         self.max_inter = max(o.inter_node_bytes_per_s for o in self.offers)
         self._comm_models: dict[Ring, CostModel] = {}
-        # bound tables are B + 1 floats each: keep about 64 MiB of each kind
+        # bound tables are B + 1 floats each: keep about 64 MiB of them
         row_bytes = 8 * (global_batch + 1)
         self.table: Callable[[str, Ring], np.ndarray] = lru_cache(
             maxsize=max(64, min(8192, TABLE_CACHE_BYTES // row_bytes))
         )(self._table)
-        self._stack = lru_cache(
-            maxsize=max(16, TABLE_CACHE_BYTES // (row_bytes * len(self.offers)))
-        )(self._stack_uncached)
+        self._count_T: float | None = None
+        self._count_memo: dict[tuple[str, Ring], int] = {}
         self._betas_T: float | None = None
         self._betas_memo: dict[tuple, tuple[np.ndarray, float]] = {}
 
@@ -331,31 +330,34 @@ class BoundTables:
             L[1:] = np.inf  # not even one sample fits: this device only holds state
         return L
 
-    def _stack_uncached(self, rings: tuple[Ring, ...]) -> np.ndarray:
-        """[offer, b >= 1]: offer j's table under rings[j]."""
-        return np.stack(
-            [self.table(o.type, r)[1:] for o, r in zip(self.offers, rings, strict=True)]
-        )
-
-    def _group_rings(self, intra: float, inter: float) -> tuple[Ring, ...]:
+    def _group_rings(
+        self, intra: float, inter: float, sizes: tuple[int, ...] | None = None
+    ) -> tuple[Ring, ...]:
         """Per offer: the cheapest collectives its ranks have in any shard group of a cluster
-        whose links are at most intra and inter (see the module docstring)."""
+        whose links are at most intra and inter and whose offers' nodes hold at least `sizes`
+        devices (default `node_size`; see the module docstring)."""
         return tuple(
             NO_COLLECTIVES._replace(groups=2, cross=inter) if s <= 1 else Ring(s, intra, 2, inter)
-            for s in self.node_size
+            for s in (sizes or self.node_size)
         )
 
     # ------------------------------------------------------------------ partial clusters
     def betas(
-        self, ring: Ring, T: float, links: tuple[float, float] | None
+        self,
+        ring: Ring,
+        T: float,
+        links: tuple[float, float] | None,
+        sizes: tuple[int, ...] | None = None,
     ) -> tuple[np.ndarray, float]:
         """Per offer: the most samples one of its GPUs can take within step time T in a flat
         plan on `ring`, or (`links` = the most intra- and inter-node rates a completion may
-        have, with shard groups) in any shard group; and the least L(0) of those tables. Cached
-        for the last T (the search asks for one T until its best throughput rises)."""
+        have, with shard groups) in any shard group, each offer's group holding at least its node
+        (`sizes`: per offer, the fewest devices its node has, default `node_size`); and the least
+        L(0) of those tables. Cached for the last T (the search asks for one T until its best
+        throughput rises)."""
         if self._betas_T != T:
             self._betas_T, self._betas_memo = T, {}
-        key = (ring, links if self.hierarchy else None)
+        key = (ring, links, sizes) if self.hierarchy else (ring,)
         hit = self._betas_memo.get(key)
         if hit is None:
             flat = (ring,) * len(self.offers)
@@ -364,7 +366,7 @@ class BoundTables:
             if self.hierarchy and links is not None:
                 intra = min(links[0], self.max_intra)
                 inter = min(links[1], self.max_inter)
-                grouped = self._group_rings(intra, inter)
+                grouped = self._group_rings(intra, inter, sizes)
                 betas = np.maximum(betas, self._count(grouped, T))
                 floor = min(
                     floor,
@@ -377,8 +379,19 @@ class BoundTables:
         return hit
 
     def _count(self, rings: tuple[Ring, ...], T: float) -> np.ndarray:
-        stacked = self._stack(rings)
-        return np.array([np.searchsorted(row, T, side="right") for row in stacked])
+        """Per offer: the most samples (b >= 1) its table under rings[j] allows within T. The
+        search asks for one T at a time, each (type, ring) many times: cached for that T."""
+        if self._count_T != T:
+            self._count_T, self._count_memo = T, {}
+        memo = self._count_memo
+        out = np.empty(len(rings), dtype=np.int64)
+        for j, (o, ring) in enumerate(zip(self.offers, rings, strict=True)):
+            c = memo.get((o.type, ring))
+            if c is None:
+                row = self.table(o.type, ring)[1:]
+                c = memo[(o.type, ring)] = int(np.searchsorted(row, T, side="right"))
+            out[j] = c
+        return out
 
     # ------------------------------------------------------------------ complete clusters
     def plan_shapes(self, units: Sequence[int], intra: float, inter: float) -> list[Shape]:
