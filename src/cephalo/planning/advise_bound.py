@@ -42,8 +42,9 @@ The planner skips a grouping once no candidate left can beat the best plan it ha
 is bounded through every completion at once, by per-offer samples (`betas`) that no rank of
 that offer exceeds in any completion: the largest of the flat table's (ring of the devices a
 completion has at least, over the partial's slowest link) and a shard-group table's. In any
-grouping a rank's group holds at least its own node (`per_node` devices; 1 for an offer
-without nodes, whose count is not known yet) over at most the fastest intra-node link the
+grouping a rank's group holds at least its own node (`per_node` devices; for an offer
+without nodes, which puts all its GPUs on one node, its count once the partial fixes it, else
+1: `Advisor._node_sizes`) over at most the fastest intra-node link the
 completion may have, and at least 2 groups all-reduce over at most its fastest inter-node link
 (the largest groupings the planner tries have 2 groups); a completion's links are never faster
 than the partial's. Taking each offer's larger samples of the two covers both kinds of plan.
