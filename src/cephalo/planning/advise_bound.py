@@ -333,14 +333,29 @@ class BoundTables:
 
     def _group_rings(
         self, intra: float, inter: float, sizes: tuple[int, ...] | None = None
-    ) -> tuple[Ring, ...]:
-        """Per offer: the cheapest collectives its ranks have in any shard group of a cluster
+    ) -> list[tuple[Ring, ...]]:
+        """The cheapest collectives a rank of each offer has in any shard group of a cluster
         whose links are at most intra and inter and whose offers' nodes hold at least `sizes`
-        devices (default `node_size`; see the module docstring)."""
-        return tuple(
-            NO_COLLECTIVES._replace(groups=2, cross=inter) if s <= 1 else Ring(s, intra, 2, inter)
-            for s in (sizes or self.node_size)
-        )
+        devices (default `node_size`; see the module docstring), as alternatives (one ring
+        per offer in each tuple; a rank's samples are at most the most any of them allows).
+
+        A node of several devices: its group's ring holds at least them, over at most the
+        fastest intra-node link. A node that may hold one device: either the device is its
+        group alone (a `solo` ring: the whole state, where it can hold it) or its group spans
+        at least 2 nodes (a ring of at least 2 devices over at most the inter-node link)."""
+        sizes = sizes or tuple(self.node_size)
+        alone, joined = [], []
+        for o, n in zip(self.offers, sizes, strict=True):
+            if n > 1:
+                ring = Ring(n, intra, 2, inter)
+                alone.append(ring)
+                joined.append(ring)
+                continue
+            spans = Ring(2, min(intra, inter), 2, inter)
+            solo = Ring(1, 0.0, 2, inter, self._solo_optimizer_s(o.type))
+            alone.append(solo if self.types[o.type].state_cap >= 1 - STATE_SLACK else spans)
+            joined.append(spans)
+        return [tuple(alone), tuple(joined)]
 
     # ------------------------------------------------------------------ partial clusters
     def betas(
@@ -367,15 +382,15 @@ class BoundTables:
             if self.hierarchy and links is not None:
                 intra = min(links[0], self.max_intra)
                 inter = min(links[1], self.max_inter)
-                grouped = self._group_rings(intra, inter, sizes)
-                betas = np.maximum(betas, self._count(grouped, T))
-                floor = min(
-                    floor,
-                    *(
-                        float(self.table(o.type, r)[0])
-                        for o, r in zip(self.offers, grouped, strict=True)
-                    ),
-                )
+                for grouped in self._group_rings(intra, inter, sizes):
+                    betas = np.maximum(betas, self._count(grouped, T))
+                    floor = min(
+                        floor,
+                        *(
+                            float(self.table(o.type, r)[0])
+                            for o, r in zip(self.offers, grouped, strict=True)
+                        ),
+                    )
             hit = self._betas_memo[key] = (betas, floor)
         return hit
 
