@@ -933,7 +933,9 @@ class CostModel(ShardGroupCosts):
                 r.offload_activations,
                 r.host_state_fraction,
                 r.overlap_reduce,
-                None if self.host is None else self.host.node_of[r.rank],
+                # the node enters a rank's cost only through its host memory (nodes of one GPU
+                # each: one combination per kind of node, not per node)
+                None if self.host is None else self.host.memory_bytes[self.host.node_of[r.rank]],
                 None if self.host is None else self.host.optimizer_s_per_param[r.rank],
             )
             if key not in cache:
@@ -947,7 +949,8 @@ class CostModel(ShardGroupCosts):
                     r.overlap_reduce,
                     pad,
                 )
-            costs.append(replace(cache[key], rank=r.rank))
+            node = self.host.node_of[r.rank] if self.host is not None else 0
+            costs.append(replace(cache[key], rank=r.rank, node=node))
         return PlanEvaluation(
             ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len
         )
