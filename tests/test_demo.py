@@ -314,3 +314,26 @@ def test_summarize_run_leaves_out_warmup_steps(tmp_path):
     assert run.step_s == sorted(timed)[len(timed) // 2] and run.samples_per_s == 8 / run.step_s
     assert run.busy_s[0] + run.idle_s[0] == pytest.approx(run.mean_step_s)
     assert run.peak_bytes == [500, 50] and run.val_losses == {5: 1.5} and run.losses[5] == 1.0
+
+
+def test_throttle_summary_counts_the_switch_after_the_throttling(tmp_path):
+    """A loaded machine can make the job re-plan before the throttling too: the summary's
+    'after the re-plan' is measured from the switch that answered the throttling."""
+    from cephalo.demo.result import CalibrationEvent, ThrottleRun
+    from cephalo.demo.throttle import throttle_summary
+
+    def event(step, decision):
+        return CalibrationEvent(step, [1.0], [1.0], 0.2, decision, "", [4])
+
+    run = ThrottleRun(tmp_path, 0, 9, 4.0, 1.0)
+    run.step_s = {k: 0.5 if k < 9 else (2.0 if k <= 16 else 0.6) for k in range(1, 25)}
+    run.events = [event(8, "re-planned"), event(12, "confirming"), event(16, "re-planned")]
+    text = throttle_summary(run)
+    assert "0.500 s before the throttling" in text, text
+    assert "2.000 s throttled under the old plan" in text, text
+    assert "0.600 s after the re-plan (switched after step 16" in text, text
+    assert "also re-planned after step 8, before the throttling" in text, text
+    run.events = [event(8, "re-planned")]
+    assert throttle_summary(run).startswith("no re-plan after the throttling"), throttle_summary(
+        run
+    )
