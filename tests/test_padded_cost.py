@@ -282,10 +282,9 @@ def test_planner_avoids_or_pays_the_padding(speeds, opt, mems, how):
         )
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_three_ranks_between_the_bounds(seed):
-    """Three ranks, padding on: the plan fits and lies between the charge-free optimum (a lower
-    bound on every plan) and that optimum as it would run (a plan the search also weighs)."""
+def _three_random_ranks(seed: int) -> tuple[list, dict, dict]:
+    """Three devices of random speed (within 10 %) and memory, and a random link: (devices,
+    profiles, link keywords of `cost_model`)."""
     rng = np.random.default_rng(seed)
     speeds = tuple(1.0 + 0.1 * rng.random(3))
     mems = tuple(int(m) for m in rng.integers(4500, 9000, 3))
@@ -295,6 +294,14 @@ def test_three_ranks_between_the_bounds(seed):
     }
     devices = [FakeDevice(f"d{i}", m) for i, m in enumerate(mems)]
     kw = {"bytes_per_s": float(rng.choice([20.0, 100.0])), "latency_s": 0.01}
+    return devices, profiles, kw
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_three_ranks_between_the_bounds(seed):
+    """Three ranks, padding on: the plan fits and lies between the charge-free optimum (a lower
+    bound on every plan) and that optimum as it would run (a plan the search also weighs)."""
+    devices, profiles, kw = _three_random_ranks(seed)
     cm = cost_model(devices, profiles, padded_collectives=True, **kw)
     free = cost_model(devices, profiles, **kw)
     relaxed = make_plan(free, 6)
@@ -388,15 +395,7 @@ def _compositions(total: int, parts: int):
 )
 def test_three_ranks_exact_with_padding(seed, B):
     """The planner (no offload) against `brute_force_n_ranks` on three ranks with padding on."""
-    rng = np.random.default_rng(seed)
-    speeds = tuple(1.0 + 0.1 * rng.random(3))
-    mems = tuple(int(m) for m in rng.integers(4500, 9000, 3))
-    profiles = {
-        f"d{i}": linear_profile(f"d{i}", 1.0 / s, 2.0 / s, 120.0, 0.05, fwd_intercept=0.2 / s)
-        for i, s in enumerate(speeds)
-    }
-    devices = [FakeDevice(f"d{i}", m) for i, m in enumerate(mems)]
-    kw = {"bytes_per_s": float(rng.choice([20.0, 100.0])), "latency_s": 0.01}
+    devices, profiles, kw = _three_random_ranks(seed)
     cm = cost_model(devices, profiles, padded_collectives=True, **kw)
     ref = brute_force_n_ranks(cm, B)
     plan = make_plan(cm, B, allow_offload=False)
