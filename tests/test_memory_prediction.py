@@ -29,7 +29,7 @@ from cephalo.profiling.profiler import profile_devices
 from cephalo.profiling.settings import ProfileSettings
 from cephalo.specs.cluster import Cluster
 from dist_harness import dist_pool_fixture
-from engine_common import one_thread
+from engine_common import one_thread, rank_slice
 
 __all__ = ["one_thread"]
 
@@ -49,6 +49,18 @@ def _plan(spec: list[tuple[int, int, bool, float]]) -> Plan:
     return manual_plan(MODEL, SEQ, batches, micros, fractions, offload=list(offloads))
 
 
+def _second_step(engine, plan: Plan, rank: int):
+    """The stats of the second of two steps on this rank's slice of a fixed batch (its peak:
+    nothing left over from start-up)."""
+    x = torch.randint(
+        0, 256, (plan.global_batch_size, SEQ), generator=torch.Generator().manual_seed(0)
+    )
+    mine = rank_slice(plan, rank, x)
+    for _ in range(2):
+        stats = engine.train_step(mine, torch.roll(mine, -1, dims=1), 1e-4)
+    return stats
+
+
 def _ledger_peaks(spec):
     from cephalo.runtime.comm import make_comm
     from cephalo.runtime.engine import Engine, EngineConfig
@@ -56,13 +68,7 @@ def _ledger_peaks(spec):
     comm = make_comm("auto")
     plan = _plan(spec)
     engine = Engine(build_model(MODEL), plan, comm, EngineConfig(seed=0))
-    x = torch.randint(
-        0, 256, (plan.global_batch_size, SEQ), generator=torch.Generator().manual_seed(0)
-    )
-    first, n = plan.batch_offsets()[comm.rank], plan.ranks[comm.rank].batch_size
-    mine = x[first : first + n]
-    for _ in range(2):  # the second step's peak: nothing left over from start-up
-        stats = engine.train_step(mine, torch.roll(mine, -1, dims=1), 1e-4)
+    stats = _second_step(engine, plan, comm.rank)
     # per unit, the fp32 bytes this rank receives from the reduce-scatters started after the
     # unit's backward (its own shard of the gradient, and its piece of any tied parameter)
     in_flight = [

@@ -8,7 +8,6 @@ unit x 4 bytes."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cephalo.modeling.registry import build_model
 from cephalo.planning.sources import measured_cost_model
@@ -17,7 +16,7 @@ from cephalo.profiling.settings import ProfileSettings
 from cephalo.specs.cluster import Cluster
 from dist_harness import dist_pool_fixture
 from engine_common import one_thread
-from test_memory_prediction import MODEL, SEQ, _plan
+from test_memory_prediction import MODEL, SEQ, _plan, _second_step
 
 __all__ = ["one_thread"]
 
@@ -34,13 +33,7 @@ def _ledger_peak(spec) -> tuple[int, bool]:
     comm.even_gather = True  # what NCCL does: the engine pads near-even splits
     plan = _plan(spec)
     engine = Engine(build_model(MODEL), plan, comm, EngineConfig(seed=0))
-    x = torch.randint(
-        0, 256, (plan.global_batch_size, SEQ), generator=torch.Generator().manual_seed(0)
-    )
-    first, n = plan.batch_offsets()[comm.rank], plan.ranks[comm.rank].batch_size
-    mine = x[first : first + n]
-    for _ in range(2):  # the second step's peak: nothing left over from start-up
-        stats = engine.train_step(mine, torch.roll(mine, -1, dims=1), 1e-4)
+    stats = _second_step(engine, plan, comm.rank)
     return stats.peak_bytes, all(us.padded is not None for us in engine.shards)
 
 
