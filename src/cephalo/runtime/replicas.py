@@ -142,6 +142,8 @@ class Replicas:
         self.local_rank = self.members.index(world.rank)
         self.fractions = [plan.ranks[r].state_fraction for r in self.members]
         self.dtype = REDUCE_DTYPES[plan.cross_group_reduce_dtype]
+        self.elem_bytes = self.dtype.itemsize
+        """Bytes per element on the wire between groups."""
         self.inter_node_bytes_per_s = inter_node_bytes_per_s
         # every rank creates every group, in the same order (torch.distributed's contract)
         pgs = [dist.new_group(ranks=g) for g in self.groups]
@@ -214,8 +216,7 @@ class Replicas:
                 part = _Bf16Reduce.start(g, seg.lo, seg.hi, group, n)
                 self._first_phase[seg.owners] = part
                 self._inflight.append(part)
-            elem = torch.finfo(self.dtype).bits // 8
-            sent += int(2 * (n - 1) / n * (seg.hi - seg.lo) * elem)
+            sent += int(2 * (n - 1) / n * (seg.hi - seg.lo) * self.elem_bytes)
             started += seg.hi - seg.lo
         self.bytes_sent += sent
         mine = sum(seg.hi - seg.lo for seg in segments)
@@ -223,9 +224,8 @@ class Replicas:
             # the group's ranks share their node's link: each sends its segments' ring share,
             # 2 (g-1)/g of them, so the node sends 2 (g-1)/g of the unit (the cost model's
             # charge for one node per group), this call the part of it started now
-            elem = torch.finfo(self.dtype).bits // 8
             g_count = len(self.groups)
-            node_bytes = 2 * (g_count - 1) / g_count * numel * elem * started / mine
+            node_bytes = 2 * (g_count - 1) / g_count * numel * self.elem_bytes * started / mine
             now = time.perf_counter()
             self._due = max(self._due, now) + node_bytes / self.inter_node_bytes_per_s
 
