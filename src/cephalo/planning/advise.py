@@ -483,14 +483,14 @@ class Advisor:
 
     # ------------------------------------------------------------------ the bound
     def _partial_betas(
-        self, units: tuple[int, ...], n: int, intra: float, inter: float, nodes: int, T: float
+        self, sizes: tuple[int, ...], n: int, intra: float, inter: float, nodes: int, T: float
     ) -> tuple[np.ndarray, float]:
         """Per offer, the most samples one of its GPUs takes within T in any completion of a
-        partial cluster (the counts `units` of the first offers: n devices on `nodes` nodes and
-        these links), flat or in shard groups (`BoundTables.betas`); and the least collective
-        floor L(0)."""
+        partial cluster (n devices on `nodes` nodes, these links, its offers' nodes at least
+        `sizes`: `_node_sizes`), flat or in shard groups (`BoundTables.betas`); and the least
+        collective floor L(0)."""
         ring = flat_ring(n, intra, inter, nodes)
-        return self._bounds.betas(ring, T, (intra, inter), self._node_sizes(units))
+        return self._bounds.betas(ring, T, (intra, inter), sizes)
 
     def _node_sizes(self, units: tuple[int, ...]) -> tuple[int, ...]:
         """Per offer, the fewest devices its node has in any completion of the counts `units`
@@ -648,15 +648,14 @@ class Advisor:
                 continue
             # a partial vector: bound its completions, then push its children
             T = self._threshold_time(v)
-            betas, floor = self._partial_betas(units, n, intra, inter, nodes, T)
+            sizes = self._node_sizes(units)
+            betas, floor = self._partial_betas(sizes, n, intra, inter, nodes, T)
             if floor > T:
                 stats["pruned"] += 1
                 continue
             gpus = np.asarray(units, dtype=np.int64) * self._unit_gpus[:depth]
             held = float(np.dot(gpus, self._state_cap[:depth]))
-            own = self._completion_cost(
-                depth, gpus, n, intra, inter, nodes, T, betas, held, self._node_sizes(units)
-            )
+            own = self._completion_cost(depth, gpus, n, intra, inter, nodes, T, betas, held, sizes)
             if not math.isfinite(own):
                 stats["pruned"] += 1
                 continue
@@ -676,7 +675,7 @@ class Advisor:
                 else:
                     c_nodes = nodes + (lo if o.per_node else 1)
                     b_betas, b_floor = self._partial_betas(
-                        (*units, lo), n + lo * u, c_intra, c_inter, c_nodes, T
+                        self._node_sizes((*units, lo)), n + lo * u, c_intra, c_inter, c_nodes, T
                     )
                     if b_floor > T:
                         stats["pruned"] += hi - lo + 1
