@@ -33,6 +33,9 @@ returning its failures; a check that raises is a failure, not the end of the run
   chat_packed      chat data packed into windows against padded one per sample: the same loss
                    over the assistant's tokens (attention never crosses conversations on this
                    device's kernels), and a packed bf16 step
+  replan_staging   a re-plan staged through host memory (train/replan.py): the old engine's
+                   device memory is free before the new engine allocates, and the losses
+                   equal those of a switch that keeps both engines on the device
   throughput       tokens/s and MFU of the engine against plain PyTorch (the same GPT-2 124M,
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
 
@@ -859,6 +862,14 @@ def check_throughput(setup: Setup) -> tuple[list[str], str]:
     return [], note
 
 
+def _replan_check() -> Callable[[Setup], tuple[list[str], str]]:
+    """scripts/gpu_check_replan.py, imported when the check runs (this file is also loaded by
+    path, without scripts/ on sys.path: tests/test_comm.py)."""
+    from gpu_check_replan import check_replan_staging
+
+    return check_replan_staging
+
+
 def _peak_flops(setup: Setup) -> float | None:
     """Dense bf16 tensor-core peak of known GPUs (vendor data sheets), FLOP/s."""
     if not setup.cuda:
@@ -883,6 +894,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("hf_models", _check_hf),
     ("adapters", check_adapters),
     ("chat_packed", check_chat_packed),
+    ("replan_staging", lambda s: _replan_check()(s)),
     ("throughput", check_throughput),
 ]
 

@@ -237,7 +237,7 @@ def _drive(
 
     def switch(trainer, plan):
         trainer.plan = plan
-        return 0.01
+        return 0.01, False
 
     monkeypatch.setattr("cephalo.train.replan.switch_plan", switch)
     trainer = SimpleNamespace(

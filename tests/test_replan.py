@@ -8,7 +8,8 @@ checkpoint resumed under the first uneven plan, whose step-10 checkpoint is resu
 second. Losses of every step, validation losses and final parameters agree to 1e-5 (fp32).
 
 A failing switch is one clear error on every rank, not a hang; the elastic restart resumes
-from the last checkpoint (tests/test_elastic.py covers the restart itself).
+from the last checkpoint (tests/test_elastic.py covers the restart itself). Staged through
+host memory (`parallel.replan_staging = host`), the switched run is the same bit for bit.
 """
 
 from __future__ import annotations
@@ -109,6 +110,16 @@ def test_switch_equals_checkpoint_resume_under_the_new_plan(pool3, tmp_path):
     recorded = read_metrics(tmp_path / "switched" / "metrics.jsonl", kind="replan")
     assert [r["step"] for r in recorded] == [5, 10]
     assert Plan.from_json(tmp_path / "switched" / "plan.json").batch_sizes == [2, 3, 3]
+    # the same switches with the state staged through host memory (the old engine freed
+    # first, train/replan.py `must_stage`): the same run, bit for bit
+    staged = pool3.run(
+        _train_on_rank,
+        job_config(tmp_path / "staged", "even", "--parallel.replan_staging=host"),
+        {envvars.TEST_REPLAN: f"5:{p1},10:{p2}"},
+    )[0]
+    assert staged[0] == losses and staged[1] == val
+    assert [e["staged"] for e in staged[3]] == [True, True]
+    assert [e["staged"] for e in replans] == [False, False]
 
     # reference: stop at 5, resume under p1; stop at 10, resume under p2
     even = pool3.run(_train_on_rank, job_config(tmp_path / "even", "even"), {})[0]

@@ -75,3 +75,23 @@ def relayout(
                 p.local[first : first + b - a].copy_(window[a - lo : b - lo])
         lo = hi
     return total
+
+
+@torch.no_grad()
+def to_host(pieces: Sequence[FlatShard]) -> list[FlatShard]:
+    """`pieces` with every device-held piece copied to host memory, so that the engine holding
+    them can be freed before the next one allocates (a re-plan on a full device,
+    train/replan.py). Pieces already on the host (host state) are kept as they are: their
+    views keep those buffers alive without a copy."""
+    out = []
+    for p in pieces:
+        local = p.local if p.local.device.type == "cpu" else p.local.to("cpu")
+        out.append(FlatShard(p.name, p.global_shape, p.offset, local))
+    return out
+
+
+def staged_bytes(pieces: Sequence[FlatShard]) -> int:
+    """Bytes of the device-held pieces of `pieces` (what `to_host` copies)."""
+    return sum(
+        p.local.numel() * p.local.element_size() for p in pieces if p.local.device.type != "cpu"
+    )

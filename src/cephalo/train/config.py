@@ -226,6 +226,13 @@ class ParallelConfig:
     """Switch only when the re-made plan's predicted step is at least this fraction faster than
     the running plan's, both predicted by the calibrated cost model (0.03: 3 %), at two
     calibrations in a row (the second confirms the first on fresh steps: no flip-flop on noise)."""
+    replan_staging: Literal["auto", "host", "device"] = "auto"
+    """Where the training state waits while a re-plan rebuilds the engine: `device` keeps the
+    old engine alive until the new one holds the state (fastest, but both engines' memory at
+    once: the planner fills a GPU's memory, so that usually does not fit); `host` first copies
+    this rank's shards to host memory and frees the old engine; `auto` (default) stages
+    through the host when the device cannot hold the new plan's predicted peak beside the old
+    engine (free CUDA memory, or an emulated device's budget)."""
     emulate_drift: str | None = None
     """Emulated devices: `STEP:RANK:SLOWDOWN[,...]` makes rank RANK compute at SLOWDOWN from step
     STEP on, whatever its profile says (a GPU that throttles mid-run; `cephalo demo` shows

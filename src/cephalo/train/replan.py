@@ -33,6 +33,7 @@ under the plan the config names (nothing is trained twice: metrics are truncated
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -46,8 +47,8 @@ from cephalo import envvars
 from cephalo.errors import CephaloError, first_line
 from cephalo.log import logger
 from cephalo.planning.costmodel import CostModel
-from cephalo.planning.plan import Plan
-from cephalo.runtime.relayout import relayout
+from cephalo.planning.plan import Plan, RankPlan
+from cephalo.runtime.relayout import WINDOW_ELEMS, relayout, staged_bytes, to_host
 from cephalo.runtime.replicas import saved_state
 from cephalo.train.calibration import Calibration, StepLog, predicted_step_s, refit
 
@@ -86,14 +87,17 @@ class Switch:
     """Wall time of the calibration and re-planning before it."""
     batches: list[int]
     micro_batches: list[int]
+    staged: bool = False
+    """Whether this rank's state waited on the host while the engine was rebuilt (`must_stage`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "replan", **vars(self)}
 
 
-def switch_plan(trainer: _Trainer, plan: Plan) -> float:
+def switch_plan(trainer: _Trainer, plan: Plan) -> tuple[float, bool]:
     """Every rank (collective): continue `trainer`'s job under `plan` from the next step.
-    Returns the seconds it took."""
+    Returns the seconds it took and whether this rank staged its state through the host
+    (`must_stage`)."""
     started = time.perf_counter()
     plan.validate(world_size=trainer.comm.world_size, model=trainer.cfg.model.name)
     if plan.global_batch_size != trainer.plan.global_batch_size:
@@ -108,15 +112,64 @@ def switch_plan(trainer: _Trainer, plan: Plan) -> float:
     ):
         raise torch.OutOfMemoryError(f"{envvars.TEST_REPLAN_FAIL}: out of memory (test hook)")
     old = trainer.engine
+    comm, device, extra = old.world, old.device, old.extra_state()
+    pieces = saved_state(old)
+    staged = must_stage(old, plan.ranks[trainer.rank], trainer.cfg.parallel.replan_staging)
+    if staged:
+        # the old engine's device memory is free before the new one allocates: the state waits
+        # on the host (one copy down; the re-layout reads it from there)
+        freed, copied = old.ledger.current_bytes, staged_bytes(pieces)
+        pieces = to_host(pieces)
+        trainer.engine = old = None
+        release_device_memory(device)
+        logger.info(
+            "rank %d: the re-plan stages the state through host memory (%.2f GiB copied, "
+            "%.2f GiB of device memory freed) before the new engine allocates",
+            trainer.rank,
+            copied / 2**30,
+            freed / 2**30,
+        )
     new = trainer.make_engine(plan)
-    relayout(saved_state(old), new.sharded_state(), old.world, old.device)
+    relayout(pieces, new.sharded_state(), comm, device)
+    del pieces
     new.state_written()
-    new.load_extra_state(old.extra_state())
+    new.load_extra_state(extra)
     trainer.engine, trainer.plan, trainer.rank_plan = new, plan, plan.ranks[trainer.rank]
     trainer.result.plan = plan
     del old
     trainer.write_run_files()  # rank 0: plan.json is the plan now running
-    return time.perf_counter() - started
+    return time.perf_counter() - started, staged
+
+
+def must_stage(old: Any, rank_plan: RankPlan, mode: str) -> bool:
+    """Whether a switch frees the old engine before building the new one (`parallel.
+    replan_staging`). `auto`: when the device cannot hold the new plan's predicted peak for
+    this rank (the planner's `predicted_peak_memory_bytes`; unknown: assume it cannot) and the
+    re-layout's window beside what the old engine holds: free CUDA memory, the caching
+    allocator's unused reserve included, or an emulated device's budget. A device without a
+    limit (a plain CPU rank) never stages."""
+    if mode != "auto":
+        return mode == "host"
+    need = rank_plan.predicted_peak_memory_bytes
+    window = WINDOW_ELEMS * 4
+    device = old.device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return need is None or need + window > free
+    budget = old.ledger.budget_bytes
+    if budget is None:
+        return False
+    return need is None or old.ledger.current_bytes + need + window > budget
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Return a dropped engine's memory: its reference cycles collected now (not at some later
+    collection), and on CUDA the caching allocator's blocks handed back, so that the new
+    engine, whose buffers have other sizes, finds them free."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _forced(step: int) -> Plan | None:
@@ -325,7 +378,7 @@ class Replanner:
             trainer.save()  # a failed switch then restarts from this very step: nothing lost
         old_plan = trainer.plan
         try:
-            seconds = switch_plan(trainer, plan)
+            seconds, staged = switch_plan(trainer, plan)
         except (RuntimeError, CephaloError) as e:
             raise CephaloError(
                 f"rank {self.rank}: the re-plan after step {trainer.step} failed ({first_line(e)}); "
@@ -346,6 +399,7 @@ class Replanner:
             replan_s,
             plan.batch_sizes,
             [r.micro_batch_size for r in plan.ranks],
+            staged,
         )
         self.switches.append(event)
         if self.rank == 0:
