@@ -38,6 +38,19 @@ def clip_coefficient(norm, max_norm: float):
     return min(1.0, max_norm / (norm + 1e-6))
 
 
+def grad_sq_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squared entries of `grads` (fp64 0-dim on `device`). Each entry is widened
+    to fp64 before it is squared and summed, so the norm does not depend (beyond fp64
+    rounding) on how the entries are split between ranks, or between a rank's device and its
+    host; one fused norm kernel over all of them (no squared copy of a shard in memory, one
+    launch instead of three per group)."""
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    return torch.stack(norms).square().sum()
+
+
 def default_adamw_kernel(device: torch.device | str) -> str:
     """`fused` where this torch build has a fused AdamW for the device type, else `foreach`."""
     try:
@@ -200,22 +213,20 @@ class ShardedAdamW:
             g.param.addcdiv_(g.exp_avg, denom, value=-step_size)
 
     def zero_grad(self) -> None:
-        for g in self.groups:
-            g.grad.zero_()
+        """One foreach launch for every group (not one per group)."""
+        grads = [g.grad for g in self.groups if g.grad.numel()]
+        if grads:
+            torch._foreach_zero_(grads)
 
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Sum of squared gradient entries on this rank (fp64 0-dim; summed across ranks
-        gives the squared global norm). Accumulated in fp64 so that the norm does not depend
-        (beyond fp64 rounding) on how the entries are split between ranks, or between a
-        rank's device and its host."""
-        total = torch.zeros((), dtype=torch.float64, device=self.groups[0].grad.device)
-        for g in self.groups:
-            if g.grad.numel():
-                total += g.grad.pow(2).sum(dtype=torch.float64)
-        return total
+        gives the squared global norm): `grad_sq_sum` over the groups' gradients."""
+        device = self.groups[0].grad.device if self.groups else torch.device("cpu")
+        return grad_sq_sum([g.grad for g in self.groups], device)
 
     def scale_grads(self, factor: float | torch.Tensor) -> None:
         if isinstance(factor, torch.Tensor):  # fp32, as a Python float factor is applied
             factor = factor.to(torch.float32)
-        for g in self.groups:
-            g.grad.mul_(factor)
+        grads = [g.grad for g in self.groups if g.grad.numel()]
+        if grads:
+            torch._foreach_mul_(grads, factor)
