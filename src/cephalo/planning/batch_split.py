@@ -19,6 +19,7 @@ from cephalo.planning.rank_tables import (
     MAX_BATCH_PER_RANK,
     RankGroup,
     SearchRegime,
+    TableCache,
     solo_speed,
     tabulate,
 )
@@ -169,8 +170,15 @@ def feasible_split(
     return splits, bests
 
 
-def fits_at_all(cm: CostModel, groups: list[RankGroup], B: int, allowed: SearchRegime):
-    """A split that fits memory when time is no object (tabulating larger batches as needed), or None."""
+def fits_at_all(
+    cm: CostModel,
+    groups: list[RankGroup],
+    B: int,
+    allowed: SearchRegime,
+    cache: TableCache | None = None,
+):
+    """A split that fits memory when time is no object (tabulating larger batches as needed,
+    from `cache` where made before), or None."""
     # First batch range per group: 1.3 x its share by solo speed (plus a margin); the
     # callers grow it whenever the optimum might lie beyond.
     speed = {
@@ -183,7 +191,7 @@ def fits_at_all(cm: CostModel, groups: list[RankGroup], B: int, allowed: SearchR
         # never shrink tables the optimiser already grew: it calls this again after growing
         # them, and shrinking them back made it grow and shrink them for ever
         if first > g.bmax or g.time is None:
-            tabulate(cm, g, max(first, g.bmax), allowed)
+            tabulate(cm, g, max(first, g.bmax), allowed, cache)
     while True:
         found = feasible_split(groups, math.inf, B, use_exact_split(groups, B), cm, allowed)
         if found is not None:
@@ -193,4 +201,4 @@ def fits_at_all(cm: CostModel, groups: list[RankGroup], B: int, allowed: SearchR
         if all(g.bmax >= B for g in groups):
             return None
         for g in groups:
-            tabulate(cm, g, min(B, 2 * g.bmax), allowed)
+            tabulate(cm, g, min(B, 2 * g.bmax), allowed, cache)

@@ -20,15 +20,22 @@ from cephalo.planning.costmodel import CostModel
 from cephalo.planning.does_not_fit import does_not_fit
 from cephalo.planning.padded_search import PADDED_REL_TOL, Attempt, best_with_padding
 from cephalo.planning.plan_choice import Choice, choice_to_plan
-from cephalo.planning.rank_tables import SearchRegime, rank_groups, tabulate
+from cephalo.planning.rank_tables import SearchRegime, TableCache, rank_groups, tabulate
 from cephalo.planning.water_fill import step_time_of, water_fill
 
 
-def optimise(cm: CostModel, B: int, allowed: SearchRegime, explain: bool = True) -> Choice:
+def optimise(
+    cm: CostModel,
+    B: int,
+    allowed: SearchRegime,
+    explain: bool = True,
+    cache: TableCache | None = None,
+) -> Choice:
     """The optimum under `allowed` (its padding charge included), `lower` set to a step time at
-    which no plan is feasible (a certified lower bound)."""
+    which no plan is feasible (a certified lower bound). `cache`: the tables earlier searches of
+    the same plan made (None: tabulate afresh)."""
     groups = rank_groups(cm, allowed)
-    found = fits_at_all(cm, groups, B, allowed)
+    found = fits_at_all(cm, groups, B, allowed, cache)
     if found is None:
         if not explain:
             raise PlanDoesNotFit(f"{cm.model.name} does not fit at global batch {B}")
@@ -50,19 +57,27 @@ def optimise(cm: CostModel, B: int, allowed: SearchRegime, explain: bool = True)
         if not grow:
             break
         for g in grow:
-            tabulate(cm, g, min(B, 2 * g.bmax), allowed)
+            tabulate(cm, g, min(B, 2 * g.bmax), allowed, cache)
         found = feasible_split(
             groups, T_hi, B, use_exact_split(groups, B), cm, allowed
-        ) or fits_at_all(cm, groups, B, allowed)
+        ) or fits_at_all(cm, groups, B, allowed, cache)
     choice = water_fill(cm, groups, found, allowed)
     choice.lower = T_lo
     return choice
 
 
-def optimise_charged(cm: CostModel, B: int, allowed: SearchRegime, explain: bool = True) -> Choice:
+def optimise_charged(
+    cm: CostModel,
+    B: int,
+    allowed: SearchRegime,
+    explain: bool = True,
+    cache: TableCache | None = None,
+) -> Choice:
     """`optimise` where the backend pads near-even splits (`CostModel.padded_collectives`):
-    the charge-free optimum, or a better plan that pays its padding (padded_search.py)."""
-    relaxed = optimise(cm, B, allowed, explain)
+    the charge-free optimum, or a better plan that pays its padding (padded_search.py). Its
+    sub-searches share `cache` (None: one of their own): they repeat most tables."""
+    cache = cache if cache is not None else TableCache(cm)
+    relaxed = optimise(cm, B, allowed, explain, cache)
     if not cm.padded_collectives or len(cm.devices) < 2:
         return relaxed
 
@@ -73,7 +88,8 @@ def optimise_charged(cm: CostModel, B: int, allowed: SearchRegime, explain: bool
 
     def search(**regime) -> Attempt[Choice] | None:
         try:
-            c = optimise(cm, B, replace(allowed, rel_tol=PADDED_REL_TOL, **regime), False)
+            regime_now = replace(allowed, rel_tol=PADDED_REL_TOL, **regime)
+            c = optimise(cm, B, regime_now, False, cache)
         except PlanDoesNotFit:
             return None
         return Attempt(c, c.lower, step_s(c), cm.split_padding(c.fraction))
@@ -90,16 +106,24 @@ def optimise_charged(cm: CostModel, B: int, allowed: SearchRegime, explain: bool
 
 
 def unless_marginal(
-    cm: CostModel, B: int, allowed: SearchRegime, choice: Choice, option: str, min_gain: float
+    cm: CostModel,
+    B: int,
+    allowed: SearchRegime,
+    choice: Choice,
+    option: str,
+    min_gain: float,
+    cache: TableCache | None = None,
 ) -> tuple[Choice, SearchRegime]:
     """`choice`, or the best plan without `option` (`host`: host state; `serial`: ranks
     waiting for each reduce-scatter) where that is (almost) as fast; with what the kept plan
     allows. Both options trade time for memory, and a gain below `min_gain` is within the
     cost model's error (measured on the emulated clusters: a plan waiting on its reduce-scatters
-    for a 0.03 % predicted gain ran 10 % slower, bench/results/hetero_throughput.md B)."""
+    for a 0.03 % predicted gain ran 10 % slower, bench/results/hetero_throughput.md B). `cache`:
+    the tables of the plan's searches so far."""
     narrower = replace(allowed, **{option: False})
     try:
-        without = optimise_charged(cm, B, narrower, explain=False)  # the reason is not shown
+        # the reason it does not fit is not shown
+        without = optimise_charged(cm, B, narrower, False, cache)
     except PlanDoesNotFit:
         return choice, allowed
     steps = [

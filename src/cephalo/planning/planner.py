@@ -64,7 +64,7 @@ from cephalo.planning.costmodel import CostModel
 from cephalo.planning.optimiser import optimise_charged, unless_marginal
 from cephalo.planning.plan import Plan, RankPlan, largest_remainder
 from cephalo.planning.plan_choice import choice_to_plan
-from cephalo.planning.rank_tables import SearchRegime
+from cephalo.planning.rank_tables import SearchRegime, TableCache
 from cephalo.specs.cluster import Cluster
 
 PLANNER_STRATEGIES = ("cephalo", "even", "proportional")
@@ -109,14 +109,17 @@ def make_plan(
             and not cost_model.adapter.frozen_base,
             serial=cost_model.serial_reduce,
         )
-        choice = optimise_charged(cost_model, global_batch, allowed, explain)
+        # every search of this plan (with and without host state or serial reduces, and the
+        # padded search's sub-searches) shares the tables it has made
+        tables = TableCache(cost_model)
+        choice = optimise_charged(cost_model, global_batch, allowed, explain, tables)
         if allowed.host and choice.host is not None and any(h > 0 for h in choice.host):
             choice, allowed = unless_marginal(
-                cost_model, global_batch, allowed, choice, "host", host_state_min_gain
+                cost_model, global_batch, allowed, choice, "host", host_state_min_gain, tables
             )
         if allowed.serial and choice.overlap is not None and not all(choice.overlap):
             choice, _ = unless_marginal(
-                cost_model, global_batch, allowed, choice, "serial", host_state_min_gain
+                cost_model, global_batch, allowed, choice, "serial", host_state_min_gain, tables
             )
     else:
         batches = (

@@ -9,6 +9,7 @@ non-decreasing in T, which the split of the batch (batch_split.py) relies on.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,6 +29,73 @@ def host_cap_rates(g: RankGroup) -> tuple[float, float, float]:
     return o, grad, grad + max(opt, up)
 
 
+@dataclass(frozen=True)
+class HostCapTerms:
+    """The terms of `host_cap` that do not depend on the time left, for one set of memory and
+    host bounds: the bisection over T evaluates cap(b; T) some 20 times per search on the same
+    tables, and these were most of each evaluation. Each is the very expression `host_cap`
+    evaluated before, so the caps are bit-identical."""
+
+    timed: np.ndarray
+    """o > 0: the device optimizer takes time."""
+    o_div: np.ndarray
+    """o where timed, else 1 (the divisor of the time bound)."""
+    bt: np.ndarray
+    """The time bound's slope in x."""
+    am: np.ndarray
+    """The memory bound at x = 0 (mem_left / Bs)."""
+    bm: float
+    """The memory bound's slope in x (Bd / Bs)."""
+    x_room: np.ndarray
+    """The largest x the host memory and the device memory hold."""
+    p_a2: np.ndarray
+    """P x a2: seconds of the host part alone per unit of x."""
+    room_ok: np.ndarray
+    """mem_left >= 0 and host_left >= 0."""
+    time_ok: np.ndarray | None = None
+    """Where the group's tables have a finite time (`capacity`'s valid options; None in
+    `host_cap`)."""
+
+
+def host_cap_terms(cm: CostModel, rates, mem_left, host_left, pad: float = 0.0) -> HostCapTerms:
+    """`host_cap`'s terms without the time left (see `HostCapTerms`)."""
+    P = cm.total_params
+    o_all, a1, a2 = rates
+    Bs, Bd = cm.bytes_per_fraction_at(pad), cm.host_part_bytes_per_fraction_at(pad)
+    ml = np.asarray(mem_left, dtype=np.float64)
+    hl = np.asarray(host_left, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        # y(x) = min(at - x bt, am - x bm): the time bound (at, bt) and the memory bound
+        o = np.asarray(o_all, dtype=np.float64)
+        timed = o > 0
+        o_div = np.where(timed, o, 1.0)
+        bt = np.where(timed, P * np.asarray(a1) / o_div, 0.0)
+        am, bm = ml / Bs, Bd / Bs
+        # padded fp32: the host part's device copy lives in the padded send buffer (Bd 0)
+        by_mem = ml / Bd if Bd > 0 else np.inf
+        x_room = np.minimum(hl / (P * cm.host_bytes_per_param), by_mem)
+        p_a2 = P * np.asarray(a2)
+    return HostCapTerms(timed, o_div, bt, am, bm, x_room, p_a2, (ml >= 0) & (hl >= 0))
+
+
+def _host_optimum(terms: HostCapTerms, tl: np.ndarray):
+    """`host_cap`'s optimum at `tl` seconds left: (best x + y, ok, and the x of each candidate
+    optimum: f0 at 0, f_cross at cross, else x_max)."""
+    timed, bt, am, bm = terms.timed, terms.bt, terms.am, terms.bm
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        at = np.where(timed, tl / terms.o_div, np.inf)
+        x_max = np.minimum(terms.x_room, tl / terms.p_a2)
+        x_max = np.maximum(x_max, 0.0)
+        cross = np.clip((at - am) / (bt - bm), 0.0, x_max)
+        cross = np.where(np.isfinite(cross), cross, 0.0)
+        f0 = np.minimum(at, am)
+        f_max = x_max + np.maximum(np.minimum(at - x_max * bt, am - x_max * bm), 0.0)
+        f_cross = cross + np.maximum(np.minimum(at - cross * bt, am - cross * bm), 0.0)
+        best_f = np.maximum(np.maximum(f0, f_max), f_cross)
+    ok = (tl >= 0) & terms.room_ok
+    return best_f, ok, f0, f_cross, cross, x_max
+
+
 def host_cap(
     cm: CostModel, rates, time_left, mem_left, host_left, pad: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -38,34 +106,25 @@ def host_cap(
 
     y(x) = min((time_left - x P a1) / (P o'), (mem_left - x Bd) / Bs) for x in [0, x_max], a
     concave objective x + y(x): its maximum is at 0, at x_max or where the two bounds cross."""
-    P = cm.total_params
-    o_all, a1, a2 = rates
-    Bs, Bd = cm.bytes_per_fraction_at(pad), cm.host_part_bytes_per_fraction_at(pad)
+    terms = host_cap_terms(cm, rates, mem_left, host_left, pad)
     tl = np.asarray(time_left, dtype=np.float64)
-    ml = np.asarray(mem_left, dtype=np.float64)
-    hl = np.asarray(host_left, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        # y(x) = min(at - x bt, am - x bm): the time bound (at, bt) and the memory bound
-        o = np.asarray(o_all, dtype=np.float64)
-        timed = o > 0
-        at = np.where(timed, tl / np.where(timed, o, 1.0), np.inf)
-        bt = np.where(timed, P * np.asarray(a1) / np.where(timed, o, 1.0), 0.0)
-        am, bm = ml / Bs, Bd / Bs
-        # padded fp32: the host part's device copy lives in the padded send buffer (Bd 0)
-        by_mem = ml / Bd if Bd > 0 else np.inf
-        x_max = np.minimum(
-            np.minimum(hl / (P * cm.host_bytes_per_param), by_mem), tl / (P * np.asarray(a2))
-        )
-        x_max = np.maximum(x_max, 0.0)
-        cross = np.clip((at - am) / (bt - bm), 0.0, x_max)
-        cross = np.where(np.isfinite(cross), cross, 0.0)
-        f0 = np.minimum(at, am)
-        f_max = x_max + np.maximum(np.minimum(at - x_max * bt, am - x_max * bm), 0.0)
-        f_cross = cross + np.maximum(np.minimum(at - cross * bt, am - cross * bm), 0.0)
-        best_f = np.maximum(np.maximum(f0, f_max), f_cross)
-        best_x = np.where(best_f == f0, 0.0, np.where(best_f == f_cross, cross, x_max))
-        ok = (tl >= 0) & (ml >= 0) & (hl >= 0)
+    best_f, ok, f0, f_cross, cross, x_max = _host_optimum(terms, tl)
+    best_x = np.where(best_f == f0, 0.0, np.where(best_f == f_cross, cross, x_max))
     return np.where(ok, best_f, -np.inf), np.where(ok, best_x, 0.0)
+
+
+def _group_host_terms(cm: CostModel, g: RankGroup, pad: float) -> HostCapTerms:
+    """The group's `HostCapTerms` for its current tables, made once per tables and charge."""
+    made = g.host_cap_terms
+    if made is not None and made[0] == pad:
+        return made[1]
+    Bs = cm.bytes_per_fraction_at(pad)
+    with np.errstate(invalid="ignore"):
+        mem_left = np.where(np.isfinite(g.memcap), g.memcap * Bs, -1.0)
+    terms = host_cap_terms(cm, host_cap_rates(g), mem_left, g.host_share - g.host_boundary, pad)
+    terms = replace(terms, time_ok=np.isfinite(g.time))
+    g.host_cap_terms = (pad, terms)
+    return terms
 
 
 def capacity(
@@ -75,14 +134,13 @@ def capacity(
     allowed = allowed or SearchRegime(offload=False)
     if allowed.host:
         assert cm is not None
-        Bs = cm.bytes_per_fraction_at(allowed.pad)
+        terms = _group_host_terms(cm, g, allowed.pad)
+        time_ok = terms.time_ok
         with np.errstate(invalid="ignore"):
-            mem_left = np.where(np.isfinite(g.memcap), g.memcap * Bs, -1.0)
-            time_left = np.where(np.isfinite(g.time), T - g.time, -1.0)
-        cap, _ = host_cap(
-            cm, host_cap_rates(g), time_left, mem_left, g.host_share - g.host_boundary, allowed.pad
-        )
-        cap = np.where(np.isfinite(g.time) & np.isfinite(cap), cap, -np.inf)
+            time_left = np.where(time_ok, T - g.time, -1.0)
+        best_f, ok, *_ = _host_optimum(terms, time_left)
+        cap = np.where(ok, best_f, -np.inf)
+        cap = np.where(time_ok & np.isfinite(cap), cap, -np.inf)
         best = np.argmax(cap, axis=1)
         f = cap[np.arange(cap.shape[0]), best]
         f = np.where(f >= 0, np.minimum(f, allowed.clip), -np.inf)

@@ -20,24 +20,14 @@ from cephalo.planning.costmodel import CostModel
 
 MAX_MICRO_BATCH = 512
 """Largest micro-batch the planner considers (beyond it GPUs gain nothing per sample)."""
-
-
 MAX_BATCH_PER_RANK = 16384
 """Largest batch one rank may take (the tables grow with it; 16k samples per step per GPU is far beyond use)."""
-
-
 EXACT_MICRO_BATCH = 64
 """Micro-batches up to this size are all considered; larger ones on a geometric grid."""
-
-
 MICRO_BATCH_GRID = 1.05
-
-
 BISECT_REL_TOL = 1e-5
 """Relative precision of the step-time bisection: the plan's step time is within this of
 the optimum (tests/test_planner.py holds it to that against an exhaustive search)."""
-
-
 MEMORY_SLACK_BYTES = 1
 """Kept free so that rounding the state fraction's bytes up never tips a rank over its capacity."""
 
@@ -71,6 +61,9 @@ class RankGroup:
     async_copies: bool = True
     floor: float = 0.0
     """The state fraction this group's one rank must own at least (`SearchRegime.floor_rank`)."""
+    host_cap_terms: tuple[float, object] | None = None
+    """(padding charge, `rank_capacity.HostCapTerms`) of the current tables: what cap(b; T)
+    needs beside T, made on its first evaluation; `tabulate` drops it with the old tables."""
 
     @property
     def size(self) -> int:
@@ -160,13 +153,73 @@ def _micro_batch_candidates(mmax: int) -> np.ndarray:
     return np.concatenate([exact, grid, [mmax]])
 
 
-def tabulate(cm: CostModel, g: RankGroup, bmax: int, allowed: SearchRegime) -> None:
-    """Fill the group's [b, option] tables for b = 0..bmax, keeping Pareto-optimal options."""
+def tabulate(
+    cm: CostModel,
+    g: RankGroup,
+    bmax: int,
+    allowed: SearchRegime,
+    cache: TableCache | None = None,
+) -> None:
+    """Fill the group's [b, option] tables for b = 0..bmax, keeping Pareto-optimal options
+    (from `cache` where an earlier search of the same plan made them)."""
     if bmax > MAX_BATCH_PER_RANK:
         raise CephaloError(
             f"this plan would put more than {MAX_BATCH_PER_RANK} samples per step on one {g.type_key}, beyond "
             "what the planner tabulates; use a smaller global batch (accumulate over steps instead) or more devices"
         )
+    if cache is None:
+        tables = _tables(cm, g, bmax, allowed)
+    else:
+        tables = cache.tables(g, bmax, allowed)
+    g.time, g.memcap, g.micro, g.offload, g.overlap, g.host_boundary = tables
+    g.bmax = bmax
+    g.host_cap_terms = None
+
+
+_Tables = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""A group's [b, option] tables: time, memcap, micro, offload, overlap, host_boundary."""
+
+
+class TableCache:
+    """The groups' tables made for one cost model, by everything `tabulate` reads.
+
+    One plan runs many searches on the same cost model: the charge-free relaxation, the
+    unpadded sub-problems and the padded branch and bound (padded_search.py), the search
+    without host state (`optimiser.unless_marginal`). They differ mostly in what the tables do
+    not read (the cap on the fractions, the floor, the bisection's precision) or repeat a
+    charge (each interval's bound is charged at an end already searched), so about half their
+    tabulations were repeats (the README's advise example: 1,613 tabulations, 859 distinct).
+    Tables are a pure function of the key, so a hit gives the very arrays a fresh tabulation
+    would; they are read-only, as every search sharing them only reads them."""
+
+    def __init__(self, cm: CostModel) -> None:
+        self.cm = cm
+        self._made: dict[tuple, _Tables] = {}
+
+    def tables(self, g: RankGroup, bmax: int, allowed: SearchRegime) -> _Tables:
+        # what `_tables` reads besides the cost model: the group's device, memory and host
+        # share, and the regime's offload, host state, serial reduces and padding charge
+        key = (
+            g.type_key,
+            g.capacity,
+            g.host_share,
+            allowed.offload,
+            allowed.host,
+            allowed.serial,
+            allowed.pad,
+            bmax,
+        )
+        made = self._made.get(key)
+        if made is None:
+            made = _tables(self.cm, g, bmax, allowed)
+            for a in made:
+                a.flags.writeable = False
+            self._made[key] = made
+        return made
+
+
+def _tables(cm: CostModel, g: RankGroup, bmax: int, allowed: SearchRegime) -> _Tables:
+    """The group's [b, option] tables for b = 0..bmax (see `tabulate`)."""
     mmax = max(1, min(_largest_micro_batch(cm, g, allowed), bmax))
     bs = np.arange(bmax + 1)[:, None]
     ms = _micro_batch_candidates(mmax)[None, :]
@@ -218,13 +271,12 @@ def tabulate(cm: CostModel, g: RankGroup, bmax: int, allowed: SearchRegime) -> N
     classes = [[b for b in blocks if b[3][0, 0] == o] for o in offs] if allowed.host else [blocks]
     kept = [_pareto([np.concatenate([b[i] for b in c], axis=1) for i in range(6)]) for c in classes]
     width = max(k[0].shape[1] for k in kept)
-    g.time = np.concatenate([_pad(k[0], width, np.inf) for k in kept], axis=1)
-    g.memcap = np.concatenate([_pad(k[1], width, -np.inf) for k in kept], axis=1)
-    g.micro = np.concatenate([_pad(k[2], width, 1) for k in kept], axis=1)
-    g.offload = np.concatenate([_pad(k[3], width, False) for k in kept], axis=1)
-    g.overlap = np.concatenate([_pad(k[4], width, True) for k in kept], axis=1)
-    g.host_boundary = np.concatenate([_pad(k[5], width, 0.0) for k in kept], axis=1)
-    g.bmax = bmax
+    fills = (np.inf, -np.inf, 1, False, True, 0.0)
+    time, memcap, micro, offload, overlap, host_boundary = (
+        np.concatenate([_pad(k[i], width, fill) for k in kept], axis=1)
+        for i, fill in enumerate(fills)
+    )
+    return time, memcap, micro, offload, overlap, host_boundary
 
 
 def _pad(a: np.ndarray, width: int, fill) -> np.ndarray:
