@@ -32,9 +32,11 @@ def host_cap_rates(g: RankGroup) -> tuple[float, float, float]:
 @dataclass(frozen=True)
 class HostCapTerms:
     """The terms of `host_cap` that do not depend on the time left, for one set of memory and
-    host bounds: the bisection over T evaluates cap(b; T) some 20 times per search on the same
-    tables, and these were most of each evaluation. Each is the very expression `host_cap`
-    evaluated before, so the caps are bit-identical."""
+    host bounds: the bisections over T (the search's, some 20 steps on the same tables, and the
+    water-filling's, some 40 on the same split) evaluate `host_cap` on the same bounds again
+    and again, and these terms were about a third of each evaluation. Each is computed by the
+    same operations in the same order as when `host_cap` made them itself: the caps are
+    bit-identical."""
 
     timed: np.ndarray
     """o > 0: the device optimizer takes time."""
@@ -78,9 +80,14 @@ def host_cap_terms(cm: CostModel, rates, mem_left, host_left, pad: float = 0.0) 
     return HostCapTerms(timed, o_div, bt, am, bm, x_room, p_a2, (ml >= 0) & (hl >= 0))
 
 
-def _host_optimum(terms: HostCapTerms, tl: np.ndarray):
-    """`host_cap`'s optimum at `tl` seconds left: (best x + y, ok, and the x of each candidate
-    optimum: f0 at 0, f_cross at cross, else x_max)."""
+def host_cap(terms: HostCapTerms, time_left) -> np.ndarray:
+    """The largest state fraction x + y a rank can own (x on the host, y on the device) within
+    `time_left` seconds for its optimizer phase and host copies and the device and host bytes
+    of `terms` (`host_cap_terms`); -inf where any of them is negative; broadcasts.
+
+    y(x) = min((time_left - x P a1) / (P o'), (mem_left - x Bd) / Bs) for x in [0, x_max], a
+    concave objective x + y(x): its maximum is at 0, at x_max or where the two bounds cross."""
+    tl = np.asarray(time_left, dtype=np.float64)
     timed, bt, am, bm = terms.timed, terms.bt, terms.am, terms.bm
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         at = np.where(timed, tl / terms.o_div, np.inf)
@@ -93,24 +100,7 @@ def _host_optimum(terms: HostCapTerms, tl: np.ndarray):
         f_cross = cross + np.maximum(np.minimum(at - cross * bt, am - cross * bm), 0.0)
         best_f = np.maximum(np.maximum(f0, f_max), f_cross)
     ok = (tl >= 0) & terms.room_ok
-    return best_f, ok, f0, f_cross, cross, x_max
-
-
-def host_cap(
-    cm: CostModel, rates, time_left, mem_left, host_left, pad: float = 0.0
-) -> tuple[np.ndarray, np.ndarray]:
-    """The largest state fraction x + y a rank can own (x on the host, y on the device) within
-    `time_left` seconds for its optimizer phase and host copies, `mem_left` device bytes and
-    `host_left` host bytes, and the x of that optimum; broadcasts, `rates` too ((o, a1, a2) as
-    `host_cap_rates` gives them, o for the whole state: P x seconds per parameter).
-
-    y(x) = min((time_left - x P a1) / (P o'), (mem_left - x Bd) / Bs) for x in [0, x_max], a
-    concave objective x + y(x): its maximum is at 0, at x_max or where the two bounds cross."""
-    terms = host_cap_terms(cm, rates, mem_left, host_left, pad)
-    tl = np.asarray(time_left, dtype=np.float64)
-    best_f, ok, f0, f_cross, cross, x_max = _host_optimum(terms, tl)
-    best_x = np.where(best_f == f0, 0.0, np.where(best_f == f_cross, cross, x_max))
-    return np.where(ok, best_f, -np.inf), np.where(ok, best_x, 0.0)
+    return np.where(ok, best_f, -np.inf)
 
 
 def _group_host_terms(cm: CostModel, g: RankGroup, pad: float) -> HostCapTerms:
@@ -138,8 +128,7 @@ def capacity(
         time_ok = terms.time_ok
         with np.errstate(invalid="ignore"):
             time_left = np.where(time_ok, T - g.time, -1.0)
-        best_f, ok, *_ = _host_optimum(terms, time_left)
-        cap = np.where(ok, best_f, -np.inf)
+        cap = host_cap(terms, time_left)
         cap = np.where(time_ok & np.isfinite(cap), cap, -np.inf)
         best = np.argmax(cap, axis=1)
         f = cap[np.arange(cap.shape[0]), best]

@@ -15,7 +15,7 @@ import numpy as np
 from cephalo.errors import CephaloError
 from cephalo.planning.costmodel import CostModel
 from cephalo.planning.plan_choice import Choice
-from cephalo.planning.rank_capacity import host_cap, host_cap_rates
+from cephalo.planning.rank_capacity import host_cap, host_cap_rates, host_cap_terms
 from cephalo.planning.rank_tables import RankGroup, SearchRegime
 
 FRACTION_SNAP = 1e-9
@@ -180,9 +180,11 @@ def _water_fill_host(
         np.array(r) for r in zip(*(host_cap_rates(by_rank[i]) for i in range(n)), strict=True)
     )
 
-    def caps(T: float) -> tuple[np.ndarray, np.ndarray]:
-        cs, xs = host_cap(cm, rates, T - t, mem_left, host_left, allowed.pad)
-        return np.minimum(np.maximum(cs, 0.0), allowed.clip), xs
+    # what the caps need beside T, once for the ~40 steps of the bisection below
+    terms = host_cap_terms(cm, rates, mem_left, host_left, allowed.pad)
+
+    def caps(T: float) -> np.ndarray:
+        return np.minimum(np.maximum(host_cap(terms, T - t), 0.0), allowed.clip)
 
     j, floor = allowed.floor_rank, allowed.floor
 
@@ -191,7 +193,7 @@ def _water_fill_host(
 
     lo = float(t.max())
     hi = lo + max(g.opt_s_per_fraction for g in groups) + 1e-12
-    while not enough(caps(hi)[0]):  # the host-state work may exceed the device optimizer's
+    while not enough(caps(hi)):  # the host-state work may exceed the device optimizer's
         hi = lo + 2 * (hi - lo)
         if hi - lo > 1e12:
             raise CephaloError(
@@ -199,11 +201,11 @@ def _water_fill_host(
             )
     while hi - lo > 1e-12 * max(hi, 1e-30) and hi - lo > 1e-15:
         mid = 0.5 * (lo + hi)
-        if enough(caps(mid)[0]):
+        if enough(caps(mid)):
             hi = mid
         else:
             lo = mid
-    c, _ = caps(hi)
+    c = caps(hi)
     fractions = _fractions(c, j, floor)
     snapped = np.where(fractions < FRACTION_SNAP, 0.0, fractions)
     if snapped.sum() > 0 and np.all(snapped <= np.maximum(c, fractions)):
