@@ -31,46 +31,62 @@ EXACT_DP_MAX_WORK = 400_000
 def _split_exact(fs: list[np.ndarray], B: int) -> tuple[float, list[int]] | None:
     """Max-plus DP over ranks: the split of B maximising the sum of capacities.
 
-    Each rank's step is one vectorised max over a (batch, total) matrix, restricted to the
+    Each rank's step is one vectorised max over a (total, batch) matrix, restricted to the
     totals from which B is still reachable (at most the finite batches of the ranks before,
     at least B less those of the ranks after); among equal sums the smallest batch of the rank
-    wins (the first maximum), so the split is deterministic."""
+    wins (the first maximum), so the split is deterministic.
+
+    The matrix is a strided view of the previous step's best sums (cand[j, b] = best[j - b] +
+    f[b]), not gathered through an index matrix: the bisection runs this some 20 times per
+    search, and the gather was half of each step. Ranks of a group pass the same array, whose
+    finite head is found once."""
+    heads_of: dict[int, np.ndarray] = {}
     heads = []
     for f in fs:
-        head = np.asarray(f[: min(len(f) - 1, B) + 1], dtype=np.float64)
-        finite = np.isfinite(head)
-        n_ok = int(np.argmin(finite)) if not finite.all() else head.size
-        if n_ok == 0:
-            return None
-        heads.append(head[:n_ok])
+        head = heads_of.get(id(f))
+        if head is None:
+            head = np.asarray(f[: min(len(f) - 1, B) + 1], dtype=np.float64)
+            finite = np.isfinite(head)
+            n_ok = int(np.argmin(finite)) if not finite.all() else head.size
+            if n_ok == 0:
+                return None
+            head = heads_of[id(f)] = head[:n_ok]
+        heads.append(head)
     most = [h.size - 1 for h in heads]
     after = np.concatenate([np.cumsum(most[::-1])[::-1][1:], [0]])  # ranks after each
-    best = np.full(B + 1, -np.inf)
-    best[0] = 0.0
+    # best[x] lives at buf[w + x]: w cells of -inf before it stand for x < 0, w after it keep
+    # every window of width w inside the buffer; two buffers, read one, write the other
+    w = max(h.size for h in heads)
+    bufs = [np.full(2 * w + B + 1, -np.inf) for _ in range(2)]
+    windows = [np.lib.stride_tricks.sliding_window_view(b, w) for b in bufs]
+    bufs[0][w] = 0.0
+    cur = 0
     args = []
     reach = 0
     for head, rest in zip(heads, after, strict=True):
-        reach = min(B, reach + head.size - 1)
-        cols = np.arange(max(0, B - int(rest)), reach + 1)
         n_ok = head.size
-        bs = np.arange(n_ok)
-        # cand[b, j] = best[j - b] + f[b] (j >= b), read from best padded with -inf in front
-        padded = np.concatenate([np.full(n_ok, -np.inf), best])
-        cand = padded[n_ok + cols[None, :] - bs[:, None]] + head[:, None]
-        pick = np.argmax(cand, axis=0)
-        best = np.full(B + 1, -np.inf)
-        best[cols] = cand[pick, np.arange(cols.size)]
-        arg = np.zeros(B + 1, dtype=np.int64)
-        arg[cols] = pick
-        args.append(arg)
-    if not np.isfinite(best[B]):
+        reach = min(B, reach + n_ok - 1)
+        lo = max(0, B - int(rest))
+        # row j - lo, column b: best[j - b] for the totals j = lo..reach (the window starting
+        # at best[j - n_ok + 1], reversed)
+        start = w + lo - n_ok + 1
+        cand = windows[cur][start : start + reach - lo + 1, :n_ok][:, ::-1] + head
+        pick = np.argmax(cand, axis=1)
+        nxt = bufs[1 - cur]
+        nxt[w : w + B + 1] = -np.inf
+        nxt[w + lo : w + reach + 1] = cand.max(axis=1)
+        cur = 1 - cur
+        args.append((lo, pick))
+    best_B = bufs[cur][w + B]
+    if not np.isfinite(best_B):
         return None
+    # walking back from B every total is finite, so within its rank's lo..reach
     split, rest_b = [], B
-    for arg in reversed(args):
-        b = int(arg[rest_b])
+    for lo, pick in reversed(args):
+        b = int(pick[rest_b - lo])
         split.append(b)
         rest_b -= b
-    return float(best[B]), split[::-1]
+    return float(best_B), split[::-1]
 
 
 def _upper_hull(f: np.ndarray) -> list[int]:
