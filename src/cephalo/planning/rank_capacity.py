@@ -2,8 +2,9 @@
 
 From the group's tables (rank_tables.py): the memory left after its activations and the time
 left for its optimizer both bound its fraction; with host state a small linear programme per
-(b, option) whose optimum stays closed form (`host_cap`). cap is non-increasing in b and
-non-decreasing in T, which the split of the batch (batch_split.py) relies on.
+(b, option) whose optimum stays closed form (`host_cap`), its terms that do not depend on T
+made once per tables (`HostCapTerms`). cap is non-increasing in b and non-decreasing in T,
+which the split of the batch (batch_split.py) relies on.
 """
 
 from __future__ import annotations

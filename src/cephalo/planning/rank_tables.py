@@ -170,6 +170,7 @@ def tabulate(
     if cache is None:
         tables = _tables(cm, g, bmax, allowed)
     else:
+        assert cache.cm is cm, "a TableCache serves the searches of one cost model"
         tables = cache.tables(g, bmax, allowed)
     g.time, g.memcap, g.micro, g.offload, g.overlap, g.host_boundary = tables
     g.bmax = bmax
