@@ -26,7 +26,8 @@ import numpy as np
 from _common import Result, fmt_ratio, markdown_table, print_table, save_figure, verdict
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planning.costmodel import CostModel
-from cephalo.planning.planner import MAX_MICRO_BATCH, make_plan
+from cephalo.planning.planner import make_plan
+from cephalo.planning.rank_tables import MAX_MICRO_BATCH
 from cephalo.planning.sources import catalog_cost_model
 from cephalo.specs.catalog import get_model_spec
 from cephalo.specs.cluster import Cluster

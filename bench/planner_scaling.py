@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import cephalo.planning.batch_split as batch_split
 import cephalo.planning.planner as planner
 from _common import Result, markdown_table, median, print_table, save_figure, verdict
 from cephalo.planning.costmodel import CostModel
@@ -114,15 +115,15 @@ def hierarchical_rows() -> tuple[list[list[str]], bool]:
 
 def exact_gap(cluster: Cluster, B: int) -> float | None:
     """Throughput of the hull path / the exact DP path on the same instance (1.0 = identical)."""
-    saved = planner.EXACT_DP_MAX_WORK
+    saved = batch_split.EXACT_DP_MAX_WORK
     cm = catalog_cost_model(cluster, get_model_spec(MODEL), SEQ_LEN, DTYPE)
     try:
-        planner.EXACT_DP_MAX_WORK = 0
+        batch_split.EXACT_DP_MAX_WORK = 0
         hull = planner.make_plan(cm, B).predicted.samples_per_s
-        planner.EXACT_DP_MAX_WORK = 10**12
+        batch_split.EXACT_DP_MAX_WORK = 10**12
         exact = planner.make_plan(cm, B).predicted.samples_per_s
     finally:
-        planner.EXACT_DP_MAX_WORK = saved
+        batch_split.EXACT_DP_MAX_WORK = saved
     return hull / exact
 
 

@@ -261,7 +261,7 @@ def _exhaustive_fast_identical(cm, B):
 
 # ---------------------------------------------------------------- larger instances: the hull path
 def test_hull_path_close_to_exact(monkeypatch):
-    import cephalo.planning.planner as planner
+    import cephalo.planning.batch_split as batch_split
 
     keys = ["a"] * 5 + ["b"] * 3
     profiles = {
@@ -270,7 +270,7 @@ def test_hull_path_close_to_exact(monkeypatch):
     }
     cm = cost_model([FakeDevice(k, 9000) for k in keys], profiles, bytes_per_s=1e4, latency_s=0.01)
     exact = cm.evaluate(make_plan(cm, 40)).step_s
-    monkeypatch.setattr(planner, "EXACT_DP_MAX_WORK", 0)
+    monkeypatch.setattr(batch_split, "EXACT_DP_MAX_WORK", 0)
     hull_plan = make_plan(cm, 40)
     hull = cm.evaluate(hull_plan)
     assert hull.fits and sum(hull_plan.batch_sizes) == 40
@@ -389,8 +389,9 @@ def test_plan_json_round_trip_keeps_predictions(tmp_path):
 
 def test_growing_tables_are_never_shrunk_back(monkeypatch):
     """This cluster (found by `cephalo advise`) made the optimiser grow a group's tables, fall
-    back to `_fits_at_all`, which shrank them again, and grow them again, for ever."""
-    import cephalo.planning.planner as planner
+    back to `fits_at_all`, which shrank them again, and grow them again, for ever."""
+    import cephalo.planning.batch_split as batch_split
+    import cephalo.planning.optimiser as optimiser
     from cephalo.planning.sources import catalog_cost_model
     from cephalo.specs.catalog import get_model_spec
     from cephalo.specs.cluster import Cluster
@@ -399,7 +400,7 @@ def test_growing_tables_are_never_shrunk_back(monkeypatch):
     spec += ",t4@node10;inter=2.5GB/s"
     cm = catalog_cost_model(Cluster.parse(spec), get_model_spec("llama-7b"), 512, "fp16")
     calls = []
-    tabulate = planner._tabulate
+    tabulate = optimiser.tabulate
 
     def counted(*args):
         calls.append(args[2])
@@ -407,6 +408,8 @@ def test_growing_tables_are_never_shrunk_back(monkeypatch):
             raise AssertionError(f"tabulated {len(calls)} times: {calls[-12:]}")
         tabulate(*args)
 
-    monkeypatch.setattr(planner, "_tabulate", counted)
+    # both grow tables: `fits_at_all` its first ranges, the optimiser where T might need more
+    monkeypatch.setattr(batch_split, "tabulate", counted)
+    monkeypatch.setattr(optimiser, "tabulate", counted)
     plan = make_plan(cm, 256)
     assert cm.evaluate(plan).fits and plan.predicted.samples_per_s > 0

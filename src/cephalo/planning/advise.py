@@ -74,7 +74,7 @@ from cephalo.planning.advise_clusters import (
 )
 from cephalo.planning.costmodel import CostModel
 from cephalo.planning.groups import Grouping
-from cephalo.planning.planner import MAX_MICRO_BATCH, MEMORY_SLACK_BYTES
+from cephalo.planning.rank_tables import MAX_MICRO_BATCH, MEMORY_SLACK_BYTES
 from cephalo.specs.cluster import (
     CPU_COLLECTIVE_LATENCY_S,
     GPU_COLLECTIVE_LATENCY_S,

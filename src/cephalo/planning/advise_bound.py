@@ -61,7 +61,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cephalo.planning.costmodel import CostModel, CrossReduce
-from cephalo.planning.planner import MEMORY_SLACK_BYTES
+from cephalo.planning.rank_tables import MEMORY_SLACK_BYTES
 from cephalo.specs.offers import Offer
 from cephalo.specs.profile import CommProfile
 

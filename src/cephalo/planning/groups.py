@@ -256,7 +256,7 @@ def _assemble(cm, B, grouping, kinds: list[_Kind], batch_of, reduce_dtype) -> Pl
     )
     plan.meta["grouping"] = grouping.label
     plan.validate()
-    from cephalo.planning.planner import fill_predictions
+    from cephalo.planning.plan_choice import fill_predictions
 
     fill_predictions(cm, plan)
     return plan

@@ -2,10 +2,10 @@
 
 Why a search of its own. The padding's charge depends on the split as a whole: every rank's
 collectives move N x u of each unit and its padded buffers hold u, for u the largest state
-fraction, and only while N x u <= PAD_EVEN_SLACK. The planner's search (planner.py) treats the
-ranks apart given a step time T, so it cannot weigh a charge set by the fractions it is about
-to choose; and the charge is not monotone in the split: a split just past the threshold pays
-nothing, one just inside pays its padding. So the planner first solves the charge-free
+fraction, and only while N x u <= PAD_EVEN_SLACK. The planner's search (optimiser.py,
+batch_split.py) treats the ranks apart given a step time T, so it cannot weigh a charge set by
+the fractions it is about to choose; and the charge is not monotone in the split: a split just
+past the threshold pays nothing, one just inside pays its padding. So the planner first solves the charge-free
 problem (every cost at most the true one: a lower bound on every plan, the search
 unchanged); where its optimum does not run padded, or its padding costs it nothing, that plan
 is the optimum. Otherwise the optimum is the better of two exact sub-problems:
