@@ -118,8 +118,8 @@ def test_switch_equals_checkpoint_resume_under_the_new_plan(pool3, tmp_path):
         {envvars.TEST_REPLAN: f"5:{p1},10:{p2}"},
     )[0]
     assert staged[0] == losses and staged[1] == val
-    assert [e["staged"] for e in staged[3]] == [True, True]
-    assert [e["staged"] for e in replans] == [False, False]
+    assert [e["staged"] for e in staged[3]] == [[0, 1, 2], [0, 1, 2]]
+    assert [e["staged"] for e in replans] == [[], []]
 
     # reference: stop at 5, resume under p1; stop at 10, resume under p2
     even = pool3.run(_train_on_rank, job_config(tmp_path / "even", "even"), {})[0]

@@ -87,6 +87,8 @@ class CalibrationEvent:
     """Calibration and re-planning, seconds (re-planned only)."""
     switch_s: float | None = None
     """The switch: engine, state re-layout, plan file, seconds (re-planned only)."""
+    staged: list[int] = field(default_factory=list)
+    """The ranks whose state waited in host memory during the switch (re-planned only)."""
 
     def ratios(self) -> list[float | None]:
         """Per rank: measured / predicted compute (None: a rank with no samples, no compute)."""

@@ -82,6 +82,7 @@ def read_throttle_run(cfg: JobConfig, wall_s: float) -> ThrottleRun:
             event.new_batches = list(switch["batches"])
             event.new_micro_batches = list(switch["micro_batches"])
             event.replan_s, event.switch_s = float(switch["replan_s"]), float(switch["seconds"])
+            event.staged = list(switch.get("staged") or [])
         run.events.append(event)
     return run
 
@@ -110,7 +111,8 @@ def _batches(e: CalibrationEvent) -> str:
 def _seconds(e: CalibrationEvent) -> str:
     if e.replan_s is None or e.switch_s is None:
         return "-"
-    return f"{e.replan_s:.2f} + {e.switch_s:.2f}"
+    staged = f" (staged: ranks {', '.join(map(str, e.staged))})" if e.staged else ""
+    return f"{e.replan_s:.2f} + {e.switch_s:.2f}{staged}"
 
 
 def _row(e: CalibrationEvent) -> list[str]:
@@ -179,7 +181,9 @@ def throttle_markdown(run: ThrottleRun, image: str) -> list[str]:
         "the cost model as the previous calibration left it (1.00: the model is right). The "
         "predicted gain: the re-made plan's step against the running plan's, both predicted by "
         "the refitted model; a switch needs it at least `parallel.replan_min_gain` (3 %) at two "
-        "calibrations in a row.",
+        "calibrations in a row. Staged: the ranks whose device could not hold the new engine "
+        "beside the old one, so their state waited in host memory while the engine was rebuilt "
+        "(`parallel.replan_staging`).",
         "",
         throttle_summary(run) + ".",
         "",

@@ -37,7 +37,7 @@ import gc
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -87,8 +87,9 @@ class Switch:
     """Wall time of the calibration and re-planning before it."""
     batches: list[int]
     micro_batches: list[int]
-    staged: bool = False
-    """Whether this rank's state waited on the host while the engine was rebuilt (`must_stage`)."""
+    staged: list[int] = field(default_factory=list)
+    """The ranks whose state waited in host memory while their engine was rebuilt
+    (`must_stage`: each rank decides for its own device)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "replan", **vars(self)}
@@ -379,6 +380,7 @@ class Replanner:
         old_plan = trainer.plan
         try:
             seconds, staged = switch_plan(trainer, plan)
+            flags = trainer.comm.all_gather_object(staged)  # the record names every rank's
         except (RuntimeError, CephaloError) as e:
             raise CephaloError(
                 f"rank {self.rank}: the re-plan after step {trainer.step} failed ({first_line(e)}); "
@@ -399,7 +401,7 @@ class Replanner:
             replan_s,
             plan.batch_sizes,
             [r.micro_batch_size for r in plan.ranks],
-            staged,
+            [rank for rank, flag in enumerate(flags) if flag],
         )
         self.switches.append(event)
         if self.rank == 0:
