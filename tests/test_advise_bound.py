@@ -88,12 +88,12 @@ def test_partial_bound_admits_every_completion(which, request):
             for depth in range(K + 1):
                 units = tuple(int(k) for k in x[:depth])
                 n, p_intra, p_inter, nodes = _partial_state(adv, units)
-                betas, floor, extra = adv._partial_betas(units, n, p_intra, p_inter, nodes, T)
+                covers, floor = adv._partial_betas(units, n, p_intra, p_inter, nodes, T)
                 assert floor <= T, (x, depth, T)
                 gpus = np.asarray(units, dtype=np.int64) * adv._unit_gpus[:depth]
                 held = float(np.dot(gpus, adv._state_cap[:depth]))
                 own = adv._completion_cost(
-                    depth, units, n, p_intra, p_inter, nodes, T, betas, extra, held
+                    depth, units, n, p_intra, p_inter, nodes, T, covers, held
                 )
                 partial_price = adv.price_of(units + (0,) * (K - depth))
                 assert partial_price + own <= price + 1e-6, (x, depth, T, own)

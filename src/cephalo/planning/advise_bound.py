@@ -99,6 +99,15 @@ class Ring(NamedTuple):
 
 NO_COLLECTIVES = Ring(1, 0.0)
 
+
+class Cover(NamedTuple):
+    """A bound on the samples of a partial's completions of one kind: per offer the most one of
+    its GPUs takes, and what one node may take beyond that."""
+
+    betas: np.ndarray
+    extra: int
+
+
 Group = list[tuple[str, int, Ring]]
 """The ranks of one shard group: (device type, GPUs, their ring)."""
 Shape = list[Group]
@@ -343,12 +352,12 @@ class BoundTables:
 
     def _group_rings(
         self, intra: float, inter: float, nb: NodeBounds
-    ) -> tuple[list[tuple[Ring, ...]], list[tuple[Ring, ...]]]:
+    ) -> tuple[tuple[Ring, ...], list[tuple[Ring, ...]], list[tuple[Ring, ...]]]:
         """The cheapest collectives a rank of each offer has in any shard group of a completion
         whose links are at most intra and inter and whose nodes are as `nb` says (see the module
-        docstring), as alternatives (one ring per offer in each tuple; a rank's samples are at
-        most the most any of them allows); and those of a rank whose node is the cluster's last,
-        alone in 2 groups (`NodeBounds.last`).
+        docstring), one ring per offer in each tuple: spanning nodes; its node alone, as
+        alternatives (a rank's samples are at most the most any of them allows); and alone as
+        the cluster's last node (`NodeBounds.last`), as alternatives.
 
         A rank's group is its node alone (at least `nb.groups` groups, over the intra-node link:
         a node of one device holds the whole state, a `solo` ring, where it can; a node of an
@@ -370,7 +379,7 @@ class BoundTables:
             # an open count: a node of >= 2 devices on the intra-node link, too
             alone_pair.append(Ring(2, a, g, x) if s == 0 else alone[-1])
             last_pair.append(Ring(2, a, g_last, x) if s == 0 else last[-1])
-        return [tuple(spans), tuple(alone), tuple(alone_pair)], [tuple(last), tuple(last_pair)]
+        return tuple(spans), [tuple(alone), tuple(alone_pair)], [tuple(last), tuple(last_pair)]
 
     # ------------------------------------------------------------------ partial clusters
     def betas(
@@ -379,13 +388,14 @@ class BoundTables:
         T: float,
         links: tuple[float, float] | None,
         nb: NodeBounds | None = None,
-    ) -> tuple[np.ndarray, float, int]:
-        """Per offer: the most samples one of its GPUs can take within step time T in a flat
-        plan on `ring`, or (`links` = the most intra- and inter-node rates a completion may
-        have, `nb` what its nodes have: with shard groups) in any shard group but as the
-        cluster's last node; the least L(0) of those tables; and `extra`, the most samples the
-        last node may take beyond those (module docstring). Cached for the last T (the search
-        asks for one T until its best throughput rises)."""
+    ) -> tuple[list[Cover], float]:
+        """The covers of a partial's completions within step time T (one per kind of plan, a
+        completion's samples within the most any of them allows) and the least L(0) of their
+        tables. Each gives per offer the most samples one of its GPUs takes in a flat plan on
+        `ring` or (`links` = the most intra- and inter-node rates a completion may have, `nb`
+        what its nodes have: with shard groups) in a shard group, and `extra` samples one node
+        may add (module docstring). Cached for the last T (the search asks for one T until its
+        best throughput rises)."""
         if self._betas_T != T:
             self._betas_T, self._betas_memo = T, {}
         grouped = self.hierarchy and links is not None and nb is not None
@@ -399,28 +409,35 @@ class BoundTables:
         hit = self._betas_memo.get(key)
         if hit is None:
             hit = self._betas_memo[key] = self._betas(ring, T, links if grouped else None, nb)
-        betas, floor, gain, last_floor = hit
-        if gain is None or nb is None:
-            return betas, floor, 0
+        betas, floor, spans, gain, last_floor = hit
+        if spans is None or gain is None or last_floor is None or nb is None:
+            return [Cover(betas, 0)], floor
         may_be_last = np.asarray(nb.last, dtype=np.int64)
+        if not may_be_last.any():
+            return [Cover(betas, 0)], floor
         extra = int((gain * may_be_last).max(initial=0))
         floor = min(floor, float(last_floor[may_be_last > 0].min(initial=math.inf)))
-        return betas, floor, extra
+        return [Cover(betas, 0), Cover(spans, extra)], floor
 
     def _betas(
         self, ring: Ring, T: float, links: tuple[float, float] | None, nb: NodeBounds | None
-    ) -> tuple[np.ndarray, float, np.ndarray | None, np.ndarray | None]:
-        """`betas` uncached, and per offer what one GPU of the last node may take beyond its
-        betas and that node's least L(0) (None without shard groups)."""
+    ) -> tuple[np.ndarray, float, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """`betas` uncached: the betas of plans without a last node alone (flat, one group per
+        node, chunks whose last holds >= 2 nodes), their least L(0); and of those with one
+        (every other node in a chunk of >= 2), the betas of a rank spanning nodes, what one GPU
+        of the last node may take beyond them, and that node's least L(0) (None: flat only)."""
         flat = (ring,) * len(self.offers)
         betas = self._count(flat, T)
         floor = float(self.table(self.offers[0].type, ring)[0])
         if links is None or nb is None:
-            return betas, floor, None, None
+            return betas, floor, None, None, None
         intra = min(links[0], self.max_intra)
         inter = min(links[1], self.max_inter)
-        alternatives, lasts = self._group_rings(intra, inter, nb)
-        for rings in alternatives:
+        spans, alone, lasts = self._group_rings(intra, inter, nb)
+        span_betas = self._count(spans, T)
+        betas = np.maximum(betas, span_betas)
+        floor = min(floor, min(self._floors(spans)))
+        for rings in alone:
             betas = np.maximum(betas, self._count(rings, T))
             floor = min(floor, min(self._floors(rings)))
         last = np.zeros_like(betas)
@@ -428,7 +445,7 @@ class BoundTables:
         for rings in lasts:
             last = np.maximum(last, self._count(rings, T))
             last_floor = np.minimum(last_floor, self._floors(rings))
-        return betas, floor, np.maximum(last - betas, 0), last_floor
+        return betas, floor, span_betas, np.maximum(last - span_betas, 0), last_floor
 
     def _floors(self, rings: tuple[Ring, ...]) -> np.ndarray:
         """Per offer, L(0) of its table under rings[j]."""
