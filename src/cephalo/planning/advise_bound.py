@@ -300,7 +300,8 @@ class BoundTables:
         self._count_T: float | None = None
         self._count_memo: dict[tuple[str, Ring], int] = {}
         self._betas_T: float | None = None
-        self._betas_memo: dict[tuple, tuple[np.ndarray, float]] = {}
+        self._betas_memo: dict[tuple, tuple] = {}
+        self._group_memo: dict[tuple, tuple] = {}
 
     # ------------------------------------------------------------------ tables
     def _comm_model(self, ring: Ring) -> CostModel:
@@ -397,7 +398,7 @@ class BoundTables:
         may add (module docstring). Cached for the last T (the search asks for one T until its
         best throughput rises)."""
         if self._betas_T != T:
-            self._betas_T, self._betas_memo = T, {}
+            self._betas_T, self._betas_memo, self._group_memo = T, {}, {}
         grouped = self.hierarchy and links is not None and nb is not None
         # `last` only scales the last node's gain: left out of the key, so that partials that
         # differ in it alone (the search's buckets) share their tables' counts
@@ -433,19 +434,26 @@ class BoundTables:
             return betas, floor, None, None, None
         intra = min(links[0], self.max_intra)
         inter = min(links[1], self.max_inter)
-        spans, alone, lasts = self._group_rings(intra, inter, nb)
-        span_betas = self._count(spans, T)
-        betas = np.maximum(betas, span_betas)
-        floor = min(floor, min(self._floors(spans)))
-        for rings in alone:
-            betas = np.maximum(betas, self._count(rings, T))
-            floor = min(floor, min(self._floors(rings)))
-        last = np.zeros_like(betas)
-        last_floor = np.full(len(self.offers), math.inf)
-        for rings in lasts:
-            last = np.maximum(last, self._count(rings, T))
-            last_floor = np.minimum(last_floor, self._floors(rings))
-        return betas, floor, span_betas, np.maximum(last - span_betas, 0), last_floor
+        # the groups' part does not depend on the flat ring (the partial's device count): shared
+        # by every partial with these links and nodes
+        key = (intra, inter, nb.sizes, nb.groups, nb.last_groups)
+        hit = self._group_memo.get(key)
+        if hit is None:
+            spans, alone, lasts = self._group_rings(intra, inter, nb)
+            span_betas = self._count(spans, T)
+            grouped, g_floor = span_betas, min(self._floors(spans))
+            for rings in alone:
+                grouped = np.maximum(grouped, self._count(rings, T))
+                g_floor = min(g_floor, min(self._floors(rings)))
+            last = np.zeros_like(betas)
+            last_floor = np.full(len(self.offers), math.inf)
+            for rings in lasts:
+                last = np.maximum(last, self._count(rings, T))
+                last_floor = np.minimum(last_floor, self._floors(rings))
+            gain = np.maximum(last - span_betas, 0)
+            hit = self._group_memo[key] = (grouped, g_floor, span_betas, gain, last_floor)
+        grouped, g_floor, span_betas, gain, last_floor = hit
+        return np.maximum(betas, grouped), min(floor, g_floor), span_betas, gain, last_floor
 
     def _floors(self, rings: tuple[Ring, ...]) -> np.ndarray:
         """Per offer, L(0) of its table under rings[j]."""
