@@ -26,10 +26,11 @@ best throughput f below a price is known when a cluster of that price is met. A 
 planned only if its bound reaches f (the frontier needs more than f); a partial vector is
 expanded only if some completion can: with the partial's device count and links (a
 completion has more devices and no faster link, so every beta_j only shrinks; with shard
-groups beta_j is the larger of that and the most any group lets a rank of offer j take,
-`BoundTables.betas`), the samples and the state the remaining offers must add are two
-covering constraints, and their cheapest fractional (LP) cover bounds the completion's price
-from below, or proves that none can. Each pruning is exact, so the frontier equals planning
+groups beta_j is the larger of that and the most any group lets a rank of offer j take, and
+one node, the cluster's last, may take more: `BoundTables.betas`, `advise_partial.py`), the
+samples and the state the remaining offers must add are two covering constraints, and their
+cheapest fractional (LP) cover bounds the completion's price from below, or proves that none
+can. Each pruning is exact, so the frontier equals planning
 every count vector (`exhaustive_frontier`, and tests/test_advise.py on every inventory of up
 to 4 types x 4).
 
