@@ -26,10 +26,11 @@ best throughput f below a price is known when a cluster of that price is met. A 
 planned only if its bound reaches f (the frontier needs more than f); a partial vector is
 expanded only if some completion can: with the partial's device count and links (a
 completion has more devices and no faster link, so every beta_j only shrinks; with shard
-groups beta_j is the larger of that and the most any group lets a rank of offer j take,
-`BoundTables.betas`), the samples and the state the remaining offers must add are two
-covering constraints, and their cheapest fractional (LP) cover bounds the completion's price
-from below, or proves that none can. Each pruning is exact, so the frontier equals planning
+groups beta_j is the larger of that and the most any group lets a rank of offer j take, and
+one node, the cluster's last, may take more: `BoundTables.betas`, `advise_partial.py`), the
+samples and the state the remaining offers must add are two covering constraints, and their
+cheapest fractional (LP) cover bounds the completion's price from below, or proves that none
+can. Each pruning is exact, so the frontier equals planning
 every count vector (`exhaustive_frontier`, and tests/test_advise.py on every inventory of up
 to 4 types x 4).
 
@@ -61,6 +62,7 @@ from cephalo.errors import CephaloError
 from cephalo.planning.advise_bound import (
     STATE_SLACK,
     BoundTables,
+    Cover,
     TypeBound,
     flat_ring,
     solo_bound,
@@ -72,6 +74,7 @@ from cephalo.planning.advise_clusters import (
     renumber,
     with_new_node,
 )
+from cephalo.planning.advise_partial import completion_nodes
 from cephalo.planning.costmodel import CostModel
 from cephalo.planning.groups import Grouping
 from cephalo.planning.rank_tables import MAX_MICRO_BATCH, MEMORY_SLACK_BYTES
@@ -483,26 +486,22 @@ class Advisor:
 
     # ------------------------------------------------------------------ the bound
     def _partial_betas(
-        self, sizes: tuple[int, ...], n: int, intra: float, inter: float, nodes: int, T: float
-    ) -> tuple[np.ndarray, float]:
-        """Per offer, the most samples one of its GPUs takes within T in any completion of a
-        partial cluster (n devices on `nodes` nodes, these links, its offers' nodes at least
-        `sizes`: `_node_sizes`), flat or in shard groups (`BoundTables.betas`); and the least
-        collective floor L(0)."""
+        self,
+        units: tuple[int, ...],
+        n: int,
+        intra: float,
+        inter: float,
+        nodes: int,
+        T: float,
+        top: int | None = None,
+    ) -> tuple[list[Cover], float]:
+        """The covers of the completions of the partial cluster `units` within T (n devices on
+        `nodes` nodes, these links; `top`: its last count stands for those up to top): per kind
+        of plan, per offer the most samples one of its GPUs takes, flat or in shard groups, and
+        what one node may add (`BoundTables.betas`); and the least collective floor L(0)."""
         ring = flat_ring(n, intra, inter, nodes)
-        return self._bounds.betas(ring, T, (intra, inter), sizes)
-
-    def _node_sizes(self, units: tuple[int, ...]) -> tuple[int, ...]:
-        """Per offer, the fewest devices its node has in any completion of the counts `units`
-        of the first offers: an offer without `per_node` puts all its GPUs on one node, so once
-        its count is fixed so is its node (a shard group holds at least its node: the tighter
-        the node, the tighter the bound; with nodes of one device assumed, the bound of a
-        cluster of a few big nodes is that of no collectives at all)."""
-        sizes = list(self._bounds.node_size)
-        for j, k in enumerate(units):
-            if k and not self.offers[j].per_node:
-                sizes[j] = int(k) * self.offers[j].unit_gpus
-        return tuple(sizes)
+        nb = completion_nodes(self.offers, units, nodes, top=top)
+        return self._bounds.betas(ring, T, (intra, inter), nb)
 
     def upper_bound(self, units: Sequence[int]) -> float:
         """B / T_lb: no plan of this cluster exceeds this many samples/s (0: cannot fit)."""
@@ -648,14 +647,13 @@ class Advisor:
                 continue
             # a partial vector: bound its completions, then push its children
             T = self._threshold_time(v)
-            sizes = self._node_sizes(units)
-            betas, floor = self._partial_betas(sizes, n, intra, inter, nodes, T)
+            covers, floor = self._partial_betas(units, n, intra, inter, nodes, T)
             if floor > T:
                 stats["pruned"] += 1
                 continue
             gpus = np.asarray(units, dtype=np.int64) * self._unit_gpus[:depth]
             held = float(np.dot(gpus, self._state_cap[:depth]))
-            own = self._completion_cost(depth, gpus, n, intra, inter, nodes, T, betas, held, sizes)
+            own = self._completion_cost(depth, units, n, intra, inter, nodes, T, covers, held)
             if not math.isfinite(own):
                 stats["pruned"] += 1
                 continue
@@ -671,22 +669,25 @@ class Advisor:
             # device count of its smallest member, which no member falls below
             for lo, hi in _buckets(int(self._max_units[depth])):
                 if lo == 0:
-                    b_betas, b_floor = betas, floor
+                    b_covers, b_floor = covers, floor
                 else:
                     c_nodes = nodes + (lo if o.per_node else 1)
-                    b_betas, b_floor = self._partial_betas(
-                        self._node_sizes((*units, lo)), n + lo * u, c_intra, c_inter, c_nodes, T
+                    b_covers, b_floor = self._partial_betas(
+                        (*units, lo), n + lo * u, c_intra, c_inter, c_nodes, T, top=hi
                     )
                     if b_floor > T:
                         stats["pruned"] += hi - lo + 1
                         continue
                 ys = np.arange(lo, hi + 1)
-                b_cover = int(np.dot(gpus, b_betas[:depth])) + ys * u * int(b_betas[depth])
                 b_held = held + ys * u * self._state_cap[depth]
-                lower = np.maximum(
-                    self._lp_cost(B - b_cover, self._lp_cover(depth + 1, b_betas)),
-                    self._lp_cost(1 - STATE_SLACK - b_held, self._state_lp[depth + 1]),
-                )
+                state = self._lp_cost(1 - STATE_SLACK - b_held, self._state_lp[depth + 1])
+                lower = np.full(ys.shape, np.inf)
+                for b_betas, b_extra in b_covers:  # the cheapest kind of plan that may reach T
+                    b_cover = (
+                        int(np.dot(gpus, b_betas[:depth])) + ys * u * int(b_betas[depth]) + b_extra
+                    )
+                    samples = self._lp_cost(B - b_cover, self._lp_cover(depth + 1, b_betas))
+                    lower = np.minimum(lower, np.maximum(samples, state))
                 ok = np.isfinite(lower)
                 stats["pruned"] += int((~ok).sum())
                 for i in np.nonzero(ok)[0]:
@@ -721,28 +722,29 @@ class Advisor:
     def _completion_cost(
         self,
         depth: int,
-        gpus: np.ndarray,
+        units: tuple[int, ...],
         n: int,
         intra: float,
         inter: float,
         nodes: int,
         T: float,
-        betas: np.ndarray,
+        covers: list[Cover],
         held: float,
-        sizes: tuple[int, ...],
     ) -> float:
         """A lower bound on the extra price (micro-USD) of a completion of the partial vector
-        (offers < depth fixed at `gpus`) whose bound beats step time T; inf if none can.
+        (offers < depth fixed at `units`) whose bound beats step time T; inf if none can.
 
-        Two kinds of completion: the partial itself (nothing added; `betas` are its own) and
-        those adding devices. Those have more nodes than the partial (every offer has its
-        own), so once it has a node their slowest link is the inter-node one, and at least as
-        many devices as it takes to cover the samples still missing: found by covering with
-        the partial's tables, then again with tables at that many devices, which only shrink.
-        `sizes`: per offer, the fewest devices its node has (`_node_sizes`)."""
+        Two kinds of completion: the partial itself (nothing added; `covers` are its own) and
+        those adding devices. Those have more nodes than the partial (every offer has its own),
+        so once it has a node their slowest link is the inter-node one, and at least as many
+        devices as it takes to cover the samples still missing: found by covering with the
+        partial's tables, then again with tables at that many devices, which only shrink. Each
+        kind of plan (`Cover`) is covered on its own; the cheapest bounds them all."""
         B = self.global_batch
+        gpus = np.asarray(units, dtype=np.int64) * self._unit_gpus[:depth]
         best = math.inf
-        if n > 0 and held >= 1 - STATE_SLACK and int(np.dot(gpus, betas[:depth])) >= B:
+        itself = (int(np.dot(gpus, c.betas[:depth])) + c.extra for c in covers)
+        if n > 0 and held >= 1 - STATE_SLACK and max(itself) >= B:
             best = 0.0  # the partial alone may already beat T (its floor was checked)
         if depth == len(self.offers) or not self._max_units[depth:].any():
             return best
@@ -751,26 +753,29 @@ class Advisor:
             if nodes >= 1
             else max(o.intra_bytes_per_s for o in self.offers[depth:])
         )
+        nb = completion_nodes(self.offers, units, nodes, added=True)
+        state = self._lp_cost(1 - STATE_SLACK - held, self._state_lp[depth])
         added = 1
         for _ in range(4):
-            add_betas, add_floor = self._bounds.betas(
-                flat_ring(n + added, link, link, 1), T, (intra, inter), sizes
+            add_covers, add_floor = self._bounds.betas(
+                flat_ring(n + added, link, link, 1), T, (intra, inter), nb
             )
             if add_floor > T:
                 return best
-            missing = B - int(np.dot(gpus, add_betas[:depth]))
-            fewest = self._fewest_gpus(depth, add_betas, missing)
+            # the fewest devices any kind of plan needs
+            fewest = min(
+                self._fewest_gpus(depth, c.betas, B - int(np.dot(gpus, c.betas[:depth])) - c.extra)
+                for c in add_covers
+            )
             if not math.isfinite(fewest):
                 return best
             if fewest <= added:
                 break
             added = int(fewest)
-        missing = B - int(np.dot(gpus, add_betas[:depth]))
-        cost = max(
-            self._lp_cost(missing, self._lp_cover(depth, add_betas)),
-            self._lp_cost(1 - STATE_SLACK - held, self._state_lp[depth]),
-        )
-        return min(best, cost)
+        for c in add_covers:
+            missing = B - int(np.dot(gpus, c.betas[:depth])) - c.extra
+            best = min(best, max(self._lp_cost(missing, self._lp_cover(depth, c.betas)), state))
+        return best
 
     def _fewest_gpus(self, start: int, betas: np.ndarray, missing: int) -> float:
         """Fewest GPUs of offers start.. that take `missing` samples (inf: they cannot)."""

@@ -40,14 +40,25 @@ The planner skips a grouping once no candidate left can beat the best plan it ha
 
 **A partial cluster** (the search's heap holds count vectors fixed for the first offers only)
 is bounded through every completion at once, by per-offer samples (`betas`) that no rank of
-that offer exceeds in any completion: the largest of the flat table's (ring of the devices a
-completion has at least, over the partial's slowest link) and a shard-group table's. In any
-grouping a rank's group holds at least its own node (`per_node` devices; for an offer
-without nodes, which puts all its GPUs on one node, its count once the partial fixes it, else
-1: `Advisor._node_sizes`) over at most the fastest intra-node link the
-completion may have, and at least 2 groups all-reduce over at most its fastest inter-node link
-(the largest groupings the planner tries have 2 groups); a completion's links are never faster
-than the partial's. Taking each offer's larger samples of the two covers both kinds of plan.
+that offer exceeds in any completion (the flat table's on a ring of the devices a completion has
+at least, over the partial's slowest link, or a group's), plus `extra` samples for one node.
+What a completion's nodes have is `advise_partial.NodeBounds`; a completion's links are never
+faster than the partial's, nor than the offer's own (its node is in the cluster). A rank's group
+in any candidate grouping is either
+
+- its node alone: the grouping is one group per node (as many groups as the cluster has nodes:
+  at least the partial's, one more for an offer not fixed yet) or the rank's node is the
+  cluster's last, the last chunk's only node (`last_alone_groups`: >= 2 groups); its ring holds
+  the node's devices (a node of one: `solo`) over the intra-node link. An offer without nodes
+  whose count is open has a node of one device or of >= 2: both rings are alternatives (a
+  ring of 2 over the fast intra-node link steps faster than a device whose group crosses the
+  network, so charging the node 1 device alone is not a bound);
+- or spans >= 2 nodes: >= its node's devices + 1 over the slower of both links, >= 2 groups.
+
+Each offer's betas are the most any of these allows but for the last node; only one node is
+the cluster's last, so `extra` = max over offers that may own it of its devices x what one of
+them may take beyond its betas there. L only grows with n, groups and slower links, so every
+rank of every completion is within these: the partial's cover bounds every completion's.
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cephalo.planning.advise_partial import NodeBounds
 from cephalo.planning.costmodel import CostModel, CrossReduce
 from cephalo.planning.rank_tables import MEMORY_SLACK_BYTES
 from cephalo.specs.offers import Offer
@@ -86,6 +98,15 @@ class Ring(NamedTuple):
 
 
 NO_COLLECTIVES = Ring(1, 0.0)
+
+
+class Cover(NamedTuple):
+    """A bound on the samples of a partial's completions of one kind: per offer the most one of
+    its GPUs takes, and what one node may take beyond that."""
+
+    betas: np.ndarray
+    extra: int
+
 
 Group = list[tuple[str, int, Ring]]
 """The ranks of one shard group: (device type, GPUs, their ring)."""
@@ -268,8 +289,6 @@ class BoundTables:
         """Whether the planner may keep state on the host (`--no-host-state`; not for a frozen
         base)."""
         self.state_cap = np.array([types[o.type].state_cap for o in self.offers])
-        self.node_size = [o.per_node or 1 for o in self.offers]
-        """Per offer: the fewest devices a node of it has in any cluster."""
         self.max_intra = max(o.intra_bytes_per_s for o in self.offers)
         self.max_inter = max(o.inter_node_bytes_per_s for o in self.offers)
         self._comm_models: dict[Ring, CostModel] = {}
@@ -281,7 +300,8 @@ class BoundTables:
         self._count_T: float | None = None
         self._count_memo: dict[tuple[str, Ring], int] = {}
         self._betas_T: float | None = None
-        self._betas_memo: dict[tuple, tuple[np.ndarray, float]] = {}
+        self._betas_memo: dict[tuple, tuple] = {}
+        self._group_memo: dict[tuple, tuple] = {}
 
     # ------------------------------------------------------------------ tables
     def _comm_model(self, ring: Ring) -> CostModel:
@@ -332,30 +352,35 @@ class BoundTables:
         return L
 
     def _group_rings(
-        self, intra: float, inter: float, sizes: tuple[int, ...] | None = None
-    ) -> list[tuple[Ring, ...]]:
-        """The cheapest collectives a rank of each offer has in any shard group of a cluster
-        whose links are at most intra and inter and whose offers' nodes hold at least `sizes`
-        devices (default `node_size`; see the module docstring), as alternatives (one ring
-        per offer in each tuple; a rank's samples are at most the most any of them allows).
+        self, intra: float, inter: float, nb: NodeBounds
+    ) -> tuple[tuple[Ring, ...], list[tuple[Ring, ...]], list[tuple[Ring, ...]]]:
+        """The cheapest collectives a rank of each offer has in any shard group of a completion
+        whose links are at most intra and inter and whose nodes are as `nb` says (see the module
+        docstring), one ring per offer in each tuple: spanning nodes; its node alone, as
+        alternatives (a rank's samples are at most the most any of them allows); and alone as
+        the cluster's last node (`NodeBounds.last`), as alternatives.
 
-        A node of several devices: its group's ring holds at least them, over at most the
-        fastest intra-node link. A node that may hold one device: either the device is its
-        group alone (a `solo` ring: the whole state, where it can hold it) or its group spans
-        at least 2 nodes (a ring of at least 2 devices over at most the inter-node link)."""
-        sizes = sizes or tuple(self.node_size)
-        alone, joined = [], []
-        for o, n in zip(self.offers, sizes, strict=True):
-            if n > 1:
-                ring = Ring(n, intra, 2, inter)
-                alone.append(ring)
-                joined.append(ring)
-                continue
-            spans = Ring(2, min(intra, inter), 2, inter)
-            solo = Ring(1, 0.0, 2, inter, self._solo_optimizer_s(o.type))
-            alone.append(solo if self.types[o.type].state_cap >= 1 - STATE_SLACK else spans)
-            joined.append(spans)
-        return [tuple(alone), tuple(joined)]
+        A rank's group is its node alone (at least `nb.groups` groups, over the intra-node link:
+        a node of one device holds the whole state, a `solo` ring, where it can; a node of an
+        offer whose count is open has one device or at least 2) or spans at least one more
+        node's device (2 groups at least, over the slower of both links)."""
+        spans, alone, alone_pair, last, last_pair = [], [], [], [], []
+        for o, s, g, g_last in zip(self.offers, nb.sizes, nb.groups, nb.last_groups, strict=True):
+            # a completion holding this offer has no link faster than the offer's own
+            a, x = min(intra, o.intra_bytes_per_s), min(inter, o.inter_node_bytes_per_s)
+            span = Ring(max(s, 1) + 1, min(a, x), 2, x)
+            spans.append(span)
+            for out, groups in ((alone, g), (last, g_last)):
+                if s > 1:
+                    out.append(Ring(s, a, groups, x))
+                elif self.types[o.type].state_cap >= 1 - STATE_SLACK:
+                    out.append(Ring(1, 0.0, groups, x, self._solo_optimizer_s(o.type)))
+                else:  # one device cannot hold a replica: never a group alone
+                    out.append(span)
+            # an open count: a node of >= 2 devices on the intra-node link, too
+            alone_pair.append(Ring(2, a, g, x) if s == 0 else alone[-1])
+            last_pair.append(Ring(2, a, g_last, x) if s == 0 else last[-1])
+        return tuple(spans), [tuple(alone), tuple(alone_pair)], [tuple(last), tuple(last_pair)]
 
     # ------------------------------------------------------------------ partial clusters
     def betas(
@@ -363,36 +388,78 @@ class BoundTables:
         ring: Ring,
         T: float,
         links: tuple[float, float] | None,
-        sizes: tuple[int, ...] | None = None,
-    ) -> tuple[np.ndarray, float]:
-        """Per offer: the most samples one of its GPUs can take within step time T in a flat
-        plan on `ring`, or (`links` = the most intra- and inter-node rates a completion may
-        have, with shard groups) in any shard group, each offer's group holding at least its node
-        (`sizes`: per offer, the fewest devices its node has, default `node_size`); and the least
-        L(0) of those tables. Cached for the last T (the search asks for one T until its best
-        throughput rises)."""
+        nb: NodeBounds | None = None,
+    ) -> tuple[list[Cover], float]:
+        """The covers of a partial's completions within step time T (one per kind of plan, a
+        completion's samples within the most any of them allows) and the least L(0) of their
+        tables. Each gives per offer the most samples one of its GPUs takes in a flat plan on
+        `ring` or (`links` = the most intra- and inter-node rates a completion may have, `nb`
+        what its nodes have: with shard groups) in a shard group, and `extra` samples one node
+        may add (module docstring). Cached for the last T (the search asks for one T until its
+        best throughput rises)."""
         if self._betas_T != T:
-            self._betas_T, self._betas_memo = T, {}
-        key = (ring, links, sizes) if self.hierarchy else (ring,)
+            self._betas_T, self._betas_memo, self._group_memo = T, {}, {}
+        grouped = self.hierarchy and links is not None and nb is not None
+        # `last` only scales the last node's gain: left out of the key, so that partials that
+        # differ in it alone (the search's buckets) share their tables' counts
+        key = (
+            (ring, links, nb.sizes, nb.groups, nb.last_groups)
+            if grouped and nb is not None
+            else (ring,)
+        )
         hit = self._betas_memo.get(key)
         if hit is None:
-            flat = (ring,) * len(self.offers)
-            betas = self._count(flat, T)
-            floor = float(self.table(self.offers[0].type, ring)[0])
-            if self.hierarchy and links is not None:
-                intra = min(links[0], self.max_intra)
-                inter = min(links[1], self.max_inter)
-                for grouped in self._group_rings(intra, inter, sizes):
-                    betas = np.maximum(betas, self._count(grouped, T))
-                    floor = min(
-                        floor,
-                        *(
-                            float(self.table(o.type, r)[0])
-                            for o, r in zip(self.offers, grouped, strict=True)
-                        ),
-                    )
-            hit = self._betas_memo[key] = (betas, floor)
-        return hit
+            hit = self._betas_memo[key] = self._betas(ring, T, links if grouped else None, nb)
+        betas, floor, spans, gain, last_floor = hit
+        if spans is None or gain is None or last_floor is None or nb is None:
+            return [Cover(betas, 0)], floor
+        may_be_last = np.asarray(nb.last, dtype=np.int64)
+        if not may_be_last.any():
+            return [Cover(betas, 0)], floor
+        extra = int((gain * may_be_last).max(initial=0))
+        floor = min(floor, float(last_floor[may_be_last > 0].min(initial=math.inf)))
+        return [Cover(betas, 0), Cover(spans, extra)], floor
+
+    def _betas(
+        self, ring: Ring, T: float, links: tuple[float, float] | None, nb: NodeBounds | None
+    ) -> tuple[np.ndarray, float, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """`betas` uncached: the betas of plans without a last node alone (flat, one group per
+        node, chunks whose last holds >= 2 nodes), their least L(0); and of those with one
+        (every other node in a chunk of >= 2), the betas of a rank spanning nodes, what one GPU
+        of the last node may take beyond them, and that node's least L(0) (None: flat only)."""
+        flat = (ring,) * len(self.offers)
+        betas = self._count(flat, T)
+        floor = float(self.table(self.offers[0].type, ring)[0])
+        if links is None or nb is None:
+            return betas, floor, None, None, None
+        intra = min(links[0], self.max_intra)
+        inter = min(links[1], self.max_inter)
+        # the groups' part does not depend on the flat ring (the partial's device count): shared
+        # by every partial with these links and nodes
+        key = (intra, inter, nb.sizes, nb.groups, nb.last_groups)
+        hit = self._group_memo.get(key)
+        if hit is None:
+            spans, alone, lasts = self._group_rings(intra, inter, nb)
+            span_betas = self._count(spans, T)
+            grouped, g_floor = span_betas, min(self._floors(spans))
+            for rings in alone:
+                grouped = np.maximum(grouped, self._count(rings, T))
+                g_floor = min(g_floor, min(self._floors(rings)))
+            last = np.zeros_like(betas)
+            last_floor = np.full(len(self.offers), math.inf)
+            for rings in lasts:
+                last = np.maximum(last, self._count(rings, T))
+                last_floor = np.minimum(last_floor, self._floors(rings))
+            gain = np.maximum(last - span_betas, 0)
+            hit = self._group_memo[key] = (grouped, g_floor, span_betas, gain, last_floor)
+        grouped, g_floor, span_betas, gain, last_floor = hit
+        return np.maximum(betas, grouped), min(floor, g_floor), span_betas, gain, last_floor
+
+    def _floors(self, rings: tuple[Ring, ...]) -> np.ndarray:
+        """Per offer, L(0) of its table under rings[j]."""
+        return np.array(
+            [float(self.table(o.type, r)[0]) for o, r in zip(self.offers, rings, strict=True)]
+        )
 
     def _count(self, rings: tuple[Ring, ...], T: float) -> np.ndarray:
         """Per offer: the most samples (b >= 1) its table under rings[j] allows within T. The
