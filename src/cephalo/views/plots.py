@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cephalo.errors import CephaloError
-from cephalo.planning.advise import Advice
+from cephalo.planning.advise_results import Advice
 from cephalo.planning.costmodel import MEMORY_CATEGORIES, PlanEvaluation
 from cephalo.planning.plan import Plan
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cephalo.errors import PlanDoesNotFit
-from cephalo.planning.advise import Advice, FrontierPoint, Marginal
+from cephalo.planning.advise_results import Advice, FrontierPoint, Marginal
 from cephalo.planning.costmodel import PlanEvaluation
 from cephalo.planning.plan import Plan
 from cephalo.specs import catalog, derived
