@@ -111,7 +111,8 @@ def _batches(e: CalibrationEvent) -> str:
 def _seconds(e: CalibrationEvent) -> str:
     if e.replan_s is None or e.switch_s is None:
         return "-"
-    staged = f" (staged: ranks {', '.join(map(str, e.staged))})" if e.staged else ""
+    ranks = "rank" if len(e.staged) == 1 else "ranks"
+    staged = f" (staged: {ranks} {', '.join(map(str, e.staged))})" if e.staged else ""
     return f"{e.replan_s:.2f} + {e.switch_s:.2f}{staged}"
 
 
