@@ -38,17 +38,21 @@ from typing import Any
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planning.costmodel import CostModel
 from cephalo.planning.plan import Plan
+from cephalo.planning.rank_tables import TableCache
 
 REFINE_ROUNDS = 4
 """Secant steps on t (step 2) before the walk takes over."""
 
 
-def _group_plan(cm: CostModel, b: int, planner_kw: dict) -> Plan | None:
-    """The best plan of one group at b samples, None where none fits."""
+def _group_plan(
+    cm: CostModel, b: int, planner_kw: dict, tables: TableCache | None = None
+) -> Plan | None:
+    """The best plan of one group at b samples, None where none fits. `tables`: those of the
+    group's plans at other batch sizes (a pure function of what they are made for)."""
     from cephalo.planning.planner import make_plan
 
     try:
-        return make_plan(cm, b, explain=False, **planner_kw)
+        return make_plan(cm, b, explain=False, tables=tables, **planner_kw)
     except PlanDoesNotFit:
         return None
 
@@ -125,14 +129,16 @@ class GroupPlanMemo:
             tuple(sorted(planner_kw.items())),
         )
 
-    def plan(self, key: tuple, cm: CostModel, b: int, planner_kw: dict) -> Plan | None:
+    def plan(
+        self, key: tuple, cm: CostModel, b: int, planner_kw: dict, tables: TableCache | None = None
+    ) -> Plan | None:
         """The best plan at b samples (None where none fits) of the group `cm` whose `key` is
-        given, made once per key."""
+        given, made once per key (with `tables`: `cm`'s tables made before)."""
         key = (key, b)
         if key in self._plans:
             self.hits += 1
             return self._plans[key]
-        made = self._plans[key] = _group_plan(cm, b, planner_kw)
+        made = self._plans[key] = _group_plan(cm, b, planner_kw, tables)
         return made
 
 
@@ -151,6 +157,11 @@ class StepCurve:
     `values` still records this curve's own evaluations, so the search takes the same steps
     and counts the same plans with or without it."""
     _memo_key: tuple | None = field(default=None, repr=False)
+    _tables: TableCache = field(init=False, repr=False)
+    """The rank tables of this curve's plans: each plan at another b repeats many of them."""
+
+    def __post_init__(self) -> None:
+        self._tables = TableCache(self.cm)
 
     def __call__(self, b: int) -> float:
         if b <= 0:
@@ -161,9 +172,9 @@ class StepCurve:
             if self.memo is not None:
                 if self._memo_key is None:  # the key compares profiles: once per curve
                     self._memo_key = self.memo.key(self.cm, self.planner_kw)
-                plan = self.memo.plan(self._memo_key, self.cm, b, self.planner_kw)
+                plan = self.memo.plan(self._memo_key, self.cm, b, self.planner_kw, self._tables)
             else:
-                plan = _group_plan(self.cm, b, self.planner_kw)
+                plan = _group_plan(self.cm, b, self.planner_kw, self._tables)
             if plan is None:
                 self.values[b] = math.inf
             else:
