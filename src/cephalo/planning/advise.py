@@ -88,6 +88,7 @@ from cephalo.planning.advise_results import (
     select_frontier,
 )
 from cephalo.planning.costmodel import CostModel
+from cephalo.planning.group_split import GroupPlanMemo
 from cephalo.planning.groups import Grouping
 from cephalo.planning.rank_tables import MAX_MICRO_BATCH, MEMORY_SLACK_BYTES
 from cephalo.specs.cluster import (
@@ -140,6 +141,8 @@ class Advisor:
         self.left_out: list[str] = []
         """Why an offer takes no part (no profile for the model, too little memory)."""
         self._cache: dict[str, float | None] = {}
+        self._group_plans = GroupPlanMemo()
+        """Shard groups' plans: the clusters' groupings repeat groups (planned once each)."""
         self._errors: dict[str, str] = {}
         self.plans = 0
         self.planner_s = 0.0
@@ -263,7 +266,7 @@ class Advisor:
             cm = self.cost_model_for(spec)  # a bad spec or model is the user's to hear about
             try:
                 self._cache[spec] = planned_samples_per_s(
-                    cm, self.global_batch, self.options, self._grouping_floor
+                    cm, self.global_batch, self.options, self._grouping_floor, self._group_plans
                 )
             except CephaloError as e:  # does not fit, or more samples per GPU than it plans
                 self._cache[spec] = None

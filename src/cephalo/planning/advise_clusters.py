@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from cephalo.errors import CephaloError
 from cephalo.planning.costmodel import CostModel
+from cephalo.planning.group_split import GroupPlanMemo
 from cephalo.planning.groups import Grouping, make_hierarchical_plan
 from cephalo.planning.plan import REDUCE_DTYPES
 from cephalo.specs.cluster import Cluster, Device
@@ -45,16 +46,19 @@ def planned_samples_per_s(
     global_batch: int,
     options: PlanOptions,
     step_floor: Callable[[CostModel, Grouping], float] | None = None,
+    memo: GroupPlanMemo | None = None,
 ) -> float:
     """The throughput `cephalo plan` predicts for the cluster of `cm` (raises `CephaloError`
     where no plan fits). `step_floor(cm, grouping)`: a lower bound on a grouping's step, to
-    skip groupings that cannot beat the best plan (`groups.make_hierarchical_plan`)."""
+    skip groupings that cannot beat the best plan (`groups.make_hierarchical_plan`). `memo`: the
+    shard groups' plans made for other clusters (the same plans, made once)."""
     plan = make_hierarchical_plan(
         cm,
         global_batch,
         hierarchy=options.hierarchy,
         reduce_dtype=options.reduce_dtype,
         step_floor=None if step_floor is None else lambda g: step_floor(cm, g),
+        memo=memo,
         allow_offload=options.allow_offload,
         allow_host_state=options.allow_host_state,
     )

@@ -262,6 +262,10 @@ class CostModel(ShardGroupCosts):
         self.optimizer_params = self.layout.trained_params
         """Parameters the optimizer steps at state fraction 1 (all, or the adapters)."""
         self._time_factors = {k: self.layout.time_factors(p) for k, p in profiles.items()}
+        self._rank_costs: dict[tuple, RankCost] = {}
+        """`evaluate`'s rank costs by what they depend on, kept across calls: a plan's search
+        evaluates the same ranks many times (its choices with and without the padding charge,
+        then the plan's predictions), and a model is never changed once made."""
         if self.adapter.frozen_base:  # plans made with this model carry it (`evaluate` checks)
             self.meta["adapter"] = self.adapter.to_dict()
 
@@ -920,8 +924,8 @@ class CostModel(ShardGroupCosts):
         # collectives and padded buffers are charged for it (collective_cost.py)
         pad = self.split_padding(plan.state_fractions) if charge_padding else 0.0
         # identical ranks doing identical work cost the same: compute each combination once
-        # (a 1024-GPU plan has a handful)
-        cache: dict[tuple, RankCost] = {}
+        # (a 1024-GPU plan has a handful), and once for all the plans evaluated on this model
+        cache = self._rank_costs
         costs = []
         for r, d in zip(plan.ranks, self.devices, strict=True):
             key = (
@@ -937,6 +941,7 @@ class CostModel(ShardGroupCosts):
                 # each: one combination per kind of node, not per node)
                 None if self.host is None else self.host.memory_bytes[self.host.node_of[r.rank]],
                 None if self.host is None else self.host.optimizer_s_per_param[r.rank],
+                pad,
             )
             if key not in cache:
                 cache[key] = self.rank_cost(

@@ -33,13 +33,113 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planning.costmodel import CostModel
 from cephalo.planning.plan import Plan
+from cephalo.planning.rank_tables import TableCache
 
 REFINE_ROUNDS = 4
 """Secant steps on t (step 2) before the walk takes over."""
+
+
+def _group_plan(
+    cm: CostModel, b: int, planner_kw: dict, tables: TableCache | None = None
+) -> Plan | None:
+    """The best plan of one group at b samples, None where none fits. `tables`: those of the
+    group's plans at other batch sizes (a pure function of what they are made for)."""
+    from cephalo.planning.planner import make_plan
+
+    try:
+        return make_plan(cm, b, explain=False, tables=tables, **planner_kw)
+    except PlanDoesNotFit:
+        return None
+
+
+def _renumbered(nodes: tuple[int, ...]) -> tuple[int, ...]:
+    """Node ids numbered in order of first appearance (only which ranks share a node counts)."""
+    index: dict[int, int] = {}
+    return tuple(index.setdefault(n, len(index)) for n in nodes)
+
+
+class GroupPlanMemo:
+    """The plans of shard groups, by everything their cost model (`CostModel.group_model`) is
+    made of but its `meta` (which only labels plans: `groups._assemble` takes the cluster's own),
+    and the planner's options.
+
+    `cephalo advise` plans many clusters of the same offers, and their groupings repeat groups:
+    the node of 16 L4s beside 32 T4s or beside 8 A6000s is, in two groups on the same links,
+    the same sub-model (the 6 x 32 search's 137 groups were 49 distinct ones). A group's plan
+    at b samples depends on nothing else, so each is made once. The key holds the hashable
+    parts as they are; the model's profiles (unhashable, and built afresh per cluster) are
+    interned by equality. Node ids are renumbered in order of appearance, as `group_key` does
+    for the groups of one grouping (only which ranks share a node enters the cost model)."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, Plan | None] = {}
+        self._profiles: dict[str, list[Any]] = {}
+        self.hits = 0
+        """Plans served from the memo (tests and the profile count them)."""
+
+    def _profile_id(self, type_key: str, profile: Any) -> int:
+        seen = self._profiles.setdefault(type_key, [])
+        for i, p in enumerate(seen):
+            if p == profile:
+                return i
+        seen.append(profile)
+        return len(seen) - 1
+
+    def key(self, cm: CostModel, planner_kw: dict) -> tuple:
+        """Equal for two group models that plan identically (see the class docstring)."""
+        devices = tuple((d.type_key, int(d.memory_bytes)) for d in cm.devices)
+        types = sorted({t for t, _ in devices})
+        profiles = tuple((t, self._profile_id(t, cm.profiles[t])) for t in types)
+        host = None
+        if cm.host is not None:
+            host = (
+                _renumbered(cm.host.node_of),
+                tuple(cm.host.memory_bytes[n] for n in cm.host.node_of),
+                cm.host.optimizer_s_per_param,
+            )
+        links = None
+        if cm.links is not None:
+            links = (
+                cm.links.intra_bytes_per_s,
+                cm.links.inter_bytes_per_s,
+                cm.links.latency_s,
+                _renumbered(cm.links.node_of),
+            )
+        return (
+            type(cm),
+            cm.model,
+            cm.seq_len,
+            cm.dtype,
+            devices,
+            profiles,
+            (cm.comm.bytes_per_s, cm.comm.latency_s),
+            cm.reserve_bytes,
+            cm.reserve_fraction,
+            host,
+            cm.serial_reduce,
+            cm.adapter,
+            links,
+            cm.cross_reduce,
+            cm.padded_collectives,
+            tuple(sorted(planner_kw.items())),
+        )
+
+    def plan(
+        self, key: tuple, cm: CostModel, b: int, planner_kw: dict, tables: TableCache | None = None
+    ) -> Plan | None:
+        """The best plan at b samples (None where none fits) of the group `cm` whose `key` is
+        given, made once per key (with `tables`: `cm`'s tables made before)."""
+        key = (key, b)
+        if key in self._plans:
+            self.hits += 1
+            return self._plans[key]
+        made = self._plans[key] = _group_plan(cm, b, planner_kw, tables)
+        return made
 
 
 @dataclass
@@ -52,6 +152,16 @@ class StepCurve:
     planner_kw: dict = field(default_factory=dict)
     values: dict[int, float] = field(default_factory=dict)
     plans: dict[int, Plan] = field(default_factory=dict)
+    memo: GroupPlanMemo | None = None
+    """Plans of identical groups made before (by other groupings or other clusters' plans);
+    `values` still records this curve's own evaluations, so the search takes the same steps
+    and counts the same plans with or without it."""
+    _memo_key: tuple | None = field(default=None, repr=False)
+    _tables: TableCache = field(init=False, repr=False)
+    """The rank tables of this curve's plans: each plan at another b repeats many of them."""
+
+    def __post_init__(self) -> None:
+        self._tables = TableCache(self.cm)
 
     def __call__(self, b: int) -> float:
         if b <= 0:
@@ -59,11 +169,13 @@ class StepCurve:
         if b > self.bmax:
             return math.inf
         if b not in self.values:
-            from cephalo.planning.planner import make_plan
-
-            try:
-                plan = make_plan(self.cm, b, explain=False, **self.planner_kw)
-            except PlanDoesNotFit:
+            if self.memo is not None:
+                if self._memo_key is None:  # the key compares profiles: once per curve
+                    self._memo_key = self.memo.key(self.cm, self.planner_kw)
+                plan = self.memo.plan(self._memo_key, self.cm, b, self.planner_kw, self._tables)
+            else:
+                plan = _group_plan(self.cm, b, self.planner_kw, self._tables)
+            if plan is None:
                 self.values[b] = math.inf
             else:
                 self.values[b] = plan.predicted.step_s

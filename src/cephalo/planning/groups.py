@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.log import logger
 from cephalo.planning.costmodel import CostModel
-from cephalo.planning.group_split import StepCurve, split_batch
+from cephalo.planning.group_split import GroupPlanMemo, StepCurve, split_batch
 from cephalo.planning.plan import REDUCE_DTYPES, Plan, RankPlan, ShardGroup
 
 
@@ -94,6 +94,7 @@ def make_hierarchical_plan(
     reduce_dtype: str = "fp32",
     groupings: list[Grouping] | None = None,
     step_floor: Callable[[Grouping], float] | None = None,
+    memo: GroupPlanMemo | None = None,
     **planner_kw,
 ) -> Plan:
     """The best plan over the flat one and the candidate groupings (`hierarchy=False`: the flat
@@ -106,7 +107,11 @@ def make_hierarchical_plan(
     `step_floor(grouping)`, where given, is a lower bound on the step of every plan of the
     grouping (the advisor's, `advise_bound.BoundTables.grouping_floor`): once no candidate left
     has a floor below the best step found, none of them is planned. Only then, so the candidates
-    planned before are those planned without it, and the plan returned is the same."""
+    planned before are those planned without it, and the plan returned is the same.
+
+    `memo`: the plans of shard groups made before, to share with other calls (the advisor
+    plans many clusters whose groupings repeat groups); None: one for this call's groupings.
+    Either way every plan is the one planned afresh (`group_split.GroupPlanMemo`)."""
     from cephalo.planning.planner import make_plan
 
     if reduce_dtype not in REDUCE_DTYPES:
@@ -125,6 +130,7 @@ def make_hierarchical_plan(
         flat_error, best, best_step = e, None, math.inf
     summary = [{"grouping": "flat", "step_s": best_step if flat_error is None else None}]
     if hierarchy and len(node_groups(cm)) > 1:
+        memo = memo if memo is not None else GroupPlanMemo()
         candidates = groupings if groupings is not None else candidate_groupings(cm)
         # the least floor of each candidate and those after it: a grouping that cannot win
         # is still planned while a later one could, as whether the later ones are tried
@@ -147,7 +153,7 @@ def make_hierarchical_plan(
                 summary.append({"grouping": grouping.label, "step_s": None, "at_least_s": floor})
                 replica_missing = False
                 continue
-            res = plan_grouping(cm, global_batch, grouping, reduce_dtype, **planner_kw)
+            res = plan_grouping(cm, global_batch, grouping, reduce_dtype, memo, **planner_kw)
             summary.append(
                 {
                     "grouping": grouping.label,
@@ -168,9 +174,15 @@ def make_hierarchical_plan(
 
 
 def plan_grouping(
-    cm: CostModel, global_batch: int, grouping: Grouping, reduce_dtype: str = "fp32", **planner_kw
+    cm: CostModel,
+    global_batch: int,
+    grouping: Grouping,
+    reduce_dtype: str = "fp32",
+    memo: GroupPlanMemo | None = None,
+    **planner_kw,
 ) -> GroupingResult:
-    """The optimal plan under one grouping (see the module docstring), or why there is none."""
+    """The optimal plan under one grouping (see the module docstring), or why there is none.
+    `memo`: group plans made before (`make_hierarchical_plan`)."""
     from cephalo.planning.planner import make_plan
 
     g = len(grouping.groups)
@@ -188,7 +200,7 @@ def plan_grouping(
         key = cm.group_key(members)
         if key not in kinds:
             sub = cm.group_model(members, g, reduce_dtype)
-            kinds[key] = _Kind(StepCurve(sub, bmax, planner_kw))
+            kinds[key] = _Kind(StepCurve(sub, bmax, planner_kw, memo=memo))
         kinds[key].members.append(members)
     ks = list(kinds.values())
     t_star, best = split_batch([k.curve for k in ks], [len(k.members) for k in ks], global_batch)
@@ -241,8 +253,9 @@ def _assemble(cm, B, grouping, kinds: list[_Kind], batch_of, reduce_dtype) -> Pl
         sub_plans.append(sub)
         for local, r in zip(sub.ranks, members, strict=True):
             ranks[r] = RankPlan(**{**local.__dict__, "rank": r})
-    meta = {k: v for k, v in sub_plans[0].meta.items() if k not in ("planner_wall_s",)}
-    meta.update(cm.meta)
+    # the cluster's meta alone: a group's plan carries its group model's, which is the
+    # cluster's (and its planner_wall_s), but one from a `GroupPlanMemo` may be another cluster's
+    meta = dict(cm.meta)
     plan = Plan(
         strategy="cephalo",
         model=sub_plans[0].model,

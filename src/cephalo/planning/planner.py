@@ -85,6 +85,7 @@ def make_plan(
     allow_host_state: bool = True,
     host_state_min_gain: float = HOST_STATE_MIN_GAIN,
     explain: bool = True,
+    tables: TableCache | None = None,
 ) -> Plan:
     """Make a plan for `global_batch` samples per step (see the module docstring).
 
@@ -93,7 +94,9 @@ def make_plan(
     its predicted step is at least `host_state_min_gain` shorter than that of the best plan
     without (or where none fits without). `explain=False`: a plan that does not fit raises a
     `PlanDoesNotFit` without working out why (searches that only need to know, such as the
-    split over shard groups, skip the search for the largest batch that fits)."""
+    split over shard groups, skip the search for the largest batch that fits). `tables`: the
+    rank tables earlier plans of this very cost model made (the split over shard groups plans
+    one group at many batch sizes); None: this plan's own."""
     if global_batch < 1:
         raise CephaloError(f"the global batch must be >= 1, got {global_batch}")
     if strategy not in PLANNER_STRATEGIES:
@@ -111,7 +114,7 @@ def make_plan(
         )
         # every search of this plan (with and without host state or serial reduces, and the
         # padded search's sub-searches) shares the tables it has made
-        tables = TableCache(cost_model)
+        tables = tables if tables is not None else TableCache(cost_model)
         choice = optimise_charged(cost_model, global_batch, allowed, explain, tables)
         if allowed.host and choice.host is not None and any(h > 0 for h in choice.host):
             choice, allowed = unless_marginal(
