@@ -265,7 +265,8 @@ class CostModel(ShardGroupCosts):
         self._rank_costs: dict[tuple, RankCost] = {}
         """`evaluate`'s rank costs by what they depend on, kept across calls: a plan's search
         evaluates the same ranks many times (its choices with and without the padding charge,
-        then the plan's predictions), and a model is never changed once made."""
+        then the plan's predictions). Keyed by all a rank's cost reads that a caller may set
+        on a made model (`serial_reduce`, `host`); the rest is fixed at construction."""
         if self.adapter.frozen_base:  # plans made with this model carry it (`evaluate` checks)
             self.meta["adapter"] = self.adapter.to_dict()
 
@@ -942,6 +943,8 @@ class CostModel(ShardGroupCosts):
                 None if self.host is None else self.host.memory_bytes[self.host.node_of[r.rank]],
                 None if self.host is None else self.host.optimizer_s_per_param[r.rank],
                 pad,
+                # the one setting callers change on a made model (bench/hetero_throughput.py)
+                self.serial_reduce,
             )
             if key not in cache:
                 cache[key] = self.rank_cost(
