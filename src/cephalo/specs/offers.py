@@ -23,6 +23,7 @@ are never on one node, so a cluster mixing offers talks over the slowest inter-n
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -92,7 +93,7 @@ class Offer:
     def memory_bytes(self) -> int:
         return device_memory_bytes(self.type)
 
-    @property
+    @functools.cached_property
     def intra_bytes_per_s(self) -> float:
         """The link between this offer's GPUs: given, or the type's default."""
         if self.intra_node_bytes_per_s is not None:
