@@ -377,3 +377,32 @@ def test_a_plan_left_when_a_device_slowed_is_gone_back_to_when_it_recovers(tmp_p
     )
     assert len(at) == 2 and at[0] == 40 and at[1] > 50
     assert batches[1] == [4, 4, 4]
+
+
+def test_a_switch_the_hosts_cannot_stage_is_skipped_not_fatal(tmp_path, monkeypatch, caplog):
+    """`SwitchNotPossible` (every rank agreed, nothing changed): a warning, the plan stays, no
+    switch recorded, and the plan is measured afresh before it is proposed again."""
+    from cephalo.train.replan import SwitchNotPossible
+
+    cfg = load_config(None, [f"--logging.dir={tmp_path}", "--parallel.replan=auto"])
+    cm = _cm()
+
+    def switch(trainer, plan):
+        raise SwitchNotPossible("the re-plan needs host memory to stage the state of rank 1")
+
+    monkeypatch.setattr("cephalo.train.replan.switch_plan", switch)
+    running = make_plan(cm, 12)
+    trainer = SimpleNamespace(
+        step=7,
+        plan=running,
+        comm=_Comm(),
+        save=lambda: None,
+        result=SimpleNamespace(last_checkpoint=None),
+    )
+    replanner = Replanner(cfg, cm, plan_is_own=False, rank=0)
+    replanner.next_due = 99
+    with caplog.at_level(logging.WARNING, logger="cephalo"):
+        replanner._switch(trainer, make_plan(cm, 12), "test", 0.2, 0.0, _Metrics())
+    assert trainer.plan is running and replanner.switches == []
+    assert replanner.next_due == cfg.parallel.calibrate_after
+    assert "stage the state of rank 1" in caplog.text

@@ -131,3 +131,32 @@ def test_bad_staging_value_is_one_clear_error(value):
 
     with pytest.raises(CephaloError, match="replan_staging"):
         load_config(None, [f"--parallel.replan_staging={value}"])
+
+
+def test_no_room_on_the_host_keeps_the_job_on_its_plan(monkeypatch):
+    """A rank that must stage but whose node's host memory cannot take its state: every rank
+    learns it before anything is dropped, the switch does not happen (one clear message), and
+    the old engine trains on."""
+    import cephalo.train.replan as replan
+
+    monkeypatch.setattr(replan, "staged_bytes", lambda pieces: 3 << 30)
+    monkeypatch.setattr(replan, "host_available_bytes", lambda: 1 << 30)
+    t = _Trainer("host")
+    before = t.train(_batches(1, 1))
+    engine, plan = t.engine, t.plan
+    with pytest.raises(replan.SwitchNotPossible, match=r"rank 0 \(2\.00 GiB more"):
+        switch_plan(t, _plan(2))
+    assert t.engine is engine and t.plan is plan
+    assert t.train(_batches(1, 2))[0] != before[0]  # it trains on
+
+
+def test_host_shortfall_counts_every_rank_of_the_node(monkeypatch):
+    import cephalo.train.replan as replan
+
+    monkeypatch.setattr(replan, "host_available_bytes", lambda: 10 << 30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert replan.host_shortfall(2 << 30) == 0
+    assert replan.host_shortfall(3 << 30) == 2 << 30
+    assert replan.host_shortfall(0) == 0
+    monkeypatch.setattr(replan, "host_available_bytes", lambda: None)
+    assert replan.host_shortfall(3 << 30) == 0, "unknown: do not block"

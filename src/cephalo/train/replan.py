@@ -116,10 +116,25 @@ def switch_plan(trainer: _Trainer, plan: Plan) -> tuple[float, bool]:
     comm, device, extra = old.world, old.device, old.extra_state()
     pieces = saved_state(old)
     staged = must_stage(old, plan.ranks[trainer.rank], trainer.cfg.parallel.replan_staging)
+    copied = staged_bytes(pieces) if staged else 0
+    # every rank must be able to switch before any drops its engine: a rank whose host cannot
+    # take its state (its device cannot hold both engines) keeps the whole job on its plan
+    short = trainer.comm.all_gather_object(host_shortfall(copied))
+    if any(short):
+        raise SwitchNotPossible(
+            "the re-plan needs host memory to stage the state of "
+            + ", ".join(
+                f"rank {r} ({copied_gib(b)} GiB more than its node has free)"
+                for r, b in enumerate(short)
+                if b
+            )
+            + ", whose devices cannot hold both engines; the job stays on its plan (give the "
+            "nodes more host memory, or set parallel.replan = off)"
+        )
     if staged:
         # the old engine's device memory is free before the new one allocates: the state waits
         # on the host (one copy down; the re-layout reads it from there)
-        freed, copied = old.ledger.current_bytes, staged_bytes(pieces)
+        freed = old.ledger.current_bytes
         pieces = to_host(pieces)
         trainer.engine = old = None
         release_device_memory(device)
@@ -140,6 +155,39 @@ def switch_plan(trainer: _Trainer, plan: Plan) -> tuple[float, bool]:
     del old
     trainer.write_run_files()  # rank 0: plan.json is the plan now running
     return time.perf_counter() - started, staged
+
+
+class SwitchNotPossible(CephaloError):
+    """Every rank agreed before anything changed: the job goes on under its plan."""
+
+
+def copied_gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f}"
+
+
+def host_available_bytes() -> int | None:
+    """Host memory the kernel says is available now (`MemAvailable`, Linux); None: unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_shortfall(copied: int) -> int:
+    """Bytes this rank's node lacks to stage `copied` bytes on every one of its ranks (the
+    ranks of a node stage at once: `LOCAL_WORLD_SIZE` of torchrun, each about as much);
+    0 where it has room or cannot tell."""
+    if copied <= 0:
+        return 0
+    available = host_available_bytes()
+    if available is None:
+        return 0
+    need = copied * int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(0, need - available)
 
 
 def must_stage(old: Any, rank_plan: RankPlan, mode: str) -> bool:
@@ -381,6 +429,13 @@ class Replanner:
         try:
             seconds, staged = switch_plan(trainer, plan)
             flags = trainer.comm.all_gather_object(staged)  # the record names every rank's
+        except SwitchNotPossible as e:
+            if self.rank == 0:
+                logger.warning("after step %d: %s", trainer.step, e)
+            # measured afresh before it is proposed again (as after a switch)
+            self.log.clear()
+            self.next_due, self.pending_gain = self.cfg.parallel.calibrate_after, None
+            return
         except (RuntimeError, CephaloError) as e:
             raise CephaloError(
                 f"rank {self.rank}: the re-plan after step {trainer.step} failed ({first_line(e)}); "
