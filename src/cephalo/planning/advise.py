@@ -72,7 +72,7 @@ from cephalo.planning.advise_clusters import (
     renumber,
     with_new_node,
 )
-from cephalo.planning.advise_partial import completion_nodes
+from cephalo.planning.advise_partial import Tails, completion_nodes
 from cephalo.planning.advise_results import (
     Addition,
     Advice,
@@ -191,6 +191,8 @@ class Advisor:
         )
         """The bound's tables, and the bounds of complete and partial clusters."""
         self._state_lp = [self._lp_cover(d, self._state_cap) for d in range(len(self.offers) + 1)]
+        # completion_nodes' part for the offers not fixed yet, per (fixed offers, nodes)
+        self._tails: Tails = {}
 
     # ------------------------------------------------------------------ set-up
     def _probe(self, type_key: str) -> str | None:
@@ -338,7 +340,7 @@ class Advisor:
         of plan, per offer the most samples one of its GPUs takes, flat or in shard groups, and
         what one node may add (`BoundTables.betas`); and the least collective floor L(0)."""
         ring = flat_ring(n, intra, inter, nodes)
-        nb = completion_nodes(self.offers, units, nodes, top=top)
+        nb = completion_nodes(self.offers, units, nodes, top=top, tails=self._tails)
         return self._bounds.betas(ring, T, (intra, inter), nb)
 
     def upper_bound(self, units: Sequence[int]) -> float:
@@ -591,7 +593,7 @@ class Advisor:
             if nodes >= 1
             else max(o.intra_bytes_per_s for o in self.offers[depth:])
         )
-        nb = completion_nodes(self.offers, units, nodes, added=True)
+        nb = completion_nodes(self.offers, units, nodes, added=True, tails=self._tails)
         state = self._lp_cost(1 - STATE_SLACK - held, self._state_lp[depth])
         added = 1
         for _ in range(4):

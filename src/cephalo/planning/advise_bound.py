@@ -322,6 +322,7 @@ class BoundTables:
         self._flat_memo: dict[Ring, tuple[np.ndarray, float]] = {}
         self._offer_memo: dict[OfferKey, tuple[int, int, int, float, float]] = {}
         self._rings_memo: dict[OfferKey, OfferRings] = {}
+        self._last_group: tuple[NodeBounds, tuple[float, float], tuple] | None = None
 
     # ------------------------------------------------------------------ tables
     def _comm_model(self, ring: Ring) -> CostModel:
@@ -426,6 +427,7 @@ class BoundTables:
         few (links, size, groups) recur across them."""
         if self._count_T != T:
             self._count_T, self._count_memo, self._flat_memo, self._offer_memo = T, {}, {}, {}
+            self._last_group = None
         flat = self._flat_memo.get(ring)
         if flat is None:
             flat = self._flat_memo[ring] = (
@@ -435,11 +437,33 @@ class BoundTables:
         betas, floor = flat
         if not self.hierarchy or links is None or nb is None:
             return [Cover(betas, 0)], floor
+        # `Advisor._completion_cost` asks again with the same `nb` and links at more devices:
+        # the group part does not depend on the flat ring, so the last one is kept
+        last_group = self._last_group
+        if last_group is not None and last_group[0] is nb and last_group[1] == links:
+            group = last_group[2]
+        else:
+            group = self._group_part(links, nb, T)
+            self._last_group = (nb, links, group)
+        grouped, g_floor, spans, extra = group
+        betas = np.maximum(betas, grouped)
+        floor = min(floor, g_floor)
+        if spans is None:
+            return [Cover(betas, 0)], floor
+        return [Cover(betas, 0), Cover(spans, extra)], floor
+
+    def _group_part(
+        self, links: tuple[float, float], nb: NodeBounds, T: float
+    ) -> tuple[np.ndarray, float, np.ndarray | None, int]:
+        """`betas`' shard-group part: per offer the most one GPU takes in a group other than the
+        last node alone, the least L(0) of all groups (the last node's too); and where some
+        offer's node may be the cluster's last, the betas of a rank spanning nodes and what that
+        node may take beyond them (else None, 0)."""
         intra = min(links[0], self.max_intra)
         inter = min(links[1], self.max_inter)
         memo = self._offer_memo
         grouped, spans, gains, last_floor = [], [], [], []
-        g_floor = floor
+        g_floor = math.inf
         may_be_last = False
         for j, (o, s, g, g_last, last) in enumerate(
             zip(self.offers, nb.sizes, nb.groups, nb.last_groups, nb.last, strict=True)
@@ -457,14 +481,13 @@ class BoundTables:
             if last:
                 may_be_last = True
                 last_floor.append(hit[4])
-        betas = np.maximum(betas, np.array(grouped, dtype=np.int64))
+        grouped_betas = np.array(grouped, dtype=np.int64)
         if not may_be_last:
-            return [Cover(betas, 0)], g_floor
+            return grouped_betas, g_floor, None, 0
         # only one node is the cluster's last: what one GPU of it may take beyond the spanning
         # rings' samples, once, for the offer that gains most
-        extra = int(max(gains))
         g_floor = min(g_floor, min(last_floor))
-        return [Cover(betas, 0), Cover(np.array(spans, dtype=np.int64), extra)], g_floor
+        return grouped_betas, g_floor, np.array(spans, dtype=np.int64), int(max(gains))
 
     def _offer_counts(self, key: OfferKey, T: float) -> tuple[int, int, int, float, float]:
         """For one offer (`_offer_rings`' key) within T: the most samples one GPU takes in a
