@@ -110,6 +110,8 @@ class Cover(NamedTuple):
 
 OfferKey = tuple[int, float, float, int, int, int]
 """One offer's shard-group situation in a partial's completions (`BoundTables._offer_rings`)."""
+CountKey = tuple[int, float, float, int, int, int, int]
+"""An `OfferKey` and the most devices the offer's node has as the cluster's last (0: never)."""
 
 
 class OfferRings(NamedTuple):
@@ -320,7 +322,10 @@ class BoundTables:
         self._count_T: float | None = None
         self._count_memo: dict[tuple[str, Ring], int] = {}
         self._flat_memo: dict[Ring, tuple[np.ndarray, float]] = {}
-        self._offer_memo: dict[OfferKey, tuple[int, int, int, float, float]] = {}
+        self._offer_memo: dict[CountKey, tuple[int, int, int, float, float]] = {}
+        self._offer_index = range(len(self.offers))
+        self._offer_intra = [o.intra_bytes_per_s for o in self.offers]
+        self._offer_inter = [o.inter_node_bytes_per_s for o in self.offers]
         self._rings_memo: dict[OfferKey, OfferRings] = {}
         self._last_group: tuple[NodeBounds, tuple[float, float], tuple] | None = None
 
@@ -462,42 +467,50 @@ class BoundTables:
         intra = min(links[0], self.max_intra)
         inter = min(links[1], self.max_inter)
         memo = self._offer_memo
-        grouped, spans, gains, last_floor = [], [], [], []
-        g_floor = math.inf
-        may_be_last = False
-        for j, (o, s, g, g_last, last) in enumerate(
-            zip(self.offers, nb.sizes, nb.groups, nb.last_groups, nb.last, strict=True)
+        hits = []
+        for j, o_intra, o_inter, s, g, g_last, last in zip(
+            self._offer_index,
+            self._offer_intra,
+            self._offer_inter,
+            nb.sizes,
+            nb.groups,
+            nb.last_groups,
+            nb.last,
+            strict=True,
         ):
-            # a completion holding this offer has no link faster than the offer's own
-            key = (j, min(intra, o.intra_bytes_per_s), min(inter, o.inter_node_bytes_per_s))
-            key += (s, g, g_last)
+            # a completion holding this offer has no link faster than the offer's own (as
+            # min(intra, o_intra), without its call: this loop runs millions of times)
+            a = o_intra if o_intra < intra else intra
+            x = o_inter if o_inter < inter else inter
+            key = (j, a, x, s, g, g_last, last)
             hit = memo.get(key)
             if hit is None:
                 hit = memo[key] = self._offer_counts(key, T)
-            grouped.append(hit[0])
-            spans.append(hit[1])
-            gains.append(hit[2] * last)  # its node's devices: at most `last`
-            g_floor = min(g_floor, hit[3])
-            if last:
-                may_be_last = True
-                last_floor.append(hit[4])
+            hits.append(hit)
+        grouped, spans, gains, g_floors, last_floors = zip(*hits, strict=True)
+        # an offer whose node cannot be last has an infinite last floor: left out of the min
+        g_floor = min(min(g_floors), min(last_floors))
         grouped_betas = np.array(grouped, dtype=np.int64)
-        if not may_be_last:
+        if not any(nb.last):
             return grouped_betas, g_floor, None, 0
         # only one node is the cluster's last: what one GPU of it may take beyond the spanning
         # rings' samples, once, for the offer that gains most
-        g_floor = min(g_floor, min(last_floor))
         return grouped_betas, g_floor, np.array(spans, dtype=np.int64), int(max(gains))
 
-    def _offer_counts(self, key: OfferKey, T: float) -> tuple[int, int, int, float, float]:
-        """For one offer (`_offer_rings`' key) within T: the most samples one GPU takes in a
-        group other than the last node alone, in a group spanning nodes, what it may take
-        beyond that as the last node alone, and the least L(0) of both kinds."""
-        r = self._offer_rings(key)
+    def _offer_counts(self, key: CountKey, T: float) -> tuple[int, int, int, float, float]:
+        """For one offer within T (`key`: `_offer_rings`' key and `last`, the most devices its
+        node has as the cluster's last, 0: it cannot be): the most samples one GPU takes in a
+        group other than the last node alone, in a group spanning nodes, what its node may take
+        beyond that as the last node alone, and the least L(0) of both kinds (inf for the last
+        node's where it cannot be last)."""
+        r = self._offer_rings(key[:6])
         span = self._count_one(r.type, r.span, T)
         grouped = max(span, *(self._count_one(r.type, ring, T) for ring in r.alone))
-        last = max(self._count_one(r.type, ring, T) for ring in r.last)
-        return grouped, span, max(last - span, 0), r.g_floor, r.last_floor
+        last = key[6]
+        if not last:
+            return grouped, span, 0, r.g_floor, math.inf
+        most = max(self._count_one(r.type, ring, T) for ring in r.last)
+        return grouped, span, max(most - span, 0) * last, r.g_floor, r.last_floor
 
     def _count_one(self, type_key: str, ring: Ring, T: float) -> int:
         """The most samples (b >= 1) the table of this type under `ring` allows within T (the
