@@ -588,7 +588,7 @@ class Advisor:
         itself = (int(np.dot(gpus, c.betas[:depth])) + c.extra for c in covers)
         if n > 0 and held >= 1 - STATE_SLACK and max(itself) >= B:
             best = 0.0  # the partial alone may already beat T (its floor was checked)
-        if depth == len(self.offers) or not self._max_units[depth:].any():
+        if depth == len(self.offers) or not any(self._max_units_list[depth:]):
             return best
         link = (
             min(intra, inter)
@@ -598,25 +598,27 @@ class Advisor:
         nb = completion_nodes(self.offers, units, nodes, added=True, tails=self._tails)
         state = self._lp_cost(1 - STATE_SLACK - held, self._state_lp[depth])
         added = 1
+        missing: list[int] = []
         for _ in range(4):
             add_covers, add_floor = self._bounds.betas(
                 flat_ring(n + added, link, link, 1), T, (intra, inter), nb
             )
             if add_floor > T:
                 return best
-            # the fewest devices any kind of plan needs
+            # per kind of plan, the samples the added devices must take; the fewest devices any
+            # kind needs
+            missing = [B - int(np.dot(gpus, c.betas[:depth])) - c.extra for c in add_covers]
             fewest = min(
-                self._fewest_gpus(depth, c.betas, B - int(np.dot(gpus, c.betas[:depth])) - c.extra)
-                for c in add_covers
+                self._fewest_gpus(depth, c.betas, m)
+                for c, m in zip(add_covers, missing, strict=True)
             )
             if not math.isfinite(fewest):
                 return best
             if fewest <= added:
                 break
             added = int(fewest)
-        for c in add_covers:
-            missing = B - int(np.dot(gpus, c.betas[:depth])) - c.extra
-            best = min(best, max(self._lp_cost(missing, self._lp_cover(depth, c.betas)), state))
+        for c, m in zip(add_covers, missing, strict=True):  # the last round's covers
+            best = min(best, max(self._lp_cost(m, self._lp_cover(depth, c.betas)), state))
         return best
 
     def _fewest_gpus(self, start: int, betas: np.ndarray, missing: int) -> float:
