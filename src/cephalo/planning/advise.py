@@ -72,7 +72,7 @@ from cephalo.planning.advise_clusters import (
     renumber,
     with_new_node,
 )
-from cephalo.planning.advise_partial import completion_nodes
+from cephalo.planning.advise_partial import Tails, completion_nodes
 from cephalo.planning.advise_results import (
     Addition,
     Advice,
@@ -190,7 +190,13 @@ class Advisor:
             allow_host_state,
         )
         """The bound's tables, and the bounds of complete and partial clusters."""
+        # the same as Python ints, for the search's scalar loops
+        self._unit_gpus_list: list[int] = self._unit_gpus.tolist()
+        self._unit_price_list: list[int] = self._unit_price.tolist()
+        self._max_units_list: list[int] = self._max_units.tolist()
         self._state_lp = [self._lp_cover(d, self._state_cap) for d in range(len(self.offers) + 1)]
+        # completion_nodes' part for the offers not fixed yet, per (fixed offers, nodes)
+        self._tails: Tails = {}
 
     # ------------------------------------------------------------------ set-up
     def _probe(self, type_key: str) -> str | None:
@@ -313,6 +319,7 @@ class Advisor:
                 )
             units.append(min(gpus // o.unit_gpus, o.max_units))
         clone._max_units = np.array(units, dtype=np.int64)
+        clone._max_units_list = [int(k) for k in units]
         clone._state_lp = [
             clone._lp_cover(d, clone._state_cap) for d in range(len(clone.offers) + 1)
         ]
@@ -338,7 +345,7 @@ class Advisor:
         of plan, per offer the most samples one of its GPUs takes, flat or in shard groups, and
         what one node may add (`BoundTables.betas`); and the least collective floor L(0)."""
         ring = flat_ring(n, intra, inter, nodes)
-        nb = completion_nodes(self.offers, units, nodes, top=top)
+        nb = completion_nodes(self.offers, units, nodes, top=top, tails=self._tails)
         return self._bounds.betas(ring, T, (intra, inter), nb)
 
     def upper_bound(self, units: Sequence[int]) -> float:
@@ -374,16 +381,13 @@ class Advisor:
         """Breakpoints (capacity, cost) of the cheapest fractional cover by offers start.. whose
         GPUs add `per_gpu` each: piecewise linear and convex in what must be covered."""
         items = []
+        # Python numbers, not numpy scalars: the search builds hundreds of thousands of these
+        per = per_gpu.tolist()
         for j in range(start, len(self.offers)):
-            a = float(per_gpu[j]) * int(self._unit_gpus[j])
+            a = float(per[j]) * self._unit_gpus_list[j]
             if a > 0:
-                items.append(
-                    (
-                        int(self._unit_price[j]) / a,
-                        a * int(self._max_units[j]),
-                        int(self._unit_price[j]) * int(self._max_units[j]),
-                    )
-                )
+                price, most = self._unit_price_list[j], self._max_units_list[j]
+                items.append((price / a, a * most, price * most))
         items.sort(key=lambda it: it[0])
         caps, costs = [0.0], [0.0]
         for _, cap, cost in items:
@@ -584,35 +588,37 @@ class Advisor:
         itself = (int(np.dot(gpus, c.betas[:depth])) + c.extra for c in covers)
         if n > 0 and held >= 1 - STATE_SLACK and max(itself) >= B:
             best = 0.0  # the partial alone may already beat T (its floor was checked)
-        if depth == len(self.offers) or not self._max_units[depth:].any():
+        if depth == len(self.offers) or not any(self._max_units_list[depth:]):
             return best
         link = (
             min(intra, inter)
             if nodes >= 1
             else max(o.intra_bytes_per_s for o in self.offers[depth:])
         )
-        nb = completion_nodes(self.offers, units, nodes, added=True)
+        nb = completion_nodes(self.offers, units, nodes, added=True, tails=self._tails)
         state = self._lp_cost(1 - STATE_SLACK - held, self._state_lp[depth])
         added = 1
+        missing: list[int] = []
         for _ in range(4):
             add_covers, add_floor = self._bounds.betas(
                 flat_ring(n + added, link, link, 1), T, (intra, inter), nb
             )
             if add_floor > T:
                 return best
-            # the fewest devices any kind of plan needs
+            # per kind of plan, the samples the added devices must take; the fewest devices any
+            # kind needs
+            missing = [B - int(np.dot(gpus, c.betas[:depth])) - c.extra for c in add_covers]
             fewest = min(
-                self._fewest_gpus(depth, c.betas, B - int(np.dot(gpus, c.betas[:depth])) - c.extra)
-                for c in add_covers
+                self._fewest_gpus(depth, c.betas, m)
+                for c, m in zip(add_covers, missing, strict=True)
             )
             if not math.isfinite(fewest):
                 return best
             if fewest <= added:
                 break
             added = int(fewest)
-        for c in add_covers:
-            missing = B - int(np.dot(gpus, c.betas[:depth])) - c.extra
-            best = min(best, max(self._lp_cost(missing, self._lp_cover(depth, c.betas)), state))
+        for c, m in zip(add_covers, missing, strict=True):  # the last round's covers
+            best = min(best, max(self._lp_cost(m, self._lp_cover(depth, c.betas)), state))
         return best
 
     def _fewest_gpus(self, start: int, betas: np.ndarray, missing: int) -> float:
@@ -620,11 +626,12 @@ class Advisor:
         if missing <= 0:
             return 0.0
         count = 0.0
-        for j in sorted(range(start, len(self.offers)), key=lambda j: -int(betas[j])):
-            beta = int(betas[j])
+        per = betas.tolist()  # Python ints: called about a million times on 6 x 32 GPUs
+        for j in sorted(range(start, len(self.offers)), key=lambda j: -per[j]):
+            beta = per[j]
             if beta <= 0:
                 break
-            avail = int(self._max_units[j]) * int(self._unit_gpus[j])
+            avail = self._max_units_list[j] * self._unit_gpus_list[j]
             take = min(avail, missing / beta)
             count += take
             missing -= take * beta

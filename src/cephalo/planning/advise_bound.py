@@ -108,6 +108,28 @@ class Cover(NamedTuple):
     extra: int
 
 
+OfferKey = tuple[int, float, float, int, int, int]
+"""One offer's shard-group situation in a partial's completions (`BoundTables._offer_rings`)."""
+CountKey = tuple[int, float, float, int, int, int, int]
+"""An `OfferKey` and the most devices the offer's node has as the cluster's last (0: never)."""
+
+
+class OfferRings(NamedTuple):
+    """The rings one offer's rank may have in a completion's shard groups (`_offer_rings`)."""
+
+    type: str
+    span: Ring
+    """In a group spanning nodes."""
+    alone: tuple[Ring, ...]
+    """Its node alone (alternatives: its samples are at most the most any allows)."""
+    last: tuple[Ring, ...]
+    """Its node alone as the cluster's last (alternatives)."""
+    g_floor: float
+    """The least L(0) of span and alone."""
+    last_floor: float
+    """The least L(0) of last."""
+
+
 Group = list[tuple[str, int, Ring]]
 """The ranks of one shard group: (device type, GPUs, their ring)."""
 Shape = list[Group]
@@ -299,9 +321,13 @@ class BoundTables:
         )(self._table)
         self._count_T: float | None = None
         self._count_memo: dict[tuple[str, Ring], int] = {}
-        self._betas_T: float | None = None
-        self._betas_memo: dict[tuple, tuple] = {}
-        self._group_memo: dict[tuple, tuple] = {}
+        self._flat_memo: dict[Ring, tuple[np.ndarray, float]] = {}
+        self._offer_memo: dict[CountKey, tuple[int, int, int, float, float]] = {}
+        self._offer_index = range(len(self.offers))
+        self._offer_intra = [o.intra_bytes_per_s for o in self.offers]
+        self._offer_inter = [o.inter_node_bytes_per_s for o in self.offers]
+        self._rings_memo: dict[OfferKey, OfferRings] = {}
+        self._last_group: tuple[NodeBounds, tuple[float, float], tuple] | None = None
 
     # ------------------------------------------------------------------ tables
     def _comm_model(self, ring: Ring) -> CostModel:
@@ -351,36 +377,39 @@ class BoundTables:
             L[1:] = np.inf  # not even one sample fits: this device only holds state
         return L
 
-    def _group_rings(
-        self, intra: float, inter: float, nb: NodeBounds
-    ) -> tuple[tuple[Ring, ...], list[tuple[Ring, ...]], list[tuple[Ring, ...]]]:
-        """The cheapest collectives a rank of each offer has in any shard group of a completion
-        whose links are at most intra and inter and whose nodes are as `nb` says (see the module
-        docstring), one ring per offer in each tuple: spanning nodes; its node alone, as
-        alternatives (a rank's samples are at most the most any of them allows); and alone as
-        the cluster's last node (`NodeBounds.last`), as alternatives.
-
-        A rank's group is its node alone (at least `nb.groups` groups, over the intra-node link:
-        a node of one device holds the whole state, a `solo` ring, where it can; a node of an
-        offer whose count is open has one device or at least 2) or spans at least one more
-        node's device (2 groups at least, over the slower of both links)."""
-        spans, alone, alone_pair, last, last_pair = [], [], [], [], []
-        for o, s, g, g_last in zip(self.offers, nb.sizes, nb.groups, nb.last_groups, strict=True):
-            # a completion holding this offer has no link faster than the offer's own
-            a, x = min(intra, o.intra_bytes_per_s), min(inter, o.inter_node_bytes_per_s)
-            span = Ring(max(s, 1) + 1, min(a, x), 2, x)
-            spans.append(span)
-            for out, groups in ((alone, g), (last, g_last)):
-                if s > 1:
-                    out.append(Ring(s, a, groups, x))
-                elif self.types[o.type].state_cap >= 1 - STATE_SLACK:
-                    out.append(Ring(1, 0.0, groups, x, self._solo_optimizer_s(o.type)))
-                else:  # one device cannot hold a replica: never a group alone
-                    out.append(span)
-            # an open count: a node of >= 2 devices on the intra-node link, too
-            alone_pair.append(Ring(2, a, g, x) if s == 0 else alone[-1])
-            last_pair.append(Ring(2, a, g_last, x) if s == 0 else last[-1])
-        return tuple(spans), [tuple(alone), tuple(alone_pair)], [tuple(last), tuple(last_pair)]
+    def _offer_rings(self, key: OfferKey) -> OfferRings:
+        """The rings of one offer's rank in the shard groups of a completion (see the module
+        docstring): `key` = (offer, a, x, s, g, g_last), a and x the most intra- and inter-node
+        rates its completions may have (at most the offer's own), s, g and g_last its
+        `NodeBounds` sizes, groups and last_groups. A rank's group is its node alone (at least
+        g groups, over the intra-node link: a node of one device holds the whole state, a
+        `solo` ring, where it can; a node of an offer whose count is open, s = 0, has one
+        device or at least 2) or spans at least one more node's device (2 groups at least,
+        over the slower of both links); as the cluster's last node, alone among g_last groups.
+        Kept for the whole search: the key is a few scalars, the rings do not depend on T."""
+        hit = self._rings_memo.get(key)
+        if hit is not None:
+            return hit
+        j, a, x, s, g, g_last = key
+        o = self.offers[j]
+        span = Ring(max(s, 1) + 1, min(a, x), 2, x)
+        alone: list[Ring] = []
+        for groups in (g, g_last):
+            if s > 1:
+                alone.append(Ring(s, a, groups, x))
+            elif self.types[o.type].state_cap >= 1 - STATE_SLACK:
+                alone.append(Ring(1, 0.0, groups, x, self._solo_optimizer_s(o.type)))
+            else:  # one device cannot hold a replica: never a group alone
+                alone.append(span)
+        # an open count: a node of >= 2 devices on the intra-node link, too (its samples are at
+        # most the most either allows); a fixed one has just the one ring, counted once
+        mid = (alone[0], Ring(2, a, g, x)) if s == 0 else (alone[0],)
+        last = (alone[1], Ring(2, a, g_last, x)) if s == 0 else (alone[1],)
+        table = self.table
+        g_floor = min(float(table(o.type, r)[0]) for r in (span, *mid))
+        last_floor = min(float(table(o.type, r)[0]) for r in last)
+        hit = self._rings_memo[key] = OfferRings(o.type, span, mid, last, g_floor, last_floor)
+        return hit
 
     # ------------------------------------------------------------------ partial clusters
     def betas(
@@ -395,86 +424,109 @@ class BoundTables:
         tables. Each gives per offer the most samples one of its GPUs takes in a flat plan on
         `ring` or (`links` = the most intra- and inter-node rates a completion may have, `nb`
         what its nodes have: with shard groups) in a shard group, and `extra` samples one node
-        may add (module docstring). Cached for the last T (the search asks for one T until its
-        best throughput rises)."""
-        if self._betas_T != T:
-            self._betas_T, self._betas_memo, self._group_memo = T, {}, {}
-        grouped = self.hierarchy and links is not None and nb is not None
-        # `last` only scales the last node's gain: left out of the key, so that partials that
-        # differ in it alone (the search's buckets) share their tables' counts
-        key = (
-            (ring, links, nb.sizes, nb.groups, nb.last_groups)
-            if grouped and nb is not None
-            else (ring,)
-        )
-        hit = self._betas_memo.get(key)
-        if hit is None:
-            hit = self._betas_memo[key] = self._betas(ring, T, links if grouped else None, nb)
-        betas, floor, spans, gain, last_floor = hit
-        if spans is None or gain is None or last_floor is None or nb is None:
+        may add (module docstring).
+
+        Its parts are cached for the last T (the search asks for one T until its best
+        throughput rises), per flat ring and per offer's group rings (`_offer_rings`' small
+        keys): partials seldom share all their offers' node bounds at once, while each offer's
+        few (links, size, groups) recur across them."""
+        if self._count_T != T:
+            self._count_T, self._count_memo, self._flat_memo, self._offer_memo = T, {}, {}, {}
+            self._last_group = None
+        flat = self._flat_memo.get(ring)
+        if flat is None:
+            flat = self._flat_memo[ring] = (
+                self._count((ring,) * len(self.offers), T),
+                float(self.table(self.offers[0].type, ring)[0]),
+            )
+        betas, floor = flat
+        if not self.hierarchy or links is None or nb is None:
             return [Cover(betas, 0)], floor
-        may_be_last = np.asarray(nb.last, dtype=np.int64)
-        if not may_be_last.any():
+        # `Advisor._completion_cost` asks again with the same `nb` and links at more devices:
+        # the group part does not depend on the flat ring, so the last one is kept
+        last_group = self._last_group
+        if last_group is not None and last_group[0] is nb and last_group[1] == links:
+            group = last_group[2]
+        else:
+            group = self._group_part(links, nb, T)
+            self._last_group = (nb, links, group)
+        grouped, g_floor, spans, extra = group
+        betas = np.maximum(betas, grouped)
+        floor = min(floor, g_floor)
+        if spans is None:
             return [Cover(betas, 0)], floor
-        extra = int((gain * may_be_last).max(initial=0))
-        floor = min(floor, float(last_floor[may_be_last > 0].min(initial=math.inf)))
         return [Cover(betas, 0), Cover(spans, extra)], floor
 
-    def _betas(
-        self, ring: Ring, T: float, links: tuple[float, float] | None, nb: NodeBounds | None
-    ) -> tuple[np.ndarray, float, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-        """`betas` uncached: the betas of plans without a last node alone (flat, one group per
-        node, chunks whose last holds >= 2 nodes), their least L(0); and of those with one
-        (every other node in a chunk of >= 2), the betas of a rank spanning nodes, what one GPU
-        of the last node may take beyond them, and that node's least L(0) (None: flat only)."""
-        flat = (ring,) * len(self.offers)
-        betas = self._count(flat, T)
-        floor = float(self.table(self.offers[0].type, ring)[0])
-        if links is None or nb is None:
-            return betas, floor, None, None, None
+    def _group_part(
+        self, links: tuple[float, float], nb: NodeBounds, T: float
+    ) -> tuple[np.ndarray, float, np.ndarray | None, int]:
+        """`betas`' shard-group part: per offer the most one GPU takes in a group other than the
+        last node alone, the least L(0) of all groups (the last node's too); and where some
+        offer's node may be the cluster's last, the betas of a rank spanning nodes and what that
+        node may take beyond them (else None, 0)."""
         intra = min(links[0], self.max_intra)
         inter = min(links[1], self.max_inter)
-        # the groups' part does not depend on the flat ring (the partial's device count): shared
-        # by every partial with these links and nodes
-        key = (intra, inter, nb.sizes, nb.groups, nb.last_groups)
-        hit = self._group_memo.get(key)
-        if hit is None:
-            spans, alone, lasts = self._group_rings(intra, inter, nb)
-            span_betas = self._count(spans, T)
-            grouped, g_floor = span_betas, min(self._floors(spans))
-            for rings in alone:
-                grouped = np.maximum(grouped, self._count(rings, T))
-                g_floor = min(g_floor, min(self._floors(rings)))
-            last = np.zeros_like(betas)
-            last_floor = np.full(len(self.offers), math.inf)
-            for rings in lasts:
-                last = np.maximum(last, self._count(rings, T))
-                last_floor = np.minimum(last_floor, self._floors(rings))
-            gain = np.maximum(last - span_betas, 0)
-            hit = self._group_memo[key] = (grouped, g_floor, span_betas, gain, last_floor)
-        grouped, g_floor, span_betas, gain, last_floor = hit
-        return np.maximum(betas, grouped), min(floor, g_floor), span_betas, gain, last_floor
+        memo = self._offer_memo
+        hits = []
+        for j, o_intra, o_inter, s, g, g_last, last in zip(
+            self._offer_index,
+            self._offer_intra,
+            self._offer_inter,
+            nb.sizes,
+            nb.groups,
+            nb.last_groups,
+            nb.last,
+            strict=True,
+        ):
+            # a completion holding this offer has no link faster than the offer's own (as
+            # min(intra, o_intra), without its call: this loop runs millions of times)
+            a = o_intra if o_intra < intra else intra
+            x = o_inter if o_inter < inter else inter
+            key = (j, a, x, s, g, g_last, last)
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = self._offer_counts(key, T)
+            hits.append(hit)
+        grouped, spans, gains, g_floors, last_floors = zip(*hits, strict=True)
+        # an offer whose node cannot be last has an infinite last floor: left out of the min
+        g_floor = min(min(g_floors), min(last_floors))
+        grouped_betas = np.array(grouped, dtype=np.int64)
+        if not any(nb.last):
+            return grouped_betas, g_floor, None, 0
+        # only one node is the cluster's last: what one GPU of it may take beyond the spanning
+        # rings' samples, once, for the offer that gains most
+        return grouped_betas, g_floor, np.array(spans, dtype=np.int64), int(max(gains))
 
-    def _floors(self, rings: tuple[Ring, ...]) -> np.ndarray:
-        """Per offer, L(0) of its table under rings[j]."""
-        return np.array(
-            [float(self.table(o.type, r)[0]) for o, r in zip(self.offers, rings, strict=True)]
-        )
+    def _offer_counts(self, key: CountKey, T: float) -> tuple[int, int, int, float, float]:
+        """For one offer within T (`key`: `_offer_rings`' key and `last`, the most devices its
+        node has as the cluster's last, 0: it cannot be): the most samples one GPU takes in a
+        group other than the last node alone, in a group spanning nodes, what its node may take
+        beyond that as the last node alone, and the least L(0) of both kinds (inf for the last
+        node's where it cannot be last)."""
+        r = self._offer_rings(key[:6])
+        span = self._count_one(r.type, r.span, T)
+        grouped = max(span, *(self._count_one(r.type, ring, T) for ring in r.alone))
+        last = key[6]
+        if not last:
+            return grouped, span, 0, r.g_floor, math.inf
+        most = max(self._count_one(r.type, ring, T) for ring in r.last)
+        return grouped, span, max(most - span, 0) * last, r.g_floor, r.last_floor
+
+    def _count_one(self, type_key: str, ring: Ring, T: float) -> int:
+        """The most samples (b >= 1) the table of this type under `ring` allows within T (the
+        caller resets the memo when T changes)."""
+        c = self._count_memo.get((type_key, ring))
+        if c is None:
+            row = self.table(type_key, ring)[1:]
+            c = self._count_memo[(type_key, ring)] = int(np.searchsorted(row, T, side="right"))
+        return c
 
     def _count(self, rings: tuple[Ring, ...], T: float) -> np.ndarray:
-        """Per offer: the most samples (b >= 1) its table under rings[j] allows within T. The
-        search asks for one T at a time, each (type, ring) many times: cached for that T."""
-        if self._count_T != T:
-            self._count_T, self._count_memo = T, {}
-        memo = self._count_memo
-        out = np.empty(len(rings), dtype=np.int64)
-        for j, (o, ring) in enumerate(zip(self.offers, rings, strict=True)):
-            c = memo.get((o.type, ring))
-            if c is None:
-                row = self.table(o.type, ring)[1:]
-                c = memo[(o.type, ring)] = int(np.searchsorted(row, T, side="right"))
-            out[j] = c
-        return out
+        """Per offer: the most samples (b >= 1) its table under rings[j] allows within T."""
+        return np.array(
+            [self._count_one(o.type, r, T) for o, r in zip(self.offers, rings, strict=True)],
+            dtype=np.int64,
+        )
 
     # ------------------------------------------------------------------ complete clusters
     def plan_shapes(self, units: Sequence[int], intra: float, inter: float) -> list[Shape]:

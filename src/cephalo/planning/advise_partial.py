@@ -56,39 +56,39 @@ def last_alone_groups(fewest: int, most: int) -> int:
     return best
 
 
+Tails = dict[tuple[int, int], tuple[tuple[int, ...], ...]]
+"""`completion_nodes`' memo of the open offers' part, per (fixed offers, nodes)."""
+
+
 def completion_nodes(
     offers: Sequence[Offer],
     units: Sequence[int],
     nodes: int,
     added: bool = False,
     top: int | None = None,
+    tails: Tails | None = None,
 ) -> NodeBounds:
     """The `NodeBounds` of the completions of `units` (counts of the first offers; `nodes`: the
     nodes they make). `added`: only completions that add devices of the offers not yet fixed
     (so they have more nodes than the partial, and their last node is one of those offers'),
     else every completion, the partial itself included. `top`: the most the last fixed count
-    may be (the partial stands for counts units[-1]..top of that offer; default units[-1])."""
+    may be (the partial stands for counts units[-1]..top of that offer; default units[-1]).
+    `tails`: a memo for the offers not fixed yet, whose part depends on `len(units)` and
+    `nodes` only (the search asks about many partials with the same two; one memo per
+    `offers`)."""
     depth = len(units)
     # the fewest nodes a completion holding an offer's ranks has: the partial's, and one more for
     # an offer not fixed yet (or for every offer, once devices are added)
     fixed_groups = max(2, nodes + 1 if added else nodes)
-    open_groups = max(2, nodes + 1)
-    sizes, groups, last, last_groups = [], [], [], []
-    most = nodes  # the most nodes a completion whose last node is offer j's has
-    for j, o in enumerate(offers):
-        if j < depth:
-            k = int(units[j])
-            sizes.append(o.per_node or k * o.unit_gpus)
-            groups.append(fixed_groups)
-            last.append(0)
-            last_groups.append(fixed_groups)
-            continue
-        sizes.append(o.per_node or 0)
-        groups.append(open_groups)
-        # nothing after it: its (last) node ends the cluster, of nodes+1..most nodes
-        most += o.max_units if o.per_node else 1
-        last.append(o.per_node or o.max_units * o.unit_gpus)
-        last_groups.append(last_alone_groups(nodes + 1, most))
+    tail = tails.get((depth, nodes)) if tails is not None else None
+    if tail is None:
+        tail = _open_part(offers, depth, nodes)
+        if tails is not None:
+            tails[(depth, nodes)] = tail
+    t_sizes, t_groups, t_last, t_last_groups = tail
+    sizes = [o.per_node or int(k) * o.unit_gpus for o, k in zip(offers[:depth], units, strict=True)]
+    last = [0] * depth
+    last_groups = [fixed_groups] * depth
     if not added:
         # the partial itself: its last node is its last fixed offer's with devices
         for j in range(depth - 1, -1, -1):
@@ -99,4 +99,26 @@ def completion_nodes(
                 spread = k - int(units[j]) if o.per_node else 0  # its nodes: units[j]..k
                 last_groups[j] = last_alone_groups(max(nodes, 1), max(nodes, 1) + spread)
                 break
-    return NodeBounds(tuple(sizes), tuple(groups), tuple(last), tuple(last_groups))
+    return NodeBounds(
+        (*sizes, *t_sizes),
+        (fixed_groups,) * depth + t_groups,
+        (*last, *t_last),
+        (*last_groups, *t_last_groups),
+    )
+
+
+def _open_part(
+    offers: Sequence[Offer], depth: int, nodes: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """`completion_nodes`' sizes, groups, last and last_groups of the offers from `depth` on,
+    for a partial of `nodes` nodes (the same with or without `added`)."""
+    open_groups = max(2, nodes + 1)
+    sizes, last, last_groups = [], [], []
+    most = nodes  # the most nodes a completion whose last node is offer j's has
+    for o in offers[depth:]:
+        sizes.append(o.per_node or 0)
+        # nothing after it: its (last) node ends the cluster, of nodes+1..most nodes
+        most += o.max_units if o.per_node else 1
+        last.append(o.per_node or o.max_units * o.unit_gpus)
+        last_groups.append(last_alone_groups(nodes + 1, most))
+    return tuple(sizes), (open_groups,) * len(sizes), tuple(last), tuple(last_groups)
