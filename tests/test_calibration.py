@@ -237,7 +237,7 @@ def _drive(
 
     def switch(trainer, plan):
         trainer.plan = plan
-        return 0.01, False
+        return 0.01, []
 
     monkeypatch.setattr("cephalo.train.replan.switch_plan", switch)
     trainer = SimpleNamespace(

@@ -61,7 +61,7 @@ class _Trainer:
     def train(self, batches) -> list[float]:
         return [self.engine.train_step(x, y, 1e-2).loss for x, y in batches]
 
-    def switch(self, plan: Plan) -> bool:
+    def switch(self, plan: Plan) -> list[int]:
         self._old = weakref.ref(self.engine)
         _, staged = switch_plan(self, plan)
         return staged
@@ -93,8 +93,8 @@ def test_staged_switch_frees_the_old_engine_first_and_trains_alike():
         losses += t.train(_batches(2, 3))
         runs[staging] = (losses, t.engine.full_state_dict(), staged, alive, t.engine.step_index)
     host, device = runs["host"], runs["device"]
-    assert host[2] == [True, True] and host[3] == [False, False]
-    assert device[2] == [False, False] and device[3] == [True, True]
+    assert host[2] == [[0], [0]] and host[3] == [False, False]
+    assert device[2] == [[], []] and device[3] == [True, True]
     assert host[0] == device[0], "staging changed the losses"
     assert host[4] == device[4] == 6, "the step count must carry over the switches"
     for name, value in device[1].items():

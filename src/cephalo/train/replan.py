@@ -95,9 +95,9 @@ class Switch:
         return {"kind": "replan", **vars(self)}
 
 
-def switch_plan(trainer: _Trainer, plan: Plan) -> tuple[float, bool]:
+def switch_plan(trainer: _Trainer, plan: Plan) -> tuple[float, list[int]]:
     """Every rank (collective): continue `trainer`'s job under `plan` from the next step.
-    Returns the seconds it took and whether this rank staged its state through the host
+    Returns the seconds it took and the ranks that staged their state through the host
     (`must_stage`)."""
     started = time.perf_counter()
     plan.validate(world_size=trainer.comm.world_size, model=trainer.cfg.model.name)
@@ -118,15 +118,16 @@ def switch_plan(trainer: _Trainer, plan: Plan) -> tuple[float, bool]:
     staged = must_stage(old, plan.ranks[trainer.rank], trainer.cfg.parallel.replan_staging)
     copied = staged_bytes(pieces) if staged else 0
     # every rank must be able to switch before any drops its engine: a rank whose host cannot
-    # take its state (its device cannot hold both engines) keeps the whole job on its plan
-    short = trainer.comm.all_gather_object(host_shortfall(copied))
-    if any(short):
+    # take its state (its device cannot hold both engines) keeps the whole job on its plan.
+    # One all-gather: (stages, bytes its node lacks) of every rank
+    ranks = trainer.comm.all_gather_object((staged, host_shortfall(copied)))
+    if any(short for _, short in ranks):
         raise SwitchNotPossible(
             "the re-plan needs host memory to stage the state of "
             + ", ".join(
-                f"rank {r} ({copied_gib(b)} GiB more than its node has free)"
-                for r, b in enumerate(short)
-                if b
+                f"rank {r} ({short / 2**30:.2f} GiB more than its node has free)"
+                for r, (_, short) in enumerate(ranks)
+                if short
             )
             + ", whose devices cannot hold both engines; the job stays on its plan (give the "
             "nodes more host memory, or set parallel.replan = off)"
@@ -154,15 +155,11 @@ def switch_plan(trainer: _Trainer, plan: Plan) -> tuple[float, bool]:
     trainer.result.plan = plan
     del old
     trainer.write_run_files()  # rank 0: plan.json is the plan now running
-    return time.perf_counter() - started, staged
+    return time.perf_counter() - started, [r for r, (stages, _) in enumerate(ranks) if stages]
 
 
 class SwitchNotPossible(CephaloError):
     """Every rank agreed before anything changed: the job goes on under its plan."""
-
-
-def copied_gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f}"
 
 
 def host_available_bytes() -> int | None:
@@ -428,7 +425,6 @@ class Replanner:
         old_plan = trainer.plan
         try:
             seconds, staged = switch_plan(trainer, plan)
-            flags = trainer.comm.all_gather_object(staged)  # the record names every rank's
         except SwitchNotPossible as e:
             if self.rank == 0:
                 logger.warning("after step %d: %s", trainer.step, e)
@@ -456,7 +452,7 @@ class Replanner:
             replan_s,
             plan.batch_sizes,
             [r.micro_batch_size for r in plan.ranks],
-            [rank for rank, flag in enumerate(flags) if flag],
+            staged,
         )
         self.switches.append(event)
         if self.rank == 0:
