@@ -34,7 +34,7 @@ from torch.optim import adamw as torch_adamw
 from cephalo.errors import CephaloError
 from cephalo.runtime.emulation import ComputeEmulator
 from cephalo.runtime.memory import MemoryLedger
-from cephalo.runtime.optim import AdamWHyper, grad_sq_sum
+from cephalo.runtime.optim import AdamWHyper, grad_sq_sum, nonempty_grads
 
 HOST_STAGING = "host/staging"
 """Ledger category of the pinned buffers a gradient piece lands in when it must be added to
@@ -248,14 +248,14 @@ class HostAdamW:
 
     def grad_sq_sum(self) -> torch.Tensor:
         """Sum of squared host gradient entries (fp64 0-dim, CPU: as `ShardedAdamW`'s)."""
-        return grad_sq_sum([g.grad for g in self.groups], torch.device("cpu"))
+        return grad_sq_sum(nonempty_grads(self.groups), torch.device("cpu"))
 
     def scale_grads(self, factor: float) -> None:
-        grads = [g.grad for g in self.groups if g.grad.numel()]
+        grads = nonempty_grads(self.groups)
         if grads:
             torch._foreach_mul_(grads, factor)
 
     def zero_grad(self) -> None:
-        grads = [g.grad for g in self.groups if g.grad.numel()]
+        grads = nonempty_grads(self.groups)
         if grads:
             torch._foreach_zero_(grads)

@@ -38,13 +38,17 @@ def clip_coefficient(norm, max_norm: float):
     return min(1.0, max_norm / (norm + 1e-6))
 
 
+def nonempty_grads(groups) -> list[torch.Tensor]:
+    """The groups' gradient shards that hold elements (foreach kernels take them as a list)."""
+    return [g.grad for g in groups if g.grad.numel()]
+
+
 def grad_sq_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of the squared entries of `grads` (fp64 0-dim on `device`). Each entry is widened
-    to fp64 before it is squared and summed, so the norm does not depend (beyond fp64
-    rounding) on how the entries are split between ranks, or between a rank's device and its
-    host; one fused norm kernel over all of them (no squared copy of a shard in memory, one
-    launch instead of three per group)."""
-    grads = [g for g in grads if g.numel()]
+    """Sum of the squared entries of `grads` (non-empty tensors: `nonempty_grads`), fp64 0-dim
+    on `device`. Each entry is widened to fp64 before it is squared and summed, so the norm does
+    not depend (beyond fp64 rounding) on how the entries are split between ranks, or between a
+    rank's device and its host; one fused norm kernel over all of them (no squared copy of a
+    shard in memory, one launch instead of three per group)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
@@ -214,7 +218,7 @@ class ShardedAdamW:
 
     def zero_grad(self) -> None:
         """One foreach launch for every group (not one per group)."""
-        grads = [g.grad for g in self.groups if g.grad.numel()]
+        grads = nonempty_grads(self.groups)
         if grads:
             torch._foreach_zero_(grads)
 
@@ -222,11 +226,11 @@ class ShardedAdamW:
         """Sum of squared gradient entries on this rank (fp64 0-dim; summed across ranks
         gives the squared global norm): `grad_sq_sum` over the groups' gradients."""
         device = self.groups[0].grad.device if self.groups else torch.device("cpu")
-        return grad_sq_sum([g.grad for g in self.groups], device)
+        return grad_sq_sum(nonempty_grads(self.groups), device)
 
     def scale_grads(self, factor: float | torch.Tensor) -> None:
         if isinstance(factor, torch.Tensor):  # fp32, as a Python float factor is applied
             factor = factor.to(torch.float32)
-        grads = [g.grad for g in self.groups if g.grad.numel()]
+        grads = nonempty_grads(self.groups)
         if grads:
             torch._foreach_mul_(grads, factor)
