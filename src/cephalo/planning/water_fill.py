@@ -8,6 +8,7 @@ makes it fastest within its memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +83,33 @@ def step_time_of(cm: CostModel, groups: list[RankGroup], found, allowed: SearchR
     )
 
 
+def _holds_state(allowed: SearchRegime) -> Callable[[np.ndarray], bool]:
+    """Whether per-rank state caps hold the whole state (and the floored rank its floor)."""
+    j, floor = allowed.floor_rank, allowed.floor
+
+    def enough(c: np.ndarray) -> bool:
+        return c.sum() >= 1.0 and (j < 0 or c[j] >= floor)
+
+    return enough
+
+
+def _least_holding(
+    caps: Callable[[float], np.ndarray],
+    enough: Callable[[np.ndarray], bool],
+    lo: float,
+    hi: float,
+) -> float:
+    """Bisection on the step time: the least T in (lo, hi] (to 1e-12 relative) whose caps hold
+    the state, given that hi's do and lo's do not."""
+    while hi - lo > 1e-12 * max(hi, 1e-30) and hi - lo > 1e-15:
+        mid = 0.5 * (lo + hi)
+        if enough(caps(mid)):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def water_fill(cm: CostModel, groups: list[RankGroup], found, allowed: SearchRegime) -> Choice:
     """Fractions that minimise the slowest rank's time under every rank's memory cap."""
     opts = _rank_options(cm, groups, found)
@@ -96,9 +124,7 @@ def water_fill(cm: CostModel, groups: list[RankGroup], found, allowed: SearchReg
     mc_arr = np.clip(np.array(mc), 0.0, allowed.clip)
     t_arr, opt_arr = np.array(t), np.array(opt)
     j, floor = allowed.floor_rank, allowed.floor
-
-    def enough(c: np.ndarray) -> bool:
-        return c.sum() >= 1.0 and (j < 0 or c[j] >= floor)
+    enough = _holds_state(allowed)
 
     def caps(T: float) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -114,13 +140,7 @@ def water_fill(cm: CostModel, groups: list[RankGroup], found, allowed: SearchReg
     else:
         lo = float(t_arr.max())
         hi = lo + float(opt_arr.max())  # every rank can then take its whole memory cap (<= 1)
-        while hi - lo > 1e-12 * max(hi, 1e-30) and hi - lo > 1e-15:
-            mid = 0.5 * (lo + hi)
-            if enough(caps(mid)):
-                hi = mid
-            else:
-                lo = mid
-        c = caps(hi)
+        c = caps(_least_holding(caps, enough, lo, hi))
         if not enough(c):
             # the optimizer is so cheap that T' is lost in float resolution: time does not
             # limit anyone, memory does
@@ -187,9 +207,7 @@ def _water_fill_host(
         return np.minimum(np.maximum(host_cap(terms, T - t), 0.0), allowed.clip)
 
     j, floor = allowed.floor_rank, allowed.floor
-
-    def enough(c: np.ndarray) -> bool:
-        return c.sum() >= 1.0 and (j < 0 or c[j] >= floor)
+    enough = _holds_state(allowed)
 
     lo = float(t.max())
     hi = lo + max(g.opt_s_per_fraction for g in groups) + 1e-12
@@ -199,13 +217,7 @@ def _water_fill_host(
             raise CephaloError(
                 "internal: the water-filling found no step time that holds the state"
             )
-    while hi - lo > 1e-12 * max(hi, 1e-30) and hi - lo > 1e-15:
-        mid = 0.5 * (lo + hi)
-        if enough(caps(mid)):
-            hi = mid
-        else:
-            lo = mid
-    c = caps(hi)
+    c = caps(_least_holding(caps, enough, lo, hi))
     fractions = _fractions(c, j, floor)
     snapped = np.where(fractions < FRACTION_SNAP, 0.0, fractions)
     if snapped.sum() > 0 and np.all(snapped <= np.maximum(c, fractions)):
