@@ -410,3 +410,48 @@ def test_token_counts_are_reduced_exactly():
     seen.clear()
     engine.eval_loss(x, y)
     assert seen == [torch.float64]
+
+
+def test_unused_parameters_get_zero_gradients_from_unzeroed_buffers(monkeypatch):
+    """The fp32 gradient buffers are not zeroed (each slot's first gradient is copied in,
+    runtime/autograd.py `drain_first`): a parameter the forward does not use must still get an
+    exact zero, not stale memory. Here the unzeroed buffers are poisoned with NaN, and one
+    block skips its MLP (its `ln_2` and `mlp.*` get no gradient). The run equals one with
+    zeroed buffers bit for bit, and the unused parameters (no weight decay) never move."""
+    from cephalo.runtime.memory import MemoryLedger
+
+    def train(poison: bool):
+        model = build_model("gpt-tiny")
+        block = model.units[1].module
+        block.mlp.forward = lambda x: torch.zeros_like(x)  # ln_2 and the MLP: unused
+        cfg = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.0))
+        original = MemoryLedger.alloc
+
+        def alloc(self, category, numel, dtype, **kw):
+            out = original(self, category, numel, dtype, **kw)
+            if category == "grad_accum" and not kw.get("zero"):
+                out.fill_(float("nan") if poison else 0.0)
+            return out
+
+        monkeypatch.setattr(MemoryLedger, "alloc", alloc)
+        engine = Engine(model, make_plan([4], [1.0], [2]), LocalComm(), cfg)
+        before = engine.full_state_dict()
+        stats = [engine.train_step(x, y, lr=LR) for x, y in make_data(3, 4)]
+        monkeypatch.setattr(MemoryLedger, "alloc", original)
+        return before, engine.full_state_dict(), stats
+
+    before, poisoned, stats = train(poison=True)
+    _, zeroed, zeroed_stats = train(poison=False)
+    unused = [k for k in poisoned if k.startswith("blocks.0.") and (".mlp." in k or ".ln_2." in k)]
+    assert len(unused) == 6, unused
+    assert all(
+        not s.skipped and s.grad_norm == z.grad_norm
+        for s, z in zip(stats, zeroed_stats, strict=True)
+    )
+    for name, t in poisoned.items():
+        assert torch.equal(t, zeroed[name]), name
+    for name in unused:
+        assert torch.equal(poisoned[name], before[name]), name
+    assert not torch.equal(
+        poisoned["blocks.0.attn.c_proj.weight"], before["blocks.0.attn.c_proj.weight"]
+    )

@@ -17,6 +17,17 @@ def drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
     leaf.grad = None
 
 
+def drain_first(written: set[str], name: str, dst: torch.Tensor, leaf: torch.Tensor) -> None:
+    """`drain_grad` into an unzeroed slot: the first gradient of `name` in this backward is
+    copied in, later ones added (`zero_unwritten` clears the slots no gradient reached)."""
+    if name in written:
+        dst.add_(leaf.grad.reshape(-1))
+    else:
+        dst.copy_(leaf.grad.reshape(-1))
+        written.add(name)
+    leaf.grad = None
+
+
 def drain_grad_pieces(dsts: list[torch.Tensor], leaf: torch.Tensor) -> None:
     """`drain_grad` into consecutive pieces (a parameter split by a padded buffer's padding)."""
     grad, at = leaf.grad.reshape(-1), 0

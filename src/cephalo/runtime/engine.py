@@ -80,7 +80,7 @@ from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import BackwardCharges, drain_grad, drain_grad_pieces
+from cephalo.runtime.autograd import BackwardCharges, drain_first, drain_grad_pieces
 from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm
@@ -575,9 +575,13 @@ class Engine(UnitComm, HeadPass):
             if self.config.prefetch and u > 0 and (u > 1 or self._trains(self.shards[0])):
                 pending = self._start_gather(self.shards[u - 1], async_op=True)
             acc, tied_acc = self._grad_buffers(us)
+            written: set[str] = set()
             with self._compute():
                 for j, mb in enumerate(mbs):
-                    self._backward_micro_batch(us, params, mb, j, store, head_grad, acc, tied_acc)
+                    self._backward_micro_batch(
+                        us, params, mb, j, store, head_grad, acc, tied_acc, written
+                    )
+                self._zero_unwritten(us, acc, tied_acc, written)
             self._release(g)
             del params  # the gathered buffers die with the ledger's count of them
             # the previous unit's reduce-scatters ran while this unit's backward computed
@@ -598,22 +602,24 @@ class Engine(UnitComm, HeadPass):
         if self.replicas is not None and self.config.mode == "lga":
             self.replicas.unit_final(self, 0)
 
-    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc):
+    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc, written):
         u, last = us.index, us.index == len(self.shards) - 1
         frozen = self.frozen.names(u) if self.frozen else ()
         leaves = {n: v.detach().requires_grad_() for n, v in params.items() if n not in frozen}
         # Each parameter gradient goes into the fp32 accumulation buffer as soon as autograd
         # produces it and is dropped at once (post-accumulate hook), so about one parameter's
-        # gradient in compute dtype exists at a time.
+        # gradient in compute dtype exists at a time. The buffers are not zeroed: the first
+        # gradient of a slot is copied in (`written`: the slots written so far).
         borrowed = {b.name: t for b, t in zip(us.borrows, tied_acc, strict=True)}
         for name, leaf in leaves.items():
             if name in borrowed:
-                hook = functools.partial(drain_grad, borrowed[name])
+                hook = functools.partial(drain_first, written, name, borrowed[name])
             else:
                 slot = us.layout.slot(name)
                 if us.padded is None:
-                    hook = functools.partial(drain_grad, acc[slot.offset : slot.end])
-                else:  # the padded gradient buffer (runtime/padded.py)
+                    dst = acc[slot.offset : slot.end]
+                    hook = functools.partial(drain_first, written, name, dst)
+                else:  # the padded gradient buffer, zeroed (runtime/padded.py)
                     hook = functools.partial(
                         drain_grad_pieces, us.padded.slices(acc, slot.offset, slot.end)
                     )

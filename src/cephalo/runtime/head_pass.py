@@ -45,12 +45,14 @@ class HeadPass:
         inputs' place, its reduce-scatters started (finished during the last block's backward,
         `_backward_pass`). Returns the loss sum."""
         acc, tied_acc = self._grad_buffers(us)
+        written: set[str] = set()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for j, mb in enumerate(mbs):
             mb.rng[us.index] = self._save_rng()
             loss_sum += self._backward_micro_batch(
-                us, params, mb, j, store, head_grad, acc, tied_acc
+                us, params, mb, j, store, head_grad, acc, tied_acc, written
             )
+        self._zero_unwritten(us, acc, tied_acc, written)
         self._head_reducing = self._start_reduces(us, acc, tied_acc)
         if not self.overlap_reduce:
             for r in self._head_reducing:

@@ -230,16 +230,32 @@ class UnitComm:
         self._comm_wait_s += time.perf_counter() - t0
 
     def _grad_buffers(self, us: UnitShard) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Zeroed fp32 gradient buffers of a unit and of the tied parameters it borrows."""
-        numel = us.layout.numel if us.padded is None else us.padded.numel
-        acc = self.ledger.alloc("grad_accum", numel, torch.float32, device=self.device, zero=True)
+        """The fp32 gradient buffers of a unit and of the tied parameters it borrows, not
+        zeroed: each parameter's first gradient is copied into its slot (`drain_first`), and
+        `_zero_unwritten` clears what no gradient reached, so no memset of a whole unit per
+        backward. A padded buffer (runtime/padded.py) is zeroed: its padding is reduced too."""
+        padded = us.padded is not None
+        numel = us.layout.numel if not padded else us.padded.numel
+        acc = self.ledger.alloc("grad_accum", numel, torch.float32, device=self.device, zero=padded)
         tied_acc = [
-            self.ledger.alloc(
-                "grad_accum", b.slot.numel, torch.float32, device=self.device, zero=True
-            )
+            self.ledger.alloc("grad_accum", b.slot.numel, torch.float32, device=self.device)
             for b in us.borrows
         ]
         return acc, tied_acc
+
+    @staticmethod
+    def _zero_unwritten(
+        us: UnitShard, acc: torch.Tensor, tied_acc: list[torch.Tensor], written: set[str]
+    ) -> None:
+        """After a unit's backward: zero the slots of the parameters that got no gradient (one
+        the unit's forward did not use), so the reduce-scatter sums no stale memory."""
+        if us.padded is None and len(written) < len(us.layout.slots):
+            for slot in us.layout.slots:
+                if slot.name not in written:
+                    acc[slot.offset : slot.end].zero_()
+        for b, t_acc in zip(us.borrows, tied_acc, strict=True):
+            if b.name not in written:
+                t_acc.zero_()
 
     def _start_reduces(
         self, us: UnitShard, acc: torch.Tensor, tied_acc: list[torch.Tensor]
