@@ -231,6 +231,9 @@ def _deterministic(setup: Setup):
 
 
 def check_offload_bitwise(setup: Setup) -> tuple[list[str], str]:
+    """Offloaded boundaries against the on-device run, bitwise. The on-device run fuses its
+    tail (the last block in the head's pass, runtime/tail_pass.py) and the offloaded one keeps
+    the unfused order, so this compares the two orders on the device too."""
     batch, micro = (8, 2) if setup.cuda else (8, 2)  # 4 micro-batches
     data = _data(_vocab(setup), batch, setup.seq, steps=3, seed=2)
     was = _deterministic(setup)
@@ -238,6 +241,8 @@ def check_offload_bitwise(setup: Setup) -> tuple[list[str], str]:
         runs = []
         for offload in (False, False, True):
             engine = _engine(setup, setup.big_model, batch, micro, setup.low, offload=offload)
+            if engine.fuse_tail == offload:
+                raise AssertionError("the on-device run must fuse its tail, the offloaded not")
             losses = [engine.train_step(x, y, lr=3e-4).loss for x, y in data]
             state = {k: v.cpu() for k, v in engine.full_state_dict().items()}
             arena = engine.ledger.arena
@@ -251,7 +256,9 @@ def check_offload_bitwise(setup: Setup) -> tuple[list[str], str]:
     failures = []
     if repeatable:
         if off != dev or not all(torch.equal(dev_state[k], off_state[k]) for k in dev_state):
-            failures.append(f"offload is not bitwise the on-device run: {off} vs {dev}")
+            failures.append(
+                f"offload (unfused tail) is not bitwise the on-device run (fused): {off} vs {dev}"
+            )
         note = "bitwise equal"
     else:  # the device itself does not repeat bitwise: compare within rounding
         worst = max(abs(a - b) / abs(b) for a, b in zip(off, dev, strict=True))

@@ -74,6 +74,7 @@ def cost_model(
     latency_s: float = 0.0,
     reserve_bytes: int = 0,
     padded_collectives: bool = False,
+    fuse_tail: bool = True,
 ) -> CostModel:
     return CostModel(
         model or tiny_model(),
@@ -84,4 +85,5 @@ def cost_model(
         CommProfile(bytes_per_s=bytes_per_s, latency_s=latency_s),
         reserve_bytes=reserve_bytes,
         padded_collectives=padded_collectives,
+        fuse_tail=fuse_tail,
     )

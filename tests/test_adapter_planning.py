@@ -57,9 +57,11 @@ QLORA_QV = AdapterSpec("qlora", 1, ("q", "v"))
 
 
 def _cm(adapter=None, opt=0.01, mem=10_000):
+    """The formulas' cost model, in the unfused order (the fused tail, planning/tail_fusion.py,
+    has its own tests in test_costmodel.py and test_memory_prediction.py)."""
     prof = linear_profile("x", 1.0, 2.0, 1000.0, optimizer_s_per_param=opt)
     devs = [FakeDevice("x", mem), FakeDevice("x", mem)]
-    cm = cost_model(devs, {"x": prof}, model=adapter_model(), reserve_bytes=100)
+    cm = cost_model(devs, {"x": prof}, model=adapter_model(), reserve_bytes=100, fuse_tail=False)
     if adapter is None:
         return cm
     return type(cm)(
@@ -71,6 +73,7 @@ def _cm(adapter=None, opt=0.01, mem=10_000):
         cm.comm,
         reserve_bytes=100,
         adapter=adapter,
+        fuse_tail=False,
     )
 
 
@@ -183,7 +186,9 @@ def test_frozen_backward_and_optimizer_time():
 def test_profile_measured_on_an_adapter_run_is_used_as_measured():
     cm = _cm(QV)
     cm.profiles["x"].meta["adapter"] = "lora"
-    again = type(cm)(cm.model, 3, "fp16", cm.devices, cm.profiles, cm.comm, adapter=QV)
+    again = type(cm)(
+        cm.model, 3, "fp16", cm.devices, cm.profiles, cm.comm, adapter=QV, fuse_tail=False
+    )
     assert again.rank_cost(0, 1, 1, 0.0).compute_s == pytest.approx(4 * (1 + 3) - 1)
 
 
@@ -220,7 +225,10 @@ def test_qlora_dequantization_moment():
     assert cl.layout.units["block"].dequant_transient_bytes == 0
     args = ("x", np.array(4), np.array(4), np.array(False))
     phases, lora = cq._phases(*args), cl._phases(*args)
-    assert len(phases) == len(lora) + 2  # the last block and the one before it
+    # QLoRA: the last block's and the one before it's dequantization; LoRA: the fused tail's
+    # two moments (planning/tail_fusion.py), which QLoRA does not have
+    assert cq.tail_fusable is False and cl.tail_fusable is True
+    assert len(phases) == len(lora)
     before_last = phases[-1]
     assert before_last["gathered"] == block.held_bytes + 20 * 32
     assert before_last["grad_accum"] == block.trained * 4  # the last block's, in flight

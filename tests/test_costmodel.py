@@ -18,9 +18,10 @@ from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
 #   head       0.5*20*2/100 + 0.5 = 0.7    0.5*20*4/100 + 0.5 = 0.9
 # the gathers overlap compute (prefetch), each reduce-scatter the next unit's backward; the
 # embedding's, the last of the backward, is exposed: + 1.5 per step
+# These cases keep the unfused order (`fuse_tail=False`); the fused tail has its own test.
 
 
-def _cm(host_bytes_per_s=1e12, tied=False, async_copies=True):
+def _cm(host_bytes_per_s=1e12, tied=False, async_copies=True, fuse_tail=False):
     prof = linear_profile(
         "x", 1.0, 2.0, 1000.0, optimizer_s_per_param=0.01, host_bytes_per_s=host_bytes_per_s
     )
@@ -33,6 +34,7 @@ def _cm(host_bytes_per_s=1e12, tied=False, async_copies=True):
         bytes_per_s=100.0,
         latency_s=0.5,
         reserve_bytes=100,
+        fuse_tail=fuse_tail,
     )
 
 
@@ -171,23 +173,47 @@ def test_tied_head_gathers_the_embedding():
 def test_peak_is_the_largest_phase():
     # a head with huge logits moves the peak into the head's backward
     cm = _cm()
-    big_vocab = cost_model(
-        [FakeDevice("x", 10**9), FakeDevice("x", 10**9)],
-        {"x": linear_profile("x", 1.0, 2.0, 1000.0, optimizer_s_per_param=0.0)},
-        model=replace(tiny_model(False), vocab_size=1000),
-    )
-    c = big_vocab.rank_cost(0, 5, 2, 0.0)
+
+    def big_vocab(fuse_tail: bool):
+        return cost_model(
+            [FakeDevice("x", 10**9), FakeDevice("x", 10**9)],
+            {"x": linear_profile("x", 1.0, 2.0, 1000.0, optimizer_s_per_param=0.0)},
+            model=replace(tiny_model(False), vocab_size=1000),
+            fuse_tail=fuse_tail,
+        )
+
+    c = big_vocab(False).rank_cost(0, 5, 2, 0.0)
     # logits 2 * 3 * 1000 * 4 = 24000 beat any block's 2000 activations
     assert c.memory.logits == 24_000 and c.memory.activations == 0
     # the boundaries then held: every unit input, 3 x 5 x 24
     assert c.memory.boundary == 360
     assert cm.rank_cost(0, 5, 2, 0.0).memory.logits == 0
+    # the fused tail (planning/tail_fusion.py): the head's pass sits on the last block's
+    # activations at m = 2 (2000), both units gathered ((20 + 100) * 2) with both fp32
+    # gradients ((20 + 100) * 4), and holds the blocks' inputs (2 x 5 x 24) and one
+    # micro-batch's head input (2 x 24), not all 5 samples'
+    f = big_vocab(True).rank_cost(0, 5, 2, 0.0).memory
+    assert (f.logits, f.activations, f.gathered, f.grad_accum, f.boundary) == (
+        24_000,
+        2000,
+        240,
+        480,
+        288,
+    )
 
 
 def test_single_device_has_no_collectives():
     prof = linear_profile("x", 1.0, 2.0, 0.0, optimizer_s_per_param=0.0)
-    cm = cost_model([FakeDevice("x", 10**6)], {"x": prof}, bytes_per_s=1.0, latency_s=10.0)
-    assert cm.rank_cost(0, 1, 1, 1.0).step_s == pytest.approx(4 * (1 + 3) - 1)  # head: no recompute
+    for fuse_tail, step in ((False, 4 * (1 + 3) - 1), (True, 4 * (1 + 3) - 2)):
+        cm = cost_model(
+            [FakeDevice("x", 10**6)],
+            {"x": prof},
+            bytes_per_s=1.0,
+            latency_s=10.0,
+            fuse_tail=fuse_tail,
+        )
+        # the head: no recompute; fused, the last block neither
+        assert cm.rank_cost(0, 1, 1, 1.0).step_s == pytest.approx(step)
 
 
 def test_micro_batch_larger_than_batch_is_clamped_in_memory():

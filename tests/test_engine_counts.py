@@ -1,8 +1,10 @@
 """Instrumented collective counts (comm.counters) per training step.
 
 LGA: each unit is all-gathered once per pass (forward, backward) and reduce-scattered once
-per step, whatever the number of micro-batches; the head once per step (its loss and backward
-run in one pass, runtime/head_loss.py). Tied weights add, per step, one all-gather of the tied
+per step, whatever the number of micro-batches; the head and the last block once per step
+(the head's loss and backward run in one pass, runtime/head_loss.py, and the last block
+stays gathered from its forward to its backward; on a rank that fuses its tail,
+planning/tail_fusion.py, its forward and backward run in the head's pass). Tied weights add, per step, one all-gather of the tied
 parameter with the head and one reduce-scatter of its gradient (straight into the owner's
 shard). Every step also does two all-reduces: the global token
 count, then (squared grad norm, loss sum) together.
@@ -23,11 +25,14 @@ from engine_common import LR, make_data, make_plan, one_thread
 __all__ = ["one_thread"]
 
 
-def _step_calls(model: str, overrides: dict, micro_batches: int, mode: str) -> tuple[dict, int]:
+def _step_calls(
+    model: str, overrides: dict, micro_batches: int, mode: str, fuse_tail: bool = True
+) -> tuple[dict, int]:
     batch = 4
     plan = make_plan([batch], [1.0], [batch // micro_batches])
     comm = LocalComm()
-    engine = Engine(build_model(model, **overrides), plan, comm, EngineConfig(mode=mode))
+    cfg = EngineConfig(mode=mode, fuse_tail=fuse_tail)
+    engine = Engine(build_model(model, **overrides), plan, comm, cfg)
     (x, y), (x2, y2) = make_data(2, batch)
     engine.train_step(x, y, lr=LR)  # count a steady-state step, not the first
     comm.counters.reset()
@@ -38,13 +43,15 @@ def _step_calls(model: str, overrides: dict, micro_batches: int, mode: str) -> t
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_lga_collectives_do_not_grow_with_micro_batches(k):
     calls, units = _step_calls("gpt-tiny", {}, k, "lga")  # tied wte / lm_head
-    assert calls == {"all_gather_v": 2 * units, "reduce_scatter_v": units + 1, "all_reduce": 2}
+    assert calls == {"all_gather_v": 2 * units - 1, "reduce_scatter_v": units + 1, "all_reduce": 2}
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_untied_model_has_exactly_one_gather_per_unit_per_pass(k):
-    calls, units = _step_calls("gpt-tiny", {"tie_embeddings": False}, k, "lga")
-    assert calls == {"all_gather_v": 2 * units - 1, "reduce_scatter_v": units, "all_reduce": 2}
+@pytest.mark.parametrize("fuse", [True, False])
+def test_untied_model_has_exactly_one_gather_per_unit_per_pass(k, fuse):
+    calls, units = _step_calls("gpt-tiny", {"tie_embeddings": False}, k, "lga", fuse)
+    # fused or not, the last block stays gathered from its forward to its backward
+    assert calls == {"all_gather_v": 2 * units - 2, "reduce_scatter_v": units, "all_reduce": 2}
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])

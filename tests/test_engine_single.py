@@ -236,9 +236,10 @@ def test_engine_stretches_by_cpu_time(monkeypatch):
     x, y = make_data(1, 2)[0]
     stats = engine.train_step(x, y, lr=LR)
     # forward and backward of 4 units (gpt-tiny: embedding, 2 blocks, head; the head's
-    # backward runs within its forward), then the optimizer's two pieces (norm, step)
+    # backward runs within its forward, and the last block's forward and backward within the
+    # head's pass: the fused tail), then the optimizer's two pieces (norm, step)
     units, optimizer = slept[:-2], slept[-2:]
-    assert len(units) == 2 * 4 - 1
+    assert len(units) == 2 * 4 - 3
     assert stats.busy_s == pytest.approx(2 * sum(units), rel=1e-2)  # clocks read apart
     assert all(s > 0 for s in optimizer)
 
@@ -455,3 +456,27 @@ def test_unused_parameters_get_zero_gradients_from_unzeroed_buffers(monkeypatch)
     assert not torch.equal(
         poisoned["blocks.0.attn.c_proj.weight"], before["blocks.0.attn.c_proj.weight"]
     )
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize("tied", [True, False])
+def test_fused_tail_equals_the_unfused_order_bitwise(micro, tied):
+    """The fused tail (planning/tail_fusion.py: the last block's forward and backward in the
+    head's pass, no recompute) computes what the unfused order computes, bit for bit: the
+    same kernels on the same inputs. Dropout on (its masks per sample), tied and untied
+    embeddings, one micro-batch and several with a smaller last one."""
+
+    def train(fuse: bool):
+        cfg = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS), fuse_tail=fuse)
+        model = build_model("gpt-tiny", dropout=0.1, tie_embeddings=tied)
+        engine = Engine(model, make_plan([5], [1.0], [micro]), LocalComm(), cfg)
+        stats = [engine.train_step(x, y, lr=LR) for x, y in make_data(3, 5)]
+        return engine, stats
+
+    fused, fused_stats = train(True)
+    plain, plain_stats = train(False)
+    assert fused.fuse_tail and not plain.fuse_tail
+    assert [s.loss for s in fused_stats] == [s.loss for s in plain_stats]
+    assert [s.grad_norm for s in fused_stats] == [s.grad_norm for s in plain_stats]
+    a, b = fused.full_state_dict(), plain.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -58,4 +58,9 @@ def test_padded_peak_is_predicted(pool3, one_thread):
         print(f"rank {rank}: ledger {peak}, predicted {predicted}, uncharged "
               f"{without.total - without.reserve}")  # fmt: skip
         assert without.total - without.reserve < peak <= predicted
-        assert predicted - peak <= u * padded.reduce_out_bytes_per_fraction
+        # the slack: the reduce-scatter output's bound, and the head's straddling elements,
+        # which the model bounds by its largest parameter (`straddle_params`; the engine copies
+        # the one that straddles): the fused tail's head pass (planning/tail_fusion.py), the
+        # peak here, holds the head computing
+        slack = u * padded.reduce_out_bytes_per_fraction + padded.straddle_params["head"] * 4
+        assert predicted - peak <= slack

@@ -18,7 +18,11 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     forward    fwd_u  = (k-1) F_u(m) + F_u(last)
     backward   bwd_u  = fwd_u (recompute) + (k-1) B_u(m) + B_u(last); the head has no
                recompute and no second gather: its loss and backward run in one pass, at the
-               end of the forward (runtime/head_loss.py)
+               end of the forward (runtime/head_loss.py); where the plan fuses its tail
+               (planning/tail_fusion.py) the last block runs in that pass too, with neither
+               recompute nor second gather; where the model allows it, every rank keeps the
+               last block gathered from its forward to its backward (no second gather), fused
+               or not
     collectives: all-gather of the unit's compute-dtype parameters in forward and again in
     backward, reduce-scatter of its fp32 gradient once in backward; ring cost
     (n-1)/n * bytes / slowest link + latency (planning/collective_cost.py). They depend on the
@@ -77,6 +81,9 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
                 buffers in use when offloaded
     logits      in the head's backward: its profile curve, never less than one chunk of its
                 fp32 logits, m * min(seq, T // m) * vocab * 4 (T = `head_chunk_tokens`)
+    fused tail  (planning/tail_fusion.py) the head's pass sits on the last block's activations
+                at m, with both units gathered and both fp32 gradients alive, and the head's
+                inputs are held for one micro-batch, not all b samples (`_phases`)
     reserve     allocator fragmentation and workspace
     With `overlap_reduce` false, a unit's backward holds its own fp32 gradient only.
 
@@ -127,6 +134,7 @@ from cephalo.planning.host_cost import (
 )
 from cephalo.planning.layout import param_layout
 from cephalo.planning.plan import Plan
+from cephalo.planning.tail_fusion import rank_may_fuse, tail_fusable
 from cephalo.specs.adapter import AdapterSpec
 from cephalo.specs.catalog import DTYPE_BYTES
 from cephalo.specs.model import ModelSpec
@@ -206,6 +214,7 @@ class CostModel(ShardGroupCosts):
         links: Links | None = None,
         cross_reduce: CrossReduce | None = None,
         padded_collectives: bool = False,
+        fuse_tail: bool = True,
     ):
         if dtype not in DTYPE_BYTES:
             raise CephaloError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -238,6 +247,18 @@ class CostModel(ShardGroupCosts):
         """Intra- and inter-node links (None: every collective at `comm`'s bandwidth)."""
         self.cross_reduce = cross_reduce
         """The all-reduce between shard groups this model's ranks take part in (None: a flat plan)."""
+        self.tail_fusable = tail_fusable(
+            blocks=model.num_layers,
+            moe=model.num_experts > 0,
+            quantized=(adapter or AdapterSpec()).quantized,
+            hierarchical=cross_reduce is not None and cross_reduce.groups > 1,
+        )
+        """Whether the model and plan allow the fused tail (planning/tail_fusion.py): then
+        every rank keeps the last block gathered from its forward to its backward."""
+        self.fuse_tail = fuse_tail
+        """Whether ranks that overlap their reduce-scatters and keep their boundaries on the
+        device run the last block in the head's pass (`EngineConfig.fuse_tail`: off only to
+        compare)."""
         self.host = host
         """The hosts (memory per node, AdamW speed per rank); None: the planner keeps all state on
         the devices and host memory is not checked."""
@@ -460,7 +481,14 @@ class CostModel(ShardGroupCosts):
         return out
 
     def step_time_of_passes(
-        self, type_key: str, b, passes, offload, overlap_reduce=True, host_part=0.0, pad=0.0
+        self,
+        type_key: str,
+        b,
+        passes,
+        offload,
+        overlap_reduce=True,
+        host_part=0.0,
+        pad=0.0,
     ):
         """`step_time_parts` from per-kind (forward, recompute + backward) kernel times: the
         collectives and host copies each pass overlaps with, and the last reduce-scatter.
@@ -480,6 +508,7 @@ class CostModel(ShardGroupCosts):
         compute = 0.0
         copies = 0.0
         grad_copies = 0.0
+        fused = rank_may_fuse(self.tail_fusable and self.fuse_tail, overlap, offload)
         for kind, (fwd, bwd) in passes.items():
             count = self.unit_counts[kind]
             gather = self.collectives.gather(kind, pad)
@@ -496,6 +525,14 @@ class CostModel(ShardGroupCosts):
                 backward = np.where(overlap, np.maximum(hidden, scatter), hidden + scatter)
                 forward = np.maximum(np.maximum(fwd, gather), cf)
                 compute = compute + count * (fwd + bwd)
+                if kind == "block" and self.tail_fusable:
+                    # the last block is not gathered again for its backward; fused, not
+                    # recomputed either (planning/tail_fusion.py)
+                    own = np.where(fused, bwd - fwd, bwd)
+                    last = np.maximum(np.maximum(own, cb), grad_down)
+                    last = np.where(overlap, np.maximum(last, scatter), last + scatter)
+                    total = total + last - backward
+                    compute = compute - np.where(fused, fwd, 0.0)
             else:
                 cf = copy_one * self.sync_copies_fwd[kind]
                 cb = copy_one * self.sync_copies_bwd[kind]
@@ -510,6 +547,17 @@ class CostModel(ShardGroupCosts):
                 forward = np.maximum(fwd + cf, gather)
                 backward = backward + grad_down
                 compute = compute + count * (fwd + bwd + cf + cb)
+                if kind == "block" and self.tail_fusable:
+                    # the last block is not gathered again for its backward; fused, not
+                    # recomputed either (planning/tail_fusion.py)
+                    own = np.where(fused, bwd - fwd, bwd)
+                    last = np.where(
+                        overlap,
+                        np.maximum(own + cb, scatter),
+                        own + cb + scatter,
+                    )
+                    total = total + last + grad_down - backward
+                    compute = compute - np.where(fused, fwd, 0.0)
             forward_total = forward_total + count * forward
             total = total + count * backward
             if kind == "head":
@@ -673,6 +721,10 @@ class CostModel(ShardGroupCosts):
                 units[u + 1].trained * GRAD_BYTES + pad_grad[u + 1] if u + 1 < len(kinds) else 0
             )
             prefetched = units[u - 1].gather_bytes + pad_gathered[u - 1] if u > 0 else 0
+            if u == L + 1 and self.tail_fusable:
+                # the last block stays gathered from its forward to its backward (no second
+                # gather, runtime/engine.py `_forward_pass`), as it computed
+                prefetched = units[L].held_bytes + computing[L]
             phase = {
                 # this unit as it computes, the prefetched one as gathered
                 "gathered": units[u].held_bytes + computing[u] + prefetched,
@@ -693,17 +745,67 @@ class CostModel(ShardGroupCosts):
                 phase["boundary"] = held(u + 1, 1 if kind == "embedding" else 2)
             return phase
 
+        def tail_moments() -> list[dict[str, np.ndarray]]:
+            """The fused tail's moments (runtime/tail_pass.py): `tail_head`, the head's pass
+            over a full micro-batch on top of the last block's saved activations and transient
+            gradients, and `tail_block`, the last micro-batch's block backward after the head
+            is released and the block before is prefetched. Both units' fp32 gradients are
+            alive throughout; the boundaries are the inputs of the L blocks (or their
+            gradients) and one micro-batch's head input (or its gradient)."""
+            k = -(-b // np.maximum(m_eff, 1))
+            m_last = np.where(working, b - (k - 1) * m_eff, 0)
+            chunk = head_chunk_positions(m_eff, self.seq_len, self.model.vocab_size)
+            chunk_bytes = m_eff * chunk * self.model.vocab_size * LOGIT_BYTES
+            grads = (
+                units[L + 1].trained * GRAD_BYTES
+                + pad_grad[L + 1]
+                + units[L].trained * GRAD_BYTES
+                + pad_grad[L]
+            )
+            head = {
+                "gathered": units[L + 1].held_bytes
+                + computing[L + 1]
+                + units[L].held_bytes
+                + computing[L],
+                "grad_accum": grads,
+                "activations": np.where(working, t.act["block"].at(m_eff), 0.0),
+                "logits": np.where(working, np.maximum(t.act["head"].at(m_eff), chunk_bytes), 0.0),
+                "boundary": (L * b + m_eff) * beta,
+            }
+            block = {
+                "gathered": units[L].held_bytes
+                + computing[L]
+                + units[L - 1].gather_bytes
+                + pad_gathered[L - 1],
+                "grad_accum": grads,
+                "activations": np.where(working, t.act["block"].at(m_last), 0.0),
+                "boundary": (L * b + m_last) * beta,
+            }
+            return [head, block]
+
         lean = not bool(np.all(overlap))
         phases = [backward(u) for u in self._backward_candidates(lean)]
         phases.append(
             {
                 "gathered": units[-1].held_bytes
-                + units[-2].gather_bytes
                 + computing[-1]
-                + pad_gathered[-2],
+                + (
+                    units[-2].held_bytes + computing[-2]
+                    if self.tail_fusable
+                    else units[-2].gather_bytes + pad_gathered[-2]
+                ),
                 "boundary": held(L + 1, 1),
             }
         )
+        # the fused tail (planning/tail_fusion.py): on a rank that fuses, its moments replace
+        # the unfused head's, last block's and end of the forward's (which hold no more)
+        fused = rank_may_fuse(self.tail_fusable and self.fuse_tail, overlap, offload)
+        if self.tail_fusable:
+            unfused = np.logical_not(fused)
+            for i, u in enumerate(self._backward_candidates(lean)):
+                if u >= L:
+                    phases[i] = {c: np.where(unfused, v, 0.0) for c, v in phases[i].items()}
+            phases[-1] = {c: np.where(unfused, v, 0.0) for c, v in phases[-1].items()}
         if lean:
             phases.append({})  # the optimizer step: the state alone
         for u in self._dequant_candidates(lean):
@@ -721,6 +823,8 @@ class CostModel(ShardGroupCosts):
                     "boundary": held(u + 1, 2),
                 }
             )
+        if self.tail_fusable:
+            phases += [{c: np.where(fused, v, 0.0) for c, v in ph.items()} for ph in tail_moments()]
         return phases
 
     def _dequant_candidates(self, lean: bool = True) -> list[int]:
@@ -754,10 +858,18 @@ class CostModel(ShardGroupCosts):
 
         grads = [after(u) for u in self._backward_candidates(lean)] + [0]
         grads += [self.optimizer_params] if lean else []
-        return grads + [after(u) for u in self._dequant_candidates(lean)]
+        grads += [after(u) for u in self._dequant_candidates(lean)]
+        return grads + ([after(L + 1), after(L)] if self.tail_fusable else [])
 
     def memory_without_state(
-        self, type_key: str, capacity_bytes: int, b, m, offload, overlap_reduce=True, pad=0.0
+        self,
+        type_key: str,
+        capacity_bytes: int,
+        b,
+        m,
+        offload,
+        overlap_reduce=True,
+        pad=0.0,
     ) -> np.ndarray:
         """`memory_parts`' total: whole bytes per category, exactly as `rank_cost` reports
         them (the planner's tables: one stack of the phases' totals, not one per category).
@@ -855,7 +967,15 @@ class CostModel(ShardGroupCosts):
         )
         opt, host_s = self.optimizer_phase_s(rank, state_fraction, x)
         parts = self.memory_parts(
-            key, cap, batch_size, micro_batch_size, offload, overlap_reduce, state_fraction, x, pad
+            key,
+            cap,
+            batch_size,
+            micro_batch_size,
+            offload,
+            overlap_reduce,
+            state_fraction,
+            x,
+            pad,
         )
         # padded, a rank receives a whole padded chunk of each reduce-scatter (u, not s) and in
         # fp32 sends its gathers from a padded chunk holding its master (collective_cost.py)

@@ -31,9 +31,12 @@ LGA step (mode "lga"), per rank, over its micro-batches (plan `micro_batch_size`
             (device or host), release the gathered buffer. The head computes its token loss
             sums and its backward in one pass (runtime/head_loss.py: chunks of the sequence,
             no full logits), stores its input gradients in its inputs' place and starts its
-            reduce-scatter.
-  backward: for each unit in reverse but the head: all-gather it (prefetch the previous one), for each
-            micro-batch recompute the unit from its saved input with a graph, backprop
+            reduce-scatter. Where the plan fuses its tail (planning/tail_fusion.py: all ranks
+            or none) the last block runs in that pass: per micro-batch its forward with a
+            graph, the head's loss and backward, its backward (runtime/tail_pass.py), so it is
+            neither recomputed nor gathered again.
+  backward: for each unit in reverse but the head (and a fused last block): all-gather it
+            (prefetch the previous one), for each micro-batch recompute the unit from its saved input with a graph, backprop
             the output gradient, add the parameter gradients into ONE full-unit fp32
             buffer, and keep the input gradient (in the saved input's place) as the
             previous unit's output gradient; then ONE reduce-scatter of the unit's
@@ -79,6 +82,7 @@ from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
+from cephalo.planning.tail_fusion import rank_may_fuse, tail_fusable
 from cephalo.runtime import head_loss
 from cephalo.runtime.autograd import BackwardCharges, drain_first, drain_grad_pieces
 from cephalo.runtime.bind import UnitBinding
@@ -99,11 +103,12 @@ from cephalo.runtime.pinned import ALIGN as PINNED_ALIGN
 from cephalo.runtime.pinned import PinnedArena
 from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
 from cephalo.runtime.replicas import SlowLinkComm, attach_replicas
+from cephalo.runtime.tail_pass import TailPass
 from cephalo.runtime.unit_comm import Gathered, Reduce, UnitComm
 from cephalo.runtime.unit_shard import Borrow, MicroBatch, UnitShard
 
 
-class Engine(UnitComm, HeadPass):
+class Engine(UnitComm, HeadPass, TailPass):
     """Sharded data-parallel training of a `UnitModel` under a `Plan` (see module docstring).
 
     The engine takes the model over: after construction its parameters are meta tensors
@@ -191,10 +196,29 @@ class Engine(UnitComm, HeadPass):
         """Activation and transient bytes per (unit, micro-batch shape), measured once."""
         self._vocab = model.spec.vocab_size
         self._head_reducing: list[Reduce] = []
+        self._tail_reducing: list[Reduce] | None = None
+        """The last block's reduce-scatters, started by the fused tail (`_tail_pass`)."""
+        self._kept_last: tuple[Gathered, dict[str, torch.Tensor]] | None = None
+        """Unfused with `keep_last`: the last block as gathered in the forward, for its backward."""
         self._backward_prefetch: Gathered | None = None
         """The last block's gather for the backward, started during the head pass."""
         """The head's reduce-scatters, started at the end of the forward (`_head_pass`)."""
         self._build_shards()
+        fusable = tail_fusable(
+            blocks=len(model.units) - 2,
+            moe=model.spec.num_experts > 0,
+            quantized=bool(model.quantized_parameters),
+            hierarchical=self.replicas is not None,
+        )
+        self.keep_last = config.mode == "lga" and fusable
+        """Whether the last block stays gathered from its forward to its backward (every rank
+        alike: the ranks' collectives must match)."""
+        self.fuse_tail = bool(
+            config.fuse_tail
+            and self.keep_last
+            and rank_may_fuse(fusable, self.overlap_reduce, self.offload)
+        )
+        """Whether the last block runs in the head's pass (planning/tail_fusion.py)."""
         arena = (
             config.pinned_arena if config.pinned_arena is not None else self.device.type == "cuda"
         )
@@ -503,6 +527,10 @@ class Engine(UnitComm, HeadPass):
         (`_head_pass`). Returns this rank's loss sum (fp32)."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         n = len(self.shards)
+        keep = head_grad is not None and self.keep_last
+        fuse = keep and self.fuse_tail
+        tail = None  # fused: the last block, kept gathered for the head's pass
+        self._tail_reducing = self._kept_last = None  # (left set only by a step that raised)
         pending = self._start_gather(self.shards[0], async_op=self.config.prefetch)
         for u, us in enumerate(self.shards):
             g = pending if pending is not None else self._start_gather(us, async_op=False)
@@ -510,10 +538,23 @@ class Engine(UnitComm, HeadPass):
             pending = None
             if self.config.prefetch and u + 1 < n:
                 pending = self._start_gather(self.shards[u + 1], async_op=True)
-            elif self.config.prefetch and head_grad is not None and self._backward_gathers(n - 2):
+            elif (
+                self.config.prefetch
+                and head_grad is not None
+                and not keep
+                and self._backward_gathers(n - 2)
+            ):
                 # the head pass: the backward's first unit, the last block, gathers meanwhile
                 self._backward_prefetch = self._start_gather(self.shards[n - 2], async_op=True)
+            if fuse and u == n - 2:
+                tail = (us, g, params)  # its forward runs in the head's pass, with a graph
+                continue
             with self._compute(), torch.no_grad():
+                if u == n - 1 and tail is not None:
+                    loss_sum += self._tail_pass(*tail, us, g, params, mbs, store, head_grad)
+                    tail = None
+                    del params  # both gathered units were released in the pass
+                    break
                 if u == n - 1 and head_grad is not None:
                     loss_sum += self._head_pass(us, params, mbs, store, head_grad)
                     mbs = []  # done
@@ -528,7 +569,10 @@ class Engine(UnitComm, HeadPass):
                     else:
                         store.put((u + 1, j), out)
                     del out
-            self._release(g)
+            if keep and u == n - 2:  # gathered for its backward already: not gathered again
+                self._kept_last = (g, params)
+            else:
+                self._release(g)
             del params  # the gathered buffers die with the ledger's count of them
         return loss_sum
 
@@ -560,8 +604,17 @@ class Engine(UnitComm, HeadPass):
         # flight
         n = len(self.shards) - 1
         reducing, self._head_reducing = self._head_reducing, []
+        if self._tail_reducing is not None:
+            # the fused tail ran the last block's backward too: the head's reduce-scatters
+            # complete now (one unit's in flight from here on, as unfused), the last block's
+            # during the next unit's backward
+            for r in reducing:
+                self._finish_reduce(r)
+            reducing, self._tail_reducing = self._tail_reducing, None
+            n -= 1
         pending, self._backward_prefetch = self._backward_prefetch, None
-        if pending is None and self._backward_gathers(n - 1):
+        kept, self._kept_last = self._kept_last, None
+        if pending is None and kept is None and self._backward_gathers(n - 1):
             pending = self._start_gather(self.shards[n - 1], async_op=self.config.prefetch)
         for u in reversed(range(n)):
             us = self.shards[u]
@@ -569,8 +622,11 @@ class Engine(UnitComm, HeadPass):
                 for j in range(len(mbs)):
                     store.drop((1, j))
                 break
-            g = pending if pending is not None else self._start_gather(us, async_op=False)
-            params = self._finish_gather(g)
+            if kept is not None:  # the last block, still gathered from the forward
+                (g, params), kept = kept, None
+            else:
+                g = pending if pending is not None else self._start_gather(us, async_op=False)
+                params = self._finish_gather(g)
             pending = None
             if self.config.prefetch and u > 0 and (u > 1 or self._trains(self.shards[0])):
                 pending = self._start_gather(self.shards[u - 1], async_op=True)
@@ -602,14 +658,14 @@ class Engine(UnitComm, HeadPass):
         if self.replicas is not None and self.config.mode == "lga":
             self.replicas.unit_final(self, 0)
 
-    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc, written):
-        u, last = us.index, us.index == len(self.shards) - 1
-        frozen = self.frozen.names(u) if self.frozen else ()
+    def _leaves(self, us, params, acc, tied_acc, written) -> dict[str, torch.Tensor]:
+        """The unit's trained parameters as autograd leaves, each draining its gradient into
+        the fp32 accumulation buffer as soon as autograd produces it (post-accumulate hook),
+        so about one parameter's gradient in compute dtype exists at a time. The buffers are
+        not zeroed: the first gradient of a slot is copied in (`written`: the slots written
+        so far)."""
+        frozen = self.frozen.names(us.index) if self.frozen else ()
         leaves = {n: v.detach().requires_grad_() for n, v in params.items() if n not in frozen}
-        # Each parameter gradient goes into the fp32 accumulation buffer as soon as autograd
-        # produces it and is dropped at once (post-accumulate hook), so about one parameter's
-        # gradient in compute dtype exists at a time. The buffers are not zeroed: the first
-        # gradient of a slot is copied in (`written`: the slots written so far).
         borrowed = {b.name: t for b, t in zip(us.borrows, tied_acc, strict=True)}
         for name, leaf in leaves.items():
             if name in borrowed:
@@ -624,6 +680,11 @@ class Engine(UnitComm, HeadPass):
                         drain_grad_pieces, us.padded.slices(acc, slot.offset, slot.end)
                     )
             leaf.register_post_accumulate_grad_hook(hook)
+        return leaves
+
+    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc, written):
+        u, last = us.index, us.index == len(self.shards) - 1
+        leaves = self._leaves(us, params, acc, tied_acc, written)
         param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
         head_out_grad = (
             torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
@@ -685,7 +746,10 @@ class Engine(UnitComm, HeadPass):
         return [
             MicroBatch(
                 input_ids[a : a + m],
-                labels[a : a + m],
+                # its own storage: the head's loss saves its labels, and a view would make the
+                # ledger charge the whole batch's labels to every micro-batch (the profile, and
+                # so the cost model, charges one micro-batch's)
+                labels[a : a + m].clone(),
                 first + a,
                 None if position_ids is None else position_ids[a : a + m],
             )

@@ -32,6 +32,10 @@ class EngineConfig:
     collective (`Comm.even_gather`: NCCL, not gloo)."""
     prefetch: bool = True
     """Start the next unit's all-gather while computing the current one."""
+    fuse_tail: bool = True
+    """Run the last block's forward and backward in the head's pass, where the plan allows
+    it (planning/tail_fusion.py): the last block is neither recomputed nor gathered again.
+    The cost model assumes it on; off only to compare (tests, benchmarks)."""
     overlap_reduce: bool = True
     """Reduce-scatter a unit's gradient while the next unit's backward computes (one more
     fp32 unit gradient is then alive at a time) where the plan's `overlap_reduce` for this

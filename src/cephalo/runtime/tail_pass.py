@@ -1,0 +1,125 @@
+"""The fused tail (planning/tail_fusion.py says where and why): at the end of the forward, per
+micro-batch, the last block's forward with a graph, the head's loss and backward
+(runtime/head_pass.py), then the last block's backward, so the last block is neither recomputed
+nor gathered again. `TailPass` is a part of `Engine` (runtime/engine.py): the attributes it
+declares are the engine's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from cephalo.runtime.autograd import BackwardCharges
+from cephalo.runtime.boundary import BoundaryStore
+from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.unit_comm import Gathered, Reduce
+from cephalo.runtime.unit_shard import MicroBatch, UnitShard
+
+
+class TailPass:
+    """The last block and the head in one pass (an `Engine` part)."""
+
+    ledger: MemoryLedger
+    device: torch.device
+    dtype: torch.dtype
+    shards: list[UnitShard]
+    _charges: BackwardCharges
+    _head_reducing: list[Reduce]
+    _tail_reducing: list[Reduce] | None
+    _backward_prefetch: Gathered | None
+    _leaves: Callable
+    _run_unit: Callable
+    _unit_input: Callable
+    _backward_micro_batch: Callable
+
+    def _tail_pass(
+        self,
+        block: UnitShard,
+        block_gathered: Gathered,
+        block_params: dict[str, torch.Tensor],
+        head: UnitShard,
+        head_gathered: Gathered,
+        head_params: dict[str, torch.Tensor],
+        mbs: list[MicroBatch],
+        store: BoundaryStore,
+        head_grad: float,
+    ) -> torch.Tensor:
+        """Per micro-batch: the last block's forward with a graph (its saved activations and
+        transient gradients charged as its backward would), its output stored as the head's
+        input for this micro-batch only, the head's loss and backward (the output gradient
+        stored in that input's place), the last block's backward (the input gradient stored in
+        its input's place). After the head's last micro-batch, the head is released, its
+        reduce-scatters start and the previous block's gather is prefetched, beside the last
+        block's last backward. Both gathered units are released here; the last block's
+        reduce-scatters are left in flight for the backward (`_tail_reducing`). Returns the
+        loss sum."""
+        u, h = block.index, head.index
+        acc, tied_acc = self._grad_buffers(block)
+        head_acc, head_tied = self._grad_buffers(head)
+        written: set[str] = set()
+        head_written: set[str] = set()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        head_open = True
+        for j, mb in enumerate(mbs):
+            leaves = self._leaves(block, block_params, acc, tied_acc, written)
+            param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
+            key = (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
+            with self._unit_input(store, u, j, mb) as x_in:
+                x = x_in.detach().requires_grad_()
+                with self._charges.activations(key):
+                    with torch.enable_grad():
+                        out = self._run_unit(block, {**block_params, **leaves}, x, mb)
+                    # charged now, as the unfused backward charges them before its backward:
+                    # the head's pass then runs on top of them (the cost model's `tail_head`)
+                    transient = self._charges.transient(key, out, param_grad)
+                    self.ledger.charge("grad_transient", transient)
+                    store.put((h, j), out)  # the head's input, this micro-batch only
+                    mb.rng[h] = self._save_rng()
+                    loss_sum += self._backward_micro_batch(
+                        head,
+                        head_params,
+                        mb,
+                        j,
+                        store,
+                        head_grad,
+                        head_acc,
+                        head_tied,
+                        head_written,
+                    )
+                    if j == len(mbs) - 1:
+                        self._close_head(head, head_gathered, head_acc, head_tied, head_written)
+                        head_open = False
+                    with store.loaded((h, j)) as gout, torch.enable_grad():
+                        torch.autograd.backward(
+                            out, grad_tensors=gout, inputs=[x, *leaves.values()]
+                        )
+                    del out
+                self.ledger.release("grad_transient", transient)
+                store.drop((h, j))  # the output gradient is consumed
+                store.put((u, j), x.grad)  # replaces the input: the previous unit's output gradient
+                x.grad = None
+        if head_open:  # no micro-batch on this rank
+            self._close_head(head, head_gathered, head_acc, head_tied, head_written)
+        self._zero_unwritten(block, acc, tied_acc, written)
+        self._release(block_gathered)
+        self._tail_reducing = self._start_reduces(block, acc, tied_acc)
+        return loss_sum
+
+    def _close_head(
+        self,
+        head: UnitShard,
+        gathered: Gathered,
+        acc: torch.Tensor,
+        tied_acc: list[torch.Tensor],
+        written: set[str],
+    ) -> None:
+        """The head's gradient is complete: release its gathered parameters, start its
+        reduce-scatters (finished before the previous block's backward, `_backward_pass`) and
+        prefetch the previous block for the backward."""
+        self._zero_unwritten(head, acc, tied_acc, written)
+        self._release(gathered)
+        self._head_reducing = self._start_reduces(head, acc, tied_acc)
+        before = head.index - 2
+        if self.config.prefetch and self._backward_gathers(before):
+            self._backward_prefetch = self._start_gather(self.shards[before], async_op=True)
