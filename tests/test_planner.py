@@ -416,3 +416,31 @@ def test_growing_tables_are_never_shrunk_back(monkeypatch):
     monkeypatch.setattr(optimiser, "tabulate", counted)
     plan = make_plan(cm, 256)
     assert cm.evaluate(plan).fits and plan.predicted.samples_per_s > 0
+
+
+def test_fused_tail_is_a_per_rank_choice_that_memory_can_refuse():
+    """The fused tail (planning/tail_fusion.py) is faster and holds more in the head's pass.
+    With room for both the planner fuses; with room for the unfused order only, it keeps
+    that order (overlapping its reduce-scatters, boundaries on the device) rather than fall
+    back to offloading or waiting for each reduce-scatter; the plan says so per rank
+    (`fuse_tail`) and its prediction is what `evaluate` gives for it."""
+    from dataclasses import replace
+
+    # a large fixed cost per micro-batch pass: one micro-batch of 4 is by far the fastest
+    prof = linear_profile("x", 1.0, 2.0, 1000.0, 0.01, fwd_intercept=5.0, head_act_per_sample=0.0)
+    model = replace(tiny_model(False), vocab_size=1000)  # big logits beside the block's
+    probe = cost_model([FakeDevice("x", 10**9)], {"x": prof}, model=model)
+    fused = probe.rank_cost(0, 4, 4, 1.0, fuse_tail=True)
+    unfused = probe.rank_cost(0, 4, 4, 1.0, fuse_tail=False)
+    assert fused.step_s < unfused.step_s and fused.peak_bytes > unfused.peak_bytes
+    for memory, want in ((10**9, True), ((fused.peak_bytes + unfused.peak_bytes) // 2, False)):
+        cm = cost_model([FakeDevice("x", memory)], {"x": prof}, model=model)
+        plan = make_plan(cm, 4)
+        (r,) = plan.ranks
+        assert (r.fuse_tail, r.micro_batch_size, r.offload_activations, r.overlap_reduce) == (
+            want,
+            4,
+            False,
+            True,
+        ), (memory, r)
+        assert plan.predicted.step_s == pytest.approx(cm.evaluate(plan).step_s)

@@ -435,7 +435,7 @@ class CostModel(ShardGroupCosts):
         return out
 
     def step_time_parts(
-        self, type_key: str, b, m, offload, overlap_reduce=True, host_part=0.0, pad=0.0
+        self, type_key: str, b, m, offload, overlap_reduce=True, host_part=0.0, pad=0.0, fuse=True
     ):
         """(time without the optimizer, compute, host-copy time) of a rank; broadcasts over b,
         m, offload, overlap_reduce and host_part (x = h * s, the host-held fraction of the model,
@@ -445,7 +445,8 @@ class CostModel(ShardGroupCosts):
         s after the rest. On a device without async copies the compute includes the boundary
         copies (the gradient copies to the host run outside the unit compute, on the same thread).
         `pad`: the split's largest fraction where it runs padded-even, else 0 (`split_padding`):
-        its collectives then move the padding too (collective_cost.py).
+        its collectives then move the padding too (collective_cost.py). `fuse`: the plan's
+        `fuse_tail` (broadcasts; the rank fuses where it also allows it, `_fused`).
         """
         return self.step_time_of_passes(
             type_key,
@@ -455,6 +456,7 @@ class CostModel(ShardGroupCosts):
             overlap_reduce,
             host_part,
             pad,
+            fuse,
         )
 
     def fastest_pass_times(self, type_key: str, b, max_micro_batch: int):
@@ -489,6 +491,7 @@ class CostModel(ShardGroupCosts):
         overlap_reduce=True,
         host_part=0.0,
         pad=0.0,
+        fuse=True,
     ):
         """`step_time_parts` from per-kind (forward, recompute + backward) kernel times: the
         collectives and host copies each pass overlaps with, and the last reduce-scatter.
@@ -508,7 +511,7 @@ class CostModel(ShardGroupCosts):
         compute = 0.0
         copies = 0.0
         grad_copies = 0.0
-        fused = rank_may_fuse(self.tail_fusable and self.fuse_tail, overlap, offload)
+        fused = self._fused(overlap, offload, fuse)
         for kind, (fwd, bwd) in passes.items():
             count = self.unit_counts[kind]
             gather = self.collectives.gather(kind, pad)
@@ -581,6 +584,12 @@ class CostModel(ShardGroupCosts):
             )
         return forward_total + backward_phase, compute, copies
 
+    def _fused(self, overlap, offload, fuse):
+        """Where a rank runs the fused tail (planning/tail_fusion.py): the model allows it, this
+        cost model's `fuse_tail`, the plan's (`fuse`) and the rank's own choices. Broadcasts."""
+        allowed = rank_may_fuse(self.tail_fusable and self.fuse_tail, overlap, offload)
+        return np.logical_and(allowed, np.asarray(fuse, dtype=bool))
+
     def host_rates(self, rank: int) -> tuple[float, float, float]:
         """Per host-held parameter on `rank`: (gradient copy down, upload of the compute-dtype
         copy, host AdamW) seconds; (inf, inf, inf) without host resources."""
@@ -621,6 +630,7 @@ class CostModel(ShardGroupCosts):
         state_fraction=None,
         host_part=0.0,
         pad=0.0,
+        fuse=True,
     ) -> dict[str, np.ndarray]:
         """Device memory by category at the predicted peak of a step, without what grows
         with the state fraction (`state` and the reduce-scatter output in `grad_accum`);
@@ -634,8 +644,9 @@ class CostModel(ShardGroupCosts):
         m = np.maximum(np.asarray(m, dtype=np.int64), 1)
         offload = np.asarray(offload, dtype=bool)
         overlap = np.asarray(overlap_reduce, dtype=bool)
-        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape)
-        phases = self._phases(type_key, b, m, offload, overlap, pad)
+        fuse = np.asarray(fuse, dtype=bool)
+        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape, fuse.shape)
+        phases = self._phases(type_key, b, m, offload, overlap, pad, fuse)
         grads = self._phase_grads(not bool(np.all(overlap)))
         if state_fraction is not None:
             s, x = np.asarray(state_fraction), np.asarray(host_part)
@@ -661,7 +672,7 @@ class CostModel(ShardGroupCosts):
         return out
 
     def _phases(
-        self, type_key: str, b, m, offload, overlap=True, pad=0.0
+        self, type_key: str, b, m, offload, overlap=True, pad=0.0, fuse=True
     ) -> list[dict[str, np.ndarray]]:
         """Device bytes by category at the moments of a step where the peak can fall (the
         ledger's view, runtime/engine.py); `_phase_grads` says, per moment, whose gradient
@@ -799,7 +810,7 @@ class CostModel(ShardGroupCosts):
         )
         # the fused tail (planning/tail_fusion.py): on a rank that fuses, its moments replace
         # the unfused head's, last block's and end of the forward's (which hold no more)
-        fused = rank_may_fuse(self.tail_fusable and self.fuse_tail, overlap, offload)
+        fused = self._fused(overlap, offload, fuse)
         if self.tail_fusable:
             unfused = np.logical_not(fused)
             for i, u in enumerate(self._backward_candidates(lean)):
@@ -870,6 +881,7 @@ class CostModel(ShardGroupCosts):
         offload,
         overlap_reduce=True,
         pad=0.0,
+        fuse=True,
     ) -> np.ndarray:
         """`memory_parts`' total: whole bytes per category, exactly as `rank_cost` reports
         them (the planner's tables: one stack of the phases' totals, not one per category).
@@ -880,8 +892,9 @@ class CostModel(ShardGroupCosts):
         m = np.maximum(np.asarray(m, dtype=np.int64), 1)
         offload = np.asarray(offload, dtype=bool)
         overlap = np.asarray(overlap_reduce, dtype=bool)
-        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape)
-        phases = self._phases(type_key, b, m, offload, overlap, pad)
+        fuse = np.asarray(fuse, dtype=bool)
+        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape, fuse.shape)
+        phases = self._phases(type_key, b, m, offload, overlap, pad, fuse)
         zero = np.zeros(shape)
         raw = np.stack([sum((v for v in ph.values()), zero) for ph in phases])
         whole = np.stack([sum((np.ceil(v) for v in ph.values()), zero) for ph in phases])
@@ -938,6 +951,7 @@ class CostModel(ShardGroupCosts):
         host_fraction: float = 0.0,
         overlap_reduce: bool = True,
         pad: float = 0.0,
+        fuse_tail: bool = True,
     ) -> RankCost:
         """One rank's time and memory; `host_fraction` is the plan's `host_state_fraction` h (the
         part of this rank's shard on the host); `pad` the split's largest fraction where it runs
@@ -963,7 +977,7 @@ class CostModel(ShardGroupCosts):
         cap = self.capacity_bytes(rank)
         x = state_fraction * host_fraction
         total, compute, copies = self.step_time_parts(
-            key, batch_size, micro_batch_size, offload, overlap_reduce, x, pad
+            key, batch_size, micro_batch_size, offload, overlap_reduce, x, pad, fuse_tail
         )
         opt, host_s = self.optimizer_phase_s(rank, state_fraction, x)
         parts = self.memory_parts(
@@ -976,6 +990,7 @@ class CostModel(ShardGroupCosts):
             state_fraction,
             x,
             pad,
+            fuse_tail,
         )
         # padded, a rank receives a whole padded chunk of each reduce-scatter (u, not s) and in
         # fp32 sends its gathers from a padded chunk holding its master (collective_cost.py)
@@ -1065,6 +1080,7 @@ class CostModel(ShardGroupCosts):
                 pad,
                 # the one setting callers change on a made model (bench/hetero_throughput.py)
                 self.serial_reduce,
+                r.fuse_tail,
             )
             if key not in cache:
                 cache[key] = self.rank_cost(
@@ -1076,6 +1092,7 @@ class CostModel(ShardGroupCosts):
                     r.host_state_fraction,
                     r.overlap_reduce,
                     pad,
+                    r.fuse_tail,
                 )
             node = self.host.node_of[r.rank] if self.host is not None else 0
             costs.append(replace(cache[key], rank=r.rank, node=node))

@@ -53,6 +53,10 @@ class RankPlan:
     overlap_reduce: bool = True
     """Reduce-scatter a unit's gradient while the next unit's backward computes (one more fp32
     unit gradient on the device); False: wait for it at once (a rank short of memory)."""
+    fuse_tail: bool = True
+    """Run the last block's forward and backward in the head's pass where the model and this
+    rank allow it (planning/tail_fusion.py: no recompute of the last block, more memory in that
+    pass); False: the unfused order. The planner chooses it per rank."""
     predicted_step_s: float | None = None
     """Cost-model step time of this rank alone (busy time), seconds."""
     predicted_peak_memory_bytes: int | None = None
@@ -305,6 +309,7 @@ def _parse_plan(d: Any, source: str) -> Plan:
                 overlap_reduce=bool(_need(r, "overlap_reduce", bool, where))
                 if "overlap_reduce" in r
                 else True,
+                fuse_tail=bool(_need(r, "fuse_tail", bool, where)) if "fuse_tail" in r else True,
                 predicted_step_s=_optional_number(r, "predicted_step_s", where),
                 predicted_peak_memory_bytes=_optional_number(
                     r, "predicted_peak_memory_bytes", where, int

@@ -25,6 +25,8 @@ class Choice:
     """host_state_fraction per rank (None: all 0)."""
     overlap: list[bool] | None = None
     """overlap_reduce per rank (None: all True)."""
+    fuse: list[bool] | None = None
+    """fuse_tail per rank (None: all True)."""
     lower: float = 0.0
     """A step time no plan of the search that made it reaches (its bisection's infeasible end)."""
 
@@ -54,6 +56,7 @@ def choice_to_plan(
                     round(c.host[i], 12) if c.host is not None and c.fraction[i] > 0 else 0.0
                 ),
                 overlap_reduce=True if c.overlap is None else bool(c.overlap[i]),
+                fuse_tail=True if c.fuse is None else bool(c.fuse[i]),
             )
         )
     plan = Plan(

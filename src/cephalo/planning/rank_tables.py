@@ -10,6 +10,7 @@ which padding charge; the tables depend on it (planner.py has the whole search).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -52,6 +53,8 @@ class RankGroup:
     """Optimizer time of owning the whole state (P * optimizer_s_per_param)."""
     overlap: np.ndarray | None = None
     """[b, option] whether the option overlaps its reduce-scatters."""
+    fuse: np.ndarray | None = None
+    """[b, option] the option's `fuse_tail` (planning/tail_fusion.py)."""
     host_boundary: np.ndarray | None = None
     """[b, option] host bytes of the option's offloaded boundaries."""
     host_share: float = math.inf
@@ -172,13 +175,13 @@ def tabulate(
     else:
         assert cache.cm is cm, "a TableCache serves the searches of one cost model"
         tables = cache.tables(g, bmax, allowed)
-    g.time, g.memcap, g.micro, g.offload, g.overlap, g.host_boundary = tables
+    g.time, g.memcap, g.micro, g.offload, g.overlap, g.host_boundary, g.fuse = tables
     g.bmax = bmax
     g.host_cap_terms = None
 
 
-_Tables = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-"""A group's [b, option] tables: time, memcap, micro, offload, overlap, host_boundary."""
+_Tables = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""A group's [b, option] tables: time, memcap, micro, offload, overlap, host_boundary, fuse."""
 
 
 class TableCache:
@@ -226,58 +229,59 @@ def _tables(cm: CostModel, g: RankGroup, bmax: int, allowed: SearchRegime) -> _T
     ms = _micro_batch_candidates(mmax)[None, :]
     offs = [False, True] if allowed.offload else [False]
     overlaps = [True, False] if allowed.serial else [True]
-    # every (offload, overlap) choice in one evaluation: axes b, m, offload, overlap
-    o_axis = np.array(offs)[None, None, :, None]
-    ov_axis = np.array(overlaps)[None, None, None, :]
+    # the fused tail is an option where the model allows it: faster, more memory in the
+    # head's pass (planning/tail_fusion.py)
+    fuses = [True, False] if cm.tail_fusable and cm.fuse_tail else [True]
+    # every (offload, overlap, fuse) choice in one evaluation: axes b, m, offload, overlap, fuse
+    o_axis = np.array(offs)[None, None, :, None, None]
+    ov_axis = np.array(overlaps)[None, None, None, :, None]
+    f_axis = np.array(fuses)[None, None, None, None, :]
+    b5, m5 = bs[..., None, None, None], ms[..., None, None, None]
     t_all, _, _ = cm.step_time_parts(
-        g.type_key, bs[..., None, None], ms[..., None, None], o_axis, ov_axis, pad=allowed.pad
+        g.type_key, b5, m5, o_axis, ov_axis, pad=allowed.pad, fuse=f_axis
     )
     mem_all = cm.memory_without_state(
-        g.type_key,
-        g.capacity,
-        bs[..., None, None],
-        ms[..., None, None],
-        o_axis,
-        ov_axis,
-        allowed.pad,
+        g.type_key, g.capacity, b5, m5, o_axis, ov_axis, allowed.pad, fuse=f_axis
     )
-    shape = (bmax + 1, ms.shape[1], len(offs), len(overlaps))
+    shape = (bmax + 1, ms.shape[1], len(offs), len(overlaps), len(fuses))
     t_all, mem_all = np.broadcast_to(t_all, shape), np.broadcast_to(mem_all, shape)
     blocks = []
-    for io, o in enumerate(offs):
-        for iv, ov in enumerate(overlaps):
-            t, mem = t_all[:, :, io, iv], mem_all[:, :, io, iv]
-            # an option is valid when m <= b (or the single dummy option m = 1 of a rank without samples)
-            valid = ms <= np.maximum(bs, 1)
-            t = np.where(valid, t, np.inf)
-            memcap = (g.capacity - MEMORY_SLACK_BYTES - np.where(valid, mem, np.inf)) / (
-                cm.bytes_per_fraction_at(allowed.pad)
+    for (io, o), (iv, ov), (jf, fu) in itertools.product(
+        enumerate(offs), enumerate(overlaps), enumerate(fuses)
+    ):
+        t, mem = t_all[:, :, io, iv, jf], mem_all[:, :, io, iv, jf]
+        # an option is valid when m <= b (or the single dummy option m = 1 of a rank without samples)
+        valid = ms <= np.maximum(bs, 1)
+        t = np.where(valid, t, np.inf)
+        memcap = (g.capacity - MEMORY_SLACK_BYTES - np.where(valid, mem, np.inf)) / (
+            cm.bytes_per_fraction_at(allowed.pad)
+        )
+        host_b = np.broadcast_to(cm.host_bytes(bs, o, 0.0), t.shape).astype(np.float64)
+        if allowed.host:
+            # the offloaded boundaries must fit the rank's share of its host's memory
+            t = np.where(host_b <= g.host_share, t, np.inf)
+        blocks.append(
+            (
+                t,
+                np.where(np.isfinite(t), memcap, -np.inf),
+                np.broadcast_to(ms, t.shape),
+                np.full(t.shape, o),
+                np.full(t.shape, ov),
+                host_b,
+                np.full(t.shape, fu),
             )
-            host_b = np.broadcast_to(cm.host_bytes(bs, o, 0.0), t.shape).astype(np.float64)
-            if allowed.host:
-                # the offloaded boundaries must fit the rank's share of its host's memory
-                t = np.where(host_b <= g.host_share, t, np.inf)
-            blocks.append(
-                (
-                    t,
-                    np.where(np.isfinite(t), memcap, -np.inf),
-                    np.broadcast_to(ms, t.shape),
-                    np.full(t.shape, o),
-                    np.full(t.shape, ov),
-                    host_b,
-                )
-            )
+        )
     # Pareto filter per row; with host state the offloaded options compete only among
     # themselves (they use host memory the others leave to the state)
     classes = [[b for b in blocks if b[3][0, 0] == o] for o in offs] if allowed.host else [blocks]
-    kept = [_pareto([np.concatenate([b[i] for b in c], axis=1) for i in range(6)]) for c in classes]
+    kept = [_pareto([np.concatenate([b[i] for b in c], axis=1) for i in range(7)]) for c in classes]
     width = max(k[0].shape[1] for k in kept)
-    fills = (np.inf, -np.inf, 1, False, True, 0.0)
-    time, memcap, micro, offload, overlap, host_boundary = (
+    fills = (np.inf, -np.inf, 1, False, True, 0.0, True)
+    time, memcap, micro, offload, overlap, host_boundary, fuse = (
         np.concatenate([_pad(k[i], width, fill) for k in kept], axis=1)
         for i, fill in enumerate(fills)
     )
-    return time, memcap, micro, offload, overlap, host_boundary
+    return time, memcap, micro, offload, overlap, host_boundary, fuse
 
 
 def _pad(a: np.ndarray, width: int, fill) -> np.ndarray:

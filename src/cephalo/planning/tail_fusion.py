@@ -16,6 +16,11 @@ a second time. (An unfused rank held the last block gathered during the head's p
 it was prefetched there for the backward.) The ranks of a shard group must run the same
 collectives in the same order; they do.
 
+The planner chooses it per rank (`RankPlan.fuse_tail`), as it chooses offload and reduce
+overlap: its tables hold both orders for a rank that allows the fused tail, and keep each where
+it is on the time/memory frontier. So a rank with room for the unfused order only keeps that
+order instead of offloading or waiting for its reduce-scatters.
+
 The price is memory in that pass: the last block's saved activations and transient gradients
 and both gradient buffers (the head's and the last block's) sit beside the head's chunk of
 logits. In exchange the head's inputs are never stored for the whole batch, only one
@@ -47,7 +52,7 @@ def tail_fusable(*, blocks: int, moe: bool, quantized: bool, hierarchical: bool)
 
 
 def rank_may_fuse(fusable: bool, overlap_reduce, offload):
-    """Whether a rank's own choices allow the fused tail: the model and plan allow it
+    """Whether a rank's other choices allow the fused tail: the model and plan allow it
     (`tail_fusable`), the rank overlaps its reduce-scatters and keeps its boundaries on the
-    device. Broadcasts over numpy arrays."""
+    device (its plan's `fuse_tail` then says whether it does). Broadcasts over numpy arrays."""
     return np.logical_and(fusable, np.logical_and(overlap_reduce, np.logical_not(offload)))

@@ -31,6 +31,7 @@ class _RankOption:
     micro: int = 1
     offload: bool = False
     overlap: bool = True
+    fuse: bool = True
     time: float = 0.0
     """Step time without the optimizer (and without host state)."""
     memcap: float = 0.0
@@ -50,6 +51,7 @@ def _rank_options(cm: CostModel, groups: list[RankGroup], found) -> list[_RankOp
                 micro=int(g.micro[b, j]),
                 offload=bool(g.offload[b, j]),
                 overlap=bool(g.overlap[b, j]) if g.overlap is not None else True,
+                fuse=bool(g.fuse[b, j]) if g.fuse is not None else True,
                 time=float(g.time[b, j]),
                 memcap=float(g.memcap[b, j]),
                 host_boundary=float(g.host_boundary[b, j]) if g.host_boundary is not None else 0.0,
@@ -163,6 +165,7 @@ def water_fill(cm: CostModel, groups: list[RankGroup], found, allowed: SearchReg
         offload=off,
         fraction=fractions.tolist(),
         overlap=[o.overlap for o in opts],
+        fuse=[o.fuse for o in opts],
     )
 
 
@@ -253,4 +256,5 @@ def _water_fill_host(
         fraction=fractions.tolist(),
         host=host,
         overlap=[o.overlap for o in opts],
+        fuse=[o.fuse for o in opts],
     )

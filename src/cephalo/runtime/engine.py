@@ -215,6 +215,7 @@ class Engine(UnitComm, HeadPass, TailPass):
         alike: the ranks' collectives must match)."""
         self.fuse_tail = bool(
             config.fuse_tail
+            and self.rank_plan.fuse_tail
             and self.keep_last
             and rank_may_fuse(fusable, self.overlap_reduce, self.offload)
         )
