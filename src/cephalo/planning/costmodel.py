@@ -725,6 +725,13 @@ class CostModel(ShardGroupCosts):
             """Boundaries on the device: `sets` of all b samples, or `staged` staging buffers."""
             return np.where(offload, staged * m_eff * beta, sets * b * beta)
 
+        def head_logits() -> np.ndarray:
+            """The head's pass at micro-batch m: its profile curve, never below one chunk of
+            its fp32 logits (runtime/head_loss.py: one chunk at a time)."""
+            chunk = head_chunk_positions(m_eff, self.seq_len, self.model.vocab_size)
+            chunk_bytes = m_eff * chunk * self.model.vocab_size * LOGIT_BYTES
+            return np.where(working, np.maximum(t.act["head"].at(m_eff), chunk_bytes), 0.0)
+
         def backward(u: int) -> dict[str, np.ndarray]:
             kind = kinds[u]
             act = t.act[kind].at(m_eff)
@@ -744,11 +751,7 @@ class CostModel(ShardGroupCosts):
                 + np.where(overlap, in_flight, 0),
             }
             if kind == "head":
-                # one chunk of the head's logits at a time (runtime/head_loss.py)
-                chunk = head_chunk_positions(m_eff, self.seq_len, self.model.vocab_size)
-                chunk_bytes = m_eff * chunk * self.model.vocab_size * LOGIT_BYTES
-                logits = np.maximum(act, chunk_bytes)
-                phase["logits"] = np.where(working, logits, 0.0)
+                phase["logits"] = head_logits()
                 phase["boundary"] = held(L + 1, 1)  # every unit input; its own staged
             else:
                 phase["activations"] = np.where(working, act, 0.0)
@@ -765,8 +768,6 @@ class CostModel(ShardGroupCosts):
             gradients) and one micro-batch's head input (or its gradient)."""
             k = -(-b // np.maximum(m_eff, 1))
             m_last = np.where(working, b - (k - 1) * m_eff, 0)
-            chunk = head_chunk_positions(m_eff, self.seq_len, self.model.vocab_size)
-            chunk_bytes = m_eff * chunk * self.model.vocab_size * LOGIT_BYTES
             grads = (
                 units[L + 1].trained * GRAD_BYTES
                 + pad_grad[L + 1]
@@ -780,7 +781,7 @@ class CostModel(ShardGroupCosts):
                 + computing[L],
                 "grad_accum": grads,
                 "activations": np.where(working, t.act["block"].at(m_eff), 0.0),
-                "logits": np.where(working, np.maximum(t.act["head"].at(m_eff), chunk_bytes), 0.0),
+                "logits": head_logits(),
                 "boundary": (L * b + m_eff) * beta,
             }
             block = {

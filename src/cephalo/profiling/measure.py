@@ -43,7 +43,7 @@ import torch
 
 from cephalo.modeling.units import Unit
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import drain_grad, largest_saved_bytes
+from cephalo.runtime.autograd import drain_grad, largest_grad_bytes, largest_saved_bytes
 from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.comm import Comm
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
@@ -227,7 +227,7 @@ class UnitBench:
             leaf.register_post_accumulate_grad_hook(
                 functools.partial(drain_grad, self.acc[slot.offset : slot.end])
             )
-        param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
+        param_grad = largest_grad_bytes(leaves.values(), self.dtype)
         if self.kind == "head":  # the engine's one pass of loss and backward, in chunks
             self._head_backward(leaves, x, labels, gout, param_grad)
             return

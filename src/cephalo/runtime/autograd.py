@@ -17,9 +17,16 @@ def drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
     leaf.grad = None
 
 
+def largest_grad_bytes(leaves, dtype: torch.dtype) -> int:
+    """Bytes of the largest parameter gradient autograd produces for `leaves` (compute dtype):
+    the parameter side of a backward's transient gradients (`BackwardCharges.transient`)."""
+    return max((v.numel() for v in leaves), default=0) * dtype.itemsize
+
+
 def drain_first(written: set[str], name: str, dst: torch.Tensor, leaf: torch.Tensor) -> None:
     """`drain_grad` into an unzeroed slot: the first gradient of `name` in this backward is
-    copied in, later ones added (`zero_unwritten` clears the slots no gradient reached)."""
+    copied in, later ones added (`UnitComm._start_reduces` zeroes the slots no gradient
+    reached)."""
     if name in written:
         dst.add_(leaf.grad.reshape(-1))
     else:

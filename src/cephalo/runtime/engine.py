@@ -31,12 +31,14 @@ LGA step (mode "lga"), per rank, over its micro-batches (plan `micro_batch_size`
             (device or host), release the gathered buffer. The head computes its token loss
             sums and its backward in one pass (runtime/head_loss.py: chunks of the sequence,
             no full logits), stores its input gradients in its inputs' place and starts its
-            reduce-scatter. Where the plan fuses its tail (planning/tail_fusion.py: all ranks
-            or none) the last block runs in that pass: per micro-batch its forward with a
-            graph, the head's loss and backward, its backward (runtime/tail_pass.py), so it is
-            neither recomputed nor gathered again.
+            reduce-scatter. Where the model allows it (planning/tail_fusion.py) the last block
+            stays gathered from its forward to its backward on every rank, and a rank whose
+            plan fuses its tail runs it in the head's pass: per micro-batch its forward with
+            a graph, the head's loss and backward, its backward (runtime/tail_pass.py), so it
+            is neither recomputed nor gathered again.
   backward: for each unit in reverse but the head (and a fused last block): all-gather it
-            (prefetch the previous one), for each micro-batch recompute the unit from its saved input with a graph, backprop
+            (prefetch the previous one), for each micro-batch recompute the unit from its
+            saved input with a graph, backprop
             the output gradient, add the parameter gradients into ONE full-unit fp32
             buffer, and keep the input gradient (in the saved input's place) as the
             previous unit's output gradient; then ONE reduce-scatter of the unit's
@@ -84,7 +86,12 @@ from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
 from cephalo.planning.tail_fusion import rank_may_fuse, tail_fusable
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import BackwardCharges, drain_first, drain_grad_pieces
+from cephalo.runtime.autograd import (
+    BackwardCharges,
+    drain_first,
+    drain_grad_pieces,
+    largest_grad_bytes,
+)
 from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm
@@ -104,7 +111,7 @@ from cephalo.runtime.pinned import PinnedArena
 from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
 from cephalo.runtime.replicas import SlowLinkComm, attach_replicas
 from cephalo.runtime.tail_pass import TailPass
-from cephalo.runtime.unit_comm import Gathered, Reduce, UnitComm
+from cephalo.runtime.unit_comm import Gathered, Reduce, UnitComm, UnitGrads
 from cephalo.runtime.unit_shard import Borrow, MicroBatch, UnitShard
 
 
@@ -631,14 +638,10 @@ class Engine(UnitComm, HeadPass, TailPass):
             pending = None
             if self.config.prefetch and u > 0 and (u > 1 or self._trains(self.shards[0])):
                 pending = self._start_gather(self.shards[u - 1], async_op=True)
-            acc, tied_acc = self._grad_buffers(us)
-            written: set[str] = set()
+            grads = self._grad_buffers(us)
             with self._compute():
                 for j, mb in enumerate(mbs):
-                    self._backward_micro_batch(
-                        us, params, mb, j, store, head_grad, acc, tied_acc, written
-                    )
-                self._zero_unwritten(us, acc, tied_acc, written)
+                    self._backward_micro_batch(us, params, mb, j, store, head_grad, grads)
             self._release(g)
             del params  # the gathered buffers die with the ledger's count of them
             # the previous unit's reduce-scatters ran while this unit's backward computed
@@ -646,10 +649,10 @@ class Engine(UnitComm, HeadPass, TailPass):
                 self._finish_reduce(r)
             if self.replicas is not None and self.config.mode == "lga":
                 self.replicas.unit_final(self, u + 1)  # complete: its all-reduce can start
-            reducing = self._start_reduces(us, acc, tied_acc)
+            reducing = self._start_reduces(us, grads)
             # the reduce-scatters hold the buffers now: no name here may keep them alive into
             # the next unit's backward once `_finish_reduce` has freed them in the ledger
-            acc = tied_acc = None
+            grads = None
             if not self.overlap_reduce:
                 for r in reducing:
                     self._finish_reduce(r)
@@ -659,15 +662,16 @@ class Engine(UnitComm, HeadPass, TailPass):
         if self.replicas is not None and self.config.mode == "lga":
             self.replicas.unit_final(self, 0)
 
-    def _leaves(self, us, params, acc, tied_acc, written) -> dict[str, torch.Tensor]:
+    def _leaves(self, us, params, grads: UnitGrads) -> dict[str, torch.Tensor]:
         """The unit's trained parameters as autograd leaves, each draining its gradient into
         the fp32 accumulation buffer as soon as autograd produces it (post-accumulate hook),
         so about one parameter's gradient in compute dtype exists at a time. The buffers are
-        not zeroed: the first gradient of a slot is copied in (`written`: the slots written
-        so far)."""
+        not zeroed: the first gradient of a slot is copied in (`grads.written`: the slots
+        written so far)."""
         frozen = self.frozen.names(us.index) if self.frozen else ()
         leaves = {n: v.detach().requires_grad_() for n, v in params.items() if n not in frozen}
-        borrowed = {b.name: t for b, t in zip(us.borrows, tied_acc, strict=True)}
+        acc, written = grads.acc, grads.written
+        borrowed = {b.name: t for b, t in zip(us.borrows, grads.tied, strict=True)}
         for name, leaf in leaves.items():
             if name in borrowed:
                 hook = functools.partial(drain_first, written, name, borrowed[name])
@@ -683,10 +687,10 @@ class Engine(UnitComm, HeadPass, TailPass):
             leaf.register_post_accumulate_grad_hook(hook)
         return leaves
 
-    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, acc, tied_acc, written):
+    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, grads: UnitGrads):
         u, last = us.index, us.index == len(self.shards) - 1
-        leaves = self._leaves(us, params, acc, tied_acc, written)
-        param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
+        leaves = self._leaves(us, params, grads)
+        param_grad = largest_grad_bytes(leaves.values(), self.dtype)
         head_out_grad = (
             torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
         )

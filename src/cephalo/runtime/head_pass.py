@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import BackwardCharges
+from cephalo.runtime.autograd import BackwardCharges, largest_grad_bytes
 from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.memory import MemoryLedger
@@ -44,16 +44,12 @@ class HeadPass:
         (runtime/head_loss.py): its gradient buffers filled, its input gradients stored in its
         inputs' place, its reduce-scatters started (finished during the last block's backward,
         `_backward_pass`). Returns the loss sum."""
-        acc, tied_acc = self._grad_buffers(us)
-        written: set[str] = set()
+        grads = self._grad_buffers(us)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for j, mb in enumerate(mbs):
             mb.rng[us.index] = self._save_rng()
-            loss_sum += self._backward_micro_batch(
-                us, params, mb, j, store, head_grad, acc, tied_acc, written
-            )
-        self._zero_unwritten(us, acc, tied_acc, written)
-        self._head_reducing = self._start_reduces(us, acc, tied_acc)
+            loss_sum += self._backward_micro_batch(us, params, mb, j, store, head_grad, grads)
+        self._head_reducing = self._start_reduces(us, grads)
         if not self.overlap_reduce:
             for r in self._head_reducing:
                 self._finish_reduce(r)
@@ -63,7 +59,7 @@ class HeadPass:
     def _head_micro_batch(self, us, leaves, params, mb, j, store, out_grad, key) -> torch.Tensor:
         """The head over one micro-batch, chunk by chunk (runtime/head_loss.py): loss sum
         returned, input gradient stored in the input's place."""
-        param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
+        param_grad = largest_grad_bytes(leaves.values(), self.dtype)
         charged = [0]
 
         def on_chunk(out: torch.Tensor) -> None:  # this chunk's transient gradients

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import torch
 
-from cephalo.runtime.autograd import BackwardCharges
+from cephalo.runtime.autograd import BackwardCharges, largest_grad_bytes
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.memory import MemoryLedger
-from cephalo.runtime.unit_comm import Gathered, Reduce
+from cephalo.runtime.unit_comm import Gathered, Reduce, UnitGrads
 from cephalo.runtime.unit_shard import MicroBatch, UnitShard
 
 
@@ -55,15 +55,13 @@ class TailPass:
         reduce-scatters are left in flight for the backward (`_tail_reducing`). Returns the
         loss sum."""
         u, h = block.index, head.index
-        acc, tied_acc = self._grad_buffers(block)
-        head_acc, head_tied = self._grad_buffers(head)
-        written: set[str] = set()
-        head_written: set[str] = set()
+        grads = self._grad_buffers(block)
+        head_grads = self._grad_buffers(head)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         head_open = True
         for j, mb in enumerate(mbs):
-            leaves = self._leaves(block, block_params, acc, tied_acc, written)
-            param_grad = max((v.numel() for v in leaves.values()), default=0) * self.dtype.itemsize
+            leaves = self._leaves(block, block_params, grads)
+            param_grad = largest_grad_bytes(leaves.values(), self.dtype)
             key = (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
             with self._unit_input(store, u, j, mb) as x_in:
                 x = x_in.detach().requires_grad_()
@@ -77,18 +75,10 @@ class TailPass:
                     store.put((h, j), out)  # the head's input, this micro-batch only
                     mb.rng[h] = self._save_rng()
                     loss_sum += self._backward_micro_batch(
-                        head,
-                        head_params,
-                        mb,
-                        j,
-                        store,
-                        head_grad,
-                        head_acc,
-                        head_tied,
-                        head_written,
+                        head, head_params, mb, j, store, head_grad, head_grads
                     )
                     if j == len(mbs) - 1:
-                        self._close_head(head, head_gathered, head_acc, head_tied, head_written)
+                        self._close_head(head, head_gathered, head_grads)
                         head_open = False
                     with store.loaded((h, j)) as gout, torch.enable_grad():
                         torch.autograd.backward(
@@ -100,26 +90,17 @@ class TailPass:
                 store.put((u, j), x.grad)  # replaces the input: the previous unit's output gradient
                 x.grad = None
         if head_open:  # no micro-batch on this rank
-            self._close_head(head, head_gathered, head_acc, head_tied, head_written)
-        self._zero_unwritten(block, acc, tied_acc, written)
+            self._close_head(head, head_gathered, head_grads)
         self._release(block_gathered)
-        self._tail_reducing = self._start_reduces(block, acc, tied_acc)
+        self._tail_reducing = self._start_reduces(block, grads)
         return loss_sum
 
-    def _close_head(
-        self,
-        head: UnitShard,
-        gathered: Gathered,
-        acc: torch.Tensor,
-        tied_acc: list[torch.Tensor],
-        written: set[str],
-    ) -> None:
+    def _close_head(self, head: UnitShard, gathered: Gathered, grads: UnitGrads) -> None:
         """The head's gradient is complete: release its gathered parameters, start its
         reduce-scatters (finished before the previous block's backward, `_backward_pass`) and
         prefetch the previous block for the backward."""
-        self._zero_unwritten(head, acc, tied_acc, written)
         self._release(gathered)
-        self._head_reducing = self._start_reduces(head, acc, tied_acc)
+        self._head_reducing = self._start_reduces(head, grads)
         before = head.index - 2
         if self.config.prefetch and self._backward_gathers(before):
             self._backward_prefetch = self._start_gather(self.shards[before], async_op=True)

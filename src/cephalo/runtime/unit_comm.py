@@ -20,6 +20,17 @@ from cephalo.runtime.unit_shard import UnitShard
 
 
 @dataclass
+class UnitGrads:
+    """A unit's fp32 gradient buffers for one backward (`UnitComm._grad_buffers`): its own,
+    those of the tied parameters it borrows, and the slots written so far (the buffers are not
+    zeroed: a slot's first gradient is copied in, `runtime/autograd.py` `drain_first`)."""
+
+    acc: torch.Tensor
+    tied: list[torch.Tensor]
+    written: set[str] = field(default_factory=set)
+
+
+@dataclass
 class Gathered:
     """A unit's parameters gathered in compute dtype (maybe still in flight)."""
 
@@ -229,39 +240,33 @@ class UnitComm:
         self.world.all_reduce(t, "sum")
         self._comm_wait_s += time.perf_counter() - t0
 
-    def _grad_buffers(self, us: UnitShard) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _grad_buffers(self, us: UnitShard) -> UnitGrads:
         """The fp32 gradient buffers of a unit and of the tied parameters it borrows, not
         zeroed: each parameter's first gradient is copied into its slot (`drain_first`), and
-        `_zero_unwritten` clears what no gradient reached, so no memset of a whole unit per
+        `_start_reduces` clears what no gradient reached, so no memset of a whole unit per
         backward. A padded buffer (runtime/padded.py) is zeroed: its padding is reduced too."""
         padded = us.padded is not None
         numel = us.layout.numel if not padded else us.padded.numel
         acc = self.ledger.alloc("grad_accum", numel, torch.float32, device=self.device, zero=padded)
-        tied_acc = [
+        tied = [
             self.ledger.alloc("grad_accum", b.slot.numel, torch.float32, device=self.device)
             for b in us.borrows
         ]
-        return acc, tied_acc
+        return UnitGrads(acc, tied)
 
-    @staticmethod
-    def _zero_unwritten(
-        us: UnitShard, acc: torch.Tensor, tied_acc: list[torch.Tensor], written: set[str]
-    ) -> None:
-        """After a unit's backward: zero the slots of the parameters that got no gradient (one
-        the unit's forward did not use), so the reduce-scatter sums no stale memory."""
-        if us.padded is None and len(written) < len(us.layout.slots):
+    def _start_reduces(self, us: UnitShard, grads: UnitGrads) -> list[Reduce]:
+        """The unit's gradient is complete: zero the slots of the parameters that got no
+        gradient (one the unit's forward did not use), so the reduce-scatters sum no stale
+        memory, then start them (its own and each borrowed tied parameter's)."""
+        if us.padded is None and len(grads.written) < len(us.layout.slots):
             for slot in us.layout.slots:
-                if slot.name not in written:
-                    acc[slot.offset : slot.end].zero_()
-        for b, t_acc in zip(us.borrows, tied_acc, strict=True):
-            if b.name not in written:
+                if slot.name not in grads.written:
+                    grads.acc[slot.offset : slot.end].zero_()
+        for b, t_acc in zip(us.borrows, grads.tied, strict=True):
+            if b.name not in grads.written:
                 t_acc.zero_()
-
-    def _start_reduces(
-        self, us: UnitShard, acc: torch.Tensor, tied_acc: list[torch.Tensor]
-    ) -> list[Reduce]:
-        reducing = [self._start_reduce(us, 0, us.size, acc, us.sizes, True)]
-        for b, t_acc in zip(us.borrows, tied_acc, strict=True):
+        reducing = [self._start_reduce(us, 0, us.size, grads.acc, us.sizes, True)]
+        for b, t_acc in zip(us.borrows, grads.tied, strict=True):
             lo, hi = b.local
             reducing.append(self._start_reduce(b.owner, lo, hi, t_acc, b.sizes))
         return reducing
