@@ -1,5 +1,6 @@
 """The planner against an exhaustive search over the same cost model, its baselines and its errors."""
 
+import io
 import itertools
 import math
 import re
@@ -14,6 +15,7 @@ from cephalo import CephaloError, Plan, RankPlan
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planning.planner import make_plan
 from cephalo.specs.model import ModelSpec
+from cephalo.views.tables import plan_table
 from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
 
 
@@ -418,6 +420,14 @@ def test_growing_tables_are_never_shrunk_back(monkeypatch):
     assert cm.evaluate(plan).fits and plan.predicted.samples_per_s > 0
 
 
+def _render(table) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(table)
+    return console.export_text().rstrip()
+
+
 def test_fused_tail_is_a_per_rank_choice_that_memory_can_refuse():
     """The fused tail (planning/tail_fusion.py) is faster and holds more in the head's pass.
     With room for both the planner fuses; with room for the unfused order only, it keeps
@@ -433,6 +443,9 @@ def test_fused_tail_is_a_per_rank_choice_that_memory_can_refuse():
     fused = probe.rank_cost(0, 4, 4, 1.0, fuse_tail=True)
     unfused = probe.rank_cost(0, 4, 4, 1.0, fuse_tail=False)
     assert fused.step_s < unfused.step_s and fused.peak_bytes > unfused.peak_bytes
+    assert fused.fused_tail and not unfused.fused_tail
+    # a rank that offloads its boundaries keeps the unfused order whatever its plan says
+    assert not probe.rank_cost(0, 4, 4, 1.0, offload=True, fuse_tail=True).fused_tail
     for memory, want in ((10**9, True), ((fused.peak_bytes + unfused.peak_bytes) // 2, False)):
         cm = cost_model([FakeDevice("x", memory)], {"x": prof}, model=model)
         plan = make_plan(cm, 4)
@@ -443,4 +456,9 @@ def test_fused_tail_is_a_per_rank_choice_that_memory_can_refuse():
             False,
             True,
         ), (memory, r)
-        assert plan.predicted.step_s == pytest.approx(cm.evaluate(plan).step_s)
+        ev = cm.evaluate(plan)
+        assert plan.predicted.step_s == pytest.approx(ev.step_s)
+        # `cephalo plan` shows the choice (views/tables.py)
+        assert ev.ranks[0].fused_tail == want
+        line = _render(plan_table(plan, ev, "t")).splitlines()[-1].split()
+        assert line[line.index("ovl") + 1] == ("fused" if want else "-")

@@ -76,6 +76,9 @@ class RankCost:
     node: int = 0
     host_capacity_bytes: int | None = None
     """Host memory of this rank's node (shared with the node's other ranks); None: unknown."""
+    fused_tail: bool = False
+    """Whether this rank runs the fused tail: the last block's forward, the head's pass and
+    the last block's backward at once, no recompute (planning/tail_fusion.py)."""
 
     @property
     def busy_s(self) -> float:

@@ -1019,6 +1019,7 @@ class CostModel(ShardGroupCosts):
             host_bytes=int(math.ceil(float(self.host_bytes(batch_size, offload, x)))),
             node=node,
             host_capacity_bytes=self.host.memory_bytes[node] if self.host is not None else None,
+            fused_tail=bool(self._fused(overlap_reduce, offload, fuse_tail)),
         )
 
     def comm_s(self, pad: float = 0.0) -> float:

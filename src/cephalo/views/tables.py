@@ -20,16 +20,17 @@ GIB = 1024**3
 
 
 def make_console() -> Console:
-    """A console at least 110 columns wide: the per-rank table is not readable narrower (pipes, CI)."""
+    """A console at least 120 columns wide: the per-rank table is not readable narrower (pipes, CI)."""
     width = Console().width
-    return Console(width=max(width, 110))
+    return Console(width=max(width, 120))
 
 
 def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "GiB") -> Table:
     """One row per rank; the slowest rank's step time in bold, ranks over their memory in red.
     `memory_unit` "MiB" suits emulated budgets far below a GiB. `on host`: the part of the
     rank's state shard in host memory (`host_state_fraction`); `rs`: `ovl` where the rank
-    overlaps its reduce-scatters, `wait` where it waits for each (a unit gradient less)."""
+    overlaps its reduce-scatters, `wait` where it waits for each (a unit gradient less); `tail`:
+    `fused` where the rank runs the last block in the head's pass (not recomputed)."""
     unit = {"GiB": GIB, "MiB": 2**20}[memory_unit]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     grouped = plan.hierarchical
@@ -43,12 +44,13 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
         "on host",
         "act",
         "rs",
+        "tail",
         "step s",
         "busy s",
         f"{memory_unit} used/cap",
         "fits",
     ):
-        left = col in ("device", "act", "rs")
+        left = col in ("device", "act", "rs", "tail")
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
     for r, c in zip(plan.ranks, ev.ranks, strict=True):
         slowest = abs(c.step_s - ev.step_s) <= 1e-12 * max(ev.step_s, 1.0)
@@ -62,6 +64,7 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
             f"{r.host_state_fraction:.2f}" if r.host_state_fraction and r.state_fraction else "-",
             "host" if r.offload_activations else "dev",
             "ovl" if r.overlap_reduce else "wait",
+            "fused" if c.fused_tail else "-",
             f"[bold]{c.step_s:.3f}[/bold]" if slowest else f"{c.step_s:.3f}",
             f"{c.busy_s:.3f}",
             f"{c.peak_bytes / unit:.1f}/{c.capacity_bytes / unit:.1f}",
