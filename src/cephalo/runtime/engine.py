@@ -203,13 +203,14 @@ class Engine(UnitComm, HeadPass, TailPass):
         """Activation and transient bytes per (unit, micro-batch shape), measured once."""
         self._vocab = model.spec.vocab_size
         self._head_reducing: list[Reduce] = []
+        """The head's reduce-scatters, started at the end of the forward (`_head_pass`)."""
         self._tail_reducing: list[Reduce] | None = None
         """The last block's reduce-scatters, started by the fused tail (`_tail_pass`)."""
         self._kept_last: tuple[Gathered, dict[str, torch.Tensor]] | None = None
         """Unfused with `keep_last`: the last block as gathered in the forward, for its backward."""
         self._backward_prefetch: Gathered | None = None
-        """The last block's gather for the backward, started during the head pass."""
-        """The head's reduce-scatters, started at the end of the forward (`_head_pass`)."""
+        """The backward's first gather, started during the head pass (unfused: the last block;
+        fused: the block before it, `_close_head`)."""
         self._build_shards()
         fusable = tail_fusable(
             blocks=len(model.units) - 2,
@@ -452,6 +453,35 @@ class Engine(UnitComm, HeadPass, TailPass):
                 return self._binding(us)(params, (x,), kwargs)
             return head_loss.loss(self._head_fn(us, params), x, mb.labels, self._vocab)
 
+    @contextlib.contextmanager
+    def _unit_graph(
+        self,
+        us: UnitShard,
+        params: dict[str, torch.Tensor],
+        leaves: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        mb: MicroBatch,
+        key: tuple,
+    ) -> Iterator[torch.Tensor]:
+        """Unit `us`'s forward on `x` with a graph over its trained parameters `leaves`, its
+        saved activations and autograd's transient gradients charged as its backward holds
+        them; yields the output, whose backward the caller runs inside (the recompute of
+        `_backward_micro_batch`, the fused tail's last block, runtime/tail_pass.py)."""
+        param_grad = largest_grad_bytes(leaves.values(), self.dtype)
+        with self._charges.activations(key):
+            with torch.enable_grad():
+                out = self._run_unit(us, {**params, **leaves}, x, mb)
+            # Autograd's transient gradients are not saved tensors, so the ledger does not
+            # see them. At a backward's peak, the gradient w.r.t. the largest saved tensor
+            # coexists with the gradient it produces (the head: d log-probs and d logits,
+            # each the size of the saved log-probs) or with a parameter's gradient: charge
+            # the larger (runtime/autograd.py, measured once per key).
+            transient = self._charges.transient(key, out, param_grad)
+            self.ledger.charge("grad_transient", transient)
+            yield out
+            del out
+        self.ledger.release("grad_transient", transient)
+
     def _binding(self, us: UnitShard) -> UnitBinding:
         binding = self._bindings.get(us.index)
         if binding is None:
@@ -688,34 +718,24 @@ class Engine(UnitComm, HeadPass, TailPass):
         return leaves
 
     def _backward_micro_batch(self, us, params, mb, j, store, head_grad, grads: UnitGrads):
-        u, last = us.index, us.index == len(self.shards) - 1
+        u = us.index
         leaves = self._leaves(us, params, grads)
-        param_grad = largest_grad_bytes(leaves.values(), self.dtype)
-        head_out_grad = (
-            torch.full((), head_grad, dtype=torch.float32, device=self.device) if last else None
-        )
-        gout_ctx = contextlib.nullcontext(head_out_grad) if last else store.loaded((u + 1, j))
         key = (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
-        if last:
-            return self._head_micro_batch(us, leaves, params, mb, j, store, head_out_grad, key)
+        if u == len(self.shards) - 1:
+            out_grad = torch.full((), head_grad, dtype=torch.float32, device=self.device)
+            return self._head_micro_batch(us, leaves, params, mb, j, store, out_grad, key)
         with self._unit_input(store, u, j, mb) as x_in:
             x = x_in if u == 0 else x_in.detach().requires_grad_()
             self._restore_rng(mb.rng[u])
-            with gout_ctx as gout, torch.enable_grad(), self._charges.activations(key):
-                out = self._run_unit(us, {**params, **leaves}, x, mb)
-                # Autograd's transient gradients are not saved tensors, so the ledger does not
-                # see them. At a backward's peak, the gradient w.r.t. the largest saved tensor
-                # coexists with the gradient it produces (the head: d log-probs and d logits,
-                # each the size of the saved log-probs) or with a parameter's gradient: charge
-                # the larger (runtime/autograd.py, measured once per key).
-                transient = self._charges.transient(key, out, param_grad)
-                self.ledger.charge("grad_transient", transient)
+            with (
+                store.loaded((u + 1, j)) as gout,
+                self._unit_graph(us, params, leaves, x, mb, key) as out,
+                torch.enable_grad(),
+            ):
                 inputs = ([x] if u > 0 else []) + list(leaves.values())
                 torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
                 del out
-            self.ledger.release("grad_transient", transient)
-            if not last:
-                store.drop((u + 1, j))  # the output gradient is consumed
+            store.drop((u + 1, j))  # the output gradient is consumed
             if u > 0:
                 store.put((u, j), x.grad)  # replaces the input: unit u-1's output gradient
                 x.grad = None

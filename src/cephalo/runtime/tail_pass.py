@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import torch
 
-from cephalo.runtime.autograd import BackwardCharges, largest_grad_bytes
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.unit_comm import Gathered, Reduce, UnitGrads
@@ -24,12 +23,11 @@ class TailPass:
     device: torch.device
     dtype: torch.dtype
     shards: list[UnitShard]
-    _charges: BackwardCharges
     _head_reducing: list[Reduce]
     _tail_reducing: list[Reduce] | None
     _backward_prefetch: Gathered | None
     _leaves: Callable
-    _run_unit: Callable
+    _unit_graph: Callable
     _unit_input: Callable
     _backward_micro_batch: Callable
 
@@ -61,17 +59,12 @@ class TailPass:
         head_open = True
         for j, mb in enumerate(mbs):
             leaves = self._leaves(block, block_params, grads)
-            param_grad = largest_grad_bytes(leaves.values(), self.dtype)
             key = (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
             with self._unit_input(store, u, j, mb) as x_in:
                 x = x_in.detach().requires_grad_()
-                with self._charges.activations(key):
-                    with torch.enable_grad():
-                        out = self._run_unit(block, {**block_params, **leaves}, x, mb)
-                    # charged now, as the unfused backward charges them before its backward:
-                    # the head's pass then runs on top of them (the cost model's `tail_head`)
-                    transient = self._charges.transient(key, out, param_grad)
-                    self.ledger.charge("grad_transient", transient)
+                # charged as the unfused backward charges them, before its backward: the
+                # head's pass then runs on top of them (the cost model's `tail_head`)
+                with self._unit_graph(block, block_params, leaves, x, mb, key) as out:
                     store.put((h, j), out)  # the head's input, this micro-batch only
                     mb.rng[h] = self._save_rng()
                     loss_sum += self._backward_micro_batch(
@@ -85,7 +78,6 @@ class TailPass:
                             out, grad_tensors=gout, inputs=[x, *leaves.values()]
                         )
                     del out
-                self.ledger.release("grad_transient", transient)
                 store.drop((h, j))  # the output gradient is consumed
                 store.put((u, j), x.grad)  # replaces the input: the previous unit's output gradient
                 x.grad = None
