@@ -73,7 +73,6 @@ restored in its recompute, for any other randomness a model draws.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 from collections.abc import Iterator
@@ -86,12 +85,7 @@ from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planning.plan import Plan
 from cephalo.planning.tail_fusion import rank_may_fuse, tail_fusable
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import (
-    BackwardCharges,
-    drain_first,
-    drain_grad_pieces,
-    largest_grad_bytes,
-)
+from cephalo.runtime.autograd import BackwardCharges
 from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.comm import Comm
@@ -111,11 +105,12 @@ from cephalo.runtime.pinned import PinnedArena
 from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
 from cephalo.runtime.replicas import SlowLinkComm, attach_replicas
 from cephalo.runtime.tail_pass import TailPass
-from cephalo.runtime.unit_comm import Gathered, Reduce, UnitComm, UnitGrads
+from cephalo.runtime.unit_backward import UnitBackward
+from cephalo.runtime.unit_comm import Gathered, Reduce, UnitComm
 from cephalo.runtime.unit_shard import Borrow, MicroBatch, UnitShard
 
 
-class Engine(UnitComm, HeadPass, TailPass):
+class Engine(UnitComm, UnitBackward, HeadPass, TailPass):
     """Sharded data-parallel training of a `UnitModel` under a `Plan` (see module docstring).
 
     The engine takes the model over: after construction its parameters are meta tensors
@@ -453,35 +448,6 @@ class Engine(UnitComm, HeadPass, TailPass):
                 return self._binding(us)(params, (x,), kwargs)
             return head_loss.loss(self._head_fn(us, params), x, mb.labels, self._vocab)
 
-    @contextlib.contextmanager
-    def _unit_graph(
-        self,
-        us: UnitShard,
-        params: dict[str, torch.Tensor],
-        leaves: dict[str, torch.Tensor],
-        x: torch.Tensor,
-        mb: MicroBatch,
-        key: tuple,
-    ) -> Iterator[torch.Tensor]:
-        """Unit `us`'s forward on `x` with a graph over its trained parameters `leaves`, its
-        saved activations and autograd's transient gradients charged as its backward holds
-        them; yields the output, whose backward the caller runs inside (the recompute of
-        `_backward_micro_batch`, the fused tail's last block, runtime/tail_pass.py)."""
-        param_grad = largest_grad_bytes(leaves.values(), self.dtype)
-        with self._charges.activations(key):
-            with torch.enable_grad():
-                out = self._run_unit(us, {**params, **leaves}, x, mb)
-            # Autograd's transient gradients are not saved tensors, so the ledger does not
-            # see them. At a backward's peak, the gradient w.r.t. the largest saved tensor
-            # coexists with the gradient it produces (the head: d log-probs and d logits,
-            # each the size of the saved log-probs) or with a parameter's gradient: charge
-            # the larger (runtime/autograd.py, measured once per key).
-            transient = self._charges.transient(key, out, param_grad)
-            self.ledger.charge("grad_transient", transient)
-            yield out
-            del out
-        self.ledger.release("grad_transient", transient)
-
     def _binding(self, us: UnitShard) -> UnitBinding:
         binding = self._bindings.get(us.index)
         if binding is None:
@@ -691,55 +657,6 @@ class Engine(UnitComm, HeadPass, TailPass):
             self._finish_reduce(r)
         if self.replicas is not None and self.config.mode == "lga":
             self.replicas.unit_final(self, 0)
-
-    def _leaves(self, us, params, grads: UnitGrads) -> dict[str, torch.Tensor]:
-        """The unit's trained parameters as autograd leaves, each draining its gradient into
-        the fp32 accumulation buffer as soon as autograd produces it (post-accumulate hook),
-        so about one parameter's gradient in compute dtype exists at a time. The buffers are
-        not zeroed: the first gradient of a slot is copied in (`grads.written`: the slots
-        written so far)."""
-        frozen = self.frozen.names(us.index) if self.frozen else ()
-        leaves = {n: v.detach().requires_grad_() for n, v in params.items() if n not in frozen}
-        acc, written = grads.acc, grads.written
-        borrowed = {b.name: t for b, t in zip(us.borrows, grads.tied, strict=True)}
-        for name, leaf in leaves.items():
-            if name in borrowed:
-                hook = functools.partial(drain_first, written, name, borrowed[name])
-            else:
-                slot = us.layout.slot(name)
-                if us.padded is None:
-                    dst = acc[slot.offset : slot.end]
-                    hook = functools.partial(drain_first, written, name, dst)
-                else:  # the padded gradient buffer, zeroed (runtime/padded.py)
-                    hook = functools.partial(
-                        drain_grad_pieces, us.padded.slices(acc, slot.offset, slot.end)
-                    )
-            leaf.register_post_accumulate_grad_hook(hook)
-        return leaves
-
-    def _backward_micro_batch(self, us, params, mb, j, store, head_grad, grads: UnitGrads):
-        u = us.index
-        leaves = self._leaves(us, params, grads)
-        key = (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
-        if u == len(self.shards) - 1:
-            out_grad = torch.full((), head_grad, dtype=torch.float32, device=self.device)
-            return self._head_micro_batch(us, leaves, params, mb, j, store, out_grad, key)
-        with self._unit_input(store, u, j, mb) as x_in:
-            x = x_in if u == 0 else x_in.detach().requires_grad_()
-            self._restore_rng(mb.rng[u])
-            with (
-                store.loaded((u + 1, j)) as gout,
-                self._unit_graph(us, params, leaves, x, mb, key) as out,
-                torch.enable_grad(),
-            ):
-                inputs = ([x] if u > 0 else []) + list(leaves.values())
-                torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
-                del out
-            store.drop((u + 1, j))  # the output gradient is consumed
-            if u > 0:
-                store.put((u, j), x.grad)  # replaces the input: unit u-1's output gradient
-                x.grad = None
-        return None
 
     # ------------------------------------------------------------------ public API
     def _micro_batches(
