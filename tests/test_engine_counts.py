@@ -59,3 +59,42 @@ def test_standard_mode_collectives_grow_with_micro_batches(k):
     calls, units = _step_calls("gpt-tiny", {"tie_embeddings": False}, k, "standard")
     gathers = (2 * units - 1) * k
     assert calls == {"all_gather_v": gathers, "reduce_scatter_v": units * k, "all_reduce": 2}
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_leaves_made_once_per_unit_backward_and_dropped_before_release(fuse, monkeypatch):
+    """Every micro-batch of a unit's backward drains through the same leaves and hooks
+    (runtime/unit_backward.py): one hook per trained parameter per step, not per micro-batch.
+    The leaves view the gathered parameters, so they are dropped before those are released
+    (`UnitGrads.done_with_leaves`): every unit's gradient reaches `_start_reduces` without them."""
+    import torch
+
+    from cephalo.runtime.unit_comm import UnitComm
+
+    hooks, leftover = [0], []
+    register = torch.Tensor.register_post_accumulate_grad_hook
+
+    def counting(self, hook):
+        hooks[0] += 1
+        return register(self, hook)
+
+    start = UnitComm._start_reduces
+
+    def checking(self, us, grads):
+        if grads.leaves is not None:
+            leftover.append(us.index)
+        return start(self, us, grads)
+
+    monkeypatch.setattr(torch.Tensor, "register_post_accumulate_grad_hook", counting)
+    monkeypatch.setattr(UnitComm, "_start_reduces", checking)
+    plan = make_plan([4], [1.0], [1])  # 4 micro-batches
+    model = build_model("gpt-tiny", tie_embeddings=False)
+    trained = sum(1 for p in model.parameters() if p.requires_grad)
+    engine = Engine(model, plan, LocalComm(), EngineConfig(fuse_tail=fuse))
+    assert engine.fuse_tail == fuse
+    (x, y), (x2, y2) = make_data(2, 4)
+    engine.train_step(x, y, lr=LR)
+    hooks[0] = 0
+    engine.train_step(x2, y2, lr=LR)
+    assert hooks[0] == trained
+    assert leftover == []

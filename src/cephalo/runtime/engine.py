@@ -638,6 +638,7 @@ class Engine(UnitComm, UnitBackward, HeadPass, TailPass):
             with self._compute():
                 for j, mb in enumerate(mbs):
                     self._backward_micro_batch(us, params, mb, j, store, head_grad, grads)
+            grads.done_with_leaves()
             self._release(g)
             del params  # the gathered buffers die with the ledger's count of them
             # the previous unit's reduce-scatters ran while this unit's backward computed

@@ -49,6 +49,7 @@ class HeadPass:
         for j, mb in enumerate(mbs):
             mb.rng[us.index] = self._save_rng()
             loss_sum += self._backward_micro_batch(us, params, mb, j, store, head_grad, grads)
+        grads.done_with_leaves()  # (the caller releases the head's parameters)
         self._head_reducing = self._start_reduces(us, grads)
         if not self.overlap_reduce:
             for r in self._head_reducing:

@@ -83,6 +83,7 @@ class TailPass:
                 x.grad = None
         if head_open:  # no micro-batch on this rank
             self._close_head(head, head_gathered, head_grads)
+        grads.done_with_leaves()
         self._release(block_gathered)
         self._tail_reducing = self._start_reduces(block, grads)
         return loss_sum
@@ -91,6 +92,7 @@ class TailPass:
         """The head's gradient is complete: release its gathered parameters, start its
         reduce-scatters (finished before the previous block's backward, `_backward_pass`) and
         prefetch the previous block for the backward."""
+        grads.done_with_leaves()
         self._release(gathered)
         self._head_reducing = self._start_reduces(head, grads)
         before = head.index - 2

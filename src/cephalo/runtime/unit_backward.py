@@ -73,7 +73,10 @@ class UnitBackward:
         the fp32 accumulation buffer as soon as autograd produces it (post-accumulate hook),
         so about one parameter's gradient in compute dtype exists at a time. The buffers are
         not zeroed: the first gradient of a slot is copied in (`grads.written`: the slots
-        written so far)."""
+        written so far). Made once per unit backward (`grads.leaves`): every micro-batch's
+        backward drains through the same leaves and hooks."""
+        if grads.leaves is not None:
+            return grads.leaves
         frozen = self.frozen.names(us.index) if self.frozen else ()
         leaves = {n: v.detach().requires_grad_() for n, v in params.items() if n not in frozen}
         acc, written = grads.acc, grads.written
@@ -91,6 +94,7 @@ class UnitBackward:
                         drain_grad_pieces, us.padded.slices(acc, slot.offset, slot.end)
                     )
             leaf.register_post_accumulate_grad_hook(hook)
+        grads.leaves = leaves
         return leaves
 
     def _backward_micro_batch(

@@ -28,6 +28,15 @@ class UnitGrads:
     acc: torch.Tensor
     tied: list[torch.Tensor]
     written: set[str] = field(default_factory=set)
+    leaves: dict[str, torch.Tensor] | None = None
+    """The unit's trained parameters as autograd leaves with their draining hooks, made by
+    the first micro-batch's backward and reused by the others (runtime/unit_backward.py).
+    They are views of the gathered parameters: `done_with_leaves` before those are released."""
+
+    def done_with_leaves(self) -> None:
+        """The unit's last micro-batch is through: drop the leaves, so the gathered buffers
+        they view die when the ledger releases them, not when these buffers do."""
+        self.leaves = None
 
 
 @dataclass
