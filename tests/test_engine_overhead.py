@@ -10,7 +10,7 @@ from cephalo.runtime import dropout as dropout_mod
 from cephalo.runtime.comm import LocalComm
 from cephalo.runtime.dropout import module_uses_dropout
 from cephalo.runtime.engine import Engine, EngineConfig
-from cephalo.runtime.optim import ADAMW_KERNELS
+from cephalo.runtime.optim import ADAMW_KERNELS, SQ_SUM_CHUNK, grad_sq_sum
 from engine_common import make_data, make_plan, one_thread  # noqa: F401
 
 
@@ -150,3 +150,25 @@ def test_non_finite_gradient_skips_without_a_host_sync():
     for a, b in zip((us.master, us.exp_avg, us.exp_avg_sq), before, strict=True):
         assert torch.equal(a, b)
     assert all(int(g.grad.count_nonzero()) == 0 for g in engine.optimizer.groups)
+
+
+@pytest.mark.parametrize("sizes", [[1], [5, 3], [SQ_SUM_CHUNK + 7], [2 * SQ_SUM_CHUNK, 1000, 3]])
+def test_grad_sq_sum_widens_every_entry(sizes):
+    """The squared gradient norm on the CPU (chunks widened to fp64, BLAS dot) is the exact sum
+    of the fp64 squares to fp64 rounding, and the fused-kernel path (CUDA's) agrees; the same
+    entries split otherwise (between ranks, device and host) give the same to fp64 rounding."""
+    import math
+
+    g = torch.Generator().manual_seed(sum(sizes))
+    grads = [
+        torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 3, (n,), generator=g) for n in sizes
+    ]
+    exact = math.fsum(float(v) ** 2 for t in grads for v in t.double().tolist())
+    cpu = float(grad_sq_sum(grads, torch.device("cpu")))
+    fused = float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum())
+    flat = torch.cat(grads)
+    resplit = list(flat.split([flat.numel() // 3, flat.numel() - flat.numel() // 3]))
+    resplit = [t for t in resplit if t.numel()]
+    for value in (cpu, fused, float(grad_sq_sum(resplit, torch.device("cpu")))):
+        assert value == pytest.approx(exact, rel=1e-13, abs=0.0)
+    assert grad_sq_sum(grads, torch.device("cpu")).dtype == torch.float64
