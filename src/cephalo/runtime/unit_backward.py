@@ -68,7 +68,9 @@ class UnitBackward:
             del out
         self.ledger.release("grad_transient", transient)
 
-    def _leaves(self, us, params, grads: UnitGrads) -> dict[str, torch.Tensor]:
+    def _leaves(
+        self, us: UnitShard, params: dict[str, torch.Tensor], grads: UnitGrads
+    ) -> dict[str, torch.Tensor]:
         """The unit's trained parameters as autograd leaves, each draining its gradient into
         the fp32 accumulation buffer as soon as autograd produces it (post-accumulate hook),
         so about one parameter's gradient in compute dtype exists at a time. The buffers are
