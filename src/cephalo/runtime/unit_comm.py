@@ -34,8 +34,9 @@ class UnitGrads:
     They are views of the gathered parameters: `done_with_leaves` before those are released."""
 
     def done_with_leaves(self) -> None:
-        """The unit's last micro-batch is through: drop the leaves, so the gathered buffers
-        they view die when the ledger releases them, not when these buffers do."""
+        """The unit's last micro-batch is through: drop the leaves, so these buffers, which
+        live on until their reduce-scatters finish, do not keep the gathered parameters alive
+        past their release (the caller's own views of them go with its `params`)."""
         self.leaves = None
 
 
