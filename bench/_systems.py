@@ -1,7 +1,7 @@
 """The two systems the engine benchmarks run side by side on every rank, and how they are
 measured the same way.
 
-- `OursTrainer`: `cephalo.runtime.engine.Engine` under a plan.
+- `OursTrainer`: `cephalo.runtime.engine.engine.Engine` under a plan.
 - `Fsdp2Trainer`: PyTorch FSDP2 (`fully_shard` per unit, then the root), gradient
   accumulation with `set_requires_gradient_sync(False)` on all but the last micro-batch,
   optionally per-unit activation checkpointing (`checkpoint_wrapper`, the like-for-like
@@ -37,7 +37,7 @@ from torch import nn
 
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX
-from cephalo.planning.plan import Plan
+from cephalo.planner.plan import Plan
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.param_groups import adamw_param_groups
 
@@ -86,9 +86,9 @@ class OursTrainer:
         overlap_reduce: bool = True,
         inter_node_bytes_per_s: float | None = None,
     ):
-        from cephalo.runtime.comm import make_comm
-        from cephalo.runtime.engine import Engine, EngineConfig
-        from cephalo.runtime.optim import AdamWHyper
+        from cephalo.runtime.adamw import AdamWHyper
+        from cephalo.runtime.collectives.comm import make_comm
+        from cephalo.runtime.engine.engine import Engine, EngineConfig
 
         overrides = {"tie_embeddings": False, "dropout": 0.0, **overrides}
         model = build_model(model_name, **overrides)  # on meta: the engine materialises its shards
@@ -317,7 +317,7 @@ class SoloTrainer:
     def __init__(self, model_name: str, overrides: dict, seq_len: int, cm: Any, device: Any):
         import numpy as np
 
-        from cephalo.planning.planner import manual_plan
+        from cephalo.planner.makers import manual_plan
 
         ms = np.arange(1, SOLO_MICRO_BATCH + 1)
         fits = (

@@ -70,7 +70,7 @@ def _model(directory: str, mode: str, init: str | None = None):
 
 
 def _plan(directory: str, mode: str):
-    from cephalo.planning.planner import manual_plan
+    from cephalo.planner.makers import manual_plan
     from cephalo.specs.adapter import AdapterSpec
 
     plan = manual_plan(
@@ -87,8 +87,8 @@ def _run(directory: str, steps: int) -> dict:
     step and the categories at it, this rank's frozen bytes."""
     import transformers
 
-    from cephalo.runtime.comm import make_comm
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.runtime.collectives.comm import make_comm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     transformers.logging.set_verbosity_error()
     comm = make_comm("gloo")
@@ -130,7 +130,7 @@ def _run(directory: str, steps: int) -> dict:
 
 def _predict(directory: str) -> dict:
     """Per mode: the cost model's evaluation of the plan, over profiles of this machine."""
-    from cephalo.planning.sources import measured_cost_model
+    from cephalo.costmodel.sources import measured_cost_model
     from cephalo.profiling.profiler import profile_devices
     from cephalo.profiling.settings import ProfileSettings
     from cephalo.specs.adapter import AdapterSpec

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _common import Result, markdown_table, print_table, save_figure, verdict
+from cephalo.advise.advisor import Advisor
+from cephalo.advise.results import FrontierPoint
 from cephalo.commands.plan import build_cost_model
-from cephalo.planning.advise import Advisor
-from cephalo.planning.advise_results import FrontierPoint
 from cephalo.specs.offers import Offers
 
 MODEL, SEQ_LEN, DTYPE, GLOBAL_BATCH = "gpt-2.7b", 512, "fp16", 1024

@@ -74,7 +74,7 @@ from _common import (
 from _systems import ideal_tokens_per_s
 from cephalo import envvars
 from cephalo.envvars import scoped_environ
-from cephalo.planning.plan import Plan
+from cephalo.planner.plan import Plan
 from cephalo.train.config import JobConfig, load_config
 from cephalo.train.trainer import train
 from hetero_throughput import CASES, profile_cluster

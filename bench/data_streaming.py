@@ -42,8 +42,8 @@ PIECE_CHARS = 1 << 20  # the default
 WORKER = """
 import json, sys, threading, time
 from pathlib import Path
-from cephalo.train.corpus import Corpus
-from cephalo.train.data import prepare_dataset
+from cephalo.data.corpus import Corpus
+from cephalo.data.text import prepare_dataset
 
 def status():
     out = {}

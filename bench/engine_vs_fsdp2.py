@@ -72,7 +72,7 @@ def _compare(setup: Setup, overrides: dict, rounds: int, warmup: int) -> dict:
         OursTrainer,
         make_data,
     )
-    from cephalo.planning.planner import manual_plan
+    from cephalo.planner.makers import manual_plan
     from cephalo.runtime.live_bytes import tracked_peak_bytes
 
     world = dist.get_world_size()

@@ -1,6 +1,6 @@
 """Collectives on gloo (CPU, loopback): which call is faster.
 
-`runtime/comm.py` chooses how `GlooComm` runs an all-gather and a reduce-scatter
+`runtime/collectives/comm.py` chooses how `GlooComm` runs an all-gather and a reduce-scatter
 (`Comm.even_gather`). This bench times, side by side in one run, on 2 and 4 gloo ranks and
 unit-sized fp32 buffers:
 - the all-gather of equal sizes as `all_gather_into_tensor` against one async broadcast per
@@ -9,7 +9,7 @@ unit-sized fp32 buffers:
   and as an all-reduce in place on the whole buffer followed by a copy of this rank's slice;
 - the reduce-scatter of an uneven split (rank r owns a share proportional to r + 1) as the list
   `reduce_scatter` (what `GlooComm` does) and as the all-reduce in place (faster at 4 ranks,
-  but it sums the ranks in another fp32 order: runtime/comm.py says why it is not used).
+  but it sums the ranks in another fp32 order: runtime/collectives/comm.py says why it is not used).
 Each call is started async and waited for at once (call + wait, the slice copy included); the
 variants alternate, a barrier before each; medians of rank 0.
 """
@@ -132,12 +132,12 @@ def main() -> None:
         summary=[
             markdown_table(headers, rows, "rr" + "r" * (len(headers) - 2)),
             f"- The per-source broadcasts gathered faster in {faster} of {len(rows)} cases: "
-            "`GlooComm` gathers equal sizes with them (`Comm.even_gather`, runtime/comm.py).",
+            "`GlooComm` gathers equal sizes with them (`Comm.even_gather`, runtime/collectives/comm.py).",
             f"- Uneven splits: the all-reduce in place reduce-scattered faster than the list "
             f"`reduce_scatter` in {reduce_faster} of {len(rows)} cases. These are idle "
             "latencies of one call, noisy at 2 ranks (a few ms either way). `GlooComm` keeps "
             "`reduce_scatter_tensor` for equal sizes and the list form for uneven ones: the "
-            "all-reduce sums the ranks in another fp32 order (runtime/comm.py).",
+            "all-reduce sums the ranks in another fp32 order (runtime/collectives/comm.py).",
         ],
         figures=[_plot(plot)],
         details=[

@@ -100,11 +100,11 @@ def profile_cluster(spec: str, n_layer: int, cache: str):
     """Runs on every rank: the cluster's measured cost model, as the planner sees it here
     (`profile_devices` with this bench's short settings, then `measured_cost_model`).
     Returns (cluster, cost model, profiling seconds, the profiles)."""
+    from cephalo.costmodel.sources import measured_cost_model
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.sources import measured_cost_model
     from cephalo.profiling.profiler import profile_devices
     from cephalo.profiling.settings import ProfileSettings
-    from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.collectives.comm import make_comm
     from cephalo.specs.cluster import Cluster
 
     cluster = Cluster.parse(spec)
@@ -132,7 +132,7 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
     """Runs on every rank: profile, plan, then time the four columns in rotated order."""
     from _systems import Fsdp2Trainer, OursTrainer, SoloTrainer, make_data
     from cephalo.errors import PlanDoesNotFit
-    from cephalo.planning.planner import make_plan
+    from cephalo.planner.makers import make_plan
     from cephalo.runtime.live_bytes import tracked_peak_bytes
 
     rank = dist.get_rank()

@@ -71,10 +71,10 @@ def write_model(directory: Path, args: argparse.Namespace, family: str = "llama"
 class Cephalo:
     def __init__(self, directory: Path, batch: int, seq_len: int):
         from cephalo.modeling.registry import build_model
-        from cephalo.planning.planner import manual_plan
-        from cephalo.runtime.comm import LocalComm
-        from cephalo.runtime.engine import Engine, EngineConfig
-        from cephalo.runtime.optim import AdamWHyper
+        from cephalo.planner.makers import manual_plan
+        from cephalo.runtime.adamw import AdamWHyper
+        from cephalo.runtime.collectives.comm import LocalComm
+        from cephalo.runtime.engine.engine import Engine, EngineConfig
 
         plan = manual_plan(str(directory), seq_len, [batch], [batch], [1.0])
         cfg = EngineConfig(
@@ -218,7 +218,7 @@ def main() -> None:
             "- cephalo: `build_model(DIR)` (pretrained weights) and `Engine` on one rank "
             "(`LocalComm`), one micro-batch, collective checks off; every block is recomputed in "
             "backward (layered gradient accumulation), the head computes its loss and backward in "
-            "one pass (runtime/head_loss.py), parameters live in flat fp32 shards and AdamW runs "
+            "one pass (runtime/engine/head_loss.py), parameters live in flat fp32 shards and AdamW runs "
             "on those (fused kernel).\n"
             "- transformers+GC: `AutoModelForCausalLM.from_pretrained(DIR)`, "
             "`activation_checkpointing_enable()` (decoder layers recomputed; the embedding and "

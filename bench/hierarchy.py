@@ -2,8 +2,8 @@
 
 EMULATED: 4 ranks on this CPU, 2 per emulated node (`cpu@node0,...;inter=RATE`). Traffic that
 crosses nodes is charged a delay per byte at RATE: the flat plan's rings over all 4 ranks
-(`runtime.replicas.SlowLinkComm`, (n-1)/n of each collective's bytes), and the hierarchical
-plan's once-per-step gradient all-reduce between the two node groups (`runtime.replicas`);
+(`runtime.collectives.shard_groups.SlowLinkComm`, (n-1)/n of each collective's bytes), and the hierarchical
+plan's once-per-step gradient all-reduce between the two node groups (`runtime.collectives.shard_groups`);
 the all-gathers and reduce-scatters inside a node run at the machine's speed.
 
 On every rank: `profile_devices` measures the CPU ranks (short settings); the cost model over
@@ -36,12 +36,16 @@ SPEC = f"2xcpu@node0,2xcpu@node1;inter={RATE}"
 
 def _run(rounds: int, steps_loss: int, n_layer: int, cache: str) -> dict:
     from _systems import OursTrainer, make_data
+    from cephalo.costmodel.sources import measured_cost_model
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.groups import candidate_groupings, make_hierarchical_plan, plan_grouping
-    from cephalo.planning.sources import measured_cost_model
+    from cephalo.planner.shard_groups import (
+        candidate_groupings,
+        make_hierarchical_plan,
+        plan_grouping,
+    )
     from cephalo.profiling.profiler import profile_devices
     from cephalo.profiling.settings import ProfileSettings
-    from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.collectives.comm import make_comm
     from cephalo.specs.cluster import Cluster
 
     torch.set_num_threads(1)

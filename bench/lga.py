@@ -38,7 +38,7 @@ def _sweep(model: str, overrides: dict, seq_len: int, batch: int, ks: list[int])
     """Runs on every rank: for each (series, k) one warm-up-free step (bytes and ledger
     peaks are deterministic), its counters, ledger peaks and wall time."""
     from _systems import OursTrainer, make_data
-    from cephalo.planning.planner import manual_plan
+    from cephalo.planner.makers import manual_plan
 
     world = dist.get_world_size()
     x, y = make_data(world * batch, seq_len, overrides.get("vocab_size", 256))

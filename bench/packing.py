@@ -1,7 +1,7 @@
 """Chat fine-tuning, packed against padded samples, on an emulated heterogeneous cluster: the
 padding fraction and the speed in real (non-padding) tokens per second, side by side.
 
-The data and model are the project's own chat example (`cephalo.train.chat_example`: 2000
+The data and model are the project's own chat example (`cephalo.data.chat_example`: 2000
 conversations of one to four exchanges, a tiny Qwen2 with a ChatML template), prepared once
 (`prepare_chat_dataset`, loss on the assistant's tokens). Both variants train the same model
 under the same plan on 3 gloo ranks with emulated slowdowns 1 / 2 / 3 and the same global
@@ -43,11 +43,11 @@ SLOWDOWNS = (1.0, 2.0, 3.0)
 def _measure(model_dir: str, data_dir: str, args: dict, order: list[str]) -> dict:
     """On every rank: one engine per variant, the steps in `order` (a warm-up step of each
     first); returns this rank's wall time per step, by variant."""
+    from cephalo.data.chat_data import DocumentBatches
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.planner import manual_plan
-    from cephalo.runtime.comm import make_comm
-    from cephalo.runtime.engine import Engine, EngineConfig
-    from cephalo.train.chat_data import DocumentBatches
+    from cephalo.planner.makers import manual_plan
+    from cephalo.runtime.collectives.comm import make_comm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     torch.set_num_threads(1)
     comm = make_comm("gloo", validate=False)
@@ -96,8 +96,8 @@ def main() -> None:
     args = ap.parse_args()
     raise_priority()
     started = time.perf_counter()
-    from cephalo.train.chat_data import prepare_chat_dataset
-    from cephalo.train.chat_example import write_chat_example
+    from cephalo.data.chat_data import prepare_chat_dataset
+    from cephalo.data.chat_example import write_chat_example
 
     batches = [int(b) for b in args.batches.split(",")]
     spec = {
@@ -154,7 +154,7 @@ def main() -> None:
         details=[
             "## Setup\n\n"
             f"- Data: the chat example ({args.conversations} conversations, "
-            f"`cephalo.train.chat_example`), loss on the assistant's tokens; "
+            f"`cephalo.data.chat_example`), loss on the assistant's tokens; "
             f"{stats['padded'].samples} padded samples or {stats['packed'].samples} packed "
             f"windows of {args.seq_len} tokens.\n"
             f"- Model: the example's tiny Qwen2 (4 layers, hidden 64), fp32, random init.\n"

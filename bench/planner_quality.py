@@ -1,7 +1,7 @@
 """Planner quality on real GPU types (catalog profiles): predicted throughput of the
 `cephalo` plan against the `proportional` and `even` baselines and the ideal bound.
 
-Everything here is a PREDICTION of one cost model (`cephalo.planning.costmodel`) fed with the
+Everything here is a PREDICTION of one cost model (`cephalo.costmodel.model`) fed with the
 published per-GPU measurements shipped in the catalog; nothing runs on a GPU. The ideal
 bound comes from the same cost model:
 
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from _common import Result, fmt_ratio, markdown_table, print_table, save_figure, verdict
+from cephalo.costmodel.model import CostModel
+from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.errors import PlanDoesNotFit
-from cephalo.planning.costmodel import CostModel
-from cephalo.planning.planner import make_plan
-from cephalo.planning.rank_tables import MAX_MICRO_BATCH
-from cephalo.planning.sources import catalog_cost_model
-from cephalo.specs.catalog import get_model_spec
+from cephalo.planner.makers import make_plan
+from cephalo.planner.search.rank_tables import MAX_MICRO_BATCH
+from cephalo.specs.catalog.tables import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 STRATEGIES = ("cephalo", "proportional", "even")

@@ -19,13 +19,13 @@ import os
 import time
 from dataclasses import dataclass
 
-import cephalo.planning.batch_split as batch_split
-import cephalo.planning.planner as planner
+import cephalo.planner.makers as planner
+import cephalo.planner.search.batch_split as batch_split
 from _common import Result, markdown_table, median, print_table, save_figure, verdict
-from cephalo.planning.costmodel import CostModel
-from cephalo.planning.groups import make_hierarchical_plan
-from cephalo.planning.sources import catalog_cost_model
-from cephalo.specs.catalog import get_model_spec
+from cephalo.costmodel.model import CostModel
+from cephalo.costmodel.sources import catalog_cost_model
+from cephalo.planner.shard_groups import make_hierarchical_plan
+from cephalo.specs.catalog.tables import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 MODEL, SEQ_LEN, DTYPE = "gpt-2.7b", 512, "fp16"
@@ -227,7 +227,7 @@ def main() -> None:
         "small instances and a concave-hull greedy on large ones (docs/planner.md). With shard "
         "groups, identical nodes share one memoised curve of their best step against their batch, "
         "so the planner's time grows with the number of node types: `group plans made` counts the "
-        "plans of single groups the split of the batch over the groups needed (planning/group_split.py)."
+        "plans of single groups the split of the batch over the groups needed (planner/group_split.py)."
     )
     load = os.getloadavg()[0]
     result.details.append(

@@ -49,10 +49,10 @@ from _common import (
     save_figure,
     verdict,
 )
+from cephalo.costmodel.sources import measured_cost_model
 from cephalo.modeling.registry import build_model
-from cephalo.planning.plan import Plan, RankPlan
-from cephalo.planning.planner import make_plan
-from cephalo.planning.sources import measured_cost_model
+from cephalo.planner.makers import make_plan
+from cephalo.planner.plan import Plan, RankPlan
 from cephalo.profiling.profiler import profile_devices
 from cephalo.profiling.settings import ProfileSettings
 from cephalo.specs.cluster import Cluster
@@ -104,7 +104,7 @@ STRATEGIES = ("cephalo", "even")
 
 # ====================================================================== on every rank
 def _profile(cache: str) -> dict:
-    from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.collectives.comm import make_comm
 
     comm = make_comm("auto")
     cluster = Cluster.parse(CLUSTER)
@@ -134,8 +134,8 @@ def _batches(steps: int, batch: int, seed: int = 0):
 
 
 def _train(plan_dict: dict, steps: int, warmup: int) -> list[dict]:
-    from cephalo.runtime.comm import make_comm
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.runtime.collectives.comm import make_comm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     comm = make_comm("auto")
     plan = Plan.from_dict(plan_dict)
@@ -170,8 +170,8 @@ def _train(plan_dict: dict, steps: int, warmup: int) -> list[dict]:
 
 def _solo(steps: int, warmup: int) -> dict | None:
     """Each device type alone (one rank at a time; the others wait at a barrier)."""
-    from cephalo.runtime.comm import LocalComm, make_comm
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.runtime.collectives.comm import LocalComm, make_comm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     comm = make_comm("auto")
     devices = Cluster.parse(CLUSTER).devices

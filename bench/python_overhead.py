@@ -29,9 +29,9 @@ LR = 1e-4
 
 def _engine(args):
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.planner import manual_plan
-    from cephalo.runtime.comm import LocalComm
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.planner.makers import manual_plan
+    from cephalo.runtime.collectives.comm import LocalComm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     plan = manual_plan(args.model, args.seq_len, [args.batch], [args.micro], [1.0])
     cfg = EngineConfig(compute_dtype="fp32", validate_collectives=False)

@@ -16,7 +16,7 @@ never reads the original files. What it does (see src/cephalo/_data/README.md):
   (least-squares slope of the GB-vs-batch profile), from the authors' `paper` cluster when
   they profiled it there.
 - published parameter counts (model_stats.json), for the tests to compare shapes against.
-- derived cards (consumer and workstation GPUs nobody published, `cephalo.specs.derived`):
+- derived cards (consumer and workstation GPUs nobody published, `cephalo.specs.catalog.derived`):
   every entry a same-architecture sibling measured, scaled by SMs x boost clock, with
   `source: derived`, and the method's measured error (predicting measured cards from their
   siblings). The cards' public spec numbers (SMs, boost clock, memory, bandwidth; from
@@ -37,18 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from cephalo.specs.catalog import DEVICE_ALIASES, MODELS  # noqa: E402
-from cephalo.specs.derived import (  # noqa: E402
-    DERIVED,
-    FILLS,
-    SIBLINGS,
-    SPECS,
-    derivation_errors,
-    derive_timings,
-    error_scope,
-    method_of,
-    siblings_of,
-)
+from cephalo.specs.catalog.tables import DEVICE_ALIASES, MODELS  # noqa: E402
+from cephalo.specs.catalog.derived import DERIVED, FILLS, SIBLINGS, SPECS, derivation_errors, derive_timings, error_scope, method_of, siblings_of
 
 DEFAULT_SRC = ROOT.parent / "shared" / "data" / "published-profiles" / "cephalo"
 DEFAULT_OUT = ROOT / "src" / "cephalo" / "_data" / "catalog.json"

@@ -40,7 +40,7 @@ returning its failures; a check that raises is a failure, not the end of the run
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
 
 `--collectives` (torchrun, one process per GPU, world size >= 2): the uneven NCCL collectives
-and an uneven engine plan, skewed and near even (padded-even, runtime/padded.py), against one
+and an uneven engine plan, skewed and near even (padded-even, runtime/collectives/padded.py), against one
 process (gpu_check.sh runs it where 2 GPUs exist).
 Exit status: 0 all checks pass, 1 a check failed, 77 no CUDA GPU (nothing was run).
 """
@@ -90,8 +90,8 @@ class Setup:
 def _engine(setup: Setup, model: str, batches, micro, dtype: str, **kw):
     """One engine on one rank of `setup` (kw: plan fields, EngineConfig fields, model overrides)."""
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.plan import Plan, RankPlan
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.planner.plan import Plan, RankPlan
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     plan_kw = {k: kw.pop(k) for k in ("offload", "host", "overlap") if k in kw}
     overrides = kw.pop("overrides", {})
@@ -232,7 +232,7 @@ def _deterministic(setup: Setup):
 
 def check_offload_bitwise(setup: Setup) -> tuple[list[str], str]:
     """Offloaded boundaries against the on-device run, bitwise. The on-device run fuses its
-    tail (the last block in the head's pass, runtime/tail_pass.py) and the offloaded one keeps
+    tail (the last block in the head's pass, runtime/engine/tail_pass.py) and the offloaded one keeps
     the unfused order, so this compares the two orders on the device too."""
     batch, micro = (8, 2) if setup.cuda else (8, 2)  # 4 micro-batches
     data = _data(_vocab(setup), batch, setup.seq, steps=3, seed=2)
@@ -281,7 +281,7 @@ def check_offload_bitwise(setup: Setup) -> tuple[list[str], str]:
 def check_staging_race(setup: Setup) -> tuple[list[str], str]:
     """A consumer kernel queued behind a long `torch.cuda._sleep` must read its input before
     the side stream reuses (staging) or overwrites (upload) that memory."""
-    from cephalo.runtime.boundary import BoundaryStore
+    from cephalo.runtime.engine.boundary import BoundaryStore
     from cephalo.runtime.host_state import HostLink
     from cephalo.runtime.memory import MemoryLedger
 
@@ -485,7 +485,7 @@ def check_uneven_collectives(comm, device: torch.device) -> list[str]:
 
 def _backend(comm, name: str) -> Callable:
     """The collective `name` as the checks call it. At world size 1 the public call is a copy
-    whatever the backend (runtime/comm.py), so one GPU calls the backend's own implementation
+    whatever the backend (runtime/collectives/comm.py), so one GPU calls the backend's own implementation
     (NCCL's padding, dtypes and streams) directly; at world size >= 2 the public call."""
     if comm.world_size == 1:
         return getattr(comm, f"_{name}")
@@ -505,7 +505,7 @@ def _full_values(rank: int, n: int) -> torch.Tensor:
 def check_collectives(setup: Setup) -> tuple[list[str], str]:
     failures = check_uneven_collectives(setup.comm, setup.device)
     if setup.cuda:
-        from cephalo.runtime.comm import make_comm
+        from cephalo.runtime.collectives.comm import make_comm
 
         failures += check_uneven_collectives(make_comm("padded"), setup.device)
     return failures, f"{type(setup.comm).__name__}, world size {setup.comm.world_size}"
@@ -518,11 +518,11 @@ def check_uneven_engine(
     state fractions ~ 6 : 3 : 1 : ..., micro-batching) for `ENGINE_STEPS` steps: the losses
     and gradient norms of one process training the whole batch, within `rel_tol`.
     `near_even`: fractions ~ 11 : 10 : 10 : ..., which a comm with `even_gather` (NCCL) runs
-    padded-even (runtime/padded.py)."""
+    padded-even (runtime/collectives/padded.py)."""
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.planner import manual_plan
-    from cephalo.runtime.comm import LocalComm
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.planner.makers import manual_plan
+    from cephalo.runtime.collectives.comm import LocalComm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     world, rank, seq = comm.world_size, comm.rank, 16
     batches = [5, 3] + [1] * (world - 2)
@@ -723,7 +723,7 @@ def _versions() -> str:
 
 
 def cpu_main(only: set[str] | None, budget_s: float) -> int:
-    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.collectives.comm import LocalComm
 
     setup = Setup(torch.device("cpu"), LocalComm(), "gpt-tiny", 32, cuda=False)
     results = run_checks(setup, only, budget_s)
@@ -740,7 +740,7 @@ def main(only: set[str] | None, budget_s: float) -> int:
         return SKIP
     import torch.distributed as dist
 
-    from cephalo.runtime.dist import init_distributed
+    from cephalo.runtime.collectives.dist import init_distributed
 
     comm = init_distributed(backend="nccl", comm_impl="nccl", timeout_s=120)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -760,8 +760,8 @@ def collectives_main() -> int:
         return SKIP
     import torch.distributed as dist
 
-    from cephalo.runtime.comm import make_comm
-    from cephalo.runtime.dist import init_distributed
+    from cephalo.runtime.collectives.comm import make_comm
+    from cephalo.runtime.collectives.dist import init_distributed
 
     comm = init_distributed(backend="nccl", comm_impl="nccl", timeout_s=120)
     device = torch.device("cuda", torch.cuda.current_device())

@@ -26,8 +26,8 @@ def check_adapters(setup: Setup) -> tuple[list[str], str]:
     from cephalo.errors import CephaloError
     from cephalo.modeling.lora import AdapterSettings, apply_adapter
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.plan import Plan, RankPlan
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.planner.plan import Plan, RankPlan
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     try:
         from cephalo.modeling.nf4 import nf4_backend, nf4_roundtrip
@@ -103,7 +103,7 @@ def check_adapters(setup: Setup) -> tuple[list[str], str]:
 
 
 def check_chat_packed(setup: Setup) -> tuple[list[str], str]:
-    """Chat data (train/chat_data.py): the same conversations packed into windows (position
+    """Chat data (data/chat_data.py): the same conversations packed into windows (position
     ids restarting per conversation, transformers' block-diagonal masks on this device's
     attention kernels) and padded one per sample give the same loss over the assistant's
     tokens: attention never crosses conversations. Then a packed bf16 training step."""
@@ -111,10 +111,10 @@ def check_chat_packed(setup: Setup) -> tuple[list[str], str]:
     from pathlib import Path
 
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.plan import Plan, RankPlan
-    from cephalo.runtime.engine import Engine, EngineConfig
-    from cephalo.train.chat_data import DocumentBatches, prepare_chat_dataset
-    from cephalo.train.chat_example import write_chat_example
+    from cephalo.planner.plan import Plan, RankPlan
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
+    from cephalo.data.chat_data import DocumentBatches, prepare_chat_dataset
+    from cephalo.data.chat_example import write_chat_example
 
     seq, failures, losses = 512, [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -205,8 +205,8 @@ def check_hf_models(comm, device: torch.device) -> list[str]:
     import transformers
 
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.plan import Plan, RankPlan
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.planner.plan import Plan, RankPlan
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

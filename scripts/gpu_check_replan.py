@@ -37,7 +37,7 @@ class _Job:
 
     def make_engine(self, plan):
         from cephalo.modeling.registry import build_model
-        from cephalo.runtime.engine import Engine, EngineConfig
+        from cephalo.runtime.engine.engine import Engine, EngineConfig
 
         gc.collect()
         self.alive_at_build = self.old is not None and self.old() is not None
@@ -53,7 +53,7 @@ class _Job:
 
 
 def _plans(setup):
-    from cephalo.planning.plan import Plan, RankPlan
+    from cephalo.planner.plan import Plan, RankPlan
 
     seq = 32 if setup.big_model == "gpt-tiny" else setup.seq
 

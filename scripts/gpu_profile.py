@@ -195,11 +195,11 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="tiny model on the CPU (CI)")
     args = parser.parse_args()
     if args.cpu or not torch.cuda.is_available():
-        from cephalo.runtime.comm import LocalComm
+        from cephalo.runtime.collectives.comm import LocalComm
 
         setup = Setup(torch.device("cpu"), LocalComm(), "gpt-tiny", 32, cuda=False)
     else:
-        from cephalo.runtime.dist import init_distributed
+        from cephalo.runtime.collectives.dist import init_distributed
 
         comm = init_distributed(backend="nccl", comm_impl="nccl", timeout_s=120)
         device = torch.device("cuda", torch.cuda.current_device())

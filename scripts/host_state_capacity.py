@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 
 from cephalo.errors import PlanDoesNotFit
-from cephalo.planning.planner import make_plan
-from cephalo.planning.sources import catalog_cost_model
-from cephalo.specs.catalog import available_profiles, list_models
+from cephalo.planner.makers import make_plan
+from cephalo.costmodel.sources import catalog_cost_model
+from cephalo.specs.catalog.tables import available_profiles, list_models
 from cephalo.specs.cluster import Cluster
 
 SEQ, DTYPE, BATCH = 512, "fp16", 64

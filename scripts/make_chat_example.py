@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from cephalo.train.chat_example import write_chat_example
+from cephalo.data.chat_example import write_chat_example
 
 
 def main() -> None:

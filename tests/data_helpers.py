@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cephalo.train.corpus import default_corpus
-from cephalo.train.data import TokenFile
+from cephalo.data.corpus import default_corpus
+from cephalo.data.text import TokenFile
 
 EOS = "<|endoftext|>"
 DOCS = [

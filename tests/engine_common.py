@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from cephalo.modeling.units import IGNORE_INDEX
-from cephalo.planning.plan import Plan
-from cephalo.planning.planner import manual_plan
-from cephalo.runtime.engine import EngineConfig
+from cephalo.planner.makers import manual_plan
+from cephalo.planner.plan import Plan
+from cephalo.runtime.engine.engine import EngineConfig
 from reference import OptimConfig, model_factory, train_reference
 
 # AdamW eps for the equivalence tests. Some gradients are exactly zero in exact arithmetic

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from cephalo.modeling.hf_families import FAMILIES
+from cephalo.modeling.hf.families import FAMILIES
 
 VOCAB = 96
 SEQ = 16

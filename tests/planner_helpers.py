@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cephalo.planning.costmodel import CostModel
+from cephalo.costmodel.model import CostModel
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import CommProfile, Curve, DeviceProfile, UnitProfile
 

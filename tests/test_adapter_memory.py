@@ -16,15 +16,15 @@ import dataclasses
 import pytest
 import torch
 
+from cephalo.costmodel.sources import measured_cost_model
 from cephalo.modeling.lora import AdapterSettings, apply_adapter
 from cephalo.modeling.registry import build_model
-from cephalo.planning.plan import Plan
-from cephalo.planning.planner import make_plan
-from cephalo.planning.sources import measured_cost_model
+from cephalo.planner.makers import make_plan
+from cephalo.planner.plan import Plan
 from cephalo.profiling.profiler import profile_devices
 from cephalo.profiling.settings import ProfileSettings
-from cephalo.runtime.comm import make_comm
-from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.collectives.comm import make_comm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.runtime.memory import MemoryBudgetExceeded
 from cephalo.specs.adapter import AdapterSpec
 from cephalo.specs.cluster import Cluster

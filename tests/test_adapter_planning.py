@@ -9,10 +9,10 @@ import pytest
 
 from cephalo import CephaloError
 from cephalo.cli import main
+from cephalo.costmodel.layout import FROZEN_MATMUL_BACKWARD_SHARE, param_layout
+from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.errors import PlanDoesNotFit
-from cephalo.planning.layout import FROZEN_MATMUL_BACKWARD_SHARE, param_layout
-from cephalo.planning.planner import make_plan
-from cephalo.planning.sources import catalog_cost_model
+from cephalo.planner.makers import make_plan
 from cephalo.specs.adapter import (
     AdapterSpec,
     Linear,
@@ -20,7 +20,7 @@ from cephalo.specs.adapter import (
     lora_params,
     nf4_bytes_per_param,
 )
-from cephalo.specs.catalog import get_model_spec
+from cephalo.specs.catalog.tables import get_model_spec
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.model import ModelSpec
 from planner_helpers import FakeDevice, cost_model, linear_profile
@@ -57,7 +57,7 @@ QLORA_QV = AdapterSpec("qlora", 1, ("q", "v"))
 
 
 def _cm(adapter=None, opt=0.01, mem=10_000):
-    """The formulas' cost model, in the unfused order (the fused tail, planning/tail_fusion.py,
+    """The formulas' cost model, in the unfused order (the fused tail, costmodel/rules.py,
     has its own tests in test_costmodel.py and test_memory_prediction.py)."""
     prof = linear_profile("x", 1.0, 2.0, 1000.0, optimizer_s_per_param=opt)
     devs = [FakeDevice("x", mem), FakeDevice("x", mem)]
@@ -226,7 +226,7 @@ def test_qlora_dequantization_moment():
     args = ("x", np.array(4), np.array(4), np.array(False))
     phases, lora = cq._phases(*args), cl._phases(*args)
     # QLoRA: the last block's and the one before it's dequantization; LoRA: the fused tail's
-    # two moments (planning/tail_fusion.py), which QLoRA does not have
+    # two moments (costmodel/rules.py), which QLoRA does not have
     assert cq.tail_fusable is False and cl.tail_fusable is True
     assert len(phases) == len(lora)
     before_last = phases[-1]
@@ -367,8 +367,8 @@ def test_block_linears_read_off_runnable_models():
 def test_advisor_is_exact_and_bounded_under_qlora():
     """`cephalo advise --adapter qlora`: the search's frontier equals planning every cluster,
     and no plan beats the bound it prunes with (llama-7b: full state 100 GiB, QLoRA's 4 GiB)."""
+    from cephalo.advise.advisor import Advisor
     from cephalo.commands.plan import build_cost_model
-    from cephalo.planning.advise import Advisor
     from cephalo.specs.offers import Offers
     from test_advise import brute_force, planned
 

@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 
+from cephalo.advise.advisor import Advisor
+from cephalo.advise.results import select_frontier
 from cephalo.cli import main
 from cephalo.commands.plan import build_cost_model
 from cephalo.errors import CephaloError
-from cephalo.planning.advise import Advisor
-from cephalo.planning.advise_results import select_frontier
-from cephalo.planning.groups import candidate_groupings, make_hierarchical_plan, plan_grouping
+from cephalo.planner.shard_groups import candidate_groupings, make_hierarchical_plan, plan_grouping
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.offers import Offers
 

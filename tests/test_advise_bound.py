@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from cephalo.planning.advise import Advisor
-from cephalo.planning.advise_partial import completion_nodes, last_alone_groups
+from cephalo.advise.advisor import Advisor
+from cephalo.advise.partial import completion_nodes, last_alone_groups
 from test_advise import GROUPED, TIGHT, brute_force, make_advisor, planned
 
 # node-less offers whose count is open for most partial vectors, on fast intra-node links beside

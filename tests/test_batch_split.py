@@ -5,7 +5,7 @@ ties included (the smallest batch of each rank wins)."""
 import numpy as np
 import pytest
 
-from cephalo.planning.batch_split import _split_exact
+from cephalo.planner.search.batch_split import _split_exact
 
 
 def _reference(fs: list[np.ndarray], B: int) -> tuple[float, list[int]] | None:

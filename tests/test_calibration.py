@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from cephalo import CephaloError
-from cephalo.planning.planner import make_plan
+from cephalo.planner.makers import make_plan
 from cephalo.train.calibration import StepLog, predicted_step_s, refit
 from cephalo.train.config import load_config
 from cephalo.train.metrics import RankStats
@@ -174,7 +174,7 @@ def test_emulated_drift_takes_the_latest_change_of_each_rank(monkeypatch):
 def test_relayout_moves_pieces_between_any_tilings_in_small_windows():
     import torch
 
-    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.collectives.comm import LocalComm
     from cephalo.runtime.flat import FlatShard
     from cephalo.runtime.relayout import relayout
 

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from cephalo.errors import CephaloError
-from cephalo.specs import catalog
-from cephalo.specs.catalog import (
+from cephalo.specs.catalog import tables as catalog
+from cephalo.specs.catalog.tables import (
     GiB,
     available_profiles,
     catalog_profile,

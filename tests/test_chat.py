@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from cephalo.data.chat import ChatRenderer, Record
+from cephalo.data.chat_data import DocumentBatches, open_batches, prepare_chat_dataset
+from cephalo.data.packing import best_fit_decreasing, piece_bounds
 from cephalo.errors import CephaloError
 from cephalo.modeling.units import IGNORE_INDEX
-from cephalo.train.chat import ChatRenderer, Record
-from cephalo.train.chat_data import DocumentBatches, open_batches, prepare_chat_dataset
-from cephalo.train.packing import best_fit_decreasing, piece_bounds
 from chat_helpers import (
     CHATML,
     END_OF_TURN,
@@ -184,8 +184,8 @@ def test_bad_records_are_one_message_with_file_and_line(tmp_path, tok_dir, case)
 
 
 def test_a_chat_file_given_as_text_and_a_tokenizer_without_template(tmp_path, tok_dir):
-    from cephalo.train.corpus import Corpus
-    from cephalo.train.data import prepare_dataset
+    from cephalo.data.corpus import Corpus
+    from cephalo.data.text import prepare_dataset
 
     data = write_chat_jsonl(tmp_path / "chat.jsonl", conversations(2))
     with pytest.raises(CephaloError, match=r"chat\.jsonl, line 1: .*conversation.*data\.format"):
@@ -276,7 +276,7 @@ def test_rerun_is_cached_and_text_datasets_refuse_packing(tmp_path, tok_dir):
     assert again.cached
     other = prepare_chat_dataset([data], path, tok_dir, val_fraction=0.0, loss_on="all")
     assert not other.cached and other.meta.stats.loss_tokens > again.meta.stats.loss_tokens
-    from cephalo.train.data import prepare_default_corpus
+    from cephalo.data.text import prepare_default_corpus
 
     text = prepare_default_corpus(tmp_path / "text", 256).path
     with pytest.raises(CephaloError, match="data.packing = false"):
@@ -424,11 +424,11 @@ def test_prompt_completion_files_are_detected_and_mixed_formats_refused(tmp_path
 def test_engine_on_one_rank_with_more_micro_batches_than_cached_masks(tmp_path, tok_dir):
     """Packed windows one per micro-batch (more micro-batches than `LayerInputs` keeps
     masks for): the engine's loss is still transformers' per conversation."""
-    from cephalo.modeling.hf import LayerInputs
+    from cephalo.modeling.hf.model import LayerInputs
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.planner import manual_plan
-    from cephalo.runtime.comm import LocalComm
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.planner.makers import manual_plan
+    from cephalo.runtime.collectives.comm import LocalComm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     path = _prepared(tmp_path, tok_dir)
     directory = save_tiny_model(

@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
+from cephalo.data.chat_data import DocumentBatches, prepare_chat_dataset
 from cephalo.modeling.registry import build_model
-from cephalo.runtime.comm import make_comm
-from cephalo.runtime.engine import Engine, EngineConfig
-from cephalo.runtime.optim import AdamWHyper
-from cephalo.train.chat_data import DocumentBatches, prepare_chat_dataset
+from cephalo.runtime.adamw import AdamWHyper
+from cephalo.runtime.collectives.comm import make_comm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from chat_helpers import conversations, reference_loss, save_chat_tokenizer, write_chat_jsonl
 from dist_harness import dist_pool_fixture
 from engine_common import LR, TEST_EPS, make_plan, max_rel_diff, one_thread, optim_config
@@ -40,7 +40,7 @@ def _uneven(batch: int) -> dict:
 
 def _engine_run(directory: str, plan, cfg: EngineConfig, data):
     """On every rank: `len(data)` steps on this rank's slices; rank 0 returns the parameters."""
-    from cephalo.modeling.hf_export import export_hf_state_dict
+    from cephalo.modeling.hf.export import export_hf_state_dict
 
     torch.set_num_threads(1)
     quiet_transformers()

@@ -303,7 +303,7 @@ LAYOUT_A2 = [0.1, 0.1, 0.8]
 def _save_a(root: str, step: int):
     import torch.distributed as dist
 
-    from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.collectives.comm import make_comm
 
     rank = dist.get_rank()
     shards, _ = make_shards(LAYOUT_A, rank)

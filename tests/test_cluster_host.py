@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from cephalo.costmodel.sources import catalog_cost_model, host_resources
 from cephalo.errors import CephaloError
-from cephalo.planning.sources import catalog_cost_model, host_resources
-from cephalo.specs.catalog import (
+from cephalo.specs.catalog.tables import (
     DEFAULT_HOST_MEMORY_BYTES,
     get_model_spec,
     host_optimizer_s_per_param,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.comm import (
+from cephalo.runtime.collectives.comm import (
     GlooComm,
     Handle,
     LocalComm,
@@ -19,7 +19,7 @@ from cephalo.runtime.comm import (
     make_comm,
     shard_offsets,
 )
-from cephalo.runtime.dist import check_torch_version, init_distributed, shutdown
+from cephalo.runtime.collectives.dist import check_torch_version, init_distributed, shutdown
 from dist_harness import RemoteError, dist_pool_fixture
 
 
@@ -502,7 +502,7 @@ def _gpu_checks_on_gloo(path: str) -> list[str]:
 
 def _even_gather(comm):
     """gloo gathering equal sizes as NCCL does (all_gather_into_tensor): the engine then pads
-    a near-even split (runtime/padded.py)."""
+    a near-even split (runtime/collectives/padded.py)."""
     comm.even_gather = True
     return comm
 

@@ -188,7 +188,7 @@ def test_peak_is_the_largest_phase():
     # the boundaries then held: every unit input, 3 x 5 x 24
     assert c.memory.boundary == 360
     assert cm.rank_cost(0, 5, 2, 0.0).memory.logits == 0
-    # the fused tail (planning/tail_fusion.py): the head's pass sits on the last block's
+    # the fused tail (costmodel/rules.py): the head's pass sits on the last block's
     # activations at m = 2 (2000), both units gathered ((20 + 100) * 2) with both fp32
     # gradients ((20 + 100) * 4), and holds the blocks' inputs (2 x 5 x 24) and one
     # micro-batch's head input (2 x 24), not all 5 samples'

@@ -14,7 +14,7 @@ import torch
 
 from cephalo import CephaloError
 from cephalo.cli import main as cli_main
-from cephalo.train.data import (
+from cephalo.data.text import (
     Document,
     GlobalBatches,
     TokenFile,
@@ -24,12 +24,7 @@ from cephalo.train.data import (
     prepare_default_corpus,
     resolve_dataset,
 )
-from cephalo.train.tokenizer import (
-    BPETokenizer,
-    ByteTokenizer,
-    load_or_train_tokenizer,
-    train_bpe,
-)
+from cephalo.data.tokenizer import BPETokenizer, ByteTokenizer, load_or_train_tokenizer, train_bpe
 
 TRICKY_TEXT = "héllo  wörld\n\n\tindented\r\nx = 日本語 🙂  trailing   \n"
 
@@ -81,8 +76,8 @@ def test_bpe_rejects_bad_vocab():
 
 _TRAIN_SNIPPET = """
 import hashlib, sys
-from cephalo.train.data import default_corpus
-from cephalo.train.tokenizer import train_bpe
+from cephalo.data.text import default_corpus
+from cephalo.data.tokenizer import train_bpe
 tok = train_bpe([d.text for d in default_corpus()], 700, serial=sys.argv[1] == "serial")
 print(hashlib.sha256(tok.tokenizer.to_str().encode()).hexdigest())
 """
@@ -289,7 +284,7 @@ def test_seed_changes_order(counting_file):
 
 _BATCH_SNIPPET = """
 import sys, torch
-from cephalo.train.data import GlobalBatches
+from cephalo.data.text import GlobalBatches
 gb = GlobalBatches(sys.argv[1], 15, 8, seed=7)
 print([gb.batch(t)[0].sum().item() for t in (0, 3, 100)], gb.rank_slice(9, 2, 3)[1].tolist())
 """

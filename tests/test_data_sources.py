@@ -18,15 +18,15 @@ import pytest
 
 from cephalo import CephaloError, envvars
 from cephalo.cli import main as cli_main
-from cephalo.train.corpus import Corpus, Document
-from cephalo.train.data import (
+from cephalo.data.corpus import Corpus, Document
+from cephalo.data.hf_tokenizer import HFTokenizer
+from cephalo.data.text import (
     GlobalBatches,
     TokenFile,
     prepare_dataset,
     resolve_dataset,
     resolve_tokenizer,
 )
-from cephalo.train.hf_tokenizer import HFTokenizer
 from data_helpers import (
     DOCS,
     EOS,
@@ -287,8 +287,8 @@ def test_streaming_python_memory_is_flat(tmp_path, fmt):
 RSS_SCRIPT = """
 import sys
 from pathlib import Path
-from cephalo.train.corpus import Corpus
-from cephalo.train.data import prepare_dataset
+from cephalo.data.corpus import Corpus
+from cephalo.data.text import prepare_dataset
 
 def status(key):
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -526,7 +526,7 @@ def test_trainer_auto_tokenizer_of_a_model_directory(tmp_path, monkeypatch):
 
 
 def test_the_rust_backend_is_used_only_where_it_gives_the_same_ids(model_dir, monkeypatch):
-    from cephalo.train import hf_tokenizer
+    from cephalo.data import hf_tokenizer
 
     def off_by_one(tok):
         return lambda texts: [[i + 1 for i in ids] for ids in tok(texts)["input_ids"]]

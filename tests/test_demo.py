@@ -14,7 +14,7 @@ import pytest
 from cephalo.demo.pipeline import demo_job_config, training_steps
 from cephalo.demo.result import DemoOptions, RunSummary
 from cephalo.errors import CephaloError, PlanDoesNotFit
-from cephalo.planning.plan import Plan
+from cephalo.planner.plan import Plan
 from cephalo.specs.cluster import Cluster
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
@@ -38,7 +38,7 @@ def _stand_in(cfg, tmp_path: Path) -> None:
     the same family and context instead, on the bundled corpus (byte tokenizer: 256 ids);
     the chat example's model and data are written as the README does, smaller."""
     if cfg.model.name == CHAT_EXAMPLE:
-        from cephalo.train.chat_example import write_chat_example
+        from cephalo.data.chat_example import write_chat_example
 
         example = write_chat_example(tmp_path / "chat-example", conversations=80)
         cfg.model.name, cfg.data.path = str(example.model), str(example.jsonl)
@@ -242,9 +242,9 @@ def tiny_profiles():
 
 
 def _plans_for(profiles, memory: str):
+    from cephalo.costmodel.sources import measured_cost_model
     from cephalo.demo.pipeline import make_plans
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.sources import measured_cost_model
 
     cm = measured_cost_model(
         Cluster.parse(f"cpu,cpu:slowdown=2,mem={memory}"),

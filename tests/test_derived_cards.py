@@ -4,9 +4,15 @@ derivation itself, and its measured error printed with a plan."""
 import pytest
 
 from cephalo.cli import main
-from cephalo.specs import catalog, derived
-from cephalo.specs.catalog import GiB, catalog_profile, device_memory_bytes, resolve_device_type
-from cephalo.specs.derived import SAME_ARCH_PAIRS, SPECS, derivation_error, time_ratio
+from cephalo.specs.catalog import derived
+from cephalo.specs.catalog import tables as catalog
+from cephalo.specs.catalog.derived import SAME_ARCH_PAIRS, SPECS, derivation_error, time_ratio
+from cephalo.specs.catalog.tables import (
+    GiB,
+    catalog_profile,
+    device_memory_bytes,
+    resolve_device_type,
+)
 from cephalo.specs.profile import Curve
 
 CARDS = {

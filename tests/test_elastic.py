@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 
 from cephalo.launch.elastic import free_port
-from cephalo.planning.plan import Plan
-from cephalo.runtime.dist import SHARED_STORE_ENV
+from cephalo.planner.plan import Plan
+from cephalo.runtime.collectives.dist import SHARED_STORE_ENV
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train

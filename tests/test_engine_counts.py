@@ -2,9 +2,9 @@
 
 LGA: each unit is all-gathered once per pass (forward, backward) and reduce-scattered once
 per step, whatever the number of micro-batches; the head and the last block once per step
-(the head's loss and backward run in one pass, runtime/head_loss.py, and the last block
+(the head's loss and backward run in one pass, runtime/engine/head_loss.py, and the last block
 stays gathered from its forward to its backward; on a rank that fuses its tail,
-planning/tail_fusion.py, its forward and backward run in the head's pass). Tied weights add, per step, one all-gather of the tied
+costmodel/rules.py, its forward and backward run in the head's pass). Tied weights add, per step, one all-gather of the tied
 parameter with the head and one reduce-scatter of its gradient (straight into the owner's
 shard). Every step also does two all-reduces: the global token
 count, then (squared grad norm, loss sum) together.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 
 from cephalo.modeling.registry import build_model
-from cephalo.runtime.comm import LocalComm
-from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.collectives.comm import LocalComm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from engine_common import LR, make_data, make_plan, one_thread
 
 __all__ = ["one_thread"]
@@ -64,12 +64,12 @@ def test_standard_mode_collectives_grow_with_micro_batches(k):
 @pytest.mark.parametrize("fuse", [True, False])
 def test_leaves_made_once_per_unit_backward_and_dropped_before_release(fuse, monkeypatch):
     """Every micro-batch of a unit's backward drains through the same leaves and hooks
-    (runtime/unit_backward.py): one hook per trained parameter per step, not per micro-batch.
+    (runtime/engine/unit_backward.py): one hook per trained parameter per step, not per micro-batch.
     The leaves view the gathered parameters, so they are dropped before those are released
     (`UnitGrads.done_with_leaves`): every unit's gradient reaches `_start_reduces` without them."""
     import torch
 
-    from cephalo.runtime.unit_comm import UnitComm
+    from cephalo.runtime.engine.unit_comm import UnitComm
 
     hooks, leftover = [0], []
     register = torch.Tensor.register_post_accumulate_grad_hook

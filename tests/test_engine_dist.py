@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from cephalo.modeling.registry import build_model
-from cephalo.runtime.comm import make_comm
-from cephalo.runtime.engine import Engine, EngineConfig
-from cephalo.runtime.optim import AdamWHyper
+from cephalo.runtime.adamw import AdamWHyper
+from cephalo.runtime.collectives.comm import make_comm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,
@@ -139,7 +139,7 @@ def test_state_follows_fractions_and_collectives_do_not_depend_on_micro_batches(
         assert abs(r["state_bytes"] - f * total) <= 16 * units
         assert r["state_bytes"] == 16 * sum(r["unit_sizes"])
     # per step: 2 gathers per unit but the head (1: loss and backward in one pass) and the last
-    # block (1: gathered from its forward to its backward, planning/tail_fusion.py) + 1 for the
+    # block (1: gathered from its forward to its backward, costmodel/rules.py) + 1 for the
     # tied wte (with the head); 1 reduce-scatter
     # per unit + 1 for the tied wte; all-reduce: token count, then (grad norm^2, loss sum);
     # full_state_dict adds one gather per unit

@@ -12,8 +12,8 @@ import pytest
 
 from cephalo.errors import MemoryBudgetExceeded
 from cephalo.modeling.registry import build_model
-from cephalo.runtime.comm import LocalComm
-from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.collectives.comm import LocalComm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.runtime.live_bytes import LiveTensorBytes
 from engine_common import LR, make_data, make_plan, one_thread
 

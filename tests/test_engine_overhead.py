@@ -7,10 +7,10 @@ import torch
 
 from cephalo.modeling.registry import build_model
 from cephalo.runtime import dropout as dropout_mod
-from cephalo.runtime.comm import LocalComm
+from cephalo.runtime.adamw import ADAMW_KERNELS, SQ_SUM_CHUNK, grad_sq_sum
+from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.runtime.dropout import module_uses_dropout
-from cephalo.runtime.engine import Engine, EngineConfig
-from cephalo.runtime.optim import ADAMW_KERNELS, SQ_SUM_CHUNK, grad_sq_sum
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from engine_common import make_data, make_plan, one_thread  # noqa: F401
 
 
@@ -57,7 +57,7 @@ def test_cached_charges_match_exact_tracking():
 
 
 def _train(monkeypatch, chunk_tokens: int | None, kernel: str | None = None, steps: int = 2):
-    from cephalo.runtime import head_loss
+    from cephalo.runtime.engine import head_loss
 
     if chunk_tokens is not None:
         monkeypatch.setattr(head_loss, "head_chunk_tokens", lambda vocab: chunk_tokens)
@@ -102,7 +102,7 @@ def _clipped(monkeypatch, on_host: bool):
     """3 steps with clipping active (fused AdamW, all state on the device): the engine's
     update without a host sync, or (`on_host`) with its coefficient read back to the host
     first, as the update was made before it moved to the device."""
-    from cephalo.runtime.optim import ShardedAdamW
+    from cephalo.runtime.adamw import ShardedAdamW
 
     real = ShardedAdamW.step
     calls = []

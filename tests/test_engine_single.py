@@ -13,10 +13,10 @@ import torch
 
 from cephalo.errors import CephaloError
 from cephalo.modeling.registry import build_model
-from cephalo.runtime.comm import LocalComm
+from cephalo.runtime.adamw import AdamWHyper
+from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.runtime.emulation import ComputeEmulator
-from cephalo.runtime.engine import Engine, EngineConfig
-from cephalo.runtime.optim import AdamWHyper
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.runtime.param_groups import adamw_param_groups
 from engine_common import (
     LR,
@@ -229,7 +229,9 @@ def test_engine_stretches_by_cpu_time(monkeypatch):
         sleep=slept.append,
     )
     monkeypatch.setattr("cephalo.runtime.emulation.time", fake)
-    monkeypatch.setattr("cephalo.runtime.engine.thread_cpu_measures_work", lambda device: True)
+    monkeypatch.setattr(
+        "cephalo.runtime.engine.engine.thread_cpu_measures_work", lambda device: True
+    )
     plan = make_plan([2], [1.0], [1])
     engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(slowdown=4.0))
     assert engine.emulator.use_cpu_time
@@ -415,7 +417,7 @@ def test_token_counts_are_reduced_exactly():
 
 def test_unused_parameters_get_zero_gradients_from_unzeroed_buffers(monkeypatch):
     """The fp32 gradient buffers are not zeroed (each slot's first gradient is copied in,
-    runtime/autograd.py `drain_first`): a parameter the forward does not use must still get an
+    runtime/engine/autograd.py `drain_first`): a parameter the forward does not use must still get an
     exact zero, not stale memory. Here the unzeroed buffers are poisoned with NaN, and one
     block skips its MLP (its `ln_2` and `mlp.*` get no gradient). The run equals one with
     zeroed buffers bit for bit, and the unused parameters (no weight decay) never move."""
@@ -461,7 +463,7 @@ def test_unused_parameters_get_zero_gradients_from_unzeroed_buffers(monkeypatch)
 @pytest.mark.parametrize("micro", [1, 3])
 @pytest.mark.parametrize("tied", [True, False])
 def test_fused_tail_equals_the_unfused_order_bitwise(micro, tied):
-    """The fused tail (planning/tail_fusion.py: the last block's forward and backward in the
+    """The fused tail (costmodel/rules.py: the last block's forward and backward in the
     head's pass, no recompute) computes what the unfused order computes, bit for bit: the
     same kernels on the same inputs. Dropout on (its masks per sample), tied and untied
     embeddings, one micro-batch and several with a smaller last one."""

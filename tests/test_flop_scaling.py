@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from cephalo.specs import catalog
-from cephalo.specs.flop_scaling import estimate, group_of
+from cephalo.specs.catalog import tables as catalog
+from cephalo.specs.catalog.flop_scaling import estimate, group_of
 
 
 def test_leave_one_out_error_on_the_published_data():

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cephalo.errors import CephaloError
-from cephalo.planning.plan import Plan, RankPlan
-from cephalo.specs.catalog import DEVICE_ALIASES
+from cephalo.planner.plan import Plan, RankPlan
+from cephalo.specs.catalog.tables import DEVICE_ALIASES
 from cephalo.specs.cluster import Cluster
 from cephalo.train.config import field_types, load_config, section_class, section_names
 

@@ -1,4 +1,4 @@
-"""Shard-group planning shares its work (planning/group_split.py `GroupPlanMemo`, a `TableCache`
+"""Shard-group planning shares its work (planner/group_split.py `GroupPlanMemo`, a `TableCache`
 per step curve, `CostModel.evaluate`'s rank costs): the plans must be exactly those made
 without any of it, on clusters whose groupings repeat groups and on ones that differ only in
 what the memo must tell apart (links, memory)."""
@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-import cephalo.planning.group_split as group_split
-from cephalo.planning.costmodel import CostModel
-from cephalo.planning.group_split import GroupPlanMemo, _group_plan
-from cephalo.planning.groups import make_hierarchical_plan
-from cephalo.planning.sources import catalog_cost_model
-from cephalo.specs.catalog import get_model_spec
+import cephalo.planner.group_split as group_split
+from cephalo.costmodel.model import CostModel
+from cephalo.costmodel.sources import catalog_cost_model
+from cephalo.planner.group_split import GroupPlanMemo, _group_plan
+from cephalo.planner.shard_groups import make_hierarchical_plan
+from cephalo.specs.catalog.tables import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 # nodes repeat within and across clusters; the last two differ from others only in the

@@ -1,4 +1,4 @@
-"""The split of a batch over shard groups (planning/group_split.py): exact against every split on
+"""The split of a batch over shard groups (planner/group_split.py): exact against every split on
 synthetic step curves (staircases with plateaus and ties, as a group of n ranks gives), and the
 number of plans it makes on large clusters (identical groups planned once per batch size)."""
 
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from cephalo.planning.group_split import StepCurve, split_batch
-from cephalo.planning.groups import candidate_groupings, plan_grouping
-from cephalo.planning.sources import catalog_cost_model
-from cephalo.specs.catalog import get_model_spec
+from cephalo.costmodel.sources import catalog_cost_model
+from cephalo.planner.group_split import StepCurve, split_batch
+from cephalo.planner.shard_groups import candidate_groupings, plan_grouping
+from cephalo.specs.catalog.tables import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 

@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from cephalo.modeling.hf_families import FAMILIES
+from cephalo.modeling.hf.families import FAMILIES
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX
-from cephalo.runtime.comm import make_comm
-from cephalo.runtime.engine import Engine, EngineConfig
-from cephalo.runtime.optim import AdamWHyper
+from cephalo.runtime.adamw import AdamWHyper
+from cephalo.runtime.collectives.comm import make_comm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,
@@ -41,7 +41,7 @@ CONFIG = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay
 def _engine_run(directory: str, plan, cfg: EngineConfig, data, export_to: str | None = None):
     """On every rank: the model directory's pretrained weights, `len(data)` steps; rank 0
     returns the trained parameters under transformers' names (and writes `export_to`)."""
-    from cephalo.modeling.hf_export import export_hf_state_dict, save_hf_directory
+    from cephalo.modeling.hf.export import export_hf_state_dict, save_hf_directory
 
     torch.set_num_threads(1)
     quiet_transformers()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cephalo.errors import CephaloError
-from cephalo.modeling.hf_families import FAMILIES
+from cephalo.modeling.hf.families import FAMILIES
 from cephalo.modeling.registry import build_model, model_directory, model_spec_for
 from cephalo.modeling.units import IGNORE_INDEX
 from engine_common import one_thread
@@ -163,7 +163,7 @@ def test_pretrained_formats_sharded_bf16_base_model_and_legacy_names(tmp_path):
 
 
 def test_export_directory_loads_with_from_pretrained_and_keeps_the_tokenizer(tmp_path):
-    from cephalo.modeling.hf_export import save_hf_directory
+    from cephalo.modeling.hf.export import save_hf_directory
 
     source = save_tiny_model("phi3", tmp_path / "src", seed=5)
     (source / "tokenizer.json").write_text('{"version": "1.0"}')
@@ -365,7 +365,7 @@ def test_a_size_of_zero_is_one_error():
 def test_moe_bad_inputs(tmp_path, monkeypatch):
     """A quantized checkpoint, experts without a top-k, the router loss asked for without its
     coefficient: one clear error each; output_router_logits off: said once, no aux term."""
-    from cephalo.modeling import hf as hf_module
+    from cephalo.modeling.hf import model as hf_module
 
     quantized = save_tiny_model("gpt_oss", tmp_path / "q", seed=1)
     config = json.loads((quantized / "config.json").read_text())
@@ -393,8 +393,8 @@ def test_moe_bad_inputs(tmp_path, monkeypatch):
 
 
 def test_moe_standard_mode_refuses_the_router_loss(tmp_path):
-    from cephalo.runtime.comm import make_comm
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.runtime.collectives.comm import make_comm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
     from engine_common import make_plan
 
     directory = str(save_tiny_model("olmoe", tmp_path / "o", seed=1))
@@ -410,7 +410,7 @@ def test_gemma3_multimodal_trains_the_language_model_and_carries_the_vision_towe
     (transformers' multimodal model's text logits, 0 difference); the export loads with
     AutoModelForImageTextToText, the vision tower and projector bit-identical, the language
     model the trained weights."""
-    from cephalo.modeling.hf_export import save_hf_directory
+    from cephalo.modeling.hf.export import save_hf_directory
     from hf_configs import save_tiny_gemma3_multimodal
 
     source = save_tiny_gemma3_multimodal(tmp_path / "mm", seed=2)
@@ -490,9 +490,9 @@ def test_moe_router_loss_one_rank_micro_batches(tmp_path):
     """One rank, 5 samples in micro-batches of 2: the router loss of the whole batch (not of
     each micro-batch), as transformers + AdamW: losses, aux losses and parameters (the fast
     counterpart of test_hf_dist's 3-rank check)."""
-    from cephalo.runtime.comm import make_comm
-    from cephalo.runtime.engine import Engine, EngineConfig
-    from cephalo.runtime.optim import AdamWHyper
+    from cephalo.runtime.adamw import AdamWHyper
+    from cephalo.runtime.collectives.comm import make_comm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
     from engine_common import LR, TEST_EPS, make_data, make_plan, max_rel_diff, optim_config
     from reference import train_transformers
 
@@ -506,7 +506,7 @@ def test_moe_router_loss_one_rank_micro_batches(tmp_path):
     stats = [engine.train_step(x, y, lr=LR) for x, y in data]
     assert [s.aux_loss for s in stats] == pytest.approx(ref.aux_losses, rel=1e-5)
     assert [s.loss for s in stats] == pytest.approx(ref.losses, rel=1e-5)
-    from cephalo.modeling.hf_export import export_hf_state_dict
+    from cephalo.modeling.hf.export import export_hf_state_dict
 
     ours = export_hf_state_dict(model, engine.full_state_dict())
     diff, worst = max_rel_diff({k: ours[k] for k in ref.params}, ref.params)

@@ -1,6 +1,6 @@
 """Hierarchical sharding at run time (issue #26): an emulated 2-node plan, 3 ranks + 2 ranks with
 different shard boundaries in the two groups, and a 3-group plan (2 + 2 + 1 ranks), train like
-one process (runtime/replicas.py)."""
+one process (runtime/collectives/shard_groups.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from cephalo.modeling.registry import build_model
-from cephalo.planning.plan import Plan, RankPlan, ShardGroup
-from cephalo.runtime.comm import make_comm
-from cephalo.runtime.engine import Engine, EngineConfig
-from cephalo.runtime.optim import AdamWHyper
+from cephalo.planner.plan import Plan, RankPlan, ShardGroup
+from cephalo.runtime.adamw import AdamWHyper
+from cephalo.runtime.collectives.comm import make_comm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,
@@ -144,8 +144,8 @@ def test_bf16_cross_group_reduce_stays_close(pool5):
 
 def _bf16_exchange(plan, numel: int, seed: int):
     """Every rank's gradient shard of one unit, random, all-reduced across the groups in bf16."""
+    from cephalo.runtime.collectives.shard_groups import Replicas
     from cephalo.runtime.flat import shard_ranges
-    from cephalo.runtime.replicas import Replicas
 
     comm = make_comm("gloo")
     full = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + r)) for r in range(5)]
@@ -188,8 +188,8 @@ def test_bf16_cross_group_reduce_sums_in_fp32(pool5):
 
 def _checkpoint_round_trip(root, data):
     """Hierarchical for 3 steps, save; load under a flat 5-rank plan and the reverse."""
-    from cephalo.planning.planner import manual_plan
-    from cephalo.runtime.replicas import saved_state
+    from cephalo.planner.makers import manual_plan
+    from cephalo.runtime.collectives.shard_groups import saved_state
     from cephalo.train.checkpoint import load_checkpoint, save_checkpoint
 
     torch.set_num_threads(1)

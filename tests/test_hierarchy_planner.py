@@ -1,5 +1,5 @@
 """Hierarchical sharding in the planner (issue #26): the plan format, the cost model's groups and
-the choice of grouping (planning/groups.py)."""
+the choice of grouping (planner/shard_groups.py)."""
 
 import itertools
 import json
@@ -9,17 +9,17 @@ import re
 import pytest
 
 from cephalo import CephaloError, Plan, RankPlan
+from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.errors import PlanDoesNotFit
-from cephalo.planning.groups import (
+from cephalo.planner.makers import make_plan
+from cephalo.planner.plan import ShardGroup
+from cephalo.planner.shard_groups import (
     Grouping,
     candidate_groupings,
     make_hierarchical_plan,
     plan_grouping,
 )
-from cephalo.planning.plan import ShardGroup
-from cephalo.planning.planner import make_plan
-from cephalo.planning.sources import catalog_cost_model
-from cephalo.specs.catalog import get_model_spec
+from cephalo.specs.catalog.tables import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 ISSUE = "4xa6000@node0,4xl4@node1,4xv100x16@node2;inter={}"

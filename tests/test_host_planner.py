@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from scipy.optimize import linprog
 
+from cephalo.costmodel.model import CostModel, HostResources
+from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.errors import PlanDoesNotFit
-from cephalo.planning.costmodel import CostModel, HostResources
-from cephalo.planning.planner import make_plan
-from cephalo.planning.sources import catalog_cost_model
-from cephalo.specs.catalog import get_model_spec
+from cephalo.planner.makers import make_plan
+from cephalo.specs.catalog.tables import get_model_spec
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.profile import CommProfile
 from planner_helpers import FakeDevice, linear_profile, tiny_model

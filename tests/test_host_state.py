@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from cephalo.costmodel.model import check_host_memory
 from cephalo.errors import CephaloError, MemoryBudgetExceeded
 from cephalo.modeling.registry import build_model
-from cephalo.planning.costmodel import check_host_memory
-from cephalo.planning.plan import Plan
-from cephalo.planning.planner import manual_plan
-from cephalo.runtime.comm import LocalComm, make_comm
+from cephalo.planner.makers import manual_plan
+from cephalo.planner.plan import Plan
+from cephalo.runtime.adamw import AdamWHyper
+from cephalo.runtime.collectives.comm import LocalComm, make_comm
 from cephalo.runtime.emulation import ComputeEmulator
-from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.runtime.host_state import HostLink, host_adamw_kernel
 from cephalo.runtime.memory import MemoryLedger
-from cephalo.runtime.optim import AdamWHyper
 from cephalo.specs.cluster import Cluster
 from dist_harness import dist_pool_fixture
 from engine_common import LR, TEST_EPS, make_data, max_rel_diff, one_thread, rank_slice
@@ -408,7 +408,7 @@ def _ledger_run(spec):
 
 @pytest.fixture(scope="module")
 def measured_cm(one_thread):
-    from cephalo.planning.sources import measured_cost_model
+    from cephalo.costmodel.sources import measured_cost_model
     from cephalo.profiling.profiler import profile_devices
     from cephalo.profiling.settings import ProfileSettings
 

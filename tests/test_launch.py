@@ -15,7 +15,7 @@ from cephalo.cli import main as cli_main
 from cephalo.errors import CephaloError
 from cephalo.launch.elastic import first_failure, free_port, nproc_for
 from cephalo.launch.pool import threads_per_rank
-from cephalo.planning.planner import simple_plan
+from cephalo.planner.makers import simple_plan
 from cephalo.specs.cluster import Cluster
 from procs import processes, run_tagged
 

@@ -12,9 +12,9 @@ import torch
 
 from cephalo.modeling.lora import AdapterSettings, apply_adapter, base_name
 from cephalo.modeling.registry import build_model
-from cephalo.runtime.comm import make_comm
-from cephalo.runtime.engine import Engine, EngineConfig
-from cephalo.runtime.optim import AdamWHyper
+from cephalo.runtime.adamw import AdamWHyper
+from cephalo.runtime.collectives.comm import make_comm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,
@@ -255,7 +255,7 @@ def test_lora_collectives_and_ledger(tmp_path):
     forward: it has nothing to train), only the adapters' gradients are reduce-scattered,
     and the ledger holds 16 B per adapter parameter (`state`: fp32 master, gradient, two
     moments) and the compute dtype's bytes per frozen parameter (`frozen`)."""
-    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.collectives.comm import LocalComm
 
     quiet_transformers()
     directory = str(save_tiny_model("llama", tmp_path / "llama", seed=3))
@@ -273,7 +273,7 @@ def test_lora_collectives_and_ledger(tmp_path):
     blocks = len(model.units) - 2
     # forward: embedding, head (frozen only) + blocks (frozen + adapters); backward: no
     # embedding, no head (its loss and backward ran in the forward), no last block (gathered
-    # from its forward to its backward, planning/tail_fusion.py)
+    # from its forward to its backward, costmodel/rules.py)
     assert dict(comm.counters.calls) == {
         "all_gather_v": (2 + 2 * blocks) + 2 * (blocks - 1),
         "reduce_scatter_v": blocks,
@@ -311,7 +311,7 @@ def test_adapter_checkpoint_resumes_under_another_plan(pool3, tmp_path, kind):
     """3 uneven ranks save adapters + AdamW state after step 3 (no base in the checkpoint);
     one process under another plan (4 micro-batches) loads it and its steps 4-5 give the
     3-rank run's losses and adapters to 1e-5."""
-    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.collectives.comm import LocalComm
     from cephalo.train.checkpoint import load_checkpoint, verify_checkpoint
 
     if kind == "qlora":
@@ -346,7 +346,7 @@ def test_adapter_checkpoint_resumes_under_another_plan(pool3, tmp_path, kind):
 
 def test_lora_standard_mode_equals_lga(tmp_path):
     """The standard (FSDP-like) schedule runs LoRA too, with LGA's losses and adapters."""
-    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.collectives.comm import LocalComm
 
     quiet_transformers()
     directory = str(save_tiny_model("qwen2", tmp_path / "qwen2", seed=3))
@@ -370,7 +370,7 @@ def test_lora_ledger_peak_against_real_allocations(tmp_path, kind):
     step, frozen base and dequantized weights included, is within 10 % of the real one."""
     import gc
 
-    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.collectives.comm import LocalComm
     from cephalo.runtime.live_bytes import LiveTensorBytes
 
     if kind == "qlora":
@@ -400,7 +400,7 @@ def test_lora_dropout_is_plan_invariant(pool3, tmp_path):
     """lora_dropout = 0.1: peft's dropout draws its masks per sample (the engine's
     plan-invariant dropout), so 3 uneven ranks and one process with other micro-batches
     train the same adapters, and the masks are really on (unlike lora_dropout = 0)."""
-    from cephalo.runtime.comm import LocalComm
+    from cephalo.runtime.collectives.comm import LocalComm
 
     directory = str(save_tiny_model("gemma2", tmp_path / "gemma2", seed=3))
     plan = make_plan(**UNEVEN, seq_len=SEQ, model=directory)

@@ -13,9 +13,9 @@ from cephalo.commands.export import export_checkpoint
 from cephalo.errors import CephaloError
 from cephalo.modeling.lora import apply_adapter
 from cephalo.modeling.registry import build_model
-from cephalo.planning.planner import simple_plan
-from cephalo.runtime.comm import LocalComm
-from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.planner.makers import simple_plan
+from cephalo.runtime.collectives.comm import LocalComm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.specs.cluster import Cluster
 from cephalo.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from cephalo.train.config import load_config

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
+from cephalo.costmodel.sources import measured_cost_model
 from cephalo.modeling.registry import build_model
-from cephalo.planning.plan import Plan
-from cephalo.planning.planner import manual_plan
-from cephalo.planning.sources import measured_cost_model
+from cephalo.planner.makers import manual_plan
+from cephalo.planner.plan import Plan
 from cephalo.profiling.profiler import profile_devices
 from cephalo.profiling.settings import ProfileSettings
 from cephalo.specs.cluster import Cluster
@@ -65,8 +65,8 @@ def _second_step(engine, plan: Plan, rank: int):
 
 
 def _ledger_peaks(spec):
-    from cephalo.runtime.comm import make_comm
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.runtime.collectives.comm import make_comm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     comm = make_comm("auto")
     plan = _plan(spec)

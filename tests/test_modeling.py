@@ -157,7 +157,7 @@ def test_building_and_materializing_draw_nothing_from_the_global_rng(name):
     model = build_model(name, dropout=0.1).materialize("cpu", gen(0))
     build_model(name, device="cpu")  # a direct build runs torch/HF default init: forked away
     if name.startswith("hf-"):
-        from cephalo.modeling.hf_export import to_hf_model
+        from cephalo.modeling.hf.export import to_hf_model
 
         to_hf_model(model)
     model.eval()
@@ -212,7 +212,7 @@ HF_MODELS = ["hf-gpt2-tiny", "hf-llama-tiny"]
 
 def hf_pair(name: str, seed: int = 0, **overrides):
     """Our units and an HF model loaded (strictly) from their exported weights."""
-    from cephalo.modeling.hf_export import to_hf_model
+    from cephalo.modeling.hf.export import to_hf_model
 
     model = build_model(name, **overrides).materialize("cpu", gen(seed))
     return model, to_hf_model(model)
@@ -272,7 +272,7 @@ def test_hf_units_hold_no_buffers_and_init_is_deterministic(name):
 
 
 def test_builtin_gpt_exports_as_gpt2_with_the_same_loss():
-    from cephalo.modeling.hf_export import to_hf_model
+    from cephalo.modeling.hf.export import to_hf_model
 
     model = tiny_gpt(seed=4).eval()
     hf_model = to_hf_model(model)
@@ -309,7 +309,7 @@ def test_hf_llama_ties_on_request():
 
 @pytest.mark.parametrize("name", ["gpt-tiny", *HF_MODELS])
 def test_export_after_training_loads_strictly_into_transformers(name):
-    from cephalo.modeling.hf_export import export_hf_state_dict, to_hf_model
+    from cephalo.modeling.hf.export import export_hf_state_dict, to_hf_model
 
     model = build_model(name).materialize("cpu", gen(1)).eval()
     input_ids, _, labels = hf_batch(model.spec.vocab_size)

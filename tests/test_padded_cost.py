@@ -1,4 +1,4 @@
-"""The padded-even charge (planning/collective_cost.py): where a split runs padded, its
+"""The padded-even charge (costmodel/collectives.py): where a split runs padded, its
 collectives move N x max(fractions) of each unit and its padded buffers are held; the planner
 weighs it and stays exact against a search over every split and fraction."""
 
@@ -8,16 +8,16 @@ import math
 import numpy as np
 import pytest
 
-from cephalo.planning.collective_cost import (
+from cephalo.costmodel.collectives import (
     PAD_EVEN_SLACK,
     backend_pads,
     collective_factor,
     least_unpadded_fraction,
     split_padding,
 )
-from cephalo.planning.planner import make_plan, manual_plan
-from cephalo.planning.sources import catalog_cost_model, profiles_cost_model
-from cephalo.specs.catalog import get_model_spec
+from cephalo.costmodel.sources import catalog_cost_model, profiles_cost_model
+from cephalo.planner.makers import make_plan, manual_plan
+from cephalo.specs.catalog.tables import get_model_spec
 from cephalo.specs.cluster import Cluster
 from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
 from test_planner import assert_optimal
@@ -123,7 +123,7 @@ def test_padded_buffers_are_charged_their_bytes():
 
 
 def test_the_cluster_says_whether_it_pads():
-    """planning.sources reads the backend off the devices: GPUs train over NCCL (pads), CPUs
+    """costmodel.sources reads the backend off the devices: GPUs train over NCCL (pads), CPUs
     over gloo (does not)."""
     spec = get_model_spec("gpt-test")
     gpus = catalog_cost_model(Cluster.parse("l4,l4"), spec, 512, "fp32")

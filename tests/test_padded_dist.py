@@ -1,4 +1,4 @@
-"""Padded-even collectives (runtime/padded.py) on gloo (a 2-rank and a 3-rank process pool): a
+"""Padded-even collectives (runtime/collectives/padded.py) on gloo (a 2-rank and a 3-rank process pool): a
 near-even uneven split trains like the grouped collectives of its exact sizes (bitwise on 2
 ranks, where a sum of two is the same in any order; to rounding on 3, where gloo's two
 reduce-scatters add in different orders), runs the even collectives, and a skewed split keeps
@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cephalo.costmodel.collectives import collective_factor, padded_even
 from cephalo.modeling.registry import build_model
-from cephalo.planning.collective_cost import collective_factor, padded_even
-from cephalo.runtime.comm import make_comm
-from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.adamw import AdamWHyper
+from cephalo.runtime.collectives.comm import make_comm
+from cephalo.runtime.collectives.padded import PaddedSplit
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.runtime.flat import FlatLayout
-from cephalo.runtime.optim import AdamWHyper
-from cephalo.runtime.padded import PaddedSplit
 from dist_harness import dist_pool_fixture
 from engine_common import LR, TEST_EPS, make_data, make_plan, one_thread, rank_slice
 
@@ -144,7 +144,7 @@ def test_counters_even_for_near_even_grouped_for_skewed(pool3):
         # piece (its own sizes) and full_state_dict's logical gathers stay grouped
         assert r["even"]["reduce_scatter_v"] == units
         # (twice per unit but the head and the last block, gathered from its forward to its
-        # backward: planning/tail_fusion.py)
+        # backward: costmodel/rules.py)
         assert r["even"]["all_gather_v"] == 2 * units - 2
         assert r["calls"]["reduce_scatter_v"] == units + 1
     for r in skew:

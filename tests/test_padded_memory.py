@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from cephalo.costmodel.sources import measured_cost_model
 from cephalo.modeling.registry import build_model
-from cephalo.planning.sources import measured_cost_model
 from cephalo.profiling.profiler import profile_devices
 from cephalo.profiling.settings import ProfileSettings
 from cephalo.specs.cluster import Cluster
@@ -26,8 +26,8 @@ NEAR_EVEN = [(8, 8, False, 0.36), (4, 2, False, 0.33), (2, 2, False, 0.31)]
 
 
 def _ledger_peak(spec) -> tuple[int, bool]:
-    from cephalo.runtime.comm import make_comm
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.runtime.collectives.comm import make_comm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     comm = make_comm("auto")
     comm.even_gather = True  # what NCCL does: the engine pads near-even splits
@@ -60,7 +60,7 @@ def test_padded_peak_is_predicted(pool3, one_thread):
         assert without.total - without.reserve < peak <= predicted
         # the slack: the reduce-scatter output's bound, and the head's straddling elements,
         # which the model bounds by its largest parameter (`straddle_params`; the engine copies
-        # the one that straddles): the fused tail's head pass (planning/tail_fusion.py), the
+        # the one that straddles): the fused tail's head pass (costmodel/rules.py), the
         # peak here, holds the head computing
         slack = u * padded.reduce_out_bytes_per_fraction + padded.straddle_params["head"] * 4
         assert predicted - peak <= slack

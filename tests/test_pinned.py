@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cephalo.costmodel.model import host_bytes
 from cephalo.modeling.registry import build_model
-from cephalo.planning.costmodel import host_bytes
-from cephalo.runtime.comm import LocalComm
-from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.runtime.collectives.comm import LocalComm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.runtime.pinned import ALIGN, PinnedArena, pinned_empty
 from engine_common import LR, make_data, make_plan
 

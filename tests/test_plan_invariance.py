@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from cephalo.commands.export import export_checkpoint
-from cephalo.planning.plan import Plan, RankPlan
+from cephalo.planner.plan import Plan, RankPlan
 from cephalo.train.config import load_config
 from cephalo.train.trainer import train
 from dist_harness import dist_pool_fixture

@@ -13,7 +13,7 @@ from scipy.optimize import linprog
 
 from cephalo import CephaloError, Plan, RankPlan
 from cephalo.errors import PlanDoesNotFit
-from cephalo.planning.planner import make_plan
+from cephalo.planner.makers import make_plan
 from cephalo.specs.model import ModelSpec
 from cephalo.views.tables import plan_table
 from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
@@ -266,7 +266,7 @@ def _exhaustive_fast_identical(cm, B):
 
 # ---------------------------------------------------------------- larger instances: the hull path
 def test_hull_path_close_to_exact(monkeypatch):
-    import cephalo.planning.batch_split as batch_split
+    import cephalo.planner.search.batch_split as batch_split
 
     keys = ["a"] * 5 + ["b"] * 3
     profiles = {
@@ -395,10 +395,10 @@ def test_plan_json_round_trip_keeps_predictions(tmp_path):
 def test_growing_tables_are_never_shrunk_back(monkeypatch):
     """This cluster (found by `cephalo advise`) made the optimiser grow a group's tables, fall
     back to `fits_at_all`, which shrank them again, and grow them again, for ever."""
-    import cephalo.planning.batch_split as batch_split
-    import cephalo.planning.optimiser as optimiser
-    from cephalo.planning.sources import catalog_cost_model
-    from cephalo.specs.catalog import get_model_spec
+    import cephalo.planner.search.batch_split as batch_split
+    import cephalo.planner.search.bisection as optimiser
+    from cephalo.costmodel.sources import catalog_cost_model
+    from cephalo.specs.catalog.tables import get_model_spec
     from cephalo.specs.cluster import Cluster
 
     spec = "8xa100x40@node0," + ",".join(f"a6000@node{i}" for i in range(1, 10))
@@ -429,7 +429,7 @@ def _render(table) -> str:
 
 
 def test_fused_tail_is_a_per_rank_choice_that_memory_can_refuse():
-    """The fused tail (planning/tail_fusion.py) is faster and holds more in the head's pass.
+    """The fused tail (costmodel/rules.py) is faster and holds more in the head's pass.
     With room for both the planner fuses; with room for the unfused order only, it keeps
     that order (overlapping its reduce-scatters, boundaries on the device) rather than fall
     back to offloading or waiting for each reduce-scatter; the plan says so per rank

@@ -5,12 +5,12 @@ made with every search tabulating afresh and every cap computed from scratch."""
 import numpy as np
 import pytest
 
-import cephalo.planning.rank_capacity as rank_capacity
-import cephalo.planning.rank_tables as rank_tables
-from cephalo.planning.planner import make_plan
-from cephalo.planning.rank_tables import SearchRegime, TableCache, rank_groups, tabulate
-from cephalo.planning.sources import catalog_cost_model
-from cephalo.specs.catalog import get_model_spec
+import cephalo.planner.search.capacity as rank_capacity
+import cephalo.planner.search.rank_tables as rank_tables
+from cephalo.costmodel.sources import catalog_cost_model
+from cephalo.planner.makers import make_plan
+from cephalo.planner.search.rank_tables import SearchRegime, TableCache, rank_groups, tabulate
+from cephalo.specs.catalog.tables import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 # GPU clusters (padding backend) where the padded search runs its sub-searches: near-even

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from cephalo.cli import main
+from cephalo.costmodel.sources import measured_cost_model
 from cephalo.errors import CephaloError
 from cephalo.modeling.registry import build_model
-from cephalo.planning.sources import measured_cost_model
 from cephalo.profiling.database import DeviceKey, ProfileDatabase, model_signature
 from cephalo.profiling.measure import CollectiveSample, fit_comm
 from cephalo.profiling.profiler import cached_profiles, profile_devices
@@ -237,7 +237,7 @@ def test_bad_input():
 
 # ----------------------------------------------------------------------------- planning
 def test_plan_from_measured_profiles(single, tmp_path):
-    from cephalo.planning.planner import make_plan
+    from cephalo.planner.makers import make_plan
 
     cluster = Cluster.parse(f"cpu,{SLOW}")
     spec = build_model("gpt-tiny").spec
@@ -296,7 +296,7 @@ pool2 = dist_pool_fixture(2, timeout_s=240.0)
 
 
 def _profile_on_ranks(cache: str, slowdown: float = SLOWDOWN) -> dict:
-    from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.collectives.comm import make_comm
 
     cluster = f"cpu,cpu:slowdown={slowdown:g}"
 
@@ -356,7 +356,7 @@ def test_two_rank_profiling(pool2, tmp_path):
 def _profile_uneven_sweeps(cache: str) -> dict:
     """Rank 1's memory ends its sweep at micro-batch 2; rank 0 goes on to 8. Then the same
     cluster measured one rank at a time, into the same database."""
-    from cephalo.runtime.comm import make_comm
+    from cephalo.runtime.collectives.comm import make_comm
 
     comm = make_comm("auto")
     settings = ProfileSettings(

@@ -22,7 +22,7 @@ import torch
 
 from cephalo.cli import main as cli_main
 from cephalo.log import logger
-from cephalo.planning.planner import simple_plan
+from cephalo.planner.makers import simple_plan
 from cephalo.specs.cluster import Cluster
 from cephalo.train.checkpoint import MARKER
 from cephalo.train.config import load_config
@@ -225,7 +225,7 @@ def test_restart_on_torchruns_shared_store_names_the_fix(monkeypatch):
     real restarts with it set)."""
     from cephalo.errors import CephaloError
     from cephalo.launch.elastic import free_port
-    from cephalo.runtime.dist import SHARED_STORE_ENV, init_distributed
+    from cephalo.runtime.collectives.dist import SHARED_STORE_ENV, init_distributed
 
     env = {
         "RANK": "1",

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from cephalo import envvars
 from cephalo.commands.export import export_checkpoint
 from cephalo.envvars import scoped_environ
-from cephalo.planning.plan import Plan, RankPlan
+from cephalo.planner.plan import Plan, RankPlan
 from cephalo.train.config import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cephalo.modeling.registry import build_model
-from cephalo.planning.plan import Plan, RankPlan
-from cephalo.runtime.comm import LocalComm
-from cephalo.runtime.engine import Engine, EngineConfig
+from cephalo.planner.plan import Plan, RankPlan
+from cephalo.runtime.collectives.comm import LocalComm
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.runtime.relayout import WINDOW_ELEMS
 from cephalo.train.replan import must_stage, switch_plan
 

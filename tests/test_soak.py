@@ -48,7 +48,7 @@ def _rss_anon_bytes() -> int:
 def _soak(run_dir: str) -> list[tuple[int, int, int]]:
     """Runs on each rank: the training job, sampling (RssAnon, ledger peak, ledger current)
     after every step."""
-    from cephalo.runtime.engine import Engine
+    from cephalo.runtime.engine.engine import Engine
     from cephalo.train.config import load_config
     from cephalo.train.trainer import train
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cephalo.launch.elastic import free_port
-from cephalo.planning.plan import Plan
+from cephalo.planner.plan import Plan
 from cephalo.train.config import load_config
 from cephalo.train.trainer import train
 from procs import processes, run_tagged

@@ -12,8 +12,8 @@ import torch
 
 from cephalo.cli import main as cli_main
 from cephalo.errors import CephaloError
-from cephalo.planning.plan import Plan
-from cephalo.planning.planner import simple_plan
+from cephalo.planner.makers import simple_plan
+from cephalo.planner.plan import Plan
 from cephalo.specs.cluster import Cluster
 from cephalo.train.config import load_config
 from cephalo.train.discovery import cluster_from_descriptions, describe_own_device

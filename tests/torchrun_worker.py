@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.dist import shutdown
+from cephalo.runtime.collectives.dist import shutdown
 from cephalo.train.config import load_config
 from cephalo.train.trainer import train
 

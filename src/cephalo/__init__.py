@@ -5,7 +5,7 @@ The public API is kept small; everything else is importable from its module but 
 
 from cephalo.errors import CephaloError
 from cephalo.modeling.registry import build_model
-from cephalo.planning.plan import Plan, RankPlan
+from cephalo.planner.plan import Plan, RankPlan
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.specs.model import ModelSpec
 

@@ -5,9 +5,9 @@ One home for the names, so a reader (and `docs/`) finds them all here:
 | variable | read by | meaning |
 |---|---|---|
 | `CEPHALO_LOG` | `cephalo.log` | log level (`INFO` by default) |
-| `CEPHALO_COMM_VALIDATE` | `runtime.comm` | `0` turns off the cross-rank collective checks |
+| `CEPHALO_COMM_VALIDATE` | `runtime.collectives.comm` | `0` turns off the cross-rank collective checks |
 | `CEPHALO_PROFILE_DB` | `profiling.database` | profile database file |
-| `CEPHALO_CACHE` | `train.data` | cache root of prepared datasets |
+| `CEPHALO_CACHE` | `data.text` | cache root of prepared datasets |
 | `CEPHALO_ERROR_DIR` | `commands.train`, `launch.elastic` | where workers of `cephalo run` write their error reports |
 | `CEPHALO_DEVICE` | `train.discovery` | this process's own (emulated) device, one cluster-spec device, e.g. `cpu:slowdown=2,mem=1GiB` (when `parallel.devices` is unset) |
 | `CEPHALO_TEST_KILL_AT_STEP`, `CEPHALO_TEST_KILL_RANK` | `train.trainer` | test hook: SIGKILL a rank before a step |

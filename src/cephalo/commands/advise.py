@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from cephalo.advise.advisor import PLANS_PER_LEVEL, Advisor, advise
 from cephalo.commands.plan import (
     DEFAULT_DTYPE,
     DEFAULT_MODEL,
@@ -17,7 +18,6 @@ from cephalo.commands.plan import (
     build_cost_model,
 )
 from cephalo.errors import CephaloError
-from cephalo.planning.advise import PLANS_PER_LEVEL, Advisor, advise
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.offers import Offers
 from cephalo.views.tables import frontier_table, make_console, marginal_tables

@@ -6,8 +6,8 @@ import argparse
 
 from rich.console import Console
 
-from cephalo.specs import catalog
-from cephalo.specs.catalog import DTYPES
+from cephalo.specs.catalog import tables as catalog
+from cephalo.specs.catalog.tables import DTYPES
 from cephalo.views.tables import (
     catalog_device_table,
     catalog_devices_table,

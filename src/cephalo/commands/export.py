@@ -116,11 +116,11 @@ def export_checkpoint(
     from safetensors.torch import save_file
 
     from cephalo.errors import CephaloError
-    from cephalo.modeling.hf_export import save_hf_directory
+    from cephalo.modeling.hf.export import save_hf_directory
     from cephalo.modeling.registry import build_model
-    from cephalo.planning.planner import simple_plan
-    from cephalo.runtime.comm import LocalComm
-    from cephalo.runtime.engine import Engine, EngineConfig
+    from cephalo.planner.makers import simple_plan
+    from cephalo.runtime.collectives.comm import LocalComm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
     from cephalo.specs.cluster import Cluster
     from cephalo.train.checkpoint import load_checkpoint
 

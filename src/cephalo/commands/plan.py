@@ -6,11 +6,11 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from cephalo.costmodel.model import CostModel
+from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.modeling.registry import model_spec_for
-from cephalo.planning.costmodel import CostModel
-from cephalo.planning.plan import DTYPES, Plan
-from cephalo.planning.sources import catalog_cost_model
+from cephalo.planner.plan import DTYPES, Plan
 from cephalo.specs.adapter import ADAPTER_MODES, DEFAULT_LORA_R, AdapterSpec
 from cephalo.views.tables import (
     adapter_lines,
@@ -219,7 +219,7 @@ def build_cost_model(
             f"{cluster_spec} --model {model} --out profiles.json`, then pass --profiles profiles.json"
         )
     if measured is not None:
-        from cephalo.planning.sources import measured_cost_model
+        from cephalo.costmodel.sources import measured_cost_model
 
         cm = measured_cost_model(cluster, spec, seq_len, dtype, measured, adapter=adapter)
         cm.meta["profile_source"] = f"measured:{profiles_path}"
@@ -233,8 +233,8 @@ def build_cost_model(
 
 
 def run(args: argparse.Namespace) -> int:
-    from cephalo.planning.groups import grouping_lines, make_hierarchical_plan
-    from cephalo.planning.planner import make_plan
+    from cephalo.planner.makers import make_plan
+    from cephalo.planner.shard_groups import grouping_lines, make_hierarchical_plan
 
     if args.global_batch < 1:
         raise CephaloError(f"--global-batch must be >= 1, got {args.global_batch}")

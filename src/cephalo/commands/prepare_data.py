@@ -7,12 +7,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cephalo.train.chat import FORMATS, LOSS_ON, detect_inputs_format
-from cephalo.train.chat_data import DocumentBatches, prepare_chat_dataset
-from cephalo.train.corpus import DEFAULT_TEXT_FIELD, Corpus
-from cephalo.train.data import DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE, prepare_dataset
-from cephalo.train.hf_tokenizer import declared_vocab_size
-from cephalo.train.tokenizer import BYTE_TOKENIZER
+from cephalo.data.chat import FORMATS, LOSS_ON, detect_inputs_format
+from cephalo.data.chat_data import DocumentBatches, prepare_chat_dataset
+from cephalo.data.corpus import DEFAULT_TEXT_FIELD, Corpus
+from cephalo.data.hf_tokenizer import declared_vocab_size
+from cephalo.data.text import DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE, prepare_dataset
+from cephalo.data.tokenizer import BYTE_TOKENIZER
 
 EPILOG = """\
 inputs (read as a stream: memory stays bounded, whatever the size):

@@ -6,7 +6,7 @@ import argparse
 
 from cephalo.commands.plan import GIB, adapter_of, add_cost_model_arguments, build_cost_model
 from cephalo.errors import CephaloError
-from cephalo.planning.plan import Plan
+from cephalo.planner.plan import Plan
 from cephalo.specs.adapter import AdapterSpec
 from cephalo.views.tables import adapter_lines, host_memory_lines, make_console, plan_table
 

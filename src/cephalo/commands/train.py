@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cephalo import envvars
 from cephalo.errors import CephaloError
-from cephalo.runtime.dist import announce_failure, peer_failure, shutdown
+from cephalo.runtime.collectives.dist import announce_failure, peer_failure, shutdown
 from cephalo.train.config import add_config_arguments, config_from_args
 
 EPILOG = """\

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cephalo.costmodel.model import MEMORY_CATEGORIES
 from cephalo.demo.result import (
     STRATEGIES,
     WARMUP_STEPS_EXCLUDED,
@@ -20,9 +21,8 @@ from cephalo.demo.result import (
     describe_cluster,
 )
 from cephalo.demo.throttle import plot_throttle, throttle_markdown
-from cephalo.planning.costmodel import MEMORY_CATEGORIES
-from cephalo.planning.plan import Plan
-from cephalo.runtime.step_timing import PARTS as TIME_PARTS
+from cephalo.planner.plan import Plan
+from cephalo.runtime.engine.step_timing import PARTS as TIME_PARTS
 from cephalo.views.plots import pyplot
 
 MIB = 2**20
@@ -262,7 +262,7 @@ def _plan_rows(result: DemoResult) -> list[str]:
 
 
 def _time_rows(result: DemoResult) -> list[str]:
-    """Where a step's time goes on each rank of the cephalo run (runtime/step_timing.py)."""
+    """Where a step's time goes on each rank of the cephalo run (runtime/engine/step_timing.py)."""
     run = result.runs.get("cephalo")
     if run is None or not run.time_split:
         return []

@@ -7,10 +7,10 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cephalo.costmodel.model import CostModel, PlanEvaluation
 from cephalo.errors import PlanDoesNotFit
-from cephalo.planning.costmodel import CostModel, PlanEvaluation
-from cephalo.planning.plan import Plan
-from cephalo.specs.catalog import CPU_DEFAULT_MEMORY_BYTES
+from cephalo.planner.plan import Plan
+from cephalo.specs.catalog.tables import CPU_DEFAULT_MEMORY_BYTES
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.profile import MeasuredProfiles
 from cephalo.train.config import JobConfig
@@ -57,7 +57,7 @@ class RunSummary:
     peak_bytes: list[int] = field(default_factory=list)
     """Per rank: the memory ledger's peak over the run."""
     time_split: list[dict[str, float]] = field(default_factory=list)
-    """Per rank: mean seconds per step of each part of runtime/step_timing.py's split."""
+    """Per rank: mean seconds per step of each part of runtime/engine/step_timing.py's split."""
 
 
 @dataclass

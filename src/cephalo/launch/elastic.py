@@ -31,7 +31,7 @@ from cephalo.envvars import scoped_environ
 from cephalo.errors import CephaloError
 from cephalo.launch.pool import threads_per_rank
 from cephalo.log import logger
-from cephalo.runtime.dist import SHARED_STORE_ENV
+from cephalo.runtime.collectives.dist import SHARED_STORE_ENV
 from cephalo.specs.cluster import Cluster
 
 

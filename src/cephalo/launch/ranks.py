@@ -16,7 +16,7 @@ from typing import Any
 
 from cephalo.errors import CephaloError
 from cephalo.launch.pool import RankFailure, RankPool, progress, threads_per_rank
-from cephalo.runtime.comm import make_comm
+from cephalo.runtime.collectives.comm import make_comm
 
 
 def _with_comm(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

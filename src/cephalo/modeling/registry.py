@@ -18,7 +18,7 @@ import torch
 from cephalo.errors import CephaloError
 from cephalo.modeling.gpt import GPT, GPT_PRESETS, GPTConfig
 from cephalo.modeling.units import UnitModel
-from cephalo.specs.catalog import get_model_spec
+from cephalo.specs.catalog.tables import get_model_spec
 from cephalo.specs.model import ModelSpec
 
 INIT_CHOICES = ("auto", "pretrained", "random")
@@ -55,10 +55,10 @@ Builder = Callable[..., UnitModel]
 
 def _hf_builders() -> dict[str, Builder]:
     # hf.py imports transformers only when a model is built, so listing names never needs it.
-    from cephalo.modeling import hf_config
+    from cephalo.modeling.hf import config as hf_config
 
     def build(name: str, device, overrides, init="auto") -> UnitModel:
-        from cephalo.modeling.hf import build_hf_unit_model
+        from cephalo.modeling.hf.model import build_hf_unit_model
 
         return build_hf_unit_model(name, device, overrides, init)
 
@@ -112,7 +112,7 @@ def build_model(
         return builders[name](name, device, overrides, init)
     directory = model_directory(name)
     if directory is not None:
-        from cephalo.modeling.hf import build_hf_directory_model
+        from cephalo.modeling.hf.model import build_hf_directory_model
 
         return build_hf_directory_model(name, directory, device, overrides, init)
     path = Path(name).expanduser()

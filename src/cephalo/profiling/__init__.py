@@ -2,7 +2,7 @@
 and the profile database.
 
     from cephalo.profiling.profiler import profile_devices
-    from cephalo.planning.sources import measured_cost_model
+    from cephalo.costmodel.sources import measured_cost_model
     measured = profile_devices("gpt-tiny", 32, "fp32", Cluster.parse("cpu,cpu:slowdown=2"), comm)
     cm = measured_cost_model(cluster, model.spec, 32, "fp32", measured)
 

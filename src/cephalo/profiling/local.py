@@ -9,7 +9,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from cephalo.launch.ranks import run_ranks
 from cephalo.profiling.profiler import profile_devices
 from cephalo.profiling.settings import ProfileSettings
-from cephalo.runtime.comm import LocalComm
+from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.specs.cluster import Cluster
 
 

@@ -1,10 +1,10 @@
 """Measurements on one device: units vs micro-batch size, optimizer, host copies, collectives.
 
-Every unit measurement replays what the engine does for one micro-batch (runtime/engine.py),
+Every unit measurement replays what the engine does for one micro-batch (runtime/engine/engine.py),
 so the cost model's numbers are the engine's numbers:
 
 - forward: parameters are views of one gathered flat buffer in the compute dtype, the unit
-  runs through its `UnitBinding` (runtime/bind.py) under `no_grad` (and under the engine's per-sample dropout
+  runs through its `UnitBinding` (runtime/engine/bind.py) under `no_grad` (and under the engine's per-sample dropout
   mode), and its output is stored into a fresh ledger buffer (the boundary activation);
 - recompute + backward: parameters and input become fresh leaves, the unit runs again with
   a graph under the ledger's `track_activations`, `autograd.grad` back-propagates the output
@@ -42,16 +42,16 @@ from dataclasses import dataclass
 import torch
 
 from cephalo.modeling.units import Unit
-from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import drain_grad, largest_grad_bytes, largest_saved_bytes
-from cephalo.runtime.bind import UnitBinding
-from cephalo.runtime.comm import Comm
+from cephalo.runtime.adamw import AdamWHyper, ShardedAdamW, ShardGroup
+from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
+from cephalo.runtime.engine import head_loss
+from cephalo.runtime.engine.autograd import drain_grad, largest_grad_bytes, largest_saved_bytes
+from cephalo.runtime.engine.bind import UnitBinding
 from cephalo.runtime.flat import FlatLayout
 from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
 from cephalo.runtime.memory import MemoryLedger
-from cephalo.runtime.optim import AdamWHyper, ShardedAdamW, ShardGroup
 
 UNMEASURABLE_BYTES_PER_S = 1e15
 """Bandwidth reported when time does not grow with size (JSON has no infinity)."""

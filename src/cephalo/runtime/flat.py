@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cephalo.errors import CephaloError
-from cephalo.planning.plan import largest_remainder
+from cephalo.planner.plan import largest_remainder
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from cephalo.modeling.nf4 import (
     nf4_format,
     quantize,
 )
-from cephalo.runtime.comm import Comm, Handle
+from cephalo.runtime.collectives.comm import Comm, Handle
 from cephalo.runtime.flat import overlap, shard_ranges
 from cephalo.runtime.memory import MemoryLedger
 

@@ -3,7 +3,7 @@
 `tensor.pin_memory()` and `torch.empty(..., pin_memory=True)` go through PyTorch's caching
 host allocator, which rounds every block up to a power of two and keeps freed blocks for
 reuse: host state and offloaded activations could take up to twice what the ledger and the
-planner count (`planning.costmodel.host_bytes`). Here instead:
+planner count (`costmodel.model.host_bytes`). Here instead:
 
 - `pinned_empty`: a plain host tensor of the exact size, page-locked with `cudaHostRegister`
   (and unregistered when it dies). The host state, allocated once, takes these.

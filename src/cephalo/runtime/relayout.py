@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.comm import Comm
+from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.flat import FlatShard, overlap
 
 WINDOW_ELEMS = 1 << 24

@@ -1,8 +1,8 @@
 """Adapter fine-tuning (LoRA, QLoRA) as the planner sees it: what a frozen base parameter and a
 trained adapter parameter cost in bytes, and how many adapter parameters a unit has.
 
-The ONE place these numbers live; the cost model (`cephalo.planning.costmodel`, through
-`cephalo.planning.layout`) reads them, and so do the plan printout and the docs' tables.
+The ONE place these numbers live; the cost model (`cephalo.costmodel.model`, through
+`cephalo.costmodel.layout`) reads them, and so do the plan printout and the docs' tables.
 
 - A frozen base parameter is stored (and gathered) in the compute dtype: 2 bytes in bf16 /
   fp16, 4 in fp32. It has no fp32 master, no gradient, no AdamW moments.
@@ -67,7 +67,7 @@ def nf4_dequant_transient_bytes(numel: int) -> int:
     """Bytes of torchao's temporaries while one NF4 weight of `numel` elements is dequantized:
     `NF4_DEQUANT_TRANSIENT_BYTES` per element of a chunk (whole scaler blocks, at most about
     `NF4_DEQUANT_CHUNK` elements; the whole weight when it is smaller). The runtime charges
-    this to its ledger (runtime/frozen.py) and the cost model counts it (planning/layout.py)."""
+    this to its ledger (runtime/frozen.py) and the cost model counts it (costmodel/layout.py)."""
     unit = NF4_BLOCK * NF4_ABSMAX_BLOCK
     chunk = min(numel, max(unit, NF4_DEQUANT_CHUNK // unit * unit))
     return NF4_DEQUANT_TRANSIENT_BYTES * chunk

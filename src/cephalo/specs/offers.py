@@ -1,6 +1,6 @@
 """GPU offers: which device types one may rent or buy, how many, at what price per hour.
 
-The advisor (`cephalo advise`, `cephalo.planning.advise`) searches every cluster the offers
+The advisor (`cephalo advise`, `cephalo.advise.advisor`) searches every cluster the offers
 allow. An offers file is TOML (also JSON, or YAML with PyYAML installed), one `[[offer]]`
 table per offer:
 
@@ -31,7 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from cephalo.errors import CephaloError
-from cephalo.specs.catalog import device_memory_bytes, intra_node_bytes_per_s, resolve_device_type
+from cephalo.specs.catalog.tables import (
+    device_memory_bytes,
+    intra_node_bytes_per_s,
+    resolve_device_type,
+)
 from cephalo.specs.cluster import DEFAULT_INTER_NODE_BYTES_PER_S, MAX_DEVICES, parse_rate
 from cephalo.specs.files import read_table_file
 

@@ -35,8 +35,8 @@ import copy
 import statistics
 from dataclasses import dataclass, field, replace
 
-from cephalo.planning.costmodel import CostModel, HostResources
-from cephalo.planning.plan import Plan
+from cephalo.costmodel.model import CostModel, HostResources
+from cephalo.planner.plan import Plan
 from cephalo.specs.profile import Curve, DeviceProfile, UnitProfile
 
 MIN_SCALE, MAX_SCALE = 0.05, 20.0

@@ -44,12 +44,12 @@ from typing import Any, Protocol
 import torch
 
 from cephalo import envvars
+from cephalo.costmodel.model import CostModel
 from cephalo.errors import CephaloError, first_line
 from cephalo.log import logger
-from cephalo.planning.costmodel import CostModel
-from cephalo.planning.plan import Plan, RankPlan
+from cephalo.planner.plan import Plan, RankPlan
+from cephalo.runtime.collectives.shard_groups import saved_state
 from cephalo.runtime.relayout import WINDOW_ELEMS, relayout, staged_bytes, to_host
-from cephalo.runtime.replicas import saved_state
 from cephalo.train.calibration import Calibration, StepLog, predicted_step_s, refit
 
 
@@ -389,7 +389,7 @@ class Replanner:
     ) -> tuple[Plan | None, float | None, str]:
         """(the new plan or None, its predicted gain, why not)."""
         from cephalo.errors import PlanDoesNotFit
-        from cephalo.planning.groups import make_hierarchical_plan
+        from cephalo.planner.shard_groups import make_hierarchical_plan
 
         p = self.cfg.parallel
         try:
@@ -491,7 +491,7 @@ def catalog_model_or_none(cfg, model_spec, cluster) -> CostModel | None:
     cluster's devices, or None where the catalog has none (an emulated CPU)."""
     if cfg.parallel.replan != "auto" or cfg.parallel.plan == "auto":
         return None
-    from cephalo.planning.sources import catalog_cost_model
+    from cephalo.costmodel.sources import catalog_cost_model
 
     try:
         kw = {}

@@ -34,23 +34,23 @@ from typing import Any
 import torch
 
 from cephalo import envvars
+from cephalo.costmodel.model import CostModel, check_host_memory
+from cephalo.data.chat_data import open_batches, resolve_job_dataset
 from cephalo.errors import CephaloError
 from cephalo.log import init_logging, logger
 from cephalo.modeling.lora import adapter_settings, apply_adapter
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
-from cephalo.planning.costmodel import CostModel, check_host_memory
-from cephalo.planning.plan import Plan
-from cephalo.planning.planner import simple_plan
-from cephalo.runtime.comm import Comm
-from cephalo.runtime.dist import init_distributed, peer_failure
+from cephalo.planner.makers import simple_plan
+from cephalo.planner.plan import Plan
+from cephalo.runtime.adamw import AdamWHyper
+from cephalo.runtime.collectives.comm import Comm
+from cephalo.runtime.collectives.dist import init_distributed, peer_failure
+from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
 from cephalo.runtime.emulation import drifted_slowdown
-from cephalo.runtime.engine import Engine, EngineConfig, StepStats
-from cephalo.runtime.optim import AdamWHyper
-from cephalo.runtime.replicas import emulate_links, saved_state
-from cephalo.runtime.step_timing import format_split, split_step
+from cephalo.runtime.engine.engine import Engine, EngineConfig, StepStats
+from cephalo.runtime.engine.step_timing import format_split, split_step
 from cephalo.specs.cluster import Cluster, Device
-from cephalo.train.chat_data import open_batches, resolve_job_dataset
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig, config_to_toml
 from cephalo.train.discovery import discover_cluster, is_emulated, job_torch_device
@@ -124,8 +124,8 @@ def auto_plan(
     plan from the measured cost model (returned too: calibration refits it). Every rank gets
     the same profiles (broadcast by the profiler) and the planner is deterministic, so every
     rank makes the same plan; one tiny all-reduce checks it."""
-    from cephalo.planning.groups import make_hierarchical_plan
-    from cephalo.planning.sources import measured_cost_model
+    from cephalo.costmodel.sources import measured_cost_model
+    from cephalo.planner.shard_groups import make_hierarchical_plan
     from cephalo.profiling.profiler import profile_devices
     from cephalo.specs.adapter import ALL_LINEAR, adapter_spec
 
@@ -222,14 +222,14 @@ def engine_config(
 
 def _consequence(error: CephaloError) -> CephaloError:
     """Mark an error as the consequence of another rank's failure: this rank does not announce
-    it as the cause (runtime/dist.py `announce_failure`)."""
+    it as the cause (runtime/collectives/dist.py `announce_failure`)."""
     error.consequence = True
     return error
 
 
 def out_of_memory_message(rank: int, step: int, engine: Engine, err: BaseException) -> str:
     """One clear line for a real device's out-of-memory error (the others stop with it too:
-    `runtime.dist.announce_failure`)."""
+    `runtime.collectives.dist.announce_failure`)."""
     gib = 1024**3
     device = engine.device
     detail = ""
@@ -467,7 +467,7 @@ class _Trainer:
         ), max(r[2] for r in rows)
 
     def _log_time_split(self, ranks: RankStats) -> None:
-        """Where each rank's step went (runtime/step_timing.py), every `log_every` steps."""
+        """Where each rank's step went (runtime/engine/step_timing.py), every `log_every` steps."""
         for r in range(len(ranks.busy_s)):
             one = StepStats(
                 loss=0.0,
@@ -607,7 +607,9 @@ class _Trainer:
         so in one line (a one-process job, or our own error, passes through unchanged)."""
         if isinstance(error, CephaloError) or self.world_size == 1:
             return error
-        peer = peer_failure(wait_s=2.0)  # the failed rank announced why (runtime/dist.py)
+        peer = peer_failure(
+            wait_s=2.0
+        )  # the failed rank announced why (runtime/collectives/dist.py)
         if peer is not None:
             return _consequence(
                 CephaloError(

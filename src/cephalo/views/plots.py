@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cephalo.advise.results import Advice
+from cephalo.costmodel.model import MEMORY_CATEGORIES, PlanEvaluation
 from cephalo.errors import CephaloError
-from cephalo.planning.advise_results import Advice
-from cephalo.planning.costmodel import MEMORY_CATEGORIES, PlanEvaluation
-from cephalo.planning.plan import Plan
+from cephalo.planner.plan import Plan
 
 GIB = 1024**3
 

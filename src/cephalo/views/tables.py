@@ -9,11 +9,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from cephalo.advise.results import Advice, FrontierPoint, Marginal
+from cephalo.costmodel.model import PlanEvaluation
 from cephalo.errors import PlanDoesNotFit
-from cephalo.planning.advise_results import Advice, FrontierPoint, Marginal
-from cephalo.planning.costmodel import PlanEvaluation
-from cephalo.planning.plan import Plan
-from cephalo.specs import catalog, derived
+from cephalo.planner.plan import Plan
+from cephalo.specs.catalog import derived
+from cephalo.specs.catalog import tables as catalog
 from cephalo.specs.profile import MeasuredProfiles
 
 GIB = 1024**3
@@ -178,7 +179,7 @@ def catalog_devices_table() -> Table:
     )
     t.caption = (
         "models: how many catalog models have published profiles on the device; *: derived "
-        "from a measured card of the same architecture by spec ratios (specs/derived.py; its "
+        "from a measured card of the same architecture by spec ratios (specs/catalog/derived.py; its "
         "measured error is printed with a plan)"
     )
     return t
@@ -335,7 +336,7 @@ def moe_lines(cost_model) -> list[str]:
 
 def adapter_lines(cost_model) -> list[str]:
     """What an adapter plan trains and what it costs per parameter (nothing for full
-    fine-tuning): the numbers `planning/layout.py` feeds the cost model."""
+    fine-tuning): the numbers `costmodel/layout.py` feeds the cost model."""
     adapter, layout = cost_model.adapter, cost_model.layout
     if not adapter.frozen_base:
         return []

@@ -1,0 +1,1098 @@
+"""The cost model: time and peak memory of one rank under a plan. The ONE place these formulas live.
+
+Its parts by concept: the collectives and the padded-even rule (`collective_cost.py`), shard
+groups of hierarchical plans (`group_cost.py`), host memory (`host_cost.py`), the result
+values (`cost_results.py`) and the profile curves as tables (`curve_tables.py`); `CostModel`
+here puts them together and is the one way in.
+
+The planner, `cephalo simulate` and the benchmarks all call into this module, so a plan is
+always judged by the same numbers it was made with. Every formula is written once, over
+numpy arrays that broadcast: the planner evaluates whole tables of (batch, micro-batch,
+offload) choices at once, `rank_cost` evaluates one choice, and both read the same code.
+
+Per rank i (its device's profile, memory M_i), for a choice of batch b, micro-batch m
+(k = ceil(b/m) micro-batches, the last one b - (k-1) m samples), state fraction s and
+offload o, one training step under layered gradient accumulation (LGA) costs:
+
+  per unit u (embedding, L blocks, head):
+    forward    fwd_u  = (k-1) F_u(m) + F_u(last)
+    backward   bwd_u  = fwd_u (recompute) + (k-1) B_u(m) + B_u(last); the head has no
+               recompute and no second gather: its loss and backward run in one pass, at the
+               end of the forward (runtime/engine/head_loss.py); where the plan fuses its tail
+               (costmodel/rules.py) the last block runs in that pass too, with neither
+               recompute nor second gather; where the model allows it, every rank keeps the
+               last block gathered from its forward to its backward (no second gather), fused
+               or not
+    collectives: all-gather of the unit's compute-dtype parameters in forward and again in
+    backward, reduce-scatter of its fp32 gradient once in backward; ring cost
+    (n-1)/n * bytes / slowest link + latency (costmodel/collectives.py). They depend on the
+    unit, not on b, m or s, except that a near-even split runs them padded-even where the
+    backend pads (`padded_collectives`: NCCL): its padding travels too, N x u of the unit's
+    trained part for u the split's largest fraction, and its padded buffers are held
+    (`pad`, charged by `evaluate` and weighed by the planner; collective_cost.py says how).
+    All are overlapped with compute: the all-gather of the next unit is prefetched while
+    this one computes, and the engine's reduce-scatter of a unit's gradient runs while the
+    next unit's backward computes (runtime/engine/engine.py `_backward_pass`). Each unit's
+    backward is charged max(its compute, a gather, a reduce-scatter) of its own kind (the
+    neighbour whose collective it hides is of the same kind but at the ends of the model);
+    the last reduce-scatter (the embedding's, before the optimizer) is not hidden.
+    host copies (offload): the unit's boundary activation (b * seq * hidden * dtype bytes)
+    goes to the host in forward and comes back in backward.
+    With prefetch on a side stream the all-gather of the next unit and the host copy
+    (a DMA engine, not the SMs) run while this unit computes, so a unit costs
+    max(compute, gather, copy) per pass (the reduce-scatter too in backward), not their sum. A
+    device without async copies (a CPU: `DeviceProfile.async_copies` False) copies on its
+    compute thread, so there a unit costs max(compute + copy, gather); the boundary writes are then already part
+    of the profiled compute (a memcpy into host memory costs what one into device memory
+    does) and offload adds the staging copy of each boundary read back: the input of every
+    unit but the embedding (forward and backward) and the output gradient of every unit
+    but the head (backward).
+    A rank that does not overlap its reduce-scatters (plan `overlap_reduce` false: one unit
+    gradient less on the device) waits for each one after its unit's backward: that unit's
+    backward costs max(compute, gather, copy) + scatter.
+  optimizer:  s * P * optimizer_s_per_param (after the last reduce-scatter; not overlapped)
+  host state (plan `host_state_fraction` h; x = h * s of the model lives on the host): the
+    reduce-scatter output of that part goes down to the host (x * P_u * 4 bytes per unit at the
+    host bandwidth: on a GPU beside the next unit's backward, so a unit's backward costs
+    max(compute, gather, scatter, boundary copy, gradient copy), the embedding's copy after
+    its reduce-scatter not hidden; on a CPU on the compute thread, added); the host runs
+    AdamW on it (x * P * host_optimizer_s_per_param of this rank: the node's host shared by its
+    ranks) and the updated compute-dtype parameters go back up (x * P * d bytes). The device
+    optimizer then works on (s - x) * P. On a GPU the host step, the uploads (pipelined unit
+    by unit) and the device optimizer run at once: the optimizer phase is the largest of the
+    three; on a CPU they add up.
+  step time of the rank: sum over units and passes + optimizer; a rank with b = 0 still
+  takes part in every collective, so it costs the collective time.
+
+  peak memory: the largest of the device's totals at the moments where the peak can fall
+  (each unit's backward, the end of the forward: `CostModel._phases`), by category at that
+  moment, plus what is there throughout:
+    state       (s - x) * P * 16 (fp32 master + fp32 gradient shard + two fp32 Adam moments; the
+                compute-dtype copy of the parameters only exists in the gathered buffers)
+                + x * P * d (the compute-dtype copy of the host-held part, read by the gathers)
+    gathered    the unit computing + the prefetched one, in the compute dtype
+    grad_accum  the full fp32 gradients of the unit being back-propagated and of the one
+                whose reduce-scatter is in flight, plus that reduce-scatter's output, this
+                rank's piece, bounded by s * (largest unit) * 4. With the state, the bytes
+                that grow with s are s * `bytes_per_fraction`.
+    activations the unit's recompute + backward at micro-batch m (profile curve, the
+                transient gradients the ledger charges included)
+    boundary    boundary activations still held (b samples each), or the micro-batch staging
+                buffers in use when offloaded
+    logits      in the head's backward: its profile curve, never less than one chunk of its
+                fp32 logits, m * min(seq, T // m) * vocab * 4 (T = `head_chunk_tokens`)
+    fused tail  (costmodel/rules.py) the head's pass sits on the last block's activations
+                at m, with both units gathered and both fp32 gradients alive, and the head's
+                inputs are held for one micro-batch, not all b samples (`_phases`)
+    reserve     allocator fragmentation and workspace
+    With `overlap_reduce` false, a unit's backward holds its own fp32 gradient only.
+
+  adapters (LoRA, QLoRA: `CostModel.adapter`): the same formulas over `costmodel/layout.py`'s
+    per-unit quantities: the gathers move the frozen base in its storage bytes (compute dtype or
+    NF4) and the adapters in the compute dtype, the fp32 gradients, reduce-scatters and the
+    optimizer cover only the adapters, the state is the frozen shard + 16 B per adapter
+    parameter, and the measured pass times are scaled for the skipped weight gradients of the
+    frozen matmuls (and QLoRA's dequantization added); host state is for full fine-tuning only.
+
+  host memory: x * P * (16 + d unless fp32: the pinned compute-dtype copy the uploads read) +
+  the offloaded boundaries ((L + 1) * b * seq * hidden * d); the ranks of a node share its
+  `HostResources.memory_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from cephalo.costmodel.collectives import (
+    PAD_EVEN_SLACK,
+    Collectives,
+    backend_pads,
+    collective_factor,
+    pad_factor,
+    padded_even,
+    split_padding,
+)
+from cephalo.costmodel.curve_tables import TypeTables
+from cephalo.costmodel.host import (
+    HOST_STATE_BYTES_PER_PARAM,
+    HostResources,
+    check_host_memory,
+    host_bytes,
+    host_shortfall_message,
+)
+from cephalo.costmodel.layout import param_layout
+from cephalo.costmodel.results import MEMORY_CATEGORIES, MemoryBreakdown, PlanEvaluation, RankCost
+from cephalo.costmodel.rules import rank_may_fuse, tail_fusable
+from cephalo.costmodel.shard_groups import CrossReduce, Links, ShardGroupCosts, cross_reduce_times
+from cephalo.errors import CephaloError
+from cephalo.planner.plan import Plan
+from cephalo.specs.adapter import AdapterSpec
+from cephalo.specs.catalog.tables import DTYPE_BYTES
+from cephalo.specs.model import ModelSpec
+from cephalo.specs.profile import CommProfile, DeviceProfile
+
+__all__ = [  # what callers import from here; each has its home in the module named
+    "DTYPE_BYTES",
+    "MEMORY_CATEGORIES",
+    "PAD_EVEN_SLACK",
+    "CostModel",
+    "CrossReduce",
+    "HostResources",
+    "Links",
+    "MemoryBreakdown",
+    "PlanEvaluation",
+    "RankCost",
+    "backend_pads",
+    "check_host_memory",
+    "collective_factor",
+    "head_chunk_tokens",
+    "host_bytes",
+    "host_shortfall_message",
+    "padded_even",
+    "split_padding",
+]
+
+STATE_BYTES_PER_PARAM = 16
+"""fp32 master (4) + fp32 gradient (4) + Adam exp_avg (4) + exp_avg_sq (4)."""
+GRAD_BYTES = 4
+"""Gradients are accumulated and reduced in fp32."""
+LOGIT_BYTES = 4
+"""The head's softmax runs in fp32."""
+HEAD_CHUNK_BYTES = 256 << 20
+"""The head runs over chunks of the sequence of about this many bytes of fp32 logits
+(runtime/engine/head_loss.py): at most one chunk's logits exist at a time."""
+
+
+def head_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the head's loss (at least one)."""
+    return max(1, HEAD_CHUNK_BYTES // (max(vocab_size, 1) * LOGIT_BYTES))
+
+
+def head_chunk_positions(m, seq_len: int, vocab_size: int):
+    """Sequence positions per head chunk for micro-batches of m samples (broadcasts)."""
+    m = np.maximum(np.asarray(m, dtype=np.int64), 1)
+    return np.clip(head_chunk_tokens(vocab_size) // m, 1, seq_len)
+
+
+DEFAULT_RESERVE_FRACTION = 0.05
+"""Share of each device's memory kept free for fragmentation and library workspaces."""
+
+
+class DeviceLike(Protocol):
+    """What the cost model reads of a device (`cephalo.specs.cluster.Device` satisfies it)."""
+
+    type_key: str
+    memory_bytes: int
+
+
+class CostModel(ShardGroupCosts):
+    """Time and memory of each rank of a cluster for one model, sequence length and dtype."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        seq_len: int,
+        dtype: str,
+        devices: list[DeviceLike],
+        profiles: dict[str, DeviceProfile],
+        comm: CommProfile,
+        reserve_bytes: int | None = None,
+        reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
+        meta: dict[str, Any] | None = None,
+        host: HostResources | None = None,
+        serial_reduce: bool = False,
+        adapter: AdapterSpec | None = None,
+        links: Links | None = None,
+        cross_reduce: CrossReduce | None = None,
+        padded_collectives: bool = False,
+        fuse_tail: bool = True,
+    ):
+        if dtype not in DTYPE_BYTES:
+            raise CephaloError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if seq_len < 1:
+            raise CephaloError(f"seq_len must be >= 1, got {seq_len}")
+        if not devices:
+            raise CephaloError("the cluster has no devices")
+        missing = sorted({d.type_key for d in devices} - set(profiles))
+        if missing:
+            raise CephaloError(
+                f"no profile for device type(s) {', '.join(missing)}; profile them or use the catalog"
+            )
+        for key, p in profiles.items():
+            absent = {"embedding", "block", "head"} - set(p.units)
+            if absent:
+                raise CephaloError(
+                    f"profile of {key!r} lacks unit kind(s) {', '.join(sorted(absent))}"
+                )
+        if host is not None and (
+            len(host.node_of) != len(devices) or len(host.optimizer_s_per_param) != len(devices)
+        ):
+            raise CephaloError(
+                f"the host resources describe {len(host.node_of)} ranks but the cluster has {len(devices)}"
+            )
+        if links is not None and len(links.node_of) != len(devices):
+            raise CephaloError(
+                f"the links describe {len(links.node_of)} ranks but the cluster has {len(devices)}"
+            )
+        self.links = links
+        """Intra- and inter-node links (None: every collective at `comm`'s bandwidth)."""
+        self.cross_reduce = cross_reduce
+        """The all-reduce between shard groups this model's ranks take part in (None: a flat plan)."""
+        self.tail_fusable = tail_fusable(
+            blocks=model.num_layers,
+            moe=model.num_experts > 0,
+            quantized=(adapter or AdapterSpec()).quantized,
+            hierarchical=cross_reduce is not None and cross_reduce.groups > 1,
+        )
+        """Whether the model and plan allow the fused tail (costmodel/rules.py): then
+        every rank keeps the last block gathered from its forward to its backward."""
+        self.fuse_tail = fuse_tail
+        """Whether ranks that overlap their reduce-scatters and keep their boundaries on the
+        device run the last block in the head's pass (`EngineConfig.fuse_tail`: off only to
+        compare)."""
+        self.host = host
+        """The hosts (memory per node, AdamW speed per rank); None: the planner keeps all state on
+        the devices and host memory is not checked."""
+        self.serial_reduce = serial_reduce
+        """Whether the planner may turn off a rank's reduce-scatter overlap to save a unit gradient."""
+        self.model = model
+        self.seq_len = seq_len
+        self.dtype = dtype
+        self.devices = list(devices)
+        self.profiles = profiles
+        self.comm = comm
+        self.reserve_bytes = reserve_bytes
+        self.reserve_fraction = reserve_fraction
+        self.meta = dict(meta or {})
+        self.dtype_bytes = DTYPE_BYTES[dtype]
+        self.total_params = model.total_params
+        self._tables = {k: TypeTables(p) for k, p in profiles.items()}
+        self.adapter = adapter or AdapterSpec()
+        """What is trained: everything, or LoRA adapters on a frozen (NF4 for qlora) base."""
+        self.layout = param_layout(model, seq_len, self.dtype_bytes, self.adapter)
+        """Per unit kind: the bytes gathered and held, the trained parameters (layout.py)."""
+        self.optimizer_params = self.layout.trained_params
+        """Parameters the optimizer steps at state fraction 1 (all, or the adapters)."""
+        self._time_factors = {k: self.layout.time_factors(p) for k, p in profiles.items()}
+        self._rank_costs: dict[tuple, RankCost] = {}
+        """`evaluate`'s rank costs by what they depend on, kept across calls: a plan's search
+        evaluates the same ranks many times (its choices with and without the padding charge,
+        then the plan's predictions). Keyed by all a rank's cost reads that a caller may set
+        on a made model (`serial_reduce`, `host`); the rest is fixed at construction."""
+        if self.adapter.frozen_base:  # plans made with this model carry it (`evaluate` checks)
+            self.meta["adapter"] = self.adapter.to_dict()
+
+        # Parameters each kind of unit gathers. A tied head gathers the token embedding too.
+        head_gathered = model.head_params + (
+            model.vocab_size * model.hidden_size if model.tied_embeddings else 0
+        )
+        self.gathered_params = {
+            "embedding": model.embedding_params,
+            "block": model.params_per_block,
+            "head": head_gathered,
+        }
+        self.unit_counts = {"embedding": 1, "block": model.num_layers, "head": 1}
+        # Which passes move a boundary activation to or from the host under offload: the
+        # embedding and every block write their output in forward; every block and the head
+        # read their input back in backward.
+        self.copies_fwd = {"embedding": 1, "block": 1, "head": 0}
+        self.copies_bwd = {"embedding": 0, "block": 1, "head": 1}
+        # Without async copies (on the compute thread): the staging copies of the boundaries
+        # read back, per pass (see the module docstring).
+        self.sync_copies_fwd = {"embedding": 0, "block": 1, "head": 1}
+        self.sync_copies_bwd = {"embedding": 1, "block": 2, "head": 1}
+        # The boundary writes to the host, per pass: every unit's output but the head's in
+        # forward, every unit's input gradient but the embedding's in backward.
+        self.writes_fwd = {"embedding": 1, "block": 1, "head": 0}
+        self.writes_bwd = {"embedding": 0, "block": 1, "head": 1}
+
+        n = len(self.devices)
+        self.padded_collectives = bool(padded_collectives)
+        """Whether the runtime pads this cluster's near-even splits, so `evaluate` and the planner
+        charge the padding (collective_cost.py). `costmodel.sources` sets it from the cluster
+        (`backend_pads`: CUDA GPUs over NCCL yes, CPUs over gloo no); a cost model built by
+        hand knows no backend and charges none unless told."""
+        own = self.layout.owned_trained
+        # the elements of each kind of unit the runtime pads: the unit's own trained ones (a tied
+        # head's borrowed embedding and an adapter run's frozen base are gathered unpadded)
+        self.padded_params = {
+            "embedding": own[0],
+            "block": own[1] if model.num_layers else 0,
+            "head": own[-1],
+        }
+        """Per unit kind: the trained elements its padded buffers hold N x u of."""
+        largest = {
+            "embedding": model.vocab_size * model.hidden_size,
+            "block": max(
+                (lin.weight_params for lin in model.block_linears),
+                default=model.params_per_block,
+            ),
+            "head": model.head_params,
+        }
+        self.straddle_params = {
+            k: (n - 1) // 2 * min(largest[k], p) for k, p in self.padded_params.items()
+        }
+        """Per unit kind, padded: the elements of its parameters that straddle padding, which a
+        computing unit holds as copies (runtime/collectives/padded.py `views`: between an odd rank's piece
+        and the next one's, at most one parameter each; bounded by the largest, the token
+        embedding's, a block's largest Linear weight or the head)."""
+        self.collectives = Collectives.ring(
+            n,
+            comm.bytes_per_s,
+            comm.latency_s,
+            {k: u.gather_bytes for k, u in self.layout.units.items()},
+            {k: p * self.dtype_bytes for k, p in self.padded_params.items()},
+            {k: u.trained * GRAD_BYTES for k, u in self.layout.units.items()},
+        )
+        """The ring collectives of each kind of unit, padded or not (collective_cost.py)."""
+        self.gather_s = self.collectives.gather_s
+        """Per unit kind: one all-gather (overlapped with compute by the prefetch), unpadded."""
+        self.scatter_s = self.collectives.scatter_s
+        """Per unit kind: the reduce-scatter of its gradient (overlapped with the next backward)."""
+        self.cross_reduce_s = cross_reduce_times(self.layout, cross_reduce)
+        """Per unit kind: its gradient's all-reduce between shard groups (hierarchical plans),
+        started once the unit's reduce-scatter is done, one after another on the node's link."""
+        self.cross_reduce_total_s = sum(
+            c * self.cross_reduce_s[k] for k, c in self.unit_counts.items()
+        )
+        """Every unit's all-reduce between shard groups, one after another on the node's link:
+        no rank of a hierarchical plan steps faster (its backward phase waits for them)."""
+
+        self.reduce_out_bytes_per_fraction = (
+            max(u.trained for u in self.layout.units.values()) * GRAD_BYTES
+        )
+        """The largest unit's reduce-scatter output at state fraction 1 (a rank receives s of
+        it); counted in every phase of the peak, an upper bound that keeps memory linear in s."""
+        self.bytes_per_fraction = self.layout.state_bytes + self.reduce_out_bytes_per_fraction
+        """Device bytes that grow with the state fraction s, per unit of s: the state and the
+        reduce-scatter output."""
+        self.sample_boundary_bytes = seq_len * model.hidden_size * self.dtype_bytes
+        self.sample_logit_bytes = seq_len * model.vocab_size * LOGIT_BYTES
+        self.host_part_device_bytes_per_fraction = (
+            self.total_params * self.dtype_bytes + self.reduce_out_bytes_per_fraction
+        )
+        """Device bytes per unit of host-held fraction x: its compute-dtype copy and its share of
+        the reduce-scatter output (which lands on the device before it goes down)."""
+        self.padding_bytes_per_fraction = self.reduce_out_bytes_per_fraction + (
+            self.optimizer_params * GRAD_BYTES if dtype == "fp32" else 0
+        )
+        """Padded-even (collective_cost.py): the device bytes a rank holds at u instead of at its
+        own fraction s, per unit of fraction: the reduce-scatter output (a whole padded chunk)
+        and, in fp32, the shard buffer a gather sends from (the master lives inside it)."""
+        self.host_bytes_per_param = HOST_STATE_BYTES_PER_PARAM + (
+            0 if dtype == "fp32" else self.dtype_bytes
+        )
+        """Host bytes per host-held parameter: the state, plus (unless fp32) the pinned
+        compute-dtype copy the uploads read."""
+        self.grad_copy_params = sum(
+            c * self.layout.units[k].trained for k, c in self.unit_counts.items()
+        )
+        """Gradient elements reduce-scattered per step per unit of state fraction (a tied head
+        reduces its borrowed embedding slice too): what goes down to the host at x = 1."""
+
+    # ------------------------------------------------------------------ per-device constants
+    def capacity_bytes(self, rank: int) -> int:
+        return int(self.devices[rank].memory_bytes)
+
+    def reserve_for(self, capacity_bytes: int) -> int:
+        if self.reserve_bytes is not None:
+            return int(self.reserve_bytes)
+        return int(self.reserve_fraction * capacity_bytes)
+
+    def optimizer_s_per_param(self, type_key: str) -> float:
+        return self.profiles[type_key].optimizer_s_per_param
+
+    # ------------------------------------------------------------------ formulas (broadcasting)
+    def _pass_times(self, type_key: str, b, m):
+        """Per unit kind: (forward, recompute + backward) kernel time of b samples in micro-batches of m."""
+        b = np.asarray(b, dtype=np.int64)
+        m = np.maximum(np.asarray(m, dtype=np.int64), 1)
+        k = -(-b // m)  # ceil
+        full = np.maximum(k - 1, 0)
+        last = np.where(b > 0, b - full * m, 0)
+        t = self._tables[type_key]
+        out = {}
+        for kind in self.unit_counts:
+            # adapters: the frozen matmuls' skipped weight gradients, QLoRA's dequantization
+            # once per pass of a unit that computes (layout.py)
+            f_fwd, f_bwd, dequant = self._time_factors[type_key][kind]
+            deq = np.where(b > 0, dequant, 0.0)
+            fwd = (full * t.fwd[kind].at(m) + t.fwd[kind].at(last)) * f_fwd + deq
+            # the head computes its loss and backward in one pass (runtime/engine/head_loss.py): no
+            # recompute
+            recompute = 0.0 if kind == "head" else fwd
+            bwd = recompute + (full * t.bwd[kind].at(m) + t.bwd[kind].at(last)) * f_bwd
+            out[kind] = (fwd, bwd)
+        return out
+
+    def step_time_parts(
+        self, type_key: str, b, m, offload, overlap_reduce=True, host_part=0.0, pad=0.0, fuse=True
+    ):
+        """(time without the optimizer, compute, host-copy time) of a rank; broadcasts over b,
+        m, offload, overlap_reduce and host_part (x = h * s, the host-held fraction of the model,
+        whose gradients go down to the host in the backward).
+
+        The optimizer (`optimizer_phase_s`) is added by the caller because the planner chooses
+        s after the rest. On a device without async copies the compute includes the boundary
+        copies (the gradient copies to the host run outside the unit compute, on the same thread).
+        `pad`: the split's largest fraction where it runs padded-even, else 0 (`split_padding`):
+        its collectives then move the padding too (collective_cost.py). `fuse`: the plan's
+        `fuse_tail` (broadcasts; the rank fuses where it also allows it, `_fused`).
+        """
+        return self.step_time_of_passes(
+            type_key,
+            b,
+            self._pass_times(type_key, b, m),
+            offload,
+            overlap_reduce,
+            host_part,
+            pad,
+            fuse,
+        )
+
+    def fastest_pass_times(self, type_key: str, b, max_micro_batch: int):
+        """Per unit kind: the least forward and the least recompute + backward kernel time of b
+        samples over every micro-batch 1..min(b, max_micro_batch), each minimised on its own;
+        non-decreasing in b (a suffix minimum). Fed to `step_time_of_passes` with offload off,
+        it gives a lower bound on `step_time_parts(type_key, b, m, o)[0]` for every such m and
+        any o: that time only grows with each pass time, and offload only adds copies."""
+        b = np.atleast_1d(np.asarray(b, dtype=np.int64))
+        ms = np.arange(1, max(1, int(max_micro_batch)) + 1)
+        least: dict[str, list[list[np.ndarray]]] = {k: [[], []] for k in self.unit_counts}
+        rows = max(1, 2**20 // len(ms))  # b x m tables of at most a million entries at a time
+        for start in range(0, len(b), rows):
+            bb = b[start : start + rows, None]
+            usable = ms[None, :] <= np.maximum(bb, 1)
+            for kind, passes in self._pass_times(type_key, bb, ms[None, :]).items():
+                for i, t in enumerate(passes):
+                    least[kind][i].append(np.where(usable, t, np.inf).min(axis=1))
+        out = {}
+        for kind, (fwd, bwd) in least.items():
+            # suffix minimum: never falling with b
+            f, w = np.concatenate(fwd), np.concatenate(bwd)
+            out[kind] = (np.minimum.accumulate(f[::-1])[::-1], np.minimum.accumulate(w[::-1])[::-1])
+        return out
+
+    def step_time_of_passes(
+        self,
+        type_key: str,
+        b,
+        passes,
+        offload,
+        overlap_reduce=True,
+        host_part=0.0,
+        pad=0.0,
+        fuse=True,
+    ):
+        """`step_time_parts` from per-kind (forward, recompute + backward) kernel times: the
+        collectives and host copies each pass overlaps with, and the last reduce-scatter.
+        Overlapping the reduce-scatter and keeping no state on the host give the least time
+        (each other choice only adds to a pass or enters a max)."""
+        b = np.asarray(b, dtype=np.int64)
+        offload = np.asarray(offload, dtype=bool)
+        overlap = np.asarray(overlap_reduce, dtype=bool)
+        x = np.asarray(host_part, dtype=np.float64)
+        hosted = bool(np.any(x))
+        profile = self.profiles[type_key]
+        bw = profile.host_copy_bytes_per_s
+        copy_one = np.where(offload, b * self.sample_boundary_bytes / bw, 0.0)
+        forward_total = 0.0
+        total = 0.0
+        head_backward = 0.0
+        compute = 0.0
+        copies = 0.0
+        grad_copies = 0.0
+        fused = self._fused(overlap, offload, fuse)
+        for kind, (fwd, bwd) in passes.items():
+            count = self.unit_counts[kind]
+            gather = self.collectives.gather(kind, pad)
+            scatter = self.collectives.scatter(kind, pad)
+            # the head is not gathered again in the backward (runtime/engine/head_loss.py)
+            gather_b = 0.0 if kind == "head" else gather
+            grad_down = x * self.gathered_params[kind] * GRAD_BYTES / bw if hosted else 0.0
+            if profile.async_copies:
+                cf = copy_one * self.copies_fwd[kind]
+                cb = copy_one * self.copies_bwd[kind]
+                # the gradient copy of a unit runs beside the next unit's backward, with or
+                # without overlap (without, only the reduce-scatter is waited for at once)
+                hidden = np.maximum(np.maximum(np.maximum(bwd, gather_b), cb), grad_down)
+                backward = np.where(overlap, np.maximum(hidden, scatter), hidden + scatter)
+                forward = np.maximum(np.maximum(fwd, gather), cf)
+                compute = compute + count * (fwd + bwd)
+                if kind == "block" and self.tail_fusable:
+                    # the last block is not gathered again for its backward; fused, not
+                    # recomputed either (costmodel/rules.py)
+                    own = np.where(fused, bwd - fwd, bwd)
+                    last = np.maximum(np.maximum(own, cb), grad_down)
+                    last = np.where(overlap, np.maximum(last, scatter), last + scatter)
+                    total = total + last - backward
+                    compute = compute - np.where(fused, fwd, 0.0)
+            else:
+                cf = copy_one * self.sync_copies_fwd[kind]
+                cb = copy_one * self.sync_copies_bwd[kind]
+                if not profile.boundary_writes_in_compute:  # an emulated link: copies of their own
+                    cf = cf + copy_one * self.writes_fwd[kind]
+                    cb = cb + copy_one * self.writes_bwd[kind]
+                backward = np.where(
+                    overlap,
+                    np.maximum(np.maximum(bwd + cb, gather_b), scatter),
+                    np.maximum(bwd + cb, gather_b) + scatter,
+                )
+                forward = np.maximum(fwd + cf, gather)
+                backward = backward + grad_down
+                compute = compute + count * (fwd + bwd + cf + cb)
+                if kind == "block" and self.tail_fusable:
+                    # the last block is not gathered again for its backward; fused, not
+                    # recomputed either (costmodel/rules.py)
+                    own = np.where(fused, bwd - fwd, bwd)
+                    last = np.where(
+                        overlap,
+                        np.maximum(own + cb, scatter),
+                        own + cb + scatter,
+                    )
+                    total = total + last + grad_down - backward
+                    compute = compute - np.where(fused, fwd, 0.0)
+            forward_total = forward_total + count * forward
+            total = total + count * backward
+            if kind == "head":
+                head_backward = count * backward
+            copies = copies + count * (cf + cb)
+            grad_copies = grad_copies + count * grad_down
+        # the embedding's reduce-scatter (with overlap; without, every unit's is counted) and, on
+        # a GPU, the copy of its gradient to the host, last of the backward, have no compute left
+        # to hide under
+        tail = np.where(overlap, self.collectives.scatter("embedding", pad), 0.0)
+        if profile.async_copies and hosted:
+            tail = tail + x * self.gathered_params["embedding"] * GRAD_BYTES / bw
+        backward_phase = total + tail
+        if self.cross_reduce is not None and self.cross_reduce.groups > 1:
+            # hierarchical: each unit's gradient shard is all-reduced between the groups once its
+            # reduce-scatter is done, one unit after another on the node's link, beside the
+            # backward of the units before it; the embedding's, last, has nothing to hide under
+            ar = self.cross_reduce_s
+            backward_phase = np.maximum(
+                backward_phase + ar["embedding"], head_backward + self.cross_reduce_total_s
+            )
+        return forward_total + backward_phase, compute, copies
+
+    def _fused(self, overlap, offload, fuse):
+        """Where a rank runs the fused tail (costmodel/rules.py): the model allows it, this
+        cost model's `fuse_tail`, the plan's (`fuse`) and the rank's own choices. Broadcasts."""
+        allowed = rank_may_fuse(self.tail_fusable and self.fuse_tail, overlap, offload)
+        return np.logical_and(allowed, np.asarray(fuse, dtype=bool))
+
+    def host_rates(self, rank: int) -> tuple[float, float, float]:
+        """Per host-held parameter on `rank`: (gradient copy down, upload of the compute-dtype
+        copy, host AdamW) seconds; (inf, inf, inf) without host resources."""
+        if self.host is None:
+            return math.inf, math.inf, math.inf
+        bw = self.profiles[self.devices[rank].type_key].host_copy_bytes_per_s
+        grad = self.grad_copy_params / self.total_params * GRAD_BYTES / bw
+        return grad, self.dtype_bytes / bw, self.host.optimizer_s_per_param[rank]
+
+    def optimizer_phase_s(
+        self, rank: int, state_fraction, host_part
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(optimizer phase seconds, of which host-state work) of `rank` owning `state_fraction`
+        of the model, `host_part` of it on the host; broadcasts."""
+        s = np.asarray(state_fraction, dtype=np.float64)
+        x = np.asarray(host_part, dtype=np.float64)
+        key = self.devices[rank].type_key
+        device = (s - x) * self.optimizer_params * self.optimizer_s_per_param(key)
+        if self.host is None:
+            return device + 0.0 * x, np.zeros(np.broadcast_shapes(s.shape, x.shape))
+        _, up, opt = self.host_rates(rank)
+        host_opt = x * self.total_params * opt
+        upload = x * self.total_params * up
+        if self.profiles[key].async_copies:
+            # the device optimizer's kernels, the host's AdamW and the uploads (each unit as
+            # soon as the host has updated it) run at once
+            return np.maximum(np.maximum(device, host_opt), upload), host_opt + upload
+        return device + host_opt + upload, host_opt + upload
+
+    def memory_parts(
+        self,
+        type_key: str,
+        capacity_bytes: int,
+        b,
+        m,
+        offload,
+        overlap_reduce=True,
+        state_fraction=None,
+        host_part=0.0,
+        pad=0.0,
+        fuse=True,
+    ) -> dict[str, np.ndarray]:
+        """Device memory by category at the predicted peak of a step, without what grows
+        with the state fraction (`state` and the reduce-scatter output in `grad_accum`);
+        broadcasts over b, m, offload, overlap_reduce. See `_phases` for the moments compared.
+
+        With `state_fraction` (and `host_part`) the `state` category is included and takes part
+        in finding the peak: on a rank without reduce overlap it changes during the step (its
+        gradient shards exist from their reduce-scatter to the optimizer step). Without, the
+        state counts as constant, all gradients included: an upper bound for those ranks."""
+        b = np.asarray(b, dtype=np.int64)
+        m = np.maximum(np.asarray(m, dtype=np.int64), 1)
+        offload = np.asarray(offload, dtype=bool)
+        overlap = np.asarray(overlap_reduce, dtype=bool)
+        fuse = np.asarray(fuse, dtype=bool)
+        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape, fuse.shape)
+        phases = self._phases(type_key, b, m, offload, overlap, pad, fuse)
+        grads = self._phase_grads(not bool(np.all(overlap)))
+        if state_fraction is not None:
+            s, x = np.asarray(state_fraction), np.asarray(host_part)
+            full = self.state_bytes(s, x)
+            for ph, alive in zip(phases, grads, strict=True):
+                missing = (s - x) * GRAD_BYTES * (self.optimizer_params - alive)
+                ph["state"] = np.where(overlap, full, full - missing)
+        totals = np.stack(
+            [
+                sum((np.broadcast_to(v, shape) for v in ph.values()), np.zeros(shape))
+                for ph in phases
+            ]
+        )
+        peak = np.argmax(totals, axis=0)  # the first of equal phases
+        out = {}
+        categories = ("gathered", "grad_accum", "activations", "boundary", "logits")
+        if state_fraction is not None:
+            categories = ("state", *categories)
+        for c in categories:
+            stacked = np.stack([np.broadcast_to(ph.get(c, 0.0), shape) for ph in phases])
+            out[c] = np.take_along_axis(stacked, peak[None], axis=0)[0].astype(np.float64)
+        out["reserve"] = np.zeros(shape) + self.reserve_for(capacity_bytes)
+        return out
+
+    def _phases(
+        self, type_key: str, b, m, offload, overlap=True, pad=0.0, fuse=True
+    ) -> list[dict[str, np.ndarray]]:
+        """Device bytes by category at the moments of a step where the peak can fall (the
+        ledger's view, runtime/engine/engine.py); `_phase_grads` says, per moment, whose gradient
+        shards a rank without reduce overlap holds then. Units in order: embedding, L blocks,
+        head.
+
+        - backward of a unit: its gathered parameters and the next one's (prefetched), its
+          fp32 gradient and the previous unit's (whose reduce-scatter is in flight; not with
+          `overlap` false), its
+          recompute + backward activations at micro-batch m (the profile's curve, transient
+          gradients included; the head's never below its fp32 logits), and the boundaries
+          still held: the inputs of every unit before it and the output gradients it reads
+          (one micro-batch's staging buffers per read entry when offloaded). Checked for the
+          head, the last block, the block before it (two block gradients) and the embedding;
+          the other blocks hold fewer boundaries than the block before the last.
+        - end of the forward: the last block and the head gathered, every boundary stored.
+        - without reduce overlap, a rank's gradient shards exist from their reduce-scatter to
+          the optimizer step: in a unit's backward, those of the units after it (and the tied
+          embedding's once the head has reduced its borrowed slice); none at the end of the
+          forward; all in the optimizer step, a moment with nothing else on the device. The
+          state then grows through the backward while the boundaries shrink: the first
+          block's backward is a candidate too.
+        - QLoRA, the start of a block's backward (the same blocks): its NF4 weights are
+          dequantized before the previous unit is prefetched and its own gradient buffer
+          exists, with no activations yet, but with torchao's temporaries of its largest
+          weight on top of the dequantized weights (`UnitLayout.dequant_transient_bytes`). On
+          a small model those temporaries outweigh a micro-batch's activations. (The forward's
+          dequantizations hold fewer boundaries and no gradient: never larger.)
+        """
+        L = self.model.num_layers
+        kinds = ["embedding"] + ["block"] * L + ["head"]
+        units = [self.layout.units[k] for k in kinds]
+        # padded-even (`pad` > 0): a unit's gathered buffer and fp32 gradient hold N x u of its
+        # trained part, the padding included (collective_cost.py)
+        stretch = pad_factor(pad, len(self.devices)) - 1.0
+        pad_gathered = [stretch * self.padded_params[k] * self.dtype_bytes for k in kinds]
+        pad_grad = [stretch * self.padded_params[k] * GRAD_BYTES for k in kinds]
+        # ... and the unit computing holds its parameters that straddle padding as copies
+        padded = np.asarray(pad) > 0
+        computing = [
+            p + np.where(padded, self.straddle_params[k] * self.dtype_bytes, 0.0)
+            for p, k in zip(pad_gathered, kinds, strict=True)
+        ]
+        working = b > 0
+        m_eff = np.where(working, np.minimum(m, np.maximum(b, 1)), 0)
+        t = self._tables[type_key]
+        beta = self.sample_boundary_bytes
+
+        def held(sets: int, staged: int) -> np.ndarray:
+            """Boundaries on the device: `sets` of all b samples, or `staged` staging buffers."""
+            return np.where(offload, staged * m_eff * beta, sets * b * beta)
+
+        def head_logits() -> np.ndarray:
+            """The head's pass at micro-batch m: its profile curve, never below one chunk of
+            its fp32 logits (runtime/engine/head_loss.py: one chunk at a time)."""
+            chunk = head_chunk_positions(m_eff, self.seq_len, self.model.vocab_size)
+            chunk_bytes = m_eff * chunk * self.model.vocab_size * LOGIT_BYTES
+            return np.where(working, np.maximum(t.act["head"].at(m_eff), chunk_bytes), 0.0)
+
+        def backward(u: int) -> dict[str, np.ndarray]:
+            kind = kinds[u]
+            act = t.act[kind].at(m_eff)
+            in_flight = (
+                units[u + 1].trained * GRAD_BYTES + pad_grad[u + 1] if u + 1 < len(kinds) else 0
+            )
+            prefetched = units[u - 1].gather_bytes + pad_gathered[u - 1] if u > 0 else 0
+            if u == L + 1 and self.tail_fusable:
+                # the last block stays gathered from its forward to its backward (no second
+                # gather, runtime/engine/engine.py `_forward_pass`), as it computed
+                prefetched = units[L].held_bytes + computing[L]
+            phase = {
+                # this unit as it computes, the prefetched one as gathered
+                "gathered": units[u].held_bytes + computing[u] + prefetched,
+                "grad_accum": units[u].trained * GRAD_BYTES
+                + pad_grad[u]
+                + np.where(overlap, in_flight, 0),
+            }
+            if kind == "head":
+                phase["logits"] = head_logits()
+                phase["boundary"] = held(L + 1, 1)  # every unit input; its own staged
+            else:
+                phase["activations"] = np.where(working, act, 0.0)
+                # inputs of units 1..u and the output gradients at u + 1
+                phase["boundary"] = held(u + 1, 1 if kind == "embedding" else 2)
+            return phase
+
+        def tail_moments() -> list[dict[str, np.ndarray]]:
+            """The fused tail's moments (runtime/engine/tail_pass.py): `tail_head`, the head's pass
+            over a full micro-batch on top of the last block's saved activations and transient
+            gradients, and `tail_block`, the last micro-batch's block backward after the head
+            is released and the block before is prefetched. Both units' fp32 gradients are
+            alive throughout; the boundaries are the inputs of the L blocks (or their
+            gradients) and one micro-batch's head input (or its gradient)."""
+            k = -(-b // np.maximum(m_eff, 1))
+            m_last = np.where(working, b - (k - 1) * m_eff, 0)
+            grads = (
+                units[L + 1].trained * GRAD_BYTES
+                + pad_grad[L + 1]
+                + units[L].trained * GRAD_BYTES
+                + pad_grad[L]
+            )
+            head = {
+                "gathered": units[L + 1].held_bytes
+                + computing[L + 1]
+                + units[L].held_bytes
+                + computing[L],
+                "grad_accum": grads,
+                "activations": np.where(working, t.act["block"].at(m_eff), 0.0),
+                "logits": head_logits(),
+                "boundary": (L * b + m_eff) * beta,
+            }
+            block = {
+                "gathered": units[L].held_bytes
+                + computing[L]
+                + units[L - 1].gather_bytes
+                + pad_gathered[L - 1],
+                "grad_accum": grads,
+                "activations": np.where(working, t.act["block"].at(m_last), 0.0),
+                "boundary": (L * b + m_last) * beta,
+            }
+            return [head, block]
+
+        lean = not bool(np.all(overlap))
+        phases = [backward(u) for u in self._backward_candidates(lean)]
+        phases.append(
+            {
+                "gathered": units[-1].held_bytes
+                + computing[-1]
+                + (
+                    units[-2].held_bytes + computing[-2]
+                    if self.tail_fusable
+                    else units[-2].gather_bytes + pad_gathered[-2]
+                ),
+                "boundary": held(L + 1, 1),
+            }
+        )
+        # the fused tail (costmodel/rules.py): on a rank that fuses, its moments replace
+        # the unfused head's, last block's and end of the forward's (which hold no more)
+        fused = self._fused(overlap, offload, fuse)
+        if self.tail_fusable:
+            unfused = np.logical_not(fused)
+            for i, u in enumerate(self._backward_candidates(lean)):
+                if u >= L:
+                    phases[i] = {c: np.where(unfused, v, 0.0) for c, v in phases[i].items()}
+            phases[-1] = {c: np.where(unfused, v, 0.0) for c, v in phases[-1].items()}
+        if lean:
+            phases.append({})  # the optimizer step: the state alone
+        for u in self._dequant_candidates(lean):
+            # QLoRA: a block's NF4 weights dequantized as its backward starts (before the
+            # previous unit's prefetch and its own gradient buffer, no activations yet), with
+            # torchao's temporaries of the largest weight on top of all of them
+            phases.append(
+                {
+                    "gathered": units[u].held_bytes
+                    + computing[u]
+                    + units[u].dequant_transient_bytes,
+                    "grad_accum": np.where(
+                        overlap, units[u + 1].trained * GRAD_BYTES + pad_grad[u + 1], 0
+                    ),
+                    "boundary": held(u + 1, 2),
+                }
+            )
+        if self.tail_fusable:
+            phases += [{c: np.where(fused, v, 0.0) for c, v in ph.items()} for ph in tail_moments()]
+        return phases
+
+    def _dequant_candidates(self, lean: bool = True) -> list[int]:
+        """The backward candidates (`_backward_candidates`) whose start `_phases` checks as a
+        moment of its own: the blocks, under QLoRA (dequantization temporaries); else none."""
+        if not self.layout.units["block"].dequant_transient_bytes:
+            return []
+        L = self.model.num_layers
+        return [u for u in self._backward_candidates(lean) if 0 < u <= L]
+
+    def _backward_candidates(self, lean: bool = True) -> list[int]:
+        """Units whose backward `_phases` checks, in its order: the head, the last block, the
+        block before it, (`lean`: for ranks without reduce overlap, the first block,) the
+        embedding."""
+        L = self.model.num_layers
+        units = {L + 1, L, max(L - 1, 1), 0} | ({1} if lean else set())
+        return sorted(units, reverse=True)
+
+    def _phase_grads(self, lean: bool = True) -> list[int]:
+        """Per moment of `_phases` (with `lean` as there): the parameters whose gradient
+        shards a rank without reduce overlap holds (those reduced so far; all of them at the
+        optimizer step)."""
+        L = self.model.num_layers
+        own = list(self.layout.owned_trained)
+
+        def after(u: int) -> int:
+            alive = sum(own[u + 1 :])
+            if self.model.tied_embeddings and 0 < u < L + 1:
+                alive += own[0]  # the head reduced into the embedding's gradient
+            return alive
+
+        grads = [after(u) for u in self._backward_candidates(lean)] + [0]
+        grads += [self.optimizer_params] if lean else []
+        grads += [after(u) for u in self._dequant_candidates(lean)]
+        return grads + ([after(L + 1), after(L)] if self.tail_fusable else [])
+
+    def memory_without_state(
+        self,
+        type_key: str,
+        capacity_bytes: int,
+        b,
+        m,
+        offload,
+        overlap_reduce=True,
+        pad=0.0,
+        fuse=True,
+    ) -> np.ndarray:
+        """`memory_parts`' total: whole bytes per category, exactly as `rank_cost` reports
+        them (the planner's tables: one stack of the phases' totals, not one per category).
+        Padded to `pad` (> 0), the padded buffers included: the phases' and the u x
+        `padding_bytes_per_fraction` a rank holds whatever its own fraction
+        (`fraction_bytes(s, pad)` then counts s at the rest of `bytes_per_fraction`)."""
+        b = np.asarray(b, dtype=np.int64)
+        m = np.maximum(np.asarray(m, dtype=np.int64), 1)
+        offload = np.asarray(offload, dtype=bool)
+        overlap = np.asarray(overlap_reduce, dtype=bool)
+        fuse = np.asarray(fuse, dtype=bool)
+        shape = np.broadcast_shapes(b.shape, m.shape, offload.shape, overlap.shape, fuse.shape)
+        phases = self._phases(type_key, b, m, offload, overlap, pad, fuse)
+        zero = np.zeros(shape)
+        raw = np.stack([sum((v for v in ph.values()), zero) for ph in phases])
+        whole = np.stack([sum((np.ceil(v) for v in ph.values()), zero) for ph in phases])
+        peak = np.argmax(raw, axis=0)  # the first of equal phases, as in `memory_parts`
+        total = np.take_along_axis(whole, peak[None], axis=0)[0]
+        pad = np.asarray(pad, dtype=np.float64)  # broadcasts too (tests scan the padding)
+        padded = np.where(pad > 0, pad * self.padding_bytes_per_fraction, 0.0)
+        return total + math.ceil(self.reserve_for(capacity_bytes)) + padded
+
+    def state_bytes(self, fraction, host_part=0.0) -> np.ndarray:
+        """The `state` category at state fraction `fraction`, `host_part` of the model (a part of
+        that fraction) on the host: only its compute-dtype copy stays."""
+        f = np.asarray(fraction)
+        x = np.asarray(host_part)
+        return (f - x) * self.layout.state_bytes + x * self.total_params * self.dtype_bytes
+
+    def host_bytes(self, b, offload, host_part) -> np.ndarray:
+        """Host memory of a rank: `host_part` x of the model held there, and the boundary
+        activations of b samples when offloaded (all of them after the forward)."""
+        return host_bytes(self.model, self.seq_len, self.dtype, b, offload, host_part)
+
+    def fraction_bytes(self, fraction, pad=0.0) -> np.ndarray:
+        """All bytes that grow with the state fraction (state + reduce-scatter output): what
+        `memory_without_state` (with the same `pad`) leaves out."""
+        return np.asarray(fraction) * self.bytes_per_fraction_at(pad)
+
+    def bytes_per_fraction_at(self, pad: float = 0.0) -> float:
+        """`bytes_per_fraction` under a split padded to `pad`: padded, the reduce-scatter output
+        and the fp32 send buffer are held at u, whatever s (`memory_without_state`)."""
+        if pad > 0:
+            return self.bytes_per_fraction - self.padding_bytes_per_fraction
+        return self.bytes_per_fraction
+
+    def host_part_bytes_per_fraction_at(self, pad: float = 0.0) -> float:
+        """`host_part_device_bytes_per_fraction` under a split padded to `pad` (the host part's
+        share of the reduce-scatter output and its fp32 copy are in the padded buffers)."""
+        if pad > 0:
+            return self.host_part_device_bytes_per_fraction - self.padding_bytes_per_fraction
+        return self.host_part_device_bytes_per_fraction
+
+    def split_padding(self, fractions) -> float:
+        """The `pad` of a split of state fractions over this cluster: its largest fraction where
+        the runtime pads it (`padded_collectives` and near even), else 0 (collective_cost.py)."""
+        return split_padding(list(fractions), self.padded_collectives)
+
+    # ------------------------------------------------------------------ one rank, one plan
+    def rank_cost(
+        self,
+        rank: int,
+        batch_size: int,
+        micro_batch_size: int,
+        state_fraction: float,
+        offload: bool = False,
+        host_fraction: float = 0.0,
+        overlap_reduce: bool = True,
+        pad: float = 0.0,
+        fuse_tail: bool = True,
+    ) -> RankCost:
+        """One rank's time and memory; `host_fraction` is the plan's `host_state_fraction` h (the
+        part of this rank's shard on the host); `pad` the split's largest fraction where it runs
+        padded-even (`split_padding`; `evaluate` finds it), else 0: its collectives and padded
+        buffers are then charged (collective_cost.py)."""
+        if not 0.0 <= host_fraction <= 1.0:
+            raise CephaloError(
+                f"rank {rank}: host_state_fraction must be in [0, 1] (0: all state on the device, "
+                f"1: all on the host), got {host_fraction}"
+            )
+        if host_fraction > 0 and state_fraction > 0 and self.adapter.frozen_base:
+            raise CephaloError(
+                f"rank {rank} keeps state on the host (host_state_fraction {host_fraction:g}), "
+                f"which {self.adapter.mode} does not support: set it to 0"
+            )
+        if host_fraction > 0 and state_fraction > 0 and self.host is None:
+            raise CephaloError(
+                f"rank {rank} keeps state on the host (host_state_fraction {host_fraction:g}) but this "
+                "cost model knows no hosts; build it from a cluster (costmodel.sources)"
+            )
+        dev = self.devices[rank]
+        key = dev.type_key
+        cap = self.capacity_bytes(rank)
+        x = state_fraction * host_fraction
+        total, compute, copies = self.step_time_parts(
+            key, batch_size, micro_batch_size, offload, overlap_reduce, x, pad, fuse_tail
+        )
+        opt, host_s = self.optimizer_phase_s(rank, state_fraction, x)
+        parts = self.memory_parts(
+            key,
+            cap,
+            batch_size,
+            micro_batch_size,
+            offload,
+            overlap_reduce,
+            state_fraction,
+            x,
+            pad,
+            fuse_tail,
+        )
+        # padded, a rank receives a whole padded chunk of each reduce-scatter (u, not s) and in
+        # fp32 sends its gathers from a padded chunk holding its master (collective_cost.py)
+        held = max(pad, state_fraction) if pad > 0 else state_fraction
+        parts["grad_accum"] = parts["grad_accum"] + held * self.reduce_out_bytes_per_fraction
+        parts["state"] = parts["state"] + (held - state_fraction) * (
+            self.padding_bytes_per_fraction - self.reduce_out_bytes_per_fraction
+        )
+        mem = MemoryBreakdown(**{k: int(math.ceil(float(v))) for k, v in parts.items()})
+        grad_down = (
+            x * self.grad_copy_params * GRAD_BYTES / self.profiles[key].host_copy_bytes_per_s
+        )
+        node = self.host.node_of[rank] if self.host is not None else 0
+        return RankCost(
+            rank=rank,
+            device=key,
+            step_s=float(total) + float(opt),
+            compute_s=float(compute),
+            optimizer_s=float(opt),
+            comm_s=self.comm_s(pad),
+            host_copy_s=float(copies),
+            memory=mem,
+            capacity_bytes=cap,
+            host_state_s=float(host_s) + grad_down,
+            host_bytes=int(math.ceil(float(self.host_bytes(batch_size, offload, x)))),
+            node=node,
+            host_capacity_bytes=self.host.memory_bytes[node] if self.host is not None else None,
+            fused_tail=bool(self._fused(overlap_reduce, offload, fuse_tail)),
+        )
+
+    def comm_s(self, pad: float = 0.0) -> float:
+        """Every collective of a step (two gathers and a reduce-scatter per unit, the all-reduce
+        between shard groups), mostly hidden under compute; padded to `pad` where it is."""
+        c = self.collectives
+        return sum(
+            n * (2 * c.gather(k, pad) + c.scatter(k, pad) + self.cross_reduce_s[k])
+            for k, n in self.unit_counts.items()
+        )
+
+    def evaluate(self, plan: Plan, charge_padding: bool = True) -> PlanEvaluation:
+        """Per-rank time and memory of any plan (made by the planner or by hand).
+        `charge_padding` False: as if its split ran unpadded (the planner's relaxation)."""
+        if plan.world_size != len(self.devices):
+            raise CephaloError(
+                f"the plan has {plan.world_size} ranks but the cluster has {len(self.devices)} devices; "
+                "simulate it on the cluster it was made for (--cluster)"
+            )
+        if plan.seq_len != self.seq_len or plan.dtype != self.dtype:
+            raise CephaloError(
+                f"the plan is for seq_len {plan.seq_len} / {plan.dtype} but the cost model for "
+                f"seq_len {self.seq_len} / {self.dtype}"
+            )
+        planned = AdapterSpec.from_dict(plan.meta.get("adapter"))
+        if "adapter" in plan.meta and planned != self.adapter:
+            raise CephaloError(
+                f"the plan is for {planned.describe()} but the cost model for "
+                f"{self.adapter.describe()}; evaluate it with the plan's adapter settings"
+            )
+        for r, d in zip(plan.ranks, self.devices, strict=True):
+            if r.device != d.type_key:
+                raise CephaloError(
+                    f"rank {r.rank} of the plan is a {r.device!r} but device {r.rank} of the cluster is a "
+                    f"{d.type_key!r}; list the devices in the plan's order"
+                )
+        if plan.hierarchical and self.cross_reduce is None:
+            return self._evaluate_groups(plan)
+        # the split runs padded-even where the backend pads and it is near even: every rank's
+        # collectives and padded buffers are charged for it (collective_cost.py)
+        pad = self.split_padding(plan.state_fractions) if charge_padding else 0.0
+        # identical ranks doing identical work cost the same: compute each combination once
+        # (a 1024-GPU plan has a handful), and once for all the plans evaluated on this model
+        cache = self._rank_costs
+        costs = []
+        for r, d in zip(plan.ranks, self.devices, strict=True):
+            key = (
+                d.type_key,
+                int(d.memory_bytes),
+                r.batch_size,
+                r.micro_batch_size,
+                r.state_fraction,
+                r.offload_activations,
+                r.host_state_fraction,
+                r.overlap_reduce,
+                # the node enters a rank's cost only through its host memory (nodes of one GPU
+                # each: one combination per kind of node, not per node)
+                None if self.host is None else self.host.memory_bytes[self.host.node_of[r.rank]],
+                None if self.host is None else self.host.optimizer_s_per_param[r.rank],
+                pad,
+                # the one setting callers change on a made model (bench/hetero_throughput.py)
+                self.serial_reduce,
+                r.fuse_tail,
+            )
+            if key not in cache:
+                cache[key] = self.rank_cost(
+                    r.rank,
+                    r.batch_size,
+                    r.micro_batch_size,
+                    r.state_fraction,
+                    r.offload_activations,
+                    r.host_state_fraction,
+                    r.overlap_reduce,
+                    pad,
+                    r.fuse_tail,
+                )
+            node = self.host.node_of[r.rank] if self.host is not None else 0
+            costs.append(replace(cache[key], rank=r.rank, node=node))
+        return PlanEvaluation(
+            ranks=costs, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len
+        )

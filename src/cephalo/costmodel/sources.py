@@ -1,0 +1,123 @@
+"""Where a cost model's device profiles come from: the catalog (published measurements of
+real GPUs, for clusters you do not own yet) or measurements (`cephalo profile`). Either way
+the result is the same `CostModel`, so a plan is judged by the same formulas."""
+
+from __future__ import annotations
+
+import copy
+
+from cephalo.costmodel.collectives import backend_pads
+from cephalo.costmodel.model import CostModel, HostResources, Links
+from cephalo.errors import CephaloError
+from cephalo.specs.catalog.tables import catalog_profile, host_optimizer_s_per_param
+from cephalo.specs.cluster import Cluster
+from cephalo.specs.model import ModelSpec
+from cephalo.specs.profile import CommProfile, DeviceProfile, MeasuredProfiles
+
+
+def profiles_cost_model(
+    cluster: Cluster,
+    model_spec: ModelSpec,
+    seq_len: int,
+    dtype: str,
+    profiles: dict[str, DeviceProfile],
+    comm: CommProfile | None = None,
+    **kw,
+) -> CostModel:
+    """Any profiles (catalog or measured); collectives from `comm` or the cluster's links."""
+    if comm is None:
+        comm = CommProfile(
+            bytes_per_s=cluster.slowest_link_bytes_per_s(),
+            latency_s=cluster.collective_latency_s,
+        )
+    elif cluster.num_nodes > 1 and all(d.type == "cpu" for d in cluster.devices):
+        # emulated nodes: the measured rings ran on one machine; the emulated inter-node link
+        # (`;inter=RATE`, a delay per byte) bounds them
+        comm = CommProfile(
+            bytes_per_s=min(comm.bytes_per_s, cluster.inter_node_bytes_per_s),
+            latency_s=comm.latency_s,
+        )
+    sources = sorted({p.source for p in profiles.values()})
+    meta = {"profile_source": ",".join(sources)}
+    kw.setdefault("host", host_resources(cluster, profiles))
+    kw.setdefault("serial_reduce", True)
+    kw.setdefault("links", cluster_links(cluster))
+    # the runtime pads near-even splits on NCCL (CUDA GPUs), not on gloo (CPUs): charge it there
+    kw.setdefault("padded_collectives", backend_pads([d.type for d in cluster.devices]))
+    return CostModel(
+        model_spec, seq_len, dtype, list(cluster.devices), profiles, comm, meta=meta, **kw
+    )
+
+
+def cluster_links(cluster: Cluster) -> Links:
+    """The cluster's intra- and inter-node links as the cost model charges them."""
+    return Links(
+        intra_bytes_per_s=cluster.intra_node_bytes_per_s,
+        inter_bytes_per_s=cluster.inter_node_bytes_per_s,
+        node_of=tuple(d.node for d in cluster.devices),
+        latency_s=cluster.collective_latency_s,
+    )
+
+
+def host_resources(cluster: Cluster, profiles: dict[str, DeviceProfile]) -> HostResources:
+    """The hosts of a cluster as the cost model sees them. A rank's host AdamW speed is, in
+    order: the cluster file's (`host_optimizer_s_per_param`, per node or for all), the one
+    measured with its device's profile (`cephalo profile`), or the catalog's default for a host
+    shared by that node's ranks (`catalog.host_optimizer_s_per_param`)."""
+    speeds = []
+    for d in cluster.devices:
+        own = cluster.host_optimizer_override(d.node)
+        if own is None:
+            own = profiles[d.type_key].host_optimizer_s_per_param
+        if own is None:
+            own = host_optimizer_s_per_param(len(cluster.ranks_on_node(d.node)))
+        speeds.append(float(own))
+    return HostResources(
+        node_of=tuple(d.node for d in cluster.devices),
+        memory_bytes={n: cluster.host_memory_of(n) for n in cluster.nodes()},
+        optimizer_s_per_param=tuple(speeds),
+    )
+
+
+def catalog_cost_model(
+    cluster: Cluster, model_spec: ModelSpec, seq_len: int, dtype: str, **kw
+) -> CostModel:
+    """Profiles from the catalog (published measurements), links from the cluster spec."""
+    profiles = {}
+    for d in cluster.devices:
+        if d.type_key not in profiles:
+            profiles[d.type_key] = catalog_profile(d.type, model_spec, seq_len, dtype)
+    return profiles_cost_model(cluster, model_spec, seq_len, dtype, profiles, **kw)
+
+
+def measured_cost_model(
+    cluster: Cluster,
+    model_spec: ModelSpec,
+    seq_len: int,
+    dtype: str,
+    measured: MeasuredProfiles,
+    **kw,
+) -> CostModel:
+    """The cost model over measured profiles (`cephalo profile`), each device type's memory
+    the smallest of its devices in this cluster.
+
+    Collectives: the measured `CommProfile` when there is one, else the cluster's links."""
+    missing = sorted({d.type_key for d in cluster.devices} - set(measured.profiles))
+    if missing:
+        raise CephaloError(
+            f"the profiles have no measurements for {', '.join(missing)} (they cover "
+            f"{', '.join(sorted(measured.profiles))}); profile this cluster with `cephalo profile --devices ...`"
+        )
+    if measured.seq_len != seq_len or measured.dtype != dtype:
+        raise CephaloError(
+            f"the profiles were measured at seq_len {measured.seq_len} / {measured.dtype}, not "
+            f"{seq_len} / {dtype}; profile again with --seq-len {seq_len} --dtype {dtype}"
+        )
+    profiles = {}
+    for k in dict.fromkeys(d.type_key for d in cluster.devices):
+        p = copy.copy(measured.profiles[k])
+        p.memory_bytes = min(d.memory_bytes for d in cluster.devices if d.type_key == k)
+        profiles[k] = p
+    return profiles_cost_model(
+        cluster, model_spec, seq_len, dtype, profiles, comm=measured.comm, **kw
+    )

@@ -1,0 +1,290 @@
+"""Process-group start-up and teardown under `torchrun` (or none, for one process).
+
+`init_distributed()` reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT), picks the backend (NCCL when CUDA is available, else gloo), binds
+the CUDA device from LOCAL_RANK, initialises the default process group WITH a timeout (a
+collective that never completes then fails instead of hanging forever) and returns the
+`Comm` for it. Without the torchrun environment it returns a `LocalComm` (world size 1, no
+process group), so the same training code runs as a plain script.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from cephalo.errors import CephaloError, first_line
+from cephalo.log import logger
+from cephalo.runtime.collectives.comm import Comm, LocalComm, make_comm
+
+MIN_TORCH = (2, 4)
+_BACKENDS = ("gloo", "nccl")
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Raise `CephaloError` if torch is older than `MIN_TORCH` (FSDP2-era collectives and
+    the process-group timeout semantics the runtime relies on)."""
+    version = version or torch.__version__
+    try:
+        major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError as err:
+        raise CephaloError(f"cannot parse the torch version {version!r}") from err
+    if (major, minor) < MIN_TORCH:
+        need = ".".join(map(str, MIN_TORCH))
+        raise CephaloError(
+            f"torch {version} is too old: cephalo needs torch >= {need}; upgrade torch"
+        )
+
+
+def _env_int(name: str, env: dict[str, str]) -> int:
+    raw = env.get(name)
+    if raw is None:
+        raise CephaloError(
+            f"{name} is not set but RANK/WORLD_SIZE are: launch with torchrun, or set RANK, "
+            "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT together"
+        )
+    try:
+        return int(raw)
+    except ValueError:
+        raise CephaloError(f"{name}={raw!r} is not an integer") from None
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in _BACKENDS:
+        raise CephaloError(f"unknown distributed backend {backend!r}; use one of {_BACKENDS}")
+    if not dist.is_available():
+        raise CephaloError(
+            "this torch build has no torch.distributed; install a standard torch build"
+        )
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise CephaloError(
+            "backend 'nccl' needs CUDA GPUs and a torch build with NCCL; none here. Use 'gloo' "
+            "(CPU) or run on a machine with GPUs"
+        )
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise CephaloError("this torch build has no gloo backend; use 'nccl' on GPUs")
+    return backend
+
+
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torchrun's c10d rendezvous shares its TCPStore with the workers by default, and a restarted
+worker group reuses it without a fresh key prefix: the new process group reads the dead
+group's addresses and cannot connect (pytorch/pytorch#135712). Setting this variable to 1 for
+the agent gives every round its own store; `cephalo run` sets it, torchrun users must."""
+
+
+def uses_shared_store(env: dict[str, str]) -> bool:
+    """Started by a torchrun agent that shares its rendezvous store with the workers."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def restarted_on_shared_store(env: dict[str, str]) -> bool:
+    """A restarted worker group on a shared store (see `SHARED_STORE_ENV`)."""
+    return uses_shared_store(env) and env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+
+
+def init_distributed(
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+    comm_impl: str = "auto",
+    validate: bool | None = None,
+) -> Comm:
+    """Initialise the default process group from the torchrun environment and return its
+    `Comm` (a `LocalComm` without that environment). Calling it again reuses the group."""
+    check_torch_version()
+    if timeout_s <= 0:
+        raise CephaloError(f"timeout_s must be positive, got {timeout_s}")
+    env = dict(os.environ)
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        if dist.is_available() and dist.is_initialized():
+            return make_comm(comm_impl, validate=validate)
+        if backend is not None:
+            _pick_backend(backend)  # still report an unusable backend clearly
+        return LocalComm(validate=validate)
+    rank, world_size = _env_int("RANK", env), _env_int("WORLD_SIZE", env)
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    if not 0 <= rank < world_size:
+        raise CephaloError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
+    backend = _pick_backend(backend)
+    if torch.cuda.is_available() and backend == "nccl":
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise CephaloError(
+                f"LOCAL_RANK={local_rank} but this node has {count} CUDA device(s); start at "
+                "most one process per GPU (torchrun --nproc-per-node)"
+            )
+        torch.cuda.set_device(local_rank)
+    if dist.is_initialized():
+        if dist.get_backend() != backend:
+            logger.warning(
+                "process group already initialised with %s (asked for %s)",
+                dist.get_backend(),
+                backend,
+            )
+        return make_comm(comm_impl, validate=validate)
+    if rank == 0 and uses_shared_store(env) and env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        logger.warning(
+            "torchrun shares its rendezvous store with the workers: a restart will not be able to "
+            "start its process group (pytorch#135712); launch torchrun with %s=1",
+            SHARED_STORE_ENV,
+        )
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in env:
+            raise CephaloError(
+                f"{name} is not set: launch with torchrun, or set it for rank 0's host"
+            )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            # NCCL binds the communicator to this rank's own GPU (without it, a barrier guesses
+            # GPU = rank % GPUs per node, wrong on nodes with different GPU counts)
+            **({"device_id": torch.device("cuda", local_rank)} if backend == "nccl" else {}),
+        )
+    except (RuntimeError, ValueError, TimeoutError) as err:
+        hint = (
+            f" This is restart {env['TORCHELASTIC_RESTART_COUNT']} under torchrun's shared rendezvous "
+            f"store, which still holds the previous attempt's addresses: launch with "
+            f"{SHARED_STORE_ENV}=1 (`cephalo run` sets it)"
+            if restarted_on_shared_store(env)
+            else " Check that every rank was started with the same MASTER_ADDR/MASTER_PORT and "
+            "WORLD_SIZE and can reach rank 0"
+        )
+        raise CephaloError(
+            f"could not start the {backend} process group (rank {rank} of {world_size}, "
+            f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}): {first_line(err)}.{hint}"
+        ) from err
+    logger.info(
+        "rank %d/%d: %s process group up (timeout %.0fs)", rank, world_size, backend, timeout_s
+    )
+    if world_size > 1:
+        _FailureWatch.start(rank)
+    return make_comm(comm_impl, validate=validate)
+
+
+# ------------------------------------------------------------------ a rank's failure, for all
+# A rank that fails (out of memory, a bad batch, any error) while the others wait in a
+# collective would leave them there until the process-group timeout: torchrun kills the
+# workers of its own node when one dies, but not those of other nodes, nor processes started
+# without it. So the failing rank announces its error in the process group's store, and every
+# rank watches that key: the others abort their process group (their pending collective then
+# raises) and stop with the failing rank's message, within `_WATCH_INTERVAL_S`.
+_WATCH_INTERVAL_S = 0.5
+
+
+def _failure_key() -> str:
+    # one key per attempt: a restarted job on a shared store must not see the last one's
+    return f"cephalo/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+class _FailureWatch:
+    """The thread that watches for another rank's announced failure (see above)."""
+
+    _instance: _FailureWatch | None = None
+
+    def __init__(self, rank: int, store) -> None:
+        self.rank, self.store = rank, store
+        self.message: str | None = None
+        """The failing rank's announcement, once seen."""
+        self.announced = False
+        """This rank announced its own failure (it does not abort itself on seeing it)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cephalo-failure-watch", daemon=True)
+
+    @classmethod
+    def start(cls, rank: int) -> None:
+        cls.stop()
+        store = _store()
+        if store is None:
+            return
+        cls._instance = cls(rank, store)
+        cls._instance._thread.start()
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls._instance is not None:
+            cls._instance._stop.set()
+            if cls._instance._thread is not threading.current_thread():
+                cls._instance._thread.join(timeout=2 * _WATCH_INTERVAL_S)
+            cls._instance = None
+
+    def _run(self) -> None:
+        key = _failure_key()
+        while not self._stop.wait(_WATCH_INTERVAL_S):
+            try:
+                if not self.store.check([key]):
+                    continue
+                message = self.store.get(key).decode(errors="replace")
+            except Exception:  # the store is gone: the job is ending anyway
+                return
+            if self.announced:
+                return
+            self.message = message
+            logger.error("rank %d stops: %s", self.rank, message)
+            # the main thread's pending collective raises once the group is aborted
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            try:
+                if abort is not None:
+                    abort()
+                else:
+                    dist.destroy_process_group()
+            except Exception as err:  # nothing more can be done from here
+                logger.error("rank %d: could not abort the process group: %s", self.rank, err)
+            return
+
+
+def announce_failure(message: str) -> None:
+    """Tell every rank that this one failed (see `_FailureWatch`); no-op without a group."""
+    watch = _FailureWatch._instance
+    if watch is None or watch.message is not None:
+        return  # no group, or this rank is stopping because of another's failure
+    watch.announced = True
+    rank = watch.rank
+    try:
+        watch.store.set(_failure_key(), f"rank {rank} failed: {message}")
+    except Exception as err:
+        logger.warning("rank %d: could not announce its failure to the others: %s", rank, err)
+
+
+def peer_failure(wait_s: float = 0.0) -> str | None:
+    """Another rank's announced failure, if there is one; looks in the store for up to
+    `wait_s` (a collective that failed because a peer exited may fail before the announcement
+    of its reason has arrived)."""
+    watch = _FailureWatch._instance
+    if watch is None or watch.announced:
+        return None
+    if watch.message is not None or wait_s <= 0:
+        return watch.message
+    key, deadline = _failure_key(), time.monotonic() + wait_s
+    while True:
+        try:
+            if watch.store.check([key]):
+                return watch.store.get(key).decode(errors="replace")
+        except Exception:
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def shutdown() -> None:
+    """Tear the default process group down (no-op if there is none)."""
+    _FailureWatch.stop()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

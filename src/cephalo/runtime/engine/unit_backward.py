@@ -1,0 +1,137 @@
+"""A unit's backward: its trained parameters as autograd leaves draining into the fp32
+gradient buffer (`_leaves`), its forward with a graph charged as its backward holds it
+(`_unit_graph`: the recompute, and the fused tail's last block, runtime/engine/tail_pass.py), and the
+recompute + backward of one micro-batch (`_backward_micro_batch`). `UnitBackward` is a part of
+`Engine` (runtime/engine/engine.py): the attributes it declares are the engine's."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+
+from cephalo.runtime.engine.autograd import (
+    BackwardCharges,
+    drain_first,
+    drain_grad_pieces,
+    largest_grad_bytes,
+)
+from cephalo.runtime.engine.boundary import BoundaryStore
+from cephalo.runtime.engine.unit_comm import UnitGrads
+from cephalo.runtime.engine.unit_shard import MicroBatch, UnitShard
+from cephalo.runtime.frozen import FrozenBase
+from cephalo.runtime.memory import MemoryLedger
+
+
+class UnitBackward:
+    """Recompute and backward of a unit, one micro-batch at a time (an `Engine` part)."""
+
+    ledger: MemoryLedger
+    device: torch.device
+    dtype: torch.dtype
+    frozen: FrozenBase | None
+    shards: list[UnitShard]
+    _charges: BackwardCharges
+    _run_unit: Callable
+    _unit_input: Callable
+    _restore_rng: Callable
+    _head_micro_batch: Callable
+
+    @contextlib.contextmanager
+    def _unit_graph(
+        self,
+        us: UnitShard,
+        params: dict[str, torch.Tensor],
+        leaves: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        mb: MicroBatch,
+        key: tuple,
+    ) -> Iterator[torch.Tensor]:
+        """Unit `us`'s forward on `x` with a graph over its trained parameters `leaves`, its
+        saved activations and autograd's transient gradients charged as its backward holds
+        them; yields the output, whose backward the caller runs inside (the recompute of
+        `_backward_micro_batch`, the fused tail's last block, runtime/engine/tail_pass.py)."""
+        param_grad = largest_grad_bytes(leaves.values(), self.dtype)
+        with self._charges.activations(key):
+            with torch.enable_grad():
+                out = self._run_unit(us, {**params, **leaves}, x, mb)
+            # Autograd's transient gradients are not saved tensors, so the ledger does not
+            # see them. At a backward's peak, the gradient w.r.t. the largest saved tensor
+            # coexists with the gradient it produces (the head: d log-probs and d logits,
+            # each the size of the saved log-probs) or with a parameter's gradient: charge
+            # the larger (runtime/engine/autograd.py, measured once per key).
+            transient = self._charges.transient(key, out, param_grad)
+            self.ledger.charge("grad_transient", transient)
+            yield out
+            del out
+        self.ledger.release("grad_transient", transient)
+
+    def _leaves(
+        self, us: UnitShard, params: dict[str, torch.Tensor], grads: UnitGrads
+    ) -> dict[str, torch.Tensor]:
+        """The unit's trained parameters as autograd leaves, each draining its gradient into
+        the fp32 accumulation buffer as soon as autograd produces it (post-accumulate hook),
+        so about one parameter's gradient in compute dtype exists at a time. The buffers are
+        not zeroed: the first gradient of a slot is copied in (`grads.written`: the slots
+        written so far). Made once per unit backward (`grads.leaves`): every micro-batch's
+        backward drains through the same leaves and hooks."""
+        if grads.leaves is not None:
+            return grads.leaves
+        frozen = self.frozen.names(us.index) if self.frozen else ()
+        leaves = {n: v.detach().requires_grad_() for n, v in params.items() if n not in frozen}
+        acc, written = grads.acc, grads.written
+        borrowed = {b.name: t for b, t in zip(us.borrows, grads.tied, strict=True)}
+        for name, leaf in leaves.items():
+            if name in borrowed:
+                hook = functools.partial(drain_first, written, name, borrowed[name])
+            else:
+                slot = us.layout.slot(name)
+                if us.padded is None:
+                    dst = acc[slot.offset : slot.end]
+                    hook = functools.partial(drain_first, written, name, dst)
+                else:  # the padded gradient buffer, zeroed (runtime/collectives/padded.py)
+                    hook = functools.partial(
+                        drain_grad_pieces, us.padded.slices(acc, slot.offset, slot.end)
+                    )
+            leaf.register_post_accumulate_grad_hook(hook)
+        grads.leaves = leaves
+        return leaves
+
+    def _backward_micro_batch(
+        self,
+        us: UnitShard,
+        params: dict[str, torch.Tensor],
+        mb: MicroBatch,
+        j: int,
+        store: BoundaryStore,
+        head_grad: float,
+        grads: UnitGrads,
+    ) -> torch.Tensor | None:
+        """Micro-batch j of unit u: its recompute with a graph (the random generators as its
+        forward left them) and its backward from the output gradient stored at (u + 1, j); the
+        input gradient replaces the input at (u, j). The head (`_head_micro_batch`) returns
+        its loss sum; a block returns None."""
+        u = us.index
+        leaves = self._leaves(us, params, grads)
+        key = (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
+        if u == len(self.shards) - 1:
+            out_grad = torch.full((), head_grad, dtype=torch.float32, device=self.device)
+            return self._head_micro_batch(us, leaves, params, mb, j, store, out_grad, key)
+        with self._unit_input(store, u, j, mb) as x_in:
+            x = x_in if u == 0 else x_in.detach().requires_grad_()
+            self._restore_rng(mb.rng[u])
+            with (
+                store.loaded((u + 1, j)) as gout,
+                self._unit_graph(us, params, leaves, x, mb, key) as out,
+                torch.enable_grad(),
+            ):
+                inputs = ([x] if u > 0 else []) + list(leaves.values())
+                torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
+                del out
+            store.drop((u + 1, j))  # the output gradient is consumed
+            if u > 0:
+                store.put((u, j), x.grad)  # replaces the input: unit u-1's output gradient
+                x.grad = None
+        return None

@@ -1,0 +1,282 @@
+"""The engine's per-unit collectives: a unit's all-gather in compute dtype (with the tied
+parameters it borrows and its frozen base), its fp32 gradient buffers and their
+reduce-scatters into the owners' gradient shards (the device part added in place, the host
+part sent down to the host gradient). `UnitComm` is a part of `Engine` (runtime/engine/engine.py):
+the attributes it declares are the engine's."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cephalo.runtime.collectives.comm import Comm, Handle
+from cephalo.runtime.engine.unit_shard import UnitShard
+from cephalo.runtime.frozen import FrozenBase, FrozenGathered
+from cephalo.runtime.host_state import HostLink
+from cephalo.runtime.memory import MemoryLedger
+
+
+@dataclass
+class UnitGrads:
+    """A unit's fp32 gradient buffers for one backward (`UnitComm._grad_buffers`): its own,
+    those of the tied parameters it borrows, and the slots written so far (the buffers are not
+    zeroed: a slot's first gradient is copied in, `runtime/engine/autograd.py` `drain_first`)."""
+
+    acc: torch.Tensor
+    tied: list[torch.Tensor]
+    written: set[str] = field(default_factory=set)
+    leaves: dict[str, torch.Tensor] | None = None
+    """The unit's trained parameters as autograd leaves with their draining hooks, made by
+    the first micro-batch's backward and reused by the others (runtime/engine/unit_backward.py).
+    They are views of the gathered parameters: `done_with_leaves` before those are released."""
+
+    def done_with_leaves(self) -> None:
+        """The unit's last micro-batch is through: drop the leaves, so these buffers, which
+        live on until their reduce-scatters finish, do not keep the gathered parameters alive
+        past their release (the caller's own views of them go with its `params`)."""
+        self.leaves = None
+
+
+@dataclass
+class Gathered:
+    """A unit's parameters gathered in compute dtype (maybe still in flight)."""
+
+    unit: UnitShard
+    flat: torch.Tensor
+    tied: list[torch.Tensor]
+    handles: list[Handle]
+    frozen: FrozenGathered | None = None
+    """The unit's frozen parameters (LoRA / QLoRA base), gathered alongside."""
+    owned: bool = True
+    """`flat` and `tied` are ledger buffers (False: views of the fp32 shard itself, world
+    size 1: nothing to gather, nothing to copy)."""
+    copies: list[torch.Tensor] = field(default_factory=list)
+    """Padded-even: the parameters that straddle padding, copied out of `flat` (ledger buffers)."""
+
+    def params(self, alloc: Callable[[int], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each parameter as a view of the gathered buffers (`alloc`: a buffer for a parameter
+        that straddles padding, runtime/collectives/padded.py)."""
+        padded = self.unit.padded
+        if padded is None:
+            views = self.unit.layout.views(self.flat)
+        else:
+            views, self.copies = padded.views(self.unit.layout, self.flat, alloc)
+        for borrow, buf in zip(self.unit.borrows, self.tied, strict=True):
+            views[borrow.name] = buf.view(borrow.slot.shape)
+        return views
+
+
+@dataclass
+class Reduce:
+    """A reduce-scatter in flight: `part` receives this rank's piece of the sum of `full`,
+    then is added into `grad_slice`."""
+
+    handle: Handle
+    part: torch.Tensor
+    unit: UnitShard
+    """Whose gradient receives it: elements [lo, hi) of its shard."""
+    lo: int
+    hi: int
+    full: torch.Tensor
+    at: int = 0
+    """Where the elements [lo, hi) start in `part` (padded-even: this rank's offset)."""
+
+
+class UnitComm:
+    """All-gathers and reduce-scatters of units, timed into `_comm_wait_s` (an `Engine` part)."""
+
+    comm: Comm
+    """The shard group's collectives."""
+    world: Comm
+    """Every rank (the token count, the loss and the gradient norm)."""
+    ledger: MemoryLedger
+    device: torch.device
+    dtype: torch.dtype
+    frozen: FrozenBase | None
+    link: HostLink
+    _comm_wait_s: float
+    _device_grad: Callable[[UnitShard], torch.Tensor]
+    """The device part's gradient shard of a unit (a lean rank allocates it on first use)."""
+
+    def _wait(self, handle: Handle) -> None:
+        t0 = time.perf_counter()
+        handle.wait()
+        self._comm_wait_s += time.perf_counter() - t0
+
+    def _start_gather(self, us: UnitShard, async_op: bool) -> Gathered:
+        """All-gather a unit (and the tied parameters it borrows) in compute dtype. World size
+        1 in fp32: the gathered unit is its shard itself (the comm sees out == shard: no copy)."""
+        owned = not (self.comm.world_size == 1 and us.param_buf is not None)
+        numel = us.layout.numel if us.padded is None else us.padded.numel
+        flat = (
+            self.ledger.alloc("gathered", numel, self.dtype, device=self.device)
+            if owned
+            else us.param_buf
+        )
+        handles, tied = [], []
+        t0 = time.perf_counter()
+        frozen = self.frozen.start_gather(us.index, async_op) if self.frozen else None
+        if us.layout.numel:  # (a LoRA unit may have no trained parameters)
+            handles.append(self._gather_piece(flat, us, 0, us.size, us.sizes, async_op, True))
+        for b in us.borrows:
+            buf = (
+                self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
+                if owned
+                else b.owner.param_buf[b.local[0] : b.local[1]]
+            )
+            tied.append(buf)
+            handles.append(
+                self._gather_piece(buf, b.owner, b.local[0], b.local[1], b.sizes, async_op)
+            )
+        if not async_op:
+            self._comm_wait_s += time.perf_counter() - t0
+        return Gathered(us, flat, tied, handles, frozen, owned)
+
+    def _gather_piece(
+        self,
+        out: torch.Tensor,
+        us: UnitShard,
+        lo: int,
+        hi: int,
+        sizes: list[int],
+        async_op: bool,
+        whole: bool = False,
+    ) -> Handle:
+        """All-gather into `out` this rank's elements [lo, hi) of `us`'s shard in compute dtype
+        (`whole`: the unit itself, padded-even where its split is, runtime/collectives/padded.py)."""
+        padded = us.padded if whole else None
+        if padded is not None:
+            sizes = [padded.pad] * padded.world_size
+            if us.send_buf is not None:  # fp32: the padded chunk itself
+                return self.comm.all_gather_v(out, us.send_buf, sizes, async_op=async_op)
+        elif us.param_buf is not None:  # fp32: master and the host part's copy in one buffer
+            return self.comm.all_gather_v(out, us.param_buf[lo:hi], sizes, async_op=async_op)
+        elif self.comm.world_size == 1 and hi <= us.dev_n:  # cast straight into the output
+            out.copy_(us.master[lo:hi])
+            return self.comm.all_gather_v(out, out, sizes, async_op=async_op)
+        # the shard in compute dtype; the comm contract lets us free it once the call returns
+        if padded is None:
+            shard = mine = self.ledger.alloc("gathered", hi - lo, self.dtype, device=self.device)
+        else:  # the cast is copied anyway: into the padded chunk, zero around it
+            shard = self.ledger.alloc("gathered", padded.pad, self.dtype, device=self.device)
+            o = us.pad_offset
+            mine = shard[o : o + hi - lo]
+            shard[:o].zero_()
+            shard[o + hi - lo :].zero_()
+        d = us.dev_n
+        if min(hi, d) > lo:
+            mine[: min(hi, d) - lo].copy_(us.master[lo : min(hi, d)])
+        if hi > max(lo, d):
+            mine[max(lo, d) - lo :].copy_(us.host_copy[max(lo, d) - d : hi - d])
+        handle = self.comm.all_gather_v(out, shard, sizes, async_op=async_op)
+        self.ledger.free(shard)
+        return handle
+
+    def _finish_gather(self, g: Gathered) -> dict[str, torch.Tensor]:
+        for h in g.handles + (g.frozen.handles if g.frozen else []):
+            self._wait(h)
+        params = g.params(self._straddler)
+        if g.frozen is None:
+            return params
+        return {**self.frozen.params(g.frozen), **params}
+
+    def _straddler(self, numel: int) -> torch.Tensor:
+        """A buffer for a gathered parameter that straddles padding (runtime/collectives/padded.py)."""
+        return self.ledger.alloc("gathered", numel, self.dtype, device=self.device)
+
+    def _release(self, g: Gathered) -> None:
+        if g.owned:
+            self.ledger.free(g.flat)
+            for buf in g.tied + g.copies:
+                self.ledger.free(buf)
+        if g.frozen is not None:
+            self.frozen.release(g.frozen)
+
+    def _start_reduce(
+        self,
+        us: UnitShard,
+        lo: int,
+        hi: int,
+        full: torch.Tensor,
+        sizes: list[int],
+        whole: bool = False,
+    ) -> Reduce:
+        """Start: the gradient of elements [lo, hi) of this rank's shard of `us` += this rank's
+        piece of the sum over ranks of `full` (fp32, a ledger buffer `_finish_reduce` frees;
+        `whole`: the unit's own gradient, padded where its split is, runtime/collectives/padded.py)."""
+        padded, at, n = us.padded if whole else None, 0, hi - lo
+        if padded is not None:
+            sizes, at, n = [padded.pad] * padded.world_size, us.pad_offset, padded.pad
+        if self.comm.world_size == 1:  # the sum is `full` itself: no output buffer, no copy
+            part = full
+        else:
+            part = self.ledger.alloc("grad_accum", n, torch.float32, device=self.device)
+        t0 = time.perf_counter()
+        if full.numel() == 0:  # a unit without trained parameters (LoRA): nothing to reduce
+            return Reduce(Handle(), part, us, lo, hi, full, at)
+        handle = self.comm.reduce_scatter_v(part, full, sizes, async_op=True)
+        self._comm_wait_s += time.perf_counter() - t0  # the call itself (and any validation)
+        return Reduce(handle, part, us, lo, hi, full, at)
+
+    def _trains(self, us: UnitShard) -> bool:
+        """The unit has trained parameters (a LoRA unit may have only frozen ones)."""
+        return us.layout.numel > 0 or bool(us.borrows)
+
+    def _finish_reduce(self, r: Reduce) -> None:
+        self._wait(r.handle)
+        us, d = r.unit, r.unit.dev_n
+        part = r.part[r.at : r.at + r.hi - r.lo]  # (the padding's gradient is dropped here)
+        if min(r.hi, d) > r.lo:
+            self._device_grad(us)[r.lo : min(r.hi, d)].add_(part[: min(r.hi, d) - r.lo])
+        if r.hi > max(r.lo, d):
+            # the host part goes down to the host gradient (CUDA: on the side stream, while
+            # the next unit's backward runs)
+            a = max(r.lo, d)
+            assert us.host is not None
+            self.link.down(
+                us.host.grad[a - d : r.hi - d], part[a - r.lo :], accumulate=us.host_grad_written
+            )
+            us.host_grad_written = True
+        self.ledger.free(r.part)
+        self.ledger.free(r.full)
+        # and let the buffers die now (a name still holding this record would keep them)
+        r.part = r.full = None  # type: ignore[assignment]
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self.world.all_reduce(t, "sum")
+        self._comm_wait_s += time.perf_counter() - t0
+
+    def _grad_buffers(self, us: UnitShard) -> UnitGrads:
+        """The fp32 gradient buffers of a unit and of the tied parameters it borrows, not
+        zeroed: each parameter's first gradient is copied into its slot (`drain_first`), and
+        `_start_reduces` clears what no gradient reached, so no memset of a whole unit per
+        backward. A padded buffer (runtime/collectives/padded.py) is zeroed: its padding is reduced too."""
+        padded = us.padded is not None
+        numel = us.layout.numel if not padded else us.padded.numel
+        acc = self.ledger.alloc("grad_accum", numel, torch.float32, device=self.device, zero=padded)
+        tied = [
+            self.ledger.alloc("grad_accum", b.slot.numel, torch.float32, device=self.device)
+            for b in us.borrows
+        ]
+        return UnitGrads(acc, tied)
+
+    def _start_reduces(self, us: UnitShard, grads: UnitGrads) -> list[Reduce]:
+        """The unit's gradient is complete: zero the slots of the parameters that got no
+        gradient (one the unit's forward did not use), so the reduce-scatters sum no stale
+        memory, then start them (its own and each borrowed tied parameter's)."""
+        if us.padded is None and len(grads.written) < len(us.layout.slots):
+            for slot in us.layout.slots:
+                if slot.name not in grads.written:
+                    grads.acc[slot.offset : slot.end].zero_()
+        for b, t_acc in zip(us.borrows, grads.tied, strict=True):
+            if b.name not in grads.written:
+                t_acc.zero_()
+        reducing = [self._start_reduce(us, 0, us.size, grads.acc, us.sizes, True)]
+        for b, t_acc in zip(us.borrows, grads.tied, strict=True):
+            lo, hi = b.local
+            reducing.append(self._start_reduce(b.owner, lo, hi, t_acc, b.sizes))
+        return reducing
