@@ -29,7 +29,7 @@ from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planner.makers import make_plan
 from cephalo.planner.search.rank_tables import MAX_MICRO_BATCH
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 STRATEGIES = ("cephalo", "proportional", "even")

@@ -25,7 +25,7 @@ from _common import Result, markdown_table, median, print_table, save_figure, ve
 from cephalo.costmodel.model import CostModel
 from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.planner.shard_groups import make_hierarchical_plan
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 MODEL, SEQ_LEN, DTYPE = "gpt-2.7b", 512, "fp16"

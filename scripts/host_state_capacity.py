@@ -16,7 +16,8 @@ import argparse
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planner.makers import make_plan
 from cephalo.costmodel.sources import catalog_cost_model
-from cephalo.specs.catalog.tables import available_profiles, list_models
+from cephalo.specs.catalog.published import available_profiles
+from cephalo.specs.catalog.models import list_models
 from cephalo.specs.cluster import Cluster
 
 SEQ, DTYPE, BATCH = 512, "fp16", 64

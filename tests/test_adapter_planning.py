@@ -20,7 +20,7 @@ from cephalo.specs.adapter import (
     lora_params,
     nf4_bytes_per_param,
 )
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.model import ModelSpec
 from planner_helpers import FakeDevice, cost_model, linear_profile

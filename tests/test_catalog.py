@@ -3,15 +3,12 @@ import json
 import pytest
 
 from cephalo.errors import CephaloError
-from cephalo.specs.catalog import tables as catalog
-from cephalo.specs.catalog.tables import (
-    GiB,
+from cephalo.specs.catalog import devices, formulas, published
+from cephalo.specs.catalog.devices import GiB, device_memory_bytes, list_device_types
+from cephalo.specs.catalog.models import get_model_spec, list_models
+from cephalo.specs.catalog.published import (
     available_profiles,
     catalog_profile,
-    device_memory_bytes,
-    get_model_spec,
-    list_device_types,
-    list_models,
     published_params_per_layer,
     published_total_params,
     skipped_entries,
@@ -150,7 +147,7 @@ def test_interpolation_extrapolation_monotone():
             assert all(b2 >= a2 for a2, b2 in zip(ys, ys[1:], strict=False))
     # gpt-6.7b on P40 in fp32: the published forward time drops from batch 14 to 15; the
     # curve holds the running maximum instead
-    raw = catalog._catalog()["timings"]["gpt-6.7b"]["p40"]["512"]["fp32"]["fwd_s"]["ys"]
+    raw = published._catalog()["timings"]["gpt-6.7b"]["p40"]["512"]["fp32"]["fwd_s"]["ys"]
     assert raw[14] < raw[13]
     fwd = catalog_profile("p40", "gpt-6.7b", 512, "fp32").units["block"].fwd_s
     assert fwd(15) == fwd(14) == pytest.approx(raw[13])
@@ -223,7 +220,7 @@ def test_head_and_embedding_by_flop_ratio():
 
 def test_activation_bytes_sources():
     spec = get_model_spec("gpt-2.7b")
-    formula = catalog.korthikanti_block_activation_bytes(spec, 512, "fp16")
+    formula = formulas.korthikanti_block_activation_bytes(spec, 512, "fp16")
     assert formula == 512 * 2560 * (34 + 5 * 32 * 512 / 2560)
     p = catalog_profile("l4", spec, 512, "fp16")
     # measured by the authors (paper cluster): the block's share is above the formula
@@ -236,20 +233,20 @@ def test_activation_bytes_sources():
     q = catalog_profile("a100x80", "llama-65b", 2048, "fp16")
     assert q.meta["activation_source"] == "formula"
     assert q.units["block"].activation_bytes(1) == pytest.approx(
-        catalog.korthikanti_block_activation_bytes(get_model_spec("llama-65b"), 2048, "fp16")
+        formulas.korthikanti_block_activation_bytes(get_model_spec("llama-65b"), 2048, "fp16")
     )
 
 
 def test_optimizer_and_host_copy_from_datasheets():
     # AdamW is memory-bound: faster memory -> faster step
     assert (
-        catalog.optimizer_s_per_param("h100-nvl")
-        < catalog.optimizer_s_per_param("a6000")
-        < catalog.optimizer_s_per_param("l4")
+        devices.optimizer_s_per_param("h100-nvl")
+        < devices.optimizer_s_per_param("a6000")
+        < devices.optimizer_s_per_param("l4")
     )
-    assert catalog.host_copy_bytes_per_s("p40") == 12e9  # PCIe gen3
-    assert catalog.host_copy_bytes_per_s("l4") == 24e9  # gen4
-    assert catalog.host_copy_bytes_per_s("h100-nvl") == 48e9  # gen5
+    assert devices.host_copy_bytes_per_s("p40") == 12e9  # PCIe gen3
+    assert devices.host_copy_bytes_per_s("l4") == 24e9  # gen4
+    assert devices.host_copy_bytes_per_s("h100-nvl") == 48e9  # gen5
 
 
 def test_skipped_entries_have_reasons():
@@ -269,9 +266,9 @@ def test_skipped_entries_have_reasons():
 
 
 def test_catalog_is_packaged_not_read_from_shared():
-    assert catalog.CATALOG_PATH.is_file()
-    assert "shared" not in catalog.CATALOG_PATH.parts
-    assert (catalog.CATALOG_PATH.parent / "LICENSE").read_text().startswith("MIT License")
+    assert published.CATALOG_PATH.is_file()
+    assert "shared" not in published.CATALOG_PATH.parts
+    assert (published.CATALOG_PATH.parent / "LICENSE").read_text().startswith("MIT License")
 
 
 def test_catalog_command(capsys, monkeypatch):

@@ -9,7 +9,7 @@ from cephalo import Plan
 from cephalo.cli import main
 from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.planner.makers import make_plan
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 PAPER = [

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cephalo.errors import CephaloError
-from cephalo.specs.catalog.tables import GiB, device_memory_bytes
+from cephalo.specs.catalog.devices import GiB, device_memory_bytes
 from cephalo.specs.cluster import DEFAULT_INTER_NODE_BYTES_PER_S, Cluster, Device
 
 

@@ -7,11 +7,8 @@ import pytest
 
 from cephalo.costmodel.sources import catalog_cost_model, host_resources
 from cephalo.errors import CephaloError
-from cephalo.specs.catalog.tables import (
-    DEFAULT_HOST_MEMORY_BYTES,
-    get_model_spec,
-    host_optimizer_s_per_param,
-)
+from cephalo.specs.catalog.devices import DEFAULT_HOST_MEMORY_BYTES, host_optimizer_s_per_param
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 GiB = 1024**3

@@ -4,15 +4,10 @@ derivation itself, and its measured error printed with a plan."""
 import pytest
 
 from cephalo.cli import main
-from cephalo.specs.catalog import derived
-from cephalo.specs.catalog import tables as catalog
+from cephalo.specs.catalog import derived, devices, published
 from cephalo.specs.catalog.derived import SAME_ARCH_PAIRS, SPECS, derivation_error, time_ratio
-from cephalo.specs.catalog.tables import (
-    GiB,
-    catalog_profile,
-    device_memory_bytes,
-    resolve_device_type,
-)
+from cephalo.specs.catalog.devices import GiB, device_memory_bytes, resolve_device_type
+from cephalo.specs.catalog.published import catalog_profile
 from cephalo.specs.profile import Curve
 
 CARDS = {
@@ -32,7 +27,7 @@ CARDS = {
 
 @pytest.mark.parametrize("card,gib", CARDS.items())
 def test_consumer_cards_are_in_the_catalog_marked_derived(card, gib):
-    assert card in derived.DERIVED and card in catalog.DEVICES
+    assert card in derived.DERIVED and card in devices.DEVICES
     assert device_memory_bytes(card) == gib * GiB
     prof = catalog_profile(card, "gpt-2.7b", 512, "fp32")
     assert prof.meta["timing_source"] == "derived"
@@ -40,7 +35,7 @@ def test_consumer_cards_are_in_the_catalog_marked_derived(card, gib):
     assert "over" in prof.meta["derived_error"]
     # the bandwidth-bound optimizer step reads the card's own bandwidth
     assert prof.optimizer_s_per_param == pytest.approx(
-        catalog.ADAMW_BYTES_PER_PARAM / (SPECS[card].bandwidth_gb_s * 1e9 * 0.7)
+        devices.ADAMW_BYTES_PER_PARAM / (SPECS[card].bandwidth_gb_s * 1e9 * 0.7)
     )
 
 
@@ -71,18 +66,18 @@ def test_block_times_are_the_siblings_scaled_by_sms_times_clock():
 
 def _measured_timings():
     out = {}
-    for model, by_dev in catalog._catalog()["timings"].items():
+    for model, by_dev in published._catalog()["timings"].items():
         out[model] = {d: v for d, v in by_dev.items() if d not in derived.DERIVED}
     return out
 
 
 def test_derivation_error_is_measured_on_measured_siblings():
-    shipped = catalog._catalog()["derivation_errors"]
+    shipped = published._catalog()["derivation_errors"]
     same = derivation_error(_measured_timings(), SAME_ARCH_PAIRS)
     assert same.to_dict() == shipped["same-architecture"]
     assert "RTX 3090 from RTX A6000 (5)" in same.pairs
     # by hand: one entry of the pair, predicted and measured
-    t = catalog._catalog()["timings"]["gpt-2.7b"]
+    t = published._catalog()["timings"]["gpt-2.7b"]
     a6000, rtx3090 = t["a6000"]["512"]["fp16"], t["rtx3090"]["512"]["fp16"]
     measured = Curve.from_dict(rtx3090["fwd_s"])
     predicted = Curve.from_dict(a6000["fwd_s"])
@@ -95,12 +90,12 @@ def test_derivation_error_is_measured_on_measured_siblings():
     # the cross-architecture error (the RTX 5090's) is stated and larger
     cross = shipped["cross-architecture"]
     assert cross["fwd_median"] > shipped["same-architecture"]["fwd_median"]
-    assert catalog.derived_meta("rtx5090")["derived_error_scope"] == "cross-architecture"
-    assert catalog.derived_meta("rtx4090")["derived_error_scope"] == "same-architecture"
+    assert published.derived_meta("rtx5090")["derived_error_scope"] == "cross-architecture"
+    assert published.derived_meta("rtx4090")["derived_error_scope"] == "same-architecture"
 
 
 def test_pooled_flop_scaling_error_leaves_derived_cards_out():
-    assert not set(derived.DERIVED) & set(catalog.MEASURED_DEVICES)
+    assert not set(derived.DERIVED) & set(devices.MEASURED_DEVICES)
 
 
 def test_plan_prints_the_derivation_error(capsys):

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from cephalo.errors import CephaloError
-from cephalo.specs.catalog.tables import GiB, device_type_for_gpu
+from cephalo.specs.catalog.devices import GiB, device_type_for_gpu
 from cephalo.specs.cluster import Cluster
 from cephalo.train.config import load_config
 from cephalo.train.discovery import (

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan, RankPlan
-from cephalo.specs.catalog.tables import DEVICE_ALIASES
+from cephalo.specs.catalog.devices import DEVICE_ALIASES
 from cephalo.specs.cluster import Cluster
 from cephalo.train.config import field_types, load_config, section_class, section_names
 

@@ -12,7 +12,7 @@ from cephalo.costmodel.model import CostModel
 from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.planner.group_split import GroupPlanMemo, _group_plan
 from cephalo.planner.shard_groups import make_hierarchical_plan
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 # nodes repeat within and across clusters; the last two differ from others only in the

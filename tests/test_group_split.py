@@ -12,7 +12,7 @@ import pytest
 from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.planner.group_split import StepCurve, split_batch
 from cephalo.planner.shard_groups import candidate_groupings, plan_grouping
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 

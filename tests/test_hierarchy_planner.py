@@ -19,7 +19,7 @@ from cephalo.planner.shard_groups import (
     make_hierarchical_plan,
     plan_grouping,
 )
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 ISSUE = "4xa6000@node0,4xl4@node1,4xv100x16@node2;inter={}"

@@ -13,7 +13,7 @@ from cephalo.costmodel.model import CostModel, HostResources
 from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planner.makers import make_plan
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.profile import CommProfile
 from planner_helpers import FakeDevice, linear_profile, tiny_model

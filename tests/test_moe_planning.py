@@ -12,7 +12,8 @@ import pytest
 
 from cephalo.cli import main
 from cephalo.modeling.registry import model_spec_for
-from cephalo.specs.catalog.tables import block_flops_per_sample, catalog_profile
+from cephalo.specs.catalog.formulas import block_flops_per_sample
+from cephalo.specs.catalog.published import catalog_profile
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from cephalo.costmodel.collectives import (
 )
 from cephalo.costmodel.sources import catalog_cost_model, profiles_cost_model
 from cephalo.planner.makers import make_plan, manual_plan
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 from planner_helpers import FakeDevice, cost_model, linear_profile, tiny_model
 from test_planner import assert_optimal

@@ -398,7 +398,7 @@ def test_growing_tables_are_never_shrunk_back(monkeypatch):
     import cephalo.planner.search.batch_split as batch_split
     import cephalo.planner.search.bisection as optimiser
     from cephalo.costmodel.sources import catalog_cost_model
-    from cephalo.specs.catalog.tables import get_model_spec
+    from cephalo.specs.catalog.models import get_model_spec
     from cephalo.specs.cluster import Cluster
 
     spec = "8xa100x40@node0," + ",".join(f"a6000@node{i}" for i in range(1, 10))

@@ -10,7 +10,7 @@ import cephalo.planner.search.rank_tables as rank_tables
 from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.planner.makers import make_plan
 from cephalo.planner.search.rank_tables import SearchRegime, TableCache, rank_groups, tabulate
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 
 # GPU clusters (padding backend) where the padded search runs its sub-searches: near-even

@@ -6,8 +6,8 @@ import argparse
 
 from rich.console import Console
 
-from cephalo.specs.catalog import tables as catalog
-from cephalo.specs.catalog.tables import DTYPES
+from cephalo.specs.catalog import models
+from cephalo.specs.catalog.devices import DTYPES
 from cephalo.views.tables import (
     catalog_device_table,
     catalog_devices_table,
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.print(catalog_devices_table())
         console.print(
-            f"{len(catalog.list_models())} models: `cephalo catalog --models`; one device's "
+            f"{len(models.list_models())} models: `cephalo catalog --models`; one device's "
             "profiles: `cephalo catalog --device TYPE`"
         )
     return 0

@@ -12,7 +12,7 @@ from cephalo.errors import CephaloError
 from cephalo.profiling.database import default_db_path
 from cephalo.profiling.local import profile_local_ranks, profile_rank
 from cephalo.profiling.settings import ProfileSettings
-from cephalo.specs.catalog.tables import DTYPES
+from cephalo.specs.catalog.devices import DTYPES
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.profile import MeasuredProfiles
 from cephalo.views.tables import profile_tables

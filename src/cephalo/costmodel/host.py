@@ -12,7 +12,7 @@ import numpy as np
 
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
-from cephalo.specs.catalog.tables import DTYPE_BYTES
+from cephalo.specs.catalog.devices import DTYPE_BYTES
 from cephalo.specs.model import ModelSpec
 
 HOST_STATE_BYTES_PER_PARAM = 16

@@ -51,7 +51,7 @@ from cephalo.specs.adapter import (
     lora_params,
     nf4_dequant_transient_bytes,
 )
-from cephalo.specs.catalog.tables import ADAMW_BYTES_PER_PARAM
+from cephalo.specs.catalog.devices import ADAMW_BYTES_PER_PARAM
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import DeviceProfile
 

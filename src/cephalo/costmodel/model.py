@@ -131,7 +131,7 @@ from cephalo.costmodel.shard_groups import CrossReduce, Links, ShardGroupCosts, 
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
 from cephalo.specs.adapter import AdapterSpec
-from cephalo.specs.catalog.tables import DTYPE_BYTES
+from cephalo.specs.catalog.devices import DTYPE_BYTES
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import CommProfile, DeviceProfile
 

@@ -14,7 +14,7 @@ from cephalo.costmodel.host import HostResources
 from cephalo.costmodel.results import PlanEvaluation, RankCost
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
-from cephalo.specs.catalog.tables import DTYPE_BYTES
+from cephalo.specs.catalog.devices import DTYPE_BYTES
 from cephalo.specs.profile import CommProfile
 
 if TYPE_CHECKING:

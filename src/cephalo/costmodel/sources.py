@@ -9,7 +9,8 @@ import copy
 from cephalo.costmodel.collectives import backend_pads
 from cephalo.costmodel.model import CostModel, HostResources, Links
 from cephalo.errors import CephaloError
-from cephalo.specs.catalog.tables import catalog_profile, host_optimizer_s_per_param
+from cephalo.specs.catalog.devices import host_optimizer_s_per_param
+from cephalo.specs.catalog.published import catalog_profile
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import CommProfile, DeviceProfile, MeasuredProfiles

@@ -10,7 +10,7 @@ from pathlib import Path
 from cephalo.costmodel.model import CostModel, PlanEvaluation
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planner.plan import Plan
-from cephalo.specs.catalog.tables import CPU_DEFAULT_MEMORY_BYTES
+from cephalo.specs.catalog.devices import CPU_DEFAULT_MEMORY_BYTES
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.profile import MeasuredProfiles
 from cephalo.train.config import JobConfig

@@ -18,7 +18,7 @@ import torch
 from cephalo.errors import CephaloError
 from cephalo.modeling.gpt import GPT, GPT_PRESETS, GPTConfig
 from cephalo.modeling.units import UnitModel
-from cephalo.specs.catalog.tables import get_model_spec
+from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.model import ModelSpec
 
 INIT_CHOICES = ("auto", "pretrained", "random")

@@ -6,7 +6,7 @@ Two ways to say it:
 - a file (TOML, JSON, or YAML when PyYAML is installed) with one entry per device type and
   optional link bandwidths; format in `Cluster.from_file`.
 
-Bandwidth defaults come from the device types (`cephalo.specs.catalog.tables`): within a node, the
+Bandwidth defaults come from the device types (`cephalo.specs.catalog.published`): within a node, the
 slowest device's link (PCIe generation, or NVLink on SXM boards); between nodes, 100 Gbit/s
 Ethernet at 80% efficiency. Override them in the file form when you know better.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from cephalo.errors import CephaloError
-from cephalo.specs.catalog.tables import (
+from cephalo.specs.catalog.devices import (
     CPU_DEFAULT_MEMORY_BYTES,
     DEFAULT_HOST_MEMORY_BYTES,
     DEVICE_ALIASES,

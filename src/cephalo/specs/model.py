@@ -3,7 +3,7 @@
 A model is a sequence of units: embedding, `num_layers` blocks, head (final norm, output
 projection, loss). The planner and cost model only need each unit's parameter count and the
 sizes that drive activation memory; the runnable modules live in `cephalo.modeling`.
-Built-in specs (`get_model_spec("gpt-2.7b")`) come from the catalog (`cephalo.specs.catalog.tables`).
+Built-in specs (`get_model_spec("gpt-2.7b")`) come from the catalog (`cephalo.specs.catalog.published`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from cephalo.errors import CephaloError
-from cephalo.specs.catalog.tables import (
+from cephalo.specs.catalog.devices import (
     device_memory_bytes,
     intra_node_bytes_per_s,
     resolve_device_type,

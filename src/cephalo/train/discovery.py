@@ -34,7 +34,7 @@ import torch
 from cephalo import __version__, envvars
 from cephalo.errors import CephaloError
 from cephalo.runtime.collectives.comm import Comm
-from cephalo.specs.catalog.tables import DEFAULT_HOST_MEMORY_BYTES, device_type_for_gpu
+from cephalo.specs.catalog.devices import DEFAULT_HOST_MEMORY_BYTES, device_type_for_gpu
 from cephalo.specs.cluster import Cluster, Device, parse_bytes
 from cephalo.train.config import JobConfig
 from cephalo.train.node_map import check_node_map

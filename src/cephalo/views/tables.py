@@ -14,7 +14,9 @@ from cephalo.costmodel.model import PlanEvaluation
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planner.plan import Plan
 from cephalo.specs.catalog import derived
-from cephalo.specs.catalog import tables as catalog
+from cephalo.specs.catalog import devices as catalog_devices
+from cephalo.specs.catalog import models as catalog_models
+from cephalo.specs.catalog import published as catalog_published
 from cephalo.specs.profile import MeasuredProfiles
 
 GIB = 1024**3
@@ -142,7 +144,7 @@ CATALOG_BATCHES = (1, 2, 4, 8, 16)
 def _profiles_by(index: int) -> dict[str, set[str]]:
     """device -> models (index 1) or model -> devices (index 0) with a published profile."""
     out: dict[str, set[str]] = defaultdict(set)
-    for entry in catalog.available_profiles():
+    for entry in catalog_published.available_profiles():
         out[entry[index]].add(entry[1 - index])
     return out
 
@@ -156,24 +158,24 @@ def catalog_devices_table() -> Table:
     for col in ("type", "name", "memory", "mem BW", "PCIe", "link", "aliases", "models"):
         right = col in ("memory", "mem BW", "PCIe", "link", "models")
         t.add_column(col, justify="right" if right else "left", no_wrap=col != "aliases")
-    for key, d in catalog.DEVICES.items():
+    for key, d in catalog_devices.DEVICES.items():
         t.add_row(
             key,
             d.name,
             f"{d.memory_gib:g} GiB",
             f"{d.memory_bandwidth_gb_s:g} GB/s",
             f"gen{d.pcie_gen}",
-            f"{catalog.intra_node_bytes_per_s(key) / 1e9:g} GB/s",
+            f"{catalog_devices.intra_node_bytes_per_s(key) / 1e9:g} GB/s",
             ", ".join(d.aliases),
             str(len(models_on.get(key, ()))) + ("*" if key in derived.DERIVED else ""),
         )
     t.add_row(
         "cpu",
         "emulated (CPU)",
-        f"{catalog.CPU_DEFAULT_MEMORY_BYTES / catalog.GiB:g} GiB",
+        f"{catalog_devices.CPU_DEFAULT_MEMORY_BYTES / catalog_devices.GiB:g} GiB",
         "-",
         "-",
-        f"{catalog.CPU_LINK_BYTES_PER_S / 1e9:g} GB/s",
+        f"{catalog_devices.CPU_LINK_BYTES_PER_S / 1e9:g} GB/s",
         "cpu:slowdown=2,mem=1GiB",
         "measure",
     )
@@ -188,12 +190,12 @@ def catalog_devices_table() -> Table:
 def catalog_models_table() -> Table:
     """One row per catalog model: its shape and the device types with its profiles."""
     devices_for = _profiles_by(0)
-    order = catalog.list_device_types()
+    order = catalog_devices.list_device_types()
     t = Table(title="Models (`--model gpt-2.7b`)", title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("name", "arch", "layers", "hidden", "params", "aliases", "devices with profiles"):
         right = col in ("layers", "hidden", "params")
         t.add_column(col, justify="right" if right else "left", no_wrap=right or col == "name")
-    for spec in catalog.list_models():
+    for spec in catalog_models.list_models():
         devices = sorted(devices_for.get(spec.name, ()), key=order.index)
         t.add_row(
             spec.name,
@@ -209,10 +211,10 @@ def catalog_models_table() -> Table:
 
 def catalog_device_table(device: str) -> Table:
     """The published profiles of one device type: per model, its sequence lengths and dtypes."""
-    key = catalog.resolve_device_type(device)
-    d = catalog.DEVICES[key]
+    key = catalog_devices.resolve_device_type(device)
+    d = catalog_devices.DEVICES[key]
     by_model: dict[str, list[str]] = defaultdict(list)
-    for model, dev, seq, dtype in catalog.available_profiles():
+    for model, dev, seq, dtype in catalog_published.available_profiles():
         if dev == key:
             by_model[model].append(f"{seq}/{dtype}")
     t = Table(
@@ -223,9 +225,9 @@ def catalog_device_table(device: str) -> Table:
     )
     for col in ("model", "params", "profiles (seq/dtype)"):
         t.add_column(col, justify="right" if col == "params" else "left")
-    names = [s.name for s in catalog.list_models()]
+    names = [s.name for s in catalog_models.list_models()]
     for model in sorted(by_model, key=lambda m: names.index(m) if m in names else len(names)):
-        spec = catalog.get_model_spec(model)
+        spec = catalog_models.get_model_spec(model)
         t.add_row(model, f"{spec.total_params / 1e9:.2f} B", ", ".join(by_model[model]))
     if not by_model:
         t.caption = f"no published profiles for {key}: measure it with `cephalo profile`"
@@ -234,11 +236,11 @@ def catalog_device_table(device: str) -> Table:
 
 def catalog_model_table(name: str, seq_len: int | None, dtype: str | None) -> Table:
     """One model's block forward / backward times on every device with its profiles."""
-    spec = catalog.get_model_spec(name)
+    spec = catalog_models.get_model_spec(name)
     data_dtype = None if dtype is None else ("fp32" if dtype == "fp32" else "fp16")
     rows = [
         e
-        for e in catalog.available_profiles()
+        for e in catalog_published.available_profiles()
         if e[0] == spec.name
         and (seq_len is None or e[2] == seq_len)
         and (data_dtype is None or e[3] == data_dtype)
@@ -253,9 +255,9 @@ def catalog_model_table(name: str, seq_len: int | None, dtype: str | None) -> Ta
     for col in (*columns, "act MiB/sample"):
         t.add_column(col, justify="left" if col in ("device", "dtype", "source") else "right")
     for _, device, seq, dt in sorted(
-        rows, key=lambda e: (catalog.list_device_types().index(e[1]), e[2], e[3])
+        rows, key=lambda e: (catalog_devices.list_device_types().index(e[1]), e[2], e[3])
     ):
-        p = catalog.catalog_profile(device, spec, seq, dt)
+        p = catalog_published.catalog_profile(device, spec, seq, dt)
         block = p.units["block"]
         cells = [
             f"{block.fwd_s(b) * 1e3:.1f} / {block.bwd_s(b) * 1e3:.1f}" for b in CATALOG_BATCHES
@@ -278,7 +280,7 @@ def catalog_model_table(name: str, seq_len: int | None, dtype: str | None) -> Ta
 
 def catalog_skipped_table() -> Table:
     """The published entries the catalog converter could not use, and why."""
-    skipped = catalog.skipped_entries()
+    skipped = catalog_published.skipped_entries()
     t = Table(title=f"{len(skipped)} published entries not used", title_justify="left")
     for col in ("key", "device", "seq", "dtype", "reason"):
         t.add_column(col)
