@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from scipy.optimize import linprog
 
-from cephalo.costmodel.model import CostModel, HostResources
+from cephalo.costmodel.host import HostResources
+from cephalo.costmodel.model import CostModel
 from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planner.makers import make_plan

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cephalo.costmodel.model import check_host_memory
+from cephalo.costmodel.host import check_host_memory
 from cephalo.errors import CephaloError, MemoryBudgetExceeded
 from cephalo.modeling.registry import build_model
 from cephalo.planner.makers import manual_plan

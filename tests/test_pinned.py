@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cephalo.costmodel.model import host_bytes
+from cephalo.costmodel.host import host_bytes
 from cephalo.modeling.registry import build_model
 from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.runtime.engine.engine import Engine, EngineConfig

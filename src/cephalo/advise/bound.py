@@ -72,7 +72,8 @@ from typing import NamedTuple
 import numpy as np
 
 from cephalo.advise.partial import NodeBounds
-from cephalo.costmodel.model import CostModel, CrossReduce
+from cephalo.costmodel.model import CostModel
+from cephalo.costmodel.shard_groups import CrossReduce
 from cephalo.planner.search.rank_tables import MEMORY_SLACK_BYTES
 from cephalo.specs.offers import Offer
 from cephalo.specs.profile import CommProfile

@@ -7,7 +7,9 @@ from __future__ import annotations
 import copy
 
 from cephalo.costmodel.collectives import backend_pads
-from cephalo.costmodel.model import CostModel, HostResources, Links
+from cephalo.costmodel.host import HostResources
+from cephalo.costmodel.model import CostModel
+from cephalo.costmodel.shard_groups import Links
 from cephalo.errors import CephaloError
 from cephalo.specs.catalog.devices import host_optimizer_s_per_param
 from cephalo.specs.catalog.published import catalog_profile

@@ -33,7 +33,8 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from cephalo import envvars
-from cephalo.costmodel.model import CostModel, PlanEvaluation
+from cephalo.costmodel.model import CostModel
+from cephalo.costmodel.results import PlanEvaluation
 from cephalo.costmodel.sources import measured_cost_model
 from cephalo.demo.report import write_report
 from cephalo.demo.result import (

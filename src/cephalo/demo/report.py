@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cephalo.costmodel.model import MEMORY_CATEGORIES
+from cephalo.costmodel.results import MEMORY_CATEGORIES
 from cephalo.demo.result import (
     STRATEGIES,
     WARMUP_STEPS_EXCLUDED,

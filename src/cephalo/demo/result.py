@@ -7,7 +7,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cephalo.costmodel.model import CostModel, PlanEvaluation
+from cephalo.costmodel.model import CostModel
+from cephalo.costmodel.results import PlanEvaluation
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planner.plan import Plan
 from cephalo.specs.catalog.devices import CPU_DEFAULT_MEMORY_BYTES

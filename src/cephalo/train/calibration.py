@@ -35,7 +35,8 @@ import copy
 import statistics
 from dataclasses import dataclass, field, replace
 
-from cephalo.costmodel.model import CostModel, HostResources
+from cephalo.costmodel.host import HostResources
+from cephalo.costmodel.model import CostModel
 from cephalo.planner.plan import Plan
 from cephalo.specs.profile import Curve, DeviceProfile, UnitProfile
 

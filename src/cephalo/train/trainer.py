@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from cephalo import envvars
-from cephalo.costmodel.model import CostModel, check_host_memory
+from cephalo.costmodel.host import check_host_memory
+from cephalo.costmodel.model import CostModel
 from cephalo.data.chat_data import open_batches, resolve_job_dataset
 from cephalo.errors import CephaloError
 from cephalo.log import init_logging, logger

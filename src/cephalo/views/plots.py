@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cephalo.advise.results import Advice
-from cephalo.costmodel.model import MEMORY_CATEGORIES, PlanEvaluation
+from cephalo.costmodel.results import MEMORY_CATEGORIES, PlanEvaluation
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cephalo.advise.results import Advice, FrontierPoint, Marginal
-from cephalo.costmodel.model import PlanEvaluation
+from cephalo.costmodel.results import PlanEvaluation
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planner.plan import Plan
 from cephalo.specs.catalog import derived

@@ -9,7 +9,7 @@ the backward pass, and the head is not gathered there.
 
 Chunks. The logits of a micro-batch (m x seq x vocab, and their fp32 softmax) are the
 largest activation of a language model. The head runs over `chunk_len` positions of the
-sequence at a time (`costmodel.model.head_chunk_tokens`: about `HEAD_CHUNK_BYTES` of
+sequence at a time (`costmodel.memory.head_chunk_tokens`: about `HEAD_CHUNK_BYTES` of
 fp32 logits per chunk), so at most one chunk's logits exist at once; the cost model charges
 that chunk. A head must therefore be token-wise (the `LMHead` contract: a final norm, a
 projection, a token cross-entropy sum). Loss sums and gradients are added chunk by chunk:
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from cephalo.costmodel.model import head_chunk_tokens
+from cephalo.costmodel.memory import head_chunk_tokens
 
 RunHead = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(h[m, c, d], labels[m, c]) -> fp32 0-dim loss sum, under the caller's parameters."""
