@@ -134,7 +134,7 @@ def reference_loss(directory: Path, path: Path) -> float:
     the loss tokens of all of them."""
     import transformers
 
-    from cephalo.data.text import TokenFile
+    from cephalo.data.token_files import TokenFile
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
     tokens = TokenFile(path, "train").tokens

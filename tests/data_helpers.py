@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from cephalo.data.corpus import default_corpus
-from cephalo.data.text import TokenFile
+from cephalo.data.token_files import TokenFile
 
 EOS = "<|endoftext|>"
 DOCS = [

@@ -14,16 +14,15 @@ import torch
 
 from cephalo import CephaloError
 from cephalo.cli import main as cli_main
+from cephalo.data.batches import GlobalBatches
 from cephalo.data.text import (
     Document,
-    GlobalBatches,
-    TokenFile,
-    TokenFileMeta,
     default_corpus,
     prepare_dataset,
     prepare_default_corpus,
     resolve_dataset,
 )
+from cephalo.data.token_files import TokenFile, TokenFileMeta
 from cephalo.data.tokenizer import BPETokenizer, ByteTokenizer, load_or_train_tokenizer, train_bpe
 
 TRICKY_TEXT = "héllo  wörld\n\n\tindented\r\nx = 日本語 🙂  trailing   \n"

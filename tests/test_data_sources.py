@@ -18,15 +18,11 @@ import pytest
 
 from cephalo import CephaloError, envvars
 from cephalo.cli import main as cli_main
+from cephalo.data.batches import GlobalBatches
 from cephalo.data.corpus import Corpus, Document
 from cephalo.data.hf_tokenizer import HFTokenizer
-from cephalo.data.text import (
-    GlobalBatches,
-    TokenFile,
-    prepare_dataset,
-    resolve_dataset,
-    resolve_tokenizer,
-)
+from cephalo.data.text import prepare_dataset, resolve_dataset, resolve_tokenizer
+from cephalo.data.token_files import TokenFile
 from data_helpers import (
     DOCS,
     EOS,

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cephalo.data.batches import EpochOrder, GlobalBatches
 from cephalo.data.chat import (
     RENDER_BATCH,
     ChatRenderer,
@@ -46,20 +47,20 @@ from cephalo.data.hf_tokenizer import HFTokenizer, tokenizer_fingerprint
 from cephalo.data.packing import best_fit_decreasing, piece_bounds
 from cephalo.data.text import (
     DEFAULT_VAL_FRACTION,
-    PREPARE_HINT,
-    TOKENIZER_DIR,
-    EpochOrder,
-    GlobalBatches,
-    TokenFile,
-    TokenFileMeta,
     _exclusive,
     _progress_bar,
-    _write_atomic,
     default_cache_dir,
     resolve_dataset,
     resolve_tokenizer,
-    token_dtype,
     vocab_too_large,
+)
+from cephalo.data.token_files import (
+    PREPARE_HINT,
+    TOKENIZER_DIR,
+    TokenFile,
+    TokenFileMeta,
+    _write_atomic,
+    token_dtype,
 )
 from cephalo.errors import CephaloError
 from cephalo.log import logger

@@ -1,30 +1,13 @@
-"""Token datasets and plan-invariant global batches.
-
-A dataset is a directory written by `cephalo prepare-data` (format in docs/data.md):
-
-    train.bin  train.json   flat token ids (uint16 / uint32) + JSON sidecar
-    val.bin    val.json     held-out tokens (optional)
-    tokenizer.json          the byte-level BPE or given tokenizer JSON, or
-    tokenizer/              a model's Hugging Face tokenizer (absent for the byte tokenizer)
-
-Corpora (text, JSON Lines, Parquet, datasets directories) are read as a stream by
-`corpus.py`; this module tokenizes that stream in pieces and appends the ids to the token
-file as it goes, so memory stays bounded whatever the corpus size.
-
-`GlobalBatches` turns the train tokens into the training contract of DESIGN.md: the global
-batch of step t is a fixed set of samples, whatever the plan. Ranks read consecutive slices
-of it (`rank_slice`) and only those samples; `batch(step)` depends on the step alone, so a
-resumed run (under any plan) sees exactly the batches it would have seen.
-"""
+"""Plain-text datasets: a corpus (text, JSON Lines, Parquet, `datasets` directories, read as a
+stream by `corpus.py`) tokenized in pieces and appended to token files as it goes, so memory
+stays bounded whatever the corpus size; the cached default corpus; which dataset and tokenizer
+a job uses (`resolve_dataset`, `resolve_tokenizer`)."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import hashlib
-import json
-import math
-import operator
 import os
 import shutil
 import time
@@ -33,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from cephalo import envvars
 from cephalo.data.corpus import (
@@ -45,6 +27,16 @@ from cephalo.data.corpus import (
     default_corpus,
 )
 from cephalo.data.hf_tokenizer import HFTokenizer, has_tokenizer, tokenizer_fingerprint
+from cephalo.data.token_files import (
+    TOKENIZER_DIR,
+    TOKENIZER_FILE,
+    TokenFile,
+    TokenFileMeta,
+    _TokenWriter,
+    _write_atomic,
+    resolve_token_file,
+    token_dtype,
+)
 from cephalo.data.tokenizer import (
     BYTE_TOKENIZER,
     BYTE_VOCAB_SIZE,
@@ -57,191 +49,17 @@ from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.modeling.registry import model_directory
 
-TOKEN_FORMAT = "cephalo-tokens"
-TOKEN_FORMAT_VERSION = 1
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_DIR = "tokenizer"
-"""Where a dataset keeps a copy of the Hugging Face tokenizer its ids came from."""
 DEFAULT_VOCAB_SIZE = 2048
+
+
 DEFAULT_VAL_FRACTION = 0.05
+
+
 # Without an end-of-document token (the byte tokenizer: all 256 ids are bytes; our BPE:
 # trained without special tokens) documents are joined with one blank line, so a sample
 # may span two documents, as in GPT-2's pretraining. A tokenizer with an EOS puts it
 # between documents instead.
 DOCUMENT_SEPARATOR = "\n\n"
-PREPARE_HINT = "run `cephalo prepare-data --input FILES_OR_DIRS --output DIR` first"
-
-
-# ----------------------------------------------------------------------------- token files
-@dataclass
-class TokenFileMeta:
-    """The JSON sidecar of a token file: what the `.bin` next to it holds."""
-
-    dtype: str
-    """numpy dtype of the ids: `uint16` when the vocab fits in 16 bits, else `uint32`."""
-    num_tokens: int
-    """Number of ids in the `.bin` file (its size is num_tokens x itemsize)."""
-    vocab_size: int
-    """Every id is < vocab_size (the tokenizer's vocabulary)."""
-    tokenizer: str
-    """`byte`, or where the tokenizer is, relative to the sidecar's directory: `tokenizer.json`
-    (a tokenizer JSON) or `tokenizer` (a Hugging Face tokenizer directory)."""
-    source_sha256: str
-    """Checksum of the source texts (in order) this file was tokenized from."""
-    split: str = "train"
-    """`train` or `val`."""
-    num_documents: int = 0
-    """Number of source documents (text files, JSON lines, rows) with text the whole dataset
-    was built from."""
-    val_fraction: float = 0.0
-    """Fraction of the dataset's tokens that went to the `val` split."""
-    tokenizer_key: str = ""
-    """What was asked for: `byte`, `bpe-<vocab>` (trained on this corpus),
-    `json-<sha256 prefix>` (a given tokenizer file) or `hf-<sha256 prefix>` (a Hugging Face
-    tokenizer directory, by its files). A rebuild is skipped when it matches."""
-    source_stat: str = ""
-    """Paths, sizes and modification times of the source files (a hash): when they match, the
-    sources are not read again to check `source_sha256`. Empty for texts given in memory."""
-    format: str = TOKEN_FORMAT
-    version: int = TOKEN_FORMAT_VERSION
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
-
-    @classmethod
-    def read(cls, path: Path) -> TokenFileMeta:
-        try:
-            d = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise CephaloError(
-                f"cannot read token file sidecar {path} ({e}); {PREPARE_HINT}"
-            ) from e
-        if not isinstance(d, dict) or d.get("format") != TOKEN_FORMAT:
-            raise CephaloError(f"{path} is not a cephalo token file sidecar; {PREPARE_HINT}")
-        if d.get("version") != TOKEN_FORMAT_VERSION:
-            raise CephaloError(
-                f"{path} has token format version {d.get('version')}, this cephalo reads "
-                f"{TOKEN_FORMAT_VERSION}: prepare the data again with `cephalo prepare-data`"
-            )
-        known = set(cls.__dataclass_fields__)
-        try:
-            return cls(**{k: v for k, v in d.items() if k in known})
-        except TypeError as e:
-            raise CephaloError(f"{path} is missing fields ({e}); {PREPARE_HINT}") from e
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest id type for a vocabulary (ids go up to vocab_size - 1)."""
-    return np.dtype(np.uint16 if vocab_size <= (1 << 16) else np.uint32)
-
-
-def resolve_token_file(path: str | Path, split: str = "train") -> Path:
-    """The sidecar of a token file given as a dataset dir, `X.bin`, `X.json` or `X`."""
-    path = Path(path)
-    if path.is_dir():
-        sidecar = path / f"{split}.json"
-    elif path.suffix in (".bin", ".json"):
-        sidecar = path.with_suffix(".json")
-    else:
-        sidecar = path.with_name(path.name + ".json")
-    if not sidecar.is_file():
-        raise CephaloError(f"no token file at {path} (looked for {sidecar}); {PREPARE_HINT}")
-    return sidecar
-
-
-class TokenFile:
-    """A token file opened read-only as a memory map (nothing is read until indexed)."""
-
-    def __init__(self, path: str | Path, split: str = "train"):
-        self.sidecar = resolve_token_file(path, split)
-        self.meta = TokenFileMeta.read(self.sidecar)
-        self.bin_path = self.sidecar.with_suffix(".bin")
-        dtype = np.dtype(self.meta.dtype)
-        if not self.bin_path.is_file():
-            raise CephaloError(f"{self.bin_path} is missing (its sidecar exists); {PREPARE_HINT}")
-        size = self.bin_path.stat().st_size
-        if size != self.meta.num_tokens * dtype.itemsize:
-            raise CephaloError(
-                f"{self.bin_path} holds {size} bytes, its sidecar says {self.meta.num_tokens} "
-                f"{dtype} ids: the file is truncated or corrupt; prepare the data again"
-            )
-        # np.memmap cannot map an empty file
-        self.tokens: np.ndarray = (
-            np.memmap(self.bin_path, dtype=dtype, mode="r")
-            if self.meta.num_tokens
-            else np.zeros(0, dtype=dtype)
-        )
-
-    @property
-    def num_tokens(self) -> int:
-        return self.meta.num_tokens
-
-    @property
-    def vocab_size(self) -> int:
-        return self.meta.vocab_size
-
-    def tokenizer(self) -> TextTokenizer:
-        """The tokenizer these ids came from (to decode samples)."""
-        if self.meta.tokenizer == BYTE_TOKENIZER:
-            return load_tokenizer(BYTE_TOKENIZER)
-        return load_tokenizer(self.sidecar.parent / self.meta.tokenizer)
-
-
-class _TokenWriter:
-    """Appends ids to `<stem>.bin.tmp`; `finish` splits off the val tail and publishes.
-
-    Files appear under their final names only when complete (bin first, sidecar last), so a
-    crash never leaves a dataset that looks whole.
-    """
-
-    def __init__(self, out_dir: Path, dtype: np.dtype, vocab_size: int):
-        self.out_dir, self.dtype, self.vocab_size = out_dir, dtype, vocab_size
-        self.tmp = out_dir / "train.bin.tmp"
-        self.file = open(self.tmp, "wb")  # noqa: SIM115 (closed in finish or abort)
-        self.num_tokens = 0
-
-    def abort(self) -> None:
-        """Drop what was written (an error stopped the preparation)."""
-        self.file.close()
-        self.tmp.unlink(missing_ok=True)
-
-    def append(self, ids: Sequence[int] | np.ndarray) -> None:
-        arr = np.asarray(ids)
-        if arr.dtype.kind not in "iu":
-            arr = arr.astype(np.int64)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            raise CephaloError(
-                f"the tokenizer produced id {int(arr.max())}, outside its vocab of "
-                f"{self.vocab_size}: the tokenizer file is inconsistent; use another one"
-            )
-        arr.astype(self.dtype, copy=False).tofile(self.file)
-        self.num_tokens += arr.size
-
-    def finish(
-        self, meta: TokenFileMeta, val_fraction: float
-    ) -> tuple[TokenFileMeta, TokenFileMeta]:
-        self.file.close()
-        num_val = math.floor(self.num_tokens * val_fraction)
-        num_train = self.num_tokens - num_val
-        itemsize = self.dtype.itemsize
-        val_tmp = self.out_dir / "val.bin.tmp"
-        with open(self.tmp, "rb") as src, open(val_tmp, "wb") as dst:
-            src.seek(num_train * itemsize)
-            shutil.copyfileobj(src, dst, 1 << 20)
-        os.truncate(self.tmp, num_train * itemsize)
-        metas = []
-        for split, tmp, n in (("train", self.tmp, num_train), ("val", val_tmp, num_val)):
-            m = TokenFileMeta(**{**asdict(meta), "split": split, "num_tokens": n})
-            os.replace(tmp, self.out_dir / f"{split}.bin")
-            _write_atomic(self.out_dir / f"{split}.json", m.to_json())
-            metas.append(m)
-        return metas[0], metas[1]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- preparation
@@ -595,8 +413,12 @@ def prepare_default_corpus(
 
 AUTO_TOKENIZER = "auto"
 """Config name of the default: the model directory's tokenizer if it has one, else bytes."""
+
+
 BUILTIN_TOKENIZER = "builtin"
 """Config name of the byte tokenizer (`data.tokenizer = "builtin"`); same as `byte`."""
+
+
 TRAINED_BPE = "bpe"
 """Config name for a byte-level BPE trained on the corpus with the model's vocab size."""
 
@@ -717,203 +539,3 @@ def resolve_dataset(
         max_vocab_size=vocab_size,
         model=model,
     ).path
-
-
-# ----------------------------------------------------------------------------- batches
-class EpochOrder:
-    """Which training windows each step's global batch takes: every epoch visits the
-    `num_windows` windows in a permutation seeded by (seed, epoch), `global_batch_size` per
-    step; the last incomplete batch of an epoch is skipped. Shared by token windows
-    (`GlobalBatches`) and chat samples (`chat_data.DocumentBatches`)."""
-
-    def __init__(self, num_windows: int, global_batch_size: int, seed: int):
-        self.num_windows, self.global_batch_size, self.seed = num_windows, global_batch_size, seed
-        self.steps_per_epoch = num_windows // global_batch_size
-        self._cache: dict[int, np.ndarray] = {}
-
-    def order(self, epoch: int) -> np.ndarray:
-        """The windows in the order epoch `epoch` visits them."""
-        order = self._cache.get(epoch)
-        if order is None:
-            # seeded by (seed, epoch) through SeedSequence: epochs of different seeds
-            # never share an order (seed + epoch would make seed 0 epoch 1 == seed 1 epoch 0)
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-            if len(self._cache) >= 2:  # consecutive steps need at most two epochs
-                self._cache.pop(min(self._cache))
-            self._cache[epoch] = order
-        return order
-
-    def windows(self, step: int, offset: int, size: int) -> np.ndarray:
-        """Windows of samples [offset, offset + size) of step's global batch."""
-        step, offset, size = operator.index(step), operator.index(offset), operator.index(size)
-        if step < 0:
-            raise CephaloError(f"step must be a non-negative integer, got {step}")
-        if offset < 0 or size < 0 or offset + size > self.global_batch_size:
-            raise CephaloError(
-                f"slice [{offset}, {offset + size}) is outside the global batch of "
-                f"{self.global_batch_size}: the plan's batch sizes must sum to the global batch"
-            )
-        epoch, index = divmod(step, self.steps_per_epoch)
-        start = index * self.global_batch_size + offset
-        return self.order(epoch)[start : start + size]
-
-
-class GlobalBatches:
-    """Plan-invariant global batches over a token dataset.
-
-    Samples are non-overlapping windows of `seq_len + 1` consecutive tokens (input_ids =
-    window[:-1], labels = window[1:]). Each epoch visits the training windows in a seeded
-    random order (seed and epoch number), `global_batch_size` windows per step; the last
-    `num_train_windows % global_batch_size` windows of an epoch's order are skipped, so a
-    batch never spans two epochs. Step t's batch is a pure function of (dataset, seq_len,
-    global_batch_size, seed, t): there is no iterator state, so resuming is exact.
-
-    Validation windows come from the dataset's `val` split if it has one, else they are the
-    last `val_fraction` of the windows of the given token file (held out of training).
-    """
-
-    def __init__(
-        self,
-        data: str | Path,
-        seq_len: int,
-        global_batch_size: int,
-        seed: int = 0,
-        val_fraction: float = DEFAULT_VAL_FRACTION,
-        model_vocab_size: int | None = None,
-    ):
-        for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size)):
-            if not isinstance(value, int) or value < 1:
-                raise CephaloError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(seed, int) or seed < 0:
-            raise CephaloError(f"seed must be a non-negative integer, got {seed!r}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise CephaloError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
-        self.window = seq_len + 1
-        self.train_file = TokenFile(data, "train")
-        self.vocab_size = self.train_file.vocab_size
-        if model_vocab_size is not None and model_vocab_size < self.vocab_size:
-            raise CephaloError(
-                vocab_too_large(self.vocab_size, f"dataset {data}", model_vocab_size, "the model")
-            )
-
-        windows = self.train_file.num_tokens // self.window
-        sidecar = self.train_file.sidecar
-        if sidecar.name == "train.json" and sidecar.with_name("val.json").is_file():
-            self.val_file = TokenFile(sidecar.with_name("val.json"))
-            if self.val_file.vocab_size != self.vocab_size:
-                raise CephaloError(
-                    f"{self.val_file.sidecar} and {self.train_file.sidecar} disagree on the "
-                    f"vocab size: prepare the dataset again"
-                )
-            self.num_train_windows = windows
-            self.num_val_windows = self.val_file.num_tokens // self.window
-            self._val_start = 0
-        else:
-            self.val_file = self.train_file
-            held_out = math.ceil(windows * val_fraction) if windows > 1 else 0
-            self.num_train_windows = windows - held_out
-            self.num_val_windows = held_out
-            self._val_start = self.num_train_windows
-
-        if self.num_train_windows < global_batch_size:
-            raise CephaloError(
-                f"dataset {data} has {self.num_train_windows} training windows of "
-                f"{self.window} tokens ({self.train_file.num_tokens} tokens), but one global "
-                f"batch needs {global_batch_size}: use a smaller seq_len or global batch size, "
-                f"or more data (`cephalo prepare-data`)"
-            )
-        self.order = EpochOrder(self.num_train_windows, global_batch_size, seed)
-        self.steps_per_epoch = self.order.steps_per_epoch
-
-    # ---------------------------------------------------------------- train
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens predicted per step (global batch x seq_len)."""
-        return self.global_batch_size * self.seq_len
-
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The training windows in the order epoch `epoch` visits them."""
-        return self.order.order(epoch)
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole global batch of `step`: (input_ids, labels), each [B, seq_len] int64."""
-        return self.rank_slice(step, 0, self.global_batch_size)
-
-    def rank_slice(self, step: int, offset: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples [offset, offset + size) of step's global batch; reads only those windows.
-
-        Rank i passes offset = plan.batch_offsets()[i], size = its batch_size (may be 0).
-        """
-        return self._read(self.train_file, self.order.windows(step, offset, size))
-
-    def rank_positions(self, step: int, offset: int, size: int) -> None:
-        """Token windows hold no documents of their own: positions 0, 1, ... (chat data's
-        `DocumentBatches` gives per-document positions when packing)."""
-        return None
-
-    # ---------------------------------------------------------------- validation
-    def num_val_batches(self, batch_size: int) -> int:
-        return math.ceil(self.num_val_windows / batch_size)
-
-    def val_positions(self, index: int, batch_size: int, offset: int = 0, size=None) -> None:
-        """As `rank_positions`: None."""
-        return None
-
-    def val_batch(
-        self, index: int, batch_size: int, offset: int = 0, size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validation batch `index` (windows in file order, the last one may be smaller),
-        or samples [offset, offset + size) of it."""
-        if self.num_val_windows == 0:
-            raise CephaloError(
-                "the dataset has no validation windows: prepare it with a val fraction > 0 "
-                "(`cephalo prepare-data --val-fraction`) or pass val_fraction > 0"
-            )
-        if batch_size < 1:
-            raise CephaloError(f"validation batch size must be >= 1, got {batch_size}")
-        if not 0 <= index < self.num_val_batches(batch_size):
-            raise CephaloError(
-                f"validation batch {index} does not exist: there are "
-                f"{self.num_val_batches(batch_size)} of {batch_size} windows"
-            )
-        first = index * batch_size
-        count = min(batch_size, self.num_val_windows - first)
-        size = count - offset if size is None else size
-        if offset < 0 or size < 0 or offset + size > count:
-            raise CephaloError(f"slice [{offset}, {offset + size}) is outside a batch of {count}")
-        windows = np.arange(
-            self._val_start + first + offset, self._val_start + first + offset + size
-        )
-        return self._read(self.val_file, windows)
-
-    def val_batches(self, n: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The first `n` validation batches (fewer if the split is smaller); always the same."""
-        if n <= 0:
-            return []
-        if self.num_val_windows == 0:
-            self.val_batch(0, batch_size)  # raises the explanatory error
-        count = min(n, self.num_val_batches(batch_size))
-        return [self.val_batch(i, batch_size) for i in range(count)]
-
-    # ---------------------------------------------------------------- reading
-    def _read(self, file: TokenFile, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        index = np.asarray(windows, dtype=np.int64)[:, None] * self.window + np.arange(self.window)
-        samples = np.asarray(file.tokens[index], dtype=np.int64).reshape(len(windows), self.window)
-        if samples.size and samples.max() >= self.vocab_size:
-            raise CephaloError(
-                f"{file.bin_path} holds token id {int(samples.max())}, but its vocab size is "
-                f"{self.vocab_size}: the file is corrupt; prepare the data again"
-            )
-        t = torch.from_numpy(samples)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
-
-    def describe(self) -> str:
-        return (
-            f"{self.train_file.num_tokens} train tokens, vocab {self.vocab_size}: "
-            f"{self.num_train_windows} windows of {self.window}, {self.steps_per_epoch} "
-            f"steps/epoch at batch {self.global_batch_size}; {self.num_val_windows} val windows"
-        )
