@@ -75,7 +75,8 @@ from _systems import ideal_tokens_per_s
 from cephalo import envvars
 from cephalo.envvars import scoped_environ
 from cephalo.planner.plan import Plan
-from cephalo.train.config import JobConfig, load_config
+from cephalo.train.config import JobConfig
+from cephalo.train.config_manager import load_config
 from cephalo.train.trainer import train
 from hetero_throughput import CASES, profile_cluster
 from hetero_throughput import model_overrides as hetero_overrides

@@ -37,9 +37,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from cephalo.specs.catalog.devices import DEVICE_ALIASES
+from cephalo.specs.catalog.derived import (  # noqa: E402
+    DERIVED,
+    FILLS,
+    SIBLINGS,
+    SPECS,
+    derivation_errors,
+    derive_timings,
+    error_scope,
+    method_of,
+    siblings_of,
+)
+from cephalo.specs.catalog.devices import DEVICE_ALIASES  # noqa: E402
 from cephalo.specs.catalog.models import MODELS  # noqa: E402
-from cephalo.specs.catalog.derived import DERIVED, FILLS, SIBLINGS, SPECS, derivation_errors, derive_timings, error_scope, method_of, siblings_of
 
 DEFAULT_SRC = ROOT.parent / "shared" / "data" / "published-profiles" / "cephalo"
 DEFAULT_OUT = ROOT / "src" / "cephalo" / "_data" / "catalog.json"

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cephalo.train.config import config_markdown
+from cephalo.train.config_manager import config_markdown
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 

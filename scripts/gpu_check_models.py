@@ -110,11 +110,11 @@ def check_chat_packed(setup: Setup) -> tuple[list[str], str]:
     import tempfile
     from pathlib import Path
 
+    from cephalo.data.chat_data import DocumentBatches, prepare_chat_dataset
+    from cephalo.data.chat_example import write_chat_example
     from cephalo.modeling.registry import build_model
     from cephalo.planner.plan import Plan, RankPlan
     from cephalo.runtime.engine.engine import Engine, EngineConfig
-    from cephalo.data.chat_data import DocumentBatches, prepare_chat_dataset
-    from cephalo.data.chat_example import write_chat_example
 
     seq, failures, losses = 512, [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 
+from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.errors import PlanDoesNotFit
 from cephalo.planner.makers import make_plan
-from cephalo.costmodel.sources import catalog_cost_model
-from cephalo.specs.catalog.published import available_profiles
 from cephalo.specs.catalog.models import list_models
+from cephalo.specs.catalog.published import available_profiles
 from cephalo.specs.cluster import Cluster
 
 SEQ, DTYPE, BATCH = 512, "fp16", 64

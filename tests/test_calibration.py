@@ -11,7 +11,7 @@ import pytest
 from cephalo import CephaloError
 from cephalo.planner.makers import make_plan
 from cephalo.train.calibration import StepLog, predicted_step_s, refit
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from cephalo.train.metrics import RankStats
 from cephalo.train.replan import Replanner, plan_key
 from planner_helpers import FakeDevice, cost_model, linear_profile

@@ -355,7 +355,7 @@ def test_a_job_trains_on_chat_jsonl_packed(tmp_path, tok_dir, monkeypatch):
     """`cephalo prepare-data` on a chat file (statistics printed), then a 2-step job on the
     raw file with packing: the conversations are rendered into the cache once and trained."""
     from cephalo.cli import main as cli_main
-    from cephalo.train.config import load_config
+    from cephalo.train.config_manager import load_config
     from cephalo.train.trainer import train
 
     monkeypatch.setenv("CEPHALO_CACHE", str(tmp_path / "cache"))

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cephalo.errors import CephaloError
-from cephalo.train.config import (
-    JobConfig,
+from cephalo.train.config import JobConfig, section_class, section_names
+from cephalo.train.config_manager import (
     add_config_arguments,
     config_from_args,
     config_help,
@@ -22,8 +22,6 @@ from cephalo.train.config import (
     field_types,
     load_config,
     parse_overrides,
-    section_class,
-    section_names,
 )
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -447,7 +447,7 @@ def test_documents_in_memory_hash_like_files(tmp_path):
 def test_trainer_trains_on_a_tokenizer_directory_and_jsonl(tmp_path, model_dir, monkeypatch):
     """`cephalo train` with data.tokenizer = a tokenizer directory and data.path = JSON Lines
     with a custom text field. (`auto` with model.name = DIR needs the HF model adapter.)"""
-    from cephalo.train.config import load_config
+    from cephalo.train.config_manager import load_config
     from cephalo.train.trainer import train
 
     monkeypatch.setenv(envvars.CACHE_ROOT, str(tmp_path / "cache"))
@@ -486,7 +486,7 @@ def test_trainer_auto_tokenizer_of_a_model_directory(tmp_path, monkeypatch):
     """The default `data.tokenizer = auto` with `model.name` = a Hugging Face model directory
     (a tiny Qwen2 written by save_pretrained, its tokenizer saved next to it): the job trains
     on that directory's tokenizer, EOS between documents, with the model's pretrained weights."""
-    from cephalo.train.config import load_config
+    from cephalo.train.config_manager import load_config
     from cephalo.train.trainer import train
     from hf_configs import save_tiny_model
 

@@ -16,7 +16,7 @@ from cephalo.demo.result import DemoOptions, RunSummary
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.planner.plan import Plan
 from cephalo.specs.cluster import Cluster
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
 from procs import run_tagged

@@ -11,7 +11,7 @@ import pytest
 from cephalo.errors import CephaloError
 from cephalo.specs.catalog.devices import GiB, device_type_for_gpu
 from cephalo.specs.cluster import Cluster
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from cephalo.train.discovery import (
     check_same_job,
     cluster_from_descriptions,

@@ -37,7 +37,7 @@ import pytest
 from cephalo.launch.elastic import free_port
 from cephalo.planner.plan import Plan
 from cephalo.runtime.collectives.dist import SHARED_STORE_ENV
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
 from procs import Processes, processes

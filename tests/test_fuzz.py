@@ -28,7 +28,8 @@ from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan, RankPlan
 from cephalo.specs.catalog.devices import DEVICE_ALIASES
 from cephalo.specs.cluster import Cluster
-from cephalo.train.config import field_types, load_config, section_class, section_names
+from cephalo.train.config import section_class, section_names
+from cephalo.train.config_manager import field_types, load_config
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

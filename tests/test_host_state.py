@@ -346,7 +346,7 @@ def test_trainer_kill_and_resume_with_host_state_is_bitwise(tmp_path: Path):
 
 @pytest.mark.slow
 def test_trainer_refuses_a_plan_too_big_for_the_host(tmp_path: Path):
-    from cephalo.train.config import load_config
+    from cephalo.train.config_manager import load_config
     from cephalo.train.trainer import train
     from run_common import tiny_job_args
 

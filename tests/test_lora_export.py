@@ -18,7 +18,7 @@ from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.specs.cluster import Cluster
 from cephalo.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from cephalo.train.trainer import train
 from engine_common import one_thread
 from hf_configs import SEQ, quiet_transformers, save_tiny_model

@@ -10,7 +10,7 @@ import torch
 from cephalo.errors import CephaloError
 from cephalo.modeling.lora import AdapterSettings, apply_adapter
 from cephalo.modeling.registry import build_model
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from hf_configs import quiet_transformers, save_tiny_model
 
 pytest.importorskip("peft")

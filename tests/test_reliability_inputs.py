@@ -25,7 +25,7 @@ from cephalo.log import logger
 from cephalo.planner.makers import simple_plan
 from cephalo.specs.cluster import Cluster
 from cephalo.train.checkpoint import MARKER
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from cephalo.train.trainer import train
 from data_helpers import save_tokenizer, write_jsonl
 

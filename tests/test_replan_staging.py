@@ -127,7 +127,7 @@ def test_auto_stages_when_the_budget_cannot_hold_both_engines():
 @pytest.mark.parametrize("value", ["gpu", "always"])
 def test_bad_staging_value_is_one_clear_error(value):
     from cephalo.errors import CephaloError
-    from cephalo.train.config import load_config
+    from cephalo.train.config_manager import load_config
 
     with pytest.raises(CephaloError, match="replan_staging"):
         load_config(None, [f"--parallel.replan_staging={value}"])

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from cephalo import envvars
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
 from procs import run_tagged

@@ -49,7 +49,7 @@ def _soak(run_dir: str) -> list[tuple[int, int, int]]:
     """Runs on each rank: the training job, sampling (RssAnon, ledger peak, ledger current)
     after every step."""
     from cephalo.runtime.engine.engine import Engine
-    from cephalo.train.config import load_config
+    from cephalo.train.config_manager import load_config
     from cephalo.train.trainer import train
 
     samples: list[tuple[int, int, int]] = []

@@ -20,7 +20,7 @@ import pytest
 
 from cephalo.launch.elastic import free_port
 from cephalo.planner.plan import Plan
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from cephalo.train.trainer import train
 from procs import processes, run_tagged
 

@@ -15,7 +15,7 @@ from cephalo.errors import CephaloError
 from cephalo.planner.makers import simple_plan
 from cephalo.planner.plan import Plan
 from cephalo.specs.cluster import Cluster
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from cephalo.train.discovery import cluster_from_descriptions, describe_own_device
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import read_metrics, truncate_metrics

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cephalo.errors import CephaloError
 from cephalo.runtime.collectives.dist import shutdown
-from cephalo.train.config import load_config
+from cephalo.train.config_manager import load_config
 from cephalo.train.trainer import train
 
 rank = int(os.environ["LOCAL_RANK"])

@@ -90,7 +90,7 @@ def _config_overrides(
     are an error."""
     if not hasattr(args, "config"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from cephalo.train.config import parse_overrides
+    from cephalo.train.config_manager import parse_overrides
 
     parse_overrides(extra)  # raises CephaloError naming the bad key
     return extra

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cephalo.train.config import add_config_arguments, config_from_args, overrides_from_args
+from cephalo.train.config_manager import add_config_arguments, config_from_args, overrides_from_args
 
 EPILOG = """\
 examples:

@@ -11,7 +11,7 @@ from pathlib import Path
 from cephalo import envvars
 from cephalo.errors import CephaloError
 from cephalo.runtime.collectives.dist import announce_failure, peer_failure, shutdown
-from cephalo.train.config import add_config_arguments, config_from_args
+from cephalo.train.config_manager import add_config_arguments, config_from_args
 
 EPILOG = """\
 examples:

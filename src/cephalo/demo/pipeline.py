@@ -59,7 +59,8 @@ from cephalo.runtime.engine.step_timing import PARTS as TIME_PARTS
 from cephalo.runtime.engine.step_timing import split_step
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.profile import MeasuredProfiles
-from cephalo.train.config import JobConfig, config_to_toml
+from cephalo.train.config import JobConfig
+from cephalo.train.config_manager import config_to_toml
 from cephalo.train.metrics import read_metrics
 from cephalo.views.tables import make_console, plan_table, strategy_line
 

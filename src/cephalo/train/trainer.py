@@ -53,7 +53,8 @@ from cephalo.runtime.engine.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.engine.step_timing import format_split, split_step
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
-from cephalo.train.config import JobConfig, config_to_toml
+from cephalo.train.config import JobConfig
+from cephalo.train.config_manager import config_to_toml
 from cephalo.train.discovery import discover_cluster, is_emulated, job_torch_device
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import (
