@@ -36,7 +36,7 @@ from pathlib import Path
 from _common import Result, markdown_table, print_table, save_figure, verdict
 from cephalo.advise.advisor import Advisor
 from cephalo.advise.results import FrontierPoint
-from cephalo.commands.plan import build_cost_model
+from cephalo.costmodel.sources import build_cost_model
 from cephalo.specs.offers import Offers
 
 MODEL, SEQ_LEN, DTYPE, GLOBAL_BATCH = "gpt-2.7b", 512, "fp16", 1024

@@ -368,7 +368,7 @@ def test_advisor_is_exact_and_bounded_under_qlora():
     """`cephalo advise --adapter qlora`: the search's frontier equals planning every cluster,
     and no plan beats the bound it prunes with (llama-7b: full state 100 GiB, QLoRA's 4 GiB)."""
     from cephalo.advise.advisor import Advisor
-    from cephalo.commands.plan import build_cost_model
+    from cephalo.costmodel.sources import build_cost_model
     from cephalo.specs.offers import Offers
     from test_advise import brute_force, planned
 

@@ -11,7 +11,7 @@ import pytest
 from cephalo.advise.advisor import Advisor
 from cephalo.advise.results import select_frontier
 from cephalo.cli import main
-from cephalo.commands.plan import build_cost_model
+from cephalo.costmodel.sources import build_cost_model
 from cephalo.errors import CephaloError
 from cephalo.planner.shard_groups import candidate_groupings, make_hierarchical_plan, plan_grouping
 from cephalo.specs.cluster import Cluster

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cephalo.commands.export import export_checkpoint
 from cephalo.errors import CephaloError
 from cephalo.modeling.lora import apply_adapter
 from cephalo.modeling.registry import build_model
@@ -19,6 +18,7 @@ from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.specs.cluster import Cluster
 from cephalo.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from cephalo.train.config_manager import load_config
+from cephalo.train.export import export_checkpoint
 from cephalo.train.trainer import train
 from engine_common import one_thread
 from hf_configs import SEQ, quiet_transformers, save_tiny_model

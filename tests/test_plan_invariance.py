@@ -14,9 +14,9 @@ import math
 import pytest
 from safetensors.torch import load_file
 
-from cephalo.commands.export import export_checkpoint
 from cephalo.planner.plan import Plan, RankPlan
 from cephalo.train.config_manager import load_config
+from cephalo.train.export import export_checkpoint
 from cephalo.train.trainer import train
 from dist_harness import dist_pool_fixture
 

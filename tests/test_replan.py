@@ -18,10 +18,10 @@ import pytest
 from safetensors.torch import load_file
 
 from cephalo import envvars
-from cephalo.commands.export import export_checkpoint
 from cephalo.envvars import scoped_environ
 from cephalo.planner.plan import Plan, RankPlan
 from cephalo.train.config_manager import load_config
+from cephalo.train.export import export_checkpoint
 from cephalo.train.metrics import read_metrics
 from cephalo.train.trainer import train
 from dist_harness import RemoteError, dist_pool_fixture

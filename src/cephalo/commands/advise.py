@@ -15,8 +15,8 @@ from cephalo.commands.plan import (
     adapter_of,
     add_grouping_arguments,
     add_model_arguments,
-    build_cost_model,
 )
+from cephalo.costmodel.sources import build_cost_model
 from cephalo.errors import CephaloError
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.offers import Offers

@@ -6,10 +6,13 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from cephalo.costmodel.model import CostModel
-from cephalo.costmodel.sources import catalog_cost_model
+from cephalo.costmodel.sources import (
+    DEFAULT_DTYPE,
+    DEFAULT_MODEL,
+    DEFAULT_SEQ_LEN,
+    build_cost_model,
+)
 from cephalo.errors import CephaloError, PlanDoesNotFit
-from cephalo.modeling.registry import model_spec_for
 from cephalo.planner.plan import DTYPES, Plan
 from cephalo.specs.adapter import ADAPTER_MODES, DEFAULT_LORA_R, AdapterSpec
 from cephalo.views.tables import (
@@ -23,7 +26,6 @@ from cephalo.views.tables import (
 )
 
 STRATEGY_CHOICES = ("cephalo", "even", "proportional", "all")
-DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_DTYPE = "gpt-2.7b", 512, "fp16"
 GIB = 1024**3
 
 EPILOG = """\
@@ -186,50 +188,6 @@ def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool)
         metavar="PATH",
         help="measured profiles from `cephalo profile --out PATH` instead of the catalog",
     )
-
-
-def build_cost_model(
-    cluster_spec: str,
-    model: str | None,
-    seq_len: int | None,
-    dtype: str | None,
-    profiles_path: str | None = None,
-    adapter: AdapterSpec | None = None,
-) -> CostModel:
-    """A cost model for a cluster spec (or file), from the catalog or from measured profiles.
-
-    Unset model / seq_len / dtype come from the measured profiles, or the defaults."""
-    from cephalo.specs.cluster import Cluster
-
-    if seq_len is not None and seq_len < 1:
-        raise CephaloError(f"--seq-len must be >= 1, got {seq_len}")
-    cluster = Cluster.from_any(cluster_spec)
-    measured = None
-    if profiles_path:
-        from cephalo.specs.profile import MeasuredProfiles
-
-        measured = MeasuredProfiles.load(profiles_path)
-    model = model or (measured.model if measured else DEFAULT_MODEL)
-    seq_len = seq_len or (measured.seq_len if measured else DEFAULT_SEQ_LEN)
-    dtype = dtype or (measured.dtype if measured else DEFAULT_DTYPE)
-    spec = model_spec_for(model)
-    if measured is None and any(d.type == "cpu" for d in cluster.devices):
-        raise CephaloError(
-            "cpu devices have no catalog profile: measure them with `cephalo profile --devices "
-            f"{cluster_spec} --model {model} --out profiles.json`, then pass --profiles profiles.json"
-        )
-    if measured is not None:
-        from cephalo.costmodel.sources import measured_cost_model
-
-        cm = measured_cost_model(cluster, spec, seq_len, dtype, measured, adapter=adapter)
-        cm.meta["profile_source"] = f"measured:{profiles_path}"
-    else:
-        cm = catalog_cost_model(cluster, spec, seq_len, dtype, adapter=adapter)
-        cm.meta["profile_source"] = "catalog"
-    cm.meta["cluster_spec"] = str(cluster_spec)
-    cm.meta["cluster"] = cluster.to_dict()
-    cm.meta["cluster_description"] = cluster.describe()
-    return cm
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from cephalo.commands.plan import GIB, adapter_of, add_cost_model_arguments, build_cost_model
+from cephalo.commands.plan import GIB, adapter_of, add_cost_model_arguments
+from cephalo.costmodel.sources import build_cost_model
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
 from cephalo.specs.adapter import AdapterSpec

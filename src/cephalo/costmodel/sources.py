@@ -11,6 +11,7 @@ from cephalo.costmodel.host import HostResources
 from cephalo.costmodel.model import CostModel
 from cephalo.costmodel.shard_groups import Links
 from cephalo.errors import CephaloError
+from cephalo.specs.adapter import AdapterSpec
 from cephalo.specs.catalog.devices import host_optimizer_s_per_param
 from cephalo.specs.catalog.published import catalog_profile
 from cephalo.specs.cluster import Cluster
@@ -124,3 +125,53 @@ def measured_cost_model(
     return profiles_cost_model(
         cluster, model_spec, seq_len, dtype, profiles, comm=measured.comm, **kw
     )
+
+
+DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_DTYPE = "gpt-2.7b", 512, "fp16"
+"""What `cephalo plan` / `simulate` / `advise` assume when neither the command nor measured
+profiles say."""
+
+
+def build_cost_model(
+    cluster_spec: str,
+    model: str | None,
+    seq_len: int | None,
+    dtype: str | None,
+    profiles_path: str | None = None,
+    adapter: AdapterSpec | None = None,
+) -> CostModel:
+    """A cost model for a cluster spec (or file), from the catalog or from measured profiles.
+
+    Unset model / seq_len / dtype come from the measured profiles, or the defaults."""
+    from cephalo.modeling.registry import model_spec_for  # a model directory's shape (torch)
+    from cephalo.specs.cluster import Cluster
+
+    if seq_len is not None and seq_len < 1:
+        raise CephaloError(f"--seq-len must be >= 1, got {seq_len}")
+    cluster = Cluster.from_any(cluster_spec)
+    measured = None
+    if profiles_path:
+        from cephalo.specs.profile import MeasuredProfiles
+
+        measured = MeasuredProfiles.load(profiles_path)
+    model = model or (measured.model if measured else DEFAULT_MODEL)
+    seq_len = seq_len or (measured.seq_len if measured else DEFAULT_SEQ_LEN)
+    dtype = dtype or (measured.dtype if measured else DEFAULT_DTYPE)
+    spec = model_spec_for(model)
+    if measured is None and any(d.type == "cpu" for d in cluster.devices):
+        raise CephaloError(
+            "cpu devices have no catalog profile: measure them with `cephalo profile --devices "
+            f"{cluster_spec} --model {model} --out profiles.json`, then pass --profiles profiles.json"
+        )
+    if measured is not None:
+        from cephalo.costmodel.sources import measured_cost_model
+
+        cm = measured_cost_model(cluster, spec, seq_len, dtype, measured, adapter=adapter)
+        cm.meta["profile_source"] = f"measured:{profiles_path}"
+    else:
+        cm = catalog_cost_model(cluster, spec, seq_len, dtype, adapter=adapter)
+        cm.meta["profile_source"] = "catalog"
+    cm.meta["cluster_spec"] = str(cluster_spec)
+    cm.meta["cluster"] = cluster.to_dict()
+    cm.meta["cluster_description"] = cluster.describe()
+    return cm
