@@ -137,10 +137,10 @@ def _vocab(setup: Setup) -> int:
 
 # ----------------------------------------------------------------------------- checks
 def _no_host_sync(engine) -> list[int]:
-    """Run the engine's update (clip coefficient, AdamW, zeroed gradients: `_device_step`)
-    under `torch.cuda.set_sync_debug_mode("error")`: a host sync in it raises. Returns a
-    one-item list counting the updates run that way."""
-    step, count = engine._device_step, [0]
+    """Run the engine's update (clip coefficient, AdamW, zeroed gradients:
+    `engine.update.device_step`) under `torch.cuda.set_sync_debug_mode("error")`: a host sync
+    in it raises. Returns a one-item list counting the updates run that way."""
+    step, count = engine.update.device_step, [0]
 
     def checked(*args):
         torch.cuda.set_sync_debug_mode("error")
@@ -150,7 +150,7 @@ def _no_host_sync(engine) -> list[int]:
             torch.cuda.set_sync_debug_mode(0)
         count[0] += 1
 
-    engine._device_step = checked
+    engine.update.device_step = checked
     return count
 
 

@@ -50,7 +50,7 @@ def test_cached_charges_match_exact_tracking():
     peaks = []
     for exact in (True, False):
         engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig())
-        engine._charges.exact = exact
+        engine.charges.exact = exact
         stats = [engine.train_step(x, y, 1e-3) for _ in range(2)]
         peaks.append([(s.peak_bytes, s.peak_by_category) for s in stats])
     assert peaks[0] == peaks[1]
