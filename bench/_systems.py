@@ -39,7 +39,7 @@ from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX
 from cephalo.planner.plan import Plan
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
-from cephalo.runtime.param_groups import adamw_param_groups
+from cephalo.runtime.state.param_groups import adamw_param_groups
 
 # SlowdownUnit's identity marks return views of the unit's output; nothing downstream
 # modifies them in place, which is what FSDP2 warns about.
@@ -86,9 +86,9 @@ class OursTrainer:
         overlap_reduce: bool = True,
         inter_node_bytes_per_s: float | None = None,
     ):
-        from cephalo.runtime.adamw import AdamWHyper
         from cephalo.runtime.collectives.comm import make_comm
         from cephalo.runtime.engine.engine import Engine, EngineConfig
+        from cephalo.runtime.state.adamw import AdamWHyper
 
         overrides = {"tie_embeddings": False, "dropout": 0.0, **overrides}
         model = build_model(model_name, **overrides)  # on meta: the engine materialises its shards

@@ -72,9 +72,9 @@ class Cephalo:
     def __init__(self, directory: Path, batch: int, seq_len: int):
         from cephalo.modeling.registry import build_model
         from cephalo.planner.makers import manual_plan
-        from cephalo.runtime.adamw import AdamWHyper
         from cephalo.runtime.collectives.comm import LocalComm
         from cephalo.runtime.engine.engine import Engine, EngineConfig
+        from cephalo.runtime.state.adamw import AdamWHyper
 
         plan = manual_plan(str(directory), seq_len, [batch], [batch], [1.0])
         cfg = EngineConfig(
@@ -100,7 +100,7 @@ class Transformers:
     def __init__(self, directory: Path, checkpointing: bool):
         import transformers
 
-        from cephalo.runtime.param_groups import adamw_param_groups
+        from cephalo.runtime.state.param_groups import adamw_param_groups
 
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(directory), dtype=torch.float32
@@ -218,7 +218,7 @@ def main() -> None:
             "- cephalo: `build_model(DIR)` (pretrained weights) and `Engine` on one rank "
             "(`LocalComm`), one micro-batch, collective checks off; every block is recomputed in "
             "backward (layered gradient accumulation), the head computes its loss and backward in "
-            "one pass (runtime/engine/head_loss.py), parameters live in flat fp32 shards and AdamW runs "
+            "one pass (runtime/head_loss.py), parameters live in flat fp32 shards and AdamW runs "
             "on those (fused kernel).\n"
             "- transformers+GC: `AutoModelForCausalLM.from_pretrained(DIR)`, "
             "`activation_checkpointing_enable()` (decoder layers recomputed; the embedding and "

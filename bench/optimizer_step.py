@@ -34,7 +34,7 @@ def _runs(n: int, pieces: int) -> list[tuple[int, int, bool]]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from cephalo.runtime.adamw import AdamWHyper, ShardedAdamW, ShardGroup
+    from cephalo.runtime.state.adamw import AdamWHyper, ShardedAdamW, ShardGroup
 
     torch.set_num_threads(args.threads)
     n = args.numel

@@ -137,10 +137,10 @@ def _vocab(setup: Setup) -> int:
 
 # ----------------------------------------------------------------------------- checks
 def _no_host_sync(engine) -> list[int]:
-    """Run the engine's update (clip coefficient, AdamW, zeroed gradients: `_device_step`)
-    under `torch.cuda.set_sync_debug_mode("error")`: a host sync in it raises. Returns a
-    one-item list counting the updates run that way."""
-    step, count = engine._device_step, [0]
+    """Run the engine's update (clip coefficient, AdamW, zeroed gradients:
+    `engine.update.device_step`) under `torch.cuda.set_sync_debug_mode("error")`: a host sync
+    in it raises. Returns a one-item list counting the updates run that way."""
+    step, count = engine.update.device_step, [0]
 
     def checked(*args):
         torch.cuda.set_sync_debug_mode("error")
@@ -150,7 +150,7 @@ def _no_host_sync(engine) -> list[int]:
             torch.cuda.set_sync_debug_mode(0)
         count[0] += 1
 
-    engine._device_step = checked
+    engine.update.device_step = checked
     return count
 
 
@@ -281,9 +281,9 @@ def check_offload_bitwise(setup: Setup) -> tuple[list[str], str]:
 def check_staging_race(setup: Setup) -> tuple[list[str], str]:
     """A consumer kernel queued behind a long `torch.cuda._sleep` must read its input before
     the side stream reuses (staging) or overwrites (upload) that memory."""
-    from cephalo.runtime.engine.boundary import BoundaryStore
-    from cephalo.runtime.host_state import HostLink
+    from cephalo.runtime.boundary import BoundaryStore
     from cephalo.runtime.memory import MemoryLedger
+    from cephalo.runtime.state.host_state import HostLink
 
     n, failures = 1 << 22, []
     ledger = MemoryLedger(0, setup.device)
@@ -323,8 +323,8 @@ def check_staging_race(setup: Setup) -> tuple[list[str], str]:
 
 def check_host_link(device: torch.device) -> list[str]:
     """HostLink's CUDA path on its own: exact values through pinned memory and the side stream."""
-    from cephalo.runtime.host_state import HostLink
     from cephalo.runtime.memory import MemoryLedger
+    from cephalo.runtime.state.host_state import HostLink
 
     failures = []
     ledger = MemoryLedger(0, device)
@@ -570,7 +570,7 @@ def plain_step(setup: Setup, model_name: str, data, recompute: bool) -> Callable
     `torch.optim.AdamW` (fused on CUDA) with weight decay on matrices, norm clipping; with
     `recompute`, every block under activation checkpointing, as the engine recomputes it."""
     from cephalo.modeling.registry import build_model
-    from cephalo.runtime.param_groups import adamw_param_groups
+    from cephalo.runtime.state.param_groups import adamw_param_groups
 
     dtype = torch.bfloat16 if setup.cuda else torch.float32
     model = build_model(model_name).materialize(setup.device, torch.Generator().manual_seed(0))

@@ -30,7 +30,7 @@ from torch import nn
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
 from cephalo.runtime.dropout import SampleDropout
-from cephalo.runtime.param_groups import adamw_param_groups
+from cephalo.runtime.state.param_groups import adamw_param_groups
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids [B, s], labels [B, s]), labels pre-shifted
 

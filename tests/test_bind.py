@@ -1,4 +1,4 @@
-"""runtime/engine/bind.py: a unit's module called on given tensors, as torch.func.functional_call."""
+"""runtime/bind.py: a unit's module called on given tensors, as torch.func.functional_call."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from torch import nn
 from torch.func import functional_call
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.engine.bind import UnitBinding
+from cephalo.runtime.bind import UnitBinding
 
 
 class _Tied(nn.Module):

@@ -175,8 +175,8 @@ def test_relayout_moves_pieces_between_any_tilings_in_small_windows():
     import torch
 
     from cephalo.runtime.collectives.comm import LocalComm
-    from cephalo.runtime.flat import FlatShard
-    from cephalo.runtime.relayout import relayout
+    from cephalo.runtime.state.flat import FlatShard
+    from cephalo.runtime.state.relayout import relayout
 
     a, b = torch.arange(10.0), torch.arange(100.0, 106.0).view(2, 3)
     old = [

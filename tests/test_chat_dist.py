@@ -14,9 +14,9 @@ import torch
 
 from cephalo.data.chat_data import DocumentBatches, prepare_chat_dataset
 from cephalo.modeling.registry import build_model
-from cephalo.runtime.adamw import AdamWHyper
 from cephalo.runtime.collectives.comm import make_comm
 from cephalo.runtime.engine.engine import Engine, EngineConfig
+from cephalo.runtime.state.adamw import AdamWHyper
 from chat_helpers import conversations, reference_loss, save_chat_tokenizer, write_chat_jsonl
 from dist_harness import dist_pool_fixture
 from engine_common import LR, TEST_EPS, make_plan, max_rel_diff, one_thread, optim_config

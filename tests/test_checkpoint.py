@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.flat import FlatShard
+from cephalo.runtime.state.flat import FlatShard
 from cephalo.train import checkpoint as ckpt
 from cephalo.train.checkpoint import (
     MARKER,

@@ -2,7 +2,7 @@
 
 LGA: each unit is all-gathered once per pass (forward, backward) and reduce-scattered once
 per step, whatever the number of micro-batches; the head and the last block once per step
-(the head's loss and backward run in one pass, runtime/engine/head_loss.py, and the last block
+(the head's loss and backward run in one pass, runtime/head_loss.py, and the last block
 stays gathered from its forward to its backward; on a rank that fuses its tail,
 costmodel/rules.py, its forward and backward run in the head's pass). Tied weights add, per step, one all-gather of the tied
 parameter with the head and one reduce-scatter of its gradient (straight into the owner's
@@ -66,10 +66,10 @@ def test_leaves_made_once_per_unit_backward_and_dropped_before_release(fuse, mon
     """Every micro-batch of a unit's backward drains through the same leaves and hooks
     (runtime/engine/unit_backward.py): one hook per trained parameter per step, not per micro-batch.
     The leaves view the gathered parameters, so they are dropped before those are released
-    (`UnitGrads.done_with_leaves`): every unit's gradient reaches `_start_reduces` without them."""
+    (`UnitGrads.done_with_leaves`): every unit's gradient reaches `start_reduces` without them."""
     import torch
 
-    from cephalo.runtime.engine.unit_comm import UnitComm
+    from cephalo.runtime.engine.unit_comm import UnitCollectives
 
     hooks, leftover = [0], []
     register = torch.Tensor.register_post_accumulate_grad_hook
@@ -78,7 +78,7 @@ def test_leaves_made_once_per_unit_backward_and_dropped_before_release(fuse, mon
         hooks[0] += 1
         return register(self, hook)
 
-    start = UnitComm._start_reduces
+    start = UnitCollectives.start_reduces
 
     def checking(self, us, grads):
         if grads.leaves is not None:
@@ -86,7 +86,7 @@ def test_leaves_made_once_per_unit_backward_and_dropped_before_release(fuse, mon
         return start(self, us, grads)
 
     monkeypatch.setattr(torch.Tensor, "register_post_accumulate_grad_hook", counting)
-    monkeypatch.setattr(UnitComm, "_start_reduces", checking)
+    monkeypatch.setattr(UnitCollectives, "start_reduces", checking)
     plan = make_plan([4], [1.0], [1])  # 4 micro-batches
     model = build_model("gpt-tiny", tie_embeddings=False)
     trained = sum(1 for p in model.parameters() if p.requires_grad)

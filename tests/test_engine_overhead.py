@@ -7,10 +7,10 @@ import torch
 
 from cephalo.modeling.registry import build_model
 from cephalo.runtime import dropout as dropout_mod
-from cephalo.runtime.adamw import ADAMW_KERNELS, SQ_SUM_CHUNK, grad_sq_sum
 from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.runtime.dropout import module_uses_dropout
 from cephalo.runtime.engine.engine import Engine, EngineConfig
+from cephalo.runtime.state.adamw import ADAMW_KERNELS, SQ_SUM_CHUNK, grad_sq_sum
 from engine_common import make_data, make_plan, one_thread  # noqa: F401
 
 
@@ -50,14 +50,14 @@ def test_cached_charges_match_exact_tracking():
     peaks = []
     for exact in (True, False):
         engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig())
-        engine._charges.exact = exact
+        engine.charges.exact = exact
         stats = [engine.train_step(x, y, 1e-3) for _ in range(2)]
         peaks.append([(s.peak_bytes, s.peak_by_category) for s in stats])
     assert peaks[0] == peaks[1]
 
 
 def _train(monkeypatch, chunk_tokens: int | None, kernel: str | None = None, steps: int = 2):
-    from cephalo.runtime.engine import head_loss
+    from cephalo.runtime import head_loss
 
     if chunk_tokens is not None:
         monkeypatch.setattr(head_loss, "head_chunk_tokens", lambda vocab: chunk_tokens)
@@ -102,7 +102,7 @@ def _clipped(monkeypatch, on_host: bool):
     """3 steps with clipping active (fused AdamW, all state on the device): the engine's
     update without a host sync, or (`on_host`) with its coefficient read back to the host
     first, as the update was made before it moved to the device."""
-    from cephalo.runtime.adamw import ShardedAdamW
+    from cephalo.runtime.state.adamw import ShardedAdamW
 
     real = ShardedAdamW.step
     calls = []

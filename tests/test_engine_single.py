@@ -13,11 +13,11 @@ import torch
 
 from cephalo.errors import CephaloError
 from cephalo.modeling.registry import build_model
-from cephalo.runtime.adamw import AdamWHyper
 from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.runtime.emulation import ComputeEmulator
 from cephalo.runtime.engine.engine import Engine, EngineConfig
-from cephalo.runtime.param_groups import adamw_param_groups
+from cephalo.runtime.state.adamw import AdamWHyper
+from cephalo.runtime.state.param_groups import adamw_param_groups
 from engine_common import (
     LR,
     TEST_EPS,
@@ -417,7 +417,7 @@ def test_token_counts_are_reduced_exactly():
 
 def test_unused_parameters_get_zero_gradients_from_unzeroed_buffers(monkeypatch):
     """The fp32 gradient buffers are not zeroed (each slot's first gradient is copied in,
-    runtime/engine/autograd.py `drain_first`): a parameter the forward does not use must still get an
+    runtime/autograd.py `drain_first`): a parameter the forward does not use must still get an
     exact zero, not stale memory. Here the unzeroed buffers are poisoned with NaN, and one
     block skips its MLP (its `ln_2` and `mlp.*` get no gradient). The run equals one with
     zeroed buffers bit for bit, and the unused parameters (no weight decay) never move."""

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.adamw import AdamWHyper, ShardedAdamW, ShardGroup
 from cephalo.runtime.dropout import SampleDropout
-from cephalo.runtime.flat import FlatLayout, overlap, shard_ranges
-from cephalo.runtime.precision import DynamicLossScaler, compute_dtype
+from cephalo.runtime.state.adamw import AdamWHyper, ShardedAdamW, ShardGroup
+from cephalo.runtime.state.flat import FlatLayout, overlap, shard_ranges
+from cephalo.runtime.state.precision import DynamicLossScaler, compute_dtype
 
 
 @given(

@@ -14,9 +14,9 @@ import torch
 from cephalo.modeling.hf.families import FAMILIES
 from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX
-from cephalo.runtime.adamw import AdamWHyper
 from cephalo.runtime.collectives.comm import make_comm
 from cephalo.runtime.engine.engine import Engine, EngineConfig
+from cephalo.runtime.state.adamw import AdamWHyper
 from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,

@@ -490,9 +490,9 @@ def test_moe_router_loss_one_rank_micro_batches(tmp_path):
     """One rank, 5 samples in micro-batches of 2: the router loss of the whole batch (not of
     each micro-batch), as transformers + AdamW: losses, aux losses and parameters (the fast
     counterpart of test_hf_dist's 3-rank check)."""
-    from cephalo.runtime.adamw import AdamWHyper
     from cephalo.runtime.collectives.comm import make_comm
     from cephalo.runtime.engine.engine import Engine, EngineConfig
+    from cephalo.runtime.state.adamw import AdamWHyper
     from engine_common import LR, TEST_EPS, make_data, make_plan, max_rel_diff, optim_config
     from reference import train_transformers
 

@@ -9,9 +9,9 @@ import torch
 
 from cephalo.modeling.registry import build_model
 from cephalo.planner.plan import Plan, RankPlan, ShardGroup
-from cephalo.runtime.adamw import AdamWHyper
 from cephalo.runtime.collectives.comm import make_comm
 from cephalo.runtime.engine.engine import Engine, EngineConfig
+from cephalo.runtime.state.adamw import AdamWHyper
 from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,
@@ -145,7 +145,7 @@ def test_bf16_cross_group_reduce_stays_close(pool5):
 def _bf16_exchange(plan, numel: int, seed: int):
     """Every rank's gradient shard of one unit, random, all-reduced across the groups in bf16."""
     from cephalo.runtime.collectives.shard_groups import Replicas
-    from cephalo.runtime.flat import shard_ranges
+    from cephalo.runtime.state.flat import shard_ranges
 
     comm = make_comm("gloo")
     full = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + r)) for r in range(5)]

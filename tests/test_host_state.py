@@ -16,12 +16,12 @@ from cephalo.errors import CephaloError, MemoryBudgetExceeded
 from cephalo.modeling.registry import build_model
 from cephalo.planner.makers import manual_plan
 from cephalo.planner.plan import Plan
-from cephalo.runtime.adamw import AdamWHyper
 from cephalo.runtime.collectives.comm import LocalComm, make_comm
 from cephalo.runtime.emulation import ComputeEmulator
 from cephalo.runtime.engine.engine import Engine, EngineConfig
-from cephalo.runtime.host_state import HostLink, host_adamw_kernel
 from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.state.adamw import AdamWHyper
+from cephalo.runtime.state.host_state import HostLink, host_adamw_kernel
 from cephalo.specs.cluster import Cluster
 from dist_harness import dist_pool_fixture
 from engine_common import LR, TEST_EPS, make_data, max_rel_diff, one_thread, rank_slice

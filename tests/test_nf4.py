@@ -1,5 +1,5 @@
 """NF4 bytes (modeling/nf4.py) against torchao's own NF4 tensor, and the frozen base's
-layout of plain and NF4 parameters in one float buffer (runtime/frozen.py)."""
+layout of plain and NF4 parameters in one float buffer (runtime/state/frozen.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("torchao")
 
 from cephalo.modeling import nf4  # noqa: E402
-from cephalo.runtime.frozen import FrozenLayout  # noqa: E402
+from cephalo.runtime.state.frozen import FrozenLayout  # noqa: E402
 
 
 def test_bytes_are_torchaos_and_dequantize_as_torchao():

@@ -11,11 +11,11 @@ import torch
 
 from cephalo.costmodel.collectives import collective_factor, padded_even
 from cephalo.modeling.registry import build_model
-from cephalo.runtime.adamw import AdamWHyper
 from cephalo.runtime.collectives.comm import make_comm
 from cephalo.runtime.collectives.padded import PaddedSplit
 from cephalo.runtime.engine.engine import Engine, EngineConfig
-from cephalo.runtime.flat import FlatLayout
+from cephalo.runtime.state.adamw import AdamWHyper
+from cephalo.runtime.state.flat import FlatLayout
 from dist_harness import dist_pool_fixture
 from engine_common import LR, TEST_EPS, make_data, make_plan, one_thread, rank_slice
 

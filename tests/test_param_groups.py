@@ -1,4 +1,4 @@
-"""The weight-decay rule (runtime/param_groups.py), pinned by parameter name.
+"""The weight-decay rule (runtime/state/param_groups.py), pinned by parameter name.
 
 The engine and every reference trainer (tests/reference.py) take the rule from the same
 function, so the equivalence tests cannot see a wrong rule: both would apply it. Here the
@@ -14,7 +14,7 @@ import pytest
 from torch import nn
 
 from cephalo.modeling.registry import build_model
-from cephalo.runtime.param_groups import adamw_param_groups, wants_weight_decay
+from cephalo.runtime.state.param_groups import adamw_param_groups, wants_weight_decay
 
 _BLOCK_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 _GPT_VECTORS = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias") + tuple(

@@ -1,4 +1,4 @@
-"""Exact-size page-locked host memory (runtime/pinned.py): the arena's bookkeeping, and the
+"""Exact-size page-locked host memory (runtime/state/pinned.py): the arena's bookkeeping, and the
 engine's offloaded boundaries taking exactly the bytes the ledger and the cost model count.
 (Page-locking itself needs CUDA: scripts/gpu_check.py checks it on a GPU.)"""
 
@@ -11,7 +11,7 @@ from cephalo.costmodel.host import host_bytes
 from cephalo.modeling.registry import build_model
 from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.runtime.engine.engine import Engine, EngineConfig
-from cephalo.runtime.pinned import ALIGN, PinnedArena, pinned_empty
+from cephalo.runtime.state.pinned import ALIGN, PinnedArena, pinned_empty
 from engine_common import LR, make_data, make_plan
 
 

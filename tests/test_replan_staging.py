@@ -15,7 +15,7 @@ from cephalo.modeling.registry import build_model
 from cephalo.planner.plan import Plan, RankPlan
 from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.runtime.engine.engine import Engine, EngineConfig
-from cephalo.runtime.relayout import WINDOW_ELEMS
+from cephalo.runtime.state.relayout import WINDOW_ELEMS
 from cephalo.train.replan import must_stage, switch_plan
 
 SEQ, BATCH = 16, 4

@@ -19,7 +19,7 @@ in the cost model only (the time by `Collectives` here, the memory by `CostModel
 `CostModel.padding_bytes_per_fraction`), and every consumer reads it from `CostModel`:
   time    every collective of a unit's trained part moves N x u of it instead of all of it
           (`collective_factor`); the frozen base of an adapter run is gathered unpadded
-          (runtime/frozen.py) and the latency does not stretch
+          (runtime/state/frozen.py) and the latency does not stretch
   memory  the gathered units and the full fp32 unit gradients are N x u of the trained part
           (`CostModel._phases`); the reduce-scatter output is u of the largest unit, not s
           (every rank receives a whole padded chunk), and in fp32 the shard buffer a gather

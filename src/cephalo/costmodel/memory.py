@@ -47,7 +47,7 @@ LOGIT_BYTES = 4
 """The head's softmax runs in fp32."""
 HEAD_CHUNK_BYTES = 256 << 20
 """The head runs over chunks of the sequence of about this many bytes of fp32 logits
-(runtime/engine/head_loss.py): at most one chunk's logits exist at a time."""
+(runtime/head_loss.py): at most one chunk's logits exist at a time."""
 
 
 def head_chunk_tokens(vocab_size: int) -> int:
@@ -172,7 +172,7 @@ class MemoryModel:
 
         def head_logits() -> np.ndarray:
             """The head's pass at micro-batch m: its profile curve, never below one chunk of
-            its fp32 logits (runtime/engine/head_loss.py: one chunk at a time)."""
+            its fp32 logits (runtime/head_loss.py: one chunk at a time)."""
             chunk = head_chunk_positions(m_eff, self.seq_len, self.model.vocab_size)
             chunk_bytes = m_eff * chunk * self.model.vocab_size * LOGIT_BYTES
             return np.where(working, np.maximum(t.act["head"].at(m_eff), chunk_bytes), 0.0)

@@ -18,7 +18,7 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     forward    fwd_u  = (k-1) F_u(m) + F_u(last)
     backward   bwd_u  = fwd_u (recompute) + (k-1) B_u(m) + B_u(last); the head has no
                recompute and no second gather: its loss and backward run in one pass, at the
-               end of the forward (runtime/engine/head_loss.py); where the plan fuses its tail
+               end of the forward (runtime/head_loss.py); where the plan fuses its tail
                (costmodel/rules.py) the last block runs in that pass too, with neither
                recompute nor second gather; where the model allows it, every rank keeps the
                last block gathered from its forward to its backward (no second gather), fused
@@ -351,7 +351,7 @@ class CostModel(ShardGroupCosts, MemoryModel):
             f_fwd, f_bwd, dequant = self._time_factors[type_key][kind]
             deq = np.where(b > 0, dequant, 0.0)
             fwd = (full * t.fwd[kind].at(m) + t.fwd[kind].at(last)) * f_fwd + deq
-            # the head computes its loss and backward in one pass (runtime/engine/head_loss.py): no
+            # the head computes its loss and backward in one pass (runtime/head_loss.py): no
             # recompute
             recompute = 0.0 if kind == "head" else fwd
             bwd = recompute + (full * t.bwd[kind].at(m) + t.bwd[kind].at(last)) * f_bwd
@@ -440,7 +440,7 @@ class CostModel(ShardGroupCosts, MemoryModel):
             count = self.unit_counts[kind]
             gather = self.collectives.gather(kind, pad)
             scatter = self.collectives.scatter(kind, pad)
-            # the head is not gathered again in the backward (runtime/engine/head_loss.py)
+            # the head is not gathered again in the backward (runtime/head_loss.py)
             gather_b = 0.0 if kind == "head" else gather
             grad_down = x * self.gathered_params[kind] * GRAD_BYTES / bw if hosted else 0.0
             if profile.async_copies:

@@ -2,7 +2,7 @@
 
 Under layered gradient accumulation every unit is run twice: without a graph in the forward,
 and again with one in the backward (the recompute). The head is the exception: its loss and
-its backward run in one pass at the end of the forward (runtime/engine/head_loss.py). The fused tail
+its backward run in one pass at the end of the forward (runtime/head_loss.py). The fused tail
 extends that pass to the last block. Its forward runs there, per micro-batch, with a graph;
 the head's loss and backward follow, then the last block's backward at once
 (runtime/engine/tail_pass.py). The last block is neither recomputed nor gathered a second time: one

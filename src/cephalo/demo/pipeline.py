@@ -55,8 +55,8 @@ from cephalo.demo.throttle import (
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.planner.makers import make_plan
 from cephalo.planner.plan import Plan
-from cephalo.runtime.engine.step_timing import PARTS as TIME_PARTS
-from cephalo.runtime.engine.step_timing import split_step
+from cephalo.runtime.step_timing import PARTS as TIME_PARTS
+from cephalo.runtime.step_timing import split_step
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.profile import MeasuredProfiles
 from cephalo.train.config import JobConfig
@@ -294,7 +294,7 @@ def summarize_run(strategy: str, run_dir: Path, wall_s: float, global_batch: int
 
 
 def _split_of(ranks: dict, i: int) -> dict[str, float]:
-    """Rank i's step time split (runtime/engine/step_timing.py) from a metrics record's `ranks`."""
+    """Rank i's step time split (runtime/step_timing.py) from a metrics record's `ranks`."""
     step_s = ranks.get("step_s", [0.0] * (i + 1))[i]
     stats = SimpleNamespace(
         busy_s=ranks["busy_s"][i],

@@ -22,7 +22,7 @@ from cephalo.demo.result import (
 )
 from cephalo.demo.throttle import plot_throttle, throttle_markdown
 from cephalo.planner.plan import Plan
-from cephalo.runtime.engine.step_timing import PARTS as TIME_PARTS
+from cephalo.runtime.step_timing import PARTS as TIME_PARTS
 from cephalo.views.plots import pyplot
 
 MIB = 2**20
@@ -262,7 +262,7 @@ def _plan_rows(result: DemoResult) -> list[str]:
 
 
 def _time_rows(result: DemoResult) -> list[str]:
-    """Where a step's time goes on each rank of the cephalo run (runtime/engine/step_timing.py)."""
+    """Where a step's time goes on each rank of the cephalo run (runtime/step_timing.py)."""
     run = result.runs.get("cephalo")
     if run is None or not run.time_split:
         return []

@@ -58,7 +58,7 @@ class RunSummary:
     peak_bytes: list[int] = field(default_factory=list)
     """Per rank: the memory ledger's peak over the run."""
     time_split: list[dict[str, float]] = field(default_factory=list)
-    """Per rank: mean seconds per step of each part of runtime/engine/step_timing.py's split."""
+    """Per rank: mean seconds per step of each part of runtime/step_timing.py's split."""
 
 
 @dataclass

@@ -6,7 +6,7 @@ model computes: y = W x + (alpha / r) B A dropout(x) (alpha / sqrt(r) with rsLoR
 as peft draws it (kaiming-uniform, a = sqrt(5)) and B zero, or both read from an existing
 PEFT adapter directory (`model.adapter_path`, whose `adapter_config.json` sets r, alpha and
 the targets). Afterwards every parameter but the adapters' has `requires_grad` False: the
-engine keeps those in its frozen base (runtime/frozen.py) and trains only the adapters.
+engine keeps those in its frozen base (runtime/state/frozen.py) and trains only the adapters.
 
 Targets are resolved the way peft resolves them, against transformers' module names
 (`model.layers.0.self_attn.q_proj`): `all-linear` is every `nn.Linear` / GPT-2 `Conv1D` but

@@ -9,7 +9,7 @@ A weight of n elements becomes, in this order, each piece 8-byte aligned:
 
 exactly torchao's `to_nf4(w, block_size=64, scaler_block_size=256)` fields (quantized from
 the fp32 value, so `factors` and `mean` are fp32): about 0.52 bytes per parameter. The
-bytes live inside the frozen base's float-typed flat buffer (runtime/frozen.py), so the
+bytes live inside the frozen base's float-typed flat buffer (runtime/state/frozen.py), so the
 uneven-shard all-gathers move them unchanged; after a unit's gather they are put back
 into an `NF4Tensor` and dequantized with torchao's own `get_original_weight`.
 

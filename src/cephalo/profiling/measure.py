@@ -4,7 +4,7 @@ Every unit measurement replays what the engine does for one micro-batch (runtime
 so the cost model's numbers are the engine's numbers:
 
 - forward: parameters are views of one gathered flat buffer in the compute dtype, the unit
-  runs through its `UnitBinding` (runtime/engine/bind.py) under `no_grad` (and under the engine's per-sample dropout
+  runs through its `UnitBinding` (runtime/bind.py) under `no_grad` (and under the engine's per-sample dropout
   mode), and its output is stored into a fresh ledger buffer (the boundary activation);
 - recompute + backward: parameters and input become fresh leaves, the unit runs again with
   a graph under the ledger's `track_activations`, `autograd.grad` back-propagates the output
@@ -42,16 +42,16 @@ from dataclasses import dataclass
 import torch
 
 from cephalo.modeling.units import Unit
-from cephalo.runtime.adamw import AdamWHyper, ShardedAdamW, ShardGroup
+from cephalo.runtime import head_loss
+from cephalo.runtime.autograd import drain_grad, largest_grad_bytes, largest_saved_bytes
+from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
-from cephalo.runtime.engine import head_loss
-from cephalo.runtime.engine.autograd import drain_grad, largest_grad_bytes, largest_saved_bytes
-from cephalo.runtime.engine.bind import UnitBinding
-from cephalo.runtime.flat import FlatLayout
-from cephalo.runtime.host_state import HostAdamW, HostGroup, HostLink
 from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.state.adamw import AdamWHyper, ShardedAdamW, ShardGroup
+from cephalo.runtime.state.flat import FlatLayout
+from cephalo.runtime.state.host_state import HostAdamW, HostGroup, HostLink
 
 UNMEASURABLE_BYTES_PER_S = 1e15
 """Bandwidth reported when time does not grow with size (JSON has no infinity)."""
@@ -150,7 +150,7 @@ class UnitBench:
         named = list(unit.module.named_parameters())
         self.layout = FlatLayout(unit.name, named)
         self.frozen = {n for n, p in named if not p.requires_grad}
-        """A LoRA base's parameters: no gradient, as in the engine (runtime/frozen.py)."""
+        """A LoRA base's parameters: no gradient, as in the engine (runtime/state/frozen.py)."""
         self.ledger = MemoryLedger(0, device)
         # a ledger buffer, as the engine's gathered parameters are: what autograd saves of
         # them is then not counted as activations (in the engine it is not either)
@@ -328,7 +328,7 @@ def measure_nf4_dequant(
     timing: Timing,
     emulator: ComputeEmulator | None = None,
 ) -> float:
-    """Seconds per weight of QLoRA's dequantization as the engine runs it (runtime/frozen.py:
+    """Seconds per weight of QLoRA's dequantization as the engine runs it (runtime/state/frozen.py:
     `modeling.nf4.dequantize_into`, torchao's `get_original_weight` per chunk) into `dtype`, as
     it appears under `emulator` (the engine's dequantization is part of its stretched compute)."""
     from cephalo.modeling.nf4 import dequantize_into, nf4_format, quantize

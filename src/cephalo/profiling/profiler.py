@@ -55,7 +55,7 @@ from cephalo.profiling.measure import (
 from cephalo.profiling.settings import ProfileSettings
 from cephalo.runtime.collectives.comm import Comm, LocalComm
 from cephalo.runtime.emulation import ComputeEmulator
-from cephalo.runtime.precision import compute_dtype
+from cephalo.runtime.state.precision import compute_dtype
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import CommProfile, Curve, DeviceProfile, MeasuredProfiles, UnitProfile
@@ -174,7 +174,7 @@ def measure_device(
             torch_device, compute_dtype(dtype), timing, emulator
         )
     host_opt_s = measure_host_optimizer(settings.optimizer_numel, timing)
-    # the engine copies offloaded boundaries on a side stream only on CUDA (runtime/engine/boundary.py);
+    # the engine copies offloaded boundaries on a side stream only on CUDA (runtime/boundary.py);
     # elsewhere they are memcpys inside the (stretched) unit compute, or, with an emulated
     # link (pcie=), copies of their own
     async_copies = torch_device.type == "cuda"

@@ -15,7 +15,7 @@ that target (none if contention already made it longer). Elsewhere (CUDA, severa
 threads) the target is f x the wall time.
 
 Copies are not compute. Inside a piece, a block under `unstretched()` (a host <-> device copy of
-a device with an emulated link, `cpu:...,pcie=12GB/s`, `runtime.host_state.HostLink`) is left
+a device with an emulated link, `cpu:...,pcie=12GB/s`, `runtime.state.host_state.HostLink`) is left
 out of the work that is stretched and counts once, as it took: the link emulation gives it its
 own duration.
 """

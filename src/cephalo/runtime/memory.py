@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from cephalo.errors import CephaloError, MemoryBudgetExceeded
-from cephalo.runtime.pinned import PinnedArena, pinned_empty
+from cephalo.runtime.state.pinned import PinnedArena, pinned_empty
 
 HOST_PREFIX = "host/"
 ACTIVATIONS = "activations"
@@ -212,7 +212,7 @@ class MemoryLedger:
         """A new 1-D buffer of `numel` elements charged to `category`.
 
         `host/...` categories are allocated on the CPU; with `pin`, page-locked where CUDA is
-        available, at exactly their size (runtime/pinned.py: from `arena` for its category,
+        available, at exactly their size (runtime/state/pinned.py: from `arena` for its category,
         else registered alone); other categories on `device` (default: the ledger's).
         """
         if numel < 0:
@@ -232,7 +232,7 @@ class MemoryLedger:
         try:
             tensor = None
             if host and pin:
-                # page-locked memory of the exact size (runtime/pinned.py): the buffers of a
+                # page-locked memory of the exact size (runtime/state/pinned.py): the buffers of a
                 # step from this rank's arena, the rest registered one by one
                 if self.arena is not None and category == self.arena_category:
                     tensor = self.arena.alloc(numel, dtype)

@@ -67,7 +67,7 @@ def nf4_dequant_transient_bytes(numel: int) -> int:
     """Bytes of torchao's temporaries while one NF4 weight of `numel` elements is dequantized:
     `NF4_DEQUANT_TRANSIENT_BYTES` per element of a chunk (whole scaler blocks, at most about
     `NF4_DEQUANT_CHUNK` elements; the whole weight when it is smaller). The runtime charges
-    this to its ledger (runtime/frozen.py) and the cost model counts it (costmodel/layout.py)."""
+    this to its ledger (runtime/state/frozen.py) and the cost model counts it (costmodel/layout.py)."""
     unit = NF4_BLOCK * NF4_ABSMAX_BLOCK
     chunk = min(numel, max(unit, NF4_DEQUANT_CHUNK // unit * unit))
     return NF4_DEQUANT_TRANSIENT_BYTES * chunk

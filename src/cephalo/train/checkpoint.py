@@ -84,7 +84,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from cephalo.errors import CephaloError
 from cephalo.log import logger
-from cephalo.runtime.flat import FlatShard
+from cephalo.runtime.state.flat import FlatShard
 
 FORMAT_VERSION = 1
 MARKER = "COMPLETE"

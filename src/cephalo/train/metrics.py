@@ -37,7 +37,7 @@ class RankStats:
     peak_bytes: list[int] = field(default_factory=list)
     """Peak device memory of the engine's ledger during the step."""
     optimizer_s: list[float] = field(default_factory=list)
-    """Seconds of the device optimizer phase (runtime/engine/step_timing.py)."""
+    """Seconds of the device optimizer phase (runtime/step_timing.py)."""
     host_s: list[float] = field(default_factory=list)
     """Seconds of host-held state work (its AdamW and copies)."""
     step_s: list[float] = field(default_factory=list)

@@ -49,7 +49,7 @@ from cephalo.errors import CephaloError, first_line
 from cephalo.log import logger
 from cephalo.planner.plan import Plan, RankPlan
 from cephalo.runtime.collectives.shard_groups import saved_state
-from cephalo.runtime.relayout import WINDOW_ELEMS, relayout, staged_bytes, to_host
+from cephalo.runtime.state.relayout import WINDOW_ELEMS, relayout, staged_bytes, to_host
 from cephalo.train.calibration import Calibration, StepLog, predicted_step_s, refit
 
 

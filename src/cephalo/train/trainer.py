@@ -44,13 +44,13 @@ from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
 from cephalo.planner.makers import simple_plan
 from cephalo.planner.plan import Plan
-from cephalo.runtime.adamw import AdamWHyper
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.collectives.dist import init_distributed, peer_failure
 from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
 from cephalo.runtime.emulation import drifted_slowdown
 from cephalo.runtime.engine.engine import Engine, EngineConfig, StepStats
-from cephalo.runtime.engine.step_timing import format_split, split_step
+from cephalo.runtime.state.adamw import AdamWHyper
+from cephalo.runtime.step_timing import format_split, split_step
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig
@@ -469,7 +469,7 @@ class _Trainer:
         ), max(r[2] for r in rows)
 
     def _log_time_split(self, ranks: RankStats) -> None:
-        """Where each rank's step went (runtime/engine/step_timing.py), every `log_every` steps."""
+        """Where each rank's step went (runtime/step_timing.py), every `log_every` steps."""
         for r in range(len(ranks.busy_s)):
             one = StepStats(
                 loss=0.0,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cephalo.costmodel.collectives import padded_even
-from cephalo.runtime.flat import FlatLayout
+from cephalo.runtime.state.flat import FlatLayout
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ segment whose owners include a rank with host state waits for the optimizer step
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
 from cephalo.runtime.collectives.comm import Comm, make_comm
-from cephalo.runtime.flat import shard_ranges
+from cephalo.runtime.state.flat import shard_ranges
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -256,22 +257,23 @@ class Replicas:
         self.finish()
         self.wait_s = time.perf_counter() - t0
 
-    def unit_final(self, engine, unit: int) -> None:
+    def unit_final(self, shards: list, device_grad: Callable, unit: int) -> None:
         """Engine hook (layered gradient accumulation): unit `unit`'s gradient shard is complete
         (its reduce-scatter and its borrowers' are done): start its exchange now, beside the
-        backward of the units before it. Units with host state wait for the optimizer step."""
-        if not 0 <= unit < len(engine.shards):
+        backward of the units before it. Units with host state wait for the optimizer step.
+        `shards`: the engine's `UnitShard`s; `device_grad`: a unit's device gradient shard."""
+        if not 0 <= unit < len(shards):
             return
-        us = engine.shards[unit]
+        us = shards[unit]
         if us.host is None:
-            self.start(unit, us.layout.numel, engine._device_grad(us), early=True)
+            self.start(unit, us.layout.numel, device_grad(us), early=True)
 
-    def reduce_engine_grads(self, engine) -> float:
-        """`all_reduce_grads` over an engine's units (the host-held part of a shard too);
-        returns the seconds it took."""
+    def reduce_engine_grads(self, shards: list, device_grad: Callable) -> float:
+        """`all_reduce_grads` over an engine's units (`shards`, their device gradient shards
+        from `device_grad`, the host-held part of a shard too); returns the seconds it took."""
         grads, hosted = [], []
-        for us in engine.shards:
-            g = engine._device_grad(us)
+        for us in shards:
+            g = device_grad(us)
             if us.host is not None:
                 whole = torch.cat([g, us.host.grad.to(g.device)])
                 hosted.append((us, g, whole))

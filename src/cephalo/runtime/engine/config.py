@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.adamw import AdamWHyper
+from cephalo.runtime.state.adamw import AdamWHyper
 
 MODES = ("lga", "standard")
 
@@ -59,7 +59,7 @@ class EngineConfig:
     """AdamW kernel of the host-held state: `fused` (fastest), `foreach` (bitwise the device
     path's arithmetic on a CPU); None: fused where this torch build has it for CPU tensors."""
     adamw_kernel: str | None = None
-    """AdamW kernel of the device-held state (runtime/adamw.py): `fused`, `foreach` (bitwise
+    """AdamW kernel of the device-held state (runtime/state/adamw.py): `fused`, `foreach` (bitwise
     the host's `foreach` on a CPU) or `single`; None: fused where this torch build has it for
     the device, else foreach."""
     host_copy_bytes_per_s: float | None = None
@@ -78,7 +78,7 @@ class EngineConfig:
     (faster on GPUs, but masks then depend on the micro-batching)."""
     pinned_arena: bool | None = None
     """Offloaded boundary activations in one exact-size page-locked block per rank
-    (runtime/pinned.py), sized from the plan by `Engine.boundary_host_bytes`; None: on CUDA
+    (runtime/state/pinned.py), sized from the plan by `Engine.boundary_host_bytes`; None: on CUDA
     only (True also on the CPU, where nothing is page-locked: its bookkeeping is tested)."""
     loss_scale_init: float = 2.0**16
     """fp16 only: the initial dynamic loss scale."""
@@ -136,4 +136,4 @@ class StepStats:
     (transformers' `aux_loss`); `loss` includes `router_aux_loss_coef` x it."""
     optimizer_s: float = 0.0
     """Host seconds of the device optimizer phase (norm, clipping, AdamW; collectives and
-    host-state work excluded). runtime/engine/step_timing.py splits a step with it."""
+    host-state work excluded). runtime/step_timing.py splits a step with it."""

@@ -1,83 +1,111 @@
 """The engine's head pass: the head's loss and backward in one pass at the end of the forward,
-one micro-batch at a time, over chunks of the sequence (runtime/engine/head_loss.py). `HeadPass` is a
-part of `Engine` (runtime/engine/engine.py): the attributes it declares are the engine's."""
+one micro-batch at a time, over chunks of the sequence (runtime/head_loss.py). `HeadPass` is a
+part the engine's passes (runtime/engine/step_passes.py) and the fused tail (runtime/engine/tail_pass.py)
+hold; it is given what it uses."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from cephalo.runtime.engine import head_loss
-from cephalo.runtime.engine.autograd import BackwardCharges, largest_grad_bytes
-from cephalo.runtime.engine.bind import UnitBinding
-from cephalo.runtime.engine.boundary import BoundaryStore
-from cephalo.runtime.engine.unit_comm import Reduce
-from cephalo.runtime.engine.unit_shard import MicroBatch, UnitShard
+from cephalo.runtime import head_loss
+from cephalo.runtime.autograd import BackwardCharges, largest_grad_bytes
+from cephalo.runtime.boundary import BoundaryStore
+from cephalo.runtime.engine.step_state import StepState
+from cephalo.runtime.engine.unit_backward import UnitBackward, graph_key
+from cephalo.runtime.engine.unit_comm import UnitCollectives, UnitGrads
+from cephalo.runtime.engine.unit_run import UnitRunner
 from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.state.unit_shard import MicroBatch, UnitShard
 
 
 class HeadPass:
-    """The head's one pass of loss and backward (an `Engine` part)."""
+    """The head's one pass of loss and backward. Owns nothing across steps: the reduce-scatters
+    it starts go into the step's `StepState` (`head_reducing`). Given the ledger and the compute
+    device and dtype, the unit collectives (gradient buffers, reduce-scatters), the unit
+    backward (the head's parameters as draining leaves), the unit runner, the activation
+    charges, and whether this rank overlaps its reduce-scatters (else it waits for them here)."""
 
-    ledger: MemoryLedger
-    device: torch.device
-    dtype: torch.dtype
-    overlap_reduce: bool
-    _charges: BackwardCharges
-    _vocab: int
-    _head_reducing: list[Reduce]
-    _binding: Callable[[UnitShard], UnitBinding]
+    def __init__(
+        self,
+        ledger: MemoryLedger,
+        device: torch.device,
+        dtype: torch.dtype,
+        collectives: UnitCollectives,
+        unit_backward: UnitBackward,
+        runner: UnitRunner,
+        charges: BackwardCharges,
+        overlap_reduce: bool,
+    ):
+        self.ledger = ledger
+        self.device = device
+        self.dtype = dtype
+        self.collectives = collectives
+        self.unit_backward = unit_backward
+        self.runner = runner
+        self.charges = charges
+        self.overlap_reduce = overlap_reduce
 
-    def _head_fn(self, us: UnitShard, params: dict[str, torch.Tensor]) -> head_loss.RunHead:
-        return lambda h, labels: self._binding(us)(params, (h, labels))
-
-    def _head_pass(
+    def run(
         self,
         us: UnitShard,
         params: dict[str, torch.Tensor],
         mbs: list[MicroBatch],
         store: BoundaryStore,
         head_grad: float,
+        state: StepState,
     ) -> torch.Tensor:
         """The head's loss and backward in one pass at the end of the forward
-        (runtime/engine/head_loss.py): its gradient buffers filled, its input gradients stored in its
-        inputs' place, its reduce-scatters started (finished during the last block's backward,
-        `_backward_pass`). Returns the loss sum."""
-        grads = self._grad_buffers(us)
+        (runtime/head_loss.py): its gradient buffers filled, its input gradients stored in its
+        inputs' place, its reduce-scatters started into `state.head_reducing` (finished during
+        the last block's backward). Returns the loss sum."""
+        coll = self.collectives
+        grads = coll.grad_buffers(us)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for j, mb in enumerate(mbs):
-            mb.rng[us.index] = self._save_rng()
-            loss_sum += self._backward_micro_batch(us, params, mb, j, store, head_grad, grads)
+            mb.rng[us.index] = self.runner.save_rng()
+            loss_sum += self.micro_batch(us, params, mb, j, store, head_grad, grads)
         grads.done_with_leaves()  # (the caller releases the head's parameters)
-        self._head_reducing = self._start_reduces(us, grads)
+        state.head_reducing = coll.start_reduces(us, grads)
         if not self.overlap_reduce:
-            for r in self._head_reducing:
-                self._finish_reduce(r)
-            self._head_reducing = []
+            for r in state.head_reducing:
+                coll.finish_reduce(r)
+            state.head_reducing = []
         return loss_sum
 
-    def _head_micro_batch(self, us, leaves, params, mb, j, store, out_grad, key) -> torch.Tensor:
-        """The head over one micro-batch, chunk by chunk (runtime/engine/head_loss.py): loss sum
-        returned, input gradient stored in the input's place."""
+    def micro_batch(
+        self,
+        us: UnitShard,
+        params: dict[str, torch.Tensor],
+        mb: MicroBatch,
+        j: int,
+        store: BoundaryStore,
+        head_grad: float,
+        grads: UnitGrads,
+    ) -> torch.Tensor:
+        """The head over micro-batch j, chunk by chunk (runtime/head_loss.py), its output
+        gradient `head_grad` (1 / global tokens, times the loss scale): loss sum returned,
+        parameter gradients drained into `grads`, input gradient stored in the input's place."""
+        u = us.index
+        leaves = self.unit_backward.leaves(us, params, grads)
+        key = graph_key(u, mb, store)
+        out_grad = torch.full((), head_grad, dtype=torch.float32, device=self.device)
         param_grad = largest_grad_bytes(leaves.values(), self.dtype)
         charged = [0]
 
         def on_chunk(out: torch.Tensor) -> None:  # this chunk's transient gradients
             self.ledger.release("grad_transient", charged[0])
-            charged[0] = self._charges.transient(key, out, param_grad)
+            charged[0] = self.charges.transient(key, out, param_grad)
             self.ledger.charge("grad_transient", charged[0])
 
-        u = us.index
-        run = self._head_fn(us, {**params, **leaves})
-        with self._unit_input(store, u, j, mb) as x_in:
-            self._restore_rng(mb.rng[u])
-            with self._charges.activations(key), self._dropout(us, mb):
+        run = self.runner.head_fn(us, {**params, **leaves})
+        with self.runner.unit_input(store, u, j, mb) as x_in:
+            self.runner.restore_rng(mb.rng[u])
+            with self.charges.activations(key), self.runner.dropout(us, mb):
                 loss, dx = head_loss.loss_and_backward(
                     run,
                     x_in,
                     mb.labels,
-                    self._vocab,
+                    self.runner.vocab,
                     out_grad,
                     list(leaves.values()),
                     u > 0,

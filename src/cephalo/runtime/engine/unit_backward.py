@@ -1,46 +1,59 @@
 """A unit's backward: its trained parameters as autograd leaves draining into the fp32
-gradient buffer (`_leaves`), its forward with a graph charged as its backward holds it
-(`_unit_graph`: the recompute, and the fused tail's last block, runtime/engine/tail_pass.py), and the
-recompute + backward of one micro-batch (`_backward_micro_batch`). `UnitBackward` is a part of
-`Engine` (runtime/engine/engine.py): the attributes it declares are the engine's."""
+gradient buffer (`leaves`), its forward with a graph charged as its backward holds it
+(`unit_graph`: the recompute, and the fused tail's last block, runtime/engine/tail_pass.py), and the
+recompute + backward of one block's micro-batch (`micro_batch`; the head's is
+runtime/engine/head_pass.py's). `UnitBackward` is a part the engine's passes hold; it is given what
+it uses."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
-from cephalo.runtime.engine.autograd import (
+from cephalo.runtime.autograd import (
     BackwardCharges,
     drain_first,
     drain_grad_pieces,
     largest_grad_bytes,
 )
-from cephalo.runtime.engine.boundary import BoundaryStore
+from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.engine.unit_comm import UnitGrads
-from cephalo.runtime.engine.unit_shard import MicroBatch, UnitShard
-from cephalo.runtime.frozen import FrozenBase
+from cephalo.runtime.engine.unit_run import UnitRunner
 from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.state.frozen import FrozenBase
+from cephalo.runtime.state.unit_shard import MicroBatch, UnitShard
+
+
+def graph_key(u: int, mb: MicroBatch, store: BoundaryStore) -> tuple:
+    """What a unit's graph over one micro-batch saves depends on: `BackwardCharges`' key."""
+    return (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
 
 
 class UnitBackward:
-    """Recompute and backward of a unit, one micro-batch at a time (an `Engine` part)."""
+    """Recompute and backward of a unit, one micro-batch at a time. Owns nothing across
+    calls (the leaves live in the caller's `UnitGrads`). Given the ledger (transient gradients
+    are charged to it), the compute dtype, the frozen base (its parameters are no leaves), the
+    activation charges measured once per graph (`BackwardCharges`) and the unit runner."""
 
-    ledger: MemoryLedger
-    device: torch.device
-    dtype: torch.dtype
-    frozen: FrozenBase | None
-    shards: list[UnitShard]
-    _charges: BackwardCharges
-    _run_unit: Callable
-    _unit_input: Callable
-    _restore_rng: Callable
-    _head_micro_batch: Callable
+    def __init__(
+        self,
+        ledger: MemoryLedger,
+        dtype: torch.dtype,
+        frozen: FrozenBase | None,
+        charges: BackwardCharges,
+        runner: UnitRunner,
+    ):
+        self.ledger = ledger
+        self.dtype = dtype
+        self.frozen = frozen
+        self.charges = charges
+        self.runner = runner
 
     @contextlib.contextmanager
-    def _unit_graph(
+    def unit_graph(
         self,
         us: UnitShard,
         params: dict[str, torch.Tensor],
@@ -52,23 +65,23 @@ class UnitBackward:
         """Unit `us`'s forward on `x` with a graph over its trained parameters `leaves`, its
         saved activations and autograd's transient gradients charged as its backward holds
         them; yields the output, whose backward the caller runs inside (the recompute of
-        `_backward_micro_batch`, the fused tail's last block, runtime/engine/tail_pass.py)."""
+        `micro_batch`, the fused tail's last block, runtime/engine/tail_pass.py)."""
         param_grad = largest_grad_bytes(leaves.values(), self.dtype)
-        with self._charges.activations(key):
+        with self.charges.activations(key):
             with torch.enable_grad():
-                out = self._run_unit(us, {**params, **leaves}, x, mb)
+                out = self.runner.run(us, {**params, **leaves}, x, mb)
             # Autograd's transient gradients are not saved tensors, so the ledger does not
             # see them. At a backward's peak, the gradient w.r.t. the largest saved tensor
             # coexists with the gradient it produces (the head: d log-probs and d logits,
             # each the size of the saved log-probs) or with a parameter's gradient: charge
-            # the larger (runtime/engine/autograd.py, measured once per key).
-            transient = self._charges.transient(key, out, param_grad)
+            # the larger (runtime/autograd.py, measured once per key).
+            transient = self.charges.transient(key, out, param_grad)
             self.ledger.charge("grad_transient", transient)
             yield out
             del out
         self.ledger.release("grad_transient", transient)
 
-    def _leaves(
+    def leaves(
         self, us: UnitShard, params: dict[str, torch.Tensor], grads: UnitGrads
     ) -> dict[str, torch.Tensor]:
         """The unit's trained parameters as autograd leaves, each draining its gradient into
@@ -99,32 +112,27 @@ class UnitBackward:
         grads.leaves = leaves
         return leaves
 
-    def _backward_micro_batch(
+    def micro_batch(
         self,
         us: UnitShard,
         params: dict[str, torch.Tensor],
         mb: MicroBatch,
         j: int,
         store: BoundaryStore,
-        head_grad: float,
         grads: UnitGrads,
-    ) -> torch.Tensor | None:
-        """Micro-batch j of unit u: its recompute with a graph (the random generators as its
+    ) -> None:
+        """Micro-batch j of block u: its recompute with a graph (the random generators as its
         forward left them) and its backward from the output gradient stored at (u + 1, j); the
-        input gradient replaces the input at (u, j). The head (`_head_micro_batch`) returns
-        its loss sum; a block returns None."""
+        input gradient replaces the input at (u, j)."""
         u = us.index
-        leaves = self._leaves(us, params, grads)
-        key = (u, tuple(mb.input_ids.shape), mb.position_ids is None, store.offload)
-        if u == len(self.shards) - 1:
-            out_grad = torch.full((), head_grad, dtype=torch.float32, device=self.device)
-            return self._head_micro_batch(us, leaves, params, mb, j, store, out_grad, key)
-        with self._unit_input(store, u, j, mb) as x_in:
+        leaves = self.leaves(us, params, grads)
+        key = graph_key(u, mb, store)
+        with self.runner.unit_input(store, u, j, mb) as x_in:
             x = x_in if u == 0 else x_in.detach().requires_grad_()
-            self._restore_rng(mb.rng[u])
+            self.runner.restore_rng(mb.rng[u])
             with (
                 store.loaded((u + 1, j)) as gout,
-                self._unit_graph(us, params, leaves, x, mb, key) as out,
+                self.unit_graph(us, params, leaves, x, mb, key) as out,
                 torch.enable_grad(),
             ):
                 inputs = ([x] if u > 0 else []) + list(leaves.values())
@@ -134,4 +142,3 @@ class UnitBackward:
             if u > 0:
                 store.put((u, j), x.grad)  # replaces the input: unit u-1's output gradient
                 x.grad = None
-        return None

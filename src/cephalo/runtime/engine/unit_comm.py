@@ -1,8 +1,8 @@
 """The engine's per-unit collectives: a unit's all-gather in compute dtype (with the tied
 parameters it borrows and its frozen base), its fp32 gradient buffers and their
 reduce-scatters into the owners' gradient shards (the device part added in place, the host
-part sent down to the host gradient). `UnitComm` is a part of `Engine` (runtime/engine/engine.py):
-the attributes it declares are the engine's."""
+part sent down to the host gradient). `UnitCollectives` is a part the engine
+(runtime/engine/engine.py) and its passes hold; it is given what it uses."""
 
 from __future__ import annotations
 
@@ -13,17 +13,18 @@ from dataclasses import dataclass, field
 import torch
 
 from cephalo.runtime.collectives.comm import Comm, Handle
-from cephalo.runtime.engine.unit_shard import UnitShard
-from cephalo.runtime.frozen import FrozenBase, FrozenGathered
-from cephalo.runtime.host_state import HostLink
+from cephalo.runtime.engine.step_clock import StepClock
 from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.state.frozen import FrozenBase, FrozenGathered
+from cephalo.runtime.state.host_state import HostLink
+from cephalo.runtime.state.unit_shard import UnitShard
 
 
 @dataclass
 class UnitGrads:
-    """A unit's fp32 gradient buffers for one backward (`UnitComm._grad_buffers`): its own,
+    """A unit's fp32 gradient buffers for one backward (`UnitCollectives.grad_buffers`): its own,
     those of the tied parameters it borrows, and the slots written so far (the buffers are not
-    zeroed: a slot's first gradient is copied in, `runtime/engine/autograd.py` `drain_first`)."""
+    zeroed: a slot's first gradient is copied in, `runtime/autograd.py` `drain_first`)."""
 
     acc: torch.Tensor
     tied: list[torch.Tensor]
@@ -85,28 +86,46 @@ class Reduce:
     """Where the elements [lo, hi) start in `part` (padded-even: this rank's offset)."""
 
 
-class UnitComm:
-    """All-gathers and reduce-scatters of units, timed into `_comm_wait_s` (an `Engine` part)."""
+class UnitCollectives:
+    """All-gathers and reduce-scatters of units and the step's all-reduces, their host time
+    counted into the step's `StepClock`.
 
-    comm: Comm
-    """The shard group's collectives."""
-    world: Comm
-    """Every rank (the token count, the loss and the gradient norm)."""
-    ledger: MemoryLedger
-    device: torch.device
-    dtype: torch.dtype
-    frozen: FrozenBase | None
-    link: HostLink
-    _comm_wait_s: float
-    _device_grad: Callable[[UnitShard], torch.Tensor]
-    """The device part's gradient shard of a unit (a lean rank allocates it on first use)."""
+    Owns nothing that outlives a call but the buffers it hands out (gathered units, gradient
+    buffers, reduce-scatter outputs: ledger buffers its `release` / `finish_reduce` free).
+    Given: the shard group's and every rank's comms, the ledger, the compute device and dtype,
+    the frozen base (LoRA / QLoRA, or None), the host link (host-held gradient pieces go down
+    through it), the clock, and `device_grad`, which gives the device part's gradient shard of
+    a unit (a lean rank allocates it on first use: runtime/engine/shard_update.py `GradShards`)."""
 
-    def _wait(self, handle: Handle) -> None:
-        t0 = time.perf_counter()
-        handle.wait()
-        self._comm_wait_s += time.perf_counter() - t0
+    def __init__(
+        self,
+        comm: Comm,
+        world: Comm,
+        ledger: MemoryLedger,
+        device: torch.device,
+        dtype: torch.dtype,
+        frozen: FrozenBase | None,
+        link: HostLink,
+        clock: StepClock,
+        device_grad: Callable[[UnitShard], torch.Tensor],
+    ):
+        self.comm = comm
+        """The shard group's collectives."""
+        self.world = world
+        """Every rank (the token count, the loss and the gradient norm)."""
+        self.ledger = ledger
+        self.device = device
+        self.dtype = dtype
+        self.frozen = frozen
+        self.link = link
+        self.clock = clock
+        self.device_grad = device_grad
 
-    def _start_gather(self, us: UnitShard, async_op: bool) -> Gathered:
+    def wait(self, handle: Handle) -> None:
+        """Wait for a collective (the time blocked counted as communication)."""
+        self.clock.wait(handle)
+
+    def start_gather(self, us: UnitShard, async_op: bool) -> Gathered:
         """All-gather a unit (and the tied parameters it borrows) in compute dtype. World size
         1 in fp32: the gathered unit is its shard itself (the comm sees out == shard: no copy)."""
         owned = not (self.comm.world_size == 1 and us.param_buf is not None)
@@ -120,7 +139,7 @@ class UnitComm:
         t0 = time.perf_counter()
         frozen = self.frozen.start_gather(us.index, async_op) if self.frozen else None
         if us.layout.numel:  # (a LoRA unit may have no trained parameters)
-            handles.append(self._gather_piece(flat, us, 0, us.size, us.sizes, async_op, True))
+            handles.append(self.gather_piece(flat, us, 0, us.size, us.sizes, async_op, True))
         for b in us.borrows:
             buf = (
                 self.ledger.alloc("gathered", b.slot.numel, self.dtype, device=self.device)
@@ -129,13 +148,13 @@ class UnitComm:
             )
             tied.append(buf)
             handles.append(
-                self._gather_piece(buf, b.owner, b.local[0], b.local[1], b.sizes, async_op)
+                self.gather_piece(buf, b.owner, b.local[0], b.local[1], b.sizes, async_op)
             )
         if not async_op:
-            self._comm_wait_s += time.perf_counter() - t0
+            self.clock.comm_wait_s += time.perf_counter() - t0
         return Gathered(us, flat, tied, handles, frozen, owned)
 
-    def _gather_piece(
+    def gather_piece(
         self,
         out: torch.Tensor,
         us: UnitShard,
@@ -175,19 +194,19 @@ class UnitComm:
         self.ledger.free(shard)
         return handle
 
-    def _finish_gather(self, g: Gathered) -> dict[str, torch.Tensor]:
+    def finish_gather(self, g: Gathered) -> dict[str, torch.Tensor]:
         for h in g.handles + (g.frozen.handles if g.frozen else []):
-            self._wait(h)
-        params = g.params(self._straddler)
+            self.wait(h)
+        params = g.params(self.straddler)
         if g.frozen is None:
             return params
         return {**self.frozen.params(g.frozen), **params}
 
-    def _straddler(self, numel: int) -> torch.Tensor:
+    def straddler(self, numel: int) -> torch.Tensor:
         """A buffer for a gathered parameter that straddles padding (runtime/collectives/padded.py)."""
         return self.ledger.alloc("gathered", numel, self.dtype, device=self.device)
 
-    def _release(self, g: Gathered) -> None:
+    def release(self, g: Gathered) -> None:
         if g.owned:
             self.ledger.free(g.flat)
             for buf in g.tied + g.copies:
@@ -195,7 +214,7 @@ class UnitComm:
         if g.frozen is not None:
             self.frozen.release(g.frozen)
 
-    def _start_reduce(
+    def start_reduce(
         self,
         us: UnitShard,
         lo: int,
@@ -205,7 +224,7 @@ class UnitComm:
         whole: bool = False,
     ) -> Reduce:
         """Start: the gradient of elements [lo, hi) of this rank's shard of `us` += this rank's
-        piece of the sum over ranks of `full` (fp32, a ledger buffer `_finish_reduce` frees;
+        piece of the sum over ranks of `full` (fp32, a ledger buffer `finish_reduce` frees;
         `whole`: the unit's own gradient, padded where its split is, runtime/collectives/padded.py)."""
         padded, at, n = us.padded if whole else None, 0, hi - lo
         if padded is not None:
@@ -218,19 +237,15 @@ class UnitComm:
         if full.numel() == 0:  # a unit without trained parameters (LoRA): nothing to reduce
             return Reduce(Handle(), part, us, lo, hi, full, at)
         handle = self.comm.reduce_scatter_v(part, full, sizes, async_op=True)
-        self._comm_wait_s += time.perf_counter() - t0  # the call itself (and any validation)
+        self.clock.comm_wait_s += time.perf_counter() - t0  # the call itself (and any validation)
         return Reduce(handle, part, us, lo, hi, full, at)
 
-    def _trains(self, us: UnitShard) -> bool:
-        """The unit has trained parameters (a LoRA unit may have only frozen ones)."""
-        return us.layout.numel > 0 or bool(us.borrows)
-
-    def _finish_reduce(self, r: Reduce) -> None:
-        self._wait(r.handle)
+    def finish_reduce(self, r: Reduce) -> None:
+        self.wait(r.handle)
         us, d = r.unit, r.unit.dev_n
         part = r.part[r.at : r.at + r.hi - r.lo]  # (the padding's gradient is dropped here)
         if min(r.hi, d) > r.lo:
-            self._device_grad(us)[r.lo : min(r.hi, d)].add_(part[: min(r.hi, d) - r.lo])
+            self.device_grad(us)[r.lo : min(r.hi, d)].add_(part[: min(r.hi, d) - r.lo])
         if r.hi > max(r.lo, d):
             # the host part goes down to the host gradient (CUDA: on the side stream, while
             # the next unit's backward runs)
@@ -245,15 +260,15 @@ class UnitComm:
         # and let the buffers die now (a name still holding this record would keep them)
         r.part = r.full = None  # type: ignore[assignment]
 
-    def _all_reduce(self, t: torch.Tensor) -> None:
+    def all_reduce(self, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
         self.world.all_reduce(t, "sum")
-        self._comm_wait_s += time.perf_counter() - t0
+        self.clock.comm_wait_s += time.perf_counter() - t0
 
-    def _grad_buffers(self, us: UnitShard) -> UnitGrads:
+    def grad_buffers(self, us: UnitShard) -> UnitGrads:
         """The fp32 gradient buffers of a unit and of the tied parameters it borrows, not
         zeroed: each parameter's first gradient is copied into its slot (`drain_first`), and
-        `_start_reduces` clears what no gradient reached, so no memset of a whole unit per
+        `start_reduces` clears what no gradient reached, so no memset of a whole unit per
         backward. A padded buffer (runtime/collectives/padded.py) is zeroed: its padding is reduced too."""
         padded = us.padded is not None
         numel = us.layout.numel if not padded else us.padded.numel
@@ -264,7 +279,7 @@ class UnitComm:
         ]
         return UnitGrads(acc, tied)
 
-    def _start_reduces(self, us: UnitShard, grads: UnitGrads) -> list[Reduce]:
+    def start_reduces(self, us: UnitShard, grads: UnitGrads) -> list[Reduce]:
         """The unit's gradient is complete: zero the slots of the parameters that got no
         gradient (one the unit's forward did not use), so the reduce-scatters sum no stale
         memory, then start them (its own and each borrowed tied parameter's)."""
@@ -275,8 +290,8 @@ class UnitComm:
         for b, t_acc in zip(us.borrows, grads.tied, strict=True):
             if b.name not in grads.written:
                 t_acc.zero_()
-        reducing = [self._start_reduce(us, 0, us.size, grads.acc, us.sizes, True)]
+        reducing = [self.start_reduce(us, 0, us.size, grads.acc, us.sizes, True)]
         for b, t_acc in zip(us.borrows, grads.tied, strict=True):
             lo, hi = b.local
-            reducing.append(self._start_reduce(b.owner, lo, hi, t_acc, b.sizes))
+            reducing.append(self.start_reduce(b.owner, lo, hi, t_acc, b.sizes))
         return reducing

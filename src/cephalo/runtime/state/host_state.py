@@ -32,9 +32,9 @@ import torch
 from torch.optim import adamw as torch_adamw
 
 from cephalo.errors import CephaloError
-from cephalo.runtime.adamw import AdamWHyper, grad_sq_sum, nonempty_grads
 from cephalo.runtime.emulation import ComputeEmulator
 from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.state.adamw import AdamWHyper, grad_sq_sum, nonempty_grads
 
 HOST_STAGING = "host/staging"
 """Ledger category of the pinned buffers a gradient piece lands in when it must be added to

@@ -1,5 +1,6 @@
 """One unit on one rank (`UnitShard`: its flat layout, its shard range, its state slices and
-the tied parameters it borrows) and one micro-batch of a step (`MicroBatch`)."""
+the tied parameters it borrows), which units train and are gathered by the backward
+(`trains`, `backward_gathers`), and one micro-batch of a step (`MicroBatch`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from cephalo.runtime.collectives.padded import PaddedSplit
-from cephalo.runtime.flat import FlatLayout, ParamSlot
-from cephalo.runtime.host_state import HostGroup
+from cephalo.runtime.state.flat import FlatLayout, ParamSlot
+from cephalo.runtime.state.host_state import HostGroup
 
 
 @dataclass
@@ -66,6 +67,17 @@ class UnitShard:
         """Host, compute dtype (not fp32): the updated host part, cast for its upload."""
         self.host_grad_written = False
         """The host gradient received a piece this step (later pieces are added to it)."""
+
+
+def trains(us: UnitShard) -> bool:
+    """The unit has trained parameters (a LoRA unit may have only frozen ones)."""
+    return us.layout.numel > 0 or bool(us.borrows)
+
+
+def backward_gathers(shards: list[UnitShard], u: int) -> bool:
+    """Whether the backward gathers unit u (not the head: its backward ran in the forward;
+    not a frozen embedding: nothing to compute)."""
+    return 0 <= u < len(shards) - 1 and (u > 0 or trains(shards[0]))
 
 
 @dataclass

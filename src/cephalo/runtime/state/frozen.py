@@ -34,8 +34,8 @@ from cephalo.modeling.nf4 import (
     quantize,
 )
 from cephalo.runtime.collectives.comm import Comm, Handle
-from cephalo.runtime.flat import overlap, shard_ranges
 from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.state.flat import overlap, shard_ranges
 
 FROZEN = "frozen"
 """Ledger category: this rank's piece of the frozen base (compute dtype or NF4 bytes)."""

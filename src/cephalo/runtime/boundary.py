@@ -8,7 +8,7 @@ staged back to the device one at a time, so the device holds O(1) of them whatev
 number of micro-batches. Every buffer goes through the ledger: `boundary` (device),
 `host/boundary` (host), `staging` (device copies of host entries while in use). On an
 emulated CPU device with a link bandwidth (`pcie=`), the host copies go through that link
-(`runtime.host_state.HostLink.copy`).
+(`runtime.state.host_state.HostLink.copy`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from cephalo.runtime.memory import MemoryLedger
 
 if TYPE_CHECKING:
-    from cephalo.runtime.host_state import HostLink
+    from cephalo.runtime.state.host_state import HostLink
 
 Key = tuple[int, int]
 

@@ -25,7 +25,7 @@ def largest_grad_bytes(leaves, dtype: torch.dtype) -> int:
 
 def drain_first(written: set[str], name: str, dst: torch.Tensor, leaf: torch.Tensor) -> None:
     """`drain_grad` into an unzeroed slot: the first gradient of `name` in this backward is
-    copied in, later ones added (`UnitComm._start_reduces` zeroes the slots no gradient
+    copied in, later ones added (`UnitCollectives.start_reduces` zeroes the slots no gradient
     reached)."""
     if name in written:
         dst.add_(leaf.grad.reshape(-1))

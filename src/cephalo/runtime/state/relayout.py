@@ -18,7 +18,7 @@ import torch
 
 from cephalo.errors import CephaloError
 from cephalo.runtime.collectives.comm import Comm
-from cephalo.runtime.flat import FlatShard, overlap
+from cephalo.runtime.state.flat import FlatShard, overlap
 
 WINDOW_ELEMS = 1 << 24
 """Elements (fp32: 64 MiB) re-laid out per all-reduce."""
