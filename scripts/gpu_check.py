@@ -53,8 +53,12 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, however loaded
+from gpu_setup import Setup  # noqa: E402
 
 SKIP = 77
 ENGINE_STEPS = 3
@@ -69,21 +73,6 @@ class Result:
     status: str
     seconds: float
     note: str
-
-
-@dataclass
-class Setup:
-    """What the checks run on: the device, the comm, and model sizes for it."""
-
-    device: torch.device
-    comm: object
-    big_model: str  # GPT-2 124M on a GPU, gpt-tiny on the CPU
-    seq: int
-    cuda: bool
-
-    @property
-    def low(self) -> str:
-        return "bf16" if self.cuda else "fp32"
 
 
 # ----------------------------------------------------------------------------- helpers

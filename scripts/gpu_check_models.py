@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from gpu_check import Setup
+    from gpu_setup import Setup
 
 
 def check_adapters(setup: Setup) -> tuple[list[str], str]:

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import Setup, _data, _engine, _sync, _vocab, plain_step  # noqa: E402
+from gpu_check import _data, _engine, _sync, _vocab, plain_step  # noqa: E402
+from gpu_setup import Setup  # noqa: E402
 
 
 def _median_step_s(setup: Setup, step: Callable[[], None], steps: int) -> float:

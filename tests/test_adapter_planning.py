@@ -227,7 +227,7 @@ def test_qlora_dequantization_moment():
     phases, lora = cq._phases(*args), cl._phases(*args)
     # QLoRA: the last block's and the one before it's dequantization; LoRA: the fused tail's
     # two moments (costmodel/rules.py), which QLoRA does not have
-    assert cq.tail_fusable is False and cl.tail_fusable is True
+    assert cq.fused_tail_possible is False and cl.fused_tail_possible is True
     assert len(phases) == len(lora)
     before_last = phases[-1]
     assert before_last["gathered"] == block.held_bytes + 20 * 32

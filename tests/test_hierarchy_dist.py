@@ -79,7 +79,7 @@ def _run(plan, cfg, data, overrides):
     full = engine.full_state_dict()
     return {
         "params": full if comm.rank in (0, 3, 4) else None,
-        "bytes_sent": engine.replicas.bytes_sent,
+        "bytes_sent": engine.group_sync.bytes_sent,
         "losses": [s.loss for s in stats],
         "norms": [s.grad_norm for s in stats],
         "sizes": [us.size for us in engine.shards],
@@ -144,12 +144,12 @@ def test_bf16_cross_group_reduce_stays_close(pool5):
 
 def _bf16_exchange(plan, numel: int, seed: int):
     """Every rank's gradient shard of one unit, random, all-reduced across the groups in bf16."""
-    from cephalo.runtime.collectives.shard_groups import Replicas
+    from cephalo.runtime.collectives.shard_groups import ShardGroupSync
     from cephalo.runtime.state.flat import shard_ranges
 
     comm = make_comm("gloo")
     full = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + r)) for r in range(5)]
-    rep = Replicas(plan, comm)
+    rep = ShardGroupSync(plan, comm)
     rep.prepare([numel, numel])
     start, size = shard_ranges(numel, rep.fractions)[rep.local_rank]
     grads = [full[comm.rank][start : start + size].clone() for _ in range(2)]

@@ -112,7 +112,7 @@ def _moments(cost_model, spec, in_flight: list[int] | None) -> list[dict[str, in
     phases = cost_model._phases("cpu", np.asarray(batch), np.asarray(micro), np.asarray(offload))
     layers = cost_model.model.num_layers
     units = sorted({layers + 1, layers, max(layers - 1, 1), 0}, reverse=True)
-    tail = 2 if cost_model.tail_fusable else 0
+    tail = 2 if cost_model.fused_tail_possible else 0
     assert len(phases) == len(units) + 1 + tail, "costmodel._phases changed: update this test"
     reducing = [u + 1 if u + 1 <= layers + 1 else None for u in units] + [None]
     reducing += [None, layers + 1] if tail else []

@@ -184,7 +184,7 @@ class MemoryModel:
                 units[u + 1].trained * GRAD_BYTES + pad_grad[u + 1] if u + 1 < len(kinds) else 0
             )
             prefetched = units[u - 1].gather_bytes + pad_gathered[u - 1] if u > 0 else 0
-            if u == L + 1 and self.tail_fusable:
+            if u == L + 1 and self.fused_tail_possible:
                 # the last block stays gathered from its forward to its backward (no second
                 # gather, runtime/engine/engine.py `_forward_pass`), as it computed
                 prefetched = units[L].held_bytes + computing[L]
@@ -248,7 +248,7 @@ class MemoryModel:
                 + computing[-1]
                 + (
                     units[-2].held_bytes + computing[-2]
-                    if self.tail_fusable
+                    if self.fused_tail_possible
                     else units[-2].gather_bytes + pad_gathered[-2]
                 ),
                 "boundary": held(L + 1, 1),
@@ -257,7 +257,7 @@ class MemoryModel:
         # the fused tail (costmodel/rules.py): on a rank that fuses, its moments replace
         # the unfused head's, last block's and end of the forward's (which hold no more)
         fused = self._fused(overlap, offload, fuse)
-        if self.tail_fusable:
+        if self.fused_tail_possible:
             unfused = np.logical_not(fused)
             for i, u in enumerate(self._backward_candidates(lean)):
                 if u >= L:
@@ -280,7 +280,7 @@ class MemoryModel:
                     "boundary": held(u + 1, 2),
                 }
             )
-        if self.tail_fusable:
+        if self.fused_tail_possible:
             phases += [{c: np.where(fused, v, 0.0) for c, v in ph.items()} for ph in tail_moments()]
         return phases
 
@@ -316,7 +316,7 @@ class MemoryModel:
         grads = [after(u) for u in self._backward_candidates(lean)] + [0]
         grads += [self.optimizer_params] if lean else []
         grads += [after(u) for u in self._dequant_candidates(lean)]
-        return grads + ([after(L + 1), after(L)] if self.tail_fusable else [])
+        return grads + ([after(L + 1), after(L)] if self.fused_tail_possible else [])
 
     def memory_without_state(
         self,

@@ -98,7 +98,7 @@ from cephalo.costmodel.host import (
 from cephalo.costmodel.layout import param_layout
 from cephalo.costmodel.memory import GRAD_BYTES, LOGIT_BYTES, MemoryModel
 from cephalo.costmodel.results import MemoryBreakdown, PlanEvaluation, RankCost
-from cephalo.costmodel.rules import rank_may_fuse, tail_fusable
+from cephalo.costmodel.rules import fused_tail_possible, rank_fuses_tail
 from cephalo.costmodel.shard_groups import CrossReduce, Links, ShardGroupCosts, cross_reduce_times
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
@@ -171,7 +171,7 @@ class CostModel(ShardGroupCosts, MemoryModel):
         """Intra- and inter-node links (None: every collective at `comm`'s bandwidth)."""
         self.cross_reduce = cross_reduce
         """The all-reduce between shard groups this model's ranks take part in (None: a flat plan)."""
-        self.tail_fusable = tail_fusable(
+        self.fused_tail_possible = fused_tail_possible(
             blocks=model.num_layers,
             moe=model.num_experts > 0,
             quantized=(adapter or AdapterSpec()).quantized,
@@ -452,7 +452,7 @@ class CostModel(ShardGroupCosts, MemoryModel):
                 backward = np.where(overlap, np.maximum(hidden, scatter), hidden + scatter)
                 forward = np.maximum(np.maximum(fwd, gather), cf)
                 compute = compute + count * (fwd + bwd)
-                if kind == "block" and self.tail_fusable:
+                if kind == "block" and self.fused_tail_possible:
                     # the last block is not gathered again for its backward; fused, not
                     # recomputed either (costmodel/rules.py)
                     own = np.where(fused, bwd - fwd, bwd)
@@ -474,7 +474,7 @@ class CostModel(ShardGroupCosts, MemoryModel):
                 forward = np.maximum(fwd + cf, gather)
                 backward = backward + grad_down
                 compute = compute + count * (fwd + bwd + cf + cb)
-                if kind == "block" and self.tail_fusable:
+                if kind == "block" and self.fused_tail_possible:
                     # the last block is not gathered again for its backward; fused, not
                     # recomputed either (costmodel/rules.py)
                     own = np.where(fused, bwd - fwd, bwd)
@@ -511,7 +511,7 @@ class CostModel(ShardGroupCosts, MemoryModel):
     def _fused(self, overlap, offload, fuse):
         """Where a rank runs the fused tail (costmodel/rules.py): the model allows it, this
         cost model's `fuse_tail`, the plan's (`fuse`) and the rank's own choices. Broadcasts."""
-        allowed = rank_may_fuse(self.tail_fusable and self.fuse_tail, overlap, offload)
+        allowed = rank_fuses_tail(self.fused_tail_possible and self.fuse_tail, overlap, offload)
         return np.logical_and(allowed, np.asarray(fuse, dtype=bool))
 
     def host_rates(self, rank: int) -> tuple[float, float, float]:

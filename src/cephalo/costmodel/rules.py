@@ -9,8 +9,8 @@ the head's loss and backward follow, then the last block's backward at once
 block forward per micro-batch less, 1/(4L) of an L-block model's compute (5.5 % of the step
 of the 4-block `gpt-small-demo`, measured).
 
-Whether a rank fuses is its own choice (`rank_may_fuse`): its collectives are the same
-either way, because where the model allows the fused tail (`tail_fusable`) every rank keeps
+Whether a rank fuses is its own choice (`rank_fuses_tail`): its collectives are the same
+either way, because where the model allows the fused tail (`fused_tail_possible`) every rank keeps
 the last block gathered from its forward to its backward, fused or not, so no rank gathers it
 a second time. (An unfused rank held the last block gathered during the head's pass anyway:
 it was prefetched there for the backward.) The ranks of a shard group must run the same
@@ -45,14 +45,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def tail_fusable(*, blocks: int, moe: bool, quantized: bool, hierarchical: bool) -> bool:
+def fused_tail_possible(*, blocks: int, moe: bool, quantized: bool, hierarchical: bool) -> bool:
     """Whether a model and plan allow the fused tail on any rank (and so every rank keeps the
     last block gathered from its forward to its backward)."""
     return blocks >= 1 and not moe and not quantized and not hierarchical
 
 
-def rank_may_fuse(fusable: bool, overlap_reduce, offload):
+def rank_fuses_tail(fusable: bool, overlap_reduce, offload):
     """Whether a rank's other choices allow the fused tail: the model and plan allow it
-    (`tail_fusable`), the rank overlaps its reduce-scatters and keeps its boundaries on the
+    (`fused_tail_possible`), the rank overlaps its reduce-scatters and keeps its boundaries on the
     device (its plan's `fuse_tail` then says whether it does). Broadcasts over numpy arrays."""
     return np.logical_and(fusable, np.logical_and(overlap_reduce, np.logical_not(offload)))

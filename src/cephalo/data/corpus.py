@@ -622,14 +622,6 @@ def default_corpus() -> list[Document]:
     return [Document(f"pydoc:{key}", topics[key]) for key in sorted(topics)]
 
 
-def corpus_checksum(documents: Iterable[Document]) -> str:
-    """sha256 of the texts in order (names excluded: renaming a file changes no token);
-    `Corpus.from_documents(documents).checksum()` is the same."""
-    h = hashlib.sha256()
-    _hash_texts(h, documents)
-    return h.hexdigest()
-
-
 def _hash_texts(h: Any, documents: Iterable[Document]) -> None:
     for doc in documents:
         data = doc.text.encode("utf-8")

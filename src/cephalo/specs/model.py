@@ -59,10 +59,6 @@ class ModelSpec:
         """Parameters a token's forward multiplies by in one block (FLOP-scaled compute)."""
         return self.active_params_per_block or self.params_per_block
 
-    @property
-    def num_units(self) -> int:
-        return self.num_layers + 2
-
     def unit_kinds(self) -> list[str]:
         return ["embedding"] + ["block"] * self.num_layers + ["head"]
 

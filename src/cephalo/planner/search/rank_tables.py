@@ -231,7 +231,7 @@ def _tables(cm: CostModel, g: RankGroup, bmax: int, allowed: SearchRegime) -> _T
     overlaps = [True, False] if allowed.serial else [True]
     # the fused tail is an option where the model allows it: faster, more memory in the
     # head's pass (costmodel/rules.py)
-    fuses = [True, False] if cm.tail_fusable and cm.fuse_tail else [True]
+    fuses = [True, False] if cm.fused_tail_possible and cm.fuse_tail else [True]
     # every (offload, overlap, fuse) choice in one evaluation: axes b, m, offload, overlap, fuse
     o_axis = np.array(offs)[None, None, :, None, None]
     ov_axis = np.array(overlaps)[None, None, None, :, None]

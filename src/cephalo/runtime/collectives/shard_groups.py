@@ -124,7 +124,7 @@ def owner_segments(
     return out
 
 
-class Replicas:
+class ShardGroupSync:
     """This rank's shard group, its sub-communicator, and the cross-group gradient all-reduce."""
 
     def __init__(
@@ -134,7 +134,7 @@ class Replicas:
         inter_node_bytes_per_s: float | None = None,
     ):
         if not plan.hierarchical:
-            raise CephaloError("Replicas is for hierarchical plans (several shard groups)")
+            raise CephaloError("ShardGroupSync is for hierarchical plans (several shard groups)")
         self.plan = plan
         self.world = world
         self.groups = plan.groups
@@ -188,7 +188,7 @@ class Replicas:
     def _segments_of(self, unit: int) -> list[_Segment]:
         if unit not in self._segments:
             raise CephaloError(
-                f"internal: unit {unit}'s cross-group segments were not prepared (Replicas.prepare)"
+                f"internal: unit {unit}'s cross-group segments were not prepared (ShardGroupSync.prepare)"
             )
         return self._segments[unit]
 
@@ -286,20 +286,20 @@ class Replicas:
         return self.wait_s
 
 
-def attach_replicas(
+def attach_shard_group_sync(
     plan: Plan, world: Comm, inter_node_bytes_per_s: float | None = None
-) -> Replicas | None:
-    """The `Replicas` of a hierarchical plan (every rank calls it: it creates the groups), else None."""
+) -> ShardGroupSync | None:
+    """The `ShardGroupSync` of a hierarchical plan (every rank calls it: it creates the groups), else None."""
     if not plan.hierarchical:
         return None
-    return Replicas(plan, world, inter_node_bytes_per_s)
+    return ShardGroupSync(plan, world, inter_node_bytes_per_s)
 
 
 def saved_state(engine) -> list:
     """What this rank writes into a checkpoint: its shards, or nothing outside the first shard
     group (every group holds the same replica; the logical layout needs each element once). Every
     rank still loads its own ranges, so a checkpoint resumes under any plan, flat or not."""
-    if engine.replicas is not None and engine.replicas.index != 0:
+    if engine.group_sync is not None and engine.group_sync.index != 0:
         return []
     return engine.sharded_state()
 

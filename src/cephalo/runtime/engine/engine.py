@@ -146,8 +146,8 @@ class Engine:
             comm.validate = config.validate_collectives
         self.world = comm
         """Every rank: the token count, the loss and the gradient norm (`comm`: the shard group's)."""
-        self.comm, self.replicas = attach_shard_groups(plan, comm, config)
-        """`comm`: this rank's shard group's collectives. `replicas`: hierarchical plans, the
+        self.comm, self.group_sync = attach_shard_groups(plan, comm, config)
+        """`comm`: this rank's shard group's collectives. `group_sync`: hierarchical plans, the
         all-reduce between groups (runtime/collectives/shard_groups.py); None for a flat plan."""
         self.device = device = compute_device(config, self.comm)
         self.dtype = dtype = compute_dtype(config.compute_dtype or plan.dtype)
@@ -184,7 +184,7 @@ class Engine:
             model,
             plan,
             self.comm,
-            self.replicas,
+            self.group_sync,
             config,
             ledger,
             device,
@@ -194,16 +194,16 @@ class Engine:
         )
         """`shards`: every unit on this rank (runtime/state/unit_shard.py). `frozen`: the parameters
         that do not train (a LoRA / QLoRA base, runtime/state/frozen.py); None if all train."""
-        self.keep_last, self.fuse_tail = plan_tail(
-            model, config, rp, self.replicas is not None, self.overlap_reduce, self.offload
+        self.fused_tail_possible, self.fuse_tail = plan_tail(
+            model, config, rp, self.group_sync is not None, self.overlap_reduce, self.offload
         )
-        """`keep_last`: the last block stays gathered from its forward to its backward (every
+        """`fused_tail_possible`: the last block stays gathered from its forward to its backward (every
         rank alike). `fuse_tail`: it runs in the head's pass (costmodel/rules.py)."""
         self._boundaries = apply_offload(
             config, ledger, device, self.offload, self.link, self.boundary_host_bytes()
         )
         """Boundary activations of the step in flight (empty between steps)."""
-        self.optimizer = build_optimizer(self.shards, config, self.replicas)
+        self.optimizer = build_optimizer(self.shards, config, self.group_sync)
         self.host_optimizer, hosted = apply_host_state(self.shards, config)
         """AdamW of the host-held parts (None: all state on the device)."""
         self.grads = GradShards(ledger, device, self.shards, self.optimizer, self.lean_grads)
@@ -247,11 +247,11 @@ class Engine:
             self.head,
             self.tail,
             self.clock,
-            self.replicas,
+            self.group_sync,
             self.grads.device_grad,
             mode=config.mode,
             prefetch=config.prefetch,
-            keep_last=self.keep_last,
+            fused_tail_possible=self.fused_tail_possible,
             fuse_tail=self.fuse_tail,
             overlap_reduce=self.overlap_reduce,
         )
@@ -264,7 +264,7 @@ class Engine:
             self.clock,
             self.link,
             self.scaler,
-            self.replicas,
+            self.group_sync,
             config.grad_clip,
         )
         self._validated: set[str] = set()

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from cephalo.costmodel.rules import rank_may_fuse, tail_fusable
+from cephalo.costmodel.rules import fused_tail_possible, rank_fuses_tail
 from cephalo.modeling.units import UnitModel
 from cephalo.planner.plan import Plan, RankPlan
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.collectives.padded import PaddedSplit
-from cephalo.runtime.collectives.shard_groups import Replicas, SlowLinkComm, attach_replicas
+from cephalo.runtime.collectives.shard_groups import (
+    ShardGroupSync,
+    SlowLinkComm,
+    attach_shard_group_sync,
+)
 from cephalo.runtime.engine.config import EngineConfig
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.state.adamw import ShardedAdamW, ShardGroup
@@ -31,13 +35,13 @@ from cephalo.runtime.state.unit_shard import Borrow, UnitShard
 
 def attach_shard_groups(
     plan: Plan, comm: Comm, config: EngineConfig
-) -> tuple[Comm, Replicas | None]:
+) -> tuple[Comm, ShardGroupSync | None]:
     """The comm of this rank's shard group and, for a hierarchical plan, the all-reduce between
     groups (runtime/collectives/shard_groups.py; None for a flat plan). Every rank calls it: it creates the
     groups. A flat plan across emulated slow nodes gets its rings slowed (`SlowLinkComm`)."""
-    replicas = attach_replicas(plan, comm, config.inter_node_bytes_per_s)
-    if replicas is not None:
-        return replicas.group_comm, replicas
+    group_sync = attach_shard_group_sync(plan, comm, config.inter_node_bytes_per_s)
+    if group_sync is not None:
+        return group_sync.group_comm, group_sync
     if config.inter_node_bytes_per_s:  # an emulated flat ring across slow nodes
         return SlowLinkComm(comm, config.inter_node_bytes_per_s), None  # type: ignore[return-value]
     return comm, None
@@ -57,7 +61,7 @@ def build_shards(
     model: UnitModel,
     plan: Plan,
     comm: Comm,
-    replicas: Replicas | None,
+    group_sync: ShardGroupSync | None,
     config: EngineConfig,
     ledger: MemoryLedger,
     device: torch.device,
@@ -78,7 +82,7 @@ def build_shards(
     for unit_name, pname, p in model.named_unit_parameters():
         owned.setdefault(index_of[unit_name], []).append((pname, p))
         owner_of[id(p)] = (index_of[unit_name], pname)
-    fractions = replicas.fractions if replicas else plan.state_fractions
+    fractions = group_sync.fractions if group_sync else plan.state_fractions
     padded = config.padded_collectives
     padded = comm.even_gather if padded is None else padded
     shards: list[UnitShard] = []
@@ -119,8 +123,8 @@ def build_shards(
         )
         del full  # before the next unit's values exist: at most two units at a time
         shards.append(us)
-    if replicas is not None:  # every rank: the owners' sub-groups of every unit
-        replicas.prepare([us.layout.numel for us in shards])
+    if group_sync is not None:  # every rank: the owners' sub-groups of every unit
+        group_sync.prepare([us.layout.numel for us in shards])
     for i, unit in enumerate(model.units):
         for pname, p in unit.module.named_parameters():
             owner_index, owner_name = owner_of[id(p)]
@@ -226,23 +230,24 @@ def plan_tail(
     overlap_reduce: bool,
     offload: bool,
 ) -> tuple[bool, bool]:
-    """(keep_last, fuse_tail): whether the last block stays gathered from its forward to its
-    backward (every rank alike: the ranks' collectives must match), and whether this rank
-    runs it in the head's pass (costmodel/rules.py)."""
-    fusable = tail_fusable(
+    """(fused_tail_possible, fuse_tail): whether the fused tail is possible here, so that the
+    last block stays gathered from its forward to its backward (every rank alike: the ranks'
+    collectives must match), and whether this rank runs it in the head's pass
+    (costmodel/rules.py)."""
+    fusable = fused_tail_possible(
         blocks=len(model.units) - 2,
         moe=model.spec.num_experts > 0,
         quantized=bool(model.quantized_parameters),
         hierarchical=hierarchical,
     )
-    keep_last = config.mode == "lga" and fusable
+    possible = config.mode == "lga" and fusable  # LGA: the backward follows the whole forward
     fuse_tail = bool(
         config.fuse_tail
         and rank_plan.fuse_tail
-        and keep_last
-        and rank_may_fuse(fusable, overlap_reduce, offload)
+        and possible
+        and rank_fuses_tail(fusable, overlap_reduce, offload)
     )
-    return keep_last, fuse_tail
+    return possible, fuse_tail
 
 
 def boundary_host_bytes(
@@ -287,7 +292,7 @@ def apply_offload(
 
 
 def build_optimizer(
-    shards: list[UnitShard], config: EngineConfig, replicas: Replicas | None
+    shards: list[UnitShard], config: EngineConfig, group_sync: ShardGroupSync | None
 ) -> ShardedAdamW:
     """AdamW over the device part of every unit's shard (weight decay on its decayed
     segments)."""
@@ -303,10 +308,10 @@ def build_optimizer(
             for us in shards
         ],
         config.adamw,
-        # replicas in several shard groups must stay bit-identical: the fused CPU kernel
+        # the shard groups' copies of the state must stay bit-identical: the fused CPU kernel
         # rounds an element differently in its vector body and in its tail, which fall at
         # other elements under another group's shard boundaries
-        config.adamw_kernel or ("single" if replicas is not None else None),
+        config.adamw_kernel or ("single" if group_sync is not None else None),
     )
 
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from cephalo.log import logger
-from cephalo.runtime.collectives.shard_groups import Replicas
+from cephalo.runtime.collectives.shard_groups import ShardGroupSync
 from cephalo.runtime.engine.step_clock import StepClock
 from cephalo.runtime.engine.unit_comm import UnitCollectives
 from cephalo.runtime.memory import MemoryLedger
@@ -67,7 +67,7 @@ class ShardUpdate:
     state is theirs. Given the device optimizer and the host one (None: all state on the
     device) with the units that have a host part, the gradient shards, the collectives (the
     one all-reduce), the clock, the host link (gradients down, parameters up), the fp16 loss
-    scaler (None), the shard groups' all-reduce (`replicas`, None for a flat plan) and the
+    scaler (None), the shard groups' all-reduce (`group_sync`, None for a flat plan) and the
     clipping threshold (0 / None: no clipping)."""
 
     def __init__(
@@ -80,7 +80,7 @@ class ShardUpdate:
         clock: StepClock,
         link: HostLink,
         scaler: DynamicLossScaler | None,
-        replicas: Replicas | None,
+        group_sync: ShardGroupSync | None,
         grad_clip: float | None,
     ):
         self.optimizer = optimizer
@@ -91,7 +91,7 @@ class ShardUpdate:
         self.clock = clock
         self.link = link
         self.scaler = scaler
-        self.replicas = replicas
+        self.group_sync = group_sync
         self.grad_clip = grad_clip
 
     @torch.no_grad()
@@ -103,8 +103,8 @@ class ShardUpdate:
         self.link.sync()  # every host gradient piece has arrived
         for us in self.grads.shards:  # (lean: a unit no reduce-scatter reached: zero gradient)
             self.grads.device_grad(us)
-        if self.replicas is not None:  # once per step: sum the groups' gradient shards
-            clock.comm_wait_s += self.replicas.reduce_engine_grads(
+        if self.group_sync is not None:  # once per step: sum the groups' gradient shards
+            clock.comm_wait_s += self.group_sync.reduce_engine_grads(
                 self.grads.shards, self.grads.device_grad
             )
         with clock.optimizer_work():
@@ -119,8 +119,8 @@ class ShardUpdate:
             red[0] += host_opt.grad_sq_sum().to(red.device)
             clock.host_s += time.perf_counter() - t0
         self.collectives.all_reduce(red)
-        if self.replicas is not None:  # every group holds the same, whole gradient
-            red[0] /= len(self.replicas.groups)
+        if self.group_sync is not None:  # every group holds the same, whole gradient
+            red[0] /= len(self.group_sync.groups)
         if self.scaler is None and host_opt is None and opt.kernel == "fused":
             with clock.optimizer_work():
                 self.device_step(red, lr)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from cephalo.runtime.boundary import BoundaryStore
-from cephalo.runtime.collectives.shard_groups import Replicas
+from cephalo.runtime.collectives.shard_groups import ShardGroupSync
 from cephalo.runtime.engine.head_pass import HeadPass
 from cephalo.runtime.engine.step_clock import StepClock
 from cephalo.runtime.engine.step_state import StepState
@@ -26,9 +26,9 @@ from cephalo.runtime.state.unit_shard import MicroBatch, UnitShard, backward_gat
 class StepPasses:
     """The forward and backward passes of a step. Owns no state across steps (a step's state
     is its `StepState`). Given: the unit shards; the parts it calls (collectives, unit runner,
-    unit backward, head pass, fused tail, clock); the shard groups' all-reduce (`replicas`,
+    unit backward, head pass, fused tail, clock); the shard groups' all-reduce (`group_sync`,
     None for a flat plan) with `device_grad`, the device part's gradient shard it starts
-    from; and this rank's choices: `mode` ("lga" or "standard"), `prefetch`, `keep_last`
+    from; and this rank's choices: `mode` ("lga" or "standard"), `prefetch`, `fused_tail_possible`
     (the last block stays gathered from its forward to its backward), `fuse_tail` (it runs in
     the head's pass) and `overlap_reduce`."""
 
@@ -41,12 +41,12 @@ class StepPasses:
         head: HeadPass,
         tail: TailPass,
         clock: StepClock,
-        replicas: Replicas | None,
+        group_sync: ShardGroupSync | None,
         device_grad: Callable[[UnitShard], torch.Tensor],
         *,
         mode: str,
         prefetch: bool,
-        keep_last: bool,
+        fused_tail_possible: bool,
         fuse_tail: bool,
         overlap_reduce: bool,
     ):
@@ -57,11 +57,11 @@ class StepPasses:
         self.head = head
         self.tail = tail
         self.clock = clock
-        self.replicas = replicas
+        self.group_sync = group_sync
         self.device_grad = device_grad
         self.mode = mode
         self.prefetch = prefetch
-        self.keep_last = keep_last
+        self.fused_tail_possible = fused_tail_possible
         self.fuse_tail = fuse_tail
         self.overlap_reduce = overlap_reduce
 
@@ -81,7 +81,7 @@ class StepPasses:
         state = StepState()
         loss_sum = torch.zeros((), dtype=torch.float32, device=coll.device)
         n = len(self.shards)
-        keep = head_grad is not None and self.keep_last
+        keep = head_grad is not None and self.fused_tail_possible
         fuse = keep and self.fuse_tail
         tail = None  # fused: the last block, kept gathered for the head's pass
         pending = coll.start_gather(self.shards[0], async_op=self.prefetch)
@@ -187,9 +187,9 @@ class StepPasses:
             # the previous unit's reduce-scatters ran while this unit's backward computed
             for r in reducing:
                 coll.finish_reduce(r)
-            if self.replicas is not None and self.mode == "lga":
+            if self.group_sync is not None and self.mode == "lga":
                 # complete: its all-reduce can start
-                self.replicas.unit_final(self.shards, self.device_grad, u + 1)
+                self.group_sync.unit_final(self.shards, self.device_grad, u + 1)
             reducing = coll.start_reduces(us, grads)
             # the reduce-scatters hold the buffers now: no name here may keep them alive into
             # the next unit's backward once `finish_reduce` has freed them in the ledger
@@ -200,5 +200,5 @@ class StepPasses:
                 reducing = []
         for r in reducing:
             coll.finish_reduce(r)
-        if self.replicas is not None and self.mode == "lga":
-            self.replicas.unit_final(self.shards, self.device_grad, 0)
+        if self.group_sync is not None and self.mode == "lga":
+            self.group_sync.unit_final(self.shards, self.device_grad, 0)

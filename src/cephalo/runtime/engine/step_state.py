@@ -27,7 +27,7 @@ class StepState:
     backward ran in the head's pass (None: the tail is not fused, the backward runs the last
     block itself)."""
     kept_last: tuple[Gathered, dict[str, torch.Tensor]] | None = None
-    """Unfused with `keep_last`: the last block as gathered in the forward, with its parameter
+    """Unfused with `fused_tail_possible`: the last block as gathered in the forward, with its parameter
     views, for its backward (not gathered again)."""
     backward_prefetch: Gathered | None = None
     """The backward's first gather, started during the head pass so it overlaps it (unfused:
