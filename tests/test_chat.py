@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cephalo.data.chat import ChatRenderer, Record
-from cephalo.data.chat_data import DocumentBatches, open_batches, prepare_chat_dataset
+from cephalo.data.chat_data import DocumentBatches, prepare_chat_dataset
+from cephalo.data.job import open_batches
 from cephalo.data.packing import best_fit_decreasing, piece_bounds
 from cephalo.errors import CephaloError
 from cephalo.modeling.units import IGNORE_INDEX

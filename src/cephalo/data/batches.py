@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import operator
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -20,6 +21,45 @@ from cephalo.errors import CephaloError
 
 
 # ----------------------------------------------------------------------------- batches
+class Batches(Protocol):
+    """What the trainer reads of a dataset's batches, text (`GlobalBatches`) or chat
+    (`chat_data.DocumentBatches`) alike: step t's global batch is a pure function of t (no
+    iterator state), ranks read their consecutive slice of it, and the validation batches are
+    fixed. Positions are per-document position ids of packed chat samples, else None."""
+
+    seq_len: int
+    global_batch_size: int
+    window: int
+    """Tokens a sample spans in its token file (seq_len + 1 for text: the shifted label)."""
+    vocab_size: int
+    num_train_windows: int
+    num_val_windows: int
+    steps_per_epoch: int
+
+    @property
+    def tokens_per_step(self) -> int: ...
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rank_slice(
+        self, step: int, offset: int, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rank_positions(self, step: int, offset: int, size: int) -> torch.Tensor | None: ...
+
+    def num_val_batches(self, batch_size: int) -> int: ...
+
+    def val_batch(
+        self, index: int, batch_size: int, offset: int = 0, size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def val_positions(
+        self, index: int, batch_size: int, offset: int = 0, size: int | None = None
+    ) -> torch.Tensor | None: ...
+
+    def describe(self) -> str: ...
+
+
 class EpochOrder:
     """Which training windows each step's global batch takes: every epoch visits the
     `num_windows` windows in a permutation seeded by (seed, epoch), `global_batch_size` per

@@ -36,7 +36,7 @@ import torch
 from cephalo import envvars
 from cephalo.costmodel.host import check_host_memory
 from cephalo.costmodel.model import CostModel
-from cephalo.data.chat_data import open_batches, resolve_job_dataset
+from cephalo.data.job import open_batches, resolve_job_dataset
 from cephalo.errors import CephaloError
 from cephalo.log import init_logging, logger
 from cephalo.modeling.lora import adapter_settings, apply_adapter
