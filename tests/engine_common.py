@@ -3,6 +3,11 @@ tests/reference.py driven by an engine config, and the parameter comparison."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -10,6 +15,7 @@ from cephalo.modeling.units import IGNORE_INDEX
 from cephalo.planner.makers import manual_plan
 from cephalo.planner.plan import Plan
 from cephalo.runtime.engine.engine import EngineConfig
+from equivalence import NoiseFloor, ReorderedGemm, perturb_one_gradient
 from reference import OptimConfig, model_factory, train_reference
 
 # AdamW eps for the equivalence tests. Some gradients are exactly zero in exact arithmetic
@@ -69,6 +75,104 @@ def optim_config(cfg: EngineConfig, lr: float = LR) -> OptimConfig:
 def run_reference(model: str, overrides: dict, data, cfg: EngineConfig):
     """`train_reference` (one process, whole global batch) for an engine config."""
     return train_reference(model_factory(model, cfg.seed, **overrides), data, optim_config(cfg))
+
+
+def noise_splits(batch: int) -> list[list[int] | None]:
+    """The equivalent fp32 orderings of one global batch that `reference_floor` measures:
+    the whole batch at once, in two uneven gradient-accumulated halves, one row at a time."""
+    splits: list[list[int] | None] = [None]
+    if batch >= 2:
+        splits.append([batch - batch // 2, batch // 2])
+    if batch >= 3:
+        splits.append([1] * batch)
+    if len(splits) < 2:  # one row: the row's sequence cannot be split; take another thread count
+        splits.append(None)
+    return splits
+
+
+def measure_floor(
+    train: Callable[..., object],
+    batch: int,
+    fp64: bool = True,
+    splits: list[list[int] | None] | None = None,
+) -> NoiseFloor:
+    """The `equivalence.NoiseFloor` of a reference trainer: `train(dtype=..., micro_batches=...)`
+    returns a run (losses, grad_norms, params). Truth = its fp64 run (`fp64=False`: its fp32
+    whole-batch run, where the model cannot run in fp64); variants = its fp32 runs in the
+    `noise_splits(batch)` orderings (or `splits`; a repeated None: another thread count) and
+    its whole-batch run with every GEMM summed in another order (`ReorderedGemm`)."""
+    truth = train(dtype=torch.float64 if fp64 else torch.float32, micro_batches=None)
+    with ReorderedGemm(chunks=2):  # another GEMM kernel's summation order
+        variants = [train(dtype=torch.float32, micro_batches=None)]
+    for k, split in enumerate(noise_splits(batch) if splits is None else splits):
+        threads = torch.get_num_threads()
+        if k and split is None:
+            torch.set_num_threads(2 if threads == 1 else 1)
+        try:
+            variants.append(train(dtype=torch.float32, micro_batches=split))
+        finally:
+            torch.set_num_threads(threads)
+    return NoiseFloor.measure(truth, variants)
+
+
+def reference_floor(
+    model: str, overrides: dict, data, cfg: EngineConfig, lr=LR, steps: int | None = None
+) -> NoiseFloor:
+    """`measure_floor` of `train_reference` (one process, the whole global batch) on `data`
+    under an engine config; its `truth` is the fp64 run."""
+    factory = model_factory(model, cfg.seed, **overrides)
+    opt = optim_config(cfg, lr)
+    return measure_floor(
+        functools.partial(train_reference, factory, data, opt, steps=steps), data[0][0].shape[0]
+    )
+
+
+def transformers_floor(directory: str, data, cfg: EngineConfig, clip_to_first_norm: float = 0.8):
+    """`measure_floor` of plain transformers (`reference.train_transformers`) on `data`,
+    clipped at `clip_to_first_norm` x the fp32 run's first gradient norm (families' gradient
+    scales differ: logit scaling). Truth: transformers in fp64 (its fp32 islands, RMSNorm and
+    rotary tables, stay fp32). Returns (floor, `cfg` with that clip for the engine)."""
+    from reference import train_transformers
+
+    clip = train_transformers(directory, data, optim_config(cfg), 1, clip_to_first_norm).grad_clip
+    cfg = dataclasses.replace(cfg, grad_clip=clip)
+    train = functools.partial(train_transformers, directory, data, optim_config(cfg))
+    return measure_floor(train, data[0][0].shape[0]), cfg
+
+
+@contextlib.contextmanager
+def gradient_mutation(enabled: bool = True):
+    """While active, every optimizer step in this process first moves one gradient element
+    (`equivalence.perturb_one_gradient`: 1e-3 of its shard's largest entry) of the first
+    block shard it holds, on the device and on the host. The mutation the equivalence
+    tests must catch."""
+    if not enabled:
+        yield
+        return
+    from cephalo.runtime.state.adamw import ShardedAdamW
+    from cephalo.runtime.state.host_state import HostAdamW
+
+    device_step, host_step = ShardedAdamW.step, HostAdamW.step_group
+
+    def first_nonempty(groups):
+        held = [g for g in groups if g.grad.numel()]
+        return (held[1:] or held)[:1]
+
+    def mutated_step(self, *args, **kwargs):
+        for g in first_nonempty(self.groups):
+            perturb_one_gradient(g.grad)
+        return device_step(self, *args, **kwargs)
+
+    def mutated_host_step(self, i, *args, **kwargs):
+        if any(g is self.groups[i] for g in first_nonempty(self.groups)):
+            perturb_one_gradient(self.groups[i].grad)
+        return host_step(self, i, *args, **kwargs)
+
+    ShardedAdamW.step, HostAdamW.step_group = mutated_step, mutated_host_step
+    try:
+        yield
+    finally:
+        ShardedAdamW.step, HostAdamW.step_group = device_step, host_step
 
 
 def max_rel_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:

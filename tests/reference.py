@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,8 @@ class ReferenceRun:
     """The clipping threshold used (`train_transformers(clip_to_first_norm=...)` sets it)."""
     aux_losses: list[float] = field(default_factory=list)
     """MoE with `output_router_logits`: transformers' `aux_loss` per step."""
+    val_losses: list[float] = field(default_factory=list)
+    """`train_reference(evaluations=...)`: the validation loss of each evaluation, in order."""
 
 
 def _build(name: str, seed: int, overrides: dict) -> UnitModel:
@@ -90,15 +93,25 @@ class _UnitDropoutHooks:
     """Runs each unit's forward under `SampleDropout(seed, step, unit index, sample_offset)`
     through module hooks, so the model (or FSDP2's root) is called as a whole."""
 
-    def __init__(self, model: UnitModel, seed: int, sample_offset: int):
+    def __init__(
+        self,
+        model: UnitModel | None,
+        seed: int,
+        sample_offset: int,
+        modules: Sequence[tuple[int, nn.Module]] | None = None,
+    ):
+        """Hooks on the model's units, or on `modules` ((unit index, module) pairs: a
+        transformers model's decoder layers are units 1..L of the engine's model)."""
         self.seed, self.sample_offset, self.step = seed, sample_offset, 0
         self._active: list[SampleDropout] = []
         self._handles = []
-        for index, unit in enumerate(model.units):
+        if modules is None:
+            modules = [(index, unit.module) for index, unit in enumerate(model.units)]
+        for index, module in modules:
             self._handles.append(
-                unit.module.register_forward_pre_hook(functools.partial(self._enter, index))
+                module.register_forward_pre_hook(functools.partial(self._enter, index))
             )
-            self._handles.append(unit.module.register_forward_hook(self._exit))
+            self._handles.append(module.register_forward_hook(self._exit))
 
     def _enter(self, index: int, module: nn.Module, args: tuple) -> None:
         mode = SampleDropout(self.seed, self.step, index, self.sample_offset)
@@ -129,10 +142,22 @@ def train_reference(
     batches: Sequence[Batch],
     cfg: OptimConfig,
     steps: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    micro_batches: Sequence[int] | None = None,
+    evaluations: Mapping[int, Sequence[tuple[Batch, float]]] | None = None,
 ) -> ReferenceRun:
-    """Train one process on the whole global batch of each step (`batches[step]`)."""
+    """Train one process on the whole global batch of each step (`batches[step]`).
+
+    `dtype`: the parameters', activations' and optimizer state's dtype (fp64: the ground
+    truth `tests/equivalence.py` measures fp32 noise against). `micro_batches`: row counts
+    that split each global batch into gradient-accumulated pieces, each piece's token-loss
+    sum over the global token count (the same gradient in exact arithmetic, another fp32
+    summation order: what reordering alone moves). `evaluations`: after step s (1-based),
+    the validation loss of the batches `evaluations[s]` as the trainer computes it (each
+    batch's mean token loss, weighted; dropout off), in `run.val_losses`."""
     steps = len(batches) if steps is None else steps
-    model = factory()
+    evaluations = evaluations or {}
+    model = factory().to(dtype)
     model.train()
     named = named_unit_params(model)
     params = [p for _, p in named]
@@ -146,15 +171,76 @@ def train_reference(
             for group in opt.param_groups:
                 group["lr"] = cfg.lr_at(step)
             opt.zero_grad(set_to_none=True)
-            loss = model(input_ids, labels)  # mean over the global batch's tokens
-            loss.backward()
+
+            def loss_of(rows: slice, x=input_ids, y=labels) -> torch.Tensor:
+                if not isinstance(rows, slice):
+                    raise ValueError("reordered rows would change the samples' dropout masks")
+                hooks.sample_offset = rows.start or 0  # the rows' global sample offset
+                return model(x[rows], y[rows])  # mean over the rows' tokens
+
+            loss = backward_in_pieces(loss_of, labels, micro_batches)
             run.grad_norms.append(_clip(params, cfg))
             opt.step()
             run.losses.append(loss.item())
+            if step + 1 in evaluations:
+                run.val_losses.append(validation_loss(model, evaluations[step + 1]))
     finally:
         hooks.remove()
     run.params = {name: p.detach().clone() for name, p in named}
     return run
+
+
+@torch.no_grad()
+def validation_loss(model: UnitModel, batches: Sequence[tuple[Batch, float]]) -> float:
+    """The trainer's validation loss: each batch's mean token loss, weighted (its rows
+    holding labels), in eval mode (no dropout)."""
+    model.eval()
+    try:
+        total = sum(weight * float(model(x, y)) for (x, y), weight in batches)
+        return total / max(sum(weight for _, weight in batches), 1.0)
+    finally:
+        model.train()
+
+
+def backward_in_pieces(
+    loss_of: Callable[[slice | torch.Tensor], torch.Tensor],
+    labels: torch.Tensor,
+    micro_batches: Sequence[int] | str | None,
+) -> torch.Tensor:
+    """Backward of the global batch's mean token loss; returns that loss (detached).
+
+    `loss_of(rows)`: the mean token loss of the batch rows `rows`. `micro_batches=None`: one
+    backward of the whole batch. `"reversed"`: the whole batch with its rows in reverse order
+    (another summation order of every batch reduction; for objectives of the whole batch,
+    as MoE's aux loss, that a split would change). Else row counts: each piece's mean times
+    its share of the batch's tokens, backward piece by piece (gradient accumulation: the
+    same gradient in exact arithmetic, another fp32 summation order)."""
+    if micro_batches is None or micro_batches == "reversed":
+        rows = labels.shape[0]
+        order = slice(0, rows) if micro_batches is None else torch.arange(rows - 1, -1, -1)
+        loss = loss_of(order)
+        loss.backward()
+        return loss.detach()
+    if sum(micro_batches) != labels.shape[0] or min(micro_batches) < 1:
+        raise ValueError(f"micro_batches {micro_batches} must split {labels.shape[0]} rows")
+    global_tokens = int((labels != IGNORE_INDEX).sum().clamp(min=1))
+    total, start = None, 0
+    for rows in micro_batches:
+        piece_rows = slice(start, start + rows)
+        tokens = int((labels[piece_rows] != IGNORE_INDEX).sum())
+        piece = loss_of(piece_rows) * (tokens / global_tokens)
+        piece.backward()
+        total = piece.detach() if total is None else total + piece.detach()
+        start += rows
+    return total
+
+
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32, or in the logits' dtype where that is wider (fp64)."""
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    return torch.nn.functional.cross_entropy(
+        logits.to(wide).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+    )
 
 
 def _tied_groups(model: UnitModel) -> list[list[nn.Module]]:
@@ -258,6 +344,8 @@ def train_transformers(
     cfg: OptimConfig,
     steps: int | None = None,
     clip_to_first_norm: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    micro_batches: Sequence[int] | None = None,
 ) -> ReferenceRun:
     """Plain transformers, nothing of cephalo's model code: `AutoModelForCausalLM.
     from_pretrained(directory)` in fp32, the WHOLE global batch per step, loss = the mean
@@ -268,12 +356,16 @@ def train_transformers(
     back under transformers' names (a tied weight once). No dropout masks are replayed: give
     it dropout-free configs. `clip_to_first_norm=f`: clip at f x the first step's gradient
     norm instead of `cfg.grad_clip` (families' gradient scales differ), returned in
-    `grad_clip` for the system under test to use."""
+    `grad_clip` for the system under test to use. `dtype` and `micro_batches` as for
+    `train_reference` (MoE: see `_moe_loss_backward`)."""
     import transformers
 
     steps = len(batches) if steps is None else steps
     with torch.random.fork_rng(devices=[]):
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        model = model.to(dtype)
+    if dtype == torch.float64 and hasattr(model.config, "_experts_implementation"):
+        model.config._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
     model.train()
     named = list(model.named_parameters())
     params = [p for _, p in named]
@@ -286,14 +378,18 @@ def train_transformers(
             group["lr"] = cfg.lr_at(step)
         opt.zero_grad(set_to_none=True)
         position_ids = positions[0] if positions else None
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        loss = torch.nn.functional.cross_entropy(
-            out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
-        )
-        if getattr(out, "aux_loss", None) is not None:
-            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
-            run.aux_losses.append(out.aux_loss.item())
-        loss.backward()
+
+        if getattr(model.config, "output_router_logits", False):
+            loss, aux = _moe_loss_backward(model, input_ids, labels, position_ids, micro_batches)
+            run.aux_losses.append(aux)
+        else:
+
+            def loss_of(rows, x=input_ids, y=labels, pos=position_ids) -> torch.Tensor:
+                pos = None if pos is None else pos[rows]
+                out = model(input_ids=x[rows], position_ids=pos, use_cache=False)
+                return _token_loss(out.logits, y[rows])
+
+            loss = backward_in_pieces(loss_of, labels, micro_batches)
         if clip_to_first_norm is not None and step == 0:
             norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))
             cfg = dataclasses.replace(cfg, grad_clip=clip_to_first_norm * norm)
@@ -305,6 +401,59 @@ def train_transformers(
     return run
 
 
+def _moe_loss_backward(model, input_ids, labels, position_ids, micro_batches):
+    """MoE with `output_router_logits`: backward of transformers' `outputs.loss` of the whole
+    batch (mean token cross-entropy + coef x the router's aux loss of all its tokens); returns
+    (loss, aux). With `micro_batches` (row counts), each piece runs its own forward (its own
+    GEMM shapes and gradient sums) and the aux loss is transformers' `load_balancing_loss_func`
+    over every piece's router logits together: the same objective, another summation order.
+    `"reversed"`: the whole batch with its rows reversed."""
+    import sys
+
+    rows = labels.shape[0]
+    if micro_batches is None or micro_batches == "reversed":
+        order = slice(0, rows) if micro_batches is None else torch.arange(rows - 1, -1, -1)
+        pieces = [order]
+    else:
+        if sum(micro_batches) != rows or min(micro_batches) < 1:
+            raise ValueError(f"micro_batches {micro_batches} must split {rows} rows")
+        edges = [0, *itertools.accumulate(micro_batches)]
+        pieces = [slice(a, b) for a, b in zip(edges, edges[1:], strict=False)]
+    global_tokens = int((labels != IGNORE_INDEX).sum().clamp(min=1))
+    ce, router = None, []
+    for piece in pieces:
+        pos = None if position_ids is None else position_ids[piece]
+        out = model(input_ids=input_ids[piece], position_ids=pos, use_cache=False)
+        tokens = int((labels[piece] != IGNORE_INDEX).sum())
+        part = _token_loss(out.logits, labels[piece]) * (tokens / global_tokens)
+        ce = part if ce is None else ce + part
+        router.append(out.router_logits)
+    per_layer = tuple(torch.cat(layer) for layer in zip(*router, strict=True))
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    # the model's own reading of its config (families name the expert count differently)
+    experts, top_k = model.num_experts, model.num_experts_per_tok
+    aux = balance(per_layer, experts, top_k, None)
+    if per_layer[0].dtype == torch.float64:
+        # transformers sums in fp32 whatever the logits' dtype; the fp64 truth must not
+        wide = _switch_balance(per_layer, experts, top_k)
+        assert abs(wide.item() - aux.item()) <= 1e-5 * abs(aux.item()), (wide, aux)
+        aux = wide
+    loss = ce + model.router_aux_loss_coef * aux
+    loss.backward()
+    return loss.detach(), aux.item()
+
+
+def _switch_balance(per_layer, num_experts: int, top_k: int) -> torch.Tensor:
+    """The Switch Transformer load-balancing loss as transformers' `load_balancing_loss_func`
+    defines it (no mask), in the logits' own dtype: num_experts x sum over experts of (the
+    fraction of top-k assignments, over every layer's tokens) x (the mean routing
+    probability). Checked against transformers' (fp32) where it is used."""
+    probs = torch.cat([torch.softmax(g, dim=-1) for g in per_layer])
+    chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+    counts = torch.bincount(chosen, minlength=num_experts).to(probs.dtype)
+    return num_experts * torch.sum(counts / probs.shape[0] * probs.mean(dim=0))
+
+
 def train_peft(
     directory: str,
     batches: Sequence[Batch],
@@ -313,6 +462,9 @@ def train_peft(
     adapters: dict[str, torch.Tensor] | None = None,
     adapter_dir: str | None = None,
     nf4_base: bool = False,
+    dtype: torch.dtype = torch.float32,
+    micro_batches: Sequence[int] | None = None,
+    dropout_seed: int | None = None,
 ) -> ReferenceRun:
     """peft on plain transformers, one process, the WHOLE global batch per step:
     `from_pretrained(directory)` in fp32, then `get_peft_model(model, lora_config)` with the
@@ -320,7 +472,11 @@ def train_peft(
     adapter_dir, is_trainable=True)`; `torch.optim.AdamW` on the adapters (weight decay on
     matrices), `clip_grad_norm_`, loss = the mean token cross-entropy. `nf4_base`: every
     linear weight but the output head replaced by its NF4 round trip first (QLoRA's base).
-    Parameters come back under peft's saved keys (the adapter name left out)."""
+    Parameters come back under peft's saved keys (the adapter name left out). `dtype` and
+    `micro_batches` as for `train_reference` (the NF4 round trip is taken in fp32 first).
+    `dropout_seed`: every decoder layer i runs as the engine's unit i + 1 under
+    `SampleDropout(dropout_seed, step, i + 1, the rows' sample offset)`, so the adapters'
+    `lora_dropout` draws the engine's per-sample masks."""
     import peft
     import transformers
 
@@ -335,10 +491,12 @@ def train_peft(
                 for module in model.modules():
                     if isinstance(module, nn.Linear) and module is not head:
                         module.weight.copy_(nf4_roundtrip(module.weight))
+        model = model.to(dtype)
         if adapter_dir is not None:
             model = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
         else:
             model = peft.get_peft_model(model, lora_config)
+        model = model.to(dtype)
     model.train()
     named = [(n.replace(".default", ""), p) for n, p in model.named_parameters() if p.requires_grad]
     if adapters is not None:
@@ -349,16 +507,24 @@ def train_peft(
     params = [p for _, p in named]
     opt = _optimizer(named, cfg)
     run = ReferenceRun()
+    hooks = None
+    if dropout_seed is not None:
+        layers = model.get_base_model().model.layers
+        hooks = _UnitDropoutHooks(None, dropout_seed, 0, list(enumerate(layers, start=1)))
     for step in range(steps):
         input_ids, labels = batches[step]
         for group in opt.param_groups:
             group["lr"] = cfg.lr_at(step)
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=input_ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
-        )
-        loss.backward()
+        if hooks is not None:
+            hooks.step = step
+
+        def loss_of(rows: slice, x=input_ids, y=labels) -> torch.Tensor:
+            if hooks is not None:
+                hooks.sample_offset = rows.start or 0
+            return _token_loss(model(input_ids=x[rows], use_cache=False).logits, y[rows])
+
+        loss = backward_in_pieces(loss_of, labels, micro_batches)
         run.grad_norms.append(_clip(params, cfg))
         opt.step()
         run.losses.append(loss.item())

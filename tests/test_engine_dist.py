@@ -14,14 +14,15 @@ from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,
     TEST_EPS,
+    gradient_mutation,
     make_data,
     make_plan,
-    max_rel_diff,
     one_thread,
     optim_config,
     rank_slice,
-    run_reference,
+    reference_floor,
 )
+from equivalence import NoiseFloor, Trajectory
 from reference import model_factory, train_fsdp2
 
 __all__ = ["one_thread"]
@@ -30,17 +31,19 @@ STEPS = 5
 UNEVEN = dict(batches=[5, 2, 1], fractions=[0.6, 0.3, 0.1], micro=[2, 1, 1])
 
 
-def _engine_run(model: str, overrides: dict, plan, cfg: EngineConfig, data):
-    """On every rank: train, return (params if rank 0, losses, norms, state bytes, calls)."""
+def _engine_run(model: str, overrides: dict, plan, cfg: EngineConfig, data, mutate=False):
+    """On every rank: train, return (params if rank 0, losses, norms, state bytes, calls).
+    `mutate`: under `gradient_mutation` (the bug the comparison must catch)."""
     torch.set_num_threads(1)
     comm = make_comm("gloo")
     engine = Engine(build_model(model, **overrides), plan, comm, cfg)
     state_bytes = engine.ledger.current_by_category["state"]
     comm.counters.reset()
-    stats = [
-        engine.train_step(rank_slice(plan, comm.rank, x), rank_slice(plan, comm.rank, y), lr=LR)
-        for x, y in data
-    ]
+    with gradient_mutation(mutate):
+        stats = [
+            engine.train_step(rank_slice(plan, comm.rank, x), rank_slice(plan, comm.rank, y), lr=LR)
+            for x, y in data
+        ]
     full = engine.full_state_dict()
     return {
         "params": full if comm.rank == 0 else None,
@@ -63,13 +66,12 @@ def _fsdp2_run(model: str, overrides: dict, cfg: EngineConfig, data, batch_sizes
     return run.params
 
 
-def _check_against_reference(results, ref, label):
-    diff, worst = max_rel_diff(results[0]["params"], ref.params)
-    print(f"{label}: max relative parameter difference {diff:.2e} ({worst})")
-    assert diff <= 1e-5, f"{label}: max relative difference {diff:.2e} in {worst}"
+def _check_against_reference(results, floor, label):
+    """Every rank's losses and norms and rank 0's parameters within the noise floor of the
+    single-process reference (tests/equivalence.py)."""
+    floor.check(label, params=results[0]["params"])
     for r in results:
-        assert r["losses"] == pytest.approx(ref.losses, rel=1e-5)
-        assert r["norms"] == pytest.approx(ref.grad_norms, rel=1e-5)
+        floor.check(label, losses=r["losses"], norms=r["norms"])
 
 
 @pytest.mark.slow
@@ -80,9 +82,13 @@ def test_uneven_plan_matches_single_process_reference(pool3, dropout, mode):
     cfg = EngineConfig(mode=mode, grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
     data = make_data(STEPS, plan.global_batch_size)
     results = pool3.run(_engine_run, "gpt-tiny", {"dropout": dropout}, plan, cfg, data)
-    ref = run_reference("gpt-tiny", {"dropout": dropout}, data, cfg)
-    assert any(n > 0.5 for n in ref.grad_norms), "clipping must be active"
-    _check_against_reference(results, ref, f"gpt-tiny dropout={dropout} {mode}")
+    floor = reference_floor("gpt-tiny", {"dropout": dropout}, data, cfg)
+    assert any(n > 0.5 for n in floor.truth.grad_norms), "clipping must be active"
+    _check_against_reference(results, floor, f"gpt-tiny dropout={dropout} {mode}")
+    if dropout and mode == "lga":  # the same comparison catches one wrong gradient element
+        mutated = pool3.run(_engine_run, "gpt-tiny", {"dropout": dropout}, plan, cfg, data, True)
+        with pytest.raises(AssertionError, match="beyond"):
+            _check_against_reference(mutated, floor, "mutated")
 
 
 @pytest.mark.slow
@@ -92,8 +98,8 @@ def test_uneven_plan_matches_reference_hf_models(pool3, model, dropout):
     cfg = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
     data = make_data(STEPS, plan.global_batch_size)
     results = pool3.run(_engine_run, model, {"dropout": dropout}, plan, cfg, data)
-    ref = run_reference(model, {"dropout": dropout}, data, cfg)
-    _check_against_reference(results, ref, f"{model} dropout={dropout}")
+    floor = reference_floor(model, {"dropout": dropout}, data, cfg)
+    _check_against_reference(results, floor, f"{model} dropout={dropout}")
 
 
 @pytest.mark.slow
@@ -106,9 +112,8 @@ def test_memory_only_rank_and_zero_fraction_rank(pool3):
     data = make_data(3, plan.global_batch_size)
     results = pool3.run(_engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data)
     assert results[0]["state_bytes"] == 0
-    _check_against_reference(
-        results, run_reference("gpt-tiny", {"dropout": 0.1}, data, cfg), "zero rank"
-    )
+    floor = reference_floor("gpt-tiny", {"dropout": 0.1}, data, cfg)
+    _check_against_reference(results, floor, "zero rank")
 
 
 @pytest.mark.slow
@@ -118,9 +123,15 @@ def test_even_plan_matches_fsdp2(pool3):
     data = make_data(STEPS, plan.global_batch_size)
     ours = pool3.run(_engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data)
     fsdp = pool3.run(_fsdp2_run, "gpt-tiny", {"dropout": 0.1}, cfg, data, plan.batch_sizes)
-    diff, worst = max_rel_diff(ours[0]["params"], fsdp[0])
-    print(f"even plan vs FSDP2: max relative parameter difference {diff:.2e} ({worst})")
-    assert diff <= 1e-5, f"{diff:.2e} in {worst}"
+    # FSDP2 is one more equivalent fp32 ordering: the floor's variants are the reference's
+    # orderings and FSDP2's own run, its truth the fp64 reference
+    ref = reference_floor("gpt-tiny", {"dropout": 0.1}, data, cfg)
+    fsdp_run = Trajectory(params=fsdp[0])
+    floor = NoiseFloor.measure(ref.truth, [*ref.variants, fsdp_run]).restricted(fsdp[0])
+    floor.check("even plan vs FSDP2", params=ours[0]["params"])
+    mutated = pool3.run(_engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data, True)
+    with pytest.raises(AssertionError, match="beyond"):
+        floor.check("mutated vs FSDP2", params=mutated[0]["params"])
 
 
 @pytest.mark.slow

@@ -70,7 +70,9 @@ class LMHead(nn.Module):
     def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.logits(h)
         return torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]),
+            logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(
+                -1, logits.shape[-1]
+            ),
             labels.reshape(-1),
             ignore_index=IGNORE_INDEX,
             reduction="sum",

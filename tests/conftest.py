@@ -1,0 +1,25 @@
+"""Suite-wide reporting: the equivalence checks' margins (tests/equivalence.py)."""
+
+from __future__ import annotations
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The worst comparison of each equivalence check: how close to its bound it came, and
+    the noise the bound was derived from (the figures issue 36 asks to report)."""
+    import sys
+
+    equivalence = sys.modules.get("equivalence")
+    record = getattr(equivalence, "RECORD", None)
+    if not record:
+        return
+    terminalreporter.section("equivalence margins (distance / bound of the worst comparison)")
+    worst = max(r[1] for r in record)
+    passed = [r for r in record if r[1] <= 1]
+    terminalreporter.write_line(
+        f"{len(record)} checks ({len(passed)} within their bound); largest distance / bound "
+        f"among those passing: {max((r[1] for r in passed), default=0):.2f}; overall {worst:.3g}"
+    )
+    for label, ratio, what, distance, noise in sorted(record, key=lambda r: -r[1])[:25]:
+        terminalreporter.write_line(
+            f"  {ratio:8.3g}  {label}: {what}: distance {distance:.2e}, noise {noise:.2e}"
+        )
