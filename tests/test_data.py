@@ -283,7 +283,7 @@ def test_seed_changes_order(counting_file):
 
 _BATCH_SNIPPET = """
 import sys, torch
-from cephalo.data.text import GlobalBatches
+from cephalo.data.batches import GlobalBatches
 gb = GlobalBatches(sys.argv[1], 15, 8, seed=7)
 print([gb.batch(t)[0].sum().item() for t in (0, 3, 100)], gb.rank_slice(9, 2, 3)[1].tolist())
 """

@@ -366,7 +366,7 @@ def test_a_size_of_zero_is_one_error():
 def test_moe_bad_inputs(tmp_path, monkeypatch):
     """A quantized checkpoint, experts without a top-k, the router loss asked for without its
     coefficient: one clear error each; output_router_logits off: said once, no aux term."""
-    from cephalo.modeling import hf as hf_module
+    from cephalo.modeling.hf import model as hf_module
 
     quantized = save_tiny_model("gpt_oss", tmp_path / "q", seed=1)
     config = json.loads((quantized / "config.json").read_text())

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from cephalo.errors import CephaloError
-from cephalo.specs.catalog.derived import DERIVED
+from cephalo.specs.catalog.derived import DERIVED, SPECS
 
 GiB = 1024**3
 
@@ -83,6 +83,14 @@ DEVICES: dict[str, DeviceSpec] = {
         DeviceSpec("h100-nvl", "H100 NVL", 94, 3938, 5, aliases=("h100", "h100nvl")),
     ]
 }
+# Consumer and workstation cards without published profiles: their timings are derived from
+# a measured sibling (`cephalo.specs.catalog.derived`, which holds their data-sheet numbers).
+DEVICES.update(
+    {
+        k: DeviceSpec(k, c.name, c.memory_gib, c.bandwidth_gb_s, c.pcie_gen, aliases=c.aliases)
+        for k, c in ((k, SPECS[k]) for k in DERIVED)
+    }
+)
 
 
 MEASURED_DEVICES = tuple(k for k in DEVICES if k not in DERIVED)

@@ -11,12 +11,10 @@ from functools import cache
 from pathlib import Path
 
 from cephalo.errors import CephaloError
-from cephalo.specs.catalog.derived import DERIVED, SPECS, DerivationError
+from cephalo.specs.catalog.derived import DERIVED, DerivationError
 from cephalo.specs.catalog.devices import (
-    DEVICES,
     DTYPES,
     MEASURED_DEVICES,
-    DeviceSpec,
     device_memory_bytes,
     host_copy_bytes_per_s,
     optimizer_s_per_param,
@@ -42,16 +40,6 @@ from cephalo.specs.model import ModelSpec
 from cephalo.specs.profile import Curve, DeviceProfile, UnitProfile
 
 CATALOG_PATH = Path(__file__).parents[2] / "_data" / "catalog.json"
-
-
-# Consumer and workstation cards without published profiles: their timings are derived from
-# a measured sibling (`cephalo.specs.catalog.derived`, which holds their data-sheet numbers).
-DEVICES.update(
-    {
-        k: DeviceSpec(k, c.name, c.memory_gib, c.bandwidth_gb_s, c.pcie_gen, aliases=c.aliases)
-        for k, c in ((k, SPECS[k]) for k in DERIVED)
-    }
-)
 
 
 # ---------------------------------------------------------------------- shipped data
