@@ -392,6 +392,42 @@ def test_init_distributed_bad_env_and_versions(monkeypatch):
     check_torch_version("2.13.0+cpu")
 
 
+def test_local_rank_from_any_launcher_and_never_guessed_on_a_multi_gpu_node(monkeypatch):
+    """LOCAL_RANK (torchrun), else SLURM's, Open MPI's, MPICH's variable; none of them with
+    several ranks on a node of several GPUs is one clear error, not every rank on GPU 0."""
+    from cephalo.runtime.collectives import dist as cdist
+
+    assert cdist._local_rank({"LOCAL_RANK": "3", "SLURM_LOCALID": "1"}, 8) == 3
+    assert cdist._local_rank({"SLURM_LOCALID": "1"}, 8) == 1
+    assert cdist._local_rank({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 8) == 2
+    with pytest.raises(CephaloError, match="SLURM_LOCALID='x' is not an integer"):
+        cdist._local_rank({"SLURM_LOCALID": "x"}, 8)
+    assert cdist._local_rank({}, 8) == 0  # this machine: no CUDA device, nothing to pick
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert cdist._local_rank({}, 1) == 0  # one process: GPU 0 is right
+    with pytest.raises(CephaloError, match="not LOCAL_RANK .* this node has 4 GPUs"):
+        cdist._local_rank({}, 8)
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_failing_rank_aborts_its_process_group(monkeypatch, failed):
+    """`shutdown(failed=True)` aborts the group (destroy_process_group can wait on NCCL work
+    the peers never matched); an orderly end destroys it."""
+    import torch.distributed as tdist
+
+    from cephalo.runtime.collectives import dist as cdist
+
+    calls = []
+    monkeypatch.setattr(tdist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tdist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(
+        tdist.distributed_c10d, "_abort_process_group", lambda: calls.append("abort")
+    )
+    cdist.shutdown(failed)
+    assert calls == (["abort"] if failed else ["destroy"])
+
+
 def test_init_distributed_world_one_with_env(monkeypatch):
     import socket
 

@@ -127,10 +127,12 @@ def run(args: argparse.Namespace) -> int:
         from cephalo.runtime.collectives.dist import init_distributed, shutdown
 
         comm = init_distributed(timeout_s=args.timeout)
+        failed = True
         try:
             result = profile_rank(comm, *common)
+            failed = False
         finally:
-            shutdown()
+            shutdown(failed)  # a failing rank aborts: its peers may hold unmatched work
         if comm.rank != 0:
             return 0
     elif (hit := _cached(args, cluster, seq_len)) is not None:

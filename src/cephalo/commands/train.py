@@ -56,9 +56,11 @@ def report_failure(message: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from cephalo.train.trainer import train  # torch import deferred: `cephalo --help` stays fast
 
+    failed = False
     try:
         train(config_from_args(args))
     except Exception as err:
+        failed = True
         error: BaseException = err
         peer = peer_failure()
         if peer is not None:  # stopped because another rank failed: say so, not what broke here
@@ -78,5 +80,5 @@ def run(args: argparse.Namespace) -> int:
             raise error from None
         raise
     finally:
-        shutdown()
+        shutdown(failed)
     return 0

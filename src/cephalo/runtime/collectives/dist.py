@@ -54,6 +54,36 @@ def _env_int(name: str, env: dict[str, str]) -> int:
         raise CephaloError(f"{name}={raw!r} is not an integer") from None
 
 
+LOCAL_RANK_VARIABLES = (
+    "LOCAL_RANK",
+    "SLURM_LOCALID",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+)
+"""Where a launcher says which process of its node this is: torchrun, SLURM's srun, Open MPI,
+MPICH. The first one set counts."""
+
+
+def _local_rank(env: dict[str, str], world_size: int) -> int:
+    """This process's index on its node, which picks its GPU. Without any launcher's variable
+    it is 0 only where that cannot be wrong (one process, or no more than one CUDA device):
+    two ranks of one node would otherwise share GPU 0 and run out of its memory."""
+    for name in LOCAL_RANK_VARIABLES:
+        if env.get(name, "") != "":
+            try:
+                return int(env[name])
+            except ValueError:
+                raise CephaloError(f"{name}={env[name]!r} is not an integer") from None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world_size > 1 and gpus > 1:
+        raise CephaloError(
+            f"RANK and WORLD_SIZE are set but not LOCAL_RANK (nor {', '.join(LOCAL_RANK_VARIABLES[1:])}), "
+            f"and this node has {gpus} GPUs: cephalo cannot tell which one is this rank's. Launch "
+            "with torchrun (it sets LOCAL_RANK), or set LOCAL_RANK to the process's index on its node"
+        )
+    return 0
+
+
 def _pick_backend(backend: str | None) -> str:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -109,7 +139,7 @@ def init_distributed(
             _pick_backend(backend)  # still report an unusable backend clearly
         return LocalComm(validate=validate)
     rank, world_size = _env_int("RANK", env), _env_int("WORLD_SIZE", env)
-    local_rank = int(env.get("LOCAL_RANK", "0"))
+    local_rank = _local_rank(env, world_size)
     if not 0 <= rank < world_size:
         raise CephaloError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
     backend = _pick_backend(backend)
@@ -283,8 +313,18 @@ def peer_failure(wait_s: float = 0.0) -> str | None:
         time.sleep(0.05)
 
 
-def shutdown() -> None:
-    """Tear the default process group down (no-op if there is none)."""
+def shutdown(failed: bool = False) -> None:
+    """Tear the default process group down (no-op if there is none). `failed`: this rank stops
+    on an error, possibly with collectives its peers never matched; `destroy_process_group`
+    can then block on NCCL (it waits for that work), so the group is aborted instead."""
     _FailureWatch.stop()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if failed and abort is not None:
+        try:
+            abort()
+            return
+        except Exception as err:  # fall back to the orderly teardown
+            logger.warning("could not abort the process group (%s); destroying it", err)
+    dist.destroy_process_group()
