@@ -15,7 +15,7 @@ from cephalo.cli import main as cli_main
 from cephalo.errors import CephaloError
 from cephalo.launch.elastic import first_failure, free_port, nproc_for
 from cephalo.launch.pool import threads_per_rank
-from cephalo.planner.makers import simple_plan
+from cephalo.planner.makers import manual_plan, simple_plan
 from cephalo.specs.cluster import Cluster
 from procs import processes, run_tagged
 
@@ -177,14 +177,18 @@ def test_kill_hook_fires_in_the_first_attempt_only(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- a plan meets its ranks
-PLANNED = "cpu,cpu:slowdown=3,mem=24MiB"
+PLANNED = "cpu,cpu:slowdown=3,mem=2MiB"
 """The cluster the plan of the next tests is made for: the small slow device gets the small
-state shard (the large one does not fit its 24 MiB)."""
+state shard (the large one does not fit its 2 MiB: it peaks at 3 MB, the small at 1 MB)."""
 
 
-def _plan_for(path, spec: str = PLANNED):
-    args = ["plan", "--cluster", spec, "--model", "gpt-tiny", "--seq-len", "16"]
-    assert cli_main([*args, "--global-batch", "6", "--json", str(path)]) == 0
+def _plan_for(path):
+    """A plan for `PLANNED` as `cephalo plan` writes one (its cluster in `meta`; the catalog has
+    no profile of an emulated CPU, so the split is written here)."""
+    cluster = Cluster.parse(PLANNED)
+    keys = [d.type_key for d in cluster.devices]
+    meta = {"cluster_spec": PLANNED, "cluster": cluster.to_dict()}
+    manual_plan("gpt-tiny", 16, [5, 1], [5, 1], [0.889, 0.111], keys, meta=meta).to_json(path)
     return path
 
 
@@ -207,7 +211,7 @@ def test_a_plan_runs_on_its_devices_started_in_another_order(tmp_path):
     steps = ("--train.steps=6", "--checkpoint.every=0")
     run = tmp_path / "run"
     proc = run_tagged(
-        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu:slowdown=3,mem=24MiB,cpu"]
+        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu:slowdown=3,mem=2MiB,cpu"]
         + tiny_job_args(run, f"--parallel.plan={plan}", *steps),
         timeout_s=240,
     )

@@ -107,19 +107,24 @@ def test_a_gpu_reporting_less_than_its_data_sheet_is_still_the_plans():
 
 
 def test_nodes_are_kept_where_the_devices_allow():
-    spec = "cpu@node0,cpu:slowdown=2@node0,cpu@node1,cpu:slowdown=2@node1"
+    spec = "cpu@node0,cpu@node0:slowdown=2,cpu@node1,cpu@node1:slowdown=2"
     plan = recorded_plan(spec, [2, 1, 2, 1], [0.3, 0.2, 0.3, 0.2])
-    found = Cluster.parse("cpu:slowdown=2@node0,cpu@node0,cpu@node1,cpu:slowdown=2@node1").devices
+    found = Cluster.parse("cpu@node0:slowdown=2,cpu@node0,cpu@node1,cpu@node1:slowdown=2").devices
     assert match_ranks(plan_devices(plan), found) == [1, 0, 2, 3]
+    # the same devices on each node: each rank runs the rank-plan of its node
+    found = Cluster.parse("cpu@node1,cpu@node1:slowdown=2,cpu@node0,cpu@node0:slowdown=2").devices
+    assert match_ranks(plan_devices(plan), found) == [2, 3, 0, 1]
     # torchrun numbered the nodes the other way: the devices still match, node for node
-    plan = recorded_plan("2xcpu@node0,2xcpu:slowdown=2@node1", [2, 2, 1, 1], [0.3, 0.3, 0.2, 0.2])
-    found = Cluster.parse("2xcpu:slowdown=2@node0,2xcpu@node1").devices
+    plan = recorded_plan("2xcpu@node0,2xcpu@node1:slowdown=2", [2, 2, 1, 1], [0.3, 0.3, 0.2, 0.2])
+    found = Cluster.parse("2xcpu@node0:slowdown=2,2xcpu@node1").devices
     assert match_ranks(plan_devices(plan), found) == [2, 3, 0, 1]
 
 
 def test_shard_groups_follow_their_ranks():
-    plan = recorded_plan("cpu,cpu:slowdown=2,cpu,cpu:slowdown=2", [2, 1, 2, 1], [0.6, 0.4] * 2)
+    plan = recorded_plan("cpu,cpu:slowdown=2,cpu,cpu:slowdown=2", [2, 1, 2, 1], [0.3, 0.2] * 2)
     plan.shard_groups = [ShardGroup([0, 1]), ShardGroup([2, 3])]
+    for r in plan.ranks:
+        r.state_fraction *= 2
     plan.validate()
     found = Cluster.parse("cpu:slowdown=2,cpu,cpu,cpu:slowdown=2")
     matched, order = match_plan(plan, found, "p")
