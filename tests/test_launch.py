@@ -15,7 +15,7 @@ from cephalo.cli import main as cli_main
 from cephalo.errors import CephaloError
 from cephalo.launch.elastic import first_failure, free_port, nproc_for
 from cephalo.launch.pool import threads_per_rank
-from cephalo.planner.makers import simple_plan
+from cephalo.planner.makers import manual_plan, simple_plan
 from cephalo.specs.cluster import Cluster
 from procs import processes, run_tagged
 
@@ -174,3 +174,73 @@ def test_kill_hook_fires_in_the_first_attempt_only(monkeypatch):
     assert killed == []
     _Trainer._maybe_kill(rank1, 3)
     assert killed == [signal.SIGKILL]
+
+
+# ----------------------------------------------------------------------------- a plan meets its ranks
+PLANNED = "cpu,cpu:slowdown=3,mem=2MiB"
+"""The cluster the plan of the next tests is made for: the small slow device gets the small
+state shard (the large one does not fit its 2 MiB: it peaks at 3 MB, the small at 1 MB)."""
+
+
+def _plan_for(path):
+    """A plan for `PLANNED` as `cephalo plan` writes one (its cluster in `meta`; the catalog has
+    no profile of an emulated CPU, so the split is written here)."""
+    cluster = Cluster.parse(PLANNED)
+    keys = [d.type_key for d in cluster.devices]
+    meta = {"cluster_spec": PLANNED, "cluster": cluster.to_dict()}
+    manual_plan("gpt-tiny", 16, [5, 1], [5, 1], [0.889, 0.111], keys, meta=meta).to_json(path)
+    return path
+
+
+def _no_trace(stderr: str) -> None:
+    for trace in ("Traceback", "Exception raised from", "frame #"):
+        assert trace not in stderr, stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_plan_runs_on_its_devices_started_in_another_order(tmp_path):
+    """`cephalo run --devices` in the other order than the plan's devices: each rank runs the
+    rank-plan made for its device (one log line says so), and the losses are those of the
+    one-process run."""
+    from cephalo.train.config_manager import load_config
+    from cephalo.train.metrics import read_metrics
+    from cephalo.train.trainer import train
+    from run_common import tiny_job_args
+
+    plan = _plan_for(tmp_path / "plan.json")
+    steps = ("--train.steps=6", "--checkpoint.every=0")
+    run = tmp_path / "run"
+    proc = run_tagged(
+        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu:slowdown=3,mem=2MiB,cpu"]
+        + tiny_job_args(run, f"--parallel.plan={plan}", *steps),
+        timeout_s=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plan ranks reordered to match them (rank 0 runs plan rank 1" in proc.stderr
+    _no_trace(proc.stderr)
+    losses = {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl")}
+    alone = train(load_config(None, tiny_job_args(tmp_path / "alone", *steps))).losses
+    assert sorted(losses) == sorted(alone) == list(range(1, 7))
+    for step, loss in alone.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_a_plan_for_other_devices_stops_at_once_with_one_message(tmp_path):
+    from run_common import tiny_job_args
+
+    plan = _plan_for(tmp_path / "plan.json")
+    started = time.monotonic()
+    proc = run_tagged(
+        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu:slowdown=2,cpu"]
+        + tiny_job_args(tmp_path / "run", f"--parallel.plan={plan}"),
+        timeout_s=120,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("cephalo run: error: rank "), proc.stderr[-3000:]
+    assert f"plan {plan} was made for other devices: rank 0 is a cpu:slowdown=2" in last
+    assert "the plan's rank 0 is a cpu (4 GiB)" in last
+    _no_trace(proc.stderr)
+    assert elapsed < 30

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from cephalo.launch.elastic import free_port
+from cephalo.planner.makers import manual_plan
 from cephalo.planner.plan import Plan
+from cephalo.specs.cluster import Cluster
 from cephalo.train.config_manager import load_config
 from procs import processes, run_tagged
 from trainer_reference import job_floor
@@ -100,6 +102,32 @@ def test_ranks_discover_their_devices_and_agree_on_an_uneven_plan(tmp_path):
     ours = losses(tmp_path / "run")
     assert sorted(ours) == list(range(1, STEPS + 1))
     alone.check("torchrun, 3 ranks", ours)
+
+
+def test_a_plan_file_meets_ranks_that_came_up_in_another_order(tmp_path):
+    """A plan file made for the devices in another order than torchrun's ranks have them:
+    each rank runs the rank-plan made for its device, and the losses are one process's."""
+    made = Cluster.parse("cpu:mem=1GiB,cpu:slowdown=2,mem=1GiB,cpu:slowdown=4,mem=1GiB")
+    plan = manual_plan(
+        "gpt-tiny",
+        16,
+        [6, 4, 2],
+        [3, 2, 1],
+        [0.5, 0.3, 0.2],
+        [d.type_key for d in made.devices],
+        meta={"cluster": made.to_dict()},
+    )
+    plan.to_json(tmp_path / "plan.json")
+    proc = torchrun(
+        tmp_path, job_args(tmp_path / "run", f"--parallel.plan={tmp_path / 'plan.json'}")
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 runs plan rank 2 (cpu:slowdown=4), rank 2 runs plan rank 1" in proc.stderr
+    ran = Plan.from_json(tmp_path / "plan_rank0.json")
+    assert [r.device for r in ran.ranks] == ["cpu", "cpu:slowdown=4", "cpu:slowdown=2"]
+    assert ran.batch_sizes == [6, 2, 4] and ran.meta["rank_map"] == [0, 2, 1]
+    alone = job_floor(load_config(None, job_args(tmp_path / "alone", "--parallel.plan=even")))
+    alone.check("torchrun, a plan file reordered", losses(tmp_path / "run"))
 
 
 def test_ranks_started_with_different_jobs_stop_with_one_message(tmp_path):

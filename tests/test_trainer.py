@@ -12,7 +12,7 @@ import torch
 
 from cephalo.cli import main as cli_main
 from cephalo.errors import CephaloError
-from cephalo.planner.makers import simple_plan
+from cephalo.planner.makers import manual_plan, simple_plan
 from cephalo.planner.plan import Plan
 from cephalo.specs.cluster import Cluster
 from cephalo.train.config_manager import load_config
@@ -87,6 +87,23 @@ def test_plan_file_is_checked_against_the_job(tmp_path):
             Cluster.parse("cpu,cpu"),
             2,
         )
+
+
+def test_plan_file_meets_the_devices_that_came_up(tmp_path):
+    """A plan file made for `cpu,cpu:slowdown=3`: started in the other order each rank gets
+    the rank-plan made for its device; on other devices it is refused before any engine."""
+    path = tmp_path / "plan.json"
+    made = Cluster.parse("cpu,cpu:slowdown=3,mem=24MiB")
+    plan = manual_plan("gpt-tiny", 16, [3, 1], [3, 1], [0.9, 0.1], ["cpu", "cpu:slowdown=3"])
+    plan.meta["cluster"] = made.to_dict()
+    plan.to_json(path)
+    cfg = tiny_config(tmp_path, f"--parallel.plan={path}")
+    assert resolve_plan(cfg, made, 2).state_fractions == [0.9, 0.1]
+    swapped = resolve_plan(cfg, Cluster.parse("cpu:slowdown=3,mem=24MiB,cpu"), 2)
+    assert swapped.state_fractions == [0.1, 0.9] and swapped.batch_sizes == [1, 3]
+    assert [r.device for r in swapped.ranks] == ["cpu:slowdown=3", "cpu"]
+    with pytest.raises(CephaloError, match=r"rank 1 is a cpu:slowdown=3 \(4 GiB\) but the plan's"):
+        resolve_plan(cfg, Cluster.parse("cpu,cpu:slowdown=3"), 2)
 
 
 def test_devices_must_match_world_size(tmp_path):

@@ -44,6 +44,7 @@ from cephalo.modeling.registry import build_model
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
 from cephalo.planner.makers import simple_plan
 from cephalo.planner.plan import Plan
+from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.collectives.dist import init_distributed, peer_failure
 from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
@@ -97,9 +98,12 @@ class TrainResult:
 
 
 # ----------------------------------------------------------------------------- cluster and plan
-def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int) -> Plan:
+def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int, rank: int = 0) -> Plan:
     """The plan `parallel.plan` names (`even`, `proportional` or a plan file), checked against
-    this job (world size, model, global batch). `auto` is `auto_plan`'s."""
+    this job (world size, model, global batch) and matched to the devices that came up: a plan
+    file's rank-plans reordered where the ranks came up in another order than its devices,
+    refused where its devices are not the discovered ones (planner/rank_match.py). `auto` is
+    `auto_plan`'s."""
     choice = cfg.parallel.plan
     seq_len, batch, dtype = cfg.data.seq_len, cfg.train.global_batch_size, cfg.model.dtype
     if choice in ("even", "proportional"):
@@ -115,7 +119,10 @@ def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int) -> Plan:
             f"plan {choice} splits a global batch of {plan.global_batch_size} but train.global_batch_size is "
             f"{batch}: set train.global_batch_size = {plan.global_batch_size} or make a plan for {batch}"
         )
-    return plan
+    matched, order = match_plan(plan, cluster, choice)
+    if order is not None and rank == 0:
+        logger.info("plan %s: %s", choice, describe_remap(order, plan_devices(plan)))
+    return matched
 
 
 def auto_plan(
@@ -282,7 +289,7 @@ class _Trainer:
         if cfg.parallel.plan == "auto":
             self.plan, cost_model = auto_plan(cfg, model, self.cluster, comm)
         else:
-            self.plan = resolve_plan(cfg, self.cluster, self.world_size)
+            self.plan = resolve_plan(cfg, self.cluster, self.world_size, self.rank)
             cost_model = catalog_model_or_none(cfg, model.spec, self.cluster)
         self.replanner = Replanner(cfg, cost_model, cfg.parallel.plan == "auto", self.rank)
         self.rank_plan = self.plan.ranks[self.rank]
