@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -15,8 +17,14 @@ from cephalo.errors import CephaloError
 from cephalo.modeling.registry import build_model
 from cephalo.profiling.database import DeviceKey, ProfileDatabase, model_signature
 from cephalo.profiling.measure import CollectiveSample, fit_comm
-from cephalo.profiling.profiler import cached_profiles, profile_devices
+from cephalo.profiling.profiler import (
+    cached_profiles,
+    materialize_measured,
+    measured_units,
+    profile_devices,
+)
 from cephalo.profiling.settings import ProfileSettings
+from cephalo.runtime.live_bytes import LiveTensorBytes
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.profile import Curve, DeviceProfile, MeasuredProfiles, UnitProfile
 from dist_harness import dist_pool_fixture
@@ -173,6 +181,122 @@ def test_measured_curves(single):
         # a bigger micro-batch costs more (gpt-tiny at micro-batch 1 is mostly Python overhead)
         block = p.units["block"]
         assert block.fwd_s(8) + block.bwd_s(8) > block.fwd_s(1) + block.bwd_s(1)
+
+
+# ----------------------------------------------------------------------------- what it holds
+HOLD_LIMIT = 0.4
+"""Issue 38: profiling may hold at most this fraction of the model's fp32 bytes above what
+was live before (the whole model materialised, as before, held more than 1x)."""
+LEAN = ProfileSettings(
+    repeats=1,
+    warmup=0,
+    max_micro_batch=2,
+    optimizer_numel=1 << 12,
+    host_copy_bytes=1 << 16,
+    comm_sizes_bytes=(1 << 12, 1 << 16),
+)
+"""Small fixed measurements (optimizer, host copies, collectives), so that what the peak
+holds of the model is what it measures."""
+
+
+def _fp32_bytes(model) -> int:
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+def _peak_bytes(fn) -> int:
+    """Peak live CPU tensor bytes created while `fn()` runs (the baseline is 0)."""
+    gc.collect()
+    with LiveTensorBytes() as live:
+        fn()
+    return live.peak
+
+
+def test_materialize_units_keeps_the_rest_on_meta_and_ties():
+    model = build_model("gpt-tiny", n_layer=4)  # tied embeddings: wte in the embedding and head
+    full = build_model("gpt-tiny", n_layer=4).materialize("cpu", torch.Generator().manual_seed(0))
+    model.materialize_units("cpu", torch.Generator().manual_seed(0), [0, 1, -1])
+    chosen = {0, 1, len(model.units) - 1}
+    for i, unit in enumerate(model.units):
+        assert all(p.is_meta != (i in chosen) for p in unit.module.parameters()), unit.name
+    head_params = {id(p) for p in model.units[-1].module.parameters()}
+    assert any(id(p) in head_params for p in model.units[0].module.parameters())  # still tied
+    # the first units draw as a full materialisation does (the skipped ones would come next)
+    emb = dict(model.units[0].module.named_parameters())
+    assert all(torch.equal(p, emb[n]) for n, p in full.units[0].module.named_parameters())
+    # every unit chosen: exactly `materialize`
+    again = build_model("gpt-tiny", n_layer=4)
+    again.materialize_units("cpu", torch.Generator().manual_seed(0), range(len(again.units)))
+    assert all(
+        torch.equal(a, b) for a, b in zip(again.parameters(), full.parameters(), strict=True)
+    )
+
+    # the head alone: its borrowed weight is materialised (and drawn) in both slots
+    head_only = build_model("gpt-tiny", n_layer=4)
+    head_only.materialize_units("cpu", torch.Generator().manual_seed(0), [-1])
+    (tied,) = [p for p in head_only.units[0].module.parameters() if not p.is_meta]
+    assert any(p is tied for p in head_only.units[-1].module.parameters())
+    assert 0.01 < float(tied.detach().std()) < 0.03  # GPT-2's N(0, 0.02)
+    assert all(p.is_meta for u in head_only.units[1:-1] for p in u.module.parameters())
+
+
+def test_profiling_holds_only_the_measured_units():
+    """Issue 38: the profiler materialises the units it measures (embedding, one block, head),
+    not the whole model: a 24-block model peaks far below its fp32 bytes. (Materialising the
+    whole model, as it did, put the peak above 1x.)"""
+    model = build_model("gpt-tiny", n_layer=24, n_embd=128)
+    fp32 = _fp32_bytes(model)
+    measured = []
+
+    def run():
+        measured.append(
+            profile_devices(
+                model, SEQ, "fp32", Cluster.parse("cpu"), settings=LEAN, use_cache=False
+            )
+        )
+
+    peak = _peak_bytes(run)
+    assert peak <= HOLD_LIMIT * fp32, (peak / 2**20, fp32 / 2**20)
+    profile = measured[0].profiles["cpu"]
+    assert profile.units["block"].fwd_s.xs == [1.0, 2.0]
+    assert all(p.is_meta for p in model.parameters())  # the caller's model is untouched
+    # the whole model, materialised as before, is already over the limit
+    whole = _peak_bytes(
+        lambda: build_model("gpt-tiny", n_layer=24, n_embd=128).materialize(
+            "cpu", torch.Generator().manual_seed(0)
+        )
+    )
+    assert whole > HOLD_LIMIT * fp32
+
+
+def test_profiling_a_qlora_model_materialises_only_the_measured_units():
+    """A QLoRA model (peft's layers in the units, the base frozen) is materialised as the
+    profiler measures it: the embedding, one block and the head, adapters included."""
+    from cephalo.modeling.lora import AdapterSettings, apply_adapter
+    from hf_configs import quiet_transformers
+
+    quiet_transformers()
+    model = build_model("hf-llama-tiny", init="random", num_hidden_layers=24, tie_embeddings=True)
+    apply_adapter(model, AdapterSettings("qlora", r=4, alpha=8))
+    fp32 = _fp32_bytes(model)
+    held = []
+    peak = _peak_bytes(lambda: held.append(materialize_measured(model, torch.device("cpu"))))
+    assert peak <= HOLD_LIMIT * fp32, (peak / 2**20, fp32 / 2**20)
+    (lean,) = held
+    real = {
+        i for i, u in enumerate(lean.units) if not any(p.is_meta for p in u.module.parameters())
+    }
+    assert real == set(measured_units(lean).values())
+    assert any(".lora_A." in n for n, _ in lean.units[1].module.named_parameters())
+    measured = profile_devices(
+        model,
+        SEQ,
+        "fp32",
+        Cluster.parse("cpu"),
+        settings=dataclasses.replace(LEAN, max_micro_batch=1),
+        use_cache=False,
+    )
+    meta = measured.profiles["cpu"].meta
+    assert meta["adapter"] == "lora" and meta["nf4_dequant_s_per_param"] > 0
 
 
 def test_slowdown_is_measured(single):
@@ -351,6 +475,32 @@ def test_two_rank_profiling(pool2, tmp_path):
     # co-located CPU ranks are measured together, and the database says so
     assert all(p.meta["concurrent"] for p in first.profiles.values())
     assert {e["key"]["peers"] for e in db.devices.values()} == {f"cpu,{SLOW}"}
+
+
+def _profile_lean(_cache: str) -> dict:
+    """Issue 38's report, small: each of 2 co-located ranks profiles a 24-block model
+    (together: the concurrent path) and reports the live tensor bytes it peaked at."""
+    from cephalo.runtime.collectives.comm import make_comm
+
+    comm = make_comm("auto")
+    model = build_model("gpt-tiny", n_layer=24, n_embd=128)
+    measured = []
+    peak = _peak_bytes(
+        lambda: measured.append(
+            profile_devices(
+                model, SEQ, "fp32", Cluster.parse("cpu,cpu"), comm, settings=LEAN, use_cache=False
+            )
+        )
+    )
+    return {"peak": peak, "fp32": _fp32_bytes(model), "measured": measured[0].measured}
+
+
+@pytest.mark.slow
+def test_concurrent_profiling_holds_only_the_measured_units(pool2, tmp_path):
+    results = pool2.run(_profile_lean, str(tmp_path), timeout_s=240.0)
+    for r in results:
+        assert sorted(r["measured"]) == ["comm", "cpu"]
+        assert r["peak"] <= HOLD_LIMIT * r["fp32"], (r["peak"] / 2**20, r["fp32"] / 2**20)
 
 
 def _profile_uneven_sweeps(cache: str) -> dict:

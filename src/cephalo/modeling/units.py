@@ -202,6 +202,57 @@ class UnitModel(nn.Module):
         self.init_weights(generator)
         return self
 
+    @torch.no_grad()
+    def materialize_units(
+        self, device: torch.device | str, generator: torch.Generator, indices: Sequence[int]
+    ) -> UnitModel:
+        """Allocate real storage on `device` and initial values for the units at `indices`
+        only (of a meta-built model); every other unit stays on the meta device, holding
+        nothing. What the profiler measures (the embedding, one block, the head) without
+        holding the whole model.
+
+        Tied parameters stay one Parameter object: a parameter a chosen unit holds is
+        materialised once and put in every slot holding it, an unchosen unit's included.
+        Constant buffers of the chosen units move to `device`. Values: each chosen unit's own
+        parameters from `init_unit_weights`, in unit order, from `generator`; a parameter it
+        borrows from an unchosen owner from `initial_values` under the owner's name. The
+        skipped units draw nothing, so these values are not those `materialize` gives the
+        same units (a model with pretrained weights reads its own): for measuring time and
+        memory, not for training."""
+        count = len(self.units)
+        chosen = sorted({range(count)[i] for i in indices})  # IndexError when out of range
+        real: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialised one
+        for i in chosen:
+            for module in self.units[i].module.modules():
+                for p in module._parameters.values():
+                    if p is not None and p.is_meta and id(p) not in real:
+                        real[id(p)] = nn.Parameter(
+                            torch.empty_like(p, device=device), requires_grad=p.requires_grad
+                        )
+                for name, buf in list(module._buffers.items()):
+                    if buf is not None:  # constants (see the module docstring)
+                        module._buffers[name] = (
+                            torch.empty_like(buf, device=device) if buf.is_meta else buf.to(device)
+                        )
+        names = {self.units[i].name for i in chosen}
+        borrowed: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        for owner, pname, p in self.named_unit_parameters():
+            if owner not in names and id(p) in real:
+                borrowed.setdefault(owner, []).append((pname, real[id(p)]))
+        for module in self.modules():  # every slot, so tied parameters stay tied
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) in real:
+                    module._parameters[name] = real[id(p)]
+        for unit in self.units:
+            if unit.name in names:
+                self.init_unit_weights(unit.name, generator)
+            elif unit.name in borrowed:
+                named = borrowed[unit.name]
+                values = self.initial_values(unit.name, named, generator)
+                for pname, p in named:
+                    p.copy_(values[pname])
+        return self
+
 
 def position_kwargs(model: UnitModel, position_ids: torch.Tensor | None) -> dict:
     """The keyword arguments carrying `position_ids` to the embedding and blocks: none without

@@ -16,6 +16,10 @@ blocking broadcast). The collectives are measured by all ranks together. Rank 0 
 the database. In one process (world size 1) the same call measures every distinct type
 itself: emulated types differ only in their slowdown.
 
+Memory: a rank materialises only the units it measures (the embedding, one block, the head:
+`materialize_measured`), never the whole model, so a model that fits only sharded can be
+profiled (docs/profiling.md, "What it holds in memory").
+
 Threads: measurements run with the caller's `torch.get_num_threads()`, which should be what
 training uses (the local launcher gives every rank its share of the cores); it is recorded
 in each profile's `meta`.
@@ -64,6 +68,25 @@ ProgressFn = Callable[[str], None]
 
 
 # ====================================================================== one device type
+def measured_units(model: UnitModel) -> dict[str, int]:
+    """Unit kind -> the index of the unit that stands for it: the embedding, the first block,
+    the head. The only units `measure_device` runs, so the only ones it needs materialised."""
+    return {"embedding": 0, "block": 1, "head": len(model.units) - 1}
+
+
+def materialize_measured(meta_model: UnitModel, device: torch.device) -> UnitModel:
+    """A copy of `meta_model` with only its `measured_units` materialised on `device`
+    (`UnitModel.materialize_units`; the other blocks stay on the meta device): the profiler
+    holds the embedding, one block and the head, never the whole model. Their values are
+    drawn for them alone (a model with pretrained weights reads those units' tensors), so
+    they are not what a whole-model materialisation gives them: timings and activation
+    bytes do not depend on the values."""
+    model = copy.deepcopy(meta_model)
+    return model.materialize_units(
+        device, torch.Generator().manual_seed(0), sorted(set(measured_units(model).values()))
+    )
+
+
 def measure_device(
     model: UnitModel,
     seq_len: int,
@@ -74,7 +97,9 @@ def measure_device(
     progress: ProgressFn | None = None,
     together: Comm | None = None,
 ) -> DeviceProfile:
-    """Measure one device type on this process (the model must be materialised on `torch_device`).
+    """Measure one device type on this process. The model's `measured_units` (the embedding,
+    the first block, the head) must be materialised on `torch_device` (`materialize_measured`);
+    no other unit's tensors are read.
 
     `together`: every rank of this job calls this at once (concurrent profiling): timed by
     the wall clock and each repetition started on all ranks together. All ranks then run
@@ -101,7 +126,7 @@ def measure_device(
     spec = model.spec
     emulator = ComputeEmulator(device.slowdown)
     cdtype = compute_dtype(dtype)
-    kinds = {"embedding": 0, "block": 1, "head": len(model.units) - 1}
+    kinds = measured_units(model)
     benches = {
         kind: UnitBench(
             model.units[i],
@@ -336,7 +361,7 @@ def profile_devices(
 
     Call on every rank (see the module docstring). `model` is a registry name (with
     `model_overrides`) or a meta-built `UnitModel` (it is copied, never materialised in
-    place). `cache` is the database file (default `default_db_path()`); `use_cache=False`
+    place; only the units measured are materialised: `materialize_measured`). `cache` is the database file (default `default_db_path()`); `use_cache=False`
     neither reads nor writes it; `refresh=True` re-measures and overwrites its entries.
     `device`: where this rank measures (default: its GPU under NCCL, else the CPU).
     """
@@ -397,7 +422,7 @@ def profile_devices(
     if together and len(profiles) < len(type_keys):
         # every rank measures its own device at once (ranks of one type too: they load the
         # cores in training); the first rank of each type speaks for it
-        materialised = copy.deepcopy(meta_model).materialize(tdev, torch.Generator().manual_seed(0))
+        materialised = materialize_measured(meta_model, tdev)
         logger.info(
             "rank %d: measuring %s with %d concurrent ranks (%s, seq %d, %s)",
             rank,
@@ -424,9 +449,7 @@ def profile_devices(
         result = None
         if rank == src:
             if materialised is None:
-                materialised = copy.deepcopy(meta_model).materialize(
-                    tdev, torch.Generator().manual_seed(0)
-                )
+                materialised = materialize_measured(meta_model, tdev)
             device = next(d for d in devices if d.type_key == k)
             logger.info(
                 "rank %d: measuring %s (%s, seq %d, %s)", rank, k, spec.name, seq_len, dtype
