@@ -18,6 +18,7 @@ COMMANDS = [
     "demo",
     "run",
     "train",
+    "doctor",
     "plan",
     "advise",
     "simulate",
@@ -39,6 +40,7 @@ typical use:
   cephalo advise --offers configs/offers-example.toml --model gpt-2.7b --global-batch 256
   cephalo simulate plan.json                     # evaluate any plan with the cost model
   cephalo run --devices cpu,cpu:slowdown=2 --config configs/demo.toml
+  torchrun --nproc-per-node 4 -m cephalo doctor --config my.toml   # pre-flight, then:
   torchrun --nproc-per-node 4 -m cephalo train --config my.toml
 """
 

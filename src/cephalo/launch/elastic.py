@@ -53,6 +53,8 @@ class LocalJob:
     """Extra environment variables for the workers."""
     rdzv_timeout_s: int = 120
     """How long the workers may take to meet at the rendezvous."""
+    command: str = "train"
+    """The `cephalo` subcommand each worker runs (`train`, or `doctor`: the pre-flight)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -124,7 +126,7 @@ def launch(job: LocalJob) -> None:
 
     if job.max_restarts < 0:
         raise CephaloError(f"max_restarts must be >= 0, got {job.max_restarts}")
-    args: list[str] = ["-m", "cephalo", "train", *job.worker_args]
+    args: list[str] = ["-m", "cephalo", job.command, *job.worker_args]
     if job.devices:
         args.append(f"--parallel.devices={job.devices}")
     threads = str(job.threads_per_worker or threads_per_rank(job.nproc))
@@ -177,8 +179,9 @@ def run_elastic(
     nproc: int | None = None,
     max_restarts: int = 0,
     env: dict[str, str] | None = None,
+    command: str = "train",
 ) -> None:
-    """`cephalo run` as a function: launch `cephalo train <worker_args>` on `devices`."""
+    """`cephalo run` as a function: launch `cephalo <command> <worker_args>` on `devices`."""
     launch(
         LocalJob(
             nproc=nproc_for(devices, nproc),
@@ -186,5 +189,6 @@ def run_elastic(
             devices=devices,
             max_restarts=max_restarts,
             env=dict(env or {}),
+            command=command,
         )
     )

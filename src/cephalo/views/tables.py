@@ -8,6 +8,7 @@ from collections import defaultdict
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from cephalo.advise.results import Advice, FrontierPoint, Marginal
 from cephalo.costmodel.results import PlanEvaluation
@@ -478,4 +479,25 @@ def calibration_table(title: str, rows: list[list[str]]) -> Table:
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
     for row in rows:
         table.add_row(*row)
+    return table
+
+
+DOCTOR_STYLES = {"ok": "green", "FAIL": "bold red", "warn": "yellow"}
+
+
+def doctor_table(checks: list, title: str) -> Table:
+    """`cephalo doctor`'s rows (train/doctor.py `Check`): check, status, what was found and,
+    for a row that is not ok, the fix; fits 80 columns (long cells wrap)."""
+    table = Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_lines=True
+    )
+    table.add_column("check", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("found / fix", overflow="fold")
+    for c in checks:
+        cell = Text(c.found)
+        if c.fix:
+            cell.append("\nfix: ", style="bold")
+            cell.append(c.fix)
+        table.add_row(c.name, Text(c.status, style=DOCTOR_STYLES.get(c.status, "")), cell)
     return table
