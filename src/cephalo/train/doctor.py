@@ -99,7 +99,9 @@ def size_text(n: float) -> str:
 def _split_fix(message: str, default: str) -> tuple[str, str]:
     """A CephaloError's message as (what was found, the fix): its last sentence is the fix."""
     head, sep, tail = message.rpartition(". ")
-    return (head, tail) if sep and tail[:1].isupper() else (message, default)
+    if sep and tail[:1].isupper():
+        return head, tail[0].lower() + tail[1:]
+    return message, default
 
 
 def _ranks_text(ranks: list[int]) -> str:
