@@ -143,3 +143,18 @@ def test_signal_config_is_checked():
         load_config(None, ["--checkpoint.save_on_signals=SIGKILL"]).validate()
     with pytest.raises(CephaloError, match="every_minutes must be >= 0"):
         load_config(None, ["--checkpoint.every_minutes=-1"]).validate()
+
+
+def test_every_minutes_saves_by_the_clock(tmp_path):
+    from cephalo.train.trainer import train
+
+    run = tmp_path / "run"
+    cfg = load_config(
+        None,
+        tiny_job_args(
+            run, "--train.steps=4", "--checkpoint.every=0", "--checkpoint.every_minutes=1e-9"
+        ),
+    )
+    result = train(cfg)
+    assert result.stopped_by is None and result.final_step == 4
+    assert checkpoints(run) == [f"step_{s:06d}" for s in range(1, 5)]
