@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from cephalo.train.config_manager import add_config_arguments, config_from_args, overrides_from_args
 
@@ -53,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cephalo.launch.elastic import run_elastic
+    from cephalo.launch.preempt import stop_line
     from cephalo.log import init_logging
 
     init_logging()
@@ -60,5 +62,13 @@ def run(args: argparse.Namespace) -> int:
     devices = args.devices or cfg.parallel.devices
     worker_args = (["--config", args.config] if args.config else []) + overrides_from_args(args)
     max_restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
-    run_elastic(worker_args, devices=devices, nproc=args.nproc, max_restarts=max_restarts)
+    note = run_elastic(
+        worker_args,
+        devices=devices,
+        nproc=args.nproc,
+        max_restarts=max_restarts,
+        stop_signals=cfg.checkpoint.save_on_signals,
+    )
+    if note is not None:  # a signal stopped the job: where it saved, how to resume
+        print(stop_line(note, cfg.checkpoint.resume), file=sys.stderr, flush=True)
     return 0

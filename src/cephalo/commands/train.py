@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -53,12 +54,29 @@ def report_failure(message: str) -> None:
         Path(where, name).write_text(f"{time.time():.6f}\n{message}\n")
 
 
+def report_stop(note: str, resume: str) -> None:
+    """A job stopped by a signal (rank 0): under `cephalo run` the note goes where the launcher
+    reads it (it prints the one line); alone, this process prints it."""
+    from cephalo.launch.elastic import STOP_NOTE
+    from cephalo.launch.preempt import stop_line
+
+    where = os.environ.get(envvars.ERROR_DIR)
+    if where:
+        with contextlib.suppress(OSError):
+            Path(where, STOP_NOTE).write_text(note + "\n")
+            return
+    print(stop_line(note, resume), file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from cephalo.train.trainer import train  # torch import deferred: `cephalo --help` stays fast
 
     failed = False
     try:
-        train(config_from_args(args))
+        cfg = config_from_args(args)
+        result = train(cfg)
+        if result.stop_note is not None and result.rank == 0:
+            report_stop(result.stop_note, cfg.checkpoint.resume)
     except Exception as err:
         failed = True
         error: BaseException = err

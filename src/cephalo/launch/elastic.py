@@ -11,16 +11,24 @@ it (`CEPHALO_ERROR_DIR`), tagged with the restart it belongs to; the launcher ra
 `CephaloError` with the first failure (by time) of the last attempt instead of every rank's
 traceback. A worker killed by a signal, which writes
 nothing, is reported by its exit signal.
+
+Signals (`LocalJob.stop_signals`: the job's `checkpoint.save_on_signals`): the launcher
+handles them itself, not torch elastic (which would raise `SignalException` and SIGKILL the
+workers 30 s later): the first is forwarded once to every worker, which finish their step,
+save and exit 0 (launch/preempt.py); rank 0 leaves its note (`STOP_NOTE`) and `launch`
+returns it. A second signal SIGKILLs the workers and exits at once (128 + its number).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,6 +63,85 @@ class LocalJob:
     """How long the workers may take to meet at the rendezvous."""
     command: str = "train"
     """The `cephalo` subcommand each worker runs (`train`, or `doctor`: the pre-flight)."""
+    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1")
+    """Signals forwarded to the workers, which then save and stop (`checkpoint.save_on_signals`)."""
+
+
+STOP_NOTE = "stopped.txt"
+"""The file (in the launcher's error directory) where rank 0 of a job stopped by a signal
+says where it saved."""
+
+
+def _children() -> list[int]:
+    """This process's child processes (the workers), from /proc (Linux; [] elsewhere)."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+                found.append(int(entry.name))
+    return found
+
+
+class SignalForwarder:
+    """The launcher's handlers of the stop signals (main thread): the first signal goes to
+    every worker once (also to workers that start later: a thread checks while it is set), a
+    second one SIGKILLs them and exits."""
+
+    def __init__(self, names: Sequence[str]):
+        self.numbers = [int(getattr(signal, n)) for n in names if hasattr(signal, n)]
+        self.received: int | None = None
+        self._sent: set[int] = set()
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._previous: dict[int, object] = {}
+
+    def _forward(self) -> None:
+        if self.received is None:
+            return
+        with self._lock:
+            for pid in _children():
+                if pid not in self._sent:
+                    self._sent.add(pid)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, self.received)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            for pid in _children():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            sys.stderr.write(f"cephalo run: second {name}: stopped the workers without saving\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        self.received = signum
+        self._forward()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.2):
+            self._forward()
+
+    def __enter__(self) -> SignalForwarder:
+        if threading.current_thread() is threading.main_thread():
+            for number in self.numbers:
+                self._previous[number] = signal.signal(number, self._handle)
+            threading.Thread(target=self._watch, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)  # type: ignore[arg-type]
+
+    def note(self, error_dir: Path) -> str | None:
+        """What the stopped job said (rank 0's note), None if no signal came."""
+        if self.received is None:
+            return None
+        name = signal.Signals(self.received).name
+        try:
+            return (error_dir / STOP_NOTE).read_text().strip()
+        except OSError:
+            return f"stopped by {name}: the job ended without saving"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -119,8 +206,9 @@ def first_failure(error_dir: Path, failures: dict[int, object] | None = None) ->
     return "the workers failed without an error message (see their output above)"
 
 
-def launch(job: LocalJob) -> None:
-    """Run the job's workers to completion; raise `CephaloError` (the first failure) if any fails."""
+def launch(job: LocalJob) -> str | None:
+    """Run the job's workers to completion; raise `CephaloError` (the first failure) if any
+    fails. Returns None, or the stopped job's note where a stop signal came (see above)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -142,6 +230,10 @@ def launch(job: LocalJob) -> None:
         max_restarts=job.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        # elastic's own handlers (SignalException) only for the signals we do not forward
+        signals_to_handle=",".join(
+            s for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if s not in job.stop_signals
+        ),
     )
     # The elastic agent logs every worker failure with a full table at ERROR level; the one
     # message below says the same thing once.
@@ -162,9 +254,11 @@ def launch(job: LocalJob) -> None:
             threads,
             f" on devices {job.devices}" if job.devices else "",
         )
+        forwarder = SignalForwarder(job.stop_signals)
         try:
-            with scoped_environ(env):
+            with scoped_environ(env), forwarder:
                 elastic_launch(config, sys.executable)(*args)
+            return forwarder.note(Path(error_dir))
         except ChildFailedError as e:
             logger.debug(
                 "worker failures: %s",
@@ -180,9 +274,11 @@ def run_elastic(
     max_restarts: int = 0,
     env: dict[str, str] | None = None,
     command: str = "train",
-) -> None:
-    """`cephalo run` as a function: launch `cephalo <command> <worker_args>` on `devices`."""
-    launch(
+    stop_signals: Sequence[str] = ("SIGTERM", "SIGINT", "SIGUSR1"),
+) -> str | None:
+    """`cephalo run` as a function: launch `cephalo <command> <worker_args>` on `devices`; the
+    note of a job a signal stopped (else None)."""
+    return launch(
         LocalJob(
             nproc=nproc_for(devices, nproc),
             worker_args=list(worker_args),
@@ -190,5 +286,6 @@ def run_elastic(
             max_restarts=max_restarts,
             env=dict(env or {}),
             command=command,
+            stop_signals=tuple(stop_signals),
         )
     )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cephalo.errors import CephaloError
+from cephalo.launch.preempt import SIGNAL_NAMES
 from cephalo.profiling.settings import ProfileSettings
 from cephalo.specs.cluster import parse_bytes
 from cephalo.specs.drift import parse_drift
@@ -228,6 +229,13 @@ class CheckpointConfig:
     """Checkpoint root directory; unset: `<logging.dir>/checkpoints`."""
     every: int = 0
     """Save every this many steps (and at the end of training); 0 saves only at the end."""
+    every_minutes: float = 0.0
+    """Also save once this many minutes have passed since the last save (rank 0's clock, decided
+    by every rank at the same step); 0: no time-based saves."""
+    save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    """Signals that make every rank finish its step, save a checkpoint there and exit 0 with the
+    command that resumes (preemption: SIGTERM; SLURM: SIGUSR1; Ctrl-C: SIGINT); a second signal
+    exits at once. Any of SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP; [] keeps the defaults."""
     keep_last: int = 3
     """Complete checkpoints to keep; older ones are deleted after a successful save."""
     resume: str = "auto"
@@ -428,6 +436,16 @@ def _validate(cfg: JobConfig) -> None:
             problems.append(str(e))
     c = cfg.checkpoint
     check(c.every >= 0, f"checkpoint.every must be >= 0 (0 saves only at the end), got {c.every}")
+    check(
+        c.every_minutes >= 0 and math.isfinite(c.every_minutes),
+        f"checkpoint.every_minutes must be >= 0 (0: no time-based saves), got {c.every_minutes}",
+    )
+    bad = [n for n in c.save_on_signals if n not in SIGNAL_NAMES]
+    check(
+        not bad,
+        f"checkpoint.save_on_signals: {', '.join(map(repr, bad))} is not one of "
+        f"{', '.join(SIGNAL_NAMES)}",
+    )
     check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
     check(bool(c.resume.strip()), "checkpoint.resume must be `auto`, `never` or a checkpoint path")
     lg = cfg.logging

@@ -38,6 +38,7 @@ from cephalo.costmodel.host import check_host_memory
 from cephalo.costmodel.model import CostModel
 from cephalo.data.job import open_batches, resolve_job_dataset
 from cephalo.errors import CephaloError
+from cephalo.launch.preempt import StopSignals, TimedSaves, stop_note
 from cephalo.log import init_logging, logger
 from cephalo.modeling.lora import adapter_settings, apply_adapter
 from cephalo.modeling.registry import build_model
@@ -70,8 +71,10 @@ from cephalo.train.replan import Replanner, catalog_model_or_none
 
 PLAN_FILE = "plan.json"
 CONFIG_FILE = "config.toml"
-# Per-rank values gathered each step for the metrics: busy, comm wait, step time, peak bytes.
-_RANK_FIELDS = 6
+# Per-rank values gathered each step for the metrics: busy, comm wait, step time, peak bytes,
+# optimizer, host; then the stop flags every rank decides on (launch/preempt.py): a signal
+# received, a time-based save due (rank 0's clock).
+_RANK_FIELDS = 8
 
 
 @dataclass
@@ -95,6 +98,10 @@ class TrainResult:
     """Mean throughput over the run's steps (the first step, which warms up, excluded if possible)."""
     replans: list[dict[str, Any]] = field(default_factory=list)
     """Each switch to a new plan during the run: when, why, how long (train/replan.py)."""
+    stopped_by: str | None = None
+    """The signal that stopped the run before `train.steps` (saved at `final_step`), else None."""
+    stop_note: str | None = None
+    """What rank 0 says of that stop (where it saved): launch/preempt.py `stop_note`."""
 
 
 # ----------------------------------------------------------------------------- cluster and plan
@@ -326,6 +333,8 @@ class _Trainer:
         self.schedule = LRSchedule(t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule)
         self.step = 0
         self.nonfinite_streak = 0
+        self.signals = StopSignals([])  # `train()` hands the job's handlers in
+        self.timed_saves = TimedSaves(cfg.checkpoint.every_minutes)
         self.result = TrainResult(self.rank, self.world_size, self.run_dir, self.plan, 0, 0)
         if self.rank == 0:
             logger.info(
@@ -388,7 +397,14 @@ class _Trainer:
             keep_last=self.cfg.checkpoint.keep_last,
         )
         self.result.last_checkpoint = path
+        self.timed_saves.saved()
         return path
+
+    def _stopped(self) -> None:
+        """Every rank stops here, after the same step and its checkpoint (launch/preempt.py)."""
+        name = self.signals.received or "a signal on another rank"
+        self.result.stopped_by = name
+        self.result.stop_note = stop_note(name, self.step, self.result.last_checkpoint)
 
     def resume(self) -> None:
         target = resume_target(self.cfg.checkpoint.resume, self.cfg.checkpoint_dir)
@@ -445,7 +461,8 @@ class _Trainer:
     # ------------------------------------------------------------------ steps
     def _gather_rank_stats(self, stats: StepStats) -> tuple[RankStats, float]:
         """Every rank's timings and peak memory (one small all-gather), and the step time
-        (the slowest rank's)."""
+        (the slowest rank's). The same gather carries the stop flags: `self._stop` (a signal
+        reached some rank) and `self._save_due` (rank 0's `checkpoint.every_minutes`)."""
         mine = torch.tensor(
             [
                 stats.busy_s,
@@ -454,6 +471,8 @@ class _Trainer:
                 float(stats.peak_bytes),
                 stats.optimizer_s,
                 stats.host_s,
+                float(self.signals.received is not None),
+                float(self.rank == 0 and self.timed_saves.due()),
             ],
             dtype=torch.float64,
             device=self.engine.device,
@@ -465,6 +484,8 @@ class _Trainer:
         if handle is not None:
             handle.wait()
         rows = out.view(self.world_size, _RANK_FIELDS).cpu().tolist()
+        self._stop = any(r[6] for r in rows)
+        self._save_due = bool(rows[0][7])
         return RankStats(
             busy_s=[r[0] for r in rows],
             comm_wait_s=[r[1] for r in rows],
@@ -656,6 +677,8 @@ class _Trainer:
         )
         self._throughput: list[float] = []
         every, eval_every = cfg.checkpoint.every, cfg.train.eval_every
+        self._stop = self._save_due = False
+        self.timed_saves.saved()  # the clock starts with the steps
         try:
             while self.step < steps:
                 self.train_step(metrics, progress)
@@ -666,8 +689,16 @@ class _Trainer:
                         metrics.write({"kind": "eval", "step": self.step, "val_loss": val})
                     if self.rank == 0:
                         progress.message(f"step {self.step}: validation loss {val:.4f}")
-                if (every and self.step % every == 0) or self.step == steps:
+                if (
+                    (every and self.step % every == 0)
+                    or self.step == steps
+                    or self._stop
+                    or self._save_due
+                ):
                     self.save()
+                if self._stop and self.step < steps:
+                    self._stopped()
+                    break
                 # calibration, and a switch to a better plan at this step boundary
                 self.replanner.after_step(self, self._last_ranks, metrics)
         except (RuntimeError, TimeoutError) as e:
@@ -680,7 +711,7 @@ class _Trainer:
         self.result.replans = [s.to_dict() for s in self.replanner.switches]
         rates = self._throughput[1:] or self._throughput
         self.result.tokens_per_s = sum(rates) / len(rates) if rates else 0.0
-        if self.rank == 0 and self.result.losses:
+        if self.rank == 0 and self.result.losses and self.result.stopped_by is None:
             last = max(self.result.losses)
             logger.info(
                 "done: step %d, loss %.4f, %.0f tokens/s%s",
@@ -706,6 +737,9 @@ def train(cfg: JobConfig) -> TrainResult:
     init_logging()
     cfg.validate()
     backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
-    comm = init_distributed(backend, timeout_s=cfg.parallel.timeout_s)
-    torch.manual_seed(cfg.model.seed)  # any randomness outside the engine's own streams
-    return _Trainer(cfg, comm).run()
+    with StopSignals(cfg.checkpoint.save_on_signals) as signals:
+        comm = init_distributed(backend, timeout_s=cfg.parallel.timeout_s)
+        torch.manual_seed(cfg.model.seed)  # any randomness outside the engine's own streams
+        trainer = _Trainer(cfg, comm)
+        trainer.signals = signals
+        return trainer.run()
