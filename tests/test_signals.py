@@ -23,7 +23,7 @@ from procs import processes  # noqa: F401  (a fixture)
 from run_common import tiny_job_args
 from trainer_reference import job_floor
 
-STEPS = 40
+STEPS = 20
 """Long enough that the signal lands well before the end."""
 
 
@@ -74,7 +74,7 @@ def test_sigterm_to_cephalo_run_saves_and_resumes(processes, tmp_path):  # noqa:
     job = job_floor(load_config(None, job_args(tmp_path / "reference")))
     run = tmp_path / "stopped"
     args = job_args(run)
-    at = random.randint(3, 12)
+    at = random.randint(3, 8)
 
     proc = start(processes, "run", args, "--devices", "cpu,cpu,cpu")
     wait_for_step(proc, run / "metrics.jsonl", at)
