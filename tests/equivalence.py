@@ -150,6 +150,24 @@ class NoiseFloor:
         noise = {n: v for n, v in self.param_noise.items() if n in names}
         return dataclasses.replace(self, truth=truth, param_noise=noise)
 
+    def at(self, losses: Sequence[int] | None = None, evals: Sequence[int] | None = None):
+        """The same floor over the steps `losses` (0-based) and the evaluations `evals` only:
+        for a run that reports some of them (resumed from a checkpoint, say). None: all."""
+        t = self.truth
+        losses = range(len(t.losses)) if losses is None else losses
+        evals = range(len(t.val_losses)) if evals is None else evals
+        truth = dataclasses.replace(
+            t,
+            losses=[t.losses[i] for i in losses],
+            val_losses=[t.val_losses[i] for i in evals],
+        )
+        return dataclasses.replace(
+            self,
+            truth=truth,
+            loss_noise=[self.loss_noise[i] for i in losses],
+            val_noise=[self.val_noise[i] for i in evals],
+        )
+
     def bound(self, noise: float, k: float = K) -> float:
         return k * noise + FP32_FLOOR
 

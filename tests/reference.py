@@ -215,24 +215,30 @@ def backward_in_pieces(
     as MoE's aux loss, that a split would change). Else row counts: each piece's mean times
     its share of the batch's tokens, backward piece by piece (gradient accumulation: the
     same gradient in exact arithmetic, another fp32 summation order)."""
-    if micro_batches is None or micro_batches == "reversed":
-        rows = labels.shape[0]
-        order = slice(0, rows) if micro_batches is None else torch.arange(rows - 1, -1, -1)
-        loss = loss_of(order)
-        loss.backward()
-        return loss.detach()
-    if sum(micro_batches) != labels.shape[0] or min(micro_batches) < 1:
-        raise ValueError(f"micro_batches {micro_batches} must split {labels.shape[0]} rows")
-    global_tokens = int((labels != IGNORE_INDEX).sum().clamp(min=1))
-    total, start = None, 0
-    for rows in micro_batches:
-        piece_rows = slice(start, start + rows)
-        tokens = int((labels[piece_rows] != IGNORE_INDEX).sum())
-        piece = loss_of(piece_rows) * (tokens / global_tokens)
+    total = None
+    for rows, share in batch_pieces(labels, micro_batches):
+        piece = loss_of(rows) * share if share != 1.0 else loss_of(rows)
         piece.backward()
         total = piece.detach() if total is None else total + piece.detach()
-        start += rows
     return total
+
+
+def batch_pieces(
+    labels: torch.Tensor, micro_batches: Sequence[int] | str | None
+) -> list[tuple[slice | torch.Tensor, float]]:
+    """The rows of each piece `backward_in_pieces` runs (see there) and the piece's share of
+    the batch's loss tokens (its mean token loss times that share sums to the batch's)."""
+    rows = labels.shape[0]
+    if micro_batches is None:
+        return [(slice(0, rows), 1.0)]
+    if micro_batches == "reversed":
+        return [(torch.arange(rows - 1, -1, -1), 1.0)]
+    if sum(micro_batches) != rows or min(micro_batches) < 1:
+        raise ValueError(f"micro_batches {micro_batches} must split {rows} rows")
+    global_tokens = int((labels != IGNORE_INDEX).sum().clamp(min=1))
+    edges = [0, *itertools.accumulate(micro_batches)]
+    pieces = [slice(a, b) for a, b in zip(edges, edges[1:], strict=False)]
+    return [(p, int((labels[p] != IGNORE_INDEX).sum()) / global_tokens) for p in pieces]
 
 
 def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -410,22 +416,11 @@ def _moe_loss_backward(model, input_ids, labels, position_ids, micro_batches):
     `"reversed"`: the whole batch with its rows reversed."""
     import sys
 
-    rows = labels.shape[0]
-    if micro_batches is None or micro_batches == "reversed":
-        order = slice(0, rows) if micro_batches is None else torch.arange(rows - 1, -1, -1)
-        pieces = [order]
-    else:
-        if sum(micro_batches) != rows or min(micro_batches) < 1:
-            raise ValueError(f"micro_batches {micro_batches} must split {rows} rows")
-        edges = [0, *itertools.accumulate(micro_batches)]
-        pieces = [slice(a, b) for a, b in zip(edges, edges[1:], strict=False)]
-    global_tokens = int((labels != IGNORE_INDEX).sum().clamp(min=1))
     ce, router = None, []
-    for piece in pieces:
+    for piece, share in batch_pieces(labels, micro_batches):
         pos = None if position_ids is None else position_ids[piece]
         out = model(input_ids=input_ids[piece], position_ids=pos, use_cache=False)
-        tokens = int((labels[piece] != IGNORE_INDEX).sum())
-        part = _token_loss(out.logits, labels[piece]) * (tokens / global_tokens)
+        part = _token_loss(out.logits, labels[piece]) * share
         ce = part if ce is None else ce + part
         router.append(out.router_logits)
     per_layer = tuple(torch.cat(layer) for layer in zip(*router, strict=True))

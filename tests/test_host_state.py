@@ -4,7 +4,6 @@ the cost model, the link emulation, and bad input."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import time
@@ -55,13 +54,8 @@ def _floor(steps: int):
 
 def _check(label: str, run: dict, first_step: int = 1) -> None:
     """`run`'s losses from `first_step` on and its final parameters within the noise floor."""
-    floor = _floor(max(run["losses"]))
-    truth_losses = floor.truth.losses[first_step - 1 :]
-    cut = dataclasses.replace(
-        floor,
-        truth=dataclasses.replace(floor.truth, losses=truth_losses),
-        loss_noise=floor.loss_noise[first_step - 1 :],
-    )
+    steps = max(run["losses"])
+    cut = _floor(steps).at(range(first_step - 1, steps))
     cut.check(label, params=run["params"], losses=[run["losses"][s] for s in sorted(run["losses"])])
 
 

@@ -11,7 +11,6 @@ every run of the same job, under any plan, is checked against (tests/equivalence
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -82,22 +81,9 @@ class JobFloor:
     ) -> None:
         """The run's losses (any subset of steps), validation losses and final parameters
         within the floor (`NoiseFloor.check`)."""
-        f = self.floor
         steps = sorted(losses or {})
-        at = [s - 1 for s in steps]
         evals = sorted(val_losses or {})
-        vat = [self.eval_steps.index(s) for s in evals]
-        truth = dataclasses.replace(
-            f.truth,
-            losses=[f.truth.losses[i] for i in at],
-            val_losses=[f.truth.val_losses[i] for i in vat],
-        )
-        cut = dataclasses.replace(
-            f,
-            truth=truth,
-            loss_noise=[f.loss_noise[i] for i in at],
-            val_noise=[f.val_noise[i] for i in vat],
-        )
+        cut = self.floor.at([s - 1 for s in steps], [self.eval_steps.index(s) for s in evals])
         cut.check(
             label,
             params=params,
