@@ -15,13 +15,13 @@ from cephalo.planner.makers import simple_plan
 from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.specs.cluster import Cluster
 from cephalo.train.config_manager import load_config
+from cephalo.train.discovery import available_host_bytes
 from cephalo.train.doctor import (
     FAIL,
     OK,
     WARN,
     Check,
     DoctorOptions,
-    available_host_bytes,
     device_memory_check,
     host_memory_check,
     nccl_check,

@@ -140,7 +140,7 @@ def test_no_room_on_the_host_keeps_the_job_on_its_plan(monkeypatch):
     import cephalo.train.replan as replan
 
     monkeypatch.setattr(replan, "staged_bytes", lambda pieces: 3 << 30)
-    monkeypatch.setattr(replan, "host_available_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(replan, "available_host_bytes", lambda: 1 << 30)
     t = _Trainer("host")
     before = t.train(_batches(1, 1))
     engine, plan = t.engine, t.plan
@@ -153,10 +153,10 @@ def test_no_room_on_the_host_keeps_the_job_on_its_plan(monkeypatch):
 def test_host_shortfall_counts_every_rank_of_the_node(monkeypatch):
     import cephalo.train.replan as replan
 
-    monkeypatch.setattr(replan, "host_available_bytes", lambda: 10 << 30)
+    monkeypatch.setattr(replan, "available_host_bytes", lambda: 10 << 30)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert replan.host_shortfall(2 << 30) == 0
     assert replan.host_shortfall(3 << 30) == 2 << 30
     assert replan.host_shortfall(0) == 0
-    monkeypatch.setattr(replan, "host_available_bytes", lambda: None)
+    monkeypatch.setattr(replan, "available_host_bytes", lambda: None)
     assert replan.host_shortfall(3 << 30) == 0, "unknown: do not block"

@@ -95,6 +95,19 @@ def physical_host_memory() -> int:
         return DEFAULT_HOST_MEMORY_BYTES
 
 
+def available_host_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """Host memory the kernel says is available now (`MemAvailable`, Linux); None where it
+    cannot be read (what it has at all: `physical_host_memory`)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _torchrun_group() -> str | None:
     group_rank = os.environ.get("GROUP_RANK")
     return group_rank if group_rank not in (None, "") else None

@@ -47,6 +47,7 @@ from cephalo.specs.cluster import Cluster
 from cephalo.train.config import JobConfig
 from cephalo.train.discovery import (
     RankDescription,
+    available_host_bytes,
     check_same_job,
     cluster_from_descriptions,
     describe_own_device,
@@ -202,15 +203,6 @@ def device_memory_check(free: list[tuple[int, str]], plan: Plan | None) -> Check
 
 
 # ----------------------------------------------------------------------------- 4. host memory
-def available_host_bytes(meminfo: str = "/proc/meminfo") -> int | None:
-    """MemAvailable of this host, or None where it cannot be read."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
 def plan_host_bytes(plan: Plan) -> list[int]:
     """What each of the plan's ranks puts on its host: its predicted host bytes, else the cost
     model's formula (costmodel/host.py) where its model is known, else 0."""

@@ -51,6 +51,7 @@ from cephalo.planner.plan import Plan, RankPlan
 from cephalo.runtime.collectives.shard_groups import saved_state
 from cephalo.runtime.state.relayout import WINDOW_ELEMS, relayout, staged_bytes, to_host
 from cephalo.train.calibration import Calibration, StepLog, predicted_step_s, refit
+from cephalo.train.discovery import available_host_bytes
 
 
 class _Trainer(Protocol):
@@ -162,25 +163,13 @@ class SwitchNotPossible(CephaloError):
     """Every rank agreed before anything changed: the job goes on under its plan."""
 
 
-def host_available_bytes() -> int | None:
-    """Host memory the kernel says is available now (`MemAvailable`, Linux); None: unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def host_shortfall(copied: int) -> int:
     """Bytes this rank's node lacks to stage `copied` bytes on every one of its ranks (the
     ranks of a node stage at once: `LOCAL_WORLD_SIZE` of torchrun, each about as much);
     0 where it has room or cannot tell."""
     if copied <= 0:
         return 0
-    available = host_available_bytes()
+    available = available_host_bytes()
     if available is None:
         return 0
     need = copied * int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
