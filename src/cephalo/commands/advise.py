@@ -12,13 +12,16 @@ from cephalo.commands.plan import (
     DEFAULT_DTYPE,
     DEFAULT_MODEL,
     DEFAULT_SEQ_LEN,
+    GIB,
     adapter_of,
     add_grouping_arguments,
+    add_host_memory_argument,
     add_model_arguments,
 )
 from cephalo.costmodel.sources import build_cost_model
 from cephalo.errors import CephaloError
-from cephalo.specs.cluster import Cluster
+from cephalo.specs.catalog.devices import DEFAULT_HOST_MEMORY_BYTES
+from cephalo.specs.cluster import Cluster, parse_bytes
 from cephalo.specs.offers import Offers
 from cephalo.views.tables import frontier_table, make_console, marginal_tables
 
@@ -126,6 +129,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="keep all training state on the GPUs (as `cephalo plan --no-host-state`)",
     )
     add_grouping_arguments(p)
+    add_host_memory_argument(p)
     p.set_defaults(func=run)
 
 
@@ -146,10 +150,14 @@ def run(args: argparse.Namespace) -> int:
     offers = Offers.from_file(args.offers)
     have = Cluster.from_any(args.have) if args.have else None
     adapter = adapter_of(args)
+    # rented nodes are not this machine: an unsaid host memory is the default, said below
+    host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else None
 
     def cost_model_for(spec: str):
-        # exactly what `cephalo plan --cluster SPEC` plans with
-        return build_cost_model(spec, model, seq_len, dtype, adapter=adapter)
+        # exactly what `cephalo plan --cluster SPEC --host-memory M` plans with
+        return build_cost_model(
+            spec, model, seq_len, dtype, adapter=adapter, host_memory=host_memory
+        )
 
     console = make_console()
     advisor = Advisor(
@@ -195,6 +203,13 @@ def run(args: argparse.Namespace) -> int:
         + (f", {adapter.describe()}" if adapter.frozen_base else "")
         + f"; offers: {', '.join(o.name for o in advice.offers)} ({offers.where})"
     )
+    if host_memory is None:
+        console.print(
+            f"host memory: assumed {DEFAULT_HOST_MEMORY_BYTES / GIB:.0f} GiB per node (give "
+            "--host-memory, e.g. 64GiB)",
+            style="dim",
+            soft_wrap=True,
+        )
     for note in advice.left_out:
         console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
     console.print(frontier_table(advice))

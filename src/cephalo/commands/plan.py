@@ -15,6 +15,8 @@ from cephalo.costmodel.sources import (
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.planner.plan import DTYPES, Plan
 from cephalo.specs.adapter import ADAPTER_MODES, DEFAULT_LORA_R, AdapterSpec
+from cephalo.specs.catalog.devices import DEFAULT_HOST_MEMORY_BYTES
+from cephalo.specs.cluster import Cluster, parse_bytes
 from cephalo.views.tables import (
     adapter_lines,
     estimate_lines,
@@ -46,7 +48,7 @@ at a time), which fraction of the sharded training state (fp32 master weights, g
 Adam moments) it owns, and whether its layer-boundary activations live on the host.
 Where memory is short it may also keep part of a GPU's state shard in host memory
 (`on host`: its fp32 master, gradient and Adam moments; the host CPU runs their AdamW step;
-the node's host memory, `host_memory` in a cluster file, default 256 GiB, is shared by its
+the node's host memory, --host-memory or `host_memory` in a cluster file, is shared by its
 GPUs; full fine-tuning only) and let a GPU wait for each reduce-scatter (`rs wait`: one unit gradient less), only
 where that makes the step faster. It maximises samples/s under every GPU's memory, using the cost model fed by the catalog
 (published measurements of real GPUs; `cephalo catalog`) or by measured profiles
@@ -188,6 +190,69 @@ def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool)
         metavar="PATH",
         help="measured profiles from `cephalo profile --out PATH` instead of the catalog",
     )
+    add_host_memory_argument(p)
+
+
+def add_host_memory_argument(p: argparse.ArgumentParser) -> None:
+    """--host-memory: every node's host memory (shared with `advise`)."""
+    p.add_argument(
+        "--host-memory",
+        metavar="BYTES",
+        help="host memory of every node, e.g. 64GiB (host-held state and offloaded activations "
+        "must fit it); default: a cluster file's host_memory, else this machine's available "
+        "memory when the cluster is this machine, else 256 GiB (said in the output)",
+    )
+
+
+def local_host_memory() -> int | None:
+    """This machine's host memory for planning, read through the one function that knows it
+    (train/discovery.py: the budget a job here would get), None where it cannot be read."""
+    from cephalo.train.discovery import available_host_bytes
+
+    return available_host_bytes()
+
+
+def _is_this_machine(cluster: Cluster) -> bool:
+    """A one-node cluster of this machine's devices: emulated CPU ranks, or exactly the CUDA
+    GPUs found here (types as the catalog names them)."""
+    if len(cluster.nodes()) != 1:
+        return False
+    types = sorted(d.type for d in cluster.devices)
+    if all(t == "cpu" for t in types):
+        return True
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    from cephalo.specs.catalog.devices import device_type_for_gpu
+
+    local = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        local.append(device_type_for_gpu(props.name, props.total_memory))
+    return sorted(local) == types
+
+
+def host_memory_of(args: argparse.Namespace, cluster_spec: str) -> tuple[int | None, str | None]:
+    """(every node's host memory in bytes, or None for the cluster's own; the line that says
+    what was assumed, or None when the user said it). A plan that counts on host memory the
+    machine does not have fails at run time, so an unsaid value is always named."""
+    if args.host_memory:
+        return parse_bytes(args.host_memory, "--host-memory"), None
+    cluster = Cluster.from_any(cluster_spec)
+    if cluster.host_memory_bytes != DEFAULT_HOST_MEMORY_BYTES or cluster.node_host_memory_bytes:
+        return None, None  # the cluster file says it
+    if _is_this_machine(cluster):
+        local = local_host_memory()
+        if local is not None:
+            return local, (
+                f"host memory: {local / GIB:.1f} GiB, this machine's available memory "
+                "(--host-memory to plan for another)"
+            )
+    return None, (
+        f"host memory: assumed {DEFAULT_HOST_MEMORY_BYTES / GIB:.0f} GiB per node "
+        "(give --host-memory, e.g. 64GiB, or host_memory in a cluster file)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,8 +263,15 @@ def run(args: argparse.Namespace) -> int:
         raise CephaloError(f"--global-batch must be >= 1, got {args.global_batch}")
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
         raise CephaloError(f"--plot {args.plot}: the file must end in .png, .pdf or .svg")
+    host_memory, host_note = host_memory_of(args, args.cluster)
     cm = build_cost_model(
-        args.cluster, args.model, args.seq_len, args.dtype, args.profiles, adapter_of(args)
+        args.cluster,
+        args.model,
+        args.seq_len,
+        args.dtype,
+        args.profiles,
+        adapter_of(args),
+        host_memory=host_memory,
     )
     console = make_console()
     allow_offload = not args.no_offload
@@ -248,8 +320,8 @@ def run(args: argparse.Namespace) -> int:
     for line in estimate_lines(cm):
         console.print(line, style="yellow", soft_wrap=True)
     console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))
-    for line in host_memory_lines(ev):
-        console.print(line, style="dim")
+    for line in host_memory_lines(ev) + ([host_note] if host_note else []):
+        console.print(line, style="dim", soft_wrap=True)
     for line in grouping_lines(main_plan):
         console.print(line, soft_wrap=True)
     for s in strategies:

@@ -59,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
 
     init_logging()
     cfg = config_from_args(args)  # a bad config fails here, once, not in every worker
+    from cephalo.modeling.registry import initial_weights_note
+
+    # adapters on a weightless directory: refused here, once (rank 0 warns of a random init)
+    initial_weights_note(cfg.model.name, cfg.model.init, cfg.model.adapter)
     devices = args.devices or cfg.parallel.devices
     worker_args = (["--config", args.config] if args.config else []) + overrides_from_args(args)
     max_restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cephalo.commands.plan import GIB, adapter_of, add_cost_model_arguments
+from cephalo.commands.plan import GIB, adapter_of, add_cost_model_arguments, host_memory_of
 from cephalo.costmodel.sources import build_cost_model
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
@@ -22,8 +22,8 @@ The plan's model, seq_len, dtype and adapter are used unless --model / --seq-len
 --adapter / --lora-r override them. A hand-written plan needs, per rank: rank, device (the cluster's type, e.g. l4),
 batch_size, micro_batch_size, num_micro_batches, state_fraction (and optionally
 offload_activations, host_state_fraction, overlap_reduce); see docs/plan-format.md. Ranks that
-exceed their memory, and nodes whose host memory (`host_memory` in a cluster file, default
-256 GiB) is too small for the state the plan keeps there, are flagged and the exit status is
+exceed their memory, and nodes whose host memory (--host-memory, `host_memory` in a cluster
+file, else as `cephalo plan` assumes it) is too small for the state the plan keeps there, are flagged and the exit status is
 then 1.
 """
 
@@ -65,8 +65,15 @@ def run(args: argparse.Namespace) -> int:
     # the plan's adapter settings (`cephalo plan --adapter`) unless overridden
     adapter = adapter_of(args, AdapterSpec.from_dict(plan.meta.get("adapter")))
     plan.meta.pop("adapter", None)  # evaluated under the settings just chosen
+    host_memory, host_note = host_memory_of(args, spec)
     cm = build_cost_model(
-        spec, args.model or plan.model, plan.seq_len, plan.dtype, args.profiles, adapter
+        spec,
+        args.model or plan.model,
+        plan.seq_len,
+        plan.dtype,
+        args.profiles,
+        adapter,
+        host_memory=host_memory,
     )
     ev = cm.evaluate(plan)
     console = make_console()
@@ -77,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
     for line in adapter_lines(cm):
         console.print(line, soft_wrap=True)
     console.print(plan_table(plan, ev, title=f"{args.plan} ({plan.strategy})"))
-    for line in host_memory_lines(ev):
-        console.print(line)
+    for line in host_memory_lines(ev) + ([host_note] if host_note else []):
+        console.print(line, soft_wrap=True)
     console.print(
         f"simulated: {ev.samples_per_s:.4g} samples/s, {ev.tokens_per_s:.4g} tokens/s, step {ev.step_s:.4g} s"
     )

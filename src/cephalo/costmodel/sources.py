@@ -5,6 +5,7 @@ the result is the same `CostModel`, so a plan is judged by the same formulas."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from cephalo.costmodel.collectives import backend_pads
 from cephalo.costmodel.host import HostResources
@@ -139,11 +140,21 @@ def build_cost_model(
     dtype: str | None,
     profiles_path: str | None = None,
     adapter: AdapterSpec | None = None,
+    host_memory: int | None = None,
 ) -> CostModel:
     """A cost model for a cluster spec (or file), from the catalog or from measured profiles.
 
-    Unset model / seq_len / dtype come from the measured profiles, or the defaults."""
-    from cephalo.modeling.registry import model_spec_for  # a model directory's shape (torch)
+    Unset model / seq_len / dtype come from the measured profiles, or the defaults.
+    `host_memory` (bytes) is every node's host memory, replacing what the cluster says (the
+    commands' `--host-memory`). A runnable model (a preset or a directory) refuses a `seq_len`
+    past its context as `cephalo run` does (`ModelSpec.check_seq_len`); the catalog's shapes
+    do not record a real context. The model's shape fingerprint goes into `meta["model_shape"]`
+    so a plan file follows the shape, not the path (`Plan.validate`)."""
+    from cephalo.modeling.registry import (  # a model directory's shape (torch)
+        list_runnable_models,
+        model_directory,
+        model_spec_for,
+    )
     from cephalo.specs.cluster import Cluster
 
     if seq_len is not None and seq_len < 1:
@@ -158,6 +169,12 @@ def build_cost_model(
     seq_len = seq_len or (measured.seq_len if measured else DEFAULT_SEQ_LEN)
     dtype = dtype or (measured.dtype if measured else DEFAULT_DTYPE)
     spec = model_spec_for(model)
+    if model in list_runnable_models() or model_directory(model) is not None:
+        spec.check_seq_len(seq_len, "--seq-len", model)
+    if host_memory is not None:
+        cluster = dataclasses.replace(
+            cluster, host_memory_bytes=host_memory, node_host_memory_bytes={}
+        )
     if measured is None and any(d.type == "cpu" for d in cluster.devices):
         raise CephaloError(
             "cpu devices have no catalog profile: measure them with `cephalo profile --devices "
@@ -174,4 +191,5 @@ def build_cost_model(
     cm.meta["cluster_spec"] = str(cluster_spec)
     cm.meta["cluster"] = cluster.to_dict()
     cm.meta["cluster_description"] = cluster.describe()
+    cm.meta["model_shape"] = spec.shape_fingerprint()
     return cm

@@ -97,6 +97,29 @@ class Adapter:
     def kind(self) -> str:
         return self.settings.kind
 
+    def summary(self, model) -> str:
+        """The one line a run logs of its adapter: kind, rank, alpha, targets (as asked, and how
+        many modules got adapters), trainable parameters and their share of the model's (each
+        tied parameter counted once): what a peft user reads off `print_trainable_parameters`."""
+        seen: set[int] = set()
+        trainable = total = 0
+        for unit in model.units:
+            for p in unit.module.parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                total += p.numel()
+                trainable += p.numel() if p.requires_grad else 0
+        cfg = self.peft_config
+        targets = self.settings.target_modules
+        asked = targets if isinstance(targets, str) else ",".join(targets)
+        share = 100.0 * trainable / total if total else 0.0
+        return (
+            f"{self.kind} r={cfg.r}, alpha={cfg.lora_alpha:g} (scale {cfg.lora_alpha / cfg.r:g}), "
+            f"targets {asked} ({len(self.modules)} modules): {trainable:,} trainable parameters "
+            f"({share:.2f}% of {total:,})"
+        )
+
     def peft_key(self, name: str) -> str:
         """peft's saved key of the adapter parameter `<unit>.<param>`."""
         for marker in _LORA_MARKERS:

@@ -134,6 +134,33 @@ def model_spec_of(model: UnitModel) -> ModelSpec:
     return model.spec
 
 
+def initial_weights_note(name: str, init: str, adapter: str = "none") -> str | None:
+    """What a job must say of its initial weights before it starts, or None: a model
+    directory with no weights under `init = auto` trains from random values, which a user
+    who meant to fine-tune must hear (a warning line), and adapters on a random frozen base
+    learn nothing worth having (refused unless `init = random` says it is meant)."""
+    directory = model_directory(name)
+    if directory is None or init != "auto":
+        return None
+    from cephalo.modeling.hf.weights import weight_files_present
+
+    if weight_files_present(directory):
+        return None
+    if adapter != "none":
+        raise CephaloError(
+            f"model {name} has no weights ({directory} holds config.json but no safetensors): "
+            f"model.adapter = {adapter} would train adapters on a frozen base of random values, "
+            "which learns nothing useful. Put the pretrained weights there "
+            "(model.save_pretrained(DIR) writes model.safetensors), or set "
+            'model.init = "random" to run it anyway (a test of the machinery)'
+        )
+    return (
+        f"model {name} has no weights ({directory} holds config.json but no safetensors): it "
+        "is initialised at RANDOM and trains from scratch. To fine-tune, put its weights "
+        'there (model.save_pretrained(DIR)); to say random is meant, set model.init = "random"'
+    )
+
+
 def model_spec_for(name: str, **overrides: Any) -> ModelSpec:
     """What the planner needs of a model name: a runnable model's shape read off its modules
     (a preset or a model directory, built on the meta device: no weights are read), else a
@@ -148,6 +175,7 @@ def model_spec_for(name: str, **overrides: Any) -> ModelSpec:
 __all__ = [
     "GPTConfig",
     "build_model",
+    "initial_weights_note",
     "list_runnable_models",
     "model_directory",
     "model_spec_for",

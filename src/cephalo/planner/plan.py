@@ -64,6 +64,22 @@ class RankPlan:
     predicted_host_bytes: int | None = None
     """Cost-model host memory of this rank (host state and offloaded activations), bytes."""
 
+    def micro_batch_sizes(self) -> list[int]:
+        """The micro-batches the engine runs, in order: full ones of `micro_batch_size`, the
+        last one what is left (24 in micro-batches of 15: [15, 9])."""
+        m = self.micro_batch_size
+        return [min(m, self.batch_size - a) for a in range(0, self.batch_size, m)]
+
+    def micro_batches_text(self) -> str:
+        """The micro-batches as a table shows them: `8x3` when they are equal, `15+9` or
+        `15x3+5` when the last is smaller (never `15x2` for a batch of 24), `-` for none."""
+        sizes = self.micro_batch_sizes()
+        if not sizes:
+            return "-"
+        full = sizes.count(sizes[0])
+        text = f"{sizes[0]}x{full}" if full > 1 or len(sizes) == 1 else f"{sizes[0]}"
+        return text + (f"+{sizes[-1]}" if sizes[-1] != sizes[0] else "")
+
 
 @dataclass
 class ShardGroup:
@@ -196,18 +212,51 @@ class Plan:
             raise CephaloError(f"{source}: not a plan (JSON nested too deeply)") from None
         return _parse_plan(d, source)
 
-    def validate(self, world_size: int | None = None, model: str | None = None) -> None:
-        """Check the plan's invariants (and optionally that it is for this world size / model)."""
+    def validate(
+        self,
+        world_size: int | None = None,
+        model: str | None = None,
+        model_shape: str | None = None,
+    ) -> None:
+        """Check the plan's invariants (and optionally that it is for this world size / model).
+
+        The model is matched by its shape where both sides know it (`model_shape`, a
+        `ModelSpec.shape_fingerprint`, against the plan's `meta["model_shape"]`): a plan made
+        on a laptop for `./data/x` runs on the lab node's `/home/me/data/x`. A plan file
+        without a fingerprint (written before it existed, or by hand) is matched by name, a
+        path by the directory it names."""
         _validate(self, "plan")
         if world_size is not None and world_size != self.world_size:
             raise CephaloError(
                 f"the plan is for {self.world_size} ranks but the job has {world_size}; "
                 "make a plan for this cluster (`cephalo plan`) or launch the matching number of processes"
             )
-        if model is not None and model != self.model:
+        recorded = self.meta.get("model_shape")
+        if model_shape is not None and isinstance(recorded, str) and recorded:
+            if recorded != model_shape:
+                raise CephaloError(
+                    f"the plan is for model {self.model!r}, whose shape differs from the job's "
+                    f"model {model!r} (shape fingerprint {recorded} vs {model_shape}: other "
+                    "layers, widths or vocabulary); make a plan for this model with "
+                    f"`cephalo plan --model {model or 'NAME|DIR'} ... --json PLAN.json`"
+                )
+            return
+        if model is not None and not same_model_name(model, self.model):
             raise CephaloError(
                 f"the plan is for model {self.model!r} but the job trains {model!r}; make a plan for this model"
             )
+
+
+def same_model_name(a: str, b: str) -> bool:
+    """Two spellings of one model: equal names, or paths naming the same directory
+    (`./data/x` and `data/x`)."""
+    if a == b:
+        return True
+    try:
+        pa, pb = Path(a).expanduser(), Path(b).expanduser()
+        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    except OSError:
+        return False
 
 
 def largest_remainder(total: int, weights: Sequence[float]) -> list[int]:

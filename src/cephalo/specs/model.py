@@ -8,8 +8,12 @@ Built-in specs (`get_model_spec("gpt-2.7b")`) come from the catalog (`cephalo.sp
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 
+from cephalo.errors import CephaloError
 from cephalo.specs.adapter import Linear
 
 UNIT_KINDS = ("embedding", "block", "head")
@@ -71,3 +75,25 @@ class ModelSpec:
     @property
     def total_params(self) -> int:
         return sum(self.unit_params())
+
+    def shape_fingerprint(self) -> str:
+        """A short hash of what a plan depends on: every field of the shape but the names and
+        the context length (`seq_len` is checked on its own). A plan file records it, so it
+        follows the model's shape, not how its path was spelled: `./data/x`, `data/x` and
+        another machine's absolute path of the same `config.json` all match."""
+        skip = {"name", "aliases", "max_seq_len"}
+        shape = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        text = json.dumps(shape, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def check_seq_len(self, seq_len: int, setting: str, name: str | None = None) -> None:
+        """Refuse a sequence longer than the model's context, one check for `run` (setting
+        `data.seq_len`) and `plan` / `simulate` / `advise` (`--seq-len`): positions past the
+        context do not exist, so a plan for them would be a plan for a job that cannot run."""
+        context = self.max_seq_len
+        if context and seq_len > context:
+            raise CephaloError(
+                f"{setting} = {seq_len} is longer than model {name or self.name}'s context of "
+                f"{context} tokens: set {setting} <= {context}, or enlarge the model's context "
+                f"(a job's --model.overrides seq_len={seq_len}; a directory's config.json)"
+            )

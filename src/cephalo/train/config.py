@@ -23,6 +23,8 @@ from cephalo.specs.cluster import parse_bytes
 from cephalo.specs.drift import parse_drift
 
 Dtype = Literal["fp32", "bf16", "fp16"]
+DEFAULT_WARMUP_STEPS = 10
+"""`train.warmup_steps` when unset, in runs of 100 steps or more (`TrainConfig.warmup`)."""
 
 
 @dataclass
@@ -122,8 +124,10 @@ class TrainConfig:
     """Peak learning rate (reached at the end of the warmup)."""
     min_lr: float = 3e-5
     """Learning rate at the last step of the cosine schedule."""
-    warmup_steps: int = 10
-    """Steps of linear warmup from 0 to `lr`; must be smaller than `steps`."""
+    warmup_steps: int | None = None
+    """Steps of linear warmup from 0 to `lr`; must be smaller than `steps`. Unset: 10, or a
+    tenth of `steps` in a run of fewer than 100 steps (said once), so a short trial run
+    (`--train.steps 5`) needs no second setting."""
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     """After the warmup: `cosine` decay to `min_lr` at the last step, or `constant` at `lr`."""
     weight_decay: float = 0.1
@@ -140,6 +144,21 @@ class TrainConfig:
     """Global batches of held-out data averaged for one validation loss."""
     max_nonfinite_skips: int = 3
     """Steps with a non-finite loss or gradient are skipped; stop with an error after this many in a row."""
+
+    def warmup(self) -> tuple[int, str | None]:
+        """(the warmup steps this run uses, the note to log when the default was shortened).
+        A set `warmup_steps` is used as given (`_validate` refuses one >= `steps`); unset, it
+        is DEFAULT_WARMUP_STEPS, cut to a tenth of a shorter run, never the whole run."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps, None
+        if self.steps >= 10 * DEFAULT_WARMUP_STEPS:
+            return DEFAULT_WARMUP_STEPS, None
+        short = max(0, self.steps // 10)
+        return short, (
+            f"train.warmup_steps unset: {short} warmup step(s) for a run of {self.steps} "
+            f"(a tenth; the default {DEFAULT_WARMUP_STEPS} is for runs of "
+            f"{10 * DEFAULT_WARMUP_STEPS}+ steps)"
+        )
 
 
 @dataclass
@@ -372,11 +391,13 @@ def _validate(cfg: JobConfig) -> None:
     check(
         0.0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr = {t.lr}], got {t.min_lr}"
     )
-    check(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
-    check(
-        t.warmup_steps < t.steps or t.steps < 1,
-        f"train.warmup_steps ({t.warmup_steps}) must be smaller than train.steps ({t.steps})",
-    )
+    if t.warmup_steps is not None:
+        check(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+        check(
+            t.warmup_steps < t.steps or t.steps < 1,
+            f"train.warmup_steps ({t.warmup_steps}) must be smaller than train.steps "
+            f"({t.steps}): lower it, or leave it unset (a tenth of a short run)",
+        )
     check(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     check(
         all(0.0 <= b < 1.0 for b in t.betas),
@@ -405,7 +426,7 @@ def _validate(cfg: JobConfig) -> None:
         check(
             _is_file(p.plan),
             f"parallel.plan = {p.plan!r} is neither `auto`, `even`, `proportional` nor an existing "
-            "plan file (write one with `cephalo plan ... --out plan.json`)",
+            "plan file (write one with `cephalo plan ... --json plan.json`)",
         )
     check(
         0 < p.timeout_s <= MAX_TIMEOUT_S,

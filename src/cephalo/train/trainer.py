@@ -41,7 +41,7 @@ from cephalo.errors import CephaloError
 from cephalo.launch.preempt import StopSignals, TimedSaves, stop_note
 from cephalo.log import init_logging, logger
 from cephalo.modeling.lora import adapter_settings, apply_adapter
-from cephalo.modeling.registry import build_model
+from cephalo.modeling.registry import build_model, initial_weights_note
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
 from cephalo.planner.makers import simple_plan
 from cephalo.planner.plan import Plan
@@ -105,9 +105,16 @@ class TrainResult:
 
 
 # ----------------------------------------------------------------------------- cluster and plan
-def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int, rank: int = 0) -> Plan:
+def resolve_plan(
+    cfg: JobConfig,
+    cluster: Cluster,
+    world_size: int,
+    rank: int = 0,
+    model_shape: str | None = None,
+) -> Plan:
     """The plan `parallel.plan` names (`even`, `proportional` or a plan file), checked against
-    this job (world size, model, global batch) and matched to the devices that came up: a plan
+    this job (world size, model: by its `model_shape` fingerprint where the plan file records
+    one, so not by how its path is spelled; global batch) and matched to the devices that came up: a plan
     file's rank-plans reordered where the ranks came up in another order than its devices,
     refused where its devices are not the discovered ones (planner/rank_match.py). `auto` is
     `auto_plan`'s."""
@@ -120,7 +127,7 @@ def resolve_plan(cfg: JobConfig, cluster: Cluster, world_size: int, rank: int = 
             "parallel.plan = auto is made by `auto_plan` (it profiles on every rank)"
         )
     plan = Plan.from_json(choice)
-    plan.validate(world_size=world_size, model=cfg.model.name)
+    plan.validate(world_size=world_size, model=cfg.model.name, model_shape=model_shape)
     if plan.global_batch_size != batch:
         raise CephaloError(
             f"plan {choice} splits a global batch of {plan.global_batch_size} but train.global_batch_size is "
@@ -269,13 +276,7 @@ def build_job_model(cfg: JobConfig) -> UnitModel:
     model = build_model(cfg.model.name, init=cfg.model.init, **cfg.model.overrides)
     if cfg.model.adapter != "none":
         apply_adapter(model, adapter_settings(cfg.model))
-    context = model.spec.max_seq_len
-    if context and cfg.data.seq_len > context:
-        raise CephaloError(
-            f"data.seq_len = {cfg.data.seq_len} is longer than model {cfg.model.name}'s context of {context} "
-            f"tokens: set data.seq_len <= {context}, or enlarge the model with --model.overrides seq_len="
-            f"{cfg.data.seq_len}"
-        )
+    model.spec.check_seq_len(cfg.data.seq_len, "data.seq_len", cfg.model.name)
     return model
 
 
@@ -296,7 +297,9 @@ class _Trainer:
         if cfg.parallel.plan == "auto":
             self.plan, cost_model = auto_plan(cfg, model, self.cluster, comm)
         else:
-            self.plan = resolve_plan(cfg, self.cluster, self.world_size, self.rank)
+            self.plan = resolve_plan(
+                cfg, self.cluster, self.world_size, self.rank, model.spec.shape_fingerprint()
+            )
             cost_model = catalog_model_or_none(cfg, model.spec, self.cluster)
         self.replanner = Replanner(cfg, cost_model, cfg.parallel.plan == "auto", self.rank)
         self.rank_plan = self.plan.ranks[self.rank]
@@ -330,7 +333,8 @@ class _Trainer:
         self.model_spec = model.spec
         self.engine = self.make_engine(self.plan, model)
         t = cfg.train
-        self.schedule = LRSchedule(t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule)
+        warmup, warmup_note = t.warmup()
+        self.schedule = LRSchedule(t.lr, t.min_lr, warmup, t.steps, t.lr_schedule)
         self.step = 0
         self.nonfinite_streak = 0
         self.signals = StopSignals([])  # `train()` hands the job's handlers in
@@ -347,6 +351,10 @@ class _Trainer:
                 [r.micro_batch_size for r in self.plan.ranks],
             )
             logger.info("data: %s", self.batches.describe())
+            if warmup_note:
+                logger.info(warmup_note)
+            if model.adapter is not None:
+                logger.info("adapter: %s", model.adapter.summary(model))
 
     def make_engine(self, plan: Plan, model: UnitModel | None = None) -> Engine:
         """An engine for this rank under `plan` (a fresh model unless given; collective).
@@ -663,6 +671,18 @@ class _Trainer:
             raise self._collective_failure(e, "resuming") from None
         self.result.start_step = self.step
         steps = cfg.train.steps
+        if self.step >= steps:  # a finished run started again: say so, train nothing, exit 0
+            if self.rank == 0:
+                logger.info(
+                    "nothing to train: the checkpoint in %s is at step %d and train.steps = %d; "
+                    "to train further, raise it (e.g. --train.steps %d)",
+                    cfg.checkpoint_dir,
+                    self.step,
+                    steps,
+                    self.step + steps,
+                )
+            self.result.final_step = self.step
+            return self.result
         metrics = None
         if self.rank == 0:
             truncate_metrics(cfg.metrics_path, self.step)
@@ -737,9 +757,13 @@ def train(cfg: JobConfig) -> TrainResult:
     init_logging()
     cfg.validate()
     backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
+    m = cfg.model
+    weights_note = initial_weights_note(m.name, m.init, m.adapter)  # refused before any group
     with StopSignals(cfg.checkpoint.save_on_signals) as signals:
         comm = init_distributed(backend, timeout_s=cfg.parallel.timeout_s)
         torch.manual_seed(cfg.model.seed)  # any randomness outside the engine's own streams
+        if weights_note and comm.rank == 0:
+            logger.warning(weights_note)
         trainer = _Trainer(cfg, comm)
         trainer.signals = signals
         return trainer.run()

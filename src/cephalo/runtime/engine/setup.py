@@ -258,10 +258,7 @@ def boundary_host_bytes(
     LGA, one in the standard mode), [m, seq, hidden] in compute dtype, each piece aligned
     to `pinned.ALIGN`. The cost model's `host_bytes` counts the same bytes."""
     rp, spec = rank_plan, model.spec
-    sizes = [
-        min(rp.micro_batch_size, rp.batch_size - a)
-        for a in range(0, rp.batch_size, rp.micro_batch_size)
-    ]
+    sizes = rp.micro_batch_sizes()
     kept = sizes if mode == "lga" else sizes[:1]
     piece = [m * plan.seq_len * spec.hidden_size * dtype.itemsize for m in kept]
     aligned = sum(-(-n // PINNED_ALIGN) * PINNED_ALIGN for n in piece)
