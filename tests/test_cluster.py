@@ -111,8 +111,45 @@ def test_unknown_type_lists_known_and_suggests():
     assert "Did you mean 'rtx3090'?" in msg
     for known in ("l4", "a6000", "p40", "h100-nvl", "cpu"):
         assert known in msg
-    with pytest.raises(CephaloError, match="unknown device type 'zzz'. Known types"):
+    with pytest.raises(CephaloError, match="unknown device type 'zzz'. A GPU the catalog"):
         Cluster.parse("zzz")
+
+
+@pytest.mark.parametrize(
+    "name, suggested, not_suggested",
+    [
+        ("h200", None, "h100"),  # another chip, not a misspelling
+        ("rtx2070", "rtx2080ti", "rtx3070"),  # Turing, not the Ampere of the same digits
+        ("rtx3070ti", "rtx3070", "rtx3090ti"),  # the longest shared model number first
+    ],
+)
+def test_unknown_type_names_the_ways_out(name, suggested, not_suggested):
+    """An unknown GPU: a suggestion only from its own family, and always the two ways out
+    (the unlisted type with its memory, `cephalo profile`)."""
+    with pytest.raises(CephaloError) as e:
+        Cluster.parse(name)
+    msg = str(e.value)
+    slug = name.replace("_", "-")
+    assert f"gpu-{slug}:mem=SIZE" in msg and "`cephalo profile`" in msg
+    assert (f"Did you mean {suggested!r}?" in msg) if suggested else ("Did you mean" not in msg)
+    assert f"Did you mean {not_suggested!r}" not in msg
+    assert Cluster.parse(f"gpu-{slug}:mem=12GiB").devices[0].memory_bytes == 12 * 1024**3
+
+
+def test_new_consumer_cards_are_in_the_catalog():
+    """The cards users asked for, with their data-sheet memory, derived as the others are."""
+    from cephalo.specs.catalog.derived import SPECS, siblings_of
+
+    for key, gib in (
+        ("rtx3060ti", 8),
+        ("rtx3070", 8),
+        ("rtx4070", 12),
+        ("rtx2080ti", 11),
+        ("rtxa4500", 20),
+    ):
+        (device,) = Cluster.parse(key).devices
+        assert device.memory_bytes == gib * 1024**3 and SPECS[key].memory_gib == gib
+        assert siblings_of(key)
 
 
 def test_dict_round_trip():

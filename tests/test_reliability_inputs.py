@@ -73,7 +73,8 @@ CASES = {
     # cluster spec
     "unknown device type": (
         ["--parallel.devices=h200x"],
-        "unknown device type 'h200x'. Did you mean",
+        "unknown device type 'h200x'. A GPU the catalog does not list: write it as "
+        "gpu-h200x:mem=SIZE",
     ),
     "malformed device spec": (["--parallel.devices=cpu:slowdown=0"], "bad slowdown '0'"),
     "devices vs processes": (["--parallel.devices=cpu,cpu"], "parallel.devices lists 2 device(s)"),

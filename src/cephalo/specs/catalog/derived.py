@@ -16,12 +16,16 @@ share published entries (model, length, dtype) is predicted one from the other b
 ratio and compared point by point (the mean relative error over an entry's micro-batch points,
 as the FLOP-scaling estimate's leave-one-out error): the RTX 3090 from the RTX A6000 and both
 ways between the A6000, 3090 and A10G (GA102), the L4 from the L40S and back (Ada). Across
-architectures (the RTX 5090, Blackwell, from Ada cards) the measured error is that of
-predicting Ada cards from Ampere ones and back, a stated larger error. `cephalo plan` prints
+architectures (the RTX 5090, Blackwell, from Ada cards; the RTX 2080 Ti, Turing, from
+Ampere cards) the measured error is that of predicting Ada cards from Ampere ones and back, a
+stated larger error. Turing's SM has half the fp32 lanes of Ampere's, Ada's and Blackwell's
+(64 vs 128; its tensor cores do the same fp16 work per SM and clock as GA10x's), so an fp32
+entry is scaled by the lanes too (`CardSpec.fp32_lanes`). `cephalo plan` prints
 the error with a plan that uses a derived card.
 
-Spec numbers: NVIDIA's product pages and data sheets (GeForce RTX 30/40/50 series "full
-specs" pages; RTX A4000/A5000/A6000, A10, L4, L40, L40S data sheets; the A10G is AWS's
+Spec numbers: NVIDIA's product pages and data sheets (GeForce RTX 20/30/40/50 series "full
+specs" pages: RTX 2080 Ti, 3060 Ti, 3070, 4070 among them; RTX A4000/A4500/A5000/A6000, A10,
+L4, L40, L40S data sheets; SMs are the CUDA cores / 128, / 64 on Turing; the A10G is AWS's
 A10 variant, per the EC2 G5 documentation and NVIDIA's A10G listing). Memory in the vendors'
 GB, taken as GiB as `catalog.DeviceSpec.memory_gib` explains.
 """
@@ -53,7 +57,13 @@ class CardSpec:
 
     @property
     def arch(self) -> str:
-        return {"GA": "ampere", "AD": "ada", "GB": "blackwell"}[self.chip[:2]]
+        return {"TU": "turing", "GA": "ampere", "AD": "ada", "GB": "blackwell"}[self.chip[:2]]
+
+    @property
+    def fp32_lanes(self) -> int:
+        """fp32 lanes per SM: 64 on Turing, 128 from Ampere on (what an fp32 block runs on;
+        fp16 / bf16 blocks run on the tensor cores, the same work per SM and clock)."""
+        return 64 if self.arch == "turing" else 128
 
     @property
     def compute(self) -> float:
@@ -72,9 +82,12 @@ SPECS: dict[str, CardSpec] = {
         CardSpec("l4", "L4", "AD104", 58, 2040, 24, 300, 4),
         # derived cards
         CardSpec("rtx3060", "RTX 3060 12GB", "GA106", 28, 1777, 12, 360, 4, ("3060",)),
+        CardSpec("rtx3060ti", "RTX 3060 Ti", "GA104", 38, 1665, 8, 448, 4, ("3060ti",)),
+        CardSpec("rtx3070", "RTX 3070", "GA104", 46, 1725, 8, 448, 4, ("3070",)),
         CardSpec("rtx3080", "RTX 3080 10GB", "GA102", 68, 1710, 10, 760, 4, ("3080",)),
         CardSpec("rtx3090ti", "RTX 3090 Ti", "GA102", 84, 1860, 24, 1008, 4, ("3090ti",)),
         CardSpec("rtxa4000", "RTX A4000", "GA104", 48, 1560, 16, 448, 4, ("a4000", "rtx-a4000")),
+        CardSpec("rtxa4500", "RTX A4500", "GA102", 56, 1650, 20, 640, 4, ("a4500", "rtx-a4500")),
         CardSpec("rtxa5000", "RTX A5000", "GA102", 64, 1695, 24, 768, 4, ("a5000", "rtx-a5000")),
         CardSpec("rtx4060ti", "RTX 4060 Ti 16GB", "AD106", 34, 2535, 16, 288, 3, ("4060ti",)),
         CardSpec(
@@ -88,30 +101,39 @@ SPECS: dict[str, CardSpec] = {
             4,
             ("4070tisuper", "rtx4070ti-super"),
         ),
+        CardSpec("rtx4070", "RTX 4070", "AD104", 46, 2475, 12, 504, 4, ("4070",)),
         CardSpec("rtx4080", "RTX 4080", "AD103", 76, 2505, 16, 716.8, 4, ("4080",)),
         CardSpec("rtx4090", "RTX 4090", "AD102", 128, 2520, 24, 1008, 4, ("4090",)),
         CardSpec("l40", "L40", "AD102", 142, 2490, 48, 864, 4),
         CardSpec("rtx5090", "RTX 5090", "GB202", 170, 2407, 32, 1792, 5, ("5090",)),
+        CardSpec("rtx2080ti", "RTX 2080 Ti", "TU102", 68, 1545, 11, 616, 3, ("2080ti",)),
     ]
 }
 
 SIBLINGS: dict[str, tuple[str, ...]] = {
     # GeForce Ampere: the measured GeForce GA102 first, the A6000 where it has no entry
     "rtx3060": ("rtx3090", "a6000"),
+    "rtx3060ti": ("rtx3090", "a6000"),
+    "rtx3070": ("rtx3090", "a6000"),
     "rtx3080": ("rtx3090", "a6000"),
     "rtx3090ti": ("rtx3090", "a6000"),
     # workstation Ampere: the workstation GA102 first
     "rtxa4000": ("a6000", "rtx3090"),
+    "rtxa4500": ("a6000", "rtx3090"),
     "rtxa5000": ("a6000", "rtx3090"),
     # Ada: the measured AD102 (L40S) first, the AD104 (L4) where it has no entry (the L40S was
     # published in fp32 only)
     "rtx4060ti": ("l40s", "l4"),
+    "rtx4070": ("l40s", "l4"),
     "rtx4070tisuper": ("l40s", "l4"),
     "rtx4080": ("l40s", "l4"),
     "rtx4090": ("l40s", "l4"),
     "l40": ("l40s", "l4"),
     # Blackwell has no measured sibling: the nearest, Ada (its predecessor)
     "rtx5090": ("l40s", "l4"),
+    # Turing has no measured sibling of its own kind (the T4 is a 70 W Tesla whose tensor
+    # cores run fp32 accumulation at twice a GeForce's rate): the GeForce Ampere GA102
+    "rtx2080ti": ("rtx3090", "a6000"),
 }
 """Derived card -> the measured cards it is derived from, in order of preference per entry."""
 
@@ -147,18 +169,22 @@ CROSS_ARCH_PAIRS = (
 siblings are of another architecture (the RTX 5090)."""
 
 
-def time_ratio(card: str, sibling: str) -> float:
-    """Block time on `card` / block time on `sibling` (compute-bound: inverse peak compute)."""
-    return SPECS[sibling].compute / SPECS[card].compute
+def time_ratio(card: str, sibling: str, dtype: str = "fp16") -> float:
+    """Block time on `card` / block time on `sibling` (compute-bound: inverse peak compute;
+    in fp32, on the SMs' fp32 lanes)."""
+    a, b = SPECS[card], SPECS[sibling]
+    lanes = b.fp32_lanes / a.fp32_lanes if dtype in ("fp32", "float32") else 1.0
+    return b.compute / a.compute * lanes
 
 
 def same_architecture(card: str, sibling: str) -> bool:
     return SPECS[card].arch == SPECS[sibling].arch
 
 
-def derive_entry(entry: Mapping, card: str, sibling: str) -> dict:
-    """A published timing entry of `sibling` ({fwd_s, bwd_s: {xs, ys}, ...}) scaled to `card`."""
-    r = time_ratio(card, sibling)
+def derive_entry(entry: Mapping, card: str, sibling: str, dtype: str = "fp16") -> dict:
+    """A published timing entry of `sibling` ({fwd_s, bwd_s: {xs, ys}, ...}) in `dtype` (the
+    catalog's `fp16` / `fp32`) scaled to `card`."""
+    r = time_ratio(card, sibling, dtype)
     out = {
         k: {"xs": list(entry[k]["xs"]), "ys": [float(f"{y * r:.6g}") for y in entry[k]["ys"]]}
         for k in ("fwd_s", "bwd_s")
@@ -182,7 +208,7 @@ def derive_timings(timings: Mapping) -> dict:
             }
             for seq, dt in sorted(slots):
                 sibling = next(s for s in siblings if dt in by_dev.get(s, {}).get(seq, {}))
-                entry = derive_entry(by_dev[sibling][seq][dt], card, sibling)
+                entry = derive_entry(by_dev[sibling][seq][dt], card, sibling, dt)
                 out.setdefault(model, {}).setdefault(card, {}).setdefault(seq, {})[dt] = entry
     return out
 
@@ -255,7 +281,7 @@ def derivation_error(timings: Mapping, pairs: Iterable[tuple[str, str]]) -> Deri
                     src = theirs.get(seq, {}).get(dt)
                     if src is None or "derived" in (measured.get("source"), src.get("source")):
                         continue
-                    pred = derive_entry(src, card, sibling)
+                    pred = derive_entry(src, card, sibling, dt)
                     m_f, m_b = (Curve.from_dict(measured[k]) for k in ("fwd_s", "bwd_s"))
                     p_f, p_b = (Curve.from_dict(pred[k]) for k in ("fwd_s", "bwd_s"))
                     fwd.append(_mean_relative_error(p_f, m_f))
@@ -303,10 +329,15 @@ def method_of(card: str) -> str:
     spec = SPECS[card]
     froms = " / ".join(f"{SPECS[s].name} ({SPECS[s].chip})" for s in siblings_of(card))
     what = f"{spec.name}'s unmeasured entries" if card in FILLS else spec.name
+    lanes = (
+        f", fp32 by its {spec.fp32_lanes} fp32 lanes per SM"
+        if any(SPECS[s].fp32_lanes != spec.fp32_lanes for s in siblings_of(card))
+        else ""
+    )
     return (
         f"{what} ({spec.chip}, {spec.sms} SMs @ {spec.boost_mhz} MHz, "
         f"{spec.bandwidth_gb_s:g} GB/s) derived from the measured {froms} by SMs x boost clock "
-        "(blocks) and memory bandwidth (optimizer)"
+        f"(blocks{lanes}) and memory bandwidth (optimizer)"
     )
 
 

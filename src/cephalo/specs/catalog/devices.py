@@ -5,6 +5,7 @@ speeds derived from memory bandwidth (device and host AdamW)."""
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from dataclasses import dataclass
 
@@ -177,8 +178,12 @@ def resolve_device_type(name: str) -> str:
         return name.strip().lower()
     key = DEVICE_ALIASES.get(name.strip().lower())
     if key is None:
+        slug = "-".join(w for w in re.split(r"[^a-z0-9]+", name.lower()) if w) or "NAME"
         raise CephaloError(
-            f"unknown device type {name!r}.{_suggest(name, DEVICE_ALIASES)} Known types: {', '.join(list_device_types())}"
+            f"unknown device type {name!r}.{_suggest(name, DEVICE_ALIASES)} A GPU the catalog "
+            f"does not list: write it as {UNLISTED_PREFIX}{slug}:mem=SIZE (its memory, e.g. "
+            f"{UNLISTED_PREFIX}{slug}:mem=24GiB) and measure it with `cephalo profile` (a job with "
+            f"parallel.plan = auto measures it itself). Known types: {', '.join(list_device_types())}"
         )
     return key
 
@@ -279,6 +284,17 @@ def optimizer_s_per_param(device_type: str) -> float:
     return ADAMW_BYTES_PER_PARAM / (spec.memory_bandwidth_gb_s * GB * ADAMW_BANDWIDTH_EFFICIENCY)
 
 
+def _family(name: str) -> str:
+    """Letters and the first digit of the model number (`rtx3`, `a6`, `h1`): a suggestion
+    from another family (an RTX 3080 for a 2080, an H100 for an H200) is a different GPU."""
+    match = re.match(r"[^0-9]*[0-9]?", name.strip().lower().replace("_", "").replace("-", ""))
+    return match.group(0) if match else ""
+
+
 def _suggest(name: str, choices: dict[str, str]) -> str:
-    close = difflib.get_close_matches(name.strip().lower(), list(choices), n=1, cutoff=0.6)
-    return f" Did you mean {choices[close[0]]!r}?" if close else ""
+    """A near spelling of a known type of the same family, else nothing."""
+    lowered = name.strip().lower()
+    close = difflib.get_close_matches(lowered, list(choices), n=5, cutoff=0.6)
+    same = [c for c in close if _family(c) == _family(name)]
+    same.sort(key=lambda c: -len(os.path.commonprefix([c, lowered])))  # stable: difflib's next
+    return f" Did you mean {choices[same[0]]!r}?" if same else ""
