@@ -211,3 +211,107 @@ def test_plan_and_simulate_from_measured_profiles(tmp_path, capsys):
     # without profiles a cpu cluster cannot be planned, and the error says how to get them
     assert main(["plan", "--cluster", spec, "--global-batch", "16"]) == 2
     assert "cephalo profile --devices" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------- issue 41: portable plans, inputs
+def test_plan_file_follows_the_model_shape_not_its_path(tmp_path, monkeypatch, capsys):
+    """Point 4: a plan made for `./data/x` runs a job that names `data/x` or the absolute
+    path (another machine's spelling), any directory of the same shape; another shape is
+    refused with one message. A plan file without the fingerprint (older) still loads when
+    the name names the same directory."""
+    from cephalo.errors import CephaloError
+    from cephalo.modeling.registry import build_model
+    from cephalo.train.config_manager import load_config
+    from cephalo.train.trainer import resolve_plan
+    from hf_configs import tiny_config
+
+    monkeypatch.chdir(tmp_path)
+    tiny_config("llama").save_pretrained("data/x")
+    tiny_config("llama").save_pretrained("elsewhere/y")  # same shape, another place
+    tiny_config("llama", hidden_size=64).save_pretrained("data/wide")
+    args = ["plan", "--cluster", "2xl4", "--model", "./data/x", "--global-batch", "8"]
+    assert main([*args, "--seq-len", "32", "--json", "plan.json"]) == 0
+    plan = Plan.from_json("plan.json")
+    assert plan.model == "./data/x" and len(plan.meta["model_shape"]) == 16
+    cluster = Cluster.parse("2xl4")
+
+    def resolve(name: str, path: str = "plan.json") -> Plan:
+        cfg = load_config(
+            None,
+            [f"--parallel.plan={path}", f"--model.name={name}", "--train.global_batch_size=8"],
+        )
+        return resolve_plan(cfg, cluster, 2, 0, build_model(name).spec.shape_fingerprint())
+
+    for name in ("data/x", str(tmp_path / "data" / "x"), "elsewhere/y"):
+        assert resolve(name).batch_sizes == plan.batch_sizes
+    with pytest.raises(CephaloError, match="whose shape differs from the job's model 'data/wide'"):
+        resolve("data/wide")
+    # a plan file from before the fingerprint: matched by the directory its name names
+    old = json.loads((tmp_path / "plan.json").read_text())
+    del old["meta"]["model_shape"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert resolve("data/x", "old.json").batch_sizes == plan.batch_sizes
+    with pytest.raises(CephaloError, match="the plan is for model './data/x' but the job trains"):
+        resolve("elsewhere/y", "old.json")
+
+
+def test_plan_refuses_a_sequence_past_the_context_as_run_does(tmp_path, capsys):
+    """Point 6: one check (`ModelSpec.check_seq_len`) for `plan --seq-len` and a job's
+    `data.seq_len`."""
+    from cephalo.errors import CephaloError
+    from cephalo.modeling.registry import model_spec_for
+    from hf_configs import tiny_config
+
+    directory = tmp_path / "m"
+    tiny_config("llama", max_position_embeddings=64).save_pretrained(directory)
+    args = ["plan", "--cluster", "l4", "--model", str(directory), "--global-batch", "4"]
+    assert main([*args, "--seq-len", "100"]) == 2
+    assert "--seq-len = 100 is longer than model" in capsys.readouterr().err
+    assert main([*args, "--seq-len", "64"]) == 0
+    with pytest.raises(CephaloError, match="data.seq_len = 100 is longer than model .* 64 tokens"):
+        model_spec_for(str(directory)).check_seq_len(100, "data.seq_len")
+
+
+def test_host_memory_is_an_input_and_always_said(tmp_path, monkeypatch, capsys):
+    """Point 6: `--host-memory` on plan / simulate / advise; unsaid, a plan for this machine
+    counts on its available memory and any other says the 256 GiB it assumed."""
+    import argparse
+
+    from cephalo.cli import build_parser
+    from cephalo.commands import plan as plan_command
+
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--cluster", "l4", "--model", "llama-7b", "--global-batch", "8"]
+    assert main(args) == 0  # 7B fits one 24 GiB L4 with ~110 GiB of host state...
+    assert "host memory: assumed 256 GiB per node" in capsys.readouterr().out
+    assert main([*args, "--host-memory", "64GiB"]) == 2  # ...not on a 64 GiB box
+    assert "does not fit" in capsys.readouterr().err
+    assert main(["plan", "--cluster", "2xl4", "--global-batch", "8", "--json", "p.json"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "p.json", "--host-memory", "48GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "of 48.0 GiB" in out and "assumed" not in out
+    parsed = build_parser().parse_args(
+        ["advise", "--offers", "o.toml", "--global-batch", "8", "--host-memory", "64GiB"]
+    )
+    assert parsed.host_memory == "64GiB"
+    monkeypatch.setattr(plan_command, "local_host_memory", lambda: 3 * 1024**3)
+    local = argparse.Namespace(host_memory=None)
+    memory, note = plan_command.host_memory_of(local, "cpu,cpu:slowdown=2")
+    assert memory == 3 * 1024**3 and "this machine's available memory" in note
+    memory, note = plan_command.host_memory_of(local, "2xl4@node0,a6000@node1")
+    assert memory is None and "assumed 256 GiB" in note
+
+
+@pytest.mark.parametrize(
+    "batch, micro, text",
+    [(24, 15, "15+9"), (50, 15, "15x3+5"), (24, 8, "8x3"), (5, 5, "5x1"), (0, 1, "-")],
+)
+def test_micro_batch_column_shows_the_real_sizes(batch, micro, text):
+    """Point 6: 24 samples in micro-batches of 15 are 15 + 9, not `15x2`; the engine runs the
+    same sizes (`RankPlan.micro_batch_sizes`)."""
+    from cephalo.planner.plan import RankPlan
+
+    r = RankPlan(0, "l4", batch, micro, math.ceil(batch / micro), 1.0)
+    assert r.micro_batches_text() == text
+    assert sum(r.micro_batch_sizes()) == batch

@@ -298,3 +298,27 @@ def test_parallel_settings_reach_the_engine():
     assert off.validate_collectives is False and not off.overlap_reduce
     with pytest.raises(CephaloError, match="check_collectives"):
         load_config(None, ["--parallel.check_collectives=sometimes"])
+
+
+def test_unset_warmup_fits_short_runs_and_a_set_one_is_kept():
+    """Issue 41, point 8: `--train.steps 5` with an example config runs (an unset warmup is a
+    tenth of a run shorter than 100 steps, said once); a warmup the user set stays as set, and
+    one as long as the run is still the clear error."""
+    for steps, want in ((5, 0), (20, 2), (99, 9), (100, 10), (5000, 10)):
+        warmup, note = load_config(None, [f"--train.steps={steps}"]).train.warmup()
+        assert warmup == want and (note is not None) == (steps < 100), steps
+    assert (
+        "2 warmup step(s) for a run of 20"
+        in load_config(None, ["--train.steps=20"]).train.warmup()[1]
+    )
+    assert load_config(None, ["--train.steps=5", "--train.warmup_steps=3"]).train.warmup() == (
+        3,
+        None,
+    )
+    for name in ("chat-finetune.toml", "llama-tiny.toml", "hf-gpt2.toml"):
+        assert load_config(ROOT / "configs" / name, ["--train.steps=5"]).train.warmup()[0] == 0
+    with pytest.raises(
+        CephaloError,
+        match=r"\(8\) must be smaller than train.steps \(5\): lower it, or leave it unset",
+    ):
+        load_config(None, ["--train.steps=5", "--train.warmup_steps=8"])

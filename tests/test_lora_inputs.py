@@ -86,3 +86,49 @@ def test_qlora_without_the_extra(llama_dir, monkeypatch):
 def test_adapter_needs_a_transformers_model():
     with pytest.raises(CephaloError, match="needs a transformers model"):
         apply_adapter(build_model("gpt-tiny"), AdapterSettings("lora"))
+
+
+# ----------------------------------------------------------------- issue 41: honest start
+def test_a_directory_without_weights_is_said_and_refused_under_adapters(
+    llama_dir, tmp_path, capsys
+):
+    """Point 2: config.json alone trains from random values: a warning under `init = auto`,
+    refused with adapters (a random frozen base learns nothing), unless `init = random`
+    says it is meant; `cephalo run` refuses it before starting any rank."""
+    from cephalo.cli import main
+    from cephalo.modeling.registry import initial_weights_note
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((llama_dir / "config.json").read_text())
+    note = initial_weights_note(str(bare), "auto")
+    assert "no weights" in note and "RANDOM" in note and 'model.init = "random"' in note
+    assert initial_weights_note(str(bare), "random") is None
+    assert initial_weights_note(str(bare), "random", "lora") is None
+    assert initial_weights_note(str(llama_dir), "auto", "qlora") is None  # it has weights
+    assert initial_weights_note("gpt-tiny", "auto", "none") is None  # a preset: random by design
+    with pytest.raises(
+        CephaloError, match=r'adapters on a frozen base of random values.*init = "random"'
+    ):
+        initial_weights_note(str(bare), "auto", "lora")
+    rc = main(["run", f"--model.name={bare}", "--model.adapter=lora", f"--logging.dir={tmp_path}"])
+    assert rc == 2 and "frozen base of random values" in capsys.readouterr().err
+
+
+def test_the_adapter_line_counts_what_peft_counts(llama_dir):
+    """Point 2: a LoRA run logs rank, alpha, targets and its trainable parameters; the counts
+    are peft's own (`get_nb_trainable_parameters` on the same transformers model)."""
+    import peft
+    import transformers
+
+    model = build_model(str(llama_dir))
+    adapter = apply_adapter(model, AdapterSettings("lora", r=4, alpha=8))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir))
+    reference = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    )
+    trainable, total = reference.get_nb_trainable_parameters()
+    line = adapter.summary(model)
+    assert line.startswith("lora r=4, alpha=8 (scale 2), targets all-linear")
+    assert f"{trainable:,} trainable parameters" in line
+    assert f"({100 * trainable / total:.2f}% of {total:,})" in line

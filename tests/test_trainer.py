@@ -4,6 +4,7 @@ plan resolution, and the HF GPT-2 round trip through `cephalo export`."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 
@@ -152,7 +153,7 @@ def test_run_writes_metrics_config_plan_and_checkpoints(tmp_path):
     assert result.losses[6] < result.losses[1]
 
 
-def test_resume_continues_the_exact_trajectory(tmp_path):
+def test_resume_continues_the_exact_trajectory(tmp_path, caplog):
     cfg = tiny_config(tmp_path)
     full = train(cfg)
     run = tmp_path / "run"
@@ -166,9 +167,13 @@ def test_resume_continues_the_exact_trajectory(tmp_path):
     assert resumed.val_losses[6] == full.val_losses[6]
     # the metrics of the re-run steps replace the old ones instead of repeating them
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 7))
-    # resuming a finished run does nothing
-    again = train(tiny_config(tmp_path))
+    # resuming a finished run does nothing, and says so in one line (issue 41, point 8)
+    with caplog.at_level(logging.INFO, logger="cephalo"):
+        again = train(tiny_config(tmp_path))
     assert again.start_step == 6 and again.losses == {}
+    said = [m for m in caplog.messages if m.startswith("nothing to train")]
+    assert len(said) == 1 and "is at step 6 and train.steps = 6" in said[0]
+    assert "--train.steps 12" in said[0]
 
 
 def test_truncate_metrics_keeps_earlier_records(tmp_path):
