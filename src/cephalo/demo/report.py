@@ -157,13 +157,12 @@ def plot_plan_demo(result: DemoResult, path: Path) -> Path:
             ax_b.text(
                 x,
                 r.batch_size,
-                f"{r.micro_batch_size}x{r.num_micro_batches}"
-                + (" host" if r.offload_activations else ""),
+                r.micro_batches_text() + (" host" if r.offload_activations else ""),
                 ha="center",
                 va="bottom",
                 fontsize=8,
             )
-    ax_b.set_title("batch (samples per step; micro-batch x count)")
+    ax_b.set_title("batch (samples per step; micro-batches: size x count + the last)")
     ax_s.bar(xs, plan.state_fractions, color="tab:purple")
     ax_s.set_title("state fraction (share of weights, grads, Adam moments)")
 
@@ -239,7 +238,7 @@ def _plan_rows(result: DemoResult) -> list[str]:
     ev = result.evaluations["cephalo"]
     run = result.runs.get("cephalo")
     rows = [
-        "| rank | device | memory | batch | micro x n | state | activations | predicted busy s | "
+        "| rank | device | memory | batch | micro-batches | state | activations | predicted busy s | "
         "predicted peak MiB (+ planner reserve) / budget | measured busy s | measured idle s | "
         "measured peak MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -253,7 +252,7 @@ def _plan_rows(result: DemoResult) -> list[str]:
         )
         rows.append(
             f"| {r.rank} | {r.device} | {d.memory_bytes / MIB:.0f} MiB | {r.batch_size} | "
-            f"{r.micro_batch_size}x{r.num_micro_batches} | {r.state_fraction:.3f} | "
+            f"{r.micro_batches_text()} | {r.state_fraction:.3f} | "
             f"{'host' if r.offload_activations else 'device'} | {c.busy_s:.3f} | "
             f"{(c.peak_bytes - c.memory.reserve) / MIB:.1f} (+{c.memory.reserve / MIB:.0f}) / "
             f"{c.capacity_bytes / MIB:.0f} | {measured} |"
