@@ -36,6 +36,9 @@ returning its failures; a check that raises is a failure, not the end of the run
   replan_staging   a re-plan staged through host memory (train/replan.py): the old engine's
                    device memory is free before the new engine allocates, and the losses
                    equal those of a switch that keeps both engines on the device
+  local_host_memory  `cephalo plan` for this machine's own GPUs (CUDA names matched to catalog
+                   types, commands/plan.py) counts on its available host memory and says so; a
+                   cluster of other GPUs says the 256 GiB it assumed (CPU part: `cpu,cpu`)
   throughput       tokens/s and MFU of the engine against plain PyTorch (the same GPT-2 124M,
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
 
@@ -635,6 +638,39 @@ def _replan_check() -> Callable[[Setup], tuple[list[str], str]]:
     return check_replan_staging
 
 
+def check_local_host_memory(setup: Setup) -> tuple[list[str], str]:
+    """Issue 41, point 6: the host memory a plan for this machine counts on is the machine's
+    available memory, found by matching the CUDA devices to the catalog's types (only a GPU
+    can check the match); a plan for GPUs this machine lacks says what it assumed."""
+    import argparse
+
+    from cephalo.commands.plan import host_memory_of
+    from cephalo.specs.catalog.devices import device_type_for_gpu, is_unlisted
+    from cephalo.train.discovery import available_host_bytes
+
+    local = []
+    for i in range(torch.cuda.device_count() if setup.cuda else 0):
+        props = torch.cuda.get_device_properties(i)
+        key = device_type_for_gpu(props.name, props.total_memory)
+        local.append(f"{key}:mem={props.total_memory // 2**20}MiB" if is_unlisted(key) else key)
+    spec = ",".join(local) or "cpu,cpu"
+    args = argparse.Namespace(host_memory=None)
+    failures = []
+    memory, note = host_memory_of(args, spec)
+    available = available_host_bytes()
+    if memory is None or available is None or abs(memory - available) > 0.1 * available:
+        failures.append(
+            f"{spec}: planned with {memory} bytes of host memory, available {available}"
+        )
+    if not note or "this machine's available memory" not in note:
+        failures.append(f"{spec}: the note does not say the machine's memory was used: {note!r}")
+    other = "l4@node0,a6000@node1" if "l4" not in spec else "t4@node0,p40@node1"
+    memory, note = host_memory_of(args, other)
+    if memory is not None or not note or "assumed 256 GiB" not in note:
+        failures.append(f"{other}: expected the assumed 256 GiB, got {memory}, {note!r}")
+    return failures, f"{spec}: {available / 2**30:.1f} GiB" if available else spec
+
+
 def _peak_flops(setup: Setup) -> float | None:
     """Dense bf16 tensor-core peak of known GPUs (vendor data sheets), FLOP/s."""
     if not setup.cuda:
@@ -660,6 +696,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("adapters", _models("check_adapters")),
     ("chat_packed", _models("check_chat_packed")),
     ("replan_staging", lambda s: _replan_check()(s)),
+    ("local_host_memory", check_local_host_memory),
     ("throughput", check_throughput),
 ]
 
