@@ -202,7 +202,7 @@ def memory_note(
             head += "The even plan does not fit at all, not even with micro-batch 1 and offloaded activations. "
         elif isinstance(even, Plan):
             r = even.ranks[tight]
-            how = f"{r.num_micro_batches} micro-batches of {r.micro_batch_size}"
+            how = f"{r.num_micro_batches} micro-batches ({r.micro_batches_text()})"
             head += (
                 f"The even plan must run it as {how}"
                 f"{' with its activations on the host' if r.offload_activations else ''}. "
