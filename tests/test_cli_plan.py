@@ -211,3 +211,54 @@ def test_plan_and_simulate_from_measured_profiles(tmp_path, capsys):
     # without profiles a cpu cluster cannot be planned, and the error says how to get them
     assert main(["plan", "--cluster", spec, "--global-batch", "16"]) == 2
     assert "cephalo profile --devices" in capsys.readouterr().err
+
+
+SMALL_OFFERS = """
+[[offer]]
+name = "aws g6.12xlarge"
+type = "l4"
+max_count = 8
+per_node = 4
+price_per_hour = 1.1504
+inter_node_bandwidth = "4GB/s"
+
+[[offer]]
+name = "runpod rtx 3090"
+type = "rtx3090"
+max_count = 4
+per_node = 4
+price_per_hour = 0.43
+"""
+
+
+def test_tables_fit_80_columns_without_cutting_device_names(tmp_path, capsys, monkeypatch):
+    """Issue 41, point 5: at COLUMNS=80 no line of `plan`, `catalog` (devices and models) or
+    `advise` is wider than 80 characters, no cell is cut with an ellipsis, and every device
+    type one must type appears whole in the catalog."""
+    from cephalo.specs.catalog.devices import DEVICES
+
+    monkeypatch.setenv("COLUMNS", "80")
+    offers = tmp_path / "offers.toml"
+    offers.write_text(SMALL_OFFERS)
+    runs = {
+        "plan": ["plan", *PAPER],
+        "catalog": ["catalog"],
+        "models": ["catalog", "--models"],
+        "advise": ["advise", "--offers", str(offers), "--model", "gpt-2.7b", "--global-batch", "64"],
+    }
+    out = {}
+    for name, argv in runs.items():
+        assert main(argv) == 0
+        out[name] = capsys.readouterr().out
+        lines = out[name].splitlines()
+        assert max(len(line) for line in lines) <= 80, (name, max(lines, key=len))
+        assert "…" not in out[name], name
+    catalog_words = set(out["catalog"].split())
+    assert set(DEVICES) <= catalog_words, set(DEVICES) - catalog_words
+    assert "left out at 80 columns" in out["plan"]  # what it dropped is said
+    # piped without COLUMNS: nothing dropped, nothing hard-wrapped
+    monkeypatch.delenv("COLUMNS")
+    assert main(["plan", *PAPER]) == 0
+    piped = capsys.readouterr().out
+    assert "busy s" in piped and "left out" not in piped
+    assert any(len(line) > 100 for line in piped.splitlines())

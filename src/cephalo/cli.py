@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from cephalo import envvars
 from cephalo.errors import CephaloError
 
 # order = order in `cephalo --help`
@@ -51,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show third-party warnings on import (torchao, torch), once per process",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -66,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.verbose:  # the workers of `cephalo run` inherit it
+        os.environ[envvars.VERBOSE] = "1"
     if not getattr(args, "func", None):
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -196,13 +196,12 @@ def run(args: argparse.Namespace) -> int:
         + f"; offers: {', '.join(o.name for o in advice.offers)} ({offers.where})"
     )
     for note in advice.left_out:
-        console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
+        console.print(f"[yellow]note:[/yellow] {note}")
     console.print(frontier_table(advice))
     stats = advice.search.stats
     console.print(
         f"searched {stats.clusters:,} clusters by planning {stats.plans} in {stats.wall_s:.1f} s "
         f"(planner {stats.planner_s:.1f} s); {advice.search.bound.describe()}",
-        soft_wrap=True,
     )
     for label, p in (
         ("best within the budget", advice.best_under_budget),
@@ -212,7 +211,6 @@ def run(args: argparse.Namespace) -> int:
             console.print(
                 f"{label}: [bold]{p.cluster}[/bold]  ${p.price_per_hour:,.2f}/h, "
                 f"{p.tokens_per_s:,.0f} tokens/s, ${p.usd_per_million_tokens:,.3f} per million tokens",
-                soft_wrap=True,
             )
     for m in advice.marginal:
         for table in marginal_tables(m, advice.seq_len):
@@ -222,7 +220,6 @@ def run(args: argparse.Namespace) -> int:
             console.print(
                 f"best to add next: {best.gpus}x {best.offer} (+${best.price_per_hour:,.2f}/h, "
                 f"{best.tokens_per_s_gained:+,.0f} tokens/s)",
-                soft_wrap=True,
             )
     if args.json:
         path = Path(args.json)
