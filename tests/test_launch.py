@@ -96,6 +96,59 @@ def test_run_rejects_mismatched_devices_before_launching(capsys):
     assert "--nproc 3 but --devices lists 2" in capsys.readouterr().err
 
 
+def test_missing_data_and_packages_fail_before_any_worker_starts(tmp_path, capsys, monkeypatch):
+    """Issue 41, point 3: data that is missing, empty or needs a package that does not import,
+    and an optional package the config needs, are one line and exit 2 before the launch (no
+    worker starts: the launcher would log "launching")."""
+    empty_dir = tmp_path / "empty_dir"
+    empty_dir.mkdir()
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    cases = [
+        ("--data.path={}/missing.txt", "data.path {}/missing.txt does not exist"),
+        ("--data.path={}/empty.txt", "data.path {}/empty.txt is empty"),
+        ("--data.path={}/empty_dir", "is an empty directory"),
+        ("--data.path={}/t.parquet", "needs the `pyarrow` package"),
+        ("--model.adapter=lora", "needs peft: pip install 'cephalo[lora]'"),
+        ("--model.name=hf-llama-tiny", "need the `transformers` package"),
+    ]
+    # an optional package that is not installed: its import raises ImportError
+    for name in ("peft", "pyarrow", "transformers"):
+        monkeypatch.setitem(sys.modules, name, None)
+    for arg, message in cases:
+        argv = ["run", "--devices", "cpu,cpu", *job_args(tmp_path / "run"), arg.format(tmp_path)]
+        assert cli_main(argv) == 2, arg
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message.format(tmp_path) in err, err
+        assert "launching" not in err
+
+
+def test_missing_package_is_one_line_in_seconds_without_native_frames(tmp_path):
+    """The same through a real process, the package shadowed on PYTHONPATH by one whose import
+    fails: one line, exit 2, no C++ stack frames, in seconds (the process group never starts)."""
+    shadow = tmp_path / "shadow" / "peft"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('simulated: peft is not installed')\n")
+    path = os.pathsep.join(p for p in (str(shadow.parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu"]
+        + job_args(tmp_path / "run", "--model.adapter=lora"),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "cephalo run: error: model.adapter = lora/qlora needs peft: pip install 'cephalo[lora]'"
+    ]
+    assert "frame #" not in proc.stdout + proc.stderr
+    assert took < 30, took  # ~3 s on an idle machine; workers would take 10+
+
+
 # ----------------------------------------------------------------------------- real launches
 @pytest.mark.slow
 def test_worker_errors_surface_as_one_line(tmp_path):

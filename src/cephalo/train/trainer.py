@@ -55,7 +55,7 @@ from cephalo.runtime.state.adamw import AdamWHyper
 from cephalo.runtime.step_timing import format_split, split_step
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
-from cephalo.train.config import JobConfig
+from cephalo.train.config import JobConfig, preflight
 from cephalo.train.config_manager import config_to_toml
 from cephalo.train.discovery import discover_cluster, is_emulated, job_torch_device
 from cephalo.train.lr import LRSchedule
@@ -736,6 +736,7 @@ def train(cfg: JobConfig) -> TrainResult:
     """Run (or resume) the job on this rank; every rank of the job calls it."""
     init_logging()
     cfg.validate()
+    preflight(cfg)  # missing packages and data: one line, before the process group is up
     backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
     with StopSignals(cfg.checkpoint.save_on_signals) as signals:
         comm = init_distributed(backend, timeout_s=cfg.parallel.timeout_s)
