@@ -244,7 +244,15 @@ def test_tables_fit_80_columns_without_cutting_device_names(tmp_path, capsys, mo
         "plan": ["plan", *PAPER],
         "catalog": ["catalog"],
         "models": ["catalog", "--models"],
-        "advise": ["advise", "--offers", str(offers), "--model", "gpt-2.7b", "--global-batch", "64"],
+        "advise": [
+            "advise",
+            "--offers",
+            str(offers),
+            "--model",
+            "gpt-2.7b",
+            "--global-batch",
+            "64",
+        ],
     }
     out = {}
     for name, argv in runs.items():

@@ -284,3 +284,26 @@ def test_auto_plan_profiles_then_plans(tmp_path):
         again.plan.meta["profiles"]["cached"] == ["cpu"]
         and again.plan.meta["profiles"]["measured"] == []
     )
+
+
+def test_epochs_become_steps(tmp_path):
+    """Issue 41, point 10: `train.epochs` instead of `train.steps`: ceil(epochs x steps per
+    epoch), the steps of one epoch being the data's windows of seq_len + 1 tokens divided by
+    the global batch (1000 bytes -> 58 windows of 17 -> 14 steps at batch 4)."""
+    from cephalo.train.config import steps_for_epochs
+
+    assert [steps_for_epochs(e, 14) for e in (0.25, 0.5, 1, 3 / 14, 2)] == [4, 7, 14, 3, 28]
+    with pytest.raises(CephaloError, match="less than one global batch"):
+        steps_for_epochs(1, 0)
+    with pytest.raises(CephaloError, match="both set: keep one of the two"):
+        tiny_config(tmp_path, "--train.epochs=1")  # tiny_config sets train.steps
+    data = tmp_path / "small.txt"
+    data.write_text(("abcdefgh " * 112)[:1000])
+    cfg = tiny_config(
+        tmp_path, f"--data.path={data}", "--data.val_fraction=0", "--train.eval_every=0"
+    )
+    cfg.train.steps, cfg.train.epochs = 100, 0.25  # the default steps: unset
+    cfg.validate()
+    result = train(cfg)
+    expected = math.ceil(0.25 * ((1000 // 17) // 4))
+    assert sorted(result.losses) == list(range(1, expected + 1))

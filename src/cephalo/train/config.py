@@ -115,7 +115,13 @@ class TrainConfig:
     """The optimisation loop."""
 
     steps: int = 100
-    """Optimizer steps to run (in total, counting the steps of a resumed checkpoint)."""
+    """Optimizer steps to run (in total, counting the steps of a resumed checkpoint). Or set
+    `epochs` instead (one of the two)."""
+    epochs: float = 0.0
+    """Passes over the training data to run instead of `steps` (0: `steps` counts). The steps
+    are then derived once the data is known: ceil(epochs x the steps of one epoch at
+    `global_batch_size`), logged at the start; a fraction (0.5) is half an epoch. Leave `steps`
+    unset when you set this."""
     global_batch_size: int = 8
     """Samples per step, summed over all ranks; the plan splits them."""
     lr: float = 3e-4
@@ -300,6 +306,17 @@ class JobConfig:
         _validate(self)
 
 
+def steps_for_epochs(epochs: float, steps_per_epoch: int) -> int:
+    """`train.epochs` as optimizer steps: ceil(epochs x steps per epoch), at least one (the
+    small tolerance keeps 3 x 1/3 of an epoch from rounding up to a step more)."""
+    if steps_per_epoch < 1:
+        raise CephaloError(
+            "train.epochs: the training data holds less than one global batch; lower "
+            "train.global_batch_size or give more data"
+        )
+    return max(1, math.ceil(epochs * steps_per_epoch - 1e-9))
+
+
 def preflight(cfg: JobConfig) -> None:
     """What can fail a job before its process group is up, checked before it is: the optional
     packages the config needs import (peft for `model.adapter`, torchao for qlora, transformers
@@ -400,7 +417,15 @@ def _validate(cfg: JobConfig) -> None:
     )
     check(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
     check(
-        t.warmup_steps < t.steps or t.steps < 1,
+        t.epochs >= 0 and math.isfinite(t.epochs),
+        f"train.epochs must be >= 0 (0: train.steps counts), got {t.epochs}",
+    )
+    check(
+        t.epochs == 0 or t.steps == TrainConfig.steps,
+        f"train.epochs = {t.epochs:g} and train.steps = {t.steps} are both set: keep one of the two",
+    )
+    check(
+        t.epochs > 0 or t.warmup_steps < t.steps or t.steps < 1,
         f"train.warmup_steps ({t.warmup_steps}) must be smaller than train.steps ({t.steps})",
     )
     check(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")

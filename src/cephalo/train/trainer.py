@@ -55,7 +55,7 @@ from cephalo.runtime.state.adamw import AdamWHyper
 from cephalo.runtime.step_timing import format_split, split_step
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
-from cephalo.train.config import JobConfig, preflight
+from cephalo.train.config import JobConfig, preflight, steps_for_epochs
 from cephalo.train.config_manager import config_to_toml
 from cephalo.train.discovery import discover_cluster, is_emulated, job_torch_device
 from cephalo.train.lr import LRSchedule
@@ -298,7 +298,6 @@ class _Trainer:
         else:
             self.plan = resolve_plan(cfg, self.cluster, self.world_size, self.rank)
             cost_model = catalog_model_or_none(cfg, model.spec, self.cluster)
-        self.replanner = Replanner(cfg, cost_model, cfg.parallel.plan == "auto", self.rank)
         self.rank_plan = self.plan.ranks[self.rank]
         data_path = resolve_job_dataset(
             cfg.data.path,
@@ -322,6 +321,9 @@ class _Trainer:
             packing=cfg.data.packing,
             packing_split=cfg.data.packing_split,
         )
+        if cfg.train.epochs > 0:  # train.epochs: the steps follow from the data
+            self.derive_steps(cfg, self.batches.steps_per_epoch)
+        self.replanner = Replanner(cfg, cost_model, cfg.parallel.plan == "auto", self.rank)
         if cfg.train.eval_every > 0 and self.batches.num_val_windows == 0:
             raise CephaloError(
                 f"train.eval_every = {cfg.train.eval_every} but dataset {data_path} has no validation windows of "
@@ -539,6 +541,21 @@ class _Trainer:
         victim = int(os.environ.get(envvars.KILL_RANK, "1" if self.world_size > 1 else "0"))
         if victim == self.rank:
             raise torch.OutOfMemoryError(f"{envvars.OOM_AT_STEP}={at}: out of memory (test hook)")
+
+    def derive_steps(self, cfg: JobConfig, steps_per_epoch: int) -> None:
+        """`train.epochs` as `train.steps` (the rest of the job reads the steps)."""
+        t = cfg.train
+        t.steps = steps_for_epochs(t.epochs, steps_per_epoch)
+        if t.warmup_steps >= t.steps:
+            raise CephaloError(
+                f"train.epochs = {t.epochs:g} is {t.steps} step(s) ({steps_per_epoch} per epoch), "
+                f"not more than train.warmup_steps ({t.warmup_steps}): lower the warmup or train "
+                "longer"
+            )
+        if self.rank == 0:
+            logger.info(
+                "train.epochs = %g: %d steps (%d per epoch)", t.epochs, t.steps, steps_per_epoch
+            )
 
     def train_step(self, metrics: MetricsLog | None, progress: ProgressDisplay) -> None:
         number = self.step + 1
