@@ -252,6 +252,8 @@ def test_tables_fit_80_columns_without_cutting_device_names(tmp_path, capsys, mo
             "gpt-2.7b",
             "--global-batch",
             "64",
+            "--launch-files",
+            str(tmp_path / "launch"),
         ],
     }
     out = {}
@@ -264,6 +266,9 @@ def test_tables_fit_80_columns_without_cutting_device_names(tmp_path, capsys, mo
     catalog_words = set(out["catalog"].split())
     assert set(DEVICES) <= catalog_words, set(DEVICES) - catalog_words
     assert "left out at 80 columns" in out["plan"]  # what it dropped is said
+    # advise --launch-files: the chosen cluster's (4x rtx3090, one node) launch files
+    script = (tmp_path / "launch" / "cephalo.sbatch").read_text()
+    assert "#SBATCH --gpus-per-node=4" in script and "NCCL_P2P_DISABLE=1" in script
     # piped without COLUMNS: nothing dropped, nothing hard-wrapped
     monkeypatch.delenv("COLUMNS")
     assert main(["plan", *PAPER]) == 0

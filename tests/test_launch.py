@@ -149,6 +149,48 @@ def test_missing_package_is_one_line_in_seconds_without_native_frames(tmp_path):
     assert took < 30, took  # ~3 s on an idle machine; workers would take 10+
 
 
+def test_launch_files_for_a_cluster_and_a_plan(tmp_path, capsys):
+    """Issue 41, point 10: the sbatch script passes `bash -n`, asks for every node's GPU count
+    (one heterogeneous component per node where they differ) and starts that many ranks there,
+    all at one c10d rendezvous; P2P is off only on the node of consumer cards; the SkyPilot
+    YAML parses. From a plan file, the job runs that plan."""
+    import yaml
+
+    out = tmp_path / "launch"
+    spec = "4xl4@node0,2xrtx3090@node1,a6000@node2"
+    argv = ["launch-files", "--cluster", spec, "--config", "my job.toml", "--out", str(out)]
+    assert cli_main(argv) == 0
+    script = (out / "cephalo.sbatch").read_text()
+    check = subprocess.run(["bash", "-n", str(out / "cephalo.sbatch")], capture_output=True)
+    assert check.returncode == 0, check.stderr
+    assert script.count("#SBATCH hetjob") == 2
+    sruns = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert len(sruns) == 3
+    for i, (gpus, line) in enumerate(zip((4, 2, 1), sruns, strict=True)):
+        assert f"#SBATCH --gpus-per-node={gpus}   # node {i}:" in script
+        assert f"--het-group={i} " in line and f"--nproc-per-node={gpus} " in line
+        assert "--nnodes=3 " in line and "--rdzv-backend=c10d" in line
+        assert line.endswith("--config 'my job.toml' &")
+        assert ("NCCL_P2P_DISABLE=1" in line) == (i == 1)
+    sky = yaml.safe_load((out / "cephalo-sky.yaml").read_text())
+    assert sky["num_nodes"] == 3 and sky["resources"]["accelerators"] == "L4:4"
+    assert "torchrun" in sky["run"] and sky["envs"]["CEPHALO_CONFIG"] == "my job.toml"
+    # a plan file: its recorded cluster (two identical nodes: one component), and the plan run
+    plan = tmp_path / "plan.json"
+    argv = ["plan", "--cluster", "2xl4@node0,2xl4@node1", "--model", "gpt-1.3b"]
+    assert cli_main([*argv, "--global-batch", "16", "--json", str(plan)]) == 0
+    assert cli_main(["launch-files", "--plan", str(plan), "--out", str(out)]) == 0
+    script = (out / "cephalo.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", str(out / "cephalo.sbatch")]).returncode == 0
+    assert "hetjob" not in script and "#SBATCH --nodes=2" in script
+    assert "#SBATCH --gpus-per-node=2" in script and "--nproc-per-node=2 " in script
+    assert f"--parallel.plan={plan}" in script
+    assert yaml.safe_load((out / "cephalo-sky.yaml").read_text())["num_nodes"] == 2
+    capsys.readouterr()
+    assert cli_main(["launch-files", "--cluster", "cpu,cpu", "--out", str(out)]) == 2
+    assert "cephalo run" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- real launches
 @pytest.mark.slow
 def test_worker_errors_surface_as_one_line(tmp_path):

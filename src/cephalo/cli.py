@@ -28,6 +28,7 @@ COMMANDS = [
     "catalog",
     "prepare_data",
     "export",
+    "launch_files",
 ]
 
 DESCRIPTION = """\
@@ -41,6 +42,7 @@ typical use:
   cephalo plan --cluster 2xl4,a6000,p40 --model gpt-2.7b --global-batch 64
   cephalo advise --offers configs/offers-example.toml --model gpt-2.7b --global-batch 256
   cephalo simulate plan.json                     # evaluate any plan with the cost model
+  cephalo launch-files --plan plan.json --config my.toml   # SLURM / SkyPilot files for it
   cephalo run --devices cpu,cpu:slowdown=2 --config configs/demo.toml
   torchrun --nproc-per-node 4 -m cephalo doctor --config my.toml   # pre-flight, then:
   torchrun --nproc-per-node 4 -m cephalo train --config my.toml

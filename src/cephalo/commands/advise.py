@@ -97,6 +97,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="draw the frontier, the chosen point and the marginal values",
     )
     p.add_argument(
+        "--launch-files",
+        metavar="DIR",
+        help="write a SLURM sbatch script and a SkyPilot YAML for the chosen cluster "
+        "(as `cephalo launch-files --cluster`)",
+    )
+    p.add_argument(
+        "--launch-config",
+        metavar="TOML",
+        default="my.toml",
+        help="with --launch-files: the job config the nodes run (default my.toml)",
+    )
+    p.add_argument(
         "--tolerance",
         type=float,
         default=0.0,
@@ -230,6 +242,15 @@ def run(args: argparse.Namespace) -> int:
         from cephalo.views.plots import plot_advice
 
         console.print(f"wrote {plot_advice(advice, args.plot)}")
+    if args.launch_files:
+        if advice.chosen is None:
+            raise CephaloError("--launch-files: no cluster was chosen (see above)")
+        from cephalo.launch.files import LaunchSettings, nodes_of_cluster, write_launch_files
+
+        nodes = nodes_of_cluster(Cluster.parse(advice.chosen.cluster))
+        settings = LaunchSettings(config=args.launch_config)
+        for path in write_launch_files(nodes, args.launch_files, settings):
+            console.print(f"wrote {path}")
     if advice.problems:
         raise CephaloError("; and ".join(advice.problems))
     return 0
