@@ -307,3 +307,46 @@ def test_epochs_become_steps(tmp_path):
     result = train(cfg)
     expected = math.ceil(0.25 * ((1000 // 17) // 4))
     assert sorted(result.losses) == list(range(1, expected + 1))
+
+
+def test_one_metrics_record_feeds_every_tracker(tmp_path, monkeypatch):
+    """Issue 41, point 10: each metrics.jsonl record's scalars (`scalars_of`) reach every
+    tracker asked for, the same values in the same order (MLflow and trackio stand-ins record
+    what they get: no server here); a W&B run in offline mode writes its run file."""
+    import importlib.util
+
+    from cephalo.train import metrics
+
+    got: list = []
+
+    class Recorder:
+        def __init__(self, s):
+            got.append(("init", s.project, s.run_name, s.config["train"]["steps"]))
+
+        def log(self, values, step):
+            got.append((step, values))
+
+        def close(self):
+            got.append("close")
+
+    monkeypatch.setitem(metrics._SINKS, "mlflow", Recorder)
+    monkeypatch.setitem(metrics._SINKS, "trackio", Recorder)
+    monkeypatch.setattr(metrics, "require_trackers", lambda names: None)
+    has_wandb = importlib.util.find_spec("wandb") is not None
+    extra = ["--logging.mlflow=true", "--logging.trackio=true", "--logging.project=p"]
+    extra += ["--train.steps=3", "--train.eval_every=3", "--checkpoint.every=0"]
+    if has_wandb:
+        extra += ["--logging.wandb=true", "--logging.offline=true"]
+    result = train(tiny_config(tmp_path, *extra))
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl", kind=None)
+    expected = [(r["step"], metrics.scalars_of(r)) for r in records if metrics.scalars_of(r)]
+    assert got[:2] == [("init", "p", "run", 3)] * 2
+    assert got[2:-2] == [e for e in expected for _ in range(2)]  # each record, both sinks
+    assert got[-2:] == ["close", "close"]
+    by_step = dict(expected[:3])
+    assert [by_step[s]["train/loss"] for s in (1, 2, 3)] == [result.losses[s] for s in (1, 2, 3)]
+    assert expected[3] == (3, {"val/loss": result.val_losses[3]})
+    assert {"train/lr", "train/grad_norm", "rank0/step_s", "rank0/peak_bytes"} <= set(by_step[1])
+    if has_wandb:
+        runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(runs) == 1 and runs[0].stat().st_size > 0

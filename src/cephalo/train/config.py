@@ -263,6 +263,21 @@ class LoggingConfig:
     `pip install -e '.[tensorboard]'`)."""
     log_every: int = 1
     """Write a metrics record every this many steps."""
+    wandb: bool = False
+    """Also log the metrics to Weights & Biases (`pip install 'cephalo[wandb]'`), project
+    `project`, run `run_name`; with `offline` the run is written under `<dir>/wandb` for
+    `wandb sync` later."""
+    mlflow: bool = False
+    """Also log to MLflow (`pip install 'cephalo[mlflow]'`): the server in MLFLOW_TRACKING_URI,
+    else a file store under `<dir>/mlruns`; the config's keys as the run's parameters."""
+    trackio: bool = False
+    """Also log to trackio (`pip install 'cephalo[trackio]'`), local-first."""
+    project: str = "cephalo"
+    """The trackers' project (W&B project, MLflow experiment, trackio project)."""
+    run_name: str | None = None
+    """The trackers' run name (unset: the name of `dir`)."""
+    offline: bool = False
+    """Trackers that can, log without a network (W&B offline mode)."""
 
 
 @dataclass
@@ -341,6 +356,11 @@ def preflight(cfg: JobConfig) -> None:
         nf4_backend()
     if cfg.data.path is not None:
         check_data_path(cfg.data.path)
+    from cephalo.train.metrics import TRACKERS, require_tensorboard, require_trackers
+
+    if cfg.logging.tensorboard:
+        require_tensorboard()
+    require_trackers([name for name in TRACKERS if getattr(cfg.logging, name)])
 
 
 # --------------------------------------------------------------------------------------------

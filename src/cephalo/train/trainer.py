@@ -60,10 +60,12 @@ from cephalo.train.config_manager import config_to_toml
 from cephalo.train.discovery import discover_cluster, is_emulated, job_torch_device
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import (
+    TRACKERS,
     MetricsLog,
     ProgressDisplay,
     RankStats,
     StepRecord,
+    TrackerSettings,
     require_tensorboard,
     truncate_metrics,
 )
@@ -683,8 +685,18 @@ class _Trainer:
         metrics = None
         if self.rank == 0:
             truncate_metrics(cfg.metrics_path, self.step)
+            log = cfg.logging
             metrics = MetricsLog(
-                cfg.metrics_path, self.run_dir / "tb" if cfg.logging.tensorboard else None
+                cfg.metrics_path,
+                TrackerSettings(
+                    self.run_dir,
+                    [name for name in TRACKERS if getattr(log, name)],
+                    tensorboard=log.tensorboard,
+                    project=log.project,
+                    run_name=log.run_name or self.run_dir.resolve().name,
+                    offline=log.offline,
+                    config=cfg.to_dict(),
+                ),
             )
         progress = ProgressDisplay(
             steps,
