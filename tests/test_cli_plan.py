@@ -275,3 +275,50 @@ def test_tables_fit_80_columns_without_cutting_device_names(tmp_path, capsys, mo
     piped = capsys.readouterr().out
     assert "busy s" in piped and "left out" not in piped
     assert any(len(line) > 100 for line in piped.splitlines())
+
+
+def test_plan_prints_no_third_party_warnings(tmp_path):
+    """Issue 41, point 7: the optional packages a job imports (torchao: "Failed to load
+    ..._C_mxfp8...so", torch's pytree notes) say nothing on stderr, and `cephalo plan` prints
+    no warning line; `--verbose` (in-process below) shows them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from cephalo.modeling.nf4 import nf4_backend\n"
+        "nf4_backend()\n"
+        "from cephalo.cli import main\n"
+        f"sys.exit(main(['plan', *{PAPER!r}]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr == "", proc.stderr[-2000:]
+    assert "warn" not in proc.stdout.lower() and "Failed to load" not in proc.stdout
+
+
+def test_quiet_imports_capture_and_verbose_shows_once(monkeypatch):
+    import logging
+    import warnings
+
+    from cephalo import envvars
+    from cephalo.log import logger, quiet_imports
+
+    shown: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: shown.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        for verbose in ("", "1"):
+            monkeypatch.setenv(envvars.VERBOSE, verbose)
+            shown.clear()
+            for _ in range(2):
+                with quiet_imports():
+                    logging.getLogger("torchao").warning("Failed to load _C_mxfp8.so")
+                    logging.getLogger("torch.utils._pytree").warning("an Enum subclass")
+                    warnings.warn("deprecated on import", FutureWarning, stacklevel=1)
+            texts = ("Failed to load _C_mxfp8.so", "an Enum subclass", "deprecated on import")
+            for text in texts:
+                assert sum(text in m for m in shown) == (1 if verbose else 0), shown
+    finally:
+        logger.removeHandler(handler)
