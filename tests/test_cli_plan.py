@@ -277,24 +277,17 @@ def test_tables_fit_80_columns_without_cutting_device_names(tmp_path, capsys, mo
     assert any(len(line) > 100 for line in piped.splitlines())
 
 
-def test_plan_prints_no_third_party_warnings(tmp_path):
-    """Issue 41, point 7: the optional packages a job imports (torchao: "Failed to load
-    ..._C_mxfp8...so", torch's pytree notes) say nothing on stderr, and `cephalo plan` prints
-    no warning line; `--verbose` (in-process below) shows them."""
-    import subprocess
-    import sys
+def test_plan_prints_no_third_party_warnings(capsys, caplog):
+    """Issue 41, point 7: `cephalo plan` prints no warning line (torchao's import-time
+    warnings are checked through a real process that imports it, in
+    test_launch.py::test_missing_package_is_one_line_in_seconds_without_native_frames)."""
+    import logging
 
-    code = (
-        "import sys\n"
-        "from cephalo.modeling.nf4 import nf4_backend\n"
-        "nf4_backend()\n"
-        "from cephalo.cli import main\n"
-        f"sys.exit(main(['plan', *{PAPER!r}]))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stderr == "", proc.stderr[-2000:]
-    assert "warn" not in proc.stdout.lower() and "Failed to load" not in proc.stdout
+    with caplog.at_level(logging.WARNING):
+        assert main(["plan", *PAPER]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and not caplog.records, (out.err, caplog.records)
+    assert "warn" not in out.out.lower() and "Failed to load" not in out.out
 
 
 def test_quiet_imports_capture_and_verbose_shows_once(monkeypatch):

@@ -346,14 +346,14 @@ def preflight(cfg: JobConfig) -> None:
     m = cfg.model
     if m.name in HF_PRESETS or model_directory(m.name) is not None:
         transformers_module()
-    if m.adapter in ("lora", "qlora"):
-        from cephalo.modeling.lora import peft_module
-
-        peft_module()
     if m.adapter == "qlora":
         from cephalo.modeling.nf4 import nf4_backend
 
         nf4_backend()
+    if m.adapter in ("lora", "qlora"):
+        from cephalo.modeling.lora import peft_module
+
+        peft_module()
     if cfg.data.path is not None:
         check_data_path(cfg.data.path)
     from cephalo.train.metrics import TRACKERS, require_tensorboard, require_trackers
