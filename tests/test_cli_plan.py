@@ -244,6 +244,7 @@ def test_tables_fit_80_columns_without_cutting_device_names(tmp_path, capsys, mo
         "plan": ["plan", *PAPER],
         "catalog": ["catalog"],
         "models": ["catalog", "--models"],
+        "model": ["catalog", "--model", "gpt-2.7b"],
         "advise": [
             "advise",
             "--offers",
@@ -263,8 +264,11 @@ def test_tables_fit_80_columns_without_cutting_device_names(tmp_path, capsys, mo
         lines = out[name].splitlines()
         assert max(len(line) for line in lines) <= 80, (name, max(lines, key=len))
         assert "…" not in out[name], name
-    catalog_words = set(out["catalog"].split())
-    assert set(DEVICES) <= catalog_words, set(DEVICES) - catalog_words
+    from cephalo.specs.catalog.published import available_profiles
+
+    assert set(DEVICES) <= set(out["catalog"].split())
+    profiled = {e[1] for e in available_profiles() if e[0] == "gpt-2.7b"}
+    assert profiled and profiled <= set(out["model"].replace("│", " ").split())
     assert "left out at 80 columns" in out["plan"]  # what it dropped is said
     # advise --launch-files: the chosen cluster's (4x rtx3090, one node) launch files
     script = (tmp_path / "launch" / "cephalo.sbatch").read_text()

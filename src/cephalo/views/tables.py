@@ -357,7 +357,7 @@ def catalog_device_table(device: str) -> Table:
     return t
 
 
-def catalog_model_table(name: str, seq_len: int | None, dtype: str | None) -> Table:
+def catalog_model_table(name: str, seq_len: int | None, dtype: str | None) -> Fitted:
     """One model's block forward / backward times on every device with its profiles."""
     spec = catalog_models.get_model_spec(name)
     data_dtype = None if dtype is None else ("fp32" if dtype == "fp32" else "fp16")
@@ -398,7 +398,12 @@ def catalog_model_table(name: str, seq_len: int | None, dtype: str | None) -> Ta
         t.caption = (
             f"no published profile of {spec.name} matches; `cephalo catalog` lists what exists"
         )
-    return t
+    return Fitted(
+        t,
+        keep=("device",),
+        drop=("act MiB/sample", "source"),
+        wrap=tuple(f"b={b}" for b in CATALOG_BATCHES),
+    )
 
 
 def catalog_skipped_table() -> Table:
