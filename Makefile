@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,data,yaml,lora,qlora]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,data,yaml,lora,qlora,wandb]'
 	touch $(STAMP)
 
 setup: $(STAMP)

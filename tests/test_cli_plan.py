@@ -315,3 +315,109 @@ def test_micro_batch_column_shows_the_real_sizes(batch, micro, text):
     r = RankPlan(0, "l4", batch, micro, math.ceil(batch / micro), 1.0)
     assert r.micro_batches_text() == text
     assert sum(r.micro_batch_sizes()) == batch
+SMALL_OFFERS = """
+[[offer]]
+name = "aws g6.12xlarge"
+type = "l4"
+max_count = 8
+per_node = 4
+price_per_hour = 1.1504
+inter_node_bandwidth = "4GB/s"
+
+[[offer]]
+name = "runpod rtx 3090"
+type = "rtx3090"
+max_count = 4
+per_node = 4
+price_per_hour = 0.43
+"""
+
+
+def test_tables_fit_80_columns_without_cutting_device_names(tmp_path, capsys, monkeypatch):
+    """Issue 41, point 5: at COLUMNS=80 no line of `plan`, `catalog` (devices and models) or
+    `advise` is wider than 80 characters, no cell is cut with an ellipsis, and every device
+    type one must type appears whole in the catalog."""
+    from cephalo.specs.catalog.devices import DEVICES
+
+    monkeypatch.setenv("COLUMNS", "80")
+    offers = tmp_path / "offers.toml"
+    offers.write_text(SMALL_OFFERS)
+    runs = {
+        "plan": ["plan", *PAPER],
+        "catalog": ["catalog"],
+        "models": ["catalog", "--models"],
+        "model": ["catalog", "--model", "gpt-2.7b"],
+        "advise": [
+            "advise",
+            "--offers",
+            str(offers),
+            "--model",
+            "gpt-2.7b",
+            "--global-batch",
+            "64",
+            "--launch-files",
+            str(tmp_path / "launch"),
+        ],
+    }
+    out = {}
+    for name, argv in runs.items():
+        assert main(argv) == 0
+        out[name] = capsys.readouterr().out
+        lines = out[name].splitlines()
+        assert max(len(line) for line in lines) <= 80, (name, max(lines, key=len))
+        assert "…" not in out[name], name
+    from cephalo.specs.catalog.published import available_profiles
+
+    assert set(DEVICES) <= set(out["catalog"].split())
+    profiled = {e[1] for e in available_profiles() if e[0] == "gpt-2.7b"}
+    assert profiled and profiled <= set(out["model"].replace("│", " ").split())
+    assert "left out at 80 columns" in out["plan"]  # what it dropped is said
+    # advise --launch-files: the chosen cluster's (4x rtx3090, one node) launch files
+    script = (tmp_path / "launch" / "cephalo.sbatch").read_text()
+    assert "#SBATCH --gpus-per-node=4" in script and "NCCL_P2P_DISABLE=1" in script
+    # piped without COLUMNS: nothing dropped, nothing hard-wrapped
+    monkeypatch.delenv("COLUMNS")
+    assert main(["plan", *PAPER]) == 0
+    piped = capsys.readouterr().out
+    assert "busy s" in piped and "left out" not in piped
+    assert any(len(line) > 100 for line in piped.splitlines())
+
+
+def test_plan_prints_no_third_party_warnings(capsys, caplog):
+    """Issue 41, point 7: `cephalo plan` prints no warning line (torchao's import-time
+    warnings are checked through a real process that imports it, in
+    test_launch.py::test_missing_package_is_one_line_in_seconds_without_native_frames)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        assert main(["plan", *PAPER]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and not caplog.records, (out.err, caplog.records)
+    assert "warn" not in out.out.lower() and "Failed to load" not in out.out
+
+
+def test_quiet_imports_capture_and_verbose_shows_once(monkeypatch):
+    import logging
+    import warnings
+
+    from cephalo import envvars
+    from cephalo.log import logger, quiet_imports
+
+    shown: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: shown.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        for verbose in ("", "1"):
+            monkeypatch.setenv(envvars.VERBOSE, verbose)
+            shown.clear()
+            for _ in range(2):
+                with quiet_imports():
+                    logging.getLogger("torchao").warning("Failed to load _C_mxfp8.so")
+                    logging.getLogger("torch.utils._pytree").warning("an Enum subclass")
+                    warnings.warn("deprecated on import", FutureWarning, stacklevel=1)
+            texts = ("Failed to load _C_mxfp8.so", "an Enum subclass", "deprecated on import")
+            for text in texts:
+                assert sum(text in m for m in shown) == (1 if verbose else 0), shown
+    finally:
+        logger.removeHandler(handler)

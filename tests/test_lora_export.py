@@ -20,6 +20,7 @@ from cephalo.train.checkpoint import latest_checkpoint, load_checkpoint, verify_
 from cephalo.train.config_manager import load_config
 from cephalo.train.export import export_checkpoint
 from cephalo.train.trainer import train
+from data_helpers import EOS, save_tokenizer
 from engine_common import one_thread
 from hf_configs import SEQ, quiet_transformers, save_tiny_model
 from run_common import tiny_job_args
@@ -27,6 +28,7 @@ from run_common import tiny_job_args
 pytest.importorskip("peft")
 __all__ = ["one_thread"]
 STEPS = 4
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
 
 def _job(run_dir, directory, *extra: str) -> list[str]:
@@ -99,7 +101,14 @@ def test_export_roundtrip(tmp_path, adapter):
     saved = list(verify_checkpoint(checkpoint)["tensors"])
     assert saved and all(".lora_A." in n or ".lora_B." in n for n in saved), saved[:4]
 
-    export_checkpoint(run_dir, hf_dir=tmp_path / "merged", peft_dir=tmp_path / "adapter")
+    # the tokenizer and chat template the run used (data.tokenizer = auto: the model
+    # directory's; it trained with bytes, the files arrive now) go with the adapters
+    save_tokenizer(directory, model_vocab=None)
+    (directory / "chat_template.jinja").write_text(TEMPLATE)
+    r = export_checkpoint(run_dir, hf_dir=tmp_path / "merged", peft_dir=tmp_path / "adapter")
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(r.peft_copied)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "adapter"))
+    assert tok.chat_template == TEMPLATE and tok.eos_token == EOS
     probe = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(9))
     ours = _run_logits(directory, run_dir, adapter, probe)
 
@@ -146,3 +155,25 @@ def test_resume_mismatch_and_export_of_full_run(tmp_path):
         )
     with pytest.raises(CephaloError, match="is a full fine-tune .* it has no adapters"):
         export_checkpoint(full_run, peft_dir=tmp_path / "adapter")
+
+
+def test_export_tokenizer_follows_the_runs_tokenizer_and_template(tmp_path):
+    """Issue 41, point 10: next to exported adapters, the tokenizer the run trained with
+    (the model directory's for `auto`, else the named directory; none for bytes) and the
+    run's own `data.chat_template` over the tokenizer's, as `AutoTokenizer` loads them."""
+    import transformers
+
+    from cephalo.train.export import export_tokenizer
+
+    model_dir = save_tokenizer(tmp_path / "model", model_vocab=None)
+    (model_dir / "chat_template.jinja").write_text("{{ 'theirs' }}")
+    auto = export_tokenizer(tmp_path / "a", {"data": {"tokenizer": "auto"}}, model_dir)
+    assert {"tokenizer.json", "chat_template.jinja"} <= set(auto)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "a").chat_template == (
+        "{{ 'theirs' }}"
+    )
+    ours = {"data": {"tokenizer": str(model_dir), "chat_template": TEMPLATE}}
+    assert "chat_template.jinja" in export_tokenizer(tmp_path / "b", ours, None)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "b")
+    assert tok.chat_template == TEMPLATE and tok.eos_token == EOS
+    assert export_tokenizer(tmp_path / "c", {"data": {"tokenizer": "byte"}}, model_dir) == []

@@ -289,3 +289,69 @@ def test_auto_plan_profiles_then_plans(tmp_path):
         again.plan.meta["profiles"]["cached"] == ["cpu"]
         and again.plan.meta["profiles"]["measured"] == []
     )
+
+
+def test_epochs_become_steps(tmp_path):
+    """Issue 41, point 10: `train.epochs` instead of `train.steps`: ceil(epochs x steps per
+    epoch), the steps of one epoch being the data's windows of seq_len + 1 tokens divided by
+    the global batch (1000 bytes -> 58 windows of 17 -> 14 steps at batch 4)."""
+    from cephalo.train.config import steps_for_epochs
+
+    assert [steps_for_epochs(e, 14) for e in (0.25, 0.5, 1, 3 / 14, 2)] == [4, 7, 14, 3, 28]
+    with pytest.raises(CephaloError, match="less than one global batch"):
+        steps_for_epochs(1, 0)
+    with pytest.raises(CephaloError, match="both set: keep one of the two"):
+        tiny_config(tmp_path, "--train.epochs=1")  # tiny_config sets train.steps
+    data = tmp_path / "small.txt"
+    data.write_text(("abcdefgh " * 112)[:1000])
+    cfg = tiny_config(
+        tmp_path, f"--data.path={data}", "--data.val_fraction=0", "--train.eval_every=0"
+    )
+    cfg.train.steps, cfg.train.epochs = 100, 0.25  # the default steps: unset
+    cfg.validate()
+    result = train(cfg)
+    expected = math.ceil(0.25 * ((1000 // 17) // 4))
+    assert sorted(result.losses) == list(range(1, expected + 1))
+
+
+def test_one_metrics_record_feeds_every_tracker(tmp_path, monkeypatch):
+    """Issue 41, point 10: each metrics.jsonl record's scalars (`scalars_of`) reach every
+    tracker asked for, the same values in the same order (MLflow and trackio stand-ins record
+    what they get: no server here); a W&B run in offline mode writes its run file."""
+    import importlib.util
+
+    from cephalo.train import metrics
+
+    got: list = []
+
+    class Recorder:
+        def __init__(self, s):
+            got.append(("init", s.project, s.run_name, s.config["train"]["steps"]))
+
+        def log(self, values, step):
+            got.append((step, values))
+
+        def close(self):
+            got.append("close")
+
+    monkeypatch.setitem(metrics._SINKS, "mlflow", Recorder)
+    monkeypatch.setitem(metrics._SINKS, "trackio", Recorder)
+    monkeypatch.setattr(metrics, "require_trackers", lambda names: None)
+    has_wandb = importlib.util.find_spec("wandb") is not None
+    extra = ["--logging.mlflow=true", "--logging.trackio=true", "--logging.project=p"]
+    extra += ["--train.steps=3", "--train.eval_every=3", "--checkpoint.every=0"]
+    if has_wandb:
+        extra += ["--logging.wandb=true", "--logging.offline=true"]
+    result = train(tiny_config(tmp_path, *extra))
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl", kind=None)
+    expected = [(r["step"], metrics.scalars_of(r)) for r in records if metrics.scalars_of(r)]
+    assert got[:2] == [("init", "p", "run", 3)] * 2
+    assert got[2:-2] == [e for e in expected for _ in range(2)]  # each record, both sinks
+    assert got[-2:] == ["close", "close"]
+    by_step = dict(expected[:3])
+    assert [by_step[s]["train/loss"] for s in (1, 2, 3)] == [result.losses[s] for s in (1, 2, 3)]
+    assert expected[3] == (3, {"val/loss": result.val_losses[3]})
+    assert {"train/lr", "train/grad_norm", "rank0/step_s", "rank0/peak_bytes"} <= set(by_step[1])
+    if has_wandb:
+        runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(runs) == 1 and runs[0].stat().st_size > 0

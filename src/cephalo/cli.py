@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from cephalo import envvars
 from cephalo.errors import CephaloError
 
 # order = order in `cephalo --help`
@@ -26,6 +28,7 @@ COMMANDS = [
     "catalog",
     "prepare_data",
     "export",
+    "launch_files",
 ]
 
 DESCRIPTION = """\
@@ -39,6 +42,7 @@ typical use:
   cephalo plan --cluster 2xl4,a6000,p40 --model gpt-2.7b --global-batch 64
   cephalo advise --offers configs/offers-example.toml --model gpt-2.7b --global-batch 256
   cephalo simulate plan.json                     # evaluate any plan with the cost model
+  cephalo launch-files --plan plan.json --config my.toml   # SLURM / SkyPilot files for it
   cephalo run --devices cpu,cpu:slowdown=2 --config configs/demo.toml
   torchrun --nproc-per-node 4 -m cephalo doctor --config my.toml   # pre-flight, then:
   torchrun --nproc-per-node 4 -m cephalo train --config my.toml
@@ -50,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cephalo",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show third-party warnings on import (torchao, torch), once per process",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
@@ -66,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.verbose:  # the workers of `cephalo run` inherit it
+        os.environ[envvars.VERBOSE] = "1"
     if not getattr(args, "func", None):
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

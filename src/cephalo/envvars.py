@@ -5,6 +5,7 @@ One home for the names, so a reader (and `docs/`) finds them all here:
 | variable | read by | meaning |
 |---|---|---|
 | `CEPHALO_LOG` | `cephalo.log` | log level (`INFO` by default) |
+| `CEPHALO_VERBOSE` | `cephalo.log` | `1` (`cephalo --verbose` sets it): third-party warnings on import shown once instead of captured |
 | `CEPHALO_COMM_VALIDATE` | `runtime.collectives.comm` | `0` turns off the cross-rank collective checks |
 | `CEPHALO_PROFILE_DB` | `profiling.database` | profile database file |
 | `CEPHALO_CACHE` | `data.text` | cache root of prepared datasets |
@@ -26,6 +27,9 @@ import os
 from collections.abc import Iterator
 
 LOG_LEVEL = "CEPHALO_LOG"
+VERBOSE = "CEPHALO_VERBOSE"
+"""`cephalo --verbose` sets it (the workers inherit it): third-party warnings on import are
+shown once (cephalo.log.quiet_imports) instead of captured."""
 COMM_VALIDATE = "CEPHALO_COMM_VALIDATE"
 PROFILE_DB = "CEPHALO_PROFILE_DB"
 CACHE_ROOT = "CEPHALO_CACHE"

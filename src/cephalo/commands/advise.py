@@ -100,6 +100,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="draw the frontier, the chosen point and the marginal values",
     )
     p.add_argument(
+        "--launch-files",
+        metavar="DIR",
+        help="write a SLURM sbatch script and a SkyPilot YAML for the chosen cluster "
+        "(as `cephalo launch-files --cluster`)",
+    )
+    p.add_argument(
+        "--launch-config",
+        metavar="TOML",
+        default="my.toml",
+        help="with --launch-files: the job config the nodes run (default my.toml)",
+    )
+    p.add_argument(
         "--tolerance",
         type=float,
         default=0.0,
@@ -211,13 +223,12 @@ def run(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
     for note in advice.left_out:
-        console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
+        console.print(f"[yellow]note:[/yellow] {note}")
     console.print(frontier_table(advice))
     stats = advice.search.stats
     console.print(
         f"searched {stats.clusters:,} clusters by planning {stats.plans} in {stats.wall_s:.1f} s "
         f"(planner {stats.planner_s:.1f} s); {advice.search.bound.describe()}",
-        soft_wrap=True,
     )
     for label, p in (
         ("best within the budget", advice.best_under_budget),
@@ -227,7 +238,6 @@ def run(args: argparse.Namespace) -> int:
             console.print(
                 f"{label}: [bold]{p.cluster}[/bold]  ${p.price_per_hour:,.2f}/h, "
                 f"{p.tokens_per_s:,.0f} tokens/s, ${p.usd_per_million_tokens:,.3f} per million tokens",
-                soft_wrap=True,
             )
     for m in advice.marginal:
         for table in marginal_tables(m, advice.seq_len):
@@ -237,7 +247,6 @@ def run(args: argparse.Namespace) -> int:
             console.print(
                 f"best to add next: {best.gpus}x {best.offer} (+${best.price_per_hour:,.2f}/h, "
                 f"{best.tokens_per_s_gained:+,.0f} tokens/s)",
-                soft_wrap=True,
             )
     if args.json:
         path = Path(args.json)
@@ -248,6 +257,15 @@ def run(args: argparse.Namespace) -> int:
         from cephalo.views.plots import plot_advice
 
         console.print(f"wrote {plot_advice(advice, args.plot)}")
+    if args.launch_files:
+        if advice.chosen is None:
+            raise CephaloError("--launch-files: no cluster was chosen (see above)")
+        from cephalo.launch.files import LaunchSettings, nodes_of_cluster, write_launch_files
+
+        nodes = nodes_of_cluster(Cluster.parse(advice.chosen.cluster))
+        settings = LaunchSettings(config=args.launch_config)
+        for path in write_launch_files(nodes, args.launch_files, settings):
+            console.print(f"wrote {path}")
     if advice.problems:
         raise CephaloError("; and ".join(advice.problems))
     return 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
 from cephalo.specs.catalog import models
 from cephalo.specs.catalog.devices import DTYPES
 from cephalo.views.tables import (
@@ -14,6 +12,7 @@ from cephalo.views.tables import (
     catalog_model_table,
     catalog_models_table,
     catalog_skipped_table,
+    make_console,
 )
 
 EPILOG = """\
@@ -61,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = make_console()
     if args.skipped:
         console.print(catalog_skipped_table())
     elif args.model:

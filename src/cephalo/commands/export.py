@@ -81,4 +81,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if r.copied:
         logger.info("copied from the model directory: %s", ", ".join(r.copied))
+    if r.peft_copied:
+        logger.info("with the adapters: %s", ", ".join(r.peft_copied))
+    elif args.peft:
+        logger.info(
+            "the run's tokenizer has no files (data.tokenizer = byte / bpe): the adapter "
+            "directory holds the adapters only"
+        )
     return 0

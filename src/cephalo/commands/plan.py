@@ -316,16 +316,16 @@ def run(args: argparse.Namespace) -> int:
         f"{args.global_batch}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}"
     )
     for line in adapter_lines(cm) + moe_lines(cm):
-        console.print(line, soft_wrap=True)
+        console.print(line)
     for line in estimate_lines(cm):
-        console.print(line, style="yellow", soft_wrap=True)
+        console.print(line, style="yellow")
     console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))
     for line in host_memory_lines(ev) + ([host_note] if host_note else []):
         console.print(line, style="dim", soft_wrap=True)
     for line in grouping_lines(main_plan):
-        console.print(line, soft_wrap=True)
+        console.print(line)
     for s in strategies:
-        console.print(strategy_line(s, plans[s], even), soft_wrap=True)
+        console.print(strategy_line(s, plans[s], even))
     uses_host = isinstance(main_plan, Plan) and any(
         r.host_state_fraction > 0 and r.state_fraction > 0 for r in main_plan.ranks
     )
@@ -349,9 +349,9 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             line = "  without host state: does not fit"
-        console.print(line, style="dim", soft_wrap=True)
+        console.print(line, style="dim")
     if "even" not in strategies:
-        console.print(strategy_line("even", even, even), style="dim", soft_wrap=True)
+        console.print(strategy_line("even", even, even), style="dim")
     console.print(f"planned in {main_plan.meta['planner_wall_s'] * 1000:.1f} ms")
     if args.json:
         path = Path(args.json)

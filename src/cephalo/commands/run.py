@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from cephalo.launch.elastic import run_elastic
     from cephalo.launch.preempt import stop_line
     from cephalo.log import init_logging
+    from cephalo.train.config import preflight
 
     init_logging()
     cfg = config_from_args(args)  # a bad config fails here, once, not in every worker
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     # adapters on a weightless directory: refused here, once (rank 0 warns of a random init)
     initial_weights_note(cfg.model.name, cfg.model.init, cfg.model.adapter)
+    preflight(cfg)  # so do missing packages and data files, before any worker starts
     devices = args.devices or cfg.parallel.devices
     worker_args = (["--config", args.config] if args.config else []) + overrides_from_args(args)
     max_restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts

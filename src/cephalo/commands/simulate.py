@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.global_batch_size}, seq {cm.seq_len}, {cm.dtype}, profiles: {cm.meta['profile_source']}"
     )
     for line in adapter_lines(cm):
-        console.print(line, soft_wrap=True)
+        console.print(line)
     console.print(plan_table(plan, ev, title=f"{args.plan} ({plan.strategy})"))
     for line in host_memory_lines(ev) + ([host_note] if host_note else []):
         console.print(line, soft_wrap=True)

@@ -90,6 +90,13 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(error, "consequence", False):  # only the cause, not its echoes
             announce_failure(message)
         report_failure(message)
+        if peer is not None and os.environ.get(envvars.ERROR_DIR):
+            # the launcher prints the cause once; this rank's process group and store died
+            # with the failing rank, and tearing them down prints native stack dumps
+            # (TCPStore ... Broken pipe, frame #0 ...): leave without the teardown
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         if isinstance(error, CephaloError):
             if os.environ.get(envvars.ERROR_DIR):
                 return 2  # the launcher prints the first failure once, for the whole job

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -429,6 +430,35 @@ def _datasets(what: str) -> Any:
     except ImportError as e:
         raise CephaloError(f"{what} needs the `datasets` package: {DATA_EXTRA_HINT}") from e
     return datasets
+
+
+def check_data_path(path: str | Path, what: str = "data.path") -> None:
+    """Before any process starts: the data exists, can be read and holds something, and the
+    packages its formats need import (Parquet: pyarrow; a `datasets` directory: datasets).
+    Cheap (sizes and names, no reading): the full checks follow when the data is read."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CephaloError(
+            f"{what} {path} does not exist: give a text, JSON Lines or Parquet file, a directory "
+            "of them, or a dataset from `cephalo prepare-data`"
+        )
+    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        raise CephaloError(f"{what} {path} cannot be read (permissions): make it readable")
+    if path.is_file():
+        if path.stat().st_size == 0:
+            raise CephaloError(f"{what} {path} is empty (0 bytes): give a file with data in it")
+        if path.suffix in PARQUET_SUFFIXES:
+            _pyarrow(f"{what} {path} (Parquet)")
+        return
+    if is_datasets_dir(path):
+        _datasets(f"{what} {path} (a datasets directory)")
+        _pyarrow(f"{what} {path} (a datasets directory)")
+        return
+    files = [p for p in path.rglob("*") if p.is_file()]
+    if not files or all(p.stat().st_size == 0 for p in files):
+        raise CephaloError(f"{what} {path} is an empty directory: put the data files in it")
+    if any(p.suffix in PARQUET_SUFFIXES for p in files):
+        _pyarrow(f"{what} {path} (Parquet files)")
 
 
 # ----------------------------------------------------------------------------- the corpus

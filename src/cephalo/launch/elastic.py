@@ -246,6 +246,11 @@ def launch(job: LocalJob) -> str | None:
             "MKL_NUM_THREADS": threads,
             envvars.ERROR_DIR: error_dir,
             SHARED_STORE_ENV: "1",
+            # a failing rank's peers lose the store it hosted: torch's C++ warnings about it
+            # come with native stack frames; the launcher says what failed in one line
+            # (set either variable yourself to see them)
+            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+            "TORCH_SHOW_CPP_STACKTRACES": os.environ.get("TORCH_SHOW_CPP_STACKTRACES", "0"),
             **job.env,
         }
         logger.info(

@@ -21,15 +21,14 @@ multiple of 64 is not quantized (`nf4_format` returns None; it stays in compute 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cephalo.errors import CephaloError
+from cephalo.log import quiet_imports
 from cephalo.specs.adapter import NF4_DEQUANT_CHUNK, NF4_DEQUANT_TRANSIENT_BYTES
 
 BLOCK_SIZE = 64
@@ -52,17 +51,11 @@ def nf4_backend() -> Any:
     return nf4_tensor
 
 
-@contextlib.contextmanager
-def quiet_torchao() -> Iterator[None]:
-    """Importing torchao logs a warning per C++ extension built for another torch version;
-    the NF4 tensor is pure PyTorch and needs none of them: keep them out of the output."""
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
+def quiet_torchao() -> contextlib.AbstractContextManager[None]:
+    """Importing torchao logs a warning per C++ extension built for another torch version
+    (and torch's pytree notes on its Enums); the NF4 tensor is pure PyTorch and needs none of
+    them: kept out of the output (`cephalo --verbose` shows them once)."""
+    return quiet_imports()
 
 
 def _aligned(n: int) -> int:

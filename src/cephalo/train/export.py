@@ -3,7 +3,7 @@ directory, or a peft adapter directory, loaded in one process from any saved lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ class ExportResult:
     hf_dir: Path | None
     copied: list[str]
     """Tokenizer (and generation) files copied from the model's source directory."""
+    peft_copied: list[str] = field(default_factory=list)
+    """The tokenizer files and chat template written next to the adapters (`--peft`)."""
 
 
 def find_checkpoint(source: str | Path) -> Path:
@@ -42,20 +44,57 @@ def find_checkpoint(source: str | Path) -> Path:
     raise CephaloError(f"export: no complete checkpoint in {path} (nor in {path / 'checkpoints'})")
 
 
-def _model_config(checkpoint: Path) -> dict[str, Any]:
-    """The [model] section the checkpoint was trained with (saved in its trainer state)."""
+def _run_config(checkpoint: Path) -> dict[str, Any]:
+    """The config the checkpoint was trained with (saved in its trainer state); its [model]
+    section must be there."""
     import torch
 
     from cephalo.errors import CephaloError
     from cephalo.train.checkpoint import TRAINER_STATE_FILE
 
     state = torch.load(checkpoint / TRAINER_STATE_FILE, weights_only=True)
-    model = (state.get("config") or {}).get("model")
-    if not model:
+    config = state.get("config") or {}
+    if not config.get("model"):
         raise CephaloError(
             f"export: {checkpoint} does not record its model config (not written by `cephalo train`?)"
         )
-    return model
+    return config
+
+
+def export_tokenizer(out: Path, run_config: dict[str, Any], model_dir: Path | None) -> list[str]:
+    """The tokenizer the run trained with, and its chat template, written next to exported
+    weights (an adapter directory has no other way to carry them): `data.tokenizer = auto`
+    -> the model directory's tokenizer files, a tokenizer directory or JSON -> its files;
+    `data.chat_template` (a file or the template itself) -> `chat_template.jinja`, which
+    transformers' `AutoTokenizer` reads. The byte and BPE tokenizers have no files. Returns
+    the names written."""
+    import shutil
+
+    from cephalo.data.chat import load_chat_template
+    from cephalo.modeling.hf.config import TOKENIZER_FILES
+
+    data = run_config.get("data") or {}
+    name = str(data.get("tokenizer") or "auto")
+    source: Path | None = None
+    if name == "auto":
+        source = model_dir
+    elif Path(name).is_dir():
+        source = Path(name)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
+    if name not in ("auto", "builtin", "byte", "bpe") and Path(name).is_file():
+        shutil.copyfile(name, out / "tokenizer.json")
+        written.append("tokenizer.json")
+    elif source is not None and source.resolve() != out.resolve():
+        for file in TOKENIZER_FILES:
+            if (source / file).is_file():
+                shutil.copyfile(source / file, out / file)
+                written.append(file)
+    template = load_chat_template(data.get("chat_template"))
+    if template:  # the run's own template wins over the tokenizer's
+        (out / "chat_template.jinja").write_text(template)
+        written.append("chat_template.jinja")
+    return sorted(set(written))
 
 
 def export_checkpoint(
@@ -81,7 +120,8 @@ def export_checkpoint(
             "export: say where to write: --out FILE.safetensors, --hf DIR and/or --peft DIR"
         )
     checkpoint = find_checkpoint(source)
-    mc = _model_config(checkpoint)
+    run_config = _run_config(checkpoint)
+    mc = run_config["model"]
     adapter = mc.get("adapter", "none")
     if peft_dir is not None and adapter == "none":
         raise CephaloError(
@@ -134,8 +174,14 @@ def export_checkpoint(
         )
     hf_path = Path(hf_dir) if hf_dir is not None else None
     copied: list[str] = []
+    model_dir = getattr(model, "directory", None)
+    model_dir = Path(model_dir) if model_dir is not None else None
     if hf_path is not None:
         copied = save_hf_directory(model, hf_path, state)
+        copied = sorted({*copied, *export_tokenizer(hf_path, run_config, model_dir)})
+    peft_copied: list[str] = []
+    if peft_dir is not None:
+        peft_copied = export_tokenizer(Path(peft_dir), run_config, model_dir)
     return ExportResult(
         checkpoint,
         step,
@@ -144,4 +190,5 @@ def export_checkpoint(
         out_path,
         hf_path,
         copied,
+        peft_copied,
     )

@@ -1,5 +1,6 @@
 """What a training run shows and records (rank 0 only): JSONL metrics, a progress bar,
-and optional TensorBoard event files.
+and the same scalars fed to TensorBoard, Weights & Biases, MLflow and trackio where asked for
+(`[logging]`; each an optional extra).
 
 `metrics.jsonl` holds one JSON object per line. Step records have `"kind": "step"` and the
 fields of `StepRecord`; validation results are `{"kind": "eval", "step", "val_loss"}`. Lists
@@ -131,39 +132,180 @@ def require_tensorboard() -> None:
         ) from None
 
 
-class MetricsLog:
-    """Appends records to the JSONL file (flushed per line) and, optionally, TensorBoard."""
+TRACKERS = ("wandb", "mlflow", "trackio")
+"""The experiment trackers `logging.<name> = true` feeds (each an optional extra)."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None):
+
+def require_trackers(names: list[str]) -> None:
+    """Import each tracker asked for, or raise its install hint (before the process group:
+    `train.config.preflight`)."""
+    from cephalo.log import quiet_imports
+
+    for name in names:
+        try:
+            with quiet_imports():
+                __import__(name)
+        except ImportError:
+            raise CephaloError(
+                f"logging.{name} = true needs the `{name}` package: pip install "
+                f"'cephalo[{name}]', or set logging.{name} = false"
+            ) from None
+
+
+def scalars_of(record: dict[str, Any]) -> dict[str, float]:
+    """The one flat view of a metrics record that every tracker receives (TensorBoard, W&B,
+    MLflow, trackio): `train/<field>` of a step, `rank<r>/<field>` per rank, `val/loss` of an
+    evaluation; other records (re-plan events) carry no scalars."""
+    if record.get("kind") == "eval":
+        return {"val/loss": float(record["val_loss"])}
+    if record.get("kind") != "step":
+        return {}
+    out = {
+        f"train/{key}": float(record[key])
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "aux_loss")
+        if record.get(key) is not None
+    }
+    for key, values in record.get("ranks", {}).items():
+        for rank, v in enumerate(values):
+            out[f"rank{rank}/{key}"] = float(v)
+    return out
+
+
+@dataclass
+class TrackerSettings:
+    """Where a run's scalars go besides metrics.jsonl (from `[logging]`)."""
+
+    run_dir: Path
+    names: list[str] = field(default_factory=list)
+    """Trackers to feed: any of `TRACKERS`."""
+    tensorboard: bool = False
+    project: str = "cephalo"
+    run_name: str | None = None
+    offline: bool = False
+    config: dict[str, Any] = field(default_factory=dict)
+    """The job's config, recorded with the run."""
+
+
+class _TensorBoard:
+    def __init__(self, s: TrackerSettings):
+        require_tensorboard()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(s.run_dir / "tb"))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    """Weights & Biases; offline (`logging.offline`, or WANDB_MODE=offline) writes the run
+    under `<run dir>/wandb` for `wandb sync` later."""
+
+    def __init__(self, s: TrackerSettings):
+        import wandb
+
+        self.run = wandb.init(
+            project=s.project,
+            name=s.run_name,
+            dir=str(s.run_dir),
+            config=s.config,
+            mode="offline" if s.offline else None,
+        )
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MLflow:
+    """MLflow: the server in MLFLOW_TRACKING_URI, else a file store under `<run dir>/mlruns`."""
+
+    def __init__(self, s: TrackerSettings):
+        import os
+
+        import mlflow
+
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            mlflow.set_tracking_uri((s.run_dir / "mlruns").resolve().as_uri())
+        mlflow.set_experiment(s.project)
+        self.mlflow = mlflow
+        self.run = mlflow.start_run(run_name=s.run_name)
+        flat = {
+            f"{section}.{key}": str(value)[:250]
+            for section, table in s.config.items()
+            if isinstance(table, dict)
+            for key, value in table.items()
+        }
+        mlflow.log_params(flat)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics(values, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+class _Trackio:
+    """trackio: local-first (its own local database; a Space only where configured)."""
+
+    def __init__(self, s: TrackerSettings):
+        import trackio
+
+        self.trackio = trackio
+        trackio.init(project=s.project, name=s.run_name, config=s.config)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.trackio.log(values, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+_SINKS = {"wandb": _WandB, "mlflow": _MLflow, "trackio": _Trackio}
+
+
+class MetricsLog:
+    """Appends records to the JSONL file (flushed per line) and feeds each record's scalars
+    (`scalars_of`) to TensorBoard and the trackers asked for: one record, every sink."""
+
+    def __init__(self, path: Path, trackers: TrackerSettings | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = path.open("a")
-        self._tb = None
-        if tensorboard_dir is not None:
-            require_tensorboard()
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(tensorboard_dir))
+        self._sinks: list[Any] = []
+        if trackers is not None:
+            if trackers.tensorboard:
+                self._sinks.append(_TensorBoard(trackers))
+            require_trackers(trackers.names)
+            for name in trackers.names:
+                try:
+                    self._sinks.append(_SINKS[name](trackers))
+                except CephaloError:
+                    raise
+                except Exception as err:  # a tracker's own failure (login, server): say which
+                    raise CephaloError(
+                        f"logging.{name}: could not start the run: {type(err).__name__}: {err} "
+                        f"(offline: logging.offline = true; or set logging.{name} = false)"
+                    ) from None
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(_json_safe(record)) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            step = record["step"]
-            if record.get("kind") == "eval":
-                self._tb.add_scalar("val/loss", record["val_loss"], step)
-            else:
-                for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "aux_loss"):
-                    if key in record:
-                        self._tb.add_scalar(f"train/{key}", record[key], step)
-                for key, values in record["ranks"].items():
-                    for rank, v in enumerate(values):
-                        self._tb.add_scalar(f"rank{rank}/{key}", v, step)
+        values = scalars_of(record) if self._sinks else {}
+        if values:
+            for sink in self._sinks:
+                sink.log(values, int(record["step"]))
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 class ProgressDisplay:

@@ -55,15 +55,17 @@ from cephalo.runtime.state.adamw import AdamWHyper
 from cephalo.runtime.step_timing import format_split, split_step
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
-from cephalo.train.config import JobConfig
+from cephalo.train.config import JobConfig, preflight, steps_for_epochs
 from cephalo.train.config_manager import config_to_toml
 from cephalo.train.discovery import discover_cluster, is_emulated, job_torch_device
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import (
+    TRACKERS,
     MetricsLog,
     ProgressDisplay,
     RankStats,
     StepRecord,
+    TrackerSettings,
     require_tensorboard,
     truncate_metrics,
 )
@@ -301,7 +303,6 @@ class _Trainer:
                 cfg, self.cluster, self.world_size, self.rank, model.spec.shape_fingerprint()
             )
             cost_model = catalog_model_or_none(cfg, model.spec, self.cluster)
-        self.replanner = Replanner(cfg, cost_model, cfg.parallel.plan == "auto", self.rank)
         self.rank_plan = self.plan.ranks[self.rank]
         data_path = resolve_job_dataset(
             cfg.data.path,
@@ -325,6 +326,9 @@ class _Trainer:
             packing=cfg.data.packing,
             packing_split=cfg.data.packing_split,
         )
+        if cfg.train.epochs > 0:  # train.epochs: the steps follow from the data
+            self.derive_steps(cfg, self.batches.steps_per_epoch)
+        self.replanner = Replanner(cfg, cost_model, cfg.parallel.plan == "auto", self.rank)
         if cfg.train.eval_every > 0 and self.batches.num_val_windows == 0:
             raise CephaloError(
                 f"train.eval_every = {cfg.train.eval_every} but dataset {data_path} has no validation windows of "
@@ -548,6 +552,21 @@ class _Trainer:
         if victim == self.rank:
             raise torch.OutOfMemoryError(f"{envvars.OOM_AT_STEP}={at}: out of memory (test hook)")
 
+    def derive_steps(self, cfg: JobConfig, steps_per_epoch: int) -> None:
+        """`train.epochs` as `train.steps` (the rest of the job reads the steps)."""
+        t = cfg.train
+        t.steps = steps_for_epochs(t.epochs, steps_per_epoch)
+        if t.warmup_steps is not None and t.warmup_steps >= t.steps:
+            raise CephaloError(
+                f"train.epochs = {t.epochs:g} is {t.steps} step(s) ({steps_per_epoch} per epoch), "
+                f"not more than train.warmup_steps ({t.warmup_steps}): lower the warmup or train "
+                "longer"
+            )
+        if self.rank == 0:
+            logger.info(
+                "train.epochs = %g: %d steps (%d per epoch)", t.epochs, t.steps, steps_per_epoch
+            )
+
     def train_step(self, metrics: MetricsLog | None, progress: ProgressDisplay) -> None:
         number = self.step + 1
         self._maybe_kill(number)
@@ -686,8 +705,18 @@ class _Trainer:
         metrics = None
         if self.rank == 0:
             truncate_metrics(cfg.metrics_path, self.step)
+            log = cfg.logging
             metrics = MetricsLog(
-                cfg.metrics_path, self.run_dir / "tb" if cfg.logging.tensorboard else None
+                cfg.metrics_path,
+                TrackerSettings(
+                    self.run_dir,
+                    [name for name in TRACKERS if getattr(log, name)],
+                    tensorboard=log.tensorboard,
+                    project=log.project,
+                    run_name=log.run_name or self.run_dir.resolve().name,
+                    offline=log.offline,
+                    config=cfg.to_dict(),
+                ),
             )
         progress = ProgressDisplay(
             steps,
@@ -756,6 +785,7 @@ def train(cfg: JobConfig) -> TrainResult:
     """Run (or resume) the job on this rank; every rank of the job calls it."""
     init_logging()
     cfg.validate()
+    preflight(cfg)  # missing packages and data: one line, before the process group is up
     backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
     m = cfg.model
     weights_note = initial_weights_note(m.name, m.init, m.adapter)  # refused before any group

@@ -3,11 +3,17 @@ Rendering only: every number comes from the value passed in."""
 
 from __future__ import annotations
 
+import copy
+import os
+import shutil
+import sys
 from collections import defaultdict
+from collections.abc import Sequence
 
 from rich import box
-from rich.console import Console
-from rich.table import Table
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
+from rich.table import Column, Table
 from rich.text import Text
 
 from cephalo.advise.results import Advice, FrontierPoint, Marginal
@@ -23,13 +29,121 @@ from cephalo.specs.profile import MeasuredProfiles
 GIB = 1024**3
 
 
-def make_console() -> Console:
-    """A console at least 120 columns wide: the per-rank table is not readable narrower (pipes, CI)."""
-    width = Console().width
-    return Console(width=max(width, 120))
+PIPE_WIDTH = 160
+"""Tables' width where the output is piped and COLUMNS is unset (text lines are not wrapped)."""
+MIN_WIDTH = 80
+"""The narrowest terminal the tables are fitted to."""
 
 
-def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "GiB") -> Table:
+def console_width() -> int | None:
+    """The width to fit to: COLUMNS where set, else the terminal's; None where the output is
+    not a terminal (a pipe or file: nothing to fit, and wrapping it would break lines mid-phrase)."""
+    raw = os.environ.get("COLUMNS", "")
+    if raw.strip().isdigit():
+        return max(int(raw), MIN_WIDTH)
+    if not sys.stdout.isatty():
+        return None
+    return max(shutil.get_terminal_size((MIN_WIDTH, 24)).columns, MIN_WIDTH)
+
+
+def make_console(stderr: bool = False) -> Console:
+    """The commands' console: as wide as the terminal (at least 80 columns), the wide tables
+    fitted to it (`fitted`); piped output soft-wrapped (lines are never broken) with tables up
+    to `PIPE_WIDTH` columns."""
+    width = console_width()
+    if width is None:
+        return Console(width=PIPE_WIDTH, soft_wrap=True, stderr=stderr)
+    return Console(width=width, stderr=stderr)
+
+
+def _cell_width(cell: object) -> int:
+    if isinstance(cell, str):
+        return max((Text.from_markup(line).cell_len for line in cell.split("\n")), default=0)
+    if isinstance(cell, Text):
+        return cell.cell_len
+    return 0
+
+
+def _longest_word(cell: object) -> int:
+    text = Text.from_markup(cell).plain if isinstance(cell, str) else str(cell)
+    return max((len(word) for word in text.split()), default=0)
+
+
+class Fitted:
+    """A table fitted to the console's width when printed: the `keep` columns (what one types:
+    device names) are never cut or wrapped; the `drop` columns are left out in that order while
+    the table is wider than the console (a note names them); then the `wrap` columns (text)
+    wrap at spaces rather than being cut with an ellipsis. Numbers are neither."""
+
+    def __init__(
+        self,
+        table: Table,
+        keep: Sequence[str] = (),
+        drop: Sequence[str] = (),
+        wrap: Sequence[str] = (),
+    ):
+        self.table, self.keep, self.drop = table, tuple(keep), tuple(drop)
+        self.wrap = tuple(wrap)
+
+    def fit(self, width: int, console: Console) -> tuple[Table, list[str]]:
+        """A copy of the table that fits `width` columns and the headers it left out."""
+        table = copy.deepcopy(self.table)
+        options = console.options.update_width(10**5)
+
+        def cells(col: Column) -> list[object]:
+            return [col.header, *col._cells]
+
+        def slack() -> int:  # what wrapping the `wrap` columns at spaces can save
+            return sum(
+                max(map(_cell_width, cells(c))) - max(map(_longest_word, cells(c)))
+                for c in table.columns
+                if str(c.header) in self.wrap
+            )
+
+        def natural() -> int:
+            return Measurement.get(console, options, table).maximum
+
+        for col in table.columns:
+            if str(col.header) not in self.wrap:  # typed names and numbers: never cut
+                col.no_wrap = True
+                col.min_width = max(map(_cell_width, cells(col)))
+        dropped: list[str] = []
+        for name in self.drop:
+            if natural() - slack() <= width:
+                break
+            for i, col in enumerate(table.columns):
+                if str(col.header) == name:
+                    del table.columns[i]
+                    dropped.append(name)
+                    break
+        # rich shrinks the wrapping columns only while one is wider than the rest, then cuts
+        # every column: the widest wrapping column gives up one character at a time instead
+        wraps = [c for c in table.columns if str(c.header) in self.wrap]
+        widths = [max(map(_cell_width, cells(c))) for c in wraps]
+        least = [max(map(_longest_word, cells(c))) for c in wraps]
+        excess = natural() - width
+        while excess > 0 and wraps:
+            i = max(range(len(wraps)), key=lambda k: widths[k] - least[k])
+            if widths[i] <= least[i]:
+                break
+            widths[i] -= 1
+            excess -= 1
+        for col, w in zip(wraps, widths, strict=True):
+            col.no_wrap, col.overflow, col.width = False, "fold", w
+        return table, dropped
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        table, dropped = self.fit(options.max_width, console)
+        yield table
+        if dropped:
+            yield Text(
+                f"(left out at {options.max_width} columns: {', '.join(dropped)}; widen the "
+                "terminal to see them)",
+                style="dim",
+            )
+
+
+def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "GiB") -> Fitted:
     """One row per rank; the slowest rank's step time in bold, ranks over their memory in red.
     `memory_unit` "MiB" suits emulated budgets far below a GiB. `on host`: the part of the
     rank's state shard in host memory (`host_state_fraction`); `rs`: `ovl` where the rank
@@ -74,7 +188,12 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
             f"{c.peak_bytes / unit:.1f}/{c.capacity_bytes / unit:.1f}",
             "yes" if c.fits else f"[red]NO -{c.shortfall_bytes / unit:.2f}[/red]",
         )
-    return table
+    # narrow terminals: the per-rank diagnostics go first, the split and the memory stay
+    return Fitted(
+        table,
+        keep=("group", "rank", "device"),
+        drop=("busy s", "rs", "tail", "act", "on host", "state"),
+    )
 
 
 def host_memory_lines(ev: PlanEvaluation, memory_unit: str = "GiB") -> list[str]:
@@ -150,7 +269,7 @@ def _profiles_by(index: int) -> dict[str, set[str]]:
     return out
 
 
-def catalog_devices_table() -> Table:
+def catalog_devices_table() -> Fitted:
     """One row per device type: its data-sheet figures and how many models it has profiles for."""
     models_on = _profiles_by(1)
     t = Table(
@@ -185,10 +304,11 @@ def catalog_devices_table() -> Table:
         "from a measured card of the same architecture by spec ratios (specs/catalog/derived.py; its "
         "measured error is printed with a plan)"
     )
-    return t
+    # the type is what one types (`--cluster 2xl4,...`): never cut
+    return Fitted(t, keep=("type",), drop=("aliases", "link", "PCIe"), wrap=("name",))
 
 
-def catalog_models_table() -> Table:
+def catalog_models_table() -> Fitted:
     """One row per catalog model: its shape and the device types with its profiles."""
     devices_for = _profiles_by(0)
     order = catalog_devices.list_device_types()
@@ -207,7 +327,9 @@ def catalog_models_table() -> Table:
             ", ".join(spec.aliases),
             ", ".join(devices) or "-",
         )
-    return t
+    return Fitted(
+        t, keep=("name",), drop=("aliases", "arch"), wrap=("aliases", "devices with profiles")
+    )
 
 
 def catalog_device_table(device: str) -> Table:
@@ -235,7 +357,7 @@ def catalog_device_table(device: str) -> Table:
     return t
 
 
-def catalog_model_table(name: str, seq_len: int | None, dtype: str | None) -> Table:
+def catalog_model_table(name: str, seq_len: int | None, dtype: str | None) -> Fitted:
     """One model's block forward / backward times on every device with its profiles."""
     spec = catalog_models.get_model_spec(name)
     data_dtype = None if dtype is None else ("fp32" if dtype == "fp32" else "fp16")
@@ -276,7 +398,12 @@ def catalog_model_table(name: str, seq_len: int | None, dtype: str | None) -> Ta
         t.caption = (
             f"no published profile of {spec.name} matches; `cephalo catalog` lists what exists"
         )
-    return t
+    return Fitted(
+        t,
+        keep=("device",),
+        drop=("act MiB/sample", "source"),
+        wrap=tuple(f"b={b}" for b in CATALOG_BATCHES),
+    )
 
 
 def catalog_skipped_table() -> Table:
@@ -378,7 +505,7 @@ def frontier_rows(advice: Advice, max_rows: int) -> list[int]:
     return sorted(keep)[: max_rows + len(marked)]
 
 
-def frontier_table(advice: Advice, max_rows: int = 30) -> Table:
+def frontier_table(advice: Advice, max_rows: int = 30) -> Fitted:
     """The Pareto frontier, cheapest first; the budget's, the target's and the chosen cluster marked."""
     rows = frontier_rows(advice, max_rows)
     shown = (
@@ -414,10 +541,10 @@ def frontier_table(advice: Advice, max_rows: int = 30) -> Table:
             ", ".join(marks),
             style=style,
         )
-    return table
+    return Fitted(table, drop=("$/M tokens", "samples/s"), wrap=("cluster", ""))
 
 
-def marginal_tables(m: Marginal, seq_len: int) -> list[Table]:
+def marginal_tables(m: Marginal, seq_len: int) -> list[Fitted]:
     """What each device of a cluster is worth, and what one more unit of each offer would add."""
     name = "the chosen cluster" if m.base == "chosen" else "your cluster (--have)"
     price = f", ${m.price_per_hour:,.2f}/h" if m.price_per_hour is not None else ""
@@ -459,7 +586,20 @@ def marginal_tables(m: Marginal, seq_len: int) -> list[Table]:
             "best to add next" if a is best else "",
             style="bold" if a is best else None,
         )
-    return [devices, adds]
+    return [
+        Fitted(
+            devices,
+            keep=("device",),
+            drop=("$/h each",),
+            wrap=("tokens/s without one", "lost", "pays for itself"),
+        ),
+        Fitted(
+            adds,
+            keep=("offer",),
+            drop=("+$/h",),
+            wrap=("tokens/s with it", "tokens/s per $/h", ""),
+        ),
+    ]
 
 
 def calibration_table(title: str, rows: list[list[str]]) -> Table:

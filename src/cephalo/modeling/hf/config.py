@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cephalo.errors import CephaloError, first_line
+from cephalo.log import quiet_imports
 from cephalo.modeling.gpt import MAX_LAYERS
 from cephalo.modeling.hf.families import family_of
 from cephalo.modeling.hf.multimodal import multimodal_type, text_config
@@ -37,7 +38,8 @@ TOKENIZER_FILES = (
 def transformers_module():
     """`transformers`, or one clear error naming the extra that installs it."""
     try:
-        import transformers
+        with quiet_imports():
+            import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise CephaloError(
             "Hugging Face models need the `transformers` package: pip install 'cephalo[hf]'"
