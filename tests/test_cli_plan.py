@@ -315,6 +315,8 @@ def test_micro_batch_column_shows_the_real_sizes(batch, micro, text):
     r = RankPlan(0, "l4", batch, micro, math.ceil(batch / micro), 1.0)
     assert r.micro_batches_text() == text
     assert sum(r.micro_batch_sizes()) == batch
+
+
 SMALL_OFFERS = """
 [[offer]]
 name = "aws g6.12xlarge"
