@@ -321,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(line, style="yellow")
     console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))
     for line in host_memory_lines(ev) + ([host_note] if host_note else []):
-        console.print(line, style="dim", soft_wrap=True)
+        console.print(line, style="dim")
     for line in grouping_lines(main_plan):
         console.print(line)
     for s in strategies:
