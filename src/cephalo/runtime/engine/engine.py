@@ -211,7 +211,7 @@ class Engine:
             config, ledger, device, self.offload, self.link, self.boundary_host_bytes()
         )
         """Boundary activations of the step in flight (empty between steps)."""
-        self.optimizer = build_optimizer(self.shards, config, self.group_sync)
+        self.optimizer = build_optimizer(self.shards, config, self.group_sync, device)
         self.host_optimizer, hosted = apply_host_state(self.shards, config)
         """AdamW of the host-held parts (None: all state on the device)."""
         self.grads = GradShards(ledger, device, self.shards, self.optimizer, self.lean_grads)
@@ -427,6 +427,9 @@ class Engine:
             loss_sum, loss_scale, lr, tokens, aux_term
         )
         optimizer_s = time.perf_counter() - t_opt - (clock.comm_wait_s - comm_before)
+        times = clock.collect()  # (CUDA: the events, complete after the update's read)
+        if times.optimizer_s is not None:
+            optimizer_s = times.optimizer_s + clock.host_s  # (host_s is taken off below)
         n_tokens = int(read[0])
         if aux is not None:
             aux.finish(read[1])
@@ -438,8 +441,8 @@ class Engine:
             grad_norm=grad_norm,
             n_tokens=n_tokens,
             skipped=skipped,
-            busy_s=clock.collect_busy(),
-            comm_wait_s=clock.comm_wait_s,
+            busy_s=times.busy_s,
+            comm_wait_s=times.comm_wait_s,
             step_s=time.perf_counter() - t_step,
             peak_bytes=self.ledger.peak_bytes,
             peak_by_category=dict(peaks),
@@ -448,6 +451,7 @@ class Engine:
             host_s=clock.host_s,
             aux_loss=None if aux is None else aux.aux_loss,
             optimizer_s=max(0.0, optimizer_s - clock.host_s),
+            device_step_s=times.device_step_s,
         )
 
     @torch.no_grad()
@@ -471,13 +475,13 @@ class Engine:
             store = self._boundaries
             loss_sum, _ = self.passes.forward(mbs, store, keep_inputs=False)
             assert len(store) == 0
-            n_tok = float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs))
-            # fp64: the token count is exact to 2**53 (fp32 stops at 2**24)
-            red = torch.stack(
-                [loss_sum.double(), torch.tensor(n_tok, dtype=torch.float64, device=self.device)]
-            )
+            # counted on the device (no host read per micro-batch); fp64: the token count is
+            # exact to 2**53 (fp32 stops at 2**24)
+            n_tok = sum((mb.labels != IGNORE_INDEX).sum() for mb in mbs)
+            red = torch.stack([loss_sum.double(), torch.as_tensor(n_tok).double().to(self.device)])
             self.collectives.all_reduce(red)
-            return float(red[0]) / max(float(red[1]), 1.0)
+            total, count = red.tolist()  # the one read
+            return total / max(count, 1.0)
         finally:
             self.model.train(was_training)
 

@@ -114,9 +114,8 @@ class ShardUpdate:
         for us in self.grads.shards:  # (lean: a unit no reduce-scatter reached: zero gradient)
             self.grads.device_grad(us)
         if self.group_sync is not None:  # once per step: sum the groups' gradient shards
-            clock.comm_wait_s += self.group_sync.reduce_engine_grads(
-                self.grads.shards, self.grads.device_grad
-            )
+            with clock.communication():
+                self.group_sync.reduce_engine_grads(self.grads.shards, self.grads.device_grad)
         with clock.optimizer_work():
             if loss_scale != 1.0:
                 opt.scale_grads(1.0 / loss_scale)
