@@ -188,20 +188,22 @@ def max_rel_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
 
 
 def counted_steps(
-    engine: Engine, plan: Plan, rank: int, data
+    engine: Engine, plan: Plan, rank: int, data, counted: int = 2
 ) -> tuple[list[StepStats], list[list[tuple[str, str]]]]:
-    """`engine`'s steps over `data` (this rank's slices), each under a `HostSyncs` counter
-    (runtime/host_syncs.py): their stats, and per step (op, where) of every operation that
-    would make the host wait for a GPU."""
+    """`engine`'s steps over `data` (this rank's slices), the first `counted` of them each
+    under a `HostSyncs` counter (runtime/host_syncs.py; it costs ~40 ms a gpt-tiny step):
+    every step's stats, and per counted step (op, where) of every operation that would make
+    the host wait for a GPU."""
     from cephalo.runtime.host_syncs import HostSyncs
 
     stats, steps = [], []
-    for x, y in data:
-        with HostSyncs() as syncs:
+    for i, (x, y) in enumerate(data):
+        with HostSyncs() if i < counted else contextlib.nullcontext() as syncs:
             stats.append(
                 engine.train_step(rank_slice(plan, rank, x), rank_slice(plan, rank, y), lr=LR)
             )
-        steps.append([(e.op, e.where) for e in syncs.events])
+        if syncs is not None:
+            steps.append([(e.op, e.where) for e in syncs.events])
     return stats, steps
 
 

@@ -396,7 +396,8 @@ class Engine:
         # until the device has run everything queued before it): counted on the device's
         # labels, all-reduced in int64 (an fp32 count is inexact above 2**24 tokens), read with
         # the loss after the update (`ShardUpdate.step`)
-        tokens = sum((mb.labels != IGNORE_INDEX).sum() for mb in mbs).reshape(1)
+        zero = torch.zeros((), dtype=torch.int64, device=self.device)  # (a rank without samples)
+        tokens = sum(((mb.labels != IGNORE_INDEX).sum() for mb in mbs), zero).reshape(1)
         self.collectives.all_reduce(tokens)
         loss_scale = self.scaler.scale if self.scaler else 1.0
         # in fp64, then rounded to the fp32 the head back-propagates: as a Python float would be
@@ -477,8 +478,9 @@ class Engine:
             assert len(store) == 0
             # counted on the device (no host read per micro-batch); fp64: the token count is
             # exact to 2**53 (fp32 stops at 2**24)
-            n_tok = sum((mb.labels != IGNORE_INDEX).sum() for mb in mbs)
-            red = torch.stack([loss_sum.double(), torch.as_tensor(n_tok).double().to(self.device)])
+            zero = torch.zeros((), dtype=torch.int64, device=self.device)
+            n_tok = sum(((mb.labels != IGNORE_INDEX).sum() for mb in mbs), zero)
+            red = torch.stack([loss_sum.double(), n_tok.double()])
             self.collectives.all_reduce(red)
             total, count = red.tolist()  # the one read
             return total / max(count, 1.0)
