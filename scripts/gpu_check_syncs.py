@@ -24,12 +24,12 @@ import torch
 STEPS = 3
 
 
-def _engine(setup, model, batch: int, micro: int, dtype: str):
+def _engine(setup, model, batch: int, micro: int, dtype: str, seq: int | None = None):
     from cephalo.modeling.registry import build_model
     from cephalo.planner.plan import Plan, RankPlan
     from cephalo.runtime.engine.engine import Engine, EngineConfig
 
-    seq = 32 if model == "gpt-tiny" else setup.seq
+    seq = seq or (32 if model == "gpt-tiny" else setup.seq)
     rank = RankPlan(0, "gpu", batch, micro, -(-batch // micro), 1.0)
     plan = Plan("manual", model, seq, batch, dtype, [rank])
     overrides = {"dropout": 0.0} if not model.startswith("/") else {}
@@ -80,7 +80,11 @@ def _steps_without_sync(setup, engine, data) -> list[str]:
             finally:
                 torch.cuda.set_sync_debug_mode(0)
     except RuntimeError as err:
-        return [f"a host sync in a step after the first: {str(err).splitlines()[0]}"]
+        import traceback
+
+        frame = traceback.extract_tb(err.__traceback__)[-1]  # the Python line that synced
+        at = f"{frame.filename}:{frame.lineno} ({frame.name})"
+        return [f"a host sync in a step after the first, at {at}: {str(err).splitlines()[0]}"]
     finally:
         shard_update._read = read
     return []
@@ -100,7 +104,7 @@ def check_step_syncs(setup) -> tuple[list[str], str]:
         return failures, "a step of GPT without a host sync (runtime/host_syncs.py)"
     with tempfile.TemporaryDirectory() as tmp:
         directory = gpu_check_models._tiny_hf_dir(tmp, "qwen3_moe")
-        engine, _ = _engine(setup, directory, batch, micro, setup.low)
+        engine, _ = _engine(setup, directory, batch, micro, setup.low, seq=32)
         if getattr(engine.model, "router_aux", None) is None:
             failures.append("qwen3_moe: the router loss is off (the check needs it on)")
         data = _data(512, 4, 32)  # the tiny directory's vocabulary
