@@ -41,6 +41,10 @@ returning its failures; a check that raises is a failure, not the end of the run
                    cluster of other GPUs says the 256 GiB it assumed (CPU part: `cpu,cpu`)
   throughput       tokens/s and MFU of the engine against plain PyTorch (the same GPT-2 124M,
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
+  step_syncs, adamw_split, step_split   issue 38's findings 11, 13 and 10 (scripts/
+                   gpu_check_syncs.py): no host sync in a step after the first (GPT, Qwen3-MoE);
+                   hierarchical plans keep the fused AdamW, bitwise under any shard cut; the
+                   step clock's CUDA events split the device's span of the step
 
 `--collectives` (torchrun, one process per GPU, world size >= 2): the uneven NCCL collectives
 and an uneven engine plan, skewed and near even (padded-even, runtime/collectives/padded.py), against one
@@ -557,6 +561,17 @@ def _models(name: str) -> Callable[[Setup], tuple[list[str], str]]:
     return run
 
 
+def _syncs(name: str) -> Callable[[Setup], tuple[list[str], str]]:
+    """A check of scripts/gpu_check_syncs.py, imported when it runs (as `_models`)."""
+
+    def run(setup: Setup) -> tuple[list[str], str]:
+        import gpu_check_syncs
+
+        return getattr(gpu_check_syncs, name)(setup)
+
+    return run
+
+
 def plain_step(setup: Setup, model_name: str, data, recompute: bool) -> Callable[[], None]:
     """One step of plain PyTorch on the same model and batch: the model in the compute dtype,
     `torch.optim.AdamW` (fused on CUDA) with weight decay on matrices, norm clipping; with
@@ -697,6 +712,9 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("chat_packed", _models("check_chat_packed")),
     ("replan_staging", lambda s: _replan_check()(s)),
     ("local_host_memory", check_local_host_memory),
+    ("step_syncs", _syncs("check_step_syncs")),
+    ("adamw_split", _syncs("check_adamw_split")),
+    ("step_split", _syncs("check_step_split")),
     ("throughput", check_throughput),
 ]
 

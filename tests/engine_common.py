@@ -14,7 +14,8 @@ import torch
 from cephalo.modeling.units import IGNORE_INDEX
 from cephalo.planner.makers import manual_plan
 from cephalo.planner.plan import Plan
-from cephalo.runtime.engine.engine import EngineConfig
+from cephalo.runtime.engine.config import StepStats
+from cephalo.runtime.engine.engine import Engine, EngineConfig
 from equivalence import NoiseFloor, ReorderedGemm, perturb_one_gradient
 from reference import OptimConfig, model_factory, train_reference
 
@@ -184,3 +185,38 @@ def max_rel_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
         if d > worst:
             worst, name = d, k
     return worst, name
+
+
+def counted_steps(
+    engine: Engine, plan: Plan, rank: int, data, counted: int = 2
+) -> tuple[list[StepStats], list[list[tuple[str, str]]]]:
+    """`engine`'s steps over `data` (this rank's slices), the first `counted` of them each
+    under a `HostSyncs` counter (runtime/host_syncs.py; it costs ~40 ms a gpt-tiny step):
+    every step's stats, and per counted step (op, where) of every operation that would make
+    the host wait for a GPU."""
+    from cephalo.runtime.host_syncs import HostSyncs
+
+    stats, steps = [], []
+    for i, (x, y) in enumerate(data):
+        with HostSyncs() if i < counted else contextlib.nullcontext() as syncs:
+            stats.append(
+                engine.train_step(rank_slice(plan, rank, x), rank_slice(plan, rank, y), lr=LR)
+            )
+        if syncs is not None:
+            steps.append([(e.op, e.where) for e in syncs.events])
+    return stats, steps
+
+
+def assert_one_read_per_step(results, label: str) -> None:
+    """After the first step, each step's only host sync is the update's one read of norm,
+    loss and token count (`ShardUpdate`'s `_read`; on CUDA scripts/gpu_check.py runs steps
+    under `torch.cuda.set_sync_debug_mode("error")`). The first step's validated collectives
+    read their fingerprints: the counter sees them (else this check could not fail)."""
+    for rank, steps in enumerate(results):
+        first, *later = steps
+        assert later, "count at least two steps"
+        assert any("_agreed_sizes" in where for _, where in first), (label, rank, first)
+        for events in later:
+            assert len(events) == 1, (label, rank, events)
+            op, where = events[0]
+            assert op == "tolist" and "shard_update.py" in where and "(_read)" in where, events

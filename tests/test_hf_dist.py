@@ -19,6 +19,8 @@ from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,
     TEST_EPS,
+    assert_one_read_per_step,
+    counted_steps,
     gradient_mutation,
     make_data,
     make_plan,
@@ -213,11 +215,8 @@ def _moe_engine_run(directory: str, plan, cfg: EngineConfig, data):
     quiet_transformers()
     comm = make_comm("gloo")
     engine = Engine(build_model(directory), plan, comm, cfg)
-    stats = [
-        engine.train_step(rank_slice(plan, comm.rank, x), rank_slice(plan, comm.rank, y), lr=LR)
-        for x, y in data
-    ]
-    return {"losses": [s.loss for s in stats], "aux": [s.aux_loss for s in stats]}
+    stats, syncs = counted_steps(engine, plan, comm.rank, data)
+    return {"losses": [s.loss for s in stats], "aux": [s.aux_loss for s in stats], "syncs": syncs}
 
 
 def _per_micro_batch_aux(directory: str, x: torch.Tensor, micro: list[int]) -> float:
@@ -272,3 +271,6 @@ def test_moe_router_loss_over_the_global_batch(pool3, tmp_path, model_type):
     for r in aux:
         floor.check(model_type, losses=r["losses"], aux=r["aux"])
     _check(results, floor, model_type)
+    # the router statistics stay on the device: after the first step, no host sync but the
+    # update's one read (which carries the aux loss)
+    assert_one_read_per_step([r["syncs"] for r in aux], f"{model_type} MoE")

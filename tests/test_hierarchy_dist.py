@@ -16,6 +16,8 @@ from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,
     TEST_EPS,
+    assert_one_read_per_step,
+    counted_steps,
     make_data,
     one_thread,
     rank_slice,
@@ -197,8 +199,7 @@ def _checkpoint_round_trip(root, data):
     out = {}
     for first, second, name in ((hier, flat, "h2f"), (flat, hier, "f2h")):
         a = Engine(build_model("gpt-tiny"), first, comm, cfg)
-        for x, y in data:
-            a.train_step(rank_slice(first, comm.rank, x), rank_slice(first, comm.rank, y), lr=LR)
+        out[f"syncs {name}"] = counted_steps(a, first, comm.rank, data, counted=3)[1]
         want = a.full_state_dict()
         save_checkpoint(f"{root}/{name}", 3, saved_state(a), a.extra_state(), {}, comm)
         b = Engine(build_model("gpt-tiny"), second, comm, cfg)
@@ -211,7 +212,64 @@ def _checkpoint_round_trip(root, data):
 
 @pytest.mark.slow
 def test_checkpoint_resumes_hierarchical_as_flat_and_back(pool5, tmp_path):
+    """The round trip restores every parameter exactly. Its runs also count the host syncs of
+    each step: after the first, flat and hierarchical, none but the update's one read
+    (`assert_one_read_per_step`)."""
     data = make_data(3, 8)
     results = pool5.run(_checkpoint_round_trip, str(tmp_path), data)
     for r in results:
-        assert r == {"h2f": 0.0, "f2h": 0.0}
+        assert {k: v for k, v in r.items() if not k.startswith("syncs")} == {"h2f": 0.0, "f2h": 0.0}
+    assert_one_read_per_step([r["syncs h2f"] for r in results], "shard groups")
+    assert_one_read_per_step([r["syncs f2h"] for r in results], "flat")
+
+
+def _replans_keep_groups(data):
+    """Hierarchical -> three groups -> hierarchical -> three groups by `switch_plan` (one step
+    under each): the number of process groups torch.distributed holds before the first engine,
+    with it, and after each switch."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from cephalo.train.replan import switch_plan
+
+    torch.set_num_threads(1)
+    comm = make_comm("gloo")
+    cfg = EngineConfig(adamw=AdamWHyper(eps=TEST_EPS))
+    plan = hierarchical_plan()
+    trainer = SimpleNamespace(
+        cfg=SimpleNamespace(
+            model=SimpleNamespace(name="gpt-tiny"),
+            parallel=SimpleNamespace(replan_staging="device"),
+        ),
+        comm=comm,
+        rank=comm.rank,
+        plan=plan,
+        rank_plan=plan.ranks[comm.rank],
+        result=SimpleNamespace(plan=plan),
+        write_run_files=lambda: None,
+        make_engine=lambda p: Engine(build_model("gpt-tiny"), p, comm, cfg),
+    )
+    before = len(dist.distributed_c10d._world.pg_map)
+    trainer.engine = trainer.make_engine(plan)
+    live = [before, len(dist.distributed_c10d._world.pg_map)]
+    for new in (three_group_plan(), hierarchical_plan(), three_group_plan()):
+        x, y = data
+        trainer.engine.train_step(
+            rank_slice(trainer.plan, comm.rank, x), rank_slice(trainer.plan, comm.rank, y), lr=LR
+        )
+        switch_plan(trainer, new)
+        live.append(len(dist.distributed_c10d._world.pg_map))
+    return live
+
+
+@pytest.mark.slow
+def test_replans_destroy_the_old_plans_sub_groups(pool5):
+    """Finding 14 of issue 38: each hierarchical engine makes its shard groups' and segment
+    owners' process groups (each an NCCL communicator on GPUs); a re-plan destroys the old
+    engine's (`Engine.close`), so switching back and forth does not pile them up."""
+    data = make_data(1, 16)[0]
+    for before, first, *live in pool5.run(_replans_keep_groups, data):
+        assert first > before  # the engine made its groups (the count sees them)
+        assert live[1] == first, live  # hierarchical again: its groups alone
+        assert live[2] == live[0], live  # three groups again: as many as the first time

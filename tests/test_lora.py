@@ -19,6 +19,8 @@ from cephalo.runtime.state.adamw import AdamWHyper
 from dist_harness import dist_pool_fixture
 from engine_common import (
     LR,
+    assert_one_read_per_step,
+    counted_steps,
     gradient_mutation,
     make_data,
     make_plan,
@@ -64,13 +66,14 @@ def _lora_run(
     initial = engine.full_state_dict()
     frozen_before = engine.frozen.full_state_dict(names.__getitem__)
     with gradient_mutation(mutate):
-        stats = [
-            engine.train_step(rank_slice(plan, comm.rank, x), rank_slice(plan, comm.rank, y), lr=LR)
-            for x, y in data
-        ]
+        stats, syncs = counted_steps(engine, plan, comm.rank, data)
     final = engine.full_state_dict()
     frozen_after = engine.frozen.full_state_dict(names.__getitem__)
-    out = {"losses": [s.loss for s in stats], "frozen_bytes": engine.frozen.nbytes()}
+    out = {
+        "losses": [s.loss for s in stats],
+        "frozen_bytes": engine.frozen.nbytes(),
+        "syncs": syncs,
+    }
     if comm.rank == 0:
         import transformers
 
@@ -126,6 +129,8 @@ def test_lora_trains_like_peft(pool3, tmp_path, model_type):
     floor = _peft_floor(directory, data, lora_config=config, adapters=results[0]["initial"])
     _compare(results, floor, model_type)
     _base_unchanged(results[0], model_type)
+    # the frozen base's gathers add no host sync: after the first step, the update's one read
+    assert_one_read_per_step([r["syncs"] for r in results], f"{model_type} LoRA")
     if model_type == "qwen2":  # the same comparison catches one wrong gradient element
         mutated = pool3.run(_lora_run, directory, plan, CONFIG, data, settings, True)
         with pytest.raises(AssertionError, match="beyond"):

@@ -121,6 +121,7 @@ class RouterAux:
         self.stats = torch.zeros(2 * settings.num_experts + 1, dtype=torch.float64)
         self.weight: torch.Tensor | None = None
         self.aux_loss = 0.0
+        """The last step's aux loss (set by `finish` from the engine's one read of the step)."""
 
     @property
     def active(self) -> bool:
@@ -134,25 +135,31 @@ class RouterAux:
                 "global batch, which needs the lga mode (engine mode is "
                 f"{mode!r}); use mode lga or set output_router_logits = false"
             )
-        self.stats = torch.zeros(2 * self.settings.num_experts + 1, dtype=torch.float64)
-        self.stats = self.stats.to(device)
+        # made on the device: a copy up from pageable memory would wait for the host
+        self.stats = torch.zeros(
+            2 * self.settings.num_experts + 1, dtype=torch.float64, device=device
+        )
         self.phase = "forward"
         self.weight = None
 
-    def reduce(self, all_reduce: Callable[[torch.Tensor], None], loss_scale: float) -> float:
+    def reduce(self, all_reduce: Callable[[torch.Tensor], None], loss_scale: float) -> torch.Tensor:
         """After the forward pass: the global counts and sums (one all-reduce), the aux loss
-        value and the per-expert gradient weights of the backward. Returns coef x aux."""
+        value and the per-expert gradient weights of the backward, all on the device (no host
+        sync: the engine reads the aux loss with the step's loss, after the update). Returns
+        aux (fp64, 0-dim, on the device); the loss adds coef x aux."""
         all_reduce(self.stats)
         s = self.settings
         e = s.num_experts
         counts, probs = self.stats[:e], self.stats[e:-1]
-        rows = max(float(self.stats[-1]), 1.0)
-        self.aux_loss = float(s.num_experts * (counts * probs).sum() / rows**2)
-        self.weight = (loss_scale * s.coef * s.num_experts * counts / rows**2).float()
+        rows_sq = self.stats[-1].clamp(min=1.0) ** 2
+        aux = s.num_experts * (counts * probs).sum() / rows_sq
+        self.weight = (loss_scale * s.coef * s.num_experts * counts / rows_sq).float()
         self.phase = "backward"
-        return s.coef * self.aux_loss
+        return aux
 
-    def finish(self) -> None:
+    def finish(self, aux_loss: float) -> None:
+        """The step is over: `aux_loss` is `reduce`'s value as the engine read it."""
+        self.aux_loss = aux_loss
         self.phase = None
         self.weight = None
 
@@ -168,10 +175,12 @@ class RouterAux:
             with torch.no_grad():
                 for value in flat:
                     p = torch.softmax(value.float(), dim=-1)
-                    chosen = torch.topk(p, self.settings.top_k, dim=-1).indices
-                    self.stats[:e] += torch.bincount(chosen.reshape(-1), minlength=e).to(
-                        self.stats.device, torch.float64
-                    )
+                    chosen = torch.topk(p, self.settings.top_k, dim=-1).indices.reshape(-1)
+                    # a scatter-add, not bincount: its output size is known without reading
+                    # the indices on the host (bincount's is their max + 1: a host sync)
+                    ones = torch.ones(chosen.numel(), dtype=torch.float64, device=chosen.device)
+                    counts = torch.zeros(e, dtype=torch.float64, device=chosen.device)
+                    self.stats[:e] += counts.scatter_add_(0, chosen, ones).to(self.stats.device)
                     self.stats[e:-1] += p.sum(0).to(self.stats.device, torch.float64)
                     self.stats[-1] += value.shape[0]
         elif self.phase == "backward" and torch.is_grad_enabled() and self.weight is not None:

@@ -5,9 +5,11 @@ anything else not inside those), from a `StepStats`.
 Compute is `busy_s`: on CUDA the streams' kernel time of the units (events), so the rest is
 the host time the GPU was not kept busy by; on a CPU the thread time of the unit passes
 (their Python included), so the rest is the engine's bookkeeping between them. Communication
-is the host time blocked in collectives (on NCCL a wait only orders streams: ~0, its cost
-shows as compute stretched or as the rest). The parts are disjoint host intervals except
-compute on CUDA (stream time), so they can sum past the step; the rest is never negative.
+is, on a CPU, the host time blocked in collectives; on CUDA the compute stream's time stalled
+in them and the optimizer the stream's time in its kernels (events: a NCCL wait only orders
+streams, so host time would be ~0; runtime/engine/step_clock.py). On a CPU the parts are
+disjoint host intervals; on CUDA disjoint parts of the stream's span of the step
+(`device_step_s`), which ends in the step's one host read. The rest is never negative.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ coefficients match the measurements:
   unit); added to every plan's predicted step (`predicted_step_s`), so it does not change
   the plan the planner picks, but it makes the predicted step and the gain of a re-plan true.
 
+On CUDA the step's waits and optimizer phase are the compute stream's, from CUDA events
+(runtime/engine/step_clock.py): host clocks there would see ~0 s in collectives (a NCCL wait
+orders streams) and charge the GPU's backlog to the optimizer. On the CPU they are host time.
+
 Link bandwidths are not refitted: the time a rank waits in a collective mixes the link with
 the other ranks' lateness (load imbalance), which the compute scale already explains.
 

@@ -138,6 +138,7 @@ def switch_plan(trainer: _Trainer, plan: Plan) -> tuple[float, list[int]]:
         # on the host (one copy down; the re-layout reads it from there)
         freed = old.ledger.current_bytes
         pieces = to_host(pieces)
+        old.close()  # its process sub-groups (hierarchical plans): the new engine makes its own
         trainer.engine = old = None
         release_device_memory(device)
         logger.info(
@@ -154,6 +155,8 @@ def switch_plan(trainer: _Trainer, plan: Plan) -> tuple[float, list[int]]:
     new.load_extra_state(extra)
     trainer.engine, trainer.plan, trainer.rank_plan = new, plan, plan.ranks[trainer.rank]
     trainer.result.plan = plan
+    if old is not None:
+        old.close()  # its process sub-groups: a re-plan every few steps must not pile them up
     del old
     trainer.write_run_files()  # rank 0: plan.json is the plan now running
     return time.perf_counter() - started, [r for r, (stages, _) in enumerate(ranks) if stages]

@@ -148,6 +148,8 @@ class ShardGroupSync:
         self.inter_node_bytes_per_s = inter_node_bytes_per_s
         # every rank creates every group, in the same order (torch.distributed's contract)
         pgs = [dist.new_group(ranks=g) for g in self.groups]
+        self._own_groups: list[object] = pgs
+        """The process groups this object made (`close` destroys them with the owners')."""
         self.group_comm: Comm = make_comm(group=pgs[self.index], validate=world.validate)
         self._owner_groups: dict[tuple[int, ...], object] = {}
         """Per owner tuple: the process sub-group its segments are all-reduced on (`prepare`)."""
@@ -184,6 +186,17 @@ class ShardGroupSync:
             ]
         for owners in sorted(tuples - set(self._owner_groups)):
             self._owner_groups[owners] = dist.new_group(ranks=list(owners))
+
+    def close(self) -> None:
+        """Destroy the process groups this object made (the shard groups', the owners'): a
+        re-plan makes new ones for the new plan, and each NCCL communicator holds device
+        memory, buffers and threads until it is destroyed. Local (no collective); nothing may
+        be in flight on them (the engine's step has finished). Idempotent."""
+        groups = [*self._own_groups, *self._owner_groups.values()]
+        self._own_groups, self._owner_groups = [], {}
+        for pg in groups:
+            if pg is not None and pg is not dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(pg)
 
     def _segments_of(self, unit: int) -> list[_Segment]:
         if unit not in self._segments:

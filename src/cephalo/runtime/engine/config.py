@@ -118,7 +118,9 @@ class StepStats:
     busy_s: float
     """Seconds of unit compute (stretched by the emulated slowdown; CUDA: stream time)."""
     comm_wait_s: float
-    """Host seconds blocked in collectives (on NCCL a wait only orders streams: ~0)."""
+    """Seconds the step waited for collectives: on the CPU host time blocked in them; on CUDA
+    the compute stream's time stalled in them, from events (a wait there only orders streams,
+    so host time would be ~0: runtime/engine/step_clock.py)."""
     step_s: float
     """Wall-clock seconds of the whole step."""
     peak_bytes: int
@@ -135,5 +137,10 @@ class StepStats:
     """MoE with `output_router_logits`: the router load-balancing loss of the global batch
     (transformers' `aux_loss`); `loss` includes `router_aux_loss_coef` x it."""
     optimizer_s: float = 0.0
-    """Host seconds of the device optimizer phase (norm, clipping, AdamW; collectives and
-    host-state work excluded). runtime/step_timing.py splits a step with it."""
+    """Seconds of the device optimizer phase (norm, clipping, AdamW; collectives and
+    host-state work excluded): host time on the CPU, the compute stream's time from events on
+    CUDA. runtime/step_timing.py splits a step with it."""
+    device_step_s: float | None = None
+    """CUDA: the compute stream's span of the step (events); `busy_s`, `comm_wait_s` and
+    `optimizer_s` are disjoint parts of it, the rest the device waiting for the host. None
+    where the host times the step (CPU, an emulated slowdown)."""

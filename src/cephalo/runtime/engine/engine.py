@@ -62,6 +62,14 @@ token count is all-reduced once per step before the backward and the head's outp
 gradient is 1 / global_tokens (times the loss scale in fp16). The step's loss sum and the
 squared gradient norm share one more all-reduce.
 
+Host syncs. A step after the first reads nothing of the device on the host but once: the
+norm, the loss sum, the token count (and an MoE router loss) together, after the update is
+queued (`ShardUpdate`; before it where the update needs the norm on the host: fp16, host
+state, a non-fused AdamW). The token count and the head's gradient stay device tensors, the
+collectives' cross-rank checks stop after the first step on every communicator, and the MoE
+statistics are device-side sums. tests count the operations that would sync a GPU
+(runtime/host_syncs.py); scripts/gpu_check.py runs the steps under CUDA's sync debug mode.
+
 Dropout. Masks are drawn per sample from (seed, step, unit, call, global sample index)
 (`cephalo.runtime.dropout.SampleDropout`, only around units that can drop anything:
 `module_uses_dropout`), so they do not depend on the plan: any plan,
@@ -203,7 +211,7 @@ class Engine:
             config, ledger, device, self.offload, self.link, self.boundary_host_bytes()
         )
         """Boundary activations of the step in flight (empty between steps)."""
-        self.optimizer = build_optimizer(self.shards, config, self.group_sync)
+        self.optimizer = build_optimizer(self.shards, config, self.group_sync, device)
         self.host_optimizer, hosted = apply_host_state(self.shards, config)
         """AdamW of the host-held parts (None: all state on the device)."""
         self.grads = GradShards(ledger, device, self.shards, self.optimizer, self.lean_grads)
@@ -279,6 +287,14 @@ class Engine:
     def step_index(self, value: int) -> None:
         self.runner.step_index = value
 
+    def close(self) -> None:
+        """Release what outlives the engine's Python objects: the process sub-groups of a
+        hierarchical plan (`ShardGroupSync.close`). The engine is unusable afterwards. A
+        re-plan calls it on the engine it drops (train/replan.py); the world's group is the
+        caller's."""
+        if self.group_sync is not None:
+            self.group_sync.close()
+
     def boundary_host_bytes(self) -> int:
         """Host bytes of this rank's offloaded boundaries at their peak, as the arena lays them
         out (runtime/engine/setup.py `boundary_host_bytes`)."""
@@ -337,12 +353,18 @@ class Engine:
     def _validated_once(self, kind: str) -> Iterator[None]:
         """Cross-check the collectives of the first pass of each kind, not of later ones
         (`EngineConfig.validate_every_step`). Every rank runs the same passes, so they agree
-        on when to stop checking."""
+        on when to stop checking (a per-call cache of the signatures seen could not: a rank
+        whose call is new would check while the others went on). Both communicators: the shard
+        group's and, under shard groups, the world's (the token count, norm and loss), whose
+        fingerprint exchange is a host read of the device each call on NCCL."""
         if self.config.validate_every_step or kind not in self._validated:
             yield
             self._validated.add(kind)
             return
-        with self.comm.unvalidated():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.comm.unvalidated())
+            if self.world is not self.comm:
+                stack.enter_context(self.world.unvalidated())
             yield
 
     def train_step(
@@ -369,18 +391,21 @@ class Engine:
         clock.reset()
         self.ledger.reset_peak()
         self.model.train()
-        # counted on the caller's labels (host memory: no device sync per micro-batch)
-        n_local = int((labels != IGNORE_INDEX).sum())
         mbs = self._micro_batches(input_ids, labels, position_ids)
-        # int64: an fp32 count is inexact above 2**24 tokens (a large global batch)
-        tokens = torch.tensor([n_local], dtype=torch.int64, device=self.device)
+        # the global token count stays on the device (a host read here would stall the host
+        # until the device has run everything queued before it): counted on the device's
+        # labels, all-reduced in int64 (an fp32 count is inexact above 2**24 tokens), read with
+        # the loss after the update (`ShardUpdate.step`)
+        zero = torch.zeros((), dtype=torch.int64, device=self.device)  # (a rank without samples)
+        tokens = sum(((mb.labels != IGNORE_INDEX).sum() for mb in mbs), zero).reshape(1)
         self.collectives.all_reduce(tokens)
-        n_tokens = int(tokens.item()) if self.world.world_size > 1 else n_local
         loss_scale = self.scaler.scale if self.scaler else 1.0
-        head_grad = loss_scale / max(n_tokens, 1)
+        # in fp64, then rounded to the fp32 the head back-propagates: as a Python float would be
+        head_grad = (loss_scale / tokens[0].clamp(min=1).double()).float()
         store = self._boundaries
         store.clear()  # normally empty; not after a step that raised
-        aux, aux_term = getattr(self.model, "router_aux", None), 0.0  # MoE router loss
+        aux = getattr(self.model, "router_aux", None)  # MoE router loss
+        aux_term = None  # its value, on the device
         if aux is not None:
             aux.start(self.config.mode, self.device)
         if self.config.mode == "lga":
@@ -399,11 +424,17 @@ class Engine:
                 passes.backward_after_forward(chunk, store, state)
         assert len(store) == 0, "the backward consumes every boundary"
         t_opt, comm_before = time.perf_counter(), clock.comm_wait_s
-        skipped, grad_norm, loss = self.update.step(loss_sum, loss_scale, lr, n_tokens)
+        skipped, grad_norm, loss, read = self.update.step(
+            loss_sum, loss_scale, lr, tokens, aux_term
+        )
         optimizer_s = time.perf_counter() - t_opt - (clock.comm_wait_s - comm_before)
+        times = clock.collect()  # (CUDA: the events, complete after the update's read)
+        if times.optimizer_s is not None:
+            optimizer_s = times.optimizer_s + clock.host_s  # (host_s is taken off below)
+        n_tokens = int(read[0])
         if aux is not None:
-            aux.finish()
-            loss += aux_term
+            aux.finish(read[1])
+            loss += aux.settings.coef * read[1]
         self.step_index += 1
         peaks = self.ledger.peak_by_category
         return StepStats(
@@ -411,8 +442,8 @@ class Engine:
             grad_norm=grad_norm,
             n_tokens=n_tokens,
             skipped=skipped,
-            busy_s=clock.collect_busy(),
-            comm_wait_s=clock.comm_wait_s,
+            busy_s=times.busy_s,
+            comm_wait_s=times.comm_wait_s,
             step_s=time.perf_counter() - t_step,
             peak_bytes=self.ledger.peak_bytes,
             peak_by_category=dict(peaks),
@@ -421,6 +452,7 @@ class Engine:
             host_s=clock.host_s,
             aux_loss=None if aux is None else aux.aux_loss,
             optimizer_s=max(0.0, optimizer_s - clock.host_s),
+            device_step_s=times.device_step_s,
         )
 
     @torch.no_grad()
@@ -444,13 +476,14 @@ class Engine:
             store = self._boundaries
             loss_sum, _ = self.passes.forward(mbs, store, keep_inputs=False)
             assert len(store) == 0
-            n_tok = float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs))
-            # fp64: the token count is exact to 2**53 (fp32 stops at 2**24)
-            red = torch.stack(
-                [loss_sum.double(), torch.tensor(n_tok, dtype=torch.float64, device=self.device)]
-            )
+            # counted on the device (no host read per micro-batch); fp64: the token count is
+            # exact to 2**53 (fp32 stops at 2**24)
+            zero = torch.zeros((), dtype=torch.int64, device=self.device)
+            n_tok = sum(((mb.labels != IGNORE_INDEX).sum() for mb in mbs), zero)
+            red = torch.stack([loss_sum.double(), n_tok.double()])
             self.collectives.all_reduce(red)
-            return float(red[0]) / max(float(red[1]), 1.0)
+            total, count = red.tolist()  # the one read
+            return total / max(count, 1.0)
         finally:
             self.model.train(was_training)
 

@@ -51,7 +51,7 @@ class HeadPass:
         params: dict[str, torch.Tensor],
         mbs: list[MicroBatch],
         store: BoundaryStore,
-        head_grad: float,
+        head_grad: torch.Tensor,
         state: StepState,
     ) -> torch.Tensor:
         """The head's loss and backward in one pass at the end of the forward
@@ -79,16 +79,17 @@ class HeadPass:
         mb: MicroBatch,
         j: int,
         store: BoundaryStore,
-        head_grad: float,
+        head_grad: torch.Tensor,
         grads: UnitGrads,
     ) -> torch.Tensor:
         """The head over micro-batch j, chunk by chunk (runtime/head_loss.py), its output
-        gradient `head_grad` (1 / global tokens, times the loss scale): loss sum returned,
+        gradient `head_grad` (1 / global tokens, times the loss scale: an fp32 0-dim tensor on
+        the device, so the token count is never read on the host): loss sum returned,
         parameter gradients drained into `grads`, input gradient stored in the input's place."""
         u = us.index
         leaves = self.unit_backward.leaves(us, params, grads)
         key = graph_key(u, mb, store)
-        out_grad = torch.full((), head_grad, dtype=torch.float32, device=self.device)
+        out_grad = head_grad
         param_grad = largest_grad_bytes(leaves.values(), self.dtype)
         charged = [0]
 

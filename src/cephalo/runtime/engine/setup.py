@@ -289,10 +289,13 @@ def apply_offload(
 
 
 def build_optimizer(
-    shards: list[UnitShard], config: EngineConfig, group_sync: ShardGroupSync | None
+    shards: list[UnitShard],
+    config: EngineConfig,
+    group_sync: ShardGroupSync | None,
+    device: torch.device,
 ) -> ShardedAdamW:
     """AdamW over the device part of every unit's shard (weight decay on its decayed
-    segments)."""
+    segments); its kernel: `shard_group_kernel`."""
     return ShardedAdamW(
         [
             ShardGroup(
@@ -305,11 +308,22 @@ def build_optimizer(
             for us in shards
         ],
         config.adamw,
-        # the shard groups' copies of the state must stay bit-identical: the fused CPU kernel
-        # rounds an element differently in its vector body and in its tail, which fall at
-        # other elements under another group's shard boundaries
-        config.adamw_kernel or ("single" if group_sync is not None else None),
+        config.adamw_kernel or shard_group_kernel(device, group_sync is not None),
     )
+
+
+def shard_group_kernel(device: torch.device, hierarchical: bool) -> str | None:
+    """The AdamW kernel of a rank's device optimizer where the config names none (None: the
+    device's default, `default_adamw_kernel`). The shard groups' copies of the state must stay
+    bit-identical, and the fused CPU kernel rounds an element differently in its vector body
+    and in its tail, which fall at other elements under another group's shard boundaries: a
+    hierarchical plan on the CPU takes the single-tensor kernel. The CUDA fused kernel computes
+    every element alike wherever it falls (scripts/gpu_check.py `adamw_split` checks it bit for
+    bit), so on CUDA a hierarchical plan keeps the fused kernel and its update without a host
+    sync."""
+    if hierarchical and device.type == "cpu":
+        return "single"
+    return None
 
 
 def apply_host_state(

@@ -96,17 +96,26 @@ class ShardUpdate:
 
     @torch.no_grad()
     def step(
-        self, loss_sum: torch.Tensor, loss_scale: float, lr: float, n_tokens: int
-    ) -> tuple[bool, float, float]:
-        """The update after the backward: (skipped, global gradient norm, mean token loss)."""
+        self,
+        loss_sum: torch.Tensor,
+        loss_scale: float,
+        lr: float,
+        tokens: torch.Tensor,
+        extra: torch.Tensor | None = None,
+    ) -> tuple[bool, float, float, list[float]]:
+        """The update after the backward: (skipped, global gradient norm, mean token loss, the
+        values read with them). `tokens`: the global token count, a 1-element int64 tensor on
+        the device; `extra`: more device values the caller wants on the host (0-dim or 1-D,
+        e.g. the router loss), read in the same read as the norm and loss: the read is
+        `[n_tokens, *extra]`. That one read is the step's only host sync where the update
+        needs none (`device_step`): after the update is queued."""
         opt, host_opt, clock = self.optimizer, self.host_optimizer, self.clock
         self.link.sync()  # every host gradient piece has arrived
         for us in self.grads.shards:  # (lean: a unit no reduce-scatter reached: zero gradient)
             self.grads.device_grad(us)
         if self.group_sync is not None:  # once per step: sum the groups' gradient shards
-            clock.comm_wait_s += self.group_sync.reduce_engine_grads(
-                self.grads.shards, self.grads.device_grad
-            )
+            with clock.communication():
+                self.group_sync.reduce_engine_grads(self.grads.shards, self.grads.device_grad)
         with clock.optimizer_work():
             if loss_scale != 1.0:
                 opt.scale_grads(1.0 / loss_scale)
@@ -124,9 +133,10 @@ class ShardUpdate:
         if self.scaler is None and host_opt is None and opt.kernel == "fused":
             with clock.optimizer_work():
                 self.device_step(red, lr)
-            return self._step_outcome(red, n_tokens)
-        grad_norm = float(red[0].sqrt())
-        loss = float(red[1]) / max(n_tokens, 1)
+            return self._step_outcome(red, tokens, extra)
+        norm_sq, loss_sum_value, read = _read(red, tokens, extra)
+        grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
+        loss = loss_sum_value / max(read[0], 1)
         finite = math.isfinite(grad_norm)
         if self.scaler is not None:
             self.scaler.update(found_inf=not finite)
@@ -140,7 +150,7 @@ class ShardUpdate:
             with clock.optimizer_work():
                 self.grads.zero()
             self.host_zero_grad()
-            return True, grad_norm, loss
+            return True, grad_norm, loss, read
         coef = clip_coefficient(grad_norm, self.grad_clip) if self.grad_clip else 1.0
         with clock.optimizer_work():
             opt.step(lr, coef)  # (the fused kernel scales the gradients as it reads them)
@@ -158,7 +168,7 @@ class ShardUpdate:
             self.host_zero_grad()
             self.link.wait_uploads()
             clock.host_s += time.perf_counter() - t0
-        return False, grad_norm, loss
+        return False, grad_norm, loss, read
 
     def device_step(self, red: torch.Tensor, lr: float) -> None:
         """The update without a host sync (all state on the device, no loss scaler, the fused
@@ -171,17 +181,20 @@ class ShardUpdate:
         self.optimizer.step(lr, coef, found_inf=(~torch.isfinite(norm)).to(torch.float32))
         self.grads.zero()
 
-    def _step_outcome(self, red: torch.Tensor, n_tokens: int) -> tuple[bool, float, float]:
-        """After `device_step` is queued: (skipped, gradient norm, mean token loss), one read
-        of the device's norm and loss sum. A skipped step is taken back (`step_count`); the
-        trainer decides how many skips it tolerates."""
-        norm_sq, loss_sum = red.tolist()
-        loss = loss_sum / max(n_tokens, 1)
+    def _step_outcome(
+        self, red: torch.Tensor, tokens: torch.Tensor, extra: torch.Tensor | None
+    ) -> tuple[bool, float, float, list[float]]:
+        """After `device_step` is queued: (skipped, gradient norm, mean token loss, the values
+        read with them), one read of the device's norm, loss sum, token count and `extra`. A
+        skipped step is taken back (`step_count`); the trainer decides how many skips it
+        tolerates."""
+        norm_sq, loss_sum, read = _read(red, tokens, extra)
+        loss = loss_sum / max(read[0], 1)
         grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
         if math.isfinite(grad_norm):
-            return False, grad_norm, loss
+            return False, grad_norm, loss, read
         self.optimizer.step_count -= 1
-        return True, grad_norm, loss
+        return True, grad_norm, loss, read
 
     def host_zero_grad(self) -> None:
         if self.host_optimizer is not None:
@@ -200,3 +213,15 @@ class ShardUpdate:
         # which `link.sync` waited for)
         us.host_upload.copy_(us.host.param)
         self.link.up(us.host_copy, us.host_upload)
+
+
+def _read(
+    red: torch.Tensor, tokens: torch.Tensor, extra: torch.Tensor | None
+) -> tuple[float, float, list[float]]:
+    """The step's one host read: (squared norm, loss sum, [token count, *extra]). fp64: the
+    token count is exact to 2**53."""
+    parts = [red.double().reshape(-1), tokens.to(red.device, torch.float64).reshape(-1)]
+    if extra is not None:
+        parts.append(extra.to(red.device, torch.float64).reshape(-1))
+    norm_sq, loss_sum, *read = torch.cat(parts).tolist()
+    return norm_sq, loss_sum, read

@@ -1,23 +1,53 @@
 """Where a step's time goes, as the engine's parts measure it (`StepClock`): compute of the
-units (stretched by the emulated slowdown), host time blocked in collectives, host-state work.
-`StepStats` reports the three sums; runtime/step_timing.py splits a step by them."""
+units (stretched by the emulated slowdown), communication the step waits for, the optimizer's
+work, host-state work. `StepStats` reports the sums; runtime/step_timing.py splits a step by them.
+
+On CUDA (without an emulated slowdown) the device's phases are timed on its compute stream
+with CUDA events, read once at the step's end, after the step's one host read
+(`ShardUpdate`), when they have all completed: no sync of their own. There a collective's
+`wait()` does not block the host (it makes the compute stream wait for NCCL's), so host time
+around it is about 0 and the stall lands wherever the host next waits for the device (the
+step's read, charged to the optimizer by host clocks): the events bracketing a wait measure the
+stream's stall itself. So on CUDA `comm_wait_s` is the compute stream's time stalled in
+collectives (outside unit compute), `optimizer_s` the stream's time in the optimizer's
+kernels, and `device_step_s` the stream's span of the step; what the three and `busy_s` leave
+of it is the time the device waited for the host. On the CPU (and under an emulated slowdown)
+every part is host time, as before; calibration (train/calibration.py) reads either alike.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from cephalo.runtime.collectives.comm import Handle
 from cephalo.runtime.emulation import ComputeEmulator
 
+_Events = list[tuple[torch.cuda.Event, torch.cuda.Event]]
+
+
+@dataclass
+class StepTimes:
+    """A step's sums as `StepClock.collect` reads them (seconds)."""
+
+    busy_s: float
+    """Unit compute."""
+    comm_wait_s: float
+    """Communication the step waited for (CUDA: the compute stream stalled in collectives)."""
+    optimizer_s: float | None
+    """CUDA: the stream's time in the optimizer's work; None where the host times it."""
+    device_step_s: float | None
+    """CUDA: the compute stream's span from the step's start to its end; None elsewhere."""
+
 
 class StepClock:
     """The step's time sums, shared by the parts that add to them (the unit collectives: waits;
-    the passes: compute; the update: host work). Owns the CUDA events of the step's compute,
-    read once at its end (`collect_busy`) so timing never stalls the stream meanwhile. Given
+    the passes: compute; the update: optimizer and host work). Owns the CUDA events of the
+    step, read once at its end (`collect`) so timing never stalls the stream meanwhile. Given
     the compute device and the `ComputeEmulator` that stretches compute on a slow emulated
     device."""
 
@@ -27,19 +57,46 @@ class StepClock:
         self.comm_wait_s = 0.0
         """Host seconds blocked in collectives this step (their calls and waits)."""
         self.busy_s = 0.0
-        """Seconds of unit compute this step (CUDA: summed from events by `collect_busy`)."""
+        """Seconds of unit compute this step (CUDA: summed from events by `collect`)."""
         self.host_s = 0.0
         """Host seconds of host-state work this step (its AdamW, norms and copies)."""
-        self._cuda_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.events = device.type == "cuda" and emulator.slowdown == 1.0
+        """Whether the device's phases are timed with CUDA events (module docstring)."""
+        self._compute: _Events = []
+        self._comm: _Events = []
+        self._optimizer: _Events = []
+        self._start: torch.cuda.Event | None = None
+        self._in_compute = 0
+
+    def _record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def reset(self) -> None:
-        """A new step: the sums start at zero."""
+        """A new step: the sums start at zero (CUDA: the step's start is marked on the stream)."""
         self.comm_wait_s = self.busy_s = self.host_s = 0.0
+        for events in (self._compute, self._comm, self._optimizer):
+            events.clear()
+        self._start = self._record() if self.events else None
 
     def wait(self, handle: Handle) -> None:
-        """Wait for a collective, the time blocked counted as communication."""
+        """Wait for a collective, the time it holds the step counted as communication."""
+        with self.communication():
+            handle.wait()
+
+    @contextlib.contextmanager
+    def communication(self) -> Iterator[None]:
+        """A collective's call or wait: its host time is added to `comm_wait_s`; on CUDA the
+        compute stream's stall over it is timed with events (not inside unit compute, which
+        its own events already cover: the parts stay disjoint)."""
         t0 = time.perf_counter()
-        handle.wait()
+        if self.events and not self._in_compute:
+            start = self._record()
+            yield
+            self._comm.append((start, self._record()))
+        else:
+            yield
         self.comm_wait_s += time.perf_counter() - t0
 
     @contextlib.contextmanager
@@ -47,28 +104,35 @@ class StepClock:
         """Time a piece of compute (stretched by the emulated slowdown). On CUDA, events
         time the stream without stalling the host (summed at the end of the step), unless a
         slowdown must be emulated, which needs the host to know the time now."""
-        if self.device.type == "cuda" and self.emulator.slowdown == 1.0:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            stream = torch.cuda.current_stream(self.device)  # once: it builds a Stream object
-            start.record(stream)
+        self._in_compute += 1
+        try:
+            if self.events:
+                start = self._record()
+                yield
+                self._compute.append((start, self._record()))
+                return
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            mark = self.emulator.start()
             yield
-            end.record(stream)
-            self._cuda_events.append((start, end))
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        mark = self.emulator.start()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.busy_s += self.emulator.finish(mark)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.busy_s += self.emulator.finish(mark)
+        finally:
+            self._in_compute -= 1
 
     @contextlib.contextmanager
     def optimizer_work(self) -> Iterator[None]:
         """Optimizer work on this rank's shard, stretched by the emulated slowdown: a slow
         device is slow at its optimizer step too, and the profiler measures that step under
         the same emulator (profiling/measure.py `measure_optimizer`). Not part of `busy_s`
-        (unit compute only); without emulation nothing is timed, so CUDA never stalls here."""
+        (unit compute only). On CUDA timed with events (`collect`); on the CPU without
+        emulation the engine times the optimizer on the host."""
+        if self.events:
+            start = self._record()
+            yield
+            self._optimizer.append((start, self._record()))
+            return
         if self.emulator.slowdown == 1.0:
             yield
             return
@@ -80,10 +144,26 @@ class StepClock:
             torch.cuda.synchronize(self.device)
         self.emulator.finish(mark)
 
-    def collect_busy(self) -> float:
-        """The step's compute seconds, the CUDA events read now (one sync, at the step's end)."""
-        if self._cuda_events:
-            torch.cuda.synchronize(self.device)
-            self.busy_s += sum(a.elapsed_time(b) for a, b in self._cuda_events) / 1000.0
-            self._cuda_events.clear()
-        return self.busy_s
+    def collect(self) -> StepTimes:
+        """The step's sums. On CUDA the events are read now: after the step's one host read,
+        everything recorded before it has completed, and the end event marked here is waited
+        for as an event (not a device or stream sync: CUDA's sync debug mode allows it)."""
+        if not self.events or self._start is None:
+            return StepTimes(self.busy_s, self.comm_wait_s, None, None)
+        end = self._record()
+        end.synchronize()
+
+        def total(events: _Events) -> float:
+            return sum(a.elapsed_time(b) for a, b in events) / 1000.0
+
+        self.busy_s += total(self._compute)
+        times = StepTimes(
+            self.busy_s,
+            total(self._comm),
+            total(self._optimizer),
+            self._start.elapsed_time(end) / 1000.0,
+        )
+        for events in (self._compute, self._comm, self._optimizer):
+            events.clear()
+        self._start = None
+        return times

@@ -70,7 +70,7 @@ class StepPasses:
         mbs: list[MicroBatch],
         store: BoundaryStore,
         keep_inputs: bool,
-        head_grad: float | None = None,
+        head_grad: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, StepState]:
         """Every unit over every micro-batch, no graph; store[(u, j)] receives unit u's input
         for micro-batch j (u >= 1; with `keep_inputs=False`, only until unit u has run).

@@ -53,7 +53,7 @@ class TailPass:
         head_params: dict[str, torch.Tensor],
         mbs: list[MicroBatch],
         store: BoundaryStore,
-        head_grad: float,
+        head_grad: torch.Tensor,
         state: StepState,
     ) -> torch.Tensor:
         """Per micro-batch: the last block's forward with a graph (its saved activations and

@@ -6,7 +6,7 @@ part sent down to the host gradient). `UnitCollectives` is a part the engine
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -136,7 +136,21 @@ class UnitCollectives:
             else us.param_buf
         )
         handles, tied = [], []
-        t0 = time.perf_counter()
+        # a blocking gather: its time counts as communication (an asynchronous one: its wait)
+        timed = contextlib.nullcontext() if async_op else self.clock.communication()
+        with timed:
+            return self._start_gather(us, flat, owned, tied, handles, async_op)
+
+    def _start_gather(
+        self,
+        us: UnitShard,
+        flat: torch.Tensor,
+        owned: bool,
+        tied: list[torch.Tensor],
+        handles: list[Handle],
+        async_op: bool,
+    ) -> Gathered:
+        """`start_gather`'s collectives (the frozen part, the unit, its borrowed slices)."""
         frozen = self.frozen.start_gather(us.index, async_op) if self.frozen else None
         if us.layout.numel:  # (a LoRA unit may have no trained parameters)
             handles.append(self.gather_piece(flat, us, 0, us.size, us.sizes, async_op, True))
@@ -150,8 +164,6 @@ class UnitCollectives:
             handles.append(
                 self.gather_piece(buf, b.owner, b.local[0], b.local[1], b.sizes, async_op)
             )
-        if not async_op:
-            self.clock.comm_wait_s += time.perf_counter() - t0
         return Gathered(us, flat, tied, handles, frozen, owned)
 
     def gather_piece(
@@ -233,11 +245,10 @@ class UnitCollectives:
             part = full
         else:
             part = self.ledger.alloc("grad_accum", n, torch.float32, device=self.device)
-        t0 = time.perf_counter()
         if full.numel() == 0:  # a unit without trained parameters (LoRA): nothing to reduce
             return Reduce(Handle(), part, us, lo, hi, full, at)
-        handle = self.comm.reduce_scatter_v(part, full, sizes, async_op=True)
-        self.clock.comm_wait_s += time.perf_counter() - t0  # the call itself (and any validation)
+        with self.clock.communication():  # the call itself (and any validation)
+            handle = self.comm.reduce_scatter_v(part, full, sizes, async_op=True)
         return Reduce(handle, part, us, lo, hi, full, at)
 
     def finish_reduce(self, r: Reduce) -> None:
@@ -261,9 +272,8 @@ class UnitCollectives:
         r.part = r.full = None  # type: ignore[assignment]
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        self.world.all_reduce(t, "sum")
-        self.clock.comm_wait_s += time.perf_counter() - t0
+        with self.clock.communication():
+            self.world.all_reduce(t, "sum")
 
     def grad_buffers(self, us: UnitShard) -> UnitGrads:
         """The fp32 gradient buffers of a unit and of the tied parameters it borrows, not
