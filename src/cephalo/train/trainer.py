@@ -27,6 +27,7 @@ import math
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from cephalo import envvars
 from cephalo.costmodel.host import check_host_memory
 from cephalo.costmodel.model import CostModel
 from cephalo.data.job import open_batches, resolve_job_dataset
+from cephalo.data.text import default_cache_dir
 from cephalo.errors import CephaloError
 from cephalo.launch.preempt import StopSignals, TimedSaves, stop_note
 from cephalo.log import init_logging, logger
@@ -47,9 +49,9 @@ from cephalo.planner.makers import simple_plan
 from cephalo.planner.plan import Plan
 from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
 from cephalo.runtime.collectives.comm import Comm
-from cephalo.runtime.collectives.dist import init_distributed, peer_failure
+from cephalo.runtime.collectives.dist import init_distributed, peer_failure, startup_barrier
 from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
-from cephalo.runtime.emulation import drifted_slowdown
+from cephalo.runtime.emulation import drifted_slowdown, start_delay_s
 from cephalo.runtime.engine.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.state.adamw import AdamWHyper
 from cephalo.runtime.step_timing import format_split, split_step
@@ -57,7 +59,14 @@ from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig
 from cephalo.train.config_manager import config_to_toml
-from cephalo.train.discovery import discover_cluster, is_emulated, job_torch_device
+from cephalo.train.discovery import (
+    discover_cluster,
+    is_emulated,
+    job_torch_device,
+    node_local_config,
+    node_view,
+)
+from cephalo.train.doctor import OK, checkpoint_check
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import (
     MetricsLog,
@@ -155,6 +164,7 @@ def auto_plan(
         settings=cfg.profile,
         cache=cfg.profile_cache,
         device=job_torch_device(cfg, comm),
+        startup_timeout_s=cfg.parallel.startup_timeout_s,
     )
     targets = cfg.model.lora_target_modules
     cost_model = measured_cost_model(
@@ -284,14 +294,20 @@ class _Trainer:
     """One rank's training job; `train()` drives it."""
 
     def __init__(self, cfg: JobConfig, comm: Comm):
-        self.cfg, self.comm = cfg, comm
+        self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
-        self.run_dir = Path(cfg.logging.dir)
         if cfg.logging.tensorboard:
             require_tensorboard()
+        # the ranks start at different times (a node boots or loads late): they meet first at a
+        # barrier with the start-up's timeout, which names a late rank (runtime/collectives/dist.py)
+        startup = cfg.parallel.startup_timeout_s
+        startup_barrier(comm, "discovery", startup)
         # every rank describes its own device; all build the same cluster from the descriptions
         self.cluster = discover_cluster(cfg, comm)
         self.device = self.cluster.devices[self.rank]
+        # an emulated node of its own writes to its own filesystem (parallel.emulate_node_fs)
+        self.cfg = cfg = node_local_config(cfg, self.device.node) if is_emulated(cfg) else cfg
+        self.run_dir = Path(cfg.logging.dir)
         model = build_job_model(cfg)
         if cfg.parallel.plan == "auto":
             self.plan, cost_model = auto_plan(cfg, model, self.cluster, comm)
@@ -311,7 +327,10 @@ class _Trainer:
             progress=self.rank == 0,
             model_name=cfg.model.name,
             text_field=cfg.data.text_field,
+            cache_dir=node_view(cfg, default_cache_dir(), self.device.node),
         )
+        # one rank per host tokenised (a file lock) while the others waited; the nodes differ
+        startup_barrier(comm, "data", startup)
         self.batches = open_batches(
             data_path,
             cfg.data.seq_len,
@@ -405,6 +424,18 @@ class _Trainer:
         name = self.signals.received or "a signal on another rank"
         self.result.stopped_by = name
         self.result.stop_note = stop_note(name, self.step, self.result.last_checkpoint)
+
+    def check_checkpoint_dir(self) -> None:
+        """Before any step: the checkpoint directory is one every rank writes and sees (the
+        doctor's probe, one function for both), else the first save, maybe at the end of the
+        run, would fail."""
+        row = checkpoint_check(self.cfg.checkpoint_dir, self.comm)
+        if row.status != OK:
+            raise CephaloError(
+                f"the checkpoint directory is not one every rank can use: {row.found}. Before "
+                f"training: {row.fix}; on an emulated cluster with parallel.emulate_node_fs = "
+                "private, a checkpoint.dir under parallel.shared_dir"
+            )
 
     def resume(self) -> None:
         target = resume_target(self.cfg.checkpoint.resume, self.cfg.checkpoint_dir)
@@ -658,6 +689,7 @@ class _Trainer:
         cfg = self.cfg
         self.write_run_files()
         try:
+            self.check_checkpoint_dir()
             self.resume()
         except (RuntimeError, TimeoutError) as e:
             raise self._collective_failure(e, "resuming") from None
@@ -739,6 +771,12 @@ def train(cfg: JobConfig) -> TrainResult:
     backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
     with StopSignals(cfg.checkpoint.save_on_signals) as signals:
         comm = init_distributed(backend, timeout_s=cfg.parallel.timeout_s)
+        delay = start_delay_s(cfg.parallel.emulate_start_delay, comm.rank)
+        if delay > 0 and is_emulated(cfg):  # the emulator's late node
+            logger.info(
+                "rank %d: starting %.3g s late (parallel.emulate_start_delay)", comm.rank, delay
+            )
+            time.sleep(delay)
         torch.manual_seed(cfg.model.seed)  # any randomness outside the engine's own streams
         trainer = _Trainer(cfg, comm)
         trainer.signals = signals
