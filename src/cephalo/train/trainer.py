@@ -40,6 +40,7 @@ from cephalo.costmodel.model import CostModel
 from cephalo.data.job import open_batches, resolve_job_dataset
 from cephalo.data.text import default_cache_dir
 from cephalo.errors import CephaloError
+from cephalo.launch.pool import threads_per_rank
 from cephalo.launch.preempt import StopSignals, TimedSaves, stop_note
 from cephalo.log import init_logging, logger
 from cephalo.modeling.lora import adapter_settings, apply_adapter
@@ -221,10 +222,11 @@ def engine_config(
     emulated: bool,
     host_memory_bytes: int | None = None,
     torch_device: torch.device | None = None,
+    local_ranks: int = 1,
 ) -> EngineConfig:
     """The engine's settings from the job config and this rank's (maybe emulated) device;
     `host_memory_bytes`: this rank's share of its node's host memory (its host budget when
-    emulated)."""
+    emulated); `local_ranks`: the ranks of its node (which share its cores)."""
     offload = {"auto": None, "always": True, "never": False}[cfg.parallel.offload]
     t = cfg.train
     return EngineConfig(
@@ -243,6 +245,9 @@ def engine_config(
         host_memory_budget_bytes=host_memory_bytes if emulated else None,
         host_copy_bytes_per_s=device.pcie_bytes_per_s,
         device=None if torch_device is None else str(torch_device),
+        # the node's cores for the host AdamW (torchrun gives each rank one thread); an
+        # emulated rank shares the host with the others as it is
+        host_threads=None if emulated else threads_per_rank(max(1, local_ranks)),
     )
 
 
@@ -375,9 +380,12 @@ class _Trainer:
         node_of = [d.node for d in self.cluster.devices]
         host_memory = {n: self.cluster.host_memory_of(n) for n in self.cluster.nodes()}
         check_host_memory(plan, self.model_spec, node_of, host_memory)
-        share = host_memory[self.device.node] // len(self.cluster.ranks_on_node(self.device.node))
+        local = len(self.cluster.ranks_on_node(self.device.node))
+        share = host_memory[self.device.node] // local
         emulated = is_emulated(cfg)
-        config = engine_config(cfg, self.device, emulated, share, job_torch_device(cfg, comm))
+        config = engine_config(
+            cfg, self.device, emulated, share, job_torch_device(cfg, comm), local_ranks=local
+        )
         return Engine(
             model if model is not None else build_job_model(cfg),
             plan,
