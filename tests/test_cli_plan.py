@@ -211,3 +211,26 @@ def test_plan_and_simulate_from_measured_profiles(tmp_path, capsys):
     # without profiles a cpu cluster cannot be planned, and the error says how to get them
     assert main(["plan", "--cluster", spec, "--global-batch", "16"]) == 2
     assert "cephalo profile --devices" in capsys.readouterr().err
+
+
+def test_plan_for_the_local_node_uses_its_available_memory(capsys, monkeypatch):
+    """Finding 4: `--host-memory local` plans this machine's node with its available memory
+    less the reserves (`usable_host_bytes`, for as many ranks as the node has GPUs), not 256
+    GiB nor its physical RAM; a size sets it; a bad one is one message."""
+    from cephalo.train import discovery
+
+    asked: list[int] = []
+
+    def usable(ranks):
+        asked.append(ranks)
+        return 5 * 2**30
+
+    monkeypatch.setattr(discovery, "usable_host_bytes", usable)
+    base = ["plan", "--cluster", "2xl4", "--global-batch", "8"]
+    assert main([*base, "--host-memory", "local"]) == 0
+    assert "host memory of node 0 (ranks 0, 1): 0.6 of 5.0 GiB used" in capsys.readouterr().out
+    assert asked == [2]
+    assert main([*base, "--host-memory", "3GiB"]) == 0
+    assert "of 3.0 GiB used" in capsys.readouterr().out
+    assert main([*base, "--host-memory", "lots"]) == 2
+    assert "bad --host-memory 'lots'" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from cephalo.costmodel.sources import (
 from cephalo.errors import CephaloError, PlanDoesNotFit
 from cephalo.planner.plan import DTYPES, Plan
 from cephalo.specs.adapter import ADAPTER_MODES, DEFAULT_LORA_R, AdapterSpec
+from cephalo.specs.cluster import Cluster, parse_bytes
 from cephalo.views.tables import (
     adapter_lines,
     estimate_lines,
@@ -96,6 +97,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-host-state",
         action="store_true",
         help="keep all training state on the GPUs (the planner keeps it on the host only where it pays)",
+    )
+    p.add_argument(
+        "--host-memory",
+        metavar="SIZE|local",
+        help="every node's host memory for host state and offloaded activations: a size (64GiB), "
+        "or `local`: this machine's available memory less the OS's and each GPU's reserve "
+        "(docs/training.md, 'Host memory'), to plan the node you are on; default: the cluster's "
+        "(`;host=SIZE` in the spec, host_memory in a file, else 256 GiB)",
     )
     add_grouping_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
@@ -190,6 +199,23 @@ def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool)
     )
 
 
+def cluster_with_host_memory(spec: str, host_memory: str | None) -> str | Cluster:
+    """The cluster to plan (`--cluster`), its nodes' host memory set by `--host-memory` (a size,
+    or `local`: `train.discovery.usable_host_bytes` for as many ranks as its largest node has)."""
+    if host_memory is None:
+        return spec
+    cluster = Cluster.from_any(spec)
+    if host_memory.strip().lower() == "local":
+        from cephalo.train.discovery import usable_host_bytes
+
+        per_node = max(len(cluster.ranks_on_node(n)) for n in cluster.nodes())
+        nbytes = usable_host_bytes(per_node)
+    else:
+        nbytes = parse_bytes(host_memory, "--host-memory")
+    cluster.host_memory_bytes, cluster.node_host_memory_bytes = nbytes, {}
+    return cluster
+
+
 def run(args: argparse.Namespace) -> int:
     from cephalo.planner.makers import make_plan
     from cephalo.planner.shard_groups import grouping_lines, make_hierarchical_plan
@@ -199,7 +225,12 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
         raise CephaloError(f"--plot {args.plot}: the file must end in .png, .pdf or .svg")
     cm = build_cost_model(
-        args.cluster, args.model, args.seq_len, args.dtype, args.profiles, adapter_of(args)
+        cluster_with_host_memory(args.cluster, args.host_memory),
+        args.model,
+        args.seq_len,
+        args.dtype,
+        args.profiles,
+        adapter_of(args),
     )
     console = make_console()
     allow_offload = not args.no_offload
