@@ -352,9 +352,10 @@ def startup_barrier(comm: Comm, phase: str, timeout_s: float) -> None:
     if store is None:
         comm.barrier()
         return
+    # not keyed by the restart count: agents that joined in different rounds count restarts
+    # differently; each rendezvous round has a store of its own (SHARED_STORE_ENV)
     n = _barrier_calls[phase] = _barrier_calls.get(phase, 0) + 1
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"cephalo/startup/{restart}/{phase}/{n}/"
+    prefix = f"cephalo/startup/{phase}/{n}/"
     if store.check([prefix + "given-up"]):
         raise CephaloError(
             f"rank {comm.rank} reached start-up phase {phase!r} after the other ranks had given up "
