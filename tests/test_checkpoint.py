@@ -427,3 +427,77 @@ def test_one_bad_rank_fails_every_rank_without_hanging(pool3, tmp_path: Path):
     pool3.run(_save_a, str(root), 3)
     errors = pool3.run(_load_with_bad_rank, str(root), timeout_s=60)
     assert all("head.scale has shape [1] there and [99] in the model" in e for e in errors), errors
+
+
+def _probe_body(run_dir: str, *overrides: str):
+    """The checkpoint directory's probe (the doctor's, run before training) on this rank's view
+    of it: the emulated cluster `cpu@node0,2xcpu@node1` with the given options."""
+    import torch.distributed as dist
+
+    from cephalo.runtime.collectives.comm import make_comm
+    from cephalo.train.config_manager import load_config
+    from cephalo.train.discovery import node_view
+    from cephalo.train.doctor import checkpoint_check
+
+    cfg = load_config(
+        None, [f"--logging.dir={run_dir}", "--parallel.devices=cpu@node0,2xcpu@node1", *overrides]
+    )
+    node = 0 if dist.get_rank() == 0 else 1
+    row = checkpoint_check(node_view(cfg, cfg.checkpoint_dir, node), make_comm("gloo"))
+    return row.status, row.found, row.fix
+
+
+@pytest.mark.slow
+def test_the_probe_fails_across_emulated_nodes_without_a_shared_directory(tmp_path, pool3):
+    """Finding 5, on the emulator with per-node roots: node 1's ranks see each other's probe
+    but not node 0's, so the probe fails (every rank the same row), naming the pairs; with the
+    checkpoints under a declared shared directory it passes; the probe files are gone."""
+    private = ("--parallel.emulate_node_fs=private",)
+    rows = pool3.run(_probe_body, str(tmp_path / "run"), *private)
+    for status, found, fix in rows:  # the same row on every rank, for its own view
+        assert status == "FAIL" and found.endswith("do not see each other's files: 0<->1, 0<->2")
+        assert "shared storage" in fix
+    assert "node-fs/node1" in rows[1][1] and "node-fs" not in rows[0][1]
+    shared = (
+        f"--parallel.shared_dir={tmp_path / 'nfs'}",
+        f"--checkpoint.dir={tmp_path / 'nfs' / 'ck'}",
+    )
+    rows = pool3.run(_probe_body, str(tmp_path / "run"), *private, *shared)
+    assert rows == [("ok", f"{tmp_path / 'nfs' / 'ck'}: shared by all 3 rank(s)", "")] * 3
+    assert not list((tmp_path / "nfs" / "ck").iterdir())
+
+
+def _train_body(run_dir: str, *overrides: str):
+    """`cephalo train`'s job on this rank (the pool's process group), its error's message."""
+    from cephalo.train.config_manager import load_config
+    from cephalo.train.trainer import train
+    from run_common import tiny_job_args
+
+    try:
+        train(load_config(None, tiny_job_args(run_dir, *overrides)))
+    except CephaloError as err:
+        return str(err)
+    return "trained"
+
+
+@pytest.mark.slow
+def test_training_stops_before_its_first_step_on_a_late_rank_or_a_private_directory(
+    tmp_path, pool3
+):
+    """Findings 5 and 6 in the trainer, on the emulator: a rank later than `parallel.
+    startup_timeout_s` is named on the others (and stops itself) before discovery; emulated
+    nodes with filesystems of their own and no shared checkpoint directory stop at the probe
+    before the first step, with what to do."""
+    late = ("--parallel.emulate_start_delay=2:2", "--parallel.startup_timeout_s=0.5")
+    out = pool3.run(_train_body, str(tmp_path / "late"), "--parallel.devices=3xcpu", *late)
+    for message in out[:2]:
+        assert message.startswith("rank(s) 2 did not reach start-up phase 'discovery'"), out
+    assert "after the other ranks had given up" in out[2]
+    devices = "--parallel.devices=cpu@node0,2xcpu@node1"
+    out = pool3.run(
+        _train_body, str(tmp_path / "private"), devices, "--parallel.emulate_node_fs=private"
+    )
+    for message in out:
+        assert message.startswith("the checkpoint directory is not one every rank can use"), out
+        assert "0<->1, 0<->2" in message and "parallel.shared_dir" in message
+    assert not (tmp_path / "private" / "metrics.jsonl").exists()

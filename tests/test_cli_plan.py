@@ -295,7 +295,7 @@ def test_host_memory_is_an_input_and_always_said(tmp_path, monkeypatch, capsys):
         ["advise", "--offers", "o.toml", "--global-batch", "8", "--host-memory", "64GiB"]
     )
     assert parsed.host_memory == "64GiB"
-    monkeypatch.setattr(plan_command, "local_host_memory", lambda: 3 * 1024**3)
+    monkeypatch.setattr(plan_command, "local_host_memory", lambda ranks=1: 3 * 1024**3)
     local = argparse.Namespace(host_memory=None)
     memory, note = plan_command.host_memory_of(local, "cpu,cpu:slowdown=2")
     assert memory == 3 * 1024**3 and "this machine's available memory" in note
@@ -423,3 +423,26 @@ def test_quiet_imports_capture_and_verbose_shows_once(monkeypatch):
                 assert sum(text in m for m in shown) == (1 if verbose else 0), shown
     finally:
         logger.removeHandler(handler)
+
+
+def test_plan_for_the_local_node_uses_its_available_memory(capsys, monkeypatch):
+    """Finding 4: `--host-memory local` plans this machine's node with its available memory
+    less the reserves (`usable_host_bytes`, for as many ranks as the node has GPUs), not 256
+    GiB nor its physical RAM; a size sets it; a bad one is one message."""
+    from cephalo.train import discovery
+
+    asked: list[int] = []
+
+    def usable(ranks):
+        asked.append(ranks)
+        return 5 * 2**30
+
+    monkeypatch.setattr(discovery, "usable_host_bytes", usable)
+    base = ["plan", "--cluster", "2xl4", "--global-batch", "8"]
+    assert main([*base, "--host-memory", "local"]) == 0
+    assert "host memory of node 0 (ranks 0, 1): 0.6 of 5.0 GiB used" in capsys.readouterr().out
+    assert asked == [2]
+    assert main([*base, "--host-memory", "3GiB"]) == 0
+    assert "of 3.0 GiB used" in capsys.readouterr().out
+    assert main([*base, "--host-memory", "lots"]) == 2
+    assert "bad --host-memory 'lots'" in capsys.readouterr().err

@@ -560,3 +560,41 @@ def test_gpu_collective_check_catches_a_broken_gather():
     )
     # world size 1: the cases with something to gather (4 of 5), 3 dtypes, sync and async
     assert len(failures) == 24 and all(f.startswith("all_gather_v NoCopyComm") for f in failures)
+
+
+# ------------------------------------------------------------------ start-up barriers
+def _late_rank_body(phase: str, delay_s: float, timeout_s: float):
+    """Rank 2 reaches the start-up barrier `delay_s` late (a node that loads slowly); every
+    rank says how the barrier ended, when it arrived and when it left (one machine's clock)."""
+    import time
+
+    from cephalo.runtime.collectives.dist import startup_barrier
+
+    comm = make_comm("gloo")
+    if comm.rank == 2:
+        time.sleep(delay_s)
+    arrived = time.time()
+    try:
+        startup_barrier(comm, phase, timeout_s)
+        outcome = "passed"
+    except CephaloError as err:
+        outcome = str(err)
+    return outcome, arrived, time.time()
+
+
+@pytest.mark.slow
+def test_a_late_rank_within_the_startup_timeout_passes_beyond_it_is_named(pool3):
+    """Finding 6: the start-up barrier (store keys, the start-up's own timeout) waits for a
+    rank that is late but within its timeout, and names a rank later than it on the others,
+    which stop before it arrives: no hang, no collective timeout."""
+    results = pool3.run(_late_rank_body, "within", 0.6, 30.0)
+    assert [r[0] for r in results] == ["passed"] * 3
+    assert min(r[2] for r in results[:2]) >= results[2][1]  # the others waited for it
+    results = pool3.run(_late_rank_body, "beyond", 2.0, 0.5)
+    for outcome, _, left in results[:2]:
+        assert outcome.startswith("rank(s) 2 did not reach start-up phase 'beyond' within 0.5 s")
+        assert "parallel.startup_timeout_s" in outcome
+        assert left < results[2][1]  # they gave up before it came
+    assert "after the other ranks had given up" in results[2][0]
+    # the pool's ranks are in step after it: the next barrier of the phase passes
+    assert [r[0] for r in pool3.run(_late_rank_body, "beyond", 0.0, 30.0)] == ["passed"] * 3

@@ -5,6 +5,7 @@ tests/test_torchrun.py."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,8 @@ from cephalo.train.discovery import (
     check_same_job,
     cluster_from_descriptions,
     describe_own_device,
+    node_local_config,
+    node_view,
 )
 from cephalo.train.node_map import check_node_map
 
@@ -176,3 +179,82 @@ def test_ranks_that_disagree_about_their_node_get_one_message(
     with pytest.raises(CephaloError, match=re.escape(message)) as err:
         check_node_map(descriptions)
     assert "start every rank the same way" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- emulated nodes
+def test_ranks_may_join_in_another_order_than_the_spec(tmp_path):
+    """`parallel.emulate_join_order`: rank i emulates the spec's device P_i, as c10d numbers
+    ranks by arrival; the discovered cluster lists the devices in the ranks' order."""
+    spec = "cpu,cpu:slowdown=2,cpu@node1:slowdown=3"
+    for order, slowdowns, nodes in (
+        ("reverse", [3.0, 2.0, 1.0], [1, 0, 0]),
+        ("1,2,0", [2.0, 3.0, 1.0], [0, 1, 0]),
+    ):
+        cfg = _cfg(tmp_path, f"--parallel.devices={spec}", f"--parallel.emulate_join_order={order}")
+        mine = [describe_own_device(cfg, rank, 3) for rank in range(3)]
+        cluster = cluster_from_descriptions(mine, Cluster.parse(spec))
+        assert [d.slowdown for d in cluster.devices] == slowdowns
+        assert [d.node for d in cluster.devices] == nodes
+    with pytest.raises(CephaloError, match="orders 2 ranks but the job has 3"):
+        describe_own_device(
+            _cfg(tmp_path, f"--parallel.devices={spec}", "--parallel.emulate_join_order=1,0"), 0, 3
+        )
+    for bad in ("1,1,0", "first"):
+        with pytest.raises(CephaloError, match="permutation of 0..N-1"):
+            _cfg(tmp_path, f"--parallel.emulate_join_order={bad}").validate()
+    with pytest.raises(CephaloError, match="is not RANK:SECONDS"):
+        _cfg(tmp_path, "--parallel.emulate_start_delay=1:-3").validate()
+
+
+def test_each_emulated_node_has_its_own_host_memory(tmp_path):
+    cfg = _cfg(tmp_path, "--parallel.devices=cpu@node0,2xcpu@node1;host=8GiB;host1=3GiB")
+    mine = [describe_own_device(cfg, rank, 3) for rank in range(3)]
+    assert [d.host_memory_bytes for d in mine] == [8 * GiB, 3 * GiB, 3 * GiB]
+    cluster = cluster_from_descriptions(mine, Cluster.parse(cfg.parallel.devices))
+    assert (cluster.host_memory_of(0), cluster.host_memory_of(1)) == (8 * GiB, 3 * GiB)
+    assert Cluster.parse(cluster.to_spec()).host_memory_of(1) == 3 * GiB
+    with pytest.raises(CephaloError, match="host1= host memory"):
+        Cluster.parse("cpu;host1=lots")
+
+
+def test_an_emulated_node_writes_to_its_own_filesystem(tmp_path):
+    """`parallel.emulate_node_fs = private`: node 0 (where the job was started) sees paths as
+    given; another node sees what it writes under <logging.dir>/node-fs/nodeK/, except under
+    `parallel.shared_dir`."""
+    run, shared = tmp_path / "run", tmp_path / "nfs"
+    cfg = _cfg(tmp_path, f"--logging.dir={run}", "--parallel.emulate_node_fs=private")
+    assert node_view(cfg, run / "checkpoints", 0) == run / "checkpoints"
+    mine = node_view(cfg, run / "checkpoints", 1)
+    assert mine == run / "node-fs" / "node1" / str(run / "checkpoints").lstrip("/")
+    local = node_local_config(cfg, 2)
+    assert local.checkpoint_dir == node_view(cfg, cfg.checkpoint_dir, 2) != cfg.checkpoint_dir
+    assert Path(local.logging.dir) == run / "node-fs" / "node2" / str(run).lstrip("/")
+    cfg = _cfg(
+        tmp_path,
+        f"--logging.dir={run}",
+        "--parallel.emulate_node_fs=private",
+        f"--parallel.shared_dir={shared}",
+    )
+    assert node_view(cfg, shared / "ckpt", 1) == shared / "ckpt"
+    assert node_view(cfg, tmp_path / "nfs2", 1) != tmp_path / "nfs2"  # a sibling, not under it
+    assert node_view(_cfg(tmp_path), run, 1) == run  # shared (the default): as given
+    assert node_local_config(_cfg(tmp_path), 1).logging.dir == str(tmp_path)
+
+
+def test_a_node_plans_with_its_available_memory_less_the_reserves(monkeypatch):
+    """Finding 4: the host budget is MemAvailable less the OS's and each local rank's reserve,
+    not the physical memory."""
+    from cephalo.costmodel.host import HOST_RANK_RESERVE_BYTES, host_budget
+    from cephalo.train import discovery
+
+    assert host_budget(20 * GiB, 24 * GiB, 2) == 20 * GiB - 2 * GiB - 2 * HOST_RANK_RESERVE_BYTES
+    assert host_budget(100 * GiB, 200 * GiB, 1) == 100 * GiB - 10 * GiB - HOST_RANK_RESERVE_BYTES
+    assert host_budget(GiB, 200 * GiB, 8) == 0
+    monkeypatch.setattr(discovery, "available_host_bytes", lambda: 40 * GiB)
+    monkeypatch.setattr(discovery, "physical_host_memory", lambda: 64 * GiB)
+    assert (
+        discovery.usable_host_bytes(4)
+        == 40 * GiB - int(0.05 * 64 * GiB) - 4 * HOST_RANK_RESERVE_BYTES
+    )
+    monkeypatch.setattr(discovery, "available_host_bytes", lambda: None)
+    assert discovery.usable_host_bytes(1) == host_budget(64 * GiB, 64 * GiB, 1)

@@ -9,7 +9,6 @@ import sys
 import pytest
 from rich.console import Console
 
-from cephalo import envvars
 from cephalo.cli import main as cli_main
 from cephalo.planner.makers import simple_plan
 from cephalo.runtime.collectives.comm import LocalComm
@@ -135,8 +134,8 @@ def test_help_teaches(capsys):
 
 
 # ----------------------------------------------------------------------------- emulated clusters
-def _doctor(tmp_path, *extra: str, env: dict[str, str] | None = None):
-    cmd = [sys.executable, "-m", "cephalo", "doctor", "--devices", GOOD]
+def _doctor(tmp_path, *extra: str, env: dict[str, str] | None = None, devices: str = GOOD):
+    cmd = [sys.executable, "-m", "cephalo", "doctor", "--devices", devices]
     cmd += [f"--logging.dir={tmp_path / 'run'}", "--timeout", "20", *extra]
     proc = run_tagged(cmd, timeout_s=90, env={**os.environ, **(env or {})})
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -167,7 +166,9 @@ def test_a_wrong_plan_fails_its_row(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_without_the_shared_checkpoint_directory_fails(tmp_path):
-    proc, rows = _doctor(tmp_path, env={envvars.TEST_PRIVATE_DIR_RANKS: "1"})
+    """Two emulated nodes with filesystems of their own (`parallel.emulate_node_fs`)."""
+    private = "--parallel.emulate_node_fs=private"
+    proc, rows = _doctor(tmp_path, private, devices="cpu@node0,cpu@node1")
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert rows["checkpoints"] == FAIL, proc.stdout
     assert [k for k, v in rows.items() if v != OK] == ["checkpoints"]

@@ -265,7 +265,14 @@ def test_gpu_check_cpu_parts_pass():
     script = GPU_CHECK.parent / "gpu_check.py"
     proc = run_tagged([sys.executable, str(script), "--cpu"], timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    for name in ("bf16_train", "offload_bitwise", "staging_race", "host_state", "hf_models"):
+    for name in (
+        "bf16_train",
+        "offload_bitwise",
+        "staging_race",
+        "host_state",
+        "host_threads",
+        "hf_models",
+    ):
         assert re.search(rf"^{name}\s+PASS", proc.stdout, re.MULTILINE), proc.stdout[-3000:]
     assert proc.stdout.rstrip().endswith("gpu_check: PASS")
 

@@ -164,6 +164,39 @@ def test_ledger_moves_exactly_the_host_part(dtype):
     assert abs((16 - d) * hosted - (16 - d) * 0.5 * P) <= (16 - d) * units / 2
 
 
+def test_host_adamw_runs_on_the_nodes_threads_only_around_its_step(monkeypatch):
+    """Finding 12: a GPU rank's host AdamW runs on its share of the node's cores (torchrun's
+    OMP_NUM_THREADS=1 aside), set only around the host step (the rank's thread count is back
+    after it) with the same values; an emulated rank's is left alone."""
+    from cephalo.launch.pool import threads_per_rank
+    from cephalo.runtime.state.host_state import HostAdamW
+    from cephalo.specs.cluster import Device
+    from cephalo.train.config_manager import load_config
+    from cephalo.train.trainer import engine_config
+
+    seen: list[int] = []
+    step_group = HostAdamW.step_group
+
+    def counting(self, *args):
+        seen.append(torch.get_num_threads())
+        return step_group(self, *args)
+
+    monkeypatch.setattr(HostAdamW, "step_group", counting)
+    before = torch.get_num_threads()
+    ref, ref_stats = _single(1.0, steps=1, host_adamw="foreach")
+    assert set(seen) == {before}
+    seen.clear()
+    engine, stats = _single(1.0, steps=1, host_adamw="foreach", host_threads=before + 1)
+    assert set(seen) == {before + 1} and torch.get_num_threads() == before
+    assert [s.loss for s in stats] == [s.loss for s in ref_stats]
+    assert max_rel_diff(engine.full_state_dict(), ref.full_state_dict())[0] == 0.0
+    cfg, cpu = load_config(None, []), Device("cpu", 2**30)
+    assert engine_config(cfg, cpu, False, local_ranks=3).host_threads == threads_per_rank(3)
+    assert engine_config(cfg, cpu, True, local_ranks=3).host_threads is None
+    with pytest.raises(CephaloError, match="threads must be >= 1"):
+        HostAdamW([], AdamWHyper(), num_threads=0)
+
+
 def test_default_kernel_is_fused_where_the_build_has_it():
     assert host_adamw_kernel() in ("fused", "foreach")
     engine, _ = _single(1.0, steps=1)

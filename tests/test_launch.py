@@ -299,9 +299,10 @@ def _no_trace(stderr: str) -> None:
 
 @pytest.mark.slow
 def test_a_plan_runs_on_its_devices_started_in_another_order(tmp_path):
-    """`cephalo run --devices` in the other order than the plan's devices: each rank runs the
-    rank-plan made for its device (one log line says so), and the losses are those of the
-    one-process run."""
+    """The ranks join in another order than the plan's devices (`parallel.emulate_join_order`:
+    as c10d numbers them by arrival), one of them 1 s late (within the start-up timeout): each
+    rank runs the rank-plan made for its device (one log line says so), and the losses are
+    those of the one-process run."""
     from cephalo.train.config_manager import load_config
     from cephalo.train.metrics import read_metrics
     from cephalo.train.trainer import train
@@ -311,8 +312,15 @@ def test_a_plan_runs_on_its_devices_started_in_another_order(tmp_path):
     steps = ("--train.steps=6", "--checkpoint.every=0")
     run = tmp_path / "run"
     proc = run_tagged(
-        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu:slowdown=3,mem=2MiB,cpu"]
-        + tiny_job_args(run, f"--parallel.plan={plan}", *steps),
+        [sys.executable, "-m", "cephalo", "run", "--devices", "cpu,cpu:slowdown=3,mem=2MiB"]
+        + tiny_job_args(
+            run,
+            f"--parallel.plan={plan}",
+            *steps,
+            "--parallel.emulate_join_order=reverse",
+            "--parallel.emulate_start_delay=1:1",
+            "--parallel.startup_timeout_s=60",
+        ),
         timeout_s=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,7 +14,6 @@ One home for the names, so a reader (and `docs/`) finds them all here:
 | `CEPHALO_TEST_KILL_AT_STEP`, `CEPHALO_TEST_KILL_RANK` | `train.trainer` | test hook: SIGKILL a rank before a step |
 | `CEPHALO_TEST_OOM_AT_STEP` | `train.trainer` | test hook: that rank runs out of memory at a step |
 | `CEPHALO_TEST_REPLAN` | `train.replan` | test hook: `STEP:PLAN.json[,STEP:PLAN.json...]`, switch to that plan after that step (no calibration) |
-| `CEPHALO_TEST_PRIVATE_DIR_RANKS` | `train.doctor` | test hook: `RANK[,RANK...]`, those ranks probe a private checkpoint directory (a directory not every rank shares) |
 | `CEPHALO_DOCTOR_VERDICT` | `commands.doctor` | set by `cephalo doctor --devices` for its workers: the file where rank 0 writes 0 (every check passed) or 1 |
 | `CEPHALO_EMULATE_DRIFT` | `runtime.emulation` | `STEP:RANK:SLOWDOWN[,...]`: an emulated rank computes at another slowdown from a step on (a device that changes speed) |
 | `CEPHALO_TEST_REPLAN_FAIL` | `train.replan` | test hook: a re-plan fails (as an out-of-memory would; in the first attempt only) |
@@ -43,7 +42,6 @@ OOM_AT_STEP = "CEPHALO_TEST_OOM_AT_STEP"
 TEST_REPLAN = "CEPHALO_TEST_REPLAN"
 TEST_REPLAN_FAIL = "CEPHALO_TEST_REPLAN_FAIL"
 EMULATE_DRIFT = "CEPHALO_EMULATE_DRIFT"
-TEST_PRIVATE_DIR_RANKS = "CEPHALO_TEST_PRIVATE_DIR_RANKS"
 DOCTOR_VERDICT = "CEPHALO_DOCTOR_VERDICT"
 """Set by `cephalo doctor`'s local launch: rank 0 writes its verdict (0 or 1) there."""
 

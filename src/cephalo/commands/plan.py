@@ -99,6 +99,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep all training state on the GPUs (the planner keeps it on the host only where it pays)",
     )
+    p.add_argument(
+        "--host-memory",
+        metavar="SIZE|local",
+        help="every node's host memory for host state and offloaded activations: a size (64GiB), "
+        "or `local`: this machine's available memory less the OS's and each GPU's reserve "
+        "(docs/training.md, 'Host memory'), to plan the node you are on; default: the cluster's "
+        "(`;host=SIZE` in the spec, host_memory in a file, else 256 GiB)",
+    )
     add_grouping_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
     p.add_argument(
@@ -198,18 +206,19 @@ def add_host_memory_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host-memory",
         metavar="BYTES",
-        help="host memory of every node, e.g. 64GiB (host-held state and offloaded activations "
-        "must fit it); default: a cluster file's host_memory, else this machine's available "
+        help="host memory of every node, e.g. 64GiB, or `local`: this machine's available memory "
+        "less reserves (host-held state and offloaded activations must fit it); default: a cluster file's host_memory, else this machine's available "
         "memory when the cluster is this machine, else 256 GiB (said in the output)",
     )
 
 
-def local_host_memory() -> int | None:
-    """This machine's host memory for planning, read through the one function that knows it
-    (train/discovery.py: the budget a job here would get), None where it cannot be read."""
-    from cephalo.train.discovery import available_host_bytes
+def local_host_memory(ranks: int = 1) -> int | None:
+    """This machine's host memory for planning a node of `ranks` ranks, read through the one
+    function that knows it (train/discovery.py: its available memory less the OS's and the
+    ranks' reserves, the budget a job here would get), None where it cannot be read."""
+    from cephalo.train.discovery import usable_host_bytes
 
-    return available_host_bytes()
+    return usable_host_bytes(ranks)
 
 
 def _is_this_machine(cluster: Cluster) -> bool:
@@ -237,16 +246,25 @@ def host_memory_of(args: argparse.Namespace, cluster_spec: str) -> tuple[int | N
     """(every node's host memory in bytes, or None for the cluster's own; the line that says
     what was assumed, or None when the user said it). A plan that counts on host memory the
     machine does not have fails at run time, so an unsaid value is always named."""
+    cluster = Cluster.from_any(cluster_spec)
+    per_node = max(len(cluster.ranks_on_node(n)) for n in cluster.nodes())
+    if args.host_memory and args.host_memory.strip().lower() == "local":
+        local = local_host_memory(per_node)
+        if local is None:
+            raise CephaloError(
+                "--host-memory local: this machine's memory cannot be read; give a size"
+            )
+        return local, None
     if args.host_memory:
         return parse_bytes(args.host_memory, "--host-memory"), None
-    cluster = Cluster.from_any(cluster_spec)
     if cluster.host_memory_bytes != DEFAULT_HOST_MEMORY_BYTES or cluster.node_host_memory_bytes:
         return None, None  # the cluster file says it
     if _is_this_machine(cluster):
-        local = local_host_memory()
+        local = local_host_memory(per_node)
         if local is not None:
             return local, (
-                f"host memory: {local / GIB:.1f} GiB, this machine's available memory "
+                f"host memory: {local / GIB:.1f} GiB, this machine's available memory less "
+                "reserves "
                 "(--host-memory to plan for another)"
             )
     return None, (

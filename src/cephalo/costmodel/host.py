@@ -19,6 +19,29 @@ HOST_STATE_BYTES_PER_PARAM = 16
 """A host-held parameter in host memory: fp32 master, gradient, two Adam moments (pinned on CUDA)."""
 
 
+GiB = 1024**3
+HOST_OS_RESERVE_BYTES = 2 * GiB
+"""Host memory left to the OS beyond what it uses now (its page cache for the checkpoint's
+writes and the data's reads, other daemons that grow): at least this, ..."""
+HOST_OS_RESERVE_FRACTION = 0.05
+"""... or this fraction of the node's physical memory, whichever is larger."""
+HOST_RANK_RESERVE_BYTES = 2 * GiB
+"""Host memory each rank of the node takes beyond its planned host state and offloaded
+activations, as it grows after start-up: the CUDA context's host side and pinned staging
+buffers, the allocator's caches, the data loader, the copy of its shard pieces a checkpoint
+save stages, the tensors a re-plan's re-layout moves through."""
+
+
+def host_budget(available: int, physical: int, local_ranks: int) -> int:
+    """A node's host memory budget for what the planner puts there (host state, offloaded
+    activations): what the kernel says is available now (`MemAvailable`, which excludes what the
+    OS and the started ranks already use), less the OS's reserve and each local rank's
+    (`HOST_OS_RESERVE_*`, `HOST_RANK_RESERVE_BYTES`); never below 0. Not its physical memory:
+    a plan that fills that takes the OS's and the ranks' own memory too."""
+    reserve = max(HOST_OS_RESERVE_BYTES, int(HOST_OS_RESERVE_FRACTION * physical))
+    return max(0, int(available) - reserve - max(1, local_ranks) * HOST_RANK_RESERVE_BYTES)
+
+
 def host_bytes(model: ModelSpec, seq_len: int, dtype: str, b, offload, host_part) -> np.ndarray:
     """Host memory of a rank taking b samples, with boundaries offloaded or not, and the part
     `host_part` x (= h * s) of the model's state on the host; broadcasts (see the module

@@ -134,7 +134,7 @@ profiles say."""
 
 
 def build_cost_model(
-    cluster_spec: str,
+    cluster_spec: str | Cluster,
     model: str | None,
     seq_len: int | None,
     dtype: str | None,
@@ -155,11 +155,10 @@ def build_cost_model(
         model_directory,
         model_spec_for,
     )
-    from cephalo.specs.cluster import Cluster
 
     if seq_len is not None and seq_len < 1:
         raise CephaloError(f"--seq-len must be >= 1, got {seq_len}")
-    cluster = Cluster.from_any(cluster_spec)
+    cluster = cluster_spec if isinstance(cluster_spec, Cluster) else Cluster.from_any(cluster_spec)
     measured = None
     if profiles_path:
         from cephalo.specs.profile import MeasuredProfiles
@@ -178,7 +177,7 @@ def build_cost_model(
     if measured is None and any(d.type == "cpu" for d in cluster.devices):
         raise CephaloError(
             "cpu devices have no catalog profile: measure them with `cephalo profile --devices "
-            f"{cluster_spec} --model {model} --out profiles.json`, then pass --profiles profiles.json"
+            f"{cluster_spec if isinstance(cluster_spec, str) else cluster.to_spec()} --model {model} --out profiles.json`, then pass --profiles profiles.json"
         )
     if measured is not None:
         from cephalo.costmodel.sources import measured_cost_model

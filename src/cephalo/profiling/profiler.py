@@ -58,6 +58,7 @@ from cephalo.profiling.measure import (
 )
 from cephalo.profiling.settings import ProfileSettings
 from cephalo.runtime.collectives.comm import Comm, LocalComm
+from cephalo.runtime.collectives.dist import startup_barrier
 from cephalo.runtime.emulation import ComputeEmulator
 from cephalo.runtime.state.precision import compute_dtype
 from cephalo.specs.cluster import Cluster, Device
@@ -242,6 +243,13 @@ def _has_frozen_base(model: UnitModel) -> bool:
 
 
 # ====================================================================== the whole cluster
+def _wait_for_all(comm: Comm, timeout_s: float | None) -> None:
+    """The start-up barrier (named late ranks, the start-up's timeout) before the collective
+    that ends a measurement; nothing without a start-up timeout or in one process."""
+    if timeout_s is not None and comm.world_size > 1:
+        startup_barrier(comm, "profiling", timeout_s)
+
+
 def _broadcast(obj: object, src: int, comm: Comm) -> object:
     if comm.world_size == 1:
         return obj
@@ -355,6 +363,7 @@ def profile_devices(
     refresh: bool = False,
     progress: ProgressFn | None = None,
     device: torch.device | None = None,
+    startup_timeout_s: float | None = None,
     **model_overrides,
 ) -> MeasuredProfiles:
     """Profiles of every device type in `devices` (rank order) and of the collectives.
@@ -364,6 +373,9 @@ def profile_devices(
     place; only the units measured are materialised: `materialize_measured`). `cache` is the database file (default `default_db_path()`); `use_cache=False`
     neither reads nor writes it; `refresh=True` re-measures and overwrites its entries.
     `device`: where this rank measures (default: its GPU under NCCL, else the CPU).
+    `startup_timeout_s`: the ranks meet at a start-up barrier of this timeout after each
+    measurement (a device type measured while the others wait can outlast the process group's
+    timeout, sized for steps); None: the collectives' own timeout.
     """
     started = time.perf_counter()
     settings = settings or ProfileSettings()
@@ -436,6 +448,7 @@ def profile_devices(
             materialised, seq_len, dtype, devices[rank], tdev, settings, progress, together=comm
         ).to_dict()
         del materialised
+        _wait_for_all(comm, startup_timeout_s)
         results = comm.all_gather_object(mine)
         for k in type_keys:
             profiles[k] = DeviceProfile.from_dict(results[first_rank[k]])
@@ -457,6 +470,7 @@ def profile_devices(
             result = measure_device(
                 materialised, seq_len, dtype, device, tdev, settings, progress
             ).to_dict()
+        _wait_for_all(comm, startup_timeout_s)  # the others waited while `src` measured
         profiles[k] = DeviceProfile.from_dict(_broadcast(result, src, comm))
         measured.append(k)
     del materialised

@@ -119,3 +119,71 @@ def drifted_slowdown(step: int, rank: int, spec: str | None = None) -> float | N
         return slowdown_at(parse_drift(spec), step, rank)
     env = os.environ.get(envvars.EMULATE_DRIFT)
     return slowdown_at(parse_drift(env, envvars.EMULATE_DRIFT), step, rank) if env else None
+
+
+# ----------------------------------------------------------------------------- start-up
+# A real cluster's ranks neither start together nor join in the spec's order: a node boots,
+# imports and loads later than another, and c10d's rendezvous numbers the ranks as they
+# arrive. Two emulator options make the local cluster do the same (docs/training.md,
+# "Emulated clusters").
+
+
+def parse_start_delay(spec: str | None, what: str = "parallel.emulate_start_delay") -> dict:
+    """`RANK:SECONDS[,RANK:SECONDS...]` -> {rank: seconds}; None or empty: {}."""
+    if not spec or not spec.strip():
+        return {}
+    out: dict[int, float] = {}
+    for part in spec.split(","):
+        rank, sep, seconds = part.strip().partition(":")
+        try:
+            r, s = int(rank), float(seconds)
+        except ValueError:
+            r, s = -1, -1.0
+        if not sep or r < 0 or not s >= 0:
+            raise CephaloError(
+                f"{what}: {part.strip()!r} is not RANK:SECONDS (a rank >= 0 and seconds >= 0), "
+                "e.g. `1:30` delays rank 1's start by 30 s"
+            )
+        out[r] = s
+    return out
+
+
+def start_delay_s(spec: str | None, rank: int) -> float:
+    """How long emulated rank `rank` waits before it starts its job (`parallel.
+    emulate_start_delay`): a node that comes up late."""
+    return parse_start_delay(spec).get(rank, 0.0)
+
+
+def parse_join_order(spec: str | None, what: str = "parallel.emulate_join_order") -> list | str:
+    """`reverse`, or a permutation `P0,P1,...` (rank i takes the spec's device P_i); None: []."""
+    if not spec or not spec.strip():
+        return []
+    if spec.strip() == "reverse":
+        return "reverse"
+    try:
+        order = [int(x) for x in spec.split(",")]
+    except ValueError:
+        order = []
+    if not order or sorted(order) != list(range(len(order))):
+        raise CephaloError(
+            f"{what} = {spec!r}: give `reverse` or a permutation of 0..N-1 (rank i takes the "
+            "spec's device at position P_i, e.g. `1,0,2`)"
+        )
+    return order
+
+
+def spec_position(spec: str | None, rank: int, world_size: int) -> int:
+    """The position in the cluster spec of the device that rank `rank` emulates when the ranks
+    join in the order `parallel.emulate_join_order` says (as c10d numbers them as they arrive);
+    the identity without it."""
+    order = parse_join_order(spec)
+    if order == "reverse":
+        return world_size - 1 - rank
+    if not order:
+        return rank
+    if len(order) != world_size:
+        raise CephaloError(
+            f"parallel.emulate_join_order = {spec!r} orders {len(order)} ranks but the job has "
+            f"{world_size}: give a permutation of 0..{world_size - 1}, or `reverse`"
+        )
+    return int(order[rank])

@@ -46,9 +46,10 @@ cluster spec: DEVICE[,DEVICE...][;LINK...]
   KEY     = mem (e.g. 20GiB, 16GB, 512MiB), node (integer >= 0), slowdown (float >= 1, cpu only),
             pcie (host-copy bandwidth of an emulated cpu device, e.g. 12GB/s)
   LINK    = intra=RATE | inter=RATE | latency=SECONDS: the links of the whole cluster (within a
-            node, between nodes, fixed cost of a collective), RATE e.g. 24GB/s
+            node, between nodes, fixed cost of a collective), RATE e.g. 24GB/s;
+            host=SIZE | hostK=SIZE: every node's / node K's host memory (default 256GiB)
   examples: 2xl4,a6000,p40   4xa100x80@node1   cpu,cpu:slowdown=2,cpu:slowdown=4,mem=1GiB,pcie=12GB/s
-            8xa100x80@node0-1;inter=50GB/s   (2 nodes of 8)"""
+            8xa100x80@node0-1;inter=50GB/s   (2 nodes of 8)   cpu@node0,cpu@node1;host1=2GiB"""
 
 # 100 Gbit/s Ethernet, ~80% achievable by NCCL/gloo ring collectives.
 DEFAULT_INTER_NODE_BYTES_PER_S = 100e9 / 8 * 0.8
@@ -314,6 +315,10 @@ class Cluster:
             spec += f";inter={_format_rate(self.inter_node_bytes_per_s)}"
         if self.collective_latency_s != default_latency:
             spec += f";latency={self.collective_latency_s!r}"
+        if self.host_memory_bytes != DEFAULT_HOST_MEMORY_BYTES:
+            spec += f";host={_format_bytes_exact(self.host_memory_bytes)}"
+        for node, nbytes in sorted(self.node_host_memory_bytes.items()):
+            spec += f";host{node}={_format_bytes_exact(nbytes)}"
         return spec
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -543,15 +548,30 @@ def _format_rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s!r}B/s"
 
 
-def _parse_links(tokens: list[str]) -> dict[str, float]:
-    """The `;intra=RATE;inter=RATE;latency=SECONDS` tail of a spec as `Cluster` arguments."""
-    out: dict[str, float] = {}
+def _parse_links(tokens: list[str]) -> dict[str, Any]:
+    """The `;intra=RATE;inter=RATE;latency=SECONDS;host=SIZE;hostK=SIZE` tail of a spec as
+    `Cluster` arguments."""
+    out: dict[str, Any] = {}
     for raw in tokens:
         key, eq, value = raw.partition("=")
         key = key.strip().lower()
+        if eq and key.startswith("host") and value.strip():
+            nbytes = parse_bytes(value.strip(), f"{key}= host memory")
+            if key == "host":
+                if "host_memory_bytes" in out:
+                    raise _spec_error("link option host given twice")
+                out["host_memory_bytes"] = nbytes
+                continue
+            if key[4:].isdigit():
+                nodes = out.setdefault("node_host_memory_bytes", {})
+                if int(key[4:]) in nodes:
+                    raise _spec_error(f"link option {key} given twice")
+                nodes[int(key[4:])] = nbytes
+                continue
         if not eq or key not in _LINK_OPTIONS or not value.strip():
             raise _spec_error(
-                f"bad link option {raw.strip()!r}: expected one of intra=RATE, inter=RATE, latency=SECONDS"
+                f"bad link option {raw.strip()!r}: expected one of intra=RATE, inter=RATE, "
+                "latency=SECONDS, host=SIZE, hostK=SIZE"
             )
         field_name = _LINK_OPTIONS[key]
         if field_name in out:

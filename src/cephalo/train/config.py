@@ -19,6 +19,7 @@ from typing import Any, Literal
 from cephalo.errors import CephaloError
 from cephalo.launch.preempt import SIGNAL_NAMES
 from cephalo.profiling.settings import ProfileSettings
+from cephalo.runtime.emulation import parse_join_order, parse_start_delay
 from cephalo.specs.cluster import parse_bytes
 from cephalo.specs.drift import parse_drift
 
@@ -210,6 +211,11 @@ class ParallelConfig:
     """torch.distributed backend: `auto` picks nccl on CUDA and gloo on CPU."""
     timeout_s: float = 300.0
     """Timeout of every collective, in seconds: a lost rank becomes an error instead of a hang."""
+    startup_timeout_s: float = 1800.0
+    """How long the ranks wait for each other at the start-up's barriers (before discovery, each
+    profiled device type, after the data is tokenised): its phases take very different times on
+    different nodes (a node that tokenises, a slow device measured while the others wait), longer
+    than a step's `timeout_s`. A rank later than this is named in one message."""
     max_restarts: int = 0
     """`cephalo run`: restart the whole worker group up to this many times after a failure (the
     elastic agent); with `checkpoint.resume = auto` the restarted workers continue from the newest
@@ -240,6 +246,21 @@ class ParallelConfig:
     this rank's shards to host memory and frees the old engine; `auto` (default) stages
     through the host when the device cannot hold the new plan's predicted peak beside the old
     engine (free CUDA memory, or an emulated device's budget)."""
+    emulate_start_delay: str | None = None
+    """Emulated clusters: `RANK:SECONDS[,...]` makes rank RANK start its job that much later (a
+    node that boots or loads late), to test `startup_timeout_s`."""
+    emulate_join_order: str | None = None
+    """Emulated clusters: the ranks join in another order than the devices of `parallel.devices`
+    (as torchrun's c10d rendezvous numbers them as they arrive): `reverse`, or `P0,P1,...` (rank
+    i emulates the spec's device P_i). A plan file is then matched to the ranks by device."""
+    emulate_node_fs: Literal["shared", "private"] = "shared"
+    """Emulated clusters: `private` gives every emulated node but the first its own filesystem,
+    as separate machines have: a path its ranks write (checkpoints, the run directory, the data
+    cache) that is not under `parallel.shared_dir` lands under `<logging.dir>/node-fs/nodeK/`;
+    `shared`: one filesystem for all (docs/training.md, "Emulated clusters")."""
+    shared_dir: str | None = None
+    """A directory every node sees (an NFS or cluster filesystem mount): with `emulate_node_fs =
+    private`, paths under it are shared by all the emulated nodes."""
     emulate_drift: str | None = None
     """Emulated devices: `STEP:RANK:SLOWDOWN[,...]` makes rank RANK compute at SLOWDOWN from step
     STEP on, whatever its profile says (a GPU that throttles mid-run; `cephalo demo` shows
@@ -513,10 +534,24 @@ def _validate(cfg: JobConfig) -> None:
         0 <= p.replan_min_gain < 1,
         f"parallel.replan_min_gain must be in [0, 1) (0.03: 3 %), got {p.replan_min_gain}",
     )
-    try:
-        parse_drift(p.emulate_drift)
-    except CephaloError as e:
-        problems.append(str(e))
+    check(
+        0 < p.startup_timeout_s <= MAX_TIMEOUT_S,
+        f"parallel.startup_timeout_s must be > 0 and at most {MAX_TIMEOUT_S:.0e} seconds, got "
+        f"{p.startup_timeout_s}",
+    )
+    for parse in (
+        lambda: parse_drift(p.emulate_drift),
+        lambda: parse_start_delay(p.emulate_start_delay),
+        lambda: parse_join_order(p.emulate_join_order),
+    ):
+        try:
+            parse()
+        except CephaloError as e:
+            problems.append(str(e))
+    check(
+        p.emulate_node_fs in ("shared", "private"),
+        f"parallel.emulate_node_fs must be `shared` or `private`, got {p.emulate_node_fs!r}",
+    )
     check(
         p.devices is None or bool(p.devices.strip()),
         "parallel.devices must not be empty (leave it unset)",

@@ -22,18 +22,22 @@ the fields that differ, instead of hanging in a later collective.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from cephalo import __version__, envvars
+from cephalo.costmodel.host import host_budget
 from cephalo.errors import CephaloError
 from cephalo.runtime.collectives.comm import Comm
+from cephalo.runtime.emulation import spec_position
 from cephalo.specs.catalog.devices import DEFAULT_HOST_MEMORY_BYTES, device_type_for_gpu
 from cephalo.specs.cluster import Cluster, Device, parse_bytes
 from cephalo.train.config import JobConfig
@@ -108,6 +112,16 @@ def available_host_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     return None
 
 
+def usable_host_bytes(local_ranks: int | None = None) -> int:
+    """This node's host memory budget for the plan (`costmodel.host.host_budget`): available
+    memory less the OS's and each of its `local_ranks` ranks' reserves (torchrun's
+    LOCAL_WORLD_SIZE where None); physical memory stands in where MemAvailable cannot be read."""
+    physical = physical_host_memory()
+    available = available_host_bytes()
+    ranks = local_ranks if local_ranks is not None else (_local_world_size() or 1)
+    return host_budget(physical if available is None else available, physical, ranks)
+
+
 def _torchrun_group() -> str | None:
     group_rank = os.environ.get("GROUP_RANK")
     return group_rank if group_rank not in (None, "") else None
@@ -152,7 +166,8 @@ def describe_own_device(cfg: JobConfig, rank: int, world_size: int) -> RankDescr
                 f"the job has {world_size} process(es): give one device per rank, or launch "
                 f"{cluster.world_size} processes (`cephalo run` starts one per device)"
             )
-        device = cluster.devices[rank]
+        # the ranks may join in another order than the spec's devices (as under c10d)
+        device = cluster.devices[spec_position(cfg.parallel.emulate_join_order, rank, world_size)]
         (node, source), name = (f"node{device.node}", "spec"), "cpu"
         host = host_override or cluster.host_memory_of(device.node)
     elif own_spec:
@@ -167,7 +182,7 @@ def describe_own_device(cfg: JobConfig, rank: int, world_size: int) -> RankDescr
         memory = int(props.total_memory)
         device = Device(type=device_type_for_gpu(props.name, memory), memory_bytes=memory)
         (node, source), name = _torchrun_node(), props.name
-        host = host_override or physical_host_memory()
+        host = host_override or usable_host_bytes()
     else:
         device = Device(type="cpu", memory_bytes=Cluster.parse("cpu").devices[0].memory_bytes)
         (node, source), name = _torchrun_node(), "cpu"
@@ -185,6 +200,40 @@ def describe_own_device(cfg: JobConfig, rank: int, world_size: int) -> RankDescr
         torchrun_group=_torchrun_group(),
         local_world_size=_local_world_size(),
     )
+
+
+NODE_FS_DIR = "node-fs"
+"""Under `logging.dir`: the filesystems of an emulated cluster's other nodes (`node_view`)."""
+
+
+def node_view(cfg: JobConfig, path: str | Path, node: int) -> Path:
+    """Where `path` is for the ranks of emulated node `node` (`parallel.emulate_node_fs`): as
+    given on a filesystem every node shares (`shared`, node 0, or a path under `parallel.
+    shared_dir`), else under `<logging.dir>/node-fs/node<K>/` (its absolute path made relative
+    there), the local disk of a machine of its own. Node 0 is the machine the job was started
+    from: its run directory is where the user looks."""
+    p = Path(path)
+    if cfg.parallel.emulate_node_fs != "private" or node == 0:
+        return p
+    absolute = p.absolute()
+    if cfg.parallel.shared_dir is not None:
+        shared = Path(cfg.parallel.shared_dir).absolute()
+        if absolute == shared or shared in absolute.parents:
+            return p
+    root = Path(cfg.logging.dir).absolute() / NODE_FS_DIR / f"node{node}"
+    return root / absolute.relative_to(absolute.anchor)
+
+
+def node_local_config(cfg: JobConfig, node: int) -> JobConfig:
+    """The job's config as the ranks of emulated node `node` see it: the directories they
+    write (checkpoints, the run directory) on that node's filesystem (`node_view`); the same
+    config where the nodes share one."""
+    if cfg.parallel.emulate_node_fs != "private" or node == 0:
+        return cfg
+    local = copy.deepcopy(cfg)
+    local.checkpoint.dir = str(node_view(cfg, cfg.checkpoint_dir, node))
+    local.logging.dir = str(node_view(cfg, cfg.logging.dir, node))
+    return local
 
 
 def is_emulated(cfg: JobConfig) -> bool:

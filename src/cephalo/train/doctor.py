@@ -11,12 +11,14 @@ them: `views.tables.doctor_table`). The rows, in order:
 3. `device memory`: free device memory once the process groups exist (CUDA:
    `torch.cuda.mem_get_info`; an emulated device: its `mem=` budget) against the plan's
    predicted peak of each rank.
-4. `host memory`: each node's available memory (`/proc/meminfo` MemAvailable) against what
-   the plan puts on its host (predicted host bytes, else costmodel/host.py's formula).
+4. `host memory`: each node's usable memory (`/proc/meminfo` MemAvailable less the reserves of
+   costmodel/host.py; an emulated node: its own budget) against what the plan puts on its host
+   (predicted host bytes, else costmodel/host.py's formula).
 5. `checkpoints`: every rank writes a probe with a random token into the checkpoint directory,
    a barrier, every rank looks for every other rank's probe: a directory not every rank shares
-   names the ranks that do not see each other (`CEPHALO_TEST_PRIVATE_DIR_RANKS` gives ranks a
-   private directory, so a test can fail it on one machine).
+   names the ranks that do not see each other (an emulated cluster with `parallel.
+   emulate_node_fs = private` fails it on one machine). Training runs the same probe before its
+   first step (`checkpoint_check`, train/trainer.py).
 6. `NCCL`: the NCCL variables that matter (docs/gpu.md), set or unset; a warning for a
    multi-node NCCL job without NCCL_SOCKET_IFNAME on a host with several interfaces.
 7. `collectives`: one uneven `all_gather_v`, `reduce_scatter_v` (a zero-size shard included)
@@ -38,7 +40,6 @@ from pathlib import Path
 
 import torch
 
-from cephalo import envvars
 from cephalo.errors import CephaloError, first_line
 from cephalo.planner.plan import Plan
 from cephalo.planner.rank_match import match_plan, plan_devices
@@ -47,12 +48,13 @@ from cephalo.specs.cluster import Cluster
 from cephalo.train.config import JobConfig
 from cephalo.train.discovery import (
     RankDescription,
-    available_host_bytes,
     check_same_job,
     cluster_from_descriptions,
     describe_own_device,
     is_emulated,
     job_torch_device,
+    node_view,
+    usable_host_bytes,
 )
 from cephalo.train.node_map import check_node_map
 
@@ -258,16 +260,11 @@ def host_memory_check(
 
 
 # ----------------------------------------------------------------------------- 5. checkpoints
-def private_dir_ranks() -> set[int]:
-    """Ranks the test hook gives a private checkpoint directory."""
-    raw = os.environ.get(envvars.TEST_PRIVATE_DIR_RANKS, "")
-    return {int(x) for x in raw.split(",") if x.strip().isdigit()}
-
-
 def checkpoint_check(directory: Path, comm: Comm) -> Check:
-    """Probe files written by every rank, looked for by every rank (collective)."""
+    """Probe files written by every rank into `directory` (as this rank sees it: an emulated
+    node's own filesystem gives each node another one), looked for by every rank (collective)."""
     rank = comm.rank
-    own = directory / f"private-rank{rank}" if rank in private_dir_ranks() else directory
+    own = directory
     run = comm.all_gather_object(secrets.token_hex(8))[0]
     token = secrets.token_hex(16)
     probe = own / f"{PROBE_PREFIX}{run}-rank{rank}"
@@ -289,8 +286,6 @@ def checkpoint_check(directory: Path, comm: Comm) -> Check:
     comm.barrier()
     with contextlib.suppress(OSError):
         probe.unlink()
-        if own != directory:
-            own.rmdir()
     failed = [(r, e) for r, (_, e) in enumerate(tokens) if e]
     if failed:
         return Check(
@@ -442,8 +437,12 @@ def run_doctor(cfg: JobConfig, comm: Comm, options: DoctorOptions | None = None)
     ranks, cluster = discovery_check(descriptions, cfg)
     plan_row, plan = plan_check(cfg, options, cluster)
     free = comm.all_gather_object(free_device_bytes(cfg, comm, own))
-    available = comm.all_gather_object(available_host_bytes())
+    node = cluster.devices[comm.rank].node if cluster is not None else 0
+    # an emulated node's host is its budget; a real one's what it has free less the reserves
+    usable = own.host_memory_bytes if is_emulated(cfg) else usable_host_bytes(own.local_world_size)
+    available = comm.all_gather_object(usable)
     directory = Path(options.checkpoint_dir) if options.checkpoint_dir else cfg.checkpoint_dir
+    directory = node_view(cfg, directory, node) if is_emulated(cfg) else directory
     nccl = comm.all_gather_object(nccl_facts())
     local = collectives_facts(comm, job_torch_device(cfg, comm))
     try:

@@ -121,7 +121,8 @@ def switch_plan(trainer: _Trainer, plan: Plan) -> tuple[float, list[int]]:
     # every rank must be able to switch before any drops its engine: a rank whose host cannot
     # take its state (its device cannot hold both engines) keeps the whole job on its plan.
     # One all-gather: (stages, bytes its node lacks) of every rank
-    ranks = trainer.comm.all_gather_object((staged, host_shortfall(copied)))
+    short = host_shortfall(copied, old.ledger.host_budget_bytes, old.ledger.host_current_bytes)
+    ranks = trainer.comm.all_gather_object((staged, short))
     if any(short for _, short in ranks):
         raise SwitchNotPossible(
             "the re-plan needs host memory to stage the state of "
@@ -166,12 +167,16 @@ class SwitchNotPossible(CephaloError):
     """Every rank agreed before anything changed: the job goes on under its plan."""
 
 
-def host_shortfall(copied: int) -> int:
+def host_shortfall(copied: int, host_budget: int | None = None, host_held: int = 0) -> int:
     """Bytes this rank's node lacks to stage `copied` bytes on every one of its ranks (the
     ranks of a node stage at once: `LOCAL_WORLD_SIZE` of torchrun, each about as much);
-    0 where it has room or cannot tell."""
+    0 where it has room or cannot tell. An emulated node has a host of its own: its budget
+    (`host_budget`, this rank's share, of which the engine holds `host_held`), not the
+    machine's available memory, which all the emulated nodes share."""
     if copied <= 0:
         return 0
+    if host_budget is not None:
+        return max(0, host_held + copied - host_budget)
     available = available_host_bytes()
     if available is None:
         return 0

@@ -27,6 +27,7 @@ import math
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,9 @@ from cephalo import envvars
 from cephalo.costmodel.host import check_host_memory
 from cephalo.costmodel.model import CostModel
 from cephalo.data.job import open_batches, resolve_job_dataset
+from cephalo.data.text import default_cache_dir
 from cephalo.errors import CephaloError
+from cephalo.launch.pool import threads_per_rank
 from cephalo.launch.preempt import StopSignals, TimedSaves, stop_note
 from cephalo.log import init_logging, logger
 from cephalo.modeling.lora import adapter_settings, apply_adapter
@@ -47,9 +50,9 @@ from cephalo.planner.makers import simple_plan
 from cephalo.planner.plan import Plan
 from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
 from cephalo.runtime.collectives.comm import Comm
-from cephalo.runtime.collectives.dist import init_distributed, peer_failure
+from cephalo.runtime.collectives.dist import init_distributed, peer_failure, startup_barrier
 from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
-from cephalo.runtime.emulation import drifted_slowdown
+from cephalo.runtime.emulation import drifted_slowdown, start_delay_s
 from cephalo.runtime.engine.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.state.adamw import AdamWHyper
 from cephalo.runtime.step_timing import format_split, split_step
@@ -57,7 +60,14 @@ from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig, preflight, steps_for_epochs
 from cephalo.train.config_manager import config_to_toml
-from cephalo.train.discovery import discover_cluster, is_emulated, job_torch_device
+from cephalo.train.discovery import (
+    discover_cluster,
+    is_emulated,
+    job_torch_device,
+    node_local_config,
+    node_view,
+)
+from cephalo.train.doctor import OK, checkpoint_check
 from cephalo.train.lr import LRSchedule
 from cephalo.train.metrics import (
     TRACKERS,
@@ -164,6 +174,7 @@ def auto_plan(
         settings=cfg.profile,
         cache=cfg.profile_cache,
         device=job_torch_device(cfg, comm),
+        startup_timeout_s=cfg.parallel.startup_timeout_s,
     )
     targets = cfg.model.lora_target_modules
     cost_model = measured_cost_model(
@@ -220,10 +231,11 @@ def engine_config(
     emulated: bool,
     host_memory_bytes: int | None = None,
     torch_device: torch.device | None = None,
+    local_ranks: int = 1,
 ) -> EngineConfig:
     """The engine's settings from the job config and this rank's (maybe emulated) device;
     `host_memory_bytes`: this rank's share of its node's host memory (its host budget when
-    emulated)."""
+    emulated); `local_ranks`: the ranks of its node (which share its cores)."""
     offload = {"auto": None, "always": True, "never": False}[cfg.parallel.offload]
     t = cfg.train
     return EngineConfig(
@@ -242,6 +254,9 @@ def engine_config(
         host_memory_budget_bytes=host_memory_bytes if emulated else None,
         host_copy_bytes_per_s=device.pcie_bytes_per_s,
         device=None if torch_device is None else str(torch_device),
+        # the node's cores for the host AdamW (torchrun gives each rank one thread); an
+        # emulated rank shares the host with the others as it is
+        host_threads=None if emulated else threads_per_rank(max(1, local_ranks)),
     )
 
 
@@ -287,14 +302,20 @@ class _Trainer:
     """One rank's training job; `train()` drives it."""
 
     def __init__(self, cfg: JobConfig, comm: Comm):
-        self.cfg, self.comm = cfg, comm
+        self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
-        self.run_dir = Path(cfg.logging.dir)
         if cfg.logging.tensorboard:
             require_tensorboard()
+        # the ranks start at different times (a node boots or loads late): they meet first at a
+        # barrier with the start-up's timeout, which names a late rank (runtime/collectives/dist.py)
+        startup = cfg.parallel.startup_timeout_s
+        startup_barrier(comm, "discovery", startup)
         # every rank describes its own device; all build the same cluster from the descriptions
         self.cluster = discover_cluster(cfg, comm)
         self.device = self.cluster.devices[self.rank]
+        # an emulated node of its own writes to its own filesystem (parallel.emulate_node_fs)
+        self.cfg = cfg = node_local_config(cfg, self.device.node) if is_emulated(cfg) else cfg
+        self.run_dir = Path(cfg.logging.dir)
         model = build_job_model(cfg)
         if cfg.parallel.plan == "auto":
             self.plan, cost_model = auto_plan(cfg, model, self.cluster, comm)
@@ -315,7 +336,10 @@ class _Trainer:
             progress=self.rank == 0,
             model_name=cfg.model.name,
             text_field=cfg.data.text_field,
+            cache_dir=node_view(cfg, default_cache_dir(), self.device.node),
         )
+        # one rank per host tokenised (a file lock) while the others waited; the nodes differ
+        startup_barrier(comm, "data", startup)
         self.batches = open_batches(
             data_path,
             cfg.data.seq_len,
@@ -368,9 +392,12 @@ class _Trainer:
         node_of = [d.node for d in self.cluster.devices]
         host_memory = {n: self.cluster.host_memory_of(n) for n in self.cluster.nodes()}
         check_host_memory(plan, self.model_spec, node_of, host_memory)
-        share = host_memory[self.device.node] // len(self.cluster.ranks_on_node(self.device.node))
+        local = len(self.cluster.ranks_on_node(self.device.node))
+        share = host_memory[self.device.node] // local
         emulated = is_emulated(cfg)
-        config = engine_config(cfg, self.device, emulated, share, job_torch_device(cfg, comm))
+        config = engine_config(
+            cfg, self.device, emulated, share, job_torch_device(cfg, comm), local_ranks=local
+        )
         return Engine(
             model if model is not None else build_job_model(cfg),
             plan,
@@ -417,6 +444,18 @@ class _Trainer:
         name = self.signals.received or "a signal on another rank"
         self.result.stopped_by = name
         self.result.stop_note = stop_note(name, self.step, self.result.last_checkpoint)
+
+    def check_checkpoint_dir(self) -> None:
+        """Before any step: the checkpoint directory is one every rank writes and sees (the
+        doctor's probe, one function for both), else the first save, maybe at the end of the
+        run, would fail."""
+        row = checkpoint_check(self.cfg.checkpoint_dir, self.comm)
+        if row.status != OK:
+            raise CephaloError(
+                f"the checkpoint directory is not one every rank can use: {row.found}. Before "
+                f"training: {row.fix}; on an emulated cluster with parallel.emulate_node_fs = "
+                "private, a checkpoint.dir under parallel.shared_dir"
+            )
 
     def resume(self) -> None:
         target = resume_target(self.cfg.checkpoint.resume, self.cfg.checkpoint_dir)
@@ -685,6 +724,7 @@ class _Trainer:
         cfg = self.cfg
         self.write_run_files()
         try:
+            self.check_checkpoint_dir()
             self.resume()
         except (RuntimeError, TimeoutError) as e:
             raise self._collective_failure(e, "resuming") from None
@@ -791,6 +831,12 @@ def train(cfg: JobConfig) -> TrainResult:
     weights_note = initial_weights_note(m.name, m.init, m.adapter)  # refused before any group
     with StopSignals(cfg.checkpoint.save_on_signals) as signals:
         comm = init_distributed(backend, timeout_s=cfg.parallel.timeout_s)
+        delay = start_delay_s(cfg.parallel.emulate_start_delay, comm.rank)
+        if delay > 0 and is_emulated(cfg):  # the emulator's late node
+            logger.info(
+                "rank %d: starting %.3g s late (parallel.emulate_start_delay)", comm.rank, delay
+            )
+            time.sleep(delay)
         torch.manual_seed(cfg.model.seed)  # any randomness outside the engine's own streams
         if weights_note and comm.rank == 0:
             logger.warning(weights_note)

@@ -328,3 +328,55 @@ def shutdown(failed: bool = False) -> None:
         except Exception as err:  # fall back to the orderly teardown
             logger.warning("could not abort the process group (%s); destroying it", err)
     dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ start-up barriers
+# The start-up's phases (a node's imports and CUDA context, tokenising the data, profiling one
+# device type while the others wait, reading weights) take very different times on different
+# ranks, and the next collective would give the late ones only the process group's timeout
+# (`parallel.timeout_s`, sized for steps). Before each such collective the ranks meet at a
+# barrier in the process group's store, with the start-up's own timeout; a rank later than it
+# is NAMED (a store key per rank says who arrived), instead of a collective timing out somewhere.
+_barrier_calls: dict[str, int] = {}
+_BARRIER_POLL_S = (0.01, 0.5)
+"""First and longest wait between two looks at the store."""
+
+
+def startup_barrier(comm: Comm, phase: str, timeout_s: float) -> None:
+    """Wait until every rank has reached `phase` (collective: every rank calls it, in the same
+    order); raise one `CephaloError` naming the ranks that did not within `timeout_s`. Without a
+    store (one process, a comm of its own) it is the comm's plain barrier, or nothing."""
+    if comm.world_size == 1:
+        return
+    store = _store()
+    if store is None:
+        comm.barrier()
+        return
+    # not keyed by the restart count: agents that joined in different rounds count restarts
+    # differently; each rendezvous round has a store of its own (SHARED_STORE_ENV)
+    n = _barrier_calls[phase] = _barrier_calls.get(phase, 0) + 1
+    prefix = f"cephalo/startup/{phase}/{n}/"
+    if store.check([prefix + "given-up"]):
+        raise CephaloError(
+            f"rank {comm.rank} reached start-up phase {phase!r} after the other ranks had given up "
+            f"waiting for it: see their message"
+        )
+    store.set(f"{prefix}rank{comm.rank}", "1")
+    arrived = store.add(prefix + "count", 1)
+    deadline, pause = time.monotonic() + timeout_s, _BARRIER_POLL_S[0]
+    while arrived < comm.world_size:
+        if time.monotonic() > deadline:
+            late = [r for r in range(comm.world_size) if not store.check([f"{prefix}rank{r}"])]
+            store.set(prefix + "given-up", str(comm.rank))
+            raise CephaloError(
+                f"rank(s) {', '.join(map(str, late))} did not reach start-up phase {phase!r} "
+                f"within {timeout_s:g} s of rank {comm.rank} (parallel.startup_timeout_s). Raise "
+                "parallel.startup_timeout_s if those ranks are only slow (a node tokenising, "
+                "loading weights or profiling), else see their log for why they stopped"
+            )
+        peer = peer_failure()
+        if peer is not None:
+            raise CephaloError(f"rank {comm.rank}: start-up stopped because {peer}")
+        time.sleep(pause)
+        pause = min(2 * pause, _BARRIER_POLL_S[1])
+        arrived = store.add(prefix + "count", 0)

@@ -58,6 +58,11 @@ class EngineConfig:
     host_adamw: str | None = None
     """AdamW kernel of the host-held state: `fused` (fastest), `foreach` (bitwise the device
     path's arithmetic on a CPU); None: fused where this torch build has it for CPU tensors."""
+    host_threads: int | None = None
+    """Intra-op threads of the host AdamW step (only around it: `HostAdamW.threads`): the
+    node's cores shared by its ranks; None: the process's setting (torchrun's
+    OMP_NUM_THREADS=1 would run it on one core). Emulated CPU ranks keep None: their compute's
+    emulation times one thread per rank (runtime/emulation.py)."""
     adamw_kernel: str | None = None
     """AdamW kernel of the device-held state (runtime/state/adamw.py): `fused`, `foreach` (bitwise
     the host's `foreach` on a CPU) or `single`; None: fused where this torch build has it for

@@ -333,6 +333,8 @@ def apply_host_state(
     one, in the host optimizer's group order."""
     hosted = [us for us in shards if us.host is not None]
     host_optimizer = (
-        HostAdamW([us.host for us in hosted], config.adamw, config.host_adamw) if hosted else None
+        HostAdamW([us.host for us in hosted], config.adamw, config.host_adamw, config.host_threads)
+        if hosted
+        else None
     )
     return host_optimizer, hosted

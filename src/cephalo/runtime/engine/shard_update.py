@@ -162,9 +162,10 @@ class ShardUpdate:
             t0 = time.perf_counter()
             if coef < 1.0:
                 host_opt.scale_grads(coef)
-            for i, us in enumerate(self.hosted):
-                host_opt.step_group(i, lr, opt.step_count)
-                self.upload(us)
+            with host_opt.threads():  # the node's cores, not torchrun's one thread
+                for i, us in enumerate(self.hosted):
+                    host_opt.step_group(i, lr, opt.step_count)
+                    self.upload(us)
             self.host_zero_grad()
             self.link.wait_uploads()
             clock.host_s += time.perf_counter() - t0

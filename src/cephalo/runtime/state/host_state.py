@@ -24,8 +24,9 @@ upward ones. scripts/gpu_check.py exercises that path.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -202,9 +203,19 @@ class HostAdamW:
     CPU); `fused` (one CPU kernel, about 4x faster than either here) rounds a little
     differently (about 1e-8 per step on 0.02-sized weights)."""
 
-    def __init__(self, groups: Sequence[HostGroup], hyper: AdamWHyper, kernel: str | None = None):
+    def __init__(
+        self,
+        groups: Sequence[HostGroup],
+        hyper: AdamWHyper,
+        kernel: str | None = None,
+        num_threads: int | None = None,
+    ):
         self.groups = list(groups)
         self.hyper = hyper
+        if num_threads is not None and num_threads < 1:
+            raise CephaloError(f"host AdamW threads must be >= 1, got {num_threads}")
+        self.num_threads = num_threads
+        """Intra-op threads of its steps (`threads()`); None: the process's."""
         self.kernel = kernel or host_adamw_kernel()
         if self.kernel not in HOST_ADAMW_KERNELS:
             raise CephaloError(
@@ -212,6 +223,23 @@ class HostAdamW:
             )
         # per group: the views of each weight-decay run and each plain run
         self._runs = [g.runs() for g in self.groups]
+
+    @contextlib.contextmanager
+    def threads(self) -> Iterator[None]:
+        """Run the block on `num_threads` intra-op threads, then restore the process's count:
+        torchrun starts every rank with OMP_NUM_THREADS=1, which leaves the host AdamW of a
+        GPU rank on one core while the node's other cores idle (`num_threads` is the cores
+        shared by the node's ranks). Only around the host step, so what else the rank runs on
+        the CPU (an emulated device's compute, timed on one thread) is left as it was."""
+        before = torch.get_num_threads()
+        if self.num_threads is None or self.num_threads == before:
+            yield
+            return
+        torch.set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def step_group(self, i: int, lr: float, step: int) -> None:
         """Update group i for optimizer step `step` (1-based, as `ShardedAdamW.step_count`)."""
