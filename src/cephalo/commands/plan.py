@@ -99,14 +99,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep all training state on the GPUs (the planner keeps it on the host only where it pays)",
     )
-    p.add_argument(
-        "--host-memory",
-        metavar="SIZE|local",
-        help="every node's host memory for host state and offloaded activations: a size (64GiB), "
-        "or `local`: this machine's available memory less the OS's and each GPU's reserve "
-        "(docs/training.md, 'Host memory'), to plan the node you are on; default: the cluster's "
-        "(`;host=SIZE` in the spec, host_memory in a file, else 256 GiB)",
-    )
     add_grouping_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
     p.add_argument(
@@ -205,10 +197,12 @@ def add_host_memory_argument(p: argparse.ArgumentParser) -> None:
     """--host-memory: every node's host memory (shared with `advise`)."""
     p.add_argument(
         "--host-memory",
-        metavar="BYTES",
+        metavar="SIZE|local",
         help="host memory of every node, e.g. 64GiB, or `local`: this machine's available memory "
-        "less reserves (host-held state and offloaded activations must fit it); default: a cluster file's host_memory, else this machine's available "
-        "memory when the cluster is this machine, else 256 GiB (said in the output)",
+        "less the OS's and each rank's reserve (docs/training.md, 'Host memory'; host-held state "
+        "and offloaded activations must fit it); default: `;host=SIZE` in the spec or a "
+        "cluster file's host_memory, else this machine's available memory less reserves when "
+        "the cluster is this machine, else 256 GiB (said in the output)",
     )
 
 
