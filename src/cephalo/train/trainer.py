@@ -23,6 +23,7 @@ out-of-memory error at step N instead, to test that the other ranks stop at once
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -35,6 +36,7 @@ import torch
 
 from cephalo import envvars
 from cephalo.costmodel.host import check_host_memory
+from cephalo.costmodel.memory import device_reserve_bytes
 from cephalo.costmodel.model import CostModel
 from cephalo.data.job import open_batches, resolve_job_dataset
 from cephalo.errors import CephaloError
@@ -49,6 +51,7 @@ from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.collectives.dist import init_distributed, peer_failure
 from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
+from cephalo.runtime.device_memory import EmulatedDeviceMemory, host_memory
 from cephalo.runtime.emulation import drifted_slowdown
 from cephalo.runtime.engine.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.state.adamw import AdamWHyper
@@ -102,6 +105,10 @@ class TrainResult:
     """The signal that stopped the run before `train.steps` (saved at `final_step`), else None."""
     stop_note: str | None = None
     """What rank 0 says of that stop (where it saved): launch/preempt.py `stop_note`."""
+    device_peak_bytes: int | None = None
+    """This rank's peak of emulated device memory over the whole job (profiling, engine, steps,
+    checkpoints; its reserve included): `runtime.device_memory`. None: not emulated, or
+    `CEPHALO_STRICT_MEMORY=0`."""
 
 
 # ----------------------------------------------------------------------------- cluster and plan
@@ -249,7 +256,9 @@ def out_of_memory_message(rank: int, step: int, engine: Engine, err: BaseExcepti
     gib = 1024**3
     device = engine.device
     detail = ""
-    if device.type == "cuda":
+    if isinstance(err, torch.OutOfMemoryError) and str(err).startswith("emulated device"):
+        detail = f" ({str(err).split(': ', 1)[1]})"
+    elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         detail = (
             f" ({torch.cuda.memory_allocated(device) / gib:.2f} GiB allocated, "
@@ -261,6 +270,27 @@ def out_of_memory_message(rank: int, step: int, engine: Engine, err: BaseExcepti
         "memory the plan did not foresee, take the rest: give that rank a smaller batch or state "
         "fraction (a plan file), offload activations (parallel.offload = always), or re-plan with a "
         "smaller memory per GPU (`cephalo plan --cluster TYPE:mem=...`)"
+    )
+
+
+def strict_device_memory(cfg: JobConfig, device: Device, rank: int) -> EmulatedDeviceMemory | None:
+    """The byte-by-byte accounting of an emulated rank's device memory (runtime/device_memory.py),
+    charged the reserve the planner keeps on that device type; None on a real device or with
+    `CEPHALO_STRICT_MEMORY=0`."""
+    if not is_emulated(cfg) or os.environ.get(envvars.STRICT_MEMORY, "1") == "0":
+        return None
+    return EmulatedDeviceMemory(
+        rank, int(device.memory_bytes), device_reserve_bytes(device.type_key)
+    )
+
+
+def startup_out_of_memory(rank: int, err: torch.OutOfMemoryError) -> CephaloError:
+    """One line for a device that ran out of memory before the first step (profiling, the
+    engine's buffers, a resumed checkpoint)."""
+    return CephaloError(
+        f"rank {rank} ran out of device memory before its first step ({_short(err)}): the job "
+        "does not fit this device as planned; give that rank a smaller share (a plan file, "
+        "parallel.offload = always, LoRA / QLoRA) or a device with more memory"
     )
 
 
@@ -283,7 +313,7 @@ def build_job_model(cfg: JobConfig) -> UnitModel:
 class _Trainer:
     """One rank's training job; `train()` drives it."""
 
-    def __init__(self, cfg: JobConfig, comm: Comm):
+    def __init__(self, cfg: JobConfig, comm: Comm, stack: contextlib.ExitStack | None = None):
         self.cfg, self.comm = cfg, comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.run_dir = Path(cfg.logging.dir)
@@ -292,6 +322,10 @@ class _Trainer:
         # every rank describes its own device; all build the same cluster from the descriptions
         self.cluster = discover_cluster(cfg, comm)
         self.device = self.cluster.devices[self.rank]
+        # an emulated device counts every byte from here on (`stack` ends it with the job)
+        self.device_memory = strict_device_memory(cfg, self.device, self.rank)
+        if self.device_memory is not None and stack is not None:
+            stack.enter_context(self.device_memory)
         model = build_job_model(cfg)
         if cfg.parallel.plan == "auto":
             self.plan, cost_model = auto_plan(cfg, model, self.cluster, comm)
@@ -387,15 +421,17 @@ class _Trainer:
         extra = {**self.engine.extra_state(), "rng_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             extra["rng_cuda"] = torch.cuda.get_rng_state()
-        path = save_checkpoint(
-            self.cfg.checkpoint_dir,
-            self.step,
-            saved_state(self.engine),
-            extra,
-            self._trainer_state(),
-            self.comm,
-            keep_last=self.cfg.checkpoint.keep_last,
-        )
+        state = saved_state(self.engine)
+        with host_memory():  # staged and written from host memory, as on a GPU
+            path = save_checkpoint(
+                self.cfg.checkpoint_dir,
+                self.step,
+                state,
+                extra,
+                self._trainer_state(),
+                self.comm,
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
         self.result.last_checkpoint = path
         self.timed_saves.saved()
         return path
@@ -421,7 +457,8 @@ class _Trainer:
             )
         if target is None:
             return
-        step, extra, state = load_checkpoint(target, self.engine.sharded_state(), self.comm)
+        with host_memory():  # read through host memory into the state's buffers, as on a GPU
+            step, extra, state = load_checkpoint(target, self.engine.sharded_state(), self.comm)
         self.engine.state_written()
         self.engine.load_extra_state(extra)
         if "rng_cpu" in extra:
@@ -634,7 +671,10 @@ class _Trainer:
 
     def _collective_failure(self, error: BaseException, what: str) -> BaseException:
         """A backend error in a multi-rank job almost always means another rank is gone: say
-        so in one line (a one-process job, or our own error, passes through unchanged)."""
+        so in one line (a one-process job, or our own error, passes through unchanged). A
+        device's out-of-memory outside the step (a checkpoint, an evaluation) is said as one."""
+        if isinstance(error, torch.OutOfMemoryError):
+            return CephaloError(out_of_memory_message(self.rank, self.step + 1, self.engine, error))
         if isinstance(error, CephaloError) or self.world_size == 1:
             return error
         peer = peer_failure(
@@ -708,6 +748,8 @@ class _Trainer:
             if metrics is not None:
                 metrics.close()
         self.result.final_step = self.step
+        if self.device_memory is not None:
+            self.result.device_peak_bytes = self.device_memory.peak_bytes
         self.result.replans = [s.to_dict() for s in self.replanner.switches]
         rates = self._throughput[1:] or self._throughput
         self.result.tokens_per_s = sum(rates) / len(rates) if rates else 0.0
@@ -737,9 +779,12 @@ def train(cfg: JobConfig) -> TrainResult:
     init_logging()
     cfg.validate()
     backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
-    with StopSignals(cfg.checkpoint.save_on_signals) as signals:
+    with StopSignals(cfg.checkpoint.save_on_signals) as signals, contextlib.ExitStack() as stack:
         comm = init_distributed(backend, timeout_s=cfg.parallel.timeout_s)
         torch.manual_seed(cfg.model.seed)  # any randomness outside the engine's own streams
-        trainer = _Trainer(cfg, comm)
+        try:
+            trainer = _Trainer(cfg, comm, stack)
+        except torch.OutOfMemoryError as err:
+            raise startup_out_of_memory(comm.rank, err) from err
         trainer.signals = signals
         return trainer.run()

@@ -21,6 +21,7 @@ from cephalo.runtime.collectives.shard_groups import (
     SlowLinkComm,
     attach_shard_group_sync,
 )
+from cephalo.runtime.device_memory import host_memory
 from cephalo.runtime.engine.config import EngineConfig
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.state.adamw import ShardedAdamW, ShardGroup
@@ -287,7 +288,8 @@ def apply_offload(
     )
     arena = config.pinned_arena if config.pinned_arena is not None else device.type == "cuda"
     if arena and offload and ledger.arena is None:
-        ledger.arena = PinnedArena(host_bytes, pin=device.type == "cuda")
+        with host_memory():  # host memory, not the emulated device's
+            ledger.arena = PinnedArena(host_bytes, pin=device.type == "cuda")
     return store
 
 
