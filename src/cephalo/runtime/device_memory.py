@@ -48,6 +48,13 @@ def host_memory() -> Iterator[None]:
         _host.depth -= 1
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor made in host memory (under `host_memory()`) copied to `device`: on the CPU a
+    copy too, so that the emulated device counts what the GPU would hold, and the host tensor
+    can die (`.to("cpu")` would hand back the host tensor itself, uncounted)."""
+    return host.clone() if device.type == "cpu" else host.to(device)
+
+
 def _on_host() -> bool:
     return getattr(_host, "depth", 0) > 0
 
