@@ -36,6 +36,10 @@ returning its failures; a check that raises is a failure, not the end of the run
   replan_staging   a re-plan staged through host memory (train/replan.py): the old engine's
                    device memory is free before the new engine allocates, and the losses
                    equal those of a switch that keeps both engines on the device
+  device_reserve   the device memory outside PyTorch's allocator once an NCCL communicator
+                   exists (`mem_get_info`: CUDA context, NCCL, cuBLAS) within the reserve the
+                   planner keeps (costmodel/memory.py `device_reserve_bytes`, one group); both
+                   figures in the note. CPU: the emulated device is charged the same reserve
   throughput       tokens/s and MFU of the engine against plain PyTorch (the same GPT-2 124M,
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
 
@@ -646,6 +650,31 @@ def _peak_flops(setup: Setup) -> float | None:
     return None
 
 
+def check_device_reserve(setup: Setup) -> tuple[list[str], str]:
+    from cephalo.costmodel.memory import device_reserve_bytes
+    from cephalo.runtime.device_memory import (
+        EmulatedDeviceMemory,
+        outside_allocator_bytes,
+        reserve_note,
+    )
+    from cephalo.specs.catalog.devices import device_type_for_gpu
+
+    if not setup.cuda:
+        planned = device_reserve_bytes("a100x80")
+        mode = EmulatedDeviceMemory(0, 2 * planned, planned)
+        failures = [] if mode.live_bytes == planned else [f"charged {mode.live_bytes}"]
+        return failures, f"emulated device starts at the reserve ({planned >> 20} MiB)"
+    flag = torch.ones(1, device=setup.device)
+    setup.comm.all_reduce(flag, "sum")  # the communicator exists (NCCL creates it lazily)
+    torch.ones(64, 64, device=setup.device) @ torch.ones(64, 64, device=setup.device)  # cuBLAS
+    torch.cuda.synchronize(setup.device)
+    props = torch.cuda.get_device_properties(setup.device)
+    planned = device_reserve_bytes(device_type_for_gpu(props.name, props.total_memory))
+    measured = outside_allocator_bytes(setup.device)
+    failures = [] if measured <= planned else [reserve_note(measured, planned)]
+    return failures, reserve_note(measured, planned)
+
+
 CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("bf16_train", check_bf16_train),
     ("fp16_scaling", check_fp16_scaling),
@@ -660,6 +689,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("adapters", _models("check_adapters")),
     ("chat_packed", _models("check_chat_packed")),
     ("replan_staging", lambda s: _replan_check()(s)),
+    ("device_reserve", check_device_reserve),
     ("throughput", check_throughput),
 ]
 

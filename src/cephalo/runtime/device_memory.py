@@ -111,3 +111,28 @@ class EmulatedDeviceMemory(LiveTensorBytes):
     def peak_bytes(self) -> int:
         """The largest `live_bytes` since the mode started."""
         return self.peak
+
+
+def outside_allocator_bytes(device: torch.device) -> int | None:
+    """On CUDA, the device memory in use that PyTorch's caching allocator does not hold (the
+    CUDA context, NCCL's communicators and buffers, other libraries; `mem_get_info` against
+    `memory_reserved`): what the planner's reserve stands for, measured. Other processes on
+    the same GPU count too. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free - torch.cuda.memory_reserved(device))
+
+
+def reserve_note(measured: int, planned: int) -> str:
+    """One line comparing the measured reserve with the planned one (logged on a GPU after the
+    first step, when every NCCL communicator of the job exists)."""
+    verdict = (
+        "within the plan's reserve"
+        if measured <= planned
+        else "MORE than the plan's reserve: plan with a smaller `mem=` for this device"
+    )
+    return (
+        f"device memory outside PyTorch's allocator (CUDA context, NCCL communicators, cuBLAS): "
+        f"{_mib(measured)} measured, {_mib(planned)} planned ({verdict})"
+    )

@@ -51,7 +51,12 @@ from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.collectives.dist import init_distributed, peer_failure
 from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
-from cephalo.runtime.device_memory import EmulatedDeviceMemory, host_memory
+from cephalo.runtime.device_memory import (
+    EmulatedDeviceMemory,
+    host_memory,
+    outside_allocator_bytes,
+    reserve_note,
+)
 from cephalo.runtime.emulation import drifted_slowdown
 from cephalo.runtime.engine.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.state.adamw import AdamWHyper
@@ -555,6 +560,17 @@ class _Trainer:
                 format_split(split_step(one), ranks.step_s[r]),
             )
 
+    def _log_reserve(self) -> None:
+        """On a GPU, after the first step (every NCCL communicator of the job exists by then):
+        the memory outside PyTorch's allocator against the reserve the planner kept
+        (costmodel/memory.py `device_reserve_bytes`)."""
+        measured = outside_allocator_bytes(self.engine.device)
+        if measured is None:
+            return
+        planned = device_reserve_bytes(self.device.type_key, len(self.plan.groups))
+        note = reserve_note(measured, planned)
+        (logger.info if measured <= planned else logger.warning)("rank %d: %s", self.rank, note)
+
     def _maybe_kill(self, step_number: int) -> None:
         """Test hook: SIGKILL this rank just before `step_number` (see module docstring)."""
         at = os.environ.get(envvars.KILL_AT_STEP)
@@ -596,6 +612,8 @@ class _Trainer:
             ) from err
         ranks, step_s = self._gather_rank_stats(stats)
         self._last_ranks = ranks
+        if number == self.result.start_step + 1:
+            self._log_reserve()
         self.step = number
         finite = not stats.skipped and math.isfinite(stats.loss)
         tokens_per_s = stats.n_tokens / step_s if step_s > 0 else 0.0
