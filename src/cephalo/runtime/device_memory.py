@@ -55,6 +55,14 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.clone() if device.type == "cpu" else host.to(device)
 
 
+def device_memory_counted() -> bool:
+    """Whether an `EmulatedDeviceMemory` is active on this thread (CPU tensors are then an
+    emulated device's memory unless made under `host_memory()`)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, EmulatedDeviceMemory) for m in _get_current_dispatch_mode_stack())
+
+
 def _on_host() -> bool:
     return getattr(_host, "depth", 0) > 0
 

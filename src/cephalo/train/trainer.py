@@ -329,8 +329,11 @@ class _Trainer:
         self.device = self.cluster.devices[self.rank]
         # an emulated device counts every byte from here on (`stack` ends it with the job)
         self.device_memory = strict_device_memory(cfg, self.device, self.rank)
-        if self.device_memory is not None and stack is not None:
-            stack.enter_context(self.device_memory)
+        if self.device_memory is not None:
+            if stack is None:
+                self.device_memory = None  # nothing would end it: not started
+            else:
+                stack.enter_context(self.device_memory)
         model = build_job_model(cfg)
         if cfg.parallel.plan == "auto":
             self.plan, cost_model = auto_plan(cfg, model, self.cluster, comm)
