@@ -39,6 +39,10 @@ returning its failures; a check that raises is a failure, not the end of the run
   local_host_memory  `cephalo plan` for this machine's own GPUs (CUDA names matched to catalog
                    types, commands/plan.py) counts on its available host memory and says so; a
                    cluster of other GPUs says the 256 GiB it assumed (CPU part: `cpu,cpu`)
+  device_reserve   the device memory outside PyTorch's allocator once an NCCL communicator
+                   exists (`mem_get_info`: CUDA context, NCCL, cuBLAS) within the reserve the
+                   planner keeps (costmodel/memory.py `device_reserve_bytes`, one group); both
+                   figures in the note. CPU: the emulated device is charged the same reserve
   throughput       tokens/s and MFU of the engine against plain PyTorch (the same GPT-2 124M,
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
   step_syncs, adamw_split, step_split   issue 38's findings 11, 13 and 10 (scripts/
@@ -381,50 +385,6 @@ def check_host_state(setup: Setup) -> tuple[list[str], str]:
     return failures, "; ".join(notes)
 
 
-def check_host_threads(setup: Setup) -> tuple[list[str], str]:
-    """Issue 38, finding 12: torchrun starts every rank on one thread (OMP_NUM_THREADS=1); the
-    host AdamW of a GPU rank runs on the node's cores (`HostAdamW.threads`, what the trainer
-    sets from `threads_per_rank`). The same values on 1 thread and on the node's, the rank's
-    count restored after, and the speed-up (a note: it depends on the host's memory bandwidth)."""
-    from cephalo.launch.pool import threads_per_rank
-    from cephalo.runtime.state.adamw import AdamWHyper
-    from cephalo.runtime.state.host_state import HostAdamW, HostGroup
-
-    n = 32_000_000 if setup.cuda else 1_000_000
-    threads = threads_per_rank(1)
-    failures, times, params = [], {}, {}
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for t in (None, threads):
-            g = torch.Generator().manual_seed(0)
-            group = HostGroup(
-                *(torch.randn(n, generator=g) for _ in range(2)),
-                torch.zeros(n),
-                torch.zeros(n),
-                [(0, n * 3 // 4)],
-            )
-            opt = HostAdamW([group], AdamWHyper(), "foreach", t)
-            laps = []
-            for step in range(1, 4):
-                with opt.threads():
-                    t0 = time.perf_counter()
-                    opt.step_group(0, 1e-4, step)
-                    laps.append(time.perf_counter() - t0)
-                if torch.get_num_threads() != 1:
-                    failures.append(f"host threads {t}: the rank's thread count was not restored")
-            times[t], params[t] = min(laps[1:]), group.param
-    finally:
-        torch.set_num_threads(before)
-    if not torch.equal(params[None], params[threads]):
-        failures.append(f"host AdamW on {threads} threads changed the values")
-    note = (
-        f"{n / 1e6:.0f}M elements: {times[None] * 1e3:.1f} ms on 1 thread, "
-        f"{times[threads] * 1e3:.1f} ms on {threads} ({times[None] / times[threads]:.2f}x)"
-    )
-    return failures, note
-
-
 def check_dropout(setup: Setup) -> tuple[list[str], str]:
     data = _data(256, 4, TINY_SEQ, steps=3, seed=4)
     runs = []
@@ -605,15 +565,24 @@ def _models(name: str) -> Callable[[Setup], tuple[list[str], str]]:
     return run
 
 
-def _syncs(name: str) -> Callable[[Setup], tuple[list[str], str]]:
-    """A check of scripts/gpu_check_syncs.py, imported when it runs (as `_models`)."""
+def _sibling(module: str, name: str) -> Callable[[Setup], tuple[list[str], str]]:
+    """A check of a sibling script (`gpu_check_syncs`, `gpu_check_host`), imported when it
+    runs (as `_models`)."""
 
     def run(setup: Setup) -> tuple[list[str], str]:
-        import gpu_check_syncs
+        import importlib
 
-        return getattr(gpu_check_syncs, name)(setup)
+        return getattr(importlib.import_module(module), name)(setup)
 
     return run
+
+
+def _syncs(name: str) -> Callable[[Setup], tuple[list[str], str]]:
+    return _sibling("gpu_check_syncs", name)
+
+
+def _host(name: str) -> Callable[[Setup], tuple[list[str], str]]:
+    return _sibling("gpu_check_host", name)
 
 
 def plain_step(setup: Setup, model_name: str, data, recompute: bool) -> Callable[[], None]:
@@ -697,39 +666,6 @@ def _replan_check() -> Callable[[Setup], tuple[list[str], str]]:
     return check_replan_staging
 
 
-def check_local_host_memory(setup: Setup) -> tuple[list[str], str]:
-    """Issue 41, point 6: the host memory a plan for this machine counts on is the machine's
-    available memory, found by matching the CUDA devices to the catalog's types (only a GPU
-    can check the match); a plan for GPUs this machine lacks says what it assumed."""
-    import argparse
-
-    from cephalo.commands.plan import host_memory_of
-    from cephalo.specs.catalog.devices import device_type_for_gpu, is_unlisted
-    from cephalo.train.discovery import usable_host_bytes
-
-    local = []
-    for i in range(torch.cuda.device_count() if setup.cuda else 0):
-        props = torch.cuda.get_device_properties(i)
-        key = device_type_for_gpu(props.name, props.total_memory)
-        local.append(f"{key}:mem={props.total_memory // 2**20}MiB" if is_unlisted(key) else key)
-    spec = ",".join(local) or "cpu,cpu"
-    args = argparse.Namespace(host_memory=None)
-    failures = []
-    memory, note = host_memory_of(args, spec)
-    available = usable_host_bytes(len(local) or 2)  # available less the reserves
-    if memory is None or abs(memory - available) > 0.1 * available:
-        failures.append(
-            f"{spec}: planned with {memory} bytes of host memory, available {available}"
-        )
-    if not note or "this machine's available memory" not in note:
-        failures.append(f"{spec}: the note does not say the machine's memory was used: {note!r}")
-    other = "l4@node0,a6000@node1" if "l4" not in spec else "t4@node0,p40@node1"
-    memory, note = host_memory_of(args, other)
-    if memory is not None or not note or "assumed 256 GiB" not in note:
-        failures.append(f"{other}: expected the assumed 256 GiB, got {memory}, {note!r}")
-    return failures, f"{spec}: {available / 2**30:.1f} GiB" if available else spec
-
-
 def _peak_flops(setup: Setup) -> float | None:
     """Dense bf16 tensor-core peak of known GPUs (vendor data sheets), FLOP/s."""
     if not setup.cuda:
@@ -748,7 +684,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("staging_race", check_staging_race),
     ("host_link", lambda s: (check_host_link(s.device), "pinned copies exact")),
     ("host_state", check_host_state),
-    ("host_threads", check_host_threads),
+    ("host_threads", _host("check_host_threads")),
     ("dropout", check_dropout),
     ("standard_eval", check_standard_eval),
     ("collectives", check_collectives),
@@ -756,10 +692,11 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("adapters", _models("check_adapters")),
     ("chat_packed", _models("check_chat_packed")),
     ("replan_staging", lambda s: _replan_check()(s)),
-    ("local_host_memory", check_local_host_memory),
+    ("local_host_memory", _host("check_local_host_memory")),
     ("step_syncs", _syncs("check_step_syncs")),
     ("adamw_split", _syncs("check_adamw_split")),
     ("step_split", _syncs("check_step_split")),
+    ("device_reserve", _host("check_device_reserve")),
     ("throughput", check_throughput),
 ]
 

@@ -176,3 +176,46 @@ def test_ledger_matches_real_allocations_under_dispatch_mode():
     )
     assert ledger.peak_by_category["activations"] == saved_ledger  # forward is the peak
     assert ledger.current_by_category["activations"] == 0
+
+
+def test_emulated_device_counts_every_byte():
+    """The strict mode of an emulated device (runtime/device_memory.py): every new CPU storage
+    counts from the reserve up, views / in-place / out= results and host memory do not, the
+    backward's gradients do, and going over the budget raises what CUDA raises, with the
+    live bytes unchanged afterwards."""
+    from cephalo.runtime.device_memory import EmulatedDeviceMemory, host_memory
+
+    def nbytes(*ts: torch.Tensor) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    mode = EmulatedDeviceMemory(rank=5, budget_bytes=4 * MIB, reserve_bytes=MIB // 2)
+    assert mode.live_bytes == MIB // 2
+    with mode:
+        w = torch.randn(128, 128, requires_grad=True)  # 64 KiB
+        x = torch.randn(32, 128)
+        assert mode.live_bytes == MIB // 2 + nbytes(w, x)
+        before = mode.live_bytes
+        v = x.view(128, 32)[1:].t()  # views
+        x.add_(1.0)  # in place
+        y = torch.empty_like(x)
+        torch.mul(x, 2.0, out=y)  # out=: y was counted when made
+        assert mode.live_bytes == before + nbytes(y)
+        del v, y
+        before = mode.live_bytes
+        (x @ w).square().sum().backward()
+        gc.collect()
+        assert mode.live_bytes == before + nbytes(w.grad)  # the graph's temporaries died
+        with host_memory():
+            h = torch.empty(8 * MIB, dtype=torch.uint8)  # larger than the device
+        ledger = MemoryLedger(rank=5, device="cpu")
+        on_host = ledger.alloc("host/state", MIB, torch.uint8)
+        on_device = ledger.alloc("params", 1000, torch.uint8)
+        assert mode.live_bytes == before + nbytes(w.grad) + 1000
+        live = mode.live_bytes
+        with pytest.raises(torch.OutOfMemoryError) as err:
+            torch.zeros(4 * MIB, dtype=torch.uint8)
+        assert mode.live_bytes == live
+        del h, on_host, on_device
+    text = str(err.value)
+    assert "rank 5" in text and "4.0 MiB (" in text and "of its 4.0 MiB" in text, text
+    assert "0.5 MiB of it the reserve" in text, text

@@ -16,6 +16,7 @@ One home for the names, so a reader (and `docs/`) finds them all here:
 | `CEPHALO_TEST_REPLAN` | `train.replan` | test hook: `STEP:PLAN.json[,STEP:PLAN.json...]`, switch to that plan after that step (no calibration) |
 | `CEPHALO_DOCTOR_VERDICT` | `commands.doctor` | set by `cephalo doctor --devices` for its workers: the file where rank 0 writes 0 (every check passed) or 1 |
 | `CEPHALO_EMULATE_DRIFT` | `runtime.emulation` | `STEP:RANK:SLOWDOWN[,...]`: an emulated rank computes at another slowdown from a step on (a device that changes speed) |
+| `CEPHALO_STRICT_MEMORY` | `train.trainer` | `0` turns off the byte-by-byte accounting of an emulated device's memory (`runtime.device_memory`; on by default for emulated ranks): then only the engine's ledger enforces `mem=` |
 | `CEPHALO_TEST_REPLAN_FAIL` | `train.replan` | test hook: a re-plan fails (as an out-of-memory would; in the first attempt only) |
 """
 
@@ -43,6 +44,8 @@ TEST_REPLAN = "CEPHALO_TEST_REPLAN"
 TEST_REPLAN_FAIL = "CEPHALO_TEST_REPLAN_FAIL"
 EMULATE_DRIFT = "CEPHALO_EMULATE_DRIFT"
 DOCTOR_VERDICT = "CEPHALO_DOCTOR_VERDICT"
+STRICT_MEMORY = "CEPHALO_STRICT_MEMORY"
+"""`0`: an emulated rank's memory is only what its ledger is told (the strict mode is off)."""
 """Set by `cephalo doctor`'s local launch: rank 0 writes its verdict (0 or 1) there."""
 
 

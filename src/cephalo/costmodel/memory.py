@@ -22,7 +22,9 @@ holds the inputs it reads: the model spec, the layout, the profiles).
     fused tail  (costmodel/rules.py) the head's pass sits on the last block's activations
                 at m, with both units gathered and both fp32 gradients alive, and the head's
                 inputs are held for one micro-batch, not all b samples (`_phases`)
-    reserve     allocator fragmentation and workspace
+    reserve     allocator fragmentation (a share of the device: `reserve_fraction`) and what no
+                tensor holds on a GPU: the CUDA context, cuBLAS's workspace, one NCCL
+                communicator per process group the rank is in (`device_reserve_bytes`)
     With `overlap_reduce` false, a unit's backward holds its own fp32 gradient only.
 """
 
@@ -38,6 +40,7 @@ from cephalo.costmodel.collectives import (
 from cephalo.costmodel.host import (
     host_bytes,
 )
+from cephalo.specs.catalog.devices import DEVICES, is_unlisted
 
 STATE_BYTES_PER_PARAM = 16
 """fp32 master (4) + fp32 gradient (4) + Adam exp_avg (4) + exp_avg_sq (4)."""
@@ -48,6 +51,39 @@ LOGIT_BYTES = 4
 HEAD_CHUNK_BYTES = 256 << 20
 """The head runs over chunks of the sequence of about this many bytes of fp32 logits
 (runtime/head_loss.py): at most one chunk's logits exist at a time."""
+
+
+CUDA_CONTEXT_BYTES = 512 << 20
+"""A CUDA context with PyTorch's kernels loaded lazily (`CUDA_MODULE_LOADING=LAZY`, the default
+since CUDA 11.7): about 0.3-0.6 GiB of device memory that `memory_allocated` never shows.
+`scripts/gpu_check.py` measures it (`mem_get_info` before and after) and logs the two."""
+CUBLAS_WORKSPACE_BYTES = 32 << 20
+"""cuBLAS's workspace for the compute stream (PyTorch's default on Hopper; 8 MiB before)."""
+NCCL_COMMUNICATOR_BYTES = 128 << 20
+"""One NCCL communicator's buffers: `NCCL_BUFFSIZE` (4 MiB) per channel and peer direction, a
+few channels on PCIe boards, up to 32 on NVLink; the planning figure for one process group."""
+
+
+def communicators(groups: int = 1) -> int:
+    """Process groups a rank is in: the world's, and under shard groups (`groups` > 1) its
+    group's and (at least) one ring between the groups."""
+    return 1 if groups <= 1 else 3
+
+
+def device_reserve_bytes(type_key: str, groups: int = 1) -> int:
+    """Device memory that no tensor holds on a rank of this device type: the CUDA context,
+    cuBLAS's workspace and one NCCL communicator per process group on a GPU (a catalog type or
+    an unlisted GPU). The CPU stand-in (`cpu`) has none of them (gloo's buffers are in host
+    memory), nor have the made-up types of hand-written profiles: 0. The planner plans without
+    it, and the emulated device (runtime/device_memory.py) is charged it at start, so the two
+    agree on what a device can hold."""
+    if type_key not in DEVICES and not is_unlisted(type_key):
+        return 0
+    return (
+        CUDA_CONTEXT_BYTES
+        + CUBLAS_WORKSPACE_BYTES
+        + communicators(groups) * NCCL_COMMUNICATOR_BYTES
+    )
 
 
 def head_chunk_tokens(vocab_size: int) -> int:
@@ -113,7 +149,7 @@ class MemoryModel:
         for c in categories:
             stacked = np.stack([np.broadcast_to(ph.get(c, 0.0), shape) for ph in phases])
             out[c] = np.take_along_axis(stacked, peak[None], axis=0)[0].astype(np.float64)
-        out["reserve"] = np.zeros(shape) + self.reserve_for(capacity_bytes)
+        out["reserve"] = np.zeros(shape) + self.reserve_for(capacity_bytes, type_key)
         return out
 
     def _phases(
@@ -348,7 +384,7 @@ class MemoryModel:
         total = np.take_along_axis(whole, peak[None], axis=0)[0]
         pad = np.asarray(pad, dtype=np.float64)  # broadcasts too (tests scan the padding)
         padded = np.where(pad > 0, pad * self.padding_bytes_per_fraction, 0.0)
-        return total + math.ceil(self.reserve_for(capacity_bytes)) + padded
+        return total + math.ceil(self.reserve_for(capacity_bytes, type_key)) + padded
 
     def state_bytes(self, fraction, host_part=0.0) -> np.ndarray:
         """The `state` category at state fraction `fraction`, `host_part` of the model (a part of

@@ -96,7 +96,12 @@ from cephalo.costmodel.host import (
     HostResources,
 )
 from cephalo.costmodel.layout import param_layout
-from cephalo.costmodel.memory import GRAD_BYTES, LOGIT_BYTES, MemoryModel
+from cephalo.costmodel.memory import (
+    GRAD_BYTES,
+    LOGIT_BYTES,
+    MemoryModel,
+    device_reserve_bytes,
+)
 from cephalo.costmodel.results import MemoryBreakdown, PlanEvaluation, RankCost
 from cephalo.costmodel.rules import fused_tail_possible, rank_fuses_tail
 from cephalo.costmodel.shard_groups import CrossReduce, Links, ShardGroupCosts, cross_reduce_times
@@ -327,10 +332,15 @@ class CostModel(ShardGroupCosts, MemoryModel):
     def capacity_bytes(self, rank: int) -> int:
         return int(self.devices[rank].memory_bytes)
 
-    def reserve_for(self, capacity_bytes: int) -> int:
+    def reserve_for(self, capacity_bytes: int, type_key: str = "cpu") -> int:
+        """Device memory kept free: `reserve_bytes` when given (calibration, tests), else the
+        fragmentation share of the capacity plus what no tensor holds on that device type (the
+        context, workspaces, a communicator per process group: `device_reserve_bytes`)."""
         if self.reserve_bytes is not None:
             return int(self.reserve_bytes)
-        return int(self.reserve_fraction * capacity_bytes)
+        groups = 1 if self.cross_reduce is None else self.cross_reduce.groups
+        fixed = device_reserve_bytes(type_key, groups)
+        return int(self.reserve_fraction * capacity_bytes) + fixed
 
     def optimizer_s_per_param(self, type_key: str) -> float:
         return self.profiles[type_key].optimizer_s_per_param

@@ -46,6 +46,7 @@ from cephalo.runtime import head_loss
 from cephalo.runtime.autograd import drain_grad, largest_grad_bytes, largest_saved_bytes
 from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.collectives.comm import Comm
+from cephalo.runtime.device_memory import host_memory, to_device
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.memory import MemoryLedger
@@ -327,17 +328,42 @@ def measure_nf4_dequant(
     dtype: torch.dtype,
     timing: Timing,
     emulator: ComputeEmulator | None = None,
+    shape: tuple[int, int] = NF4_DEQUANT_SHAPE,
 ) -> float:
     """Seconds per weight of QLoRA's dequantization as the engine runs it (runtime/state/frozen.py:
     `modeling.nf4.dequantize_into`, torchao's `get_original_weight` per chunk) into `dtype`, as
-    it appears under `emulator` (the engine's dequantization is part of its stretched compute)."""
+    it appears under `emulator` (the engine's dequantization is part of its stretched compute).
+    `shape`: the weight dequantized (`nf4_dequant_shape`: the model's largest quantized one, at
+    most one chunk), so that its temporaries are no larger than the engine's."""
     from cephalo.modeling.nf4 import dequantize_into, nf4_format, quantize
 
-    fmt = nf4_format(NF4_DEQUANT_SHAPE)
+    fmt = nf4_format(shape) or nf4_format(NF4_DEQUANT_SHAPE)
     gen = torch.Generator().manual_seed(7)
-    raw = quantize(fmt, torch.randn(NF4_DEQUANT_SHAPE, generator=gen) * 0.02).to(device)
+    with host_memory():  # quantized on the host, as the engine's frozen base is
+        host = quantize(fmt, torch.randn(fmt.shape, generator=gen) * 0.02)
+    raw = to_device(host, device)
+    del host
     out = torch.empty(fmt.numel, dtype=dtype, device=device)
     return time_piece(lambda: dequantize_into(fmt, raw, out), device, timing, emulator) / fmt.numel
+
+
+def nf4_dequant_shape(shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+    """The weight `measure_nf4_dequant` times: the largest of `shapes` (a model's quantized
+    weights) that NF4 can store, cut to at most one chunk (`NF4_DEQUANT_SHAPE`)."""
+    from cephalo.modeling.nf4 import nf4_format
+
+    cap = NF4_DEQUANT_SHAPE[0] * NF4_DEQUANT_SHAPE[1]
+    best = None
+    for shape in shapes:
+        if nf4_format(shape) is None:
+            continue
+        rows, cols = shape
+        rows = max(1, min(rows, cap // max(cols, 1)))  # whole rows, at most one chunk
+        if nf4_format((rows, cols)) is not None and (
+            best is None or rows * cols > best[0] * best[1]
+        ):
+            best = (rows, cols)
+    return best or NF4_DEQUANT_SHAPE
 
 
 def measure_host_copy(
@@ -355,7 +381,8 @@ def measure_host_copy(
     numel = nbytes // 4
     src = torch.randn(numel).to(device)
     pin = device.type == "cuda"
-    host = torch.empty(numel, pin_memory=pin)
+    with host_memory():
+        host = torch.empty(numel, pin_memory=pin)
     back = torch.empty(numel, device=device)
     if link_bytes_per_s is not None:
         link = HostLink(MemoryLedger(0, device), device, link_bytes_per_s)

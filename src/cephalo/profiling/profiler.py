@@ -55,10 +55,12 @@ from cephalo.profiling.measure import (
     measure_host_optimizer,
     measure_nf4_dequant,
     measure_optimizer,
+    nf4_dequant_shape,
 )
 from cephalo.profiling.settings import ProfileSettings
 from cephalo.runtime.collectives.comm import Comm, LocalComm
 from cephalo.runtime.collectives.dist import startup_barrier
+from cephalo.runtime.device_memory import host_memory
 from cephalo.runtime.emulation import ComputeEmulator
 from cephalo.runtime.state.precision import compute_dtype
 from cephalo.specs.cluster import Cluster, Device
@@ -193,13 +195,25 @@ def measure_device(
         )
     if progress:
         progress(f"{device.type_key}: optimizer and host copies")
-    opt_s = measure_optimizer(torch_device, settings.optimizer_numel, timing, emulator)
+    # the fixed-size benchmarks take a small share of the device (an emulated one of a few MiB
+    # included): the optimizer's state (16 B per element) and the copies' source and target
+    # each at most 1/64 of it
+    opt_numel = max(1, min(settings.optimizer_numel, device.memory_bytes // (16 * 64)))
+    copy_bytes = max(4, min(settings.host_copy_bytes, device.memory_bytes // 128))
+    opt_s = measure_optimizer(torch_device, opt_numel, timing, emulator)
     extra = {}
     if model.quantized_parameters:  # QLoRA: the engine dequantizes every pass of a block
+        shapes = [
+            tuple(p.shape)
+            for unit in model.units
+            for name, p in unit.module.named_parameters()
+            if f"{unit.name}.{name}" in model.quantized_parameters
+        ]
         extra["nf4_dequant_s_per_param"] = measure_nf4_dequant(
-            torch_device, compute_dtype(dtype), timing, emulator
+            torch_device, compute_dtype(dtype), timing, emulator, nf4_dequant_shape(shapes)
         )
-    host_opt_s = measure_host_optimizer(settings.optimizer_numel, timing)
+    with host_memory():  # the host's AdamW runs in host memory
+        host_opt_s = measure_host_optimizer(settings.optimizer_numel, timing)
     # the engine copies offloaded boundaries on a side stream only on CUDA (runtime/boundary.py);
     # elsewhere they are memcpys inside the (stretched) unit compute, or, with an emulated
     # link (pcie=), copies of their own
@@ -207,7 +221,7 @@ def measure_device(
     link = device.pcie_bytes_per_s if not async_copies else None
     copy_bw = measure_host_copy(
         torch_device,
-        settings.host_copy_bytes,
+        copy_bytes,
         timing,
         None if async_copies or link is not None else emulator,
         link_bytes_per_s=link,
@@ -236,6 +250,15 @@ def measure_device(
             **extra,
         },
     )
+
+
+def comm_sizes(sizes: tuple[int, ...], memory_bytes: int) -> tuple[int, ...]:
+    """The collective benchmark's message sizes on devices of `memory_bytes` (the smallest of
+    the job's): each at most 1/32 of it (a gather holds the message and a piece), the small
+    one kept 32x below the large one so that the fit still sees latency and bandwidth."""
+    cap = max(1 << 10, memory_bytes // 32)
+    large = min(max(sizes), cap)
+    return tuple(min(s, large if s == max(sizes) else max(256, large // 32)) for s in sizes)
 
 
 def _has_frozen_base(model: UnitModel) -> bool:
@@ -487,7 +510,7 @@ def profile_devices(
             samples = measure_collectives(
                 comm,
                 tdev,
-                settings.comm_sizes_bytes,
+                comm_sizes(settings.comm_sizes_bytes, min(d.memory_bytes for d in devices)),
                 Timing(warmup=settings.warmup, repeats=settings.repeats),
             )
             bw, lat = fit_comm(samples, comm.world_size)

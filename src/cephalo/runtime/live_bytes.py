@@ -5,8 +5,9 @@ systems (FSDP2) by the same rule.
 
 Every op's outputs are looked at; a storage seen for the first time is counted with its size
 until it is freed (a weak reference's callback: torch keeps one Python object per storage).
-Outputs that share an input's storage (views, in-place results) are not new allocations,
-unless the input was itself created under the mode. Storages that exist before are counted
+Outputs of ops whose schema says they alias an input (views, in-place and out= results) and of
+c10d's collectives (they fill tensors passed in) are not new allocations; the decision is made
+once per op, so the mode costs about one Python call per op on top of the dispatch. Storages that exist before are counted
 only if registered with `add_existing`. `UntypedStorage.resize_`, which FSDP2 uses to free
 and re-allocate its unsharded parameters and which no dispatch mode sees, is patched while
 active. DTensor ops are passed down so that their local ops are the ones counted.
@@ -22,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -94,25 +94,40 @@ class LiveTensorBytes(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is not torch.Tensor and hasattr(t, "to_local") for t in types):
+        if not (len(types) == 1 and types[0] is torch.Tensor) and any(
+            t is not torch.Tensor and hasattr(t, "to_local") for t in types
+        ):
             return NotImplemented  # let DTensor unwrap; its local ops come back here
-        inputs = {
-            id(t.untyped_storage())
-            for t in tree_flatten((args, kwargs))[0]
-            if _plain(t) and t.numel()
-        }
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                if _plain(t) and id(t.untyped_storage()) in inputs:
-                    continue  # a view or an in-place result: counted already, or pre-existing
-                self._track(t)
+        if _returns_inputs(func):
+            return out  # a view, an in-place or out= result, a collective: no new storage
+        for t in _tensors(out):
+            self._track(t)
         return out
 
 
-def _plain(t: Any) -> bool:
-    """A tensor with a storage of its own (parameters included; not a DTensor wrapper)."""
-    return isinstance(t, torch.Tensor) and not hasattr(t, "to_local")
+_ALIASING: dict[Any, bool] = {}
+"""Per op (an OpOverload): whether its results may be its inputs' storages (decided once)."""
+
+
+def _returns_inputs(func: Any) -> bool:
+    """Whether `func`'s results alias its inputs (views, in-place and out= ops, by their schema's
+    alias annotations) or are tensors passed in (c10d's collectives fill their arguments)."""
+    known = _ALIASING.get(func)
+    if known is None:
+        schema = func._schema
+        known = func.namespace == "c10d" or any(r.alias_info is not None for r in schema.returns)
+        _ALIASING[func] = known
+    return known
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of an op's result (a tensor, or tuples / lists of them, maybe nested)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
 
 
 def tracked_peak_bytes(step: Callable[[], Any], persistent: list[Any]) -> int:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from cephalo.errors import CephaloError, MemoryBudgetExceeded
+from cephalo.runtime.device_memory import host_memory
 from cephalo.runtime.state.pinned import PinnedArena, pinned_empty
 
 HOST_PREFIX = "host/"
@@ -230,16 +231,9 @@ class MemoryLedger:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.charge(category, nbytes)  # raises before allocating anything
         try:
-            tensor = None
-            if host and pin:
-                # page-locked memory of the exact size (runtime/state/pinned.py): the buffers of a
-                # step from this rank's arena, the rest registered one by one
-                if self.arena is not None and category == self.arena_category:
-                    tensor = self.arena.alloc(numel, dtype)
-                if tensor is None:
-                    tensor = pinned_empty(numel, dtype)
-                if zero:
-                    tensor.zero_()
+            if host:
+                with host_memory():  # not the device's (runtime/device_memory.py)
+                    tensor = self._host_buffer(category, numel, dtype, pin, zero)
             else:
                 make = torch.zeros if zero else torch.empty
                 tensor = make(numel, dtype=dtype, device=target)
@@ -259,6 +253,23 @@ class MemoryLedger:
             self._allocations[key] = _Allocation(category, nbytes, weakref.ref(tensor, forget))
             if numel and not host:  # (arena pieces share one storage)
                 self._owned_storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    def _host_buffer(
+        self, category: str, numel: int, dtype: torch.dtype, pin: bool, zero: bool
+    ) -> torch.Tensor:
+        """A host buffer: with `pin`, page-locked where CUDA is available, at exactly its size
+        (runtime/state/pinned.py: the buffers of a step from this rank's arena, the rest
+        registered one by one)."""
+        if not pin:
+            return (torch.zeros if zero else torch.empty)(numel, dtype=dtype)
+        tensor = None
+        if self.arena is not None and category == self.arena_category:
+            tensor = self.arena.alloc(numel, dtype)
+        if tensor is None:
+            tensor = pinned_empty(numel, dtype)
+        if zero:
+            tensor.zero_()
         return tensor
 
     def free(self, tensor: torch.Tensor) -> None:

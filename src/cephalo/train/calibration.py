@@ -305,7 +305,10 @@ def refit(cm: CostModel, plan: Plan, log: StepLog, sync_s: float = 0.0) -> Calib
         host = replace(host, optimizer_s_per_param=speeds)
     reserve = None
     if excess > 0:  # some rank's measured peak is above its predicted peak with the reserve
-        reserve = max(cm.reserve_for(cm.capacity_bytes(r)) for r in range(n)) + excess
+        reserve = (
+            max(cm.reserve_for(cm.capacity_bytes(r), cm.devices[r].type_key) for r in range(n))
+            + excess
+        )
     refitted = rebuilt(cm, profiles, host, reserve)
     # What no rank's own time explains: the refitted ranks match their measured work, so the
     # rest of the measured step is the model's blind spot: collectives it takes as hidden

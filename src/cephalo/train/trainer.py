@@ -23,6 +23,7 @@ out-of-memory error at step N instead, to test that the other ranks stop at once
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -36,6 +37,7 @@ import torch
 
 from cephalo import envvars
 from cephalo.costmodel.host import check_host_memory
+from cephalo.costmodel.memory import device_reserve_bytes
 from cephalo.costmodel.model import CostModel
 from cephalo.data.job import open_batches, resolve_job_dataset
 from cephalo.data.text import default_cache_dir
@@ -52,6 +54,12 @@ from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.collectives.dist import init_distributed, peer_failure, startup_barrier
 from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
+from cephalo.runtime.device_memory import (
+    EmulatedDeviceMemory,
+    host_memory,
+    outside_allocator_bytes,
+    reserve_note,
+)
 from cephalo.runtime.emulation import drifted_slowdown, start_delay_s
 from cephalo.runtime.engine.engine import Engine, EngineConfig, StepStats
 from cephalo.runtime.state.adamw import AdamWHyper
@@ -114,6 +122,10 @@ class TrainResult:
     """The signal that stopped the run before `train.steps` (saved at `final_step`), else None."""
     stop_note: str | None = None
     """What rank 0 says of that stop (where it saved): launch/preempt.py `stop_note`."""
+    device_peak_bytes: int | None = None
+    """This rank's peak of emulated device memory over the whole job (profiling, engine, steps,
+    checkpoints; its reserve included): `runtime.device_memory`. None: not emulated, or
+    `CEPHALO_STRICT_MEMORY=0`."""
 
 
 # ----------------------------------------------------------------------------- cluster and plan
@@ -273,7 +285,9 @@ def out_of_memory_message(rank: int, step: int, engine: Engine, err: BaseExcepti
     gib = 1024**3
     device = engine.device
     detail = ""
-    if device.type == "cuda":
+    if isinstance(err, torch.OutOfMemoryError) and str(err).startswith("emulated device"):
+        detail = f" ({str(err).split(': ', 1)[1]})"
+    elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         detail = (
             f" ({torch.cuda.memory_allocated(device) / gib:.2f} GiB allocated, "
@@ -285,6 +299,27 @@ def out_of_memory_message(rank: int, step: int, engine: Engine, err: BaseExcepti
         "memory the plan did not foresee, take the rest: give that rank a smaller batch or state "
         "fraction (a plan file), offload activations (parallel.offload = always), or re-plan with a "
         "smaller memory per GPU (`cephalo plan --cluster TYPE:mem=...`)"
+    )
+
+
+def strict_device_memory(cfg: JobConfig, device: Device, rank: int) -> EmulatedDeviceMemory | None:
+    """The byte-by-byte accounting of an emulated rank's device memory (runtime/device_memory.py),
+    charged the reserve the planner keeps on that device type; None on a real device or with
+    `CEPHALO_STRICT_MEMORY=0`."""
+    if not is_emulated(cfg) or os.environ.get(envvars.STRICT_MEMORY, "1") == "0":
+        return None
+    return EmulatedDeviceMemory(
+        rank, int(device.memory_bytes), device_reserve_bytes(device.type_key)
+    )
+
+
+def startup_out_of_memory(rank: int, err: torch.OutOfMemoryError) -> CephaloError:
+    """One line for a device that ran out of memory before the first step (profiling, the
+    engine's buffers, a resumed checkpoint)."""
+    return CephaloError(
+        f"rank {rank} ran out of device memory before its first step ({_short(err)}): the job "
+        "does not fit this device as planned; give that rank a smaller share (a plan file, "
+        "parallel.offload = always, LoRA / QLoRA) or a device with more memory"
     )
 
 
@@ -301,7 +336,7 @@ def build_job_model(cfg: JobConfig) -> UnitModel:
 class _Trainer:
     """One rank's training job; `train()` drives it."""
 
-    def __init__(self, cfg: JobConfig, comm: Comm):
+    def __init__(self, cfg: JobConfig, comm: Comm, stack: contextlib.ExitStack | None = None):
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
         if cfg.logging.tensorboard:
@@ -316,6 +351,13 @@ class _Trainer:
         # an emulated node of its own writes to its own filesystem (parallel.emulate_node_fs)
         self.cfg = cfg = node_local_config(cfg, self.device.node) if is_emulated(cfg) else cfg
         self.run_dir = Path(cfg.logging.dir)
+        # an emulated device counts every byte from here on (`stack` ends it with the job)
+        self.device_memory = strict_device_memory(cfg, self.device, self.rank)
+        if self.device_memory is not None:
+            if stack is None:
+                self.device_memory = None  # nothing would end it: not started
+            else:
+                stack.enter_context(self.device_memory)
         model = build_job_model(cfg)
         if cfg.parallel.plan == "auto":
             self.plan, cost_model = auto_plan(cfg, model, self.cluster, comm)
@@ -426,15 +468,17 @@ class _Trainer:
         extra = {**self.engine.extra_state(), "rng_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             extra["rng_cuda"] = torch.cuda.get_rng_state()
-        path = save_checkpoint(
-            self.cfg.checkpoint_dir,
-            self.step,
-            saved_state(self.engine),
-            extra,
-            self._trainer_state(),
-            self.comm,
-            keep_last=self.cfg.checkpoint.keep_last,
-        )
+        state = saved_state(self.engine)
+        with host_memory():  # staged and written from host memory, as on a GPU
+            path = save_checkpoint(
+                self.cfg.checkpoint_dir,
+                self.step,
+                state,
+                extra,
+                self._trainer_state(),
+                self.comm,
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
         self.result.last_checkpoint = path
         self.timed_saves.saved()
         return path
@@ -472,7 +516,8 @@ class _Trainer:
             )
         if target is None:
             return
-        step, extra, state = load_checkpoint(target, self.engine.sharded_state(), self.comm)
+        with host_memory():  # read through host memory into the state's buffers, as on a GPU
+            step, extra, state = load_checkpoint(target, self.engine.sharded_state(), self.comm)
         self.engine.state_written()
         self.engine.load_extra_state(extra)
         if "rng_cpu" in extra:
@@ -569,6 +614,17 @@ class _Trainer:
                 format_split(split_step(one), ranks.step_s[r]),
             )
 
+    def _log_reserve(self) -> None:
+        """On a GPU, after the first step (every NCCL communicator of the job exists by then):
+        the memory outside PyTorch's allocator against the reserve the planner kept
+        (costmodel/memory.py `device_reserve_bytes`)."""
+        measured = outside_allocator_bytes(self.engine.device)
+        if measured is None:
+            return
+        planned = device_reserve_bytes(self.device.type_key, len(self.plan.groups))
+        note = reserve_note(measured, planned)
+        (logger.info if measured <= planned else logger.warning)("rank %d: %s", self.rank, note)
+
     def _maybe_kill(self, step_number: int) -> None:
         """Test hook: SIGKILL this rank just before `step_number` (see module docstring)."""
         at = os.environ.get(envvars.KILL_AT_STEP)
@@ -625,6 +681,8 @@ class _Trainer:
             ) from err
         ranks, step_s = self._gather_rank_stats(stats)
         self._last_ranks = ranks
+        if number == self.result.start_step + 1:
+            self._log_reserve()
         self.step = number
         finite = not stats.skipped and math.isfinite(stats.loss)
         tokens_per_s = stats.n_tokens / step_s if step_s > 0 else 0.0
@@ -700,7 +758,10 @@ class _Trainer:
 
     def _collective_failure(self, error: BaseException, what: str) -> BaseException:
         """A backend error in a multi-rank job almost always means another rank is gone: say
-        so in one line (a one-process job, or our own error, passes through unchanged)."""
+        so in one line (a one-process job, or our own error, passes through unchanged). A
+        device's out-of-memory outside the step (a checkpoint, an evaluation) is said as one."""
+        if isinstance(error, torch.OutOfMemoryError):
+            return CephaloError(out_of_memory_message(self.rank, self.step + 1, self.engine, error))
         if isinstance(error, CephaloError) or self.world_size == 1:
             return error
         peer = peer_failure(
@@ -797,6 +858,8 @@ class _Trainer:
             if metrics is not None:
                 metrics.close()
         self.result.final_step = self.step
+        if self.device_memory is not None:
+            self.result.device_peak_bytes = self.device_memory.peak_bytes
         self.result.replans = [s.to_dict() for s in self.replanner.switches]
         rates = self._throughput[1:] or self._throughput
         self.result.tokens_per_s = sum(rates) / len(rates) if rates else 0.0
@@ -829,7 +892,7 @@ def train(cfg: JobConfig) -> TrainResult:
     backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
     m = cfg.model
     weights_note = initial_weights_note(m.name, m.init, m.adapter)  # refused before any group
-    with StopSignals(cfg.checkpoint.save_on_signals) as signals:
+    with StopSignals(cfg.checkpoint.save_on_signals) as signals, contextlib.ExitStack() as stack:
         comm = init_distributed(backend, timeout_s=cfg.parallel.timeout_s)
         delay = start_delay_s(cfg.parallel.emulate_start_delay, comm.rank)
         if delay > 0 and is_emulated(cfg):  # the emulator's late node
@@ -840,6 +903,9 @@ def train(cfg: JobConfig) -> TrainResult:
         torch.manual_seed(cfg.model.seed)  # any randomness outside the engine's own streams
         if weights_note and comm.rank == 0:
             logger.warning(weights_note)
-        trainer = _Trainer(cfg, comm)
+        try:
+            trainer = _Trainer(cfg, comm, stack)
+        except torch.OutOfMemoryError as err:
+            raise startup_out_of_memory(comm.rank, err) from err
         trainer.signals = signals
         return trainer.run()

@@ -21,6 +21,7 @@ from cephalo.runtime.collectives.shard_groups import (
     SlowLinkComm,
     attach_shard_group_sync,
 )
+from cephalo.runtime.device_memory import host_memory
 from cephalo.runtime.engine.config import EngineConfig
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.state.adamw import ShardedAdamW, ShardGroup
@@ -103,12 +104,14 @@ def build_shards(
         if on_meta:
             # materialise ONE unit's initial values on the CPU (host memory: the largest
             # unit, fp32), keep this rank's slice, drop the rest
-            values = model.initial_values(unit.name, owned.get(i, []), generator)
+            with host_memory():  # not the emulated device's either
+                values = model.initial_values(unit.name, owned.get(i, []), generator)
         else:
             values = dict(owned.get(i, []))
         if frozen_base is not None:
             frozen_base.add_unit(i, unit.name, frozen, values)
-        full = layout.flatten(values)
+        with host_memory():
+            full = layout.flatten(values)
         del values
         decays = [wants_weight_decay(f"{unit.name}.{name}", p) for name, p in params]
         us.decay_segments = layout.segments_where(decays, us.start, us.size)
@@ -284,7 +287,8 @@ def apply_offload(
     )
     arena = config.pinned_arena if config.pinned_arena is not None else device.type == "cuda"
     if arena and offload and ledger.arena is None:
-        ledger.arena = PinnedArena(host_bytes, pin=device.type == "cuda")
+        with host_memory():  # host memory, not the emulated device's
+            ledger.arena = PinnedArena(host_bytes, pin=device.type == "cuda")
     return store
 
 

@@ -34,6 +34,7 @@ from cephalo.modeling.nf4 import (
     quantize,
 )
 from cephalo.runtime.collectives.comm import Comm, Handle
+from cephalo.runtime.device_memory import host_memory
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.state.flat import overlap, shard_ranges
 
@@ -181,7 +182,8 @@ class FrozenBase:
         layout = FrozenLayout(unit_name, named, self.dtype, self.quantized)
         ranges = shard_ranges(layout.numel, self.fractions)
         start, size = ranges[self.comm.rank]
-        full = layout.pack(values)
+        with host_memory():  # packed and quantized in host memory (runtime/device_memory.py)
+            full = layout.pack(values)
         shard = self.ledger.alloc(FROZEN, size, self.dtype, device=self.device)
         shard.copy_(full[start : start + size])
         self.units[index] = FrozenUnit(layout, ranges, shard, self.comm.rank)

@@ -33,6 +33,7 @@ import torch
 from torch.optim import adamw as torch_adamw
 
 from cephalo.errors import CephaloError
+from cephalo.runtime.device_memory import host_memory
 from cephalo.runtime.emulation import ComputeEmulator
 from cephalo.runtime.memory import MemoryLedger
 from cephalo.runtime.state.adamw import AdamWHyper, grad_sq_sum, nonempty_grads
@@ -246,6 +247,10 @@ class HostAdamW:
         g = self.groups[i]
         if g.param.numel() == 0:
             return
+        with host_memory():  # its temporaries are host memory (runtime/device_memory.py)
+            self._step_runs(i, g, lr, step)
+
+    def _step_runs(self, i: int, g: HostGroup, lr: float, step: int) -> None:
         beta1, beta2 = self.hyper.betas
         for runs, wd in zip(self._runs[i], (self.hyper.weight_decay, 0.0), strict=True):
             if not runs:
@@ -276,7 +281,8 @@ class HostAdamW:
 
     def grad_sq_sum(self) -> torch.Tensor:
         """Sum of squared host gradient entries (fp64 0-dim, CPU: as `ShardedAdamW`'s)."""
-        return grad_sq_sum(nonempty_grads(self.groups), torch.device("cpu"))
+        with host_memory():
+            return grad_sq_sum(nonempty_grads(self.groups), torch.device("cpu"))
 
     def scale_grads(self, factor: float) -> None:
         grads = nonempty_grads(self.groups)

@@ -18,6 +18,7 @@ import torch
 
 from cephalo.errors import CephaloError
 from cephalo.runtime.collectives.comm import Comm
+from cephalo.runtime.device_memory import device_memory_counted, host_memory
 from cephalo.runtime.state.flat import FlatShard, overlap
 
 WINDOW_ELEMS = 1 << 24
@@ -85,7 +86,15 @@ def to_host(pieces: Sequence[FlatShard]) -> list[FlatShard]:
     views keep those buffers alive without a copy."""
     out = []
     for p in pieces:
-        local = p.local if p.local.device.type == "cpu" else p.local.to("cpu")
+        if p.local.device.type != "cpu":
+            local = p.local.to("cpu")
+        elif device_memory_counted():
+            # an emulated device (its pieces are CPU tensors too): copied to host memory, so
+            # that the old engine's buffers die as they do on a GPU
+            with host_memory():
+                local = p.local.clone()
+        else:
+            local = p.local
         out.append(FlatShard(p.name, p.global_shape, p.offset, local))
     return out
 

@@ -1,0 +1,146 @@
+"""The emulated device's memory, counted byte by byte: what a CPU rank standing in for a GPU
+(`cpu:mem=600MiB`) allocates counts against its `mem=`, whoever allocates it, and going over
+raises what a CUDA out-of-memory raises (`torch.OutOfMemoryError`), so that the emulated
+cluster fails where the real one would.
+
+The ledger (runtime/memory.py) counts what the engine tells it; this mode counts every CPU
+storage an op creates while the rank's job runs (`LiveTensorBytes`): engine buffers,
+activations, autograd's temporaries (the CPU backward runs on the thread that calls it, and
+torch hands the dispatch mode to autograd's threads anyway), the profiler's materialised
+units, optimizer state, the data batches the step reads. Views and in-place results share
+their input's storage and are not new allocations.
+
+What is host memory on a real cluster is not device memory here either: code that allocates
+in host memory on a GPU (the ledger's `host/` categories, the pinned arena, the host AdamW and
+its temporaries, a checkpoint's staging and file I/O, a re-plan's host copy) runs under
+`host_memory()`, which this mode skips. On a GPU the same code allocates in host memory by
+construction, so the marker costs nothing there.
+
+At the start the device is charged the reserve the planner keeps on a real GPU for what no
+tensor holds (the CUDA context, cuBLAS's workspace, one NCCL communicator per process group:
+`costmodel.memory.device_reserve_bytes`), so a plan that only fits by eating the reserve fails
+here as it would there. `CEPHALO_STRICT_MEMORY=0` turns the mode off (then only the ledger's
+budget holds, as before); it is on by default for emulated ranks (`train/trainer.py`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from cephalo.runtime.live_bytes import LiveTensorBytes
+
+_MIB = float(1 << 20)
+_host = threading.local()
+
+
+@contextmanager
+def host_memory() -> Iterator[None]:
+    """Allocations in this block (on this thread) are host memory: an active
+    `EmulatedDeviceMemory` does not count them. Nests; a no-op when no mode is active."""
+    _host.depth = getattr(_host, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _host.depth -= 1
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor made in host memory (under `host_memory()`) copied to `device`: on the CPU a
+    copy too, so that the emulated device counts what the GPU would hold, and the host tensor
+    can die (`.to("cpu")` would hand back the host tensor itself, uncounted)."""
+    return host.clone() if device.type == "cpu" else host.to(device)
+
+
+def device_memory_counted() -> bool:
+    """Whether an `EmulatedDeviceMemory` is active on this thread (CPU tensors are then an
+    emulated device's memory unless made under `host_memory()`)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, EmulatedDeviceMemory) for m in _get_current_dispatch_mode_stack())
+
+
+def _on_host() -> bool:
+    return getattr(_host, "depth", 0) > 0
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / _MIB:.1f} MiB"
+
+
+class EmulatedDeviceMemory(LiveTensorBytes):
+    """Every CPU storage created under the mode counts against `budget_bytes`; `reserve_bytes`
+    (context, workspaces, communicators) counts from the start. Past the budget the op that
+    allocated raises `torch.OutOfMemoryError` (its output is freed as the error unwinds)."""
+
+    def __init__(self, rank: int, budget_bytes: int, reserve_bytes: int = 0):
+        super().__init__()
+        self.rank = rank
+        """The rank whose device this is (named in the error)."""
+        self.budget_bytes = int(budget_bytes)
+        """The emulated device's memory (`mem=` of its cluster spec)."""
+        self.reserve_bytes = int(reserve_bytes)
+        """What no tensor holds on a real GPU (the planner's reserve), charged at start."""
+        self.current = self.peak = self.reserve_bytes
+        if self.reserve_bytes > self.budget_bytes:
+            raise torch.OutOfMemoryError(self._message("the device's reserve", 0))
+
+    def _track(self, t: torch.Tensor) -> None:
+        if _on_host():
+            return
+        before, peak = self.current, self.peak
+        super()._track(t)
+        grew = self.current - before
+        if grew and self.current > self.budget_bytes:
+            # as on a GPU, the allocation that fails never was: uncounted at once (the
+            # error's traceback may keep the tensor alive a while), the peak as before
+            self._sizes.pop(id(t.untyped_storage()), None)
+            self.current, self.peak = before, peak
+            raise torch.OutOfMemoryError(self._message(f"{tuple(t.shape)} {t.dtype}", grew))
+
+    def _message(self, what: str, nbytes: int) -> str:
+        return (
+            f"emulated device of rank {self.rank} is out of memory: allocating {_mib(nbytes)} "
+            f"({what}) with {_mib(self.current)} live of its {_mib(self.budget_bytes)} "
+            f"(mem=; {_mib(self.reserve_bytes)} of it the reserve a GPU keeps for its context, "
+            "cuBLAS workspace and NCCL communicators; peak so far "
+            f"{_mib(self.peak)})"
+        )
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes counted now, reserve included."""
+        return self.current
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest `live_bytes` since the mode started."""
+        return self.peak
+
+
+def outside_allocator_bytes(device: torch.device) -> int | None:
+    """On CUDA, the device memory in use that PyTorch's caching allocator does not hold (the
+    CUDA context, NCCL's communicators and buffers, other libraries; `mem_get_info` against
+    `memory_reserved`): what the planner's reserve stands for, measured. Other processes on
+    the same GPU count too. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free - torch.cuda.memory_reserved(device))
+
+
+def reserve_note(measured: int, planned: int) -> str:
+    """One line comparing the measured reserve with the planned one (logged on a GPU after the
+    first step, when every NCCL communicator of the job exists)."""
+    verdict = (
+        "within the plan's reserve"
+        if measured <= planned
+        else "MORE than the plan's reserve: plan with a smaller `mem=` for this device"
+    )
+    return (
+        f"device memory outside PyTorch's allocator (CUDA context, NCCL communicators, cuBLAS): "
+        f"{_mib(measured)} measured, {_mib(planned)} planned ({verdict})"
+    )
