@@ -18,8 +18,8 @@ the same 2 (g-1)/g of the segment's bf16 bytes a ring sends. Every owner gets th
 
 Emulation (`inter_node_bytes_per_s`): the exchange is charged a delay per byte its node sends
 (the group's ranks share the node's link), as `slowdown` charges compute, so a slow inter-node
-network shows on the CPU; a flat plan's rings over emulated nodes are charged the same way
-(`SlowLinkComm`).
+network shows on the CPU; the groups' own rings (and a flat plan's) run on the faithful emulated
+comm at their links' rates (runtime/collectives/emulated.py).
 
 Under layered gradient accumulation each unit's exchange starts as soon as its gradient shard is
 complete (`unit_final`, called by the engine's backward), beside the backward of the units before
@@ -305,49 +305,25 @@ def saved_state(engine) -> list:
 
 
 def emulate_links(config, cluster, emulated: bool):
-    """An emulated cluster spanning nodes (`cephalo run --devices "...@node1;inter=RATE"`): the
-    collectives that cross nodes are charged a delay per byte at the inter-node rate (the
-    all-reduce between shard groups; a flat plan's rings, `SlowLinkComm`)."""
+    """An emulated multi-rank cluster (`cephalo run --devices ...`, tests through the trainer):
+    its collectives run as NCCL runs them (runtime/collectives/emulated.py `FaithfulComm`: one
+    queue per process group, asynchronous waits) at the links its spec declares (`inter=`
+    between nodes; `intra=` within one, where given), and across nodes the all-reduce between
+    shard groups is charged the inter-node rate per byte."""
     from dataclasses import replace
 
-    if not emulated or cluster.num_nodes < 2:
+    from cephalo.runtime.collectives.emulated import EmulatedLinks
+    from cephalo.specs.catalog.devices import intra_node_bytes_per_s
+
+    if not emulated or cluster.world_size < 2:
         return config
-    return replace(config, inter_node_bytes_per_s=float(cluster.inter_node_bytes_per_s))
-
-
-class SlowLinkComm:
-    """A `Comm` whose ring collectives wait as long as a ring over a link of `bytes_per_s` would
-    take ((n-1)/n of the gathered or reduced bytes), counted from the call: asynchronous calls
-    overlap the delay with compute, as a network would. Everything else is the inner comm's."""
-
-    def __init__(self, inner: Comm, bytes_per_s: float):
-        self._inner = inner
-        self._rate = float(bytes_per_s)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def _delayed(self, handle, nbytes: int, async_op: bool):
-        from cephalo.runtime.collectives.comm import Handle
-
-        n = self._inner.world_size
-        due = time.perf_counter() + (n - 1) / n * nbytes / self._rate
-
-        def finish() -> None:
-            left = due - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
-
-        if not async_op:
-            handle.wait()
-            finish()
-            return handle
-        return Handle([handle], finish)
-
-    def all_gather_v(self, out, shard, sizes, async_op: bool = False):
-        h = self._inner.all_gather_v(out, shard, sizes, async_op=async_op)
-        return self._delayed(h, out.numel() * out.element_size(), async_op)
-
-    def reduce_scatter_v(self, out, full, sizes, async_op: bool = False):
-        h = self._inner.reduce_scatter_v(out, full, sizes, async_op=async_op)
-        return self._delayed(h, full.numel() * full.element_size(), async_op)
+    spans = cluster.num_nodes >= 2
+    default_intra = min(intra_node_bytes_per_s(d.type) for d in cluster.devices)
+    declared_intra = cluster.intra_node_bytes_per_s != default_intra
+    links = EmulatedLinks(
+        float(cluster.inter_node_bytes_per_s) if spans else None,
+        float(cluster.intra_node_bytes_per_s) if declared_intra else None,
+        tuple(d.node for d in cluster.devices),
+    )
+    inter = float(cluster.inter_node_bytes_per_s) if spans else config.inter_node_bytes_per_s
+    return replace(config, inter_node_bytes_per_s=inter, links=links)

@@ -100,6 +100,7 @@ class ShardUpdate:
     ) -> tuple[bool, float, float]:
         """The update after the backward: (skipped, global gradient norm, mean token loss)."""
         opt, host_opt, clock = self.optimizer, self.host_optimizer, self.clock
+        clock.settle()  # the stream's waits for the last reduce-scatters (emulated cluster)
         self.link.sync()  # every host gradient piece has arrived
         for us in self.grads.shards:  # (lean: a unit no reduce-scatter reached: zero gradient)
             self.grads.device_grad(us)

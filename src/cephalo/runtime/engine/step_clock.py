@@ -1,6 +1,13 @@
 """Where a step's time goes, as the engine's parts measure it (`StepClock`): compute of the
-units (stretched by the emulated slowdown), host time blocked in collectives, host-state work.
-`StepStats` reports the three sums; runtime/step_timing.py splits a step by them."""
+units (stretched by the emulated slowdown), time the compute stream waits for collectives,
+host-state work. `StepStats` reports the three sums; runtime/step_timing.py splits a step by them.
+
+The communication wait is what the stream waits, not what the host blocks: on NCCL
+`work.wait()` returns at once on the host and makes the stream wait, so a host clock around it
+reads about 0 and the stall lands in whatever synchronises next (the optimizer's reads; issue
+38, finding 10). On CUDA a pair of events around each wait times the stall on the stream; on
+an emulated cluster (runtime/collectives/emulated.py) the emulated stream's stalls are counted
+where they land (the start of the next compute, `settle` before the optimizer step)."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from cephalo.runtime.collectives.comm import Handle
+from cephalo.runtime.collectives.emulated import EmulatedStream
 from cephalo.runtime.emulation import ComputeEmulator
 
 
@@ -21,26 +29,55 @@ class StepClock:
     the compute device and the `ComputeEmulator` that stretches compute on a slow emulated
     device."""
 
-    def __init__(self, device: torch.device, emulator: ComputeEmulator):
+    def __init__(
+        self,
+        device: torch.device,
+        emulator: ComputeEmulator,
+        stream: EmulatedStream | None = None,
+    ):
         self.device = device
         self.emulator = emulator
+        self.stream = stream
+        """An emulated cluster's compute stream (None: the host is the stream, or CUDA)."""
         self.comm_wait_s = 0.0
-        """Host seconds blocked in collectives this step (their calls and waits)."""
+        """Seconds the step waited for collectives: host time blocked in their calls and, on
+        CUDA, the stream's stalls at their waits (events, read by `collect_busy`); on an
+        emulated cluster the emulated stream's stalls."""
         self.busy_s = 0.0
         """Seconds of unit compute this step (CUDA: summed from events by `collect_busy`)."""
         self.host_s = 0.0
         """Host seconds of host-state work this step (its AdamW, norms and copies)."""
         self._cuda_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        """CUDA: (before, after) each collective's wait on the compute stream."""
 
     def reset(self) -> None:
         """A new step: the sums start at zero."""
         self.comm_wait_s = self.busy_s = self.host_s = 0.0
 
     def wait(self, handle: Handle) -> None:
-        """Wait for a collective, the time blocked counted as communication."""
+        """Wait for a collective. The host's blocked time counts as communication and, on
+        CUDA, the stream's stall (NCCL: the host does not block, the stream waits; events
+        before and after the wait time it without a sync, read at the step's end)."""
+        cuda = self.device.type == "cuda" and not handle.done
+        if cuda:
+            stream = torch.cuda.current_stream(self.device)
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(stream)
         t0 = time.perf_counter()
         handle.wait()
         self.comm_wait_s += time.perf_counter() - t0
+        if cuda:
+            after = torch.cuda.Event(enable_timing=True)
+            after.record(stream)
+            self._wait_events.append((before, after))
+
+    def settle(self) -> None:
+        """The stream runs up to now (an emulated cluster's: its pending waits are slept,
+        counted as communication): before the optimizer step, whose kernels wait on the stream
+        and whose reads synchronise the host with it."""
+        if self.stream is not None:
+            self.comm_wait_s += self.stream.sync()
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
@@ -57,6 +94,7 @@ class StepClock:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.settle()  # the kernels start once the stream's waits are over
         mark = self.emulator.start()
         yield
         if self.device.type == "cuda":
@@ -82,8 +120,10 @@ class StepClock:
 
     def collect_busy(self) -> float:
         """The step's compute seconds, the CUDA events read now (one sync, at the step's end)."""
-        if self._cuda_events:
+        if self._cuda_events or self._wait_events:
             torch.cuda.synchronize(self.device)
             self.busy_s += sum(a.elapsed_time(b) for a, b in self._cuda_events) / 1000.0
+            self.comm_wait_s += sum(a.elapsed_time(b) for a, b in self._wait_events) / 1000.0
             self._cuda_events.clear()
+            self._wait_events.clear()
         return self.busy_s
