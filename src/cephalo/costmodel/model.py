@@ -32,15 +32,19 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     (`pad`, charged by `evaluate` and weighed by the planner; collective_cost.py says how).
     All are overlapped with compute: the all-gather of the next unit is prefetched while
     this one computes, and the engine's reduce-scatter of a unit's gradient runs while the
-    next unit's backward computes (runtime/engine/engine.py `_backward_pass`). Each unit's
-    backward is charged max(its compute, a gather, a reduce-scatter) of its own kind (the
-    neighbour whose collective it hides is of the same kind but at the ends of the model);
-    the last reduce-scatter (the embedding's, before the optimizer) is not hidden.
+    next unit's backward computes (runtime/engine/step_passes.py). A process group's
+    collectives run one after another (NCCL: one stream per communicator; the emulated
+    cluster's comm likewise, runtime/collectives/emulated.py), so each unit's backward is
+    charged max(its compute, a gather + a reduce-scatter) of its own kind (the neighbour
+    whose collective it hides is of the same kind but at the ends of the model), not the
+    max of the three; the last reduce-scatter (the embedding's, before the optimizer) is not
+    hidden.
     host copies (offload): the unit's boundary activation (b * seq * hidden * dtype bytes)
     goes to the host in forward and comes back in backward.
     With prefetch on a side stream the all-gather of the next unit and the host copy
-    (a DMA engine, not the SMs) run while this unit computes, so a unit costs
-    max(compute, gather, copy) per pass (the reduce-scatter too in backward), not their sum. A
+    (a DMA engine, not the SMs, a queue of its own) run while this unit computes, so a unit
+    costs max(compute, collectives, copies) per pass: in the backward max(compute, gather +
+    reduce-scatter, boundary copy + gradient copy), each sum one queue's work. A
     device without async copies (a CPU: `DeviceProfile.async_copies` False) copies on its
     compute thread, so there a unit costs max(compute + copy, gather); the boundary writes are then already part
     of the profiled compute (a memcpy into host memory costs what one into device memory
@@ -49,12 +53,12 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     but the head (backward).
     A rank that does not overlap its reduce-scatters (plan `overlap_reduce` false: one unit
     gradient less on the device) waits for each one after its unit's backward: that unit's
-    backward costs max(compute, gather, copy) + scatter.
+    backward costs max(compute, gather, copies) + scatter.
   optimizer:  s * P * optimizer_s_per_param (after the last reduce-scatter; not overlapped)
   host state (plan `host_state_fraction` h; x = h * s of the model lives on the host): the
     reduce-scatter output of that part goes down to the host (x * P_u * 4 bytes per unit at the
     host bandwidth: on a GPU beside the next unit's backward, so a unit's backward costs
-    max(compute, gather, scatter, boundary copy, gradient copy), the embedding's copy after
+    max(compute, gather + scatter, boundary copy + gradient copy), the embedding's copy after
     its reduce-scatter not hidden; on a CPU on the compute thread, added); the host runs
     AdamW on it (x * P * host_optimizer_s_per_param of this rank: the node's host shared by its
     ranks) and the updated compute-dtype parameters go back up (x * P * d bytes). The device
@@ -448,15 +452,23 @@ class CostModel(ShardGroupCosts, MemoryModel):
                 cb = copy_one * self.copies_bwd[kind]
                 # the gradient copy of a unit runs beside the next unit's backward, with or
                 # without overlap (without, only the reduce-scatter is waited for at once)
-                hidden = np.maximum(np.maximum(np.maximum(bwd, gather_b), cb), grad_down)
-                backward = np.where(overlap, np.maximum(hidden, scatter), hidden + scatter)
+                # three queues beside the compute: the group's collectives (one communicator:
+                # the next unit's gather and the last unit's reduce-scatter one after the
+                # other), the copy engine (the boundary read back and the gradient going
+                # down, one after the other)
+                hidden = np.maximum(bwd, cb + grad_down)
+                backward = np.where(
+                    overlap,
+                    np.maximum(hidden, gather_b + scatter),
+                    np.maximum(hidden, gather_b) + scatter,
+                )
                 forward = np.maximum(np.maximum(fwd, gather), cf)
                 compute = compute + count * (fwd + bwd)
                 if kind == "block" and self.fused_tail_possible:
                     # the last block is not gathered again for its backward; fused, not
                     # recomputed either (costmodel/rules.py)
                     own = np.where(fused, bwd - fwd, bwd)
-                    last = np.maximum(np.maximum(own, cb), grad_down)
+                    last = np.maximum(own, cb + grad_down)
                     last = np.where(overlap, np.maximum(last, scatter), last + scatter)
                     total = total + last - backward
                     compute = compute - np.where(fused, fwd, 0.0)
@@ -468,7 +480,7 @@ class CostModel(ShardGroupCosts, MemoryModel):
                     cb = cb + copy_one * self.writes_bwd[kind]
                 backward = np.where(
                     overlap,
-                    np.maximum(np.maximum(bwd + cb, gather_b), scatter),
+                    np.maximum(bwd + cb, gather_b + scatter),  # one queue for the group
                     np.maximum(bwd + cb, gather_b) + scatter,
                 )
                 forward = np.maximum(fwd + cf, gather)
