@@ -38,10 +38,13 @@ returning its failures; a check that raises is a failure, not the end of the run
                    equal those of a switch that keeps both engines on the device
   throughput       tokens/s and MFU of the engine against plain PyTorch (the same GPT-2 124M,
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
+  comm_wait_events the stream's stall at an asynchronous collective wait counted from CUDA
+                   events, the host not blocked (scripts/gpu_comm_checks.py)
 
 `--collectives` (torchrun, one process per GPU, world size >= 2): the uneven NCCL collectives
 and an uneven engine plan, skewed and near even (padded-even, runtime/collectives/padded.py), against one
-process (gpu_check.sh runs it where 2 GPUs exist).
+process, and the bf16 all-reduce between shard groups on its side stream (scripts/gpu_comm_checks.py;
+gpu_check.sh runs it where 2 GPUs exist).
 Exit status: 0 all checks pass, 1 a check failed, 77 no CUDA GPU (nothing was run).
 """
 
@@ -58,6 +61,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, however loaded
+from gpu_comm_checks import check_bf16_cross_reduce, check_comm_wait_events  # noqa: E402
 from gpu_setup import Setup  # noqa: E402
 
 SKIP = 77
@@ -661,6 +665,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("chat_packed", _models("check_chat_packed")),
     ("replan_staging", lambda s: _replan_check()(s)),
     ("throughput", check_throughput),
+    ("comm_wait_events", check_comm_wait_events),
 ]
 
 
@@ -760,6 +765,7 @@ def collectives_main() -> int:
     # fp32 on GPUs: cuBLAS may sum in another order per batch size; 1e-4 over 3 steps
     failures += check_uneven_engine(comm, device, rel_tol=1e-4)
     failures += check_uneven_engine(comm, device, rel_tol=1e-4, near_even=True)
+    failures += check_bf16_cross_reduce(comm, device)
     for f in failures:
         print(f"gpu_check: rank {comm.rank}: FAIL - {f}", flush=True)
     count = torch.tensor([len(failures)], device=device)

@@ -533,6 +533,7 @@ def _gpu_checks_on_gloo(path: str) -> list[str]:
         + check.check_uneven_engine(make_comm("auto"), cpu, rel_tol=1e-5)
         + check.check_uneven_engine(make_comm("auto"), cpu, rel_tol=1e-5, near_even=True)
         + check.check_uneven_engine(_even_gather(make_comm("auto")), cpu, 1e-5, near_even=True)
+        + check.check_bf16_cross_reduce(make_comm("auto"), cpu)
     )
 
 

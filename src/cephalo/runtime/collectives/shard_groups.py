@@ -45,6 +45,16 @@ from cephalo.runtime.state.flat import shard_ranges
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+_REDUCE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _reduce_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream the bf16 cross-group sums run on (one per device, made once)."""
+    if device not in _REDUCE_STREAMS:
+        _REDUCE_STREAMS[device] = torch.cuda.Stream(device)
+    return _REDUCE_STREAMS[device]
+
+
 @dataclass
 class _Bf16Reduce:
     """One segment's all-reduce with bf16 on the wire and an fp32 sum: an all-to-all of the
@@ -73,15 +83,36 @@ class _Bf16Reduce:
 
     def gather(self) -> None:
         """Second phase: sum this owner's chunk in fp32 (the all-to-all must have finished) and
-        start the all-gather of every owner's rounded sum."""
-        self.work.wait()
-        summed = self.received.float().sum(0).to(torch.bfloat16)
-        self.gathered = torch.empty(
-            self.received.numel(), dtype=torch.bfloat16, device=summed.device
-        )
-        self.work = dist.all_gather_into_tensor(
-            self.gathered, summed, group=self.group, async_op=True
-        )
+        start the all-gather of every owner's rounded sum.
+
+        On CUDA the wait, the sum and the all-gather's start are queued on a side stream: the
+        engine calls this inside the backward (the next segment of the same owners starts), and
+        on the compute stream `work.wait()` would make the backward's kernels wait for the
+        inter-node all-to-all (issue 38, finding 9). The compute stream waits only in `finish`,
+        where the sums are consumed. scripts/gpu_check.py (`--collectives`) checks the sums."""
+        device = self.received.device
+        if device.type != "cuda":
+            self.work.wait()
+            summed = self.received.float().sum(0).to(torch.bfloat16)
+            self.gathered = torch.empty(self.received.numel(), dtype=torch.bfloat16, device=device)
+            self.work = dist.all_gather_into_tensor(
+                self.gathered, summed, group=self.group, async_op=True
+            )
+            return
+        compute = torch.cuda.current_stream(device)
+        side = _reduce_stream(device)
+        # allocated on the compute stream: the side stream must not write them before what the
+        # compute stream queued earlier (the allocator may hand back a block it still reads)
+        self.gathered = torch.empty(self.received.numel(), dtype=torch.bfloat16, device=device)
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            self.work.wait()  # the side stream waits for the all-to-all, not the backward
+            summed = self.received.float().sum(0).to(torch.bfloat16)
+            self.work = dist.all_gather_into_tensor(
+                self.gathered, summed, group=self.group, async_op=True
+            )
+        self.received.record_stream(side)
+        self.gathered.record_stream(side)
 
     def finish(self) -> None:
         if self.gathered is None:
