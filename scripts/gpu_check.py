@@ -40,6 +40,9 @@ returning its failures; a check that raises is a failure, not the end of the run
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
   comm_wait_events the stream's stall at an asynchronous collective wait counted from CUDA
                    events, the host not blocked (scripts/gpu_comm_checks.py)
+  boundary_overlap an offloaded boundary's deferred read runs beside busy compute on its own
+                   stream, bitwise the tensor put (with offload_bitwise: the engine on the
+                   copy streams against the on-device run)
 
 `--collectives` (torchrun, one process per GPU, world size >= 2): the uneven NCCL collectives
 and an uneven engine plan, skewed and near even (padded-even, runtime/collectives/padded.py), against one
@@ -61,7 +64,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, however loaded
-from gpu_comm_checks import check_bf16_cross_reduce, check_comm_wait_events  # noqa: E402
+from gpu_comm_checks import (  # noqa: E402
+    check_bf16_cross_reduce,
+    check_boundary_overlap,
+    check_comm_wait_events,
+)
 from gpu_setup import Setup  # noqa: E402
 
 SKIP = 77
@@ -666,6 +673,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("replan_staging", lambda s: _replan_check()(s)),
     ("throughput", check_throughput),
     ("comm_wait_events", check_comm_wait_events),
+    ("boundary_overlap", check_boundary_overlap),
 ]
 
 

@@ -10,6 +10,8 @@
                      groups (all-to-all, fp32 sum on a side stream, all-gather) gives every
                      owner the fp32 sum of the bf16 values rounded once, the same bits on
                      every rank, while the compute stream keeps running.
+  boundary_overlap   (one GPU) runtime/boundary.py's copy streams: a deferred read runs beside
+                     busy compute, a later write does not hold it, the data bitwise.
 """
 
 from __future__ import annotations
@@ -108,3 +110,40 @@ def check_bf16_cross_reduce(comm, device: torch.device) -> list[str]:
     if not bool(busy.isfinite().all()):
         failures.append("bf16 cross-group reduce: compute beside it went wrong")
     return failures
+
+
+def check_boundary_overlap(setup: Setup) -> tuple[list[str], str]:
+    """runtime/boundary.py's copy streams: a deferred read of an offloaded boundary runs while
+    the compute stream is still busy (a torch.cuda._sleep stands in for the recompute), a
+    write does not wait behind it, and what the compute stream reads after `ready` is
+    bitwise the tensor put (the engine-level bitwise check: `offload_bitwise`)."""
+    from cephalo.runtime.boundary import BoundaryStore
+    from cephalo.runtime.memory import MemoryLedger
+
+    n, failures = 1 << 22, []
+    store = BoundaryStore(MemoryLedger(0, setup.device), setup.device, offload=True)
+    src = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(setup.device)
+    store.put((1, 0), src)
+    overlapped = None
+    with store.loaded((1, 0), deferred=True) as staged:
+        if setup.cuda:
+            busy = torch.cuda.Event()
+            torch.cuda._sleep(400_000_000)  # the recompute: ~0.2-0.4 s on the compute stream
+            busy.record()
+        store.put((2, 0), src * 0 + 1)  # queued behind the sleep: must not hold the read
+        if setup.cuda:
+            copied = store._pending[staged.data_ptr()]
+            time.sleep(0.05)
+            overlapped = copied.query() and not busy.query()
+        store.ready(staged)
+        got = (staged * 1).cpu()
+    with store.loaded((2, 0)) as ones:
+        if not bool((ones == 1).all()):
+            failures.append("the second write did not land")
+    if not torch.equal(got, src.cpu()):
+        failures.append("the deferred read is not bitwise the tensor put")
+    if overlapped is False:
+        failures.append("the read waited for the compute stream (no overlap)")
+    store.clear()
+    note = "read beside compute, bitwise" if overlapped else "bitwise (CPU: no streams)"
+    return failures, note
