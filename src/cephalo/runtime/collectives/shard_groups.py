@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
-from cephalo.runtime.collectives.comm import Comm, make_comm
+from cephalo.runtime.collectives.comm import Comm, _all_gather_even, make_comm
 from cephalo.runtime.state.flat import shard_ranges
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -95,9 +95,7 @@ class _Bf16Reduce:
             self.work.wait()
             summed = self.received.float().sum(0).to(torch.bfloat16)
             self.gathered = torch.empty(self.received.numel(), dtype=torch.bfloat16, device=device)
-            self.work = dist.all_gather_into_tensor(
-                self.gathered, summed, group=self.group, async_op=True
-            )
+            self.work = _all_gather_even(self.gathered, summed, self.group)
             return
         compute = torch.cuda.current_stream(device)
         side = _reduce_stream(device)
@@ -108,9 +106,7 @@ class _Bf16Reduce:
         with torch.cuda.stream(side):
             self.work.wait()  # the side stream waits for the all-to-all, not the backward
             summed = self.received.float().sum(0).to(torch.bfloat16)
-            self.work = dist.all_gather_into_tensor(
-                self.gathered, summed, group=self.group, async_op=True
-            )
+            self.work = _all_gather_even(self.gathered, summed, self.group)
         self.received.record_stream(side)
         self.gathered.record_stream(side)
 
