@@ -695,3 +695,23 @@ def test_faithful_comm_over_gloo(pool3):
         assert gathered and reduced and summed == 3.0
         assert total_s >= 2 * link_s * 0.95, "the group's two collectives overlapped"
         assert host_s < total_s
+
+
+def test_emulated_runs_get_the_faithful_comm_at_their_declared_links():
+    """`emulate_links` (the trainer's, `cephalo run`'s) turns the faithful comm on for every
+    multi-rank emulated run, at the rates the spec declares and only those."""
+    from cephalo.runtime.collectives.shard_groups import emulate_links
+    from cephalo.runtime.engine.config import EngineConfig
+    from cephalo.specs.cluster import Cluster
+
+    two_nodes = emulate_links(
+        EngineConfig(), Cluster.parse("cpu@node0,cpu@node1;inter=20MB/s"), True
+    )
+    assert two_nodes.links.rate([0, 1]) == 20e6 and two_nodes.inter_node_bytes_per_s == 20e6
+    one_node = emulate_links(EngineConfig(), Cluster.parse("cpu,cpu"), True)
+    assert one_node.links is not None and one_node.links.rate([0, 1]) is None
+    assert one_node.inter_node_bytes_per_s is None
+    declared = emulate_links(EngineConfig(), Cluster.parse("cpu,cpu;intra=5MB/s"), True)
+    assert declared.links.rate([0, 1]) == 5e6
+    assert emulate_links(EngineConfig(), Cluster.parse("cpu,cpu"), False).links is None
+    assert emulate_links(EngineConfig(), Cluster.parse("cpu"), True).links is None
