@@ -448,6 +448,10 @@ class CostModel(ShardGroupCosts, MemoryModel):
             scatter = self.collectives.scatter(kind, pad)
             # the head is not gathered again in the backward (runtime/head_loss.py)
             gather_b = 0.0 if kind == "head" else gather
+            # with overlap, the reduce-scatter a unit's backward hides is the one of the unit
+            # before it in the backward (approximated by its own kind's): the head, first, hides
+            # none, and the embedding's own is the step's tail (one scatter per unit in all)
+            hidden_scatter = 0.0 if kind == "head" else scatter
             grad_down = x * self.gathered_params[kind] * GRAD_BYTES / bw if hosted else 0.0
             if profile.async_copies or not profile.boundary_writes_in_compute:
                 # a copy engine (a GPU's, or an emulated link's): the writes to the host and
@@ -468,7 +472,7 @@ class CostModel(ShardGroupCosts, MemoryModel):
                 hidden = np.maximum(bwd + reads_b + late, cb + grad_down)
                 backward = np.where(
                     overlap,
-                    np.maximum(hidden, gather_b + scatter),
+                    np.maximum(hidden, gather_b + hidden_scatter),
                     np.maximum(hidden, gather_b) + scatter,
                 )
                 forward = np.maximum(np.maximum(fwd + reads_f, gather), cf)
@@ -487,7 +491,7 @@ class CostModel(ShardGroupCosts, MemoryModel):
                 cb = copy_one * self.sync_copies_bwd[kind]
                 backward = np.where(
                     overlap,
-                    np.maximum(bwd + cb, gather_b + scatter),  # one queue for the group
+                    np.maximum(bwd + cb, gather_b + hidden_scatter),  # one queue for the group
                     np.maximum(bwd + cb, gather_b) + scatter,
                 )
                 forward = np.maximum(fwd + cf, gather)
