@@ -37,8 +37,8 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     cluster's comm likewise, runtime/collectives/emulated.py), so each unit's backward is
     charged max(its compute, a gather + a reduce-scatter) of its own kind (the neighbour
     whose collective it hides is of the same kind but at the ends of the model), not the
-    max of the three; the last reduce-scatter (the embedding's, before the optimizer) is not
-    hidden.
+    max of the three; the head, first of the backward, hides no reduce-scatter, and the last
+    one (the embedding's, before the optimizer) is not hidden.
     host copies (offload): the unit's boundary activation (b * seq * hidden * dtype bytes)
     goes to the host in forward and comes back in backward: every unit's output but the
     head's is written in forward, every unit's input gradient but the embedding's in
