@@ -85,8 +85,12 @@ class OursTrainer:
         host_copy_bytes_per_s: float | None = None,
         overlap_reduce: bool = True,
         inter_node_bytes_per_s: float | None = None,
+        cluster=None,
     ):
+        """`cluster`: the emulated cluster it runs on (its links: the faithful emulated comm,
+        runtime/collectives/emulated.py, as `cephalo run` runs it)."""
         from cephalo.runtime.collectives.comm import make_comm
+        from cephalo.runtime.collectives.shard_groups import emulate_links
         from cephalo.runtime.engine.engine import Engine, EngineConfig
         from cephalo.runtime.state.adamw import AdamWHyper
 
@@ -108,6 +112,8 @@ class OursTrainer:
             overlap_reduce=overlap_reduce,
             inter_node_bytes_per_s=inter_node_bytes_per_s,
         )
+        if cluster is not None:
+            cfg = emulate_links(cfg, cluster, True)
         self.engine = Engine(model, plan, self.comm, cfg)
         self.plan = plan
 

@@ -2,7 +2,8 @@
 
 EMULATED: 4 ranks on this CPU, 2 per emulated node (`cpu@node0,...;inter=RATE`). Traffic that
 crosses nodes is charged a delay per byte at RATE: the flat plan's rings over all 4 ranks
-(`runtime.collectives.shard_groups.SlowLinkComm`, (n-1)/n of each collective's bytes), and the hierarchical
+(`runtime.collectives.emulated.FaithfulComm`: (n-1)/n of each collective's bytes, one queue per
+process group, asynchronous waits, as NCCL runs them), and the hierarchical
 plan's once-per-step gradient all-reduce between the two node groups (`runtime.collectives.shard_groups`);
 the all-gathers and reduce-scatters inside a node run at the machine's speed.
 
@@ -72,8 +73,8 @@ def _run(rounds: int, steps_loss: int, n_layer: int, cache: str) -> dict:
     best = make_hierarchical_plan(cm, BATCH, model_name=MODEL)
     rate = cluster.inter_node_bytes_per_s
     systems = {
-        "flat": OursTrainer(MODEL, ov, flat, inter_node_bytes_per_s=rate),
-        "per node": OursTrainer(MODEL, ov, hier, inter_node_bytes_per_s=rate),
+        "flat": OursTrainer(MODEL, ov, flat, inter_node_bytes_per_s=rate, cluster=cluster),
+        "per node": OursTrainer(MODEL, ov, hier, inter_node_bytes_per_s=rate, cluster=cluster),
     }
     vocab = build_model(MODEL, **ov).spec.vocab_size
     x, y = make_data(BATCH, SEQ_LEN, vocab)

@@ -135,17 +135,16 @@ def _batches(steps: int, batch: int, seed: int = 0):
 
 def _train(plan_dict: dict, steps: int, warmup: int) -> list[dict]:
     from cephalo.runtime.collectives.comm import make_comm
+    from cephalo.runtime.collectives.shard_groups import emulate_links
     from cephalo.runtime.engine.engine import Engine, EngineConfig
 
     comm = make_comm("auto")
     plan = Plan.from_dict(plan_dict)
-    device = Cluster.parse(CLUSTER).devices[comm.rank]
-    engine = Engine(
-        build_model(MODEL),
-        plan,
-        comm,
-        EngineConfig(slowdown=device.slowdown, memory_budget_bytes=device.memory_bytes, seed=0),
-    )
+    cluster = Cluster.parse(CLUSTER)
+    device = cluster.devices[comm.rank]
+    config = EngineConfig(slowdown=device.slowdown, memory_budget_bytes=device.memory_bytes, seed=0)
+    # the faithful emulated comm, as `cephalo run` runs an emulated cluster
+    engine = Engine(build_model(MODEL), plan, comm, emulate_links(config, cluster, True))
     start = plan.batch_offsets()[comm.rank]
     size = plan.ranks[comm.rank].batch_size
     out = []

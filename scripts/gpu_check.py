@@ -49,10 +49,16 @@ returning its failures; a check that raises is a failure, not the end of the run
                    gpu_check_syncs.py): no host sync in a step after the first (GPT, Qwen3-MoE);
                    hierarchical plans keep the fused AdamW, bitwise under any shard cut; the
                    step clock's CUDA events split the device's span of the step
+  comm_wait_events the stream's stall at an asynchronous collective wait counted from CUDA
+                   events, the host not blocked (scripts/gpu_comm_checks.py)
+  boundary_overlap an offloaded boundary's deferred read runs beside busy compute on its own
+                   stream, bitwise the tensor put (with offload_bitwise: the engine on the
+                   copy streams against the on-device run)
 
 `--collectives` (torchrun, one process per GPU, world size >= 2): the uneven NCCL collectives
 and an uneven engine plan, skewed and near even (padded-even, runtime/collectives/padded.py), against one
-process (gpu_check.sh runs it where 2 GPUs exist).
+process, and the bf16 all-reduce between shard groups on its side stream (scripts/gpu_comm_checks.py;
+gpu_check.sh runs it where 2 GPUs exist).
 Exit status: 0 all checks pass, 1 a check failed, 77 no CUDA GPU (nothing was run).
 """
 
@@ -69,6 +75,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, however loaded
+from gpu_comm_checks import (  # noqa: E402
+    check_bf16_cross_reduce,
+    check_boundary_overlap,
+    check_comm_wait_events,
+)
 from gpu_setup import Setup  # noqa: E402
 
 SKIP = 77
@@ -698,6 +709,8 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("step_split", _syncs("check_step_split")),
     ("device_reserve", _host("check_device_reserve")),
     ("throughput", check_throughput),
+    ("comm_wait_events", check_comm_wait_events),
+    ("boundary_overlap", check_boundary_overlap),
 ]
 
 
@@ -797,6 +810,7 @@ def collectives_main() -> int:
     # fp32 on GPUs: cuBLAS may sum in another order per batch size; 1e-4 over 3 steps
     failures += check_uneven_engine(comm, device, rel_tol=1e-4)
     failures += check_uneven_engine(comm, device, rel_tol=1e-4, near_even=True)
+    failures += check_bf16_cross_reduce(comm, device)
     for f in failures:
         print(f"gpu_check: rank {comm.rank}: FAIL - {f}", flush=True)
     count = torch.tensor([len(failures)], device=device)

@@ -533,6 +533,7 @@ def _gpu_checks_on_gloo(path: str) -> list[str]:
         + check.check_uneven_engine(make_comm("auto"), cpu, rel_tol=1e-5)
         + check.check_uneven_engine(make_comm("auto"), cpu, rel_tol=1e-5, near_even=True)
         + check.check_uneven_engine(_even_gather(make_comm("auto")), cpu, 1e-5, near_even=True)
+        + check.check_bf16_cross_reduce(make_comm("auto"), cpu)
     )
 
 
@@ -598,3 +599,157 @@ def test_a_late_rank_within_the_startup_timeout_passes_beyond_it_is_named(pool3)
     assert "after the other ranks had given up" in results[2][0]
     # the pool's ranks are in step after it: the next barrier of the phase passes
     assert [r[0] for r in pool3.run(_late_rank_body, "beyond", 0.0, 30.0)] == ["passed"] * 3
+
+
+# ---------------------------------------------------------------- the faithful emulated comm
+class _InstantComm(LocalComm):
+    """A two-rank comm whose collectives complete at once (the data moves nowhere): what
+    `FaithfulComm` adds (queue, link, stream) is then all the time there is."""
+
+    def __init__(self):
+        super().__init__(validate=False)
+        self.world_size = 2
+
+    def _all_gather_v(self, out, shard, sizes, async_op):
+        return Handle()
+
+    def _reduce_scatter_v(self, out, full, sizes, async_op):
+        return Handle()
+
+
+def test_faithful_comm_queues_a_groups_collectives_and_waits_asynchronously():
+    """NCCL's semantics (issue 38, finding 8/10): one FIFO queue per process group, two groups
+    in parallel, `wait()` returning at once with the stall landing at the stream's next sync."""
+    import time
+
+    from cephalo.runtime.collectives.emulated import EmulatedStream, FaithfulComm
+
+    rate = 40e6  # 2 ranks: a ring moves half of the bytes; 4 MB of fp32 -> 50 ms
+    link_s = 0.5 * (1 << 20) * 4 / rate
+    stream = EmulatedStream()
+    group = FaithfulComm(_InstantComm(), stream, rate)
+    other = FaithfulComm(_InstantComm(), stream, rate)
+    full = torch.zeros(1 << 20)
+    t0 = time.perf_counter()
+    gather = group.all_gather_v(full, full[: 1 << 19], [1 << 19, 1 << 19], async_op=True)
+    scatter = group.reduce_scatter_v(full[: 1 << 19], full, [1 << 19, 1 << 19], async_op=True)
+    gather.wait()
+    scatter.wait()
+    host_s = time.perf_counter() - t0
+    assert host_s < 0.5 * link_s, "wait() blocked the host (NCCL only makes the stream wait)"
+    # the same group: the scatter starts when the gather has finished
+    assert stream.ready_at - t0 == pytest.approx(2 * link_s, rel=0.2)
+    slept = stream.sync()
+    assert slept == pytest.approx(2 * link_s - host_s, rel=0.25)
+    assert stream.sync() == 0.0  # nothing left to wait for
+    # two groups run at once: the stream waits for the later one only
+    t1 = time.perf_counter()
+    handles = [
+        comm.all_gather_v(full, full[: 1 << 19], [1 << 19, 1 << 19], async_op=True)
+        for comm in (group, other)
+    ]
+    for h in handles:
+        h.wait()
+    assert stream.ready_at - t1 == pytest.approx(link_s, rel=0.2)
+    # a collective started while the stream still waits starts after that wait (its input
+    # is written by the stream): queued behind the stall, not at the host's time
+    ready = stream.ready_at
+    h = other.reduce_scatter_v(full[: 1 << 19], full, [1 << 19, 1 << 19], async_op=True)
+    h.wait()
+    assert stream.ready_at == pytest.approx(ready + link_s, abs=0.2 * link_s)
+    stream.sync()
+
+
+def test_step_clock_counts_the_streams_stall_as_communication():
+    """The emulated stream's stall is counted where it lands (the next compute, `settle`), as
+    CUDA events around the wait measure it on a GPU; the host's own wait stays about 0."""
+    import time
+
+    from cephalo.runtime.collectives.emulated import EmulatedStream
+    from cephalo.runtime.emulation import ComputeEmulator
+    from cephalo.runtime.engine.step_clock import StepClock
+
+    stream = EmulatedStream()
+    clock = StepClock(torch.device("cpu"), ComputeEmulator(1.0), stream)
+    done = time.perf_counter() + 0.05
+    clock.wait(Handle([], lambda: stream.wait_until(done)))
+    assert clock.comm_wait_s < 0.02  # the host did not block
+    with clock.compute():
+        pass
+    assert clock.comm_wait_s == pytest.approx(0.05, abs=0.02)
+    assert clock.busy_s < 0.02  # the stall is not compute
+    stream.wait_until(time.perf_counter() + 0.03)
+    before = clock.comm_wait_s
+    clock.settle()
+    assert clock.comm_wait_s - before == pytest.approx(0.03, abs=0.02)
+
+
+def test_emulated_links_rate_is_the_slowest_link_of_the_group():
+    from cephalo.runtime.collectives.emulated import EmulatedLinks
+
+    links = EmulatedLinks(8e6, None, (0, 0, 1, 1))
+    assert links.rate([0, 1]) is None  # within a node, no declared rate: gloo's own speed
+    assert links.rate([0, 1, 2, 3]) == 8e6
+    assert EmulatedLinks(8e6, 2e6, (0, 0, 1)).rate([0, 1]) == 2e6
+    assert EmulatedLinks(None, None, (0, 0)).rate([0, 1]) is None
+
+
+def _faithful_gloo_body(rate: float):
+    import time
+
+    from cephalo.runtime.collectives.emulated import EmulatedStream, FaithfulComm
+
+    inner = make_comm("gloo", validate=False)
+    stream = EmulatedStream()
+    comm = FaithfulComm(inner, stream, rate)
+    sizes = [1 << 16, 1 << 15, 0]
+    shard = torch.full((sizes[comm.rank],), float(comm.rank + 1))
+    out = torch.empty(sum(sizes))
+    full = torch.ones(sum(sizes))
+    part = torch.empty(sizes[comm.rank])
+    comm.barrier()
+    t0 = time.perf_counter()
+    gather = comm.all_gather_v(out, shard, sizes, async_op=True)
+    scatter = comm.reduce_scatter_v(part, full, sizes, async_op=True)
+    gather.wait()
+    scatter.wait()
+    host_s = time.perf_counter() - t0
+    stream.sync()
+    total_s = time.perf_counter() - t0
+    t = torch.tensor([float(comm.rank)])
+    comm.all_reduce(t)
+    expect = torch.cat([torch.full((n,), float(r + 1)) for r, n in enumerate(sizes)])
+    return host_s, total_s, torch.equal(out, expect), bool((part == 3.0).all()), float(t)
+
+
+@pytest.mark.slow
+def test_faithful_comm_over_gloo(pool3):
+    """The data moves through gloo as before; the gather and the reduce-scatter on one group
+    take their sum on the emulated link, not their max, and the host never blocks for it."""
+    rate = 12e6
+    nbytes = (1 << 16) + (1 << 15)  # elements of both collectives' full buffers
+    link_s = 2 / 3 * nbytes * 4 / rate  # each: (n-1)/n of the fp32 buffer, ~21 ms
+    for host_s, total_s, gathered, reduced, summed in pool3.run(_faithful_gloo_body, rate):
+        assert gathered and reduced and summed == 3.0
+        assert total_s >= 2 * link_s * 0.95, "the group's two collectives overlapped"
+        assert host_s < total_s
+
+
+def test_emulated_runs_get_the_faithful_comm_at_their_declared_links():
+    """`emulate_links` (the trainer's, `cephalo run`'s) turns the faithful comm on for every
+    multi-rank emulated run, at the rates the spec declares and only those."""
+    from cephalo.runtime.collectives.shard_groups import emulate_links
+    from cephalo.runtime.engine.config import EngineConfig
+    from cephalo.specs.cluster import Cluster
+
+    two_nodes = emulate_links(
+        EngineConfig(), Cluster.parse("cpu@node0,cpu@node1;inter=20MB/s"), True
+    )
+    assert two_nodes.links.rate([0, 1]) == 20e6 and two_nodes.inter_node_bytes_per_s == 20e6
+    one_node = emulate_links(EngineConfig(), Cluster.parse("cpu,cpu"), True)
+    assert one_node.links is not None and one_node.links.rate([0, 1]) is None
+    assert one_node.inter_node_bytes_per_s is None
+    declared = emulate_links(EngineConfig(), Cluster.parse("cpu,cpu;intra=5MB/s"), True)
+    assert declared.links.rate([0, 1]) == 5e6
+    assert emulate_links(EngineConfig(), Cluster.parse("cpu,cpu"), False).links is None
+    assert emulate_links(EngineConfig(), Cluster.parse("cpu"), True).links is None

@@ -76,14 +76,17 @@ def test_compute_bound_time_and_memory():
 
 def test_collectives_overlap_compute_but_the_last_reduce_scatter():
     # b=1, m=1: fwd 1, bwd 1 + 2 = 3; per unit max(compute, gather) forward, max(compute,
-    # gather, scatter) backward: embedding max(1, 1.0) + max(3, 1.0, 1.5) = 4;
-    # blocks 2 x (max(1, 1.5) + max(3, 1.5, 2.5)) = 9; head (no recompute, no second gather:
-    # bwd 2) max(1, .7) + max(2, .9) = 3; + the embedding's reduce-scatter 1.5
+    # gather + scatter) backward (one process group: its collectives run one after another,
+    # NCCL's one stream per communicator): embedding max(1, 1.0) + max(3, 1.0 + 1.5) = 4;
+    # blocks max(1, 1.5) + max(3, 1.5 + 2.5) = 5.5, the last one kept gathered (no second
+    # gather) max(1, 1.5) + max(3, 2.5) = 4.5; head (no recompute, no second gather: bwd 2)
+    # max(1, .7) + max(2, .9) = 3; + the embedding's reduce-scatter 1.5
     c = _cm().rank_cost(0, 1, 1, 0.0)
-    assert c.step_s == pytest.approx(17.5)
+    assert c.step_s == pytest.approx(4 + 5.5 + 4.5 + 3 + 1.5)
     assert c.comm_s == pytest.approx(3.5 + 2 * 5.5 + 2.3)
     # a slow link (10 B/s): gather / scatter embedding 5.5 / 10.5, block 10.5 / 20.5, head 2.5 / 4.5;
-    # embedding 5.5 + 10.5, blocks 2 x (10.5 + 20.5), head 2.5 + 4.5, + 10.5
+    # embedding 5.5 + 16, blocks 10.5 + 31 and (kept) 10.5 + 20.5, head 2.5 + 2 (the first
+    # unit of the backward hides no reduce-scatter: its own runs beside the next), + 10.5
     prof = linear_profile("x", 1.0, 2.0, 1000.0, optimizer_s_per_param=0.0)
     slow = cost_model(
         [FakeDevice("x", 10_000), FakeDevice("x", 10_000)],
@@ -92,14 +95,18 @@ def test_collectives_overlap_compute_but_the_last_reduce_scatter():
         bytes_per_s=10.0,
         latency_s=0.5,
     )
-    assert slow.rank_cost(0, 1, 1, 0.0).step_s == pytest.approx(16 + 62 + 7 + 10.5)
+    assert slow.rank_cost(0, 1, 1, 0.0).step_s == pytest.approx(21.5 + 41.5 + 31 + 4.5 + 10.5)
+    # the rule is the sum of one queue's collectives, not the max of the three: the max would
+    # hide the block's 10.5 s gather under its 20.5 s reduce-scatter
+    assert slow.rank_cost(0, 1, 1, 0.0).step_s > 16 + 62 + 7 + 10.5
 
 
 def test_rank_without_samples_pays_collectives_and_needs_no_activations():
     c = _cm().rank_cost(1, 0, 1, 0.25)
-    # comm only: per unit a gather, then max(gather, scatter): embedding 1.0 + 1.5, blocks
-    # 2 x (1.5 + 2.5), head .7 + .9, + the last scatter 1.5 = 13.6; optimizer 0.25 * 270 * 0.01 = 0.675
-    assert c.step_s == pytest.approx(13.6 + 0.675)
+    # comm only: per unit a gather, then gather + scatter (one queue): embedding 1.0 + 2.5,
+    # blocks 1.5 + 4.0 and (kept gathered) 1.5 + 2.5, head .7 (its scatter runs beside the
+    # next unit's backward), + the last scatter 1.5 = 15.2; optimizer 0.25 * 270 * 0.01 = 0.675
+    assert c.step_s == pytest.approx(15.2 + 0.675)
     assert c.memory.activations == c.memory.boundary == c.memory.logits == 0
     assert c.memory.state == 1080
 
@@ -107,12 +114,17 @@ def test_rank_without_samples_pays_collectives_and_needs_no_activations():
 def test_offload_moves_boundaries_to_host_and_costs_copies():
     cm = _cm(host_bytes_per_s=1.0)
     c = cm.rank_cost(0, 5, 2, 0.0, offload=True)
-    # one boundary of 5 samples = 5*24 = 120 bytes at 1 B/s = 120 s per copy, dominating compute:
-    # embedding fwd max(5, 1, 120) + bwd max(15, 1, 0, 1.5); blocks 2 x (120 + 120); head fwd 5 +
-    # bwd 120; + the last scatter 1.5
-    assert c.step_s == pytest.approx(120 + 15 + 480 + 5 + 120 + 1.5)
-    # (L + 1) = 3 boundaries out in forward and 3 back in backward
-    assert c.host_copy_s == pytest.approx(6 * 120)
+    # one boundary of 5 samples = 5*24 = 120 bytes at 1 B/s = 120 s per copy, dominating compute.
+    # The copies are one queue beside compute and collectives: the compute waits for a read of
+    # its input at once, for a read of its output gradient after its recompute (fwd 5).
+    # embedding: fwd max(5, 1, write 120) = 120; bwd max(15 + (120 - 5), 1 + 1.5, read 120) = 130;
+    # each block: fwd max(5 + read 120, 1.5, read + write 240) = 240; bwd max(15 + 120 + 115,
+    # 1.5 + 2.5, two reads + a write 360) = 360; head: fwd max(5 + 120, .7, 120) = 125, bwd
+    # max(10 + 120, .9, read + write 240) = 240; + the last scatter 1.5
+    assert c.step_s == pytest.approx(250 + 2 * 600 + 365 + 1.5)
+    # (L + 1) = 3 boundaries written in forward and 3 in backward; 3 inputs read back in
+    # forward, 3 inputs and 3 output gradients in backward
+    assert c.host_copy_s == pytest.approx(15 * 120)
     # on the device only a block backward's two staging buffers (its input and its output
     # gradient) of one micro-batch: 2 x 2 * 24, at the peak (the block before the last)
     assert c.memory.boundary == 96
@@ -131,11 +143,15 @@ def test_copies_without_async_copies_add_to_compute():
     assert c.step_s == pytest.approx(140 + 760 + 255 + 1.5)
     assert c.host_copy_s == pytest.approx(9 * 120)
     assert c.compute_s == pytest.approx(75 + 9 * 120)
-    # small copies: hidden under compute and collectives with async copies, added without
-    # b=1, m=1, copy 24 B at 24 B/s = 1 s; fwd 1, bwd 3; collectives as in the gather/scatter test
+    # small copies: with async copies the writes and the output gradients' reads (beside the
+    # recompute) are hidden, only the inputs' reads hold the compute; without, all add up.
+    # b=1, m=1, copy 24 B at 24 B/s = 1 s; fwd 1, bwd 3; collectives as in the gather/scatter
+    # test (18.5 without offload): embedding 1 + 3 as there; blocks fwd max(1 + 1, 1.5, 2) = 2,
+    # bwd max(3 + 1, 1.5 + 2.5, 3) = 4 and (kept) max(3 + 1, 2.5, 3) = 4; head fwd
+    # max(1 + 1, .7, 1) = 2, bwd max(2 + 1, .9, 2) = 3; + 1.5
     hidden = _cm(host_bytes_per_s=24.0).rank_cost(0, 1, 1, 0.0, offload=True)
-    assert hidden.step_s == pytest.approx(17.5)
-    # embedding max(1, 1.0) + max(3 + 1, 1.0, 1.5); blocks 2 x (max(1 + 1, 1.5) + max(3 + 2, 1.5, 2.5));
+    assert hidden.step_s == pytest.approx(4 + 6 + 6 + 5 + 1.5)
+    # embedding max(1, 1.0) + max(3 + 1, 1.0 + 1.5); blocks 2 x (max(1 + 1, 1.5) + max(3 + 2, 1.5 + 2.5));
     # head (1 + 1) + max(2 + 1, .9) (no recompute, no second gather); + 1.5
     added = _cm(host_bytes_per_s=24.0, async_copies=False).rank_cost(0, 1, 1, 0.0, offload=True)
     assert added.step_s == pytest.approx(5 + 14 + 5 + 1.5)

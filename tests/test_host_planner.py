@@ -187,8 +187,9 @@ def test_paper_cluster_gpt_6_7b_gains_from_host_state(paper):
     print(
         f"gpt-6.7b: {with_host:.3f} with host state, {without:.3f} without, {before:.3f} before #14"
     )
-    # what main plans (issue #14: 2.314; 2.331 since the head has no recompute, issue #24)
-    assert before == pytest.approx(2.331, abs=1e-3)
+    # what main plans (issue #14: 2.314; 2.331 since the head has no recompute, issue #24;
+    # 2.317 since a group's gather and reduce-scatter add up on its one queue, issue 38)
+    assert before == pytest.approx(2.317, abs=1e-3)
     assert with_host >= 1.2 * before
     assert with_host >= 1.15 * without  # the compute-only bound is 3.27: 1.2 x 2.66 is out of reach
 

@@ -66,3 +66,42 @@ def test_offloaded_boundaries_fill_the_arena_exactly(mode):
     for x, y in make_data(2, 5):
         ref_stats = ref.train_step(x, y, lr=LR)
     assert stats.loss == ref_stats.loss
+
+
+def test_emulated_link_copies_run_on_a_copy_engine():
+    """An emulated link (`pcie=`) costs what a GPU's copy engine costs (runtime/boundary.py):
+    a write to the host holds nothing, a read waits for its entry's write and its own link
+    time, and a deferred read (a block's output gradient, beside its recompute) holds the
+    compute only for what is left of it."""
+    import time
+
+    from cephalo.runtime.boundary import BoundaryStore
+    from cephalo.runtime.emulation import ComputeEmulator
+    from cephalo.runtime.memory import MemoryLedger
+    from cephalo.runtime.state.host_state import HostLink
+
+    cpu = torch.device("cpu")
+    link = HostLink(MemoryLedger(0, cpu), cpu, 6.5e5, ComputeEmulator(1.0))
+    store = BoundaryStore(MemoryLedger(0, cpu), cpu, offload=True, link=link)
+    t = torch.randn(1 << 14)  # 64 KiB (no fresh pages per buffer) at 650 kB/s: 0.1 s a copy
+    link_s = t.numel() * 4 / 6.5e5
+    store.put((0, 0), t)  # first touches of fresh memory (page faults) are not the link's
+    with store.loaded((0, 0)):
+        pass
+    store.drop((0, 0))
+    t0 = time.perf_counter()
+    store.put((1, 0), t)
+    assert time.perf_counter() - t0 < 0.5 * link_s  # the write runs on the copy engine
+    with store.loaded((1, 0)) as x:  # at once: behind its write, then its own copy
+        assert torch.equal(x, t)
+    assert time.perf_counter() - t0 >= 1.8 * link_s
+    store.put((2, 0), t)
+    time.sleep(link_s)  # the write has crossed
+    t0 = time.perf_counter()
+    with store.loaded((2, 0), deferred=True) as g:
+        time.sleep(0.75 * link_s)  # the recompute beside the read
+        store.ready(g)
+        assert torch.equal(g, t)
+    took = time.perf_counter() - t0
+    assert 0.9 * link_s <= took < 1.5 * link_s, f"{took:.3f}s: the read did not overlap"
+    assert len(store) == 2 and link.copied_bytes == 6 * t.numel() * 4

@@ -32,29 +32,37 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     (`pad`, charged by `evaluate` and weighed by the planner; collective_cost.py says how).
     All are overlapped with compute: the all-gather of the next unit is prefetched while
     this one computes, and the engine's reduce-scatter of a unit's gradient runs while the
-    next unit's backward computes (runtime/engine/engine.py `_backward_pass`). Each unit's
-    backward is charged max(its compute, a gather, a reduce-scatter) of its own kind (the
-    neighbour whose collective it hides is of the same kind but at the ends of the model);
-    the last reduce-scatter (the embedding's, before the optimizer) is not hidden.
+    next unit's backward computes (runtime/engine/step_passes.py). A process group's
+    collectives run one after another (NCCL: one stream per communicator; the emulated
+    cluster's comm likewise, runtime/collectives/emulated.py), so each unit's backward is
+    charged max(its compute, a gather + a reduce-scatter) of its own kind (the neighbour
+    whose collective it hides is of the same kind but at the ends of the model), not the
+    max of the three; the head, first of the backward, hides no reduce-scatter, and the last
+    one (the embedding's, before the optimizer) is not hidden.
     host copies (offload): the unit's boundary activation (b * seq * hidden * dtype bytes)
-    goes to the host in forward and comes back in backward.
-    With prefetch on a side stream the all-gather of the next unit and the host copy
-    (a DMA engine, not the SMs) run while this unit computes, so a unit costs
-    max(compute, gather, copy) per pass (the reduce-scatter too in backward), not their sum. A
-    device without async copies (a CPU: `DeviceProfile.async_copies` False) copies on its
-    compute thread, so there a unit costs max(compute + copy, gather); the boundary writes are then already part
-    of the profiled compute (a memcpy into host memory costs what one into device memory
-    does) and offload adds the staging copy of each boundary read back: the input of every
-    unit but the embedding (forward and backward) and the output gradient of every unit
-    but the head (backward).
+    goes to the host in forward and comes back in backward: every unit's output but the
+    head's is written in forward, every unit's input gradient but the embedding's in
+    backward; the input of every unit but the embedding is read back (forward and backward)
+    and the output gradient of every unit but the head (backward).
+    With a copy engine (a GPU: `DeviceProfile.async_copies`; an emulated link, `pcie=`:
+    `boundary_writes_in_compute` False) the copies are a queue of their own beside the
+    compute and the collectives (runtime/boundary.py): the writes never hold the compute, a
+    read of a unit's input does (the unit needs it at once), a read of an output gradient
+    runs beside the unit's recompute and holds the backward only for what is left of it. So
+    a unit's forward costs max(compute + input read, gather, all its copies) and its backward
+    max(compute + input read + max(0, gradient read - recompute), gather + reduce-scatter,
+    all its copies + gradient copy down), each sum one queue's work. A device copying with
+    plain memcpys on its compute thread (a CPU without `pcie=`) has its writes in the
+    profiled compute (a memcpy into host memory costs what one into device memory does) and
+    adds each read: a unit costs max(compute + reads, collectives).
     A rank that does not overlap its reduce-scatters (plan `overlap_reduce` false: one unit
     gradient less on the device) waits for each one after its unit's backward: that unit's
-    backward costs max(compute, gather, copy) + scatter.
+    backward costs max(compute, gather, copies) + scatter.
   optimizer:  s * P * optimizer_s_per_param (after the last reduce-scatter; not overlapped)
   host state (plan `host_state_fraction` h; x = h * s of the model lives on the host): the
     reduce-scatter output of that part goes down to the host (x * P_u * 4 bytes per unit at the
     host bandwidth: on a GPU beside the next unit's backward, so a unit's backward costs
-    max(compute, gather, scatter, boundary copy, gradient copy), the embedding's copy after
+    max(compute, gather + scatter, boundary copy + gradient copy), the embedding's copy after
     its reduce-scatter not hidden; on a CPU on the compute thread, added); the host runs
     AdamW on it (x * P * host_optimizer_s_per_param of this rank: the node's host shared by its
     ranks) and the updated compute-dtype parameters go back up (x * P * d bytes). The device
@@ -230,15 +238,13 @@ class CostModel(ShardGroupCosts, MemoryModel):
             "head": head_gathered,
         }
         self.unit_counts = {"embedding": 1, "block": model.num_layers, "head": 1}
-        # Which passes move a boundary activation to or from the host under offload: the
-        # embedding and every block write their output in forward; every block and the head
-        # read their input back in backward.
-        self.copies_fwd = {"embedding": 1, "block": 1, "head": 0}
-        self.copies_bwd = {"embedding": 0, "block": 1, "head": 1}
-        # Without async copies (on the compute thread): the staging copies of the boundaries
-        # read back, per pass (see the module docstring).
+        # The staging copies of the boundaries read back, per pass (see the module docstring).
         self.sync_copies_fwd = {"embedding": 0, "block": 1, "head": 1}
         self.sync_copies_bwd = {"embedding": 1, "block": 2, "head": 1}
+        # Of those, the output gradients a unit reads back for its backward (read beside its
+        # recompute, runtime/boundary.py `loaded(deferred=True)`): the embedding's and every
+        # block's; the head's backward reads its input only.
+        self.gout_reads = {"embedding": 1, "block": 1, "head": 0}
         # The boundary writes to the host, per pass: every unit's output but the head's in
         # forward, every unit's input gradient but the embedding's in backward.
         self.writes_fwd = {"embedding": 1, "block": 1, "head": 0}
@@ -452,33 +458,50 @@ class CostModel(ShardGroupCosts, MemoryModel):
             scatter = self.collectives.scatter(kind, pad)
             # the head is not gathered again in the backward (runtime/head_loss.py)
             gather_b = 0.0 if kind == "head" else gather
+            # with overlap, the reduce-scatter a unit's backward hides is the one of the unit
+            # before it in the backward (approximated by its own kind's): the head, first, hides
+            # none, and the embedding's own is the step's tail (one scatter per unit in all)
+            hidden_scatter = 0.0 if kind == "head" else scatter
             grad_down = x * self.gathered_params[kind] * GRAD_BYTES / bw if hosted else 0.0
-            if profile.async_copies:
-                cf = copy_one * self.copies_fwd[kind]
-                cb = copy_one * self.copies_bwd[kind]
-                # the gradient copy of a unit runs beside the next unit's backward, with or
-                # without overlap (without, only the reduce-scatter is waited for at once)
-                hidden = np.maximum(np.maximum(np.maximum(bwd, gather_b), cb), grad_down)
-                backward = np.where(overlap, np.maximum(hidden, scatter), hidden + scatter)
-                forward = np.maximum(np.maximum(fwd, gather), cf)
+            if profile.async_copies or not profile.boundary_writes_in_compute:
+                # a copy engine (a GPU's, or an emulated link's): the writes to the host and
+                # the reads back are one queue of their own; the compute waits for a read of
+                # its input at once, for a block's output gradient only after its recompute
+                # (runtime/boundary.py: that read runs beside it); the gradient going down
+                # (host state) queues there too
+                reads_f = copy_one * self.sync_copies_fwd[kind]
+                gout = copy_one * self.gout_reads[kind]
+                reads_b = copy_one * self.sync_copies_bwd[kind] - gout
+                recompute = 0.0 if kind == "head" else fwd
+                late = np.maximum(gout - recompute, 0.0)
+                cf = reads_f + copy_one * self.writes_fwd[kind]
+                cb = reads_b + gout + copy_one * self.writes_bwd[kind]
+                # three queues beside the compute: the group's collectives (one communicator:
+                # the next unit's gather and the last unit's reduce-scatter one after the
+                # other), the copies, and the compute itself
+                hidden = np.maximum(bwd + reads_b + late, cb + grad_down)
+                backward = np.where(
+                    overlap,
+                    np.maximum(hidden, gather_b + hidden_scatter),
+                    np.maximum(hidden, gather_b) + scatter,
+                )
+                forward = np.maximum(np.maximum(fwd + reads_f, gather), cf)
                 compute = compute + count * (fwd + bwd)
                 if kind == "block" and self.fused_tail_possible:
                     # the last block is not gathered again for its backward; fused, not
                     # recomputed either (costmodel/rules.py)
                     own = np.where(fused, bwd - fwd, bwd)
-                    last = np.maximum(np.maximum(own, cb), grad_down)
+                    last = np.maximum(own + reads_b + late, cb + grad_down)
                     last = np.where(overlap, np.maximum(last, scatter), last + scatter)
                     total = total + last - backward
                     compute = compute - np.where(fused, fwd, 0.0)
             else:
+                # memcpys on the compute thread (the writes are in the profiled compute)
                 cf = copy_one * self.sync_copies_fwd[kind]
                 cb = copy_one * self.sync_copies_bwd[kind]
-                if not profile.boundary_writes_in_compute:  # an emulated link: copies of their own
-                    cf = cf + copy_one * self.writes_fwd[kind]
-                    cb = cb + copy_one * self.writes_bwd[kind]
                 backward = np.where(
                     overlap,
-                    np.maximum(np.maximum(bwd + cb, gather_b), scatter),
+                    np.maximum(bwd + cb, gather_b + hidden_scatter),  # one queue for the group
                     np.maximum(bwd + cb, gather_b) + scatter,
                 )
                 forward = np.maximum(fwd + cf, gather)

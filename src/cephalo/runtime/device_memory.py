@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
+from cephalo.errors import CephaloError, first_line
 from cephalo.runtime.live_bytes import LiveTensorBytes
 
 _MIB = float(1 << 20)
@@ -143,4 +144,39 @@ def reserve_note(measured: int, planned: int) -> str:
     return (
         f"device memory outside PyTorch's allocator (CUDA context, NCCL communicators, cuBLAS): "
         f"{_mib(measured)} measured, {_mib(planned)} planned ({verdict})"
+    )
+
+
+def out_of_memory_message(
+    rank: int, step: int, device: torch.device, ledger_peak_bytes: int, err: BaseException
+) -> str:
+    """One clear line for a real device's out-of-memory error (the others stop with it too:
+    `runtime.collectives.dist.announce_failure`); `ledger_peak_bytes`: the engine's own
+    buffers' peak (runtime/memory.py)."""
+    gib = 1024**3
+    detail = ""
+    if isinstance(err, torch.OutOfMemoryError) and str(err).startswith("emulated device"):
+        detail = f" ({str(err).split(': ', 1)[1]})"
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        detail = (
+            f" ({torch.cuda.memory_allocated(device) / gib:.2f} GiB allocated, "
+            f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB reserved of {total / gib:.2f} GiB)"
+        )
+    return (
+        f"rank {rank} ran out of device memory at step {step}{detail}; the engine's own buffers "
+        f"peaked at {ledger_peak_bytes / gib:.2f} GiB. Other processes on that GPU, or "
+        "memory the plan did not foresee, take the rest: give that rank a smaller batch or state "
+        "fraction (a plan file), offload activations (parallel.offload = always), or re-plan with a "
+        "smaller memory per GPU (`cephalo plan --cluster TYPE:mem=...`)"
+    )
+
+
+def startup_out_of_memory(rank: int, err: torch.OutOfMemoryError) -> CephaloError:
+    """One line for a device that ran out of memory before the first step (profiling, the
+    engine's buffers, a resumed checkpoint)."""
+    return CephaloError(
+        f"rank {rank} ran out of device memory before its first step ({first_line(err)}): the job "
+        "does not fit this device as planned; give that rank a smaller share (a plan file, "
+        "parallel.offload = always, LoRA / QLoRA) or a device with more memory"
     )

@@ -57,8 +57,10 @@ from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
 from cephalo.runtime.device_memory import (
     EmulatedDeviceMemory,
     host_memory,
+    out_of_memory_message,
     outside_allocator_bytes,
     reserve_note,
+    startup_out_of_memory,
 )
 from cephalo.runtime.emulation import drifted_slowdown, start_delay_s
 from cephalo.runtime.engine.engine import Engine, EngineConfig, StepStats
@@ -279,29 +281,6 @@ def _consequence(error: CephaloError) -> CephaloError:
     return error
 
 
-def out_of_memory_message(rank: int, step: int, engine: Engine, err: BaseException) -> str:
-    """One clear line for a real device's out-of-memory error (the others stop with it too:
-    `runtime.collectives.dist.announce_failure`)."""
-    gib = 1024**3
-    device = engine.device
-    detail = ""
-    if isinstance(err, torch.OutOfMemoryError) and str(err).startswith("emulated device"):
-        detail = f" ({str(err).split(': ', 1)[1]})"
-    elif device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        detail = (
-            f" ({torch.cuda.memory_allocated(device) / gib:.2f} GiB allocated, "
-            f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB reserved of {total / gib:.2f} GiB)"
-        )
-    return (
-        f"rank {rank} ran out of device memory at step {step}{detail}; the engine's own buffers "
-        f"peaked at {engine.ledger.peak_bytes / gib:.2f} GiB. Other processes on that GPU, or "
-        "memory the plan did not foresee, take the rest: give that rank a smaller batch or state "
-        "fraction (a plan file), offload activations (parallel.offload = always), or re-plan with a "
-        "smaller memory per GPU (`cephalo plan --cluster TYPE:mem=...`)"
-    )
-
-
 def strict_device_memory(cfg: JobConfig, device: Device, rank: int) -> EmulatedDeviceMemory | None:
     """The byte-by-byte accounting of an emulated rank's device memory (runtime/device_memory.py),
     charged the reserve the planner keeps on that device type; None on a real device or with
@@ -310,16 +289,6 @@ def strict_device_memory(cfg: JobConfig, device: Device, rank: int) -> EmulatedD
         return None
     return EmulatedDeviceMemory(
         rank, int(device.memory_bytes), device_reserve_bytes(device.type_key)
-    )
-
-
-def startup_out_of_memory(rank: int, err: torch.OutOfMemoryError) -> CephaloError:
-    """One line for a device that ran out of memory before the first step (profiling, the
-    engine's buffers, a resumed checkpoint)."""
-    return CephaloError(
-        f"rank {rank} ran out of device memory before its first step ({_short(err)}): the job "
-        "does not fit this device as planned; give that rank a smaller share (a plan file, "
-        "parallel.offload = always, LoRA / QLoRA) or a device with more memory"
     )
 
 
@@ -677,7 +646,9 @@ class _Trainer:
             stats = self.engine.train_step(input_ids, labels, lr, position_ids=positions)
         except torch.OutOfMemoryError as err:
             raise CephaloError(
-                out_of_memory_message(self.rank, self.step + 1, self.engine, err)
+                out_of_memory_message(
+                    self.rank, self.step + 1, self.engine.device, self.engine.ledger.peak_bytes, err
+                )
             ) from err
         ranks, step_s = self._gather_rank_stats(stats)
         self._last_ranks = ranks
@@ -761,7 +732,15 @@ class _Trainer:
         so in one line (a one-process job, or our own error, passes through unchanged). A
         device's out-of-memory outside the step (a checkpoint, an evaluation) is said as one."""
         if isinstance(error, torch.OutOfMemoryError):
-            return CephaloError(out_of_memory_message(self.rank, self.step + 1, self.engine, error))
+            return CephaloError(
+                out_of_memory_message(
+                    self.rank,
+                    self.step + 1,
+                    self.engine.device,
+                    self.engine.ledger.peak_bytes,
+                    error,
+                )
+            )
         if isinstance(error, CephaloError) or self.world_size == 1:
             return error
         peer = peer_failure(

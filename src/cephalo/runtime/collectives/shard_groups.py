@@ -18,8 +18,8 @@ the same 2 (g-1)/g of the segment's bf16 bytes a ring sends. Every owner gets th
 
 Emulation (`inter_node_bytes_per_s`): the exchange is charged a delay per byte its node sends
 (the group's ranks share the node's link), as `slowdown` charges compute, so a slow inter-node
-network shows on the CPU; a flat plan's rings over emulated nodes are charged the same way
-(`SlowLinkComm`).
+network shows on the CPU; the groups' own rings (and a flat plan's) run on the faithful emulated
+comm at their links' rates (runtime/collectives/emulated.py).
 
 Under layered gradient accumulation each unit's exchange starts as soon as its gradient shard is
 complete (`unit_final`, called by the engine's backward), beside the backward of the units before
@@ -39,10 +39,20 @@ import torch.distributed as dist
 
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
-from cephalo.runtime.collectives.comm import Comm, make_comm
+from cephalo.runtime.collectives.comm import Comm, _all_gather_even, make_comm
 from cephalo.runtime.state.flat import shard_ranges
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+_REDUCE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _reduce_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream the bf16 cross-group sums run on (one per device, made once)."""
+    if device not in _REDUCE_STREAMS:
+        _REDUCE_STREAMS[device] = torch.cuda.Stream(device)
+    return _REDUCE_STREAMS[device]
 
 
 @dataclass
@@ -73,15 +83,32 @@ class _Bf16Reduce:
 
     def gather(self) -> None:
         """Second phase: sum this owner's chunk in fp32 (the all-to-all must have finished) and
-        start the all-gather of every owner's rounded sum."""
-        self.work.wait()
-        summed = self.received.float().sum(0).to(torch.bfloat16)
-        self.gathered = torch.empty(
-            self.received.numel(), dtype=torch.bfloat16, device=summed.device
-        )
-        self.work = dist.all_gather_into_tensor(
-            self.gathered, summed, group=self.group, async_op=True
-        )
+        start the all-gather of every owner's rounded sum.
+
+        On CUDA the wait, the sum and the all-gather's start are queued on a side stream: the
+        engine calls this inside the backward (the next segment of the same owners starts), and
+        on the compute stream `work.wait()` would make the backward's kernels wait for the
+        inter-node all-to-all (issue 38, finding 9). The compute stream waits only in `finish`,
+        where the sums are consumed. scripts/gpu_check.py (`--collectives`) checks the sums."""
+        device = self.received.device
+        if device.type != "cuda":
+            self.work.wait()
+            summed = self.received.float().sum(0).to(torch.bfloat16)
+            self.gathered = torch.empty(self.received.numel(), dtype=torch.bfloat16, device=device)
+            self.work = _all_gather_even(self.gathered, summed, self.group)
+            return
+        compute = torch.cuda.current_stream(device)
+        side = _reduce_stream(device)
+        # allocated on the compute stream: the side stream must not write them before what the
+        # compute stream queued earlier (the allocator may hand back a block it still reads)
+        self.gathered = torch.empty(self.received.numel(), dtype=torch.bfloat16, device=device)
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            self.work.wait()  # the side stream waits for the all-to-all, not the backward
+            summed = self.received.float().sum(0).to(torch.bfloat16)
+            self.work = _all_gather_even(self.gathered, summed, self.group)
+        self.received.record_stream(side)
+        self.gathered.record_stream(side)
 
     def finish(self) -> None:
         if self.gathered is None:
@@ -318,49 +345,25 @@ def saved_state(engine) -> list:
 
 
 def emulate_links(config, cluster, emulated: bool):
-    """An emulated cluster spanning nodes (`cephalo run --devices "...@node1;inter=RATE"`): the
-    collectives that cross nodes are charged a delay per byte at the inter-node rate (the
-    all-reduce between shard groups; a flat plan's rings, `SlowLinkComm`)."""
+    """An emulated multi-rank cluster (`cephalo run --devices ...`, tests through the trainer):
+    its collectives run as NCCL runs them (runtime/collectives/emulated.py `FaithfulComm`: one
+    queue per process group, asynchronous waits) at the links its spec declares (`inter=`
+    between nodes; `intra=` within one, where given), and across nodes the all-reduce between
+    shard groups is charged the inter-node rate per byte."""
     from dataclasses import replace
 
-    if not emulated or cluster.num_nodes < 2:
+    from cephalo.runtime.collectives.emulated import EmulatedLinks
+    from cephalo.specs.catalog.devices import intra_node_bytes_per_s
+
+    if not emulated or cluster.world_size < 2:
         return config
-    return replace(config, inter_node_bytes_per_s=float(cluster.inter_node_bytes_per_s))
-
-
-class SlowLinkComm:
-    """A `Comm` whose ring collectives wait as long as a ring over a link of `bytes_per_s` would
-    take ((n-1)/n of the gathered or reduced bytes), counted from the call: asynchronous calls
-    overlap the delay with compute, as a network would. Everything else is the inner comm's."""
-
-    def __init__(self, inner: Comm, bytes_per_s: float):
-        self._inner = inner
-        self._rate = float(bytes_per_s)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def _delayed(self, handle, nbytes: int, async_op: bool):
-        from cephalo.runtime.collectives.comm import Handle
-
-        n = self._inner.world_size
-        due = time.perf_counter() + (n - 1) / n * nbytes / self._rate
-
-        def finish() -> None:
-            left = due - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
-
-        if not async_op:
-            handle.wait()
-            finish()
-            return handle
-        return Handle([handle], finish)
-
-    def all_gather_v(self, out, shard, sizes, async_op: bool = False):
-        h = self._inner.all_gather_v(out, shard, sizes, async_op=async_op)
-        return self._delayed(h, out.numel() * out.element_size(), async_op)
-
-    def reduce_scatter_v(self, out, full, sizes, async_op: bool = False):
-        h = self._inner.reduce_scatter_v(out, full, sizes, async_op=async_op)
-        return self._delayed(h, full.numel() * full.element_size(), async_op)
+    spans = cluster.num_nodes >= 2
+    default_intra = min(intra_node_bytes_per_s(d.type) for d in cluster.devices)
+    declared_intra = cluster.intra_node_bytes_per_s != default_intra
+    links = EmulatedLinks(
+        float(cluster.inter_node_bytes_per_s) if spans else None,
+        float(cluster.intra_node_bytes_per_s) if declared_intra else None,
+        tuple(d.node for d in cluster.devices),
+    )
+    inter = float(cluster.inter_node_bytes_per_s) if spans else config.inter_node_bytes_per_s
+    return replace(config, inter_node_bytes_per_s=inter, links=links)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from cephalo.errors import CephaloError
+from cephalo.runtime.collectives.emulated import EmulatedLinks
 from cephalo.runtime.state.adamw import AdamWHyper
 
 MODES = ("lga", "standard")
@@ -46,10 +47,15 @@ class EngineConfig:
     seed: int = 0
     """Seeds the initial weights (identical on every rank) and the dropout masks."""
     slowdown: float = 1.0
+    """CPU device emulation: compute is stretched by this factor (see emulation.py)."""
     inter_node_bytes_per_s: float | None = None
     """Emulated inter-node link of a hierarchical plan: the all-reduce between shard groups is
     charged a delay per byte sent (None: as fast as it runs)."""
-    """CPU device emulation: compute is stretched by this factor (see emulation.py)."""
+    links: EmulatedLinks | None = None
+    """An emulated multi-rank cluster's links (`emulate_links`): its collectives then run as
+    NCCL runs them (runtime/collectives/emulated.py: one FIFO queue per process group at its
+    link's rate, `wait()` asynchronous, the stall counted where the stream next runs);
+    None: the comm as given."""
     memory_budget_bytes: int | None = None
     """Budget for a ledger the engine creates itself (None = unlimited)."""
     host_memory_budget_bytes: int | None = None

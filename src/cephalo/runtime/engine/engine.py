@@ -91,6 +91,7 @@ from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planner.plan import Plan
 from cephalo.runtime.autograd import BackwardCharges
 from cephalo.runtime.collectives.comm import Comm
+from cephalo.runtime.collectives.emulated import EmulatedStream
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
 from cephalo.runtime.engine.config import EngineConfig, StepStats
 from cephalo.runtime.engine.head_pass import HeadPass
@@ -152,11 +153,15 @@ class Engine:
         """Index of this rank's first sample in the global batch (ranks take consecutive slices)."""
         if config.validate_collectives is not None:
             comm.validate = config.validate_collectives
-        self.world = comm
-        """Every rank: the token count, the loss and the gradient norm (`comm`: the shard group's)."""
-        self.comm, self.group_sync = attach_shard_groups(plan, comm, config)
-        """`comm`: this rank's shard group's collectives. `group_sync`: hierarchical plans, the
-        all-reduce between groups (runtime/collectives/shard_groups.py); None for a flat plan."""
+        self.stream = EmulatedStream() if config.links is not None else None
+        """An emulated cluster's compute stream (runtime/collectives/emulated.py): the waits of
+        its collectives hold it, the clock counts its stalls; None: not emulated."""
+        self.world, self.comm, self.group_sync = attach_shard_groups(
+            plan, comm, config, self.stream
+        )
+        """`world`: every rank (the token count, the loss and the gradient norm). `comm`: this
+        rank's shard group's collectives. `group_sync`: hierarchical plans, the all-reduce
+        between groups (runtime/collectives/shard_groups.py); None for a flat plan."""
         self.device = device = compute_device(config, self.comm)
         self.dtype = dtype = compute_dtype(config.compute_dtype or plan.dtype)
         self.offload = rp.offload_activations if config.offload is None else config.offload
@@ -215,7 +220,7 @@ class Engine:
         self.host_optimizer, hosted = apply_host_state(self.shards, config)
         """AdamW of the host-held parts (None: all state on the device)."""
         self.grads = GradShards(ledger, device, self.shards, self.optimizer, self.lean_grads)
-        self.clock = StepClock(device, self.emulator)
+        self.clock = StepClock(device, self.emulator, self.stream)
         self.collectives = UnitCollectives(
             self.comm,
             self.world,

@@ -15,12 +15,9 @@ from cephalo.modeling.units import UnitModel
 from cephalo.planner.plan import Plan, RankPlan
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.collectives.comm import Comm
+from cephalo.runtime.collectives.emulated import EmulatedStream, faithful
 from cephalo.runtime.collectives.padded import PaddedSplit
-from cephalo.runtime.collectives.shard_groups import (
-    ShardGroupSync,
-    SlowLinkComm,
-    attach_shard_group_sync,
-)
+from cephalo.runtime.collectives.shard_groups import ShardGroupSync, attach_shard_group_sync
 from cephalo.runtime.device_memory import host_memory
 from cephalo.runtime.engine.config import EngineConfig
 from cephalo.runtime.memory import MemoryLedger
@@ -35,17 +32,26 @@ from cephalo.runtime.state.unit_shard import Borrow, UnitShard
 
 
 def attach_shard_groups(
-    plan: Plan, comm: Comm, config: EngineConfig
-) -> tuple[Comm, ShardGroupSync | None]:
-    """The comm of this rank's shard group and, for a hierarchical plan, the all-reduce between
-    groups (runtime/collectives/shard_groups.py; None for a flat plan). Every rank calls it: it creates the
-    groups. A flat plan across emulated slow nodes gets its rings slowed (`SlowLinkComm`)."""
+    plan: Plan, comm: Comm, config: EngineConfig, stream: EmulatedStream | None = None
+) -> tuple[Comm, Comm, ShardGroupSync | None]:
+    """The comm of every rank, the comm of this rank's shard group and, for a hierarchical plan,
+    the all-reduce between groups (runtime/collectives/shard_groups.py; None for a flat plan).
+    Every rank calls it: it creates the groups. On an emulated cluster (`config.links` and a
+    `stream`) the comms run as NCCL runs them (runtime/collectives/emulated.py): one queue per
+    process group (a flat plan's world and group are one communicator, one queue) at the rate
+    of the group's slowest link."""
     group_sync = attach_shard_group_sync(plan, comm, config.inter_node_bytes_per_s)
-    if group_sync is not None:
-        return group_sync.group_comm, group_sync
-    if config.inter_node_bytes_per_s:  # an emulated flat ring across slow nodes
-        return SlowLinkComm(comm, config.inter_node_bytes_per_s), None  # type: ignore[return-value]
-    return comm, None
+    links = config.links
+    if links is None or stream is None:
+        if group_sync is not None:
+            return comm, group_sync.group_comm, group_sync
+        return comm, comm, None
+    world = faithful(comm, stream, links.rate(range(comm.world_size)))
+    if group_sync is None:
+        return world, world, None
+    members = group_sync.members
+    group_sync.group_comm = faithful(group_sync.group_comm, stream, links.rate(members))
+    return world, group_sync.group_comm, group_sync
 
 
 def compute_device(config: EngineConfig, comm: Comm) -> torch.device:

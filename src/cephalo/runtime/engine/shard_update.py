@@ -110,6 +110,7 @@ class ShardUpdate:
         `[n_tokens, *extra]`. That one read is the step's only host sync where the update
         needs none (`device_step`): after the update is queued."""
         opt, host_opt, clock = self.optimizer, self.host_optimizer, self.clock
+        clock.settle()  # the stream's waits for the last reduce-scatters (emulated cluster)
         self.link.sync()  # every host gradient piece has arrived
         for us in self.grads.shards:  # (lean: a unit no reduce-scatter reached: zero gradient)
             self.grads.device_grad(us)

@@ -13,6 +13,10 @@ collectives (outside unit compute), `optimizer_s` the stream's time in the optim
 kernels, and `device_step_s` the stream's span of the step; what the three and `busy_s` leave
 of it is the time the device waited for the host. On the CPU (and under an emulated slowdown)
 every part is host time, as before; calibration (train/calibration.py) reads either alike.
+
+On an emulated cluster (runtime/collectives/emulated.py) a collective's `wait()` is
+asynchronous as on NCCL: the emulated stream's stalls are counted as communication where they
+land (the start of the next compute, `settle` before the optimizer step).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from cephalo.runtime.collectives.comm import Handle
+from cephalo.runtime.collectives.emulated import EmulatedStream
 from cephalo.runtime.emulation import ComputeEmulator
 
 _Events = list[tuple[torch.cuda.Event, torch.cuda.Event]]
@@ -51,11 +56,20 @@ class StepClock:
     the compute device and the `ComputeEmulator` that stretches compute on a slow emulated
     device."""
 
-    def __init__(self, device: torch.device, emulator: ComputeEmulator):
+    def __init__(
+        self,
+        device: torch.device,
+        emulator: ComputeEmulator,
+        stream: EmulatedStream | None = None,
+    ):
         self.device = device
         self.emulator = emulator
+        self.stream = stream
+        """An emulated cluster's compute stream (None: the host is the stream, or CUDA)."""
         self.comm_wait_s = 0.0
-        """Host seconds blocked in collectives this step (their calls and waits)."""
+        """Seconds the step waited for collectives: host time blocked in their calls and waits;
+        on CUDA the compute stream's stalls at their waits (events, `collect`); on an emulated
+        cluster the emulated stream's stalls (`settle`)."""
         self.busy_s = 0.0
         """Seconds of unit compute this step (CUDA: summed from events by `collect`)."""
         self.host_s = 0.0
@@ -99,6 +113,13 @@ class StepClock:
             yield
         self.comm_wait_s += time.perf_counter() - t0
 
+    def settle(self) -> None:
+        """The stream runs up to now (an emulated cluster's: its pending waits are slept,
+        counted as communication): before the optimizer step, whose kernels wait on the stream
+        and whose reads synchronise the host with it."""
+        if self.stream is not None:
+            self.comm_wait_s += self.stream.sync()
+
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
         """Time a piece of compute (stretched by the emulated slowdown). On CUDA, events
@@ -113,6 +134,7 @@ class StepClock:
                 return
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            self.settle()  # the kernels start once the stream's waits are over
             mark = self.emulator.start()
             yield
             if self.device.type == "cuda":

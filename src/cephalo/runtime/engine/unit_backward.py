@@ -131,11 +131,13 @@ class UnitBackward:
             x = x_in if u == 0 else x_in.detach().requires_grad_()
             self.runner.restore_rng(mb.rng[u])
             with (
-                store.loaded((u + 1, j)) as gout,
+                # its copy runs beside the recompute: waited for only by the backward
+                store.loaded((u + 1, j), deferred=True) as gout,
                 self.unit_graph(us, params, leaves, x, mb, key) as out,
                 torch.enable_grad(),
             ):
                 inputs = ([x] if u > 0 else []) + list(leaves.values())
+                store.ready(gout)
                 torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
                 del out
             store.drop((u + 1, j))  # the output gradient is consumed
