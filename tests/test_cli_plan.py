@@ -435,12 +435,12 @@ def test_plan_for_the_local_node_uses_its_available_memory(capsys, monkeypatch):
 
     def usable(ranks):
         asked.append(ranks)
-        return 5 * 2**30
+        return 8 * 2**30
 
     monkeypatch.setattr(discovery, "usable_host_bytes", usable)
     base = ["plan", "--cluster", "2xl4", "--global-batch", "8"]
     assert main([*base, "--host-memory", "local"]) == 0
-    assert "host memory of node 0 (ranks 0, 1): 0.6 of 5.0 GiB used" in capsys.readouterr().out
+    assert "host memory of node 0 (ranks 0, 1): 3.8 of 8.0 GiB used" in capsys.readouterr().out
     assert asked == [2]
     assert main([*base, "--host-memory", "3GiB"]) == 0
     assert "of 3.0 GiB used" in capsys.readouterr().out

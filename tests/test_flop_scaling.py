@@ -75,7 +75,9 @@ def test_cephalo_plan_on_a_model_directory(tmp_path, capsys):
     from cephalo.cli import main as cli_main
     from hf_configs import save_tiny_model
 
-    directory = save_tiny_model("qwen2", tmp_path / "qwen", seed=1)
+    directory = save_tiny_model(
+        "qwen2", tmp_path / "qwen", seed=1, max_position_embeddings=512
+    )  # a context of the planned --seq-len (plan refuses one past it)
     assert (
         cli_main(
             [

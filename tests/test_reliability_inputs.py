@@ -166,7 +166,7 @@ def test_plan_that_does_not_fit_names_each_ranks_shortfall(capsys):
         [
             "plan",
             "--cluster",
-            "t4:mem=4GiB,t4:mem=4GiB",
+            "t4:mem=5GiB,t4:mem=5GiB",
             "--model",
             "gpt-2.7b",
             "--global-batch",
