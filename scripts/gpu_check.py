@@ -43,6 +43,9 @@ returning its failures; a check that raises is a failure, not the end of the run
                    exists (`mem_get_info`: CUDA context, NCCL, cuBLAS) within the reserve the
                    planner keeps (costmodel/memory.py `device_reserve_bytes`, one group); both
                    figures in the note. CPU: the emulated device is charged the same reserve
+  profiler_memory  the profiler's measured units materialised in host memory, their buffers on
+                   the device: a measurement runs and peaks under 0.4x the model's fp32 bytes
+                   (scripts/gpu_check_host.py; issue 38, finding 1)
   throughput       tokens/s and MFU of the engine against plain PyTorch (the same GPT-2 124M,
                    batch and bf16 autocast-free weights, fused AdamW) on this GPU
   step_syncs, adamw_split, step_split   issue 38's findings 11, 13 and 10 (scripts/
@@ -708,6 +711,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("adamw_split", _syncs("check_adamw_split")),
     ("step_split", _syncs("check_step_split")),
     ("device_reserve", _host("check_device_reserve")),
+    ("profiler_memory", _host("check_profiler_memory")),
     ("throughput", check_throughput),
     ("comm_wait_events", check_comm_wait_events),
     ("boundary_overlap", check_boundary_overlap),

@@ -118,3 +118,38 @@ def check_device_reserve(setup: Setup) -> tuple[list[str], str]:
     measured = outside_allocator_bytes(setup.device)
     failures = [] if measured <= planned else [reserve_note(measured, planned)]
     return failures, reserve_note(measured, planned)
+
+
+def check_profiler_memory(setup: Setup) -> tuple[list[str], str]:
+    """Issue 38, finding 1: the profiler materialises only the units it measures, in host
+    memory (their constant buffers on the device), and the device holds their gathered
+    compute-dtype copy and the trained parameters' gradients: a measurement runs there (no
+    device mismatch between host parameters, device buffers and inputs) and its peak stays
+    well under the whole model's fp32 bytes."""
+    from cephalo.modeling.registry import build_model
+    from cephalo.profiling.profiler import materialize_measured, measure_device
+    from cephalo.profiling.settings import ProfileSettings
+    from cephalo.specs.cluster import Cluster
+
+    meta = build_model("gpt-tiny", n_layer=12)
+    fp32 = 4 * meta.spec.total_params
+    device = Cluster.parse("cpu").devices[0]
+    if setup.cuda:
+        torch.cuda.synchronize(setup.device)
+        torch.cuda.reset_peak_memory_stats(setup.device)
+        base = torch.cuda.memory_allocated(setup.device)
+    model = materialize_measured(meta, setup.device)
+    failures = []
+    on_device = [n for n, p in model.named_parameters() if p.device.type == setup.device.type]
+    if setup.cuda and on_device:
+        failures.append(f"parameters materialised on the device: {on_device[:3]}")
+    settings = ProfileSettings(repeats=1, warmup=0, time_cap_s=5.0, max_micro_batch=2)
+    profile = measure_device(model, 32, "bf16", device, setup.device, settings)
+    if not profile.units["block"].fwd_s.xs:
+        failures.append("no block measurement")
+    if not setup.cuda:
+        return failures, "measured on the host (CPU: no device peak)"
+    peak = torch.cuda.max_memory_allocated(setup.device) - base
+    if peak > 0.4 * fp32:
+        failures.append(f"profiling peaked at {peak >> 20} MiB, over 0.4x the model's fp32 bytes")
+    return failures, f"peak {peak / 2**20:.1f} MiB for a model of {fp32 / 2**20:.1f} MiB fp32"

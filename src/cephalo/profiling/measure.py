@@ -156,9 +156,18 @@ class UnitBench:
         # a ledger buffer, as the engine's gathered parameters are: what autograd saves of
         # them is then not counted as activations (in the engine it is not either)
         self.flat = self.ledger.alloc("gathered", self.layout.numel, dtype, device=device)
-        self.flat.copy_(self.layout.flatten(dict(named), dtype=dtype))
+        with host_memory():  # the units' values live in host memory (`materialize_measured`)
+            host_flat = self.layout.flatten(dict(named), dtype=dtype)
+        self.flat.copy_(host_flat)
+        del host_flat
         self.params = self.layout.views(self.flat)
-        self.acc = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+        # fp32 gradient buffers of the trained parameters only (a LoRA base has none, as in
+        # the engine, whose gradient buffer covers the trained part)
+        self.grads = {
+            n: torch.zeros(p.numel(), dtype=torch.float32, device=device)
+            for n, p in named
+            if n not in self.frozen
+        }
         self._gen = torch.Generator().manual_seed(1234 + index)
 
     # ------------------------------------------------------------------ inputs
@@ -224,10 +233,7 @@ class UnitBench:
         if self.kind != "embedding":
             x = x.detach().requires_grad_()
         for name, leaf in leaves.items():
-            slot = self.layout.slot(name)
-            leaf.register_post_accumulate_grad_hook(
-                functools.partial(drain_grad, self.acc[slot.offset : slot.end])
-            )
+            leaf.register_post_accumulate_grad_hook(functools.partial(drain_grad, self.grads[name]))
         param_grad = largest_grad_bytes(leaves.values(), self.dtype)
         if self.kind == "head":  # the engine's one pass of loss and backward, in chunks
             self._head_backward(leaves, x, labels, gout, param_grad)

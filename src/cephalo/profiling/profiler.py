@@ -78,16 +78,27 @@ def measured_units(model: UnitModel) -> dict[str, int]:
 
 
 def materialize_measured(meta_model: UnitModel, device: torch.device) -> UnitModel:
-    """A copy of `meta_model` with only its `measured_units` materialised on `device`
-    (`UnitModel.materialize_units`; the other blocks stay on the meta device): the profiler
+    """A copy of `meta_model` with only its `measured_units` materialised, in host memory (their
+    constant buffers on `device`; `UnitModel.materialize_units`; the other blocks stay on the
+    meta device): the profiler
     holds the embedding, one block and the head, never the whole model. Their values are
     drawn for them alone (a model with pretrained weights reads those units' tensors), so
     they are not what a whole-model materialisation gives them: timings and activation
     bytes do not depend on the values."""
     model = copy.deepcopy(meta_model)
-    return model.materialize_units(
-        device, torch.Generator().manual_seed(0), sorted(set(measured_units(model).values()))
-    )
+    chosen = sorted(set(measured_units(model).values()))
+    # in host memory, as the engine's initial values are: the device holds only what the
+    # measurement copies there (`UnitBench`: the gathered compute-dtype parameters, the trained
+    # parameters' fp32 gradients), not a second, fp32 copy of the units
+    with host_memory():
+        model.materialize_units("cpu", torch.Generator().manual_seed(0), chosen)
+    if device.type != "cpu":  # constant buffers (rotary tables) are read on the device
+        for i in chosen:
+            for module in model.units[i].module.modules():
+                for name, buf in list(module._buffers.items()):
+                    if buf is not None:
+                        module._buffers[name] = buf.to(device)
+    return model
 
 
 def measure_device(
