@@ -196,6 +196,29 @@ def test_relayout_moves_pieces_between_any_tilings_in_small_windows():
     assert torch.equal(new_w, a) and torch.equal(new_v, b.flatten())
 
 
+def test_relayout_window_fits_what_the_device_has_free():
+    """The re-layout's window lives on the device beside the new engine: on a device with
+    little free memory it shrinks to fit (`make demo`'s 32 MiB device once ran out of memory
+    on a 37 MiB window under the strict accounting), and the state still arrives whole."""
+    import torch
+
+    from cephalo.runtime.collectives.comm import LocalComm
+    from cephalo.runtime.device_memory import EmulatedDeviceMemory, host_memory
+    from cephalo.runtime.state.flat import FlatShard
+    from cephalo.runtime.state.relayout import relayout
+
+    n = 1 << 18  # 1 MiB of fp32
+    with host_memory():
+        old = [FlatShard("w", (n,), 0, torch.arange(n, dtype=torch.float32))]
+    mode = EmulatedDeviceMemory(0, budget_bytes=(n * 4) + (256 << 10))  # 256 KiB to spare
+    with mode:
+        new_w = torch.zeros(n)
+        moved = relayout(old, [FlatShard("w", (n,), 0, new_w)], LocalComm(), torch.device("cpu"))
+        peak = mode.peak_bytes
+    assert moved == n and torch.equal(new_w, old[0].local)
+    assert peak <= n * 4 + (128 << 10)  # the window took at most half of what was free
+
+
 # ----------------------------------------------------------------------------- damping
 class _Comm:
     """One rank: rank 0's decision is its own."""

@@ -64,6 +64,21 @@ def device_memory_counted() -> bool:
     return any(isinstance(m, EmulatedDeviceMemory) for m in _get_current_dispatch_mode_stack())
 
 
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a new buffer can still take on `device`: an emulated device's budget less what it
+    holds (the active `EmulatedDeviceMemory`), a GPU's free memory plus what PyTorch's caching
+    allocator holds unused; None where nothing limits it (a plain CPU)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, EmulatedDeviceMemory):
+            return max(mode.budget_bytes - mode.live_bytes, 0)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return None
+
+
 def _on_host() -> bool:
     return getattr(_host, "depth", 0) > 0
 

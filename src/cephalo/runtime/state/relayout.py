@@ -18,7 +18,7 @@ import torch
 
 from cephalo.errors import CephaloError
 from cephalo.runtime.collectives.comm import Comm
-from cephalo.runtime.device_memory import device_memory_counted, host_memory
+from cephalo.runtime.device_memory import device_memory_counted, free_device_bytes, host_memory
 from cephalo.runtime.state.flat import FlatShard, overlap
 
 WINDOW_ELEMS = 1 << 24
@@ -57,6 +57,13 @@ def relayout(
     for p in old:
         if p.name not in start:
             raise CephaloError(f"the old state has tensor {p.name!r} the new plan does not")
+    # the window lives on the device beside the new engine: at most half of what the fullest
+    # device has free (one size on every rank: the all-reduces must match)
+    free = free_device_bytes(device)
+    caps = comm.all_gather_object(None if free is None else free // 2 // 4)
+    fits = [c for c in caps if c is not None]
+    if fits:
+        window_elems = max(min(window_elems, *fits), 1 << 10)
     buf = torch.empty(min(window_elems, max(total, 1)), dtype=torch.float32, device=device)
     lo = 0
     while lo < total:
