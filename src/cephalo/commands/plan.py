@@ -206,10 +206,11 @@ def add_host_memory_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def local_host_memory(ranks: int = 1) -> int | None:
+def local_host_memory(ranks: int = 1) -> int:
     """This machine's host memory for planning a node of `ranks` ranks, read through the one
     function that knows it (train/discovery.py: its available memory less the OS's and the
-    ranks' reserves, the budget a job here would get), None where it cannot be read."""
+    ranks' reserves, the budget a job here would get; physical memory where the available
+    cannot be read)."""
     from cephalo.train.discovery import usable_host_bytes
 
     return usable_host_bytes(ranks)
@@ -243,24 +244,17 @@ def host_memory_of(args: argparse.Namespace, cluster_spec: str) -> tuple[int | N
     cluster = Cluster.from_any(cluster_spec)
     per_node = max(len(cluster.ranks_on_node(n)) for n in cluster.nodes())
     if args.host_memory and args.host_memory.strip().lower() == "local":
-        local = local_host_memory(per_node)
-        if local is None:
-            raise CephaloError(
-                "--host-memory local: this machine's memory cannot be read; give a size"
-            )
-        return local, None
+        return local_host_memory(per_node), None
     if args.host_memory:
         return parse_bytes(args.host_memory, "--host-memory"), None
     if cluster.host_memory_bytes != DEFAULT_HOST_MEMORY_BYTES or cluster.node_host_memory_bytes:
         return None, None  # the cluster file says it
     if _is_this_machine(cluster):
         local = local_host_memory(per_node)
-        if local is not None:
-            return local, (
-                f"host memory: {local / GIB:.1f} GiB, this machine's available memory less "
-                "reserves "
-                "(--host-memory to plan for another)"
-            )
+        return local, (
+            f"host memory: {local / GIB:.1f} GiB, this machine's available memory less "
+            "reserves (--host-memory to plan for another)"
+        )
     return None, (
         f"host memory: assumed {DEFAULT_HOST_MEMORY_BYTES / GIB:.0f} GiB per node "
         "(give --host-memory, e.g. 64GiB, or host_memory in a cluster file)"

@@ -56,23 +56,29 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.clone() if device.type == "cpu" else host.to(device)
 
 
+def _active_mode() -> EmulatedDeviceMemory | None:
+    """The `EmulatedDeviceMemory` active on this thread, if any."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, EmulatedDeviceMemory):
+            return mode
+    return None
+
+
 def device_memory_counted() -> bool:
     """Whether an `EmulatedDeviceMemory` is active on this thread (CPU tensors are then an
     emulated device's memory unless made under `host_memory()`)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return any(isinstance(m, EmulatedDeviceMemory) for m in _get_current_dispatch_mode_stack())
+    return _active_mode() is not None
 
 
 def free_device_bytes(device: torch.device) -> int | None:
     """Bytes a new buffer can still take on `device`: an emulated device's budget less what it
     holds (the active `EmulatedDeviceMemory`), a GPU's free memory plus what PyTorch's caching
     allocator holds unused; None where nothing limits it (a plain CPU)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, EmulatedDeviceMemory):
-            return max(mode.budget_bytes - mode.live_bytes, 0)
+    mode = _active_mode()
+    if mode is not None:
+        return max(mode.budget_bytes - mode.live_bytes, 0)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -305,7 +305,7 @@ def build_job_model(cfg: JobConfig) -> UnitModel:
 class _Trainer:
     """One rank's training job; `train()` drives it."""
 
-    def __init__(self, cfg: JobConfig, comm: Comm, stack: contextlib.ExitStack | None = None):
+    def __init__(self, cfg: JobConfig, comm: Comm, stack: contextlib.ExitStack):
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
         if cfg.logging.tensorboard:
@@ -323,10 +323,7 @@ class _Trainer:
         # an emulated device counts every byte from here on (`stack` ends it with the job)
         self.device_memory = strict_device_memory(cfg, self.device, self.rank)
         if self.device_memory is not None:
-            if stack is None:
-                self.device_memory = None  # nothing would end it: not started
-            else:
-                stack.enter_context(self.device_memory)
+            stack.enter_context(self.device_memory)
         model = build_job_model(cfg)
         if cfg.parallel.plan == "auto":
             self.plan, cost_model = auto_plan(cfg, model, self.cluster, comm)
