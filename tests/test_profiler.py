@@ -570,9 +570,10 @@ issue's case: 600 MiB for a 246M-parameter model, 0.6x; there the NF4 base domin
 bf16 embedding and head)."""
 
 
-def _qlora_job(root: str, model_dir: str, plan: str, mem: str) -> int:
+def _qlora_job(root: str, model_dir: str, plan: str, mem: str) -> tuple[int, int | None]:
     """One short QLoRA job of the model directory on this pool's 2 ranks, emulated devices of
-    `mem`; the rank's peak of device memory under the strict accounting."""
+    `mem`; the rank's peak of device memory under the strict accounting, over the job and up to
+    the end of profiling (None: not profiled)."""
     from cephalo import envvars
     from cephalo.train.config_manager import load_config
     from cephalo.train.trainer import train
@@ -604,17 +605,20 @@ def _qlora_job(root: str, model_dir: str, plan: str, mem: str) -> int:
                 "--profile.max_micro_batch=2",
             ],
         )
-        return train(cfg).device_peak_bytes
+        result = train(cfg)
+        return result.device_peak_bytes, result.profile_peak_bytes
 
 
 @pytest.mark.slow
 def test_auto_plan_of_a_qlora_llama_fits_where_even_does(pool2, tmp_path):
     """Issue 38's profiling case, scaled down: a Llama-shaped directory (save_pretrained),
     QLoRA, 2 emulated ranks with a tight `mem=`, every byte counted (runtime/device_memory.py).
-    `plan = "auto"` (which profiles on the ranks first) peaks at most 0.4x the model's fp32
-    bytes above `plan = "even"` on every rank, and both fit. (Before, the profiler materialised
-    the whole model and timed a fixed 1M-weight NF4 dequantization: several times the model's
-    fp32 bytes above `even` here.)"""
+    `plan = "auto"`'s profiling peaks at most 0.4x the model's fp32 bytes above what
+    `plan = "even"` peaks at over its whole job, on every rank, and both jobs fit. (Before, the
+    profiler materialised the whole model and timed a fixed 1M-weight NF4 dequantization:
+    several times the model's fp32 bytes above `even` here.) The profiling peak, not the auto
+    job's: the auto plan may rightly give a rank more than the even share (timing noise between
+    two identical devices), and its training then peaks above `even`'s (CI saw +1.8 MiB)."""
     from hf_configs import save_tiny_model
 
     directory = save_tiny_model(
@@ -630,7 +634,8 @@ def test_auto_plan_of_a_qlora_llama_fits_where_even_does(pool2, tmp_path):
     even = pool2.run(_qlora_job, f"{root}/even", str(directory), "even", QLORA_MEM)
     auto = pool2.run(_qlora_job, f"{root}/auto", str(directory), "auto", QLORA_MEM)
     budget = 8 << 20
-    for rank, (e, a) in enumerate(zip(even, auto, strict=True)):
+    for rank, ((e, _), (a, profiled)) in enumerate(zip(even, auto, strict=True)):
         assert e is not None and a is not None  # the strict accounting was on
+        assert profiled is not None and profiled <= a
         assert max(e, a) <= budget
-        assert a - e <= 0.4 * fp32, (rank, e / 2**20, a / 2**20, fp32 / 2**20)
+        assert profiled - e <= 0.4 * fp32, (rank, e / 2**20, profiled / 2**20, fp32 / 2**20)

@@ -128,6 +128,8 @@ class TrainResult:
     """This rank's peak of emulated device memory over the whole job (profiling, engine, steps,
     checkpoints; its reserve included): `runtime.device_memory`. None: not emulated, or
     `CEPHALO_STRICT_MEMORY=0`."""
+    profile_peak_bytes: int | None = None
+    """Of that, the peak up to the end of `parallel.plan = auto`'s profiling; else None."""
 
 
 # ----------------------------------------------------------------------------- cluster and plan
@@ -325,8 +327,10 @@ class _Trainer:
         if self.device_memory is not None:
             stack.enter_context(self.device_memory)
         model = build_job_model(cfg)
+        profile_peak = None
         if cfg.parallel.plan == "auto":
             self.plan, cost_model = auto_plan(cfg, model, self.cluster, comm)
+            profile_peak = self.device_memory.peak_bytes if self.device_memory else None
         else:
             self.plan = resolve_plan(
                 cfg, self.cluster, self.world_size, self.rank, model.spec.shape_fingerprint()
@@ -376,6 +380,7 @@ class _Trainer:
         self.signals = StopSignals([])  # `train()` hands the job's handlers in
         self.timed_saves = TimedSaves(cfg.checkpoint.every_minutes)
         self.result = TrainResult(self.rank, self.world_size, self.run_dir, self.plan, 0, 0)
+        self.result.profile_peak_bytes = profile_peak
         if self.rank == 0:
             logger.info(
                 "model %s (%.2fM parameters), %d rank(s), plan %s: batches %s, micro-batches %s",
