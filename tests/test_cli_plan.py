@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.planner.makers import make_plan
 from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
+
+REPO = Path(__file__).resolve().parents[1]
 
 PAPER = [
     "--cluster",
@@ -295,6 +298,12 @@ def test_host_memory_is_an_input_and_always_said(tmp_path, monkeypatch, capsys):
         ["advise", "--offers", "o.toml", "--global-batch", "8", "--host-memory", "64GiB"]
     )
     assert parsed.host_memory == "64GiB"
+    # advise's nodes are rented, not this machine: `local` is refused in one line
+    offers = ["advise", "--offers", "configs/offers-example.toml", "--global-batch", "8"]
+    monkeypatch.chdir(REPO)
+    assert main([*offers, "--host-memory", "local"]) == 2
+    assert "advise plans rented nodes" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(plan_command, "local_host_memory", lambda ranks=1: 3 * 1024**3)
     local = argparse.Namespace(host_memory=None)
     memory, note = plan_command.host_memory_of(local, "cpu,cpu:slowdown=2")

@@ -141,7 +141,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="keep all training state on the GPUs (as `cephalo plan --no-host-state`)",
     )
     add_grouping_arguments(p)
-    add_host_memory_argument(p)
+    add_host_memory_argument(p, local=False)
     p.set_defaults(func=run)
 
 
@@ -163,6 +163,11 @@ def run(args: argparse.Namespace) -> int:
     have = Cluster.from_any(args.have) if args.have else None
     adapter = adapter_of(args)
     # rented nodes are not this machine: an unsaid host memory is the default, said below
+    if args.host_memory == "local":
+        raise CephaloError(
+            "--host-memory local means this machine, but advise plans rented nodes: give their "
+            "host memory as a size, e.g. --host-memory 64GiB"
+        )
     host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else None
 
     def cost_model_for(spec: str):

@@ -193,8 +193,18 @@ def add_cost_model_arguments(p: argparse.ArgumentParser, cluster_required: bool)
     add_host_memory_argument(p)
 
 
-def add_host_memory_argument(p: argparse.ArgumentParser) -> None:
-    """--host-memory: every node's host memory (shared with `advise`)."""
+def add_host_memory_argument(p: argparse.ArgumentParser, local: bool = True) -> None:
+    """--host-memory: every node's host memory (shared with `advise`, whose rented nodes are
+    not this machine: there `local` is not offered)."""
+    if not local:
+        p.add_argument(
+            "--host-memory",
+            metavar="SIZE",
+            help="host memory of every rented node, e.g. 64GiB (host-held state and offloaded "
+            "activations must fit it; docs/training.md, 'Host memory'); default 256 GiB, said "
+            "in the output",
+        )
+        return
     p.add_argument(
         "--host-memory",
         metavar="SIZE|local",
