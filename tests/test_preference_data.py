@@ -313,6 +313,12 @@ def test_mixed_kinds_files_and_templates_are_refused(tmp_path, tok_dir):
         )
     with pytest.raises(CephaloError, match="holds chat records, not preference pairs"):
         prepare_preference_dataset([chat], tmp_path / "o", tok_dir)
+    # pairs given as text (data.format = text): said what they are
+    from cephalo.data.corpus import Corpus
+    from cephalo.data.text import prepare_dataset
+
+    with pytest.raises(CephaloError, match=r"s\.jsonl, line 1: .*a preference pair.*format"):
+        prepare_dataset(Corpus.from_paths([tmp_path / "s.jsonl"]), tmp_path / "t", tokenizer="byte")
     # a template whose prompt render is not a prefix of the whole exchange
     odd = CHATML.replace("'<|im_start|>assistant\n'", "'<|im_start|>model\n'")
     assert odd != CHATML
