@@ -344,6 +344,8 @@ def test_a_job_prepares_once_and_opens_preference_batches(tmp_path, tok_dir):
         open_batches(path, 128, 4, packing=True)
     with pytest.raises(CephaloError, match="smaller train.global_batch_size"):
         open_batches(path, 128, 9)
+    with pytest.raises(CephaloError, match="loss_on = assistant does not apply to preference"):
+        resolve_job_dataset(src, "auto", 320, loss_on="assistant", **kw)
     with pytest.raises(CephaloError, match="has only 100 embedding rows"):
         prepare_preference_dataset([src], tmp_path / "small", tok_dir, max_vocab_size=100)
 

@@ -14,7 +14,11 @@ from cephalo.data.hf_tokenizer import declared_vocab_size
 from cephalo.data.text import DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE, prepare_dataset
 from cephalo.data.tokenizer import BYTE_TOKENIZER
 from cephalo.errors import CephaloError
-from cephalo.preference.data import PreferenceBatches, prepare_preference_dataset
+from cephalo.preference.data import (
+    PreferenceBatches,
+    check_preference_loss_on,
+    prepare_preference_dataset,
+)
 
 EPILOG = """\
 inputs (read as a stream: memory stays bounded, whatever the size):
@@ -220,6 +224,7 @@ def _run_chat(args: argparse.Namespace, fmt: str) -> int:
 
 
 def _run_preference(args: argparse.Namespace, fmt: str) -> int:
+    check_preference_loss_on(args.loss_on)
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else None
     console = Console()
     result = prepare_preference_dataset(

@@ -24,6 +24,7 @@ from cephalo.data.text import (
 from cephalo.errors import CephaloError
 from cephalo.preference.data import (
     PreferenceBatches,
+    check_preference_loss_on,
     is_preference_dataset,
     prepare_preference_dataset,
 )
@@ -75,6 +76,7 @@ def resolve_job_dataset(
     kind = "preference" if fmt == "preference" else "chat"
     out_dir = cache / f"{name}-{kind}-hf-{tokenizer_fingerprint(spec)}-val{val_fraction:g}"
     if fmt == "preference":
+        check_preference_loss_on(loss_on)
         return prepare_preference_dataset(
             [path],
             out_dir,

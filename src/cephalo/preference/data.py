@@ -111,6 +111,15 @@ def is_preference_dataset(path: str | Path) -> bool:
     return path.is_dir() and (path / PREFERENCE_META).is_file()
 
 
+def check_preference_loss_on(loss_on: str) -> None:
+    """`data.loss_on` has one meaning for pairs: the completions (what DPO compares)."""
+    if loss_on not in ("auto", "completion"):
+        raise CephaloError(
+            f"data.loss_on = {loss_on} does not apply to preference pairs: their loss is on the "
+            f"completions (chosen and rejected); leave data.loss_on = auto (--loss-on auto)"
+        )
+
+
 @dataclass
 class PreferencePrepared:
     path: Path
@@ -546,6 +555,7 @@ __all__ = [
     "PreferenceMeta",
     "PreferencePrepared",
     "PreferenceStats",
+    "check_preference_loss_on",
     "is_preference_dataset",
     "prepare_preference_dataset",
 ]
