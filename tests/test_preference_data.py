@@ -151,6 +151,10 @@ def test_conversational_rows_and_labels_equal_the_chat_template(tmp_path, tok_di
     assert ids[0, : len(want[0])].tolist() == want[0]
     assert ids[2, : len(want[1])].tolist() == want[1]
     assert (labels[::2] != IGNORE_INDEX).sum() > 0
+    parts = [b.val_batch(0, 2, 0, 1), b.val_batch(0, 2, 1, 1)]  # a rank's slice of it
+    assert torch.equal(torch.cat([p[0] for p in parts]), ids)
+    assert torch.equal(torch.cat([p[1] for p in parts]), labels)
+    assert b.val_pairs(0, 2).tolist() == [0, 1]
 
 
 def test_standard_and_implicit_prompt_pairs_as_trl(tmp_path, tok_dir, tok):
