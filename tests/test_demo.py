@@ -31,16 +31,25 @@ downloaded): the family and context of a tiny stand-in of the same config."""
 
 CHAT_EXAMPLE = "data/chat-example/qwen-tiny"
 """configs/chat-finetune.toml's model: written by scripts/make_chat_example.py (README)."""
+PREFERENCE_EXAMPLE = "data/preference-example/qwen-tiny"
+"""configs/dpo.toml's model: written by scripts/make_preference_example.py (README)."""
 
 
 def _stand_in(cfg, tmp_path: Path) -> None:
     """A config naming a model directory this machine lacks trains a tiny random model of
     the same family and context instead, on the bundled corpus (byte tokenizer: 256 ids);
-    the chat example's model and data are written as the README does, smaller."""
+    the chat and preference examples' models and data are written as the README does,
+    smaller."""
     if cfg.model.name == CHAT_EXAMPLE:
         from cephalo.data.chat_example import write_chat_example
 
         example = write_chat_example(tmp_path / "chat-example", conversations=80)
+        cfg.model.name, cfg.data.path = str(example.model), str(example.jsonl)
+        return
+    if cfg.model.name == PREFERENCE_EXAMPLE:
+        from cephalo.preference.example import write_preference_example
+
+        example = write_preference_example(tmp_path / "preference-example", pairs=80)
         cfg.model.name, cfg.data.path = str(example.model), str(example.jsonl)
         return
     if cfg.model.name not in PLACEHOLDER_MODELS:

@@ -13,6 +13,12 @@ from cephalo.data.corpus import DEFAULT_TEXT_FIELD, Corpus
 from cephalo.data.hf_tokenizer import declared_vocab_size
 from cephalo.data.text import DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE, prepare_dataset
 from cephalo.data.tokenizer import BYTE_TOKENIZER
+from cephalo.errors import CephaloError
+from cephalo.preference.data import (
+    PreferenceBatches,
+    check_preference_loss_on,
+    prepare_preference_dataset,
+)
 
 EPILOG = """\
 inputs (read as a stream: memory stays bounded, whatever the size):
@@ -42,6 +48,13 @@ chat data (detected per file, or --format):
   rendered with the tokenizer's chat template (--chat-template for one that has none); the
   loss mask (--loss-on) is stored with the tokens. --seq-len N reports the samples it makes:
   cephalo prepare-data --input chat.jsonl --output data/chat --tokenizer MODEL_DIR --seq-len 512
+
+preference pairs (TRL's formats, detected by their 'chosen' and 'rejected', or --format):
+  {"prompt": [messages], "chosen": [assistant messages], "rejected": [...]}    conversational
+  {"prompt": "...", "chosen": "...", "rejected": "..."}                         standard
+  rendered as TRL's DPOTrainer renders them (docs/data.md, "Preference data"); --seq-len N
+  (and --max-prompt-len M) reports the pairs truncated and dropped at that length:
+  cephalo prepare-data --input pairs.jsonl --output data/pairs --tokenizer MODEL_DIR --seq-len 512
 
 --tokenizer MODEL_DIR uses the model's own tokenizer (tokenizer.json / tokenizer_config.json,
 local files only) and puts its EOS token between documents; a tokenizer with more ids than
@@ -101,7 +114,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--format",
         choices=FORMATS,
         default="auto",
-        help="text, chat (messages) or prompt_completion; auto: detected per file (data.format)",
+        help="text, chat (messages), prompt_completion or preference (chosen/rejected); auto: "
+        "detected per file (data.format)",
     )
     p.add_argument(
         "--loss-on",
@@ -122,6 +136,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="chat data: also report the samples of N tokens it makes, padded and packed",
     )
     p.add_argument(
+        "--max-prompt-len",
+        type=int,
+        metavar="M",
+        help="preference data, with --seq-len: keep each prompt's last M tokens in the report "
+        "(data.max_prompt_len)",
+    )
+    p.add_argument(
         "--force", action="store_true", help="rebuild even if an identical dataset is there"
     )
     p.set_defaults(func=run)
@@ -129,6 +150,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     fmt = "text" if args.default else detect_inputs_format(args.input, args.format)
+    if fmt == "preference":
+        return _run_preference(args, fmt)
+    if args.max_prompt_len is not None:
+        raise CephaloError(
+            f"--max-prompt-len truncates the prompts of preference pairs; the inputs hold {fmt}"
+        )
     if fmt != "text":
         return _run_chat(args, fmt)
     corpus = Corpus.bundled() if args.default else Corpus.from_paths(args.input, args.text_field)
@@ -191,6 +218,42 @@ def _run_chat(args: argparse.Namespace, fmt: str) -> int:
                 f"  seq_len {args.seq_len}, {how}: {t.samples:,} samples, {t.truncated:,} "
                 f"truncated, {t.dropped:,} dropped, {t.loss_tokens:,} loss tokens, padding "
                 f"{t.padding_fraction:.1%}",
+                highlight=False,
+            )
+    return 0
+
+
+def _run_preference(args: argparse.Namespace, fmt: str) -> int:
+    check_preference_loss_on(args.loss_on)
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else None
+    console = Console()
+    result = prepare_preference_dataset(
+        args.input,
+        args.output,
+        args.tokenizer or "",
+        fmt,
+        args.chat_template,
+        args.val_fraction,
+        progress=console.is_terminal,
+        force=args.force,
+        max_vocab_size=declared_vocab_size(tokenizer_dir) if tokenizer_dir else None,
+        model=f"{tokenizer_dir}/config.json",
+    )
+    s, m = result.meta.stats, result.meta
+    status = "up to date" if result.cached else f"written in {result.seconds:.1f}s"
+    console.print(
+        f"[bold]{result.path}[/bold] {status}: {s.pairs:,} {m.kind} preference pairs, "
+        f"{s.tokens:,} tokens ({s.completion_tokens:,} in completions)",
+        highlight=False,
+    )
+    if args.seq_len:
+        b = PreferenceBatches(result.path, args.seq_len, 1, max_prompt_len=args.max_prompt_len)
+        for split, stats in (("train", b.train.stats), ("val", b.val.stats)):
+            console.print(
+                f"  seq_len {args.seq_len}, {split}: {stats.pairs:,} pairs, {stats.truncated:,} "
+                f"truncated, {stats.dropped:,} dropped (the prompt fills seq_len), "
+                f"{stats.completion_tokens:,} completion tokens, padding "
+                f"{stats.padding_fraction:.1%}",
                 highlight=False,
             )
     return 0

@@ -8,6 +8,9 @@ Formats (`data.format`, detected per file by `detect_format` when `auto`):
                                        "content": str | [{"type": "text", "text": str}, ...]}]}
     prompt_completion   TRL's {"prompt": ..., "completion": ...}: two strings, or two lists of
                         messages (the prompt's, then the completion's)
+    preference          TRL's {"prompt": ..., "chosen": ..., "rejected": ...} (or `chosen` and
+                        `rejected` alone, the prompt implicit): pairs of completions, prepared by
+                        `cephalo.preference.data` (DPO), not by this module's renderer
 
 Which tokens are in the loss (`data.loss_on`):
 
@@ -53,11 +56,12 @@ from cephalo.data.corpus import (
 )
 from cephalo.errors import CephaloError, first_line
 
-FORMATS = ("auto", "text", "chat", "prompt_completion")
+FORMATS = ("auto", "text", "chat", "prompt_completion", "preference")
 LOSS_ON = ("auto", "assistant", "completion", "all")
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGES_FIELD = "messages"
 PROMPT_FIELD, COMPLETION_FIELD = "prompt", "completion"
+CHOSEN_FIELD, REJECTED_FIELD = "chosen", "rejected"
 TEMPLATE_HINT = (
     "give one with data.chat_template (--chat-template): a Jinja file, or the template string "
     "itself (e.g. the chat_template of a model of the same family)"
@@ -170,7 +174,8 @@ def _dataset_records(path: Path) -> Iterator[Record]:
 
 
 def detect_format(path: Path) -> str:
-    """`chat`, `prompt_completion` or `text`, from a source's first record (or columns)."""
+    """`chat`, `prompt_completion`, `preference` or `text`, from a source's first record (or
+    columns)."""
     if (path.is_dir() and is_datasets_dir(path)) or path.suffix in PARQUET_SUFFIXES:
         fields = _columns(path)
     elif path.suffix in JSONL_SUFFIXES:
@@ -182,6 +187,10 @@ def detect_format(path: Path) -> str:
 
 
 def format_of_fields(fields: Sequence[str]) -> str:
+    """The format records with these fields hold: `chosen` and `rejected` make a preference
+    pair (TRL's explicit- or implicit-prompt form) whatever else is there."""
+    if CHOSEN_FIELD in fields and REJECTED_FIELD in fields:
+        return "preference"
     if MESSAGES_FIELD in fields:
         return "chat"
     if PROMPT_FIELD in fields and COMPLETION_FIELD in fields:
@@ -251,7 +260,10 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: Any, template: str | None, fmt: str, loss_on: str = "auto"):
         if fmt not in ("chat", "prompt_completion"):
-            raise CephaloError(f"ChatRenderer renders chat or prompt_completion, not {fmt!r}")
+            raise CephaloError(
+                f"ChatRenderer renders chat or prompt_completion, not {fmt!r} (preference pairs: "
+                f"cephalo.preference.data)"
+            )
         if loss_on not in LOSS_ON:
             raise CephaloError(f"data.loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
         self.tok, self.fmt = tokenizer, fmt

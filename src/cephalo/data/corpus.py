@@ -361,6 +361,12 @@ def _check_string_column(
 def _chat_hint(fields: Iterable[str]) -> str:
     """What to say when text was asked of chat records (data.format = text)."""
     fields = set(fields)
+    if {"chosen", "rejected"} <= fields:
+        return (
+            "it holds a preference pair ('chosen' and 'rejected'), not text: set data.format = "
+            "auto or preference (--format) to render it with the tokenizer's chat template, or "
+            "name a text field "
+        )
     if "messages" in fields:
         kind = "a conversation ('messages')"
     elif {"prompt", "completion"} <= fields:

@@ -1,7 +1,8 @@
 """The data a job trains on: its `[data]` as a dataset directory (text prepared by
 `text.resolve_dataset`, chat and prompt-completion files rendered once by
-`chat_data.prepare_chat_dataset`), and that dataset's plan-invariant batches
-(`batches.Batches`: `GlobalBatches` for text, `DocumentBatches` for chat)."""
+`chat_data.prepare_chat_dataset`, preference pairs by `preference.data`), and that dataset's
+plan-invariant batches (`batches.Batches`: `GlobalBatches` for text, `DocumentBatches` for
+chat, `PreferenceBatches` for preference pairs)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ from cephalo.data.text import (
     resolve_tokenizer,
 )
 from cephalo.errors import CephaloError
+from cephalo.preference.data import (
+    PreferenceBatches,
+    check_preference_loss_on,
+    is_preference_dataset,
+    prepare_preference_dataset,
+)
 
 
 # ----------------------------------------------------------------------------- a job's dataset
@@ -39,7 +46,10 @@ def resolve_job_dataset(
     text_field: str = "text",
 ) -> Path:
     """A job's `[data]` as a dataset directory: text through `data.resolve_dataset`, chat and
-    prompt-completion files rendered once into the cache (`prepare_chat_dataset`)."""
+    prompt-completion files rendered once into the cache (`prepare_chat_dataset`), preference
+    pairs too (`prepare_preference_dataset`)."""
+    if path is not None and is_preference_dataset(path):
+        return Path(path)
     if path is None or is_chat_dataset(path) or Path(path).suffix in (".bin", ".json"):
         return resolve_dataset(
             path, tokenizer, vocab_size, cache_dir, val_fraction, progress, model_name, text_field
@@ -63,7 +73,21 @@ def resolve_job_dataset(
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     where = f"{Path(path).resolve()}\0{fmt}\0{loss_on}\0{chat_template or ''}"
     name = f"{Path(path).name}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
-    out_dir = cache / f"{name}-chat-hf-{tokenizer_fingerprint(spec)}-val{val_fraction:g}"
+    kind = "preference" if fmt == "preference" else "chat"
+    out_dir = cache / f"{name}-{kind}-hf-{tokenizer_fingerprint(spec)}-val{val_fraction:g}"
+    if fmt == "preference":
+        check_preference_loss_on(loss_on)
+        return prepare_preference_dataset(
+            [path],
+            out_dir,
+            spec,
+            fmt,
+            chat_template,
+            val_fraction,
+            progress=progress,
+            max_vocab_size=vocab_size,
+            model=f"model {model_name}" if model_name else "the model",
+        ).path
     return prepare_chat_dataset(
         [path],
         out_dir,
@@ -87,8 +111,24 @@ def open_batches(
     model_vocab_size: int | None = None,
     packing: bool = False,
     packing_split: bool = False,
+    max_prompt_len: int | None = None,
 ) -> Batches:
-    """The batches of a dataset: `DocumentBatches` for a chat dataset, else `GlobalBatches`."""
+    """The batches of a dataset: `PreferenceBatches` for a preference dataset,
+    `DocumentBatches` for a chat dataset, else `GlobalBatches`."""
+    if is_preference_dataset(path):
+        if packing:
+            raise CephaloError(
+                f"data.packing packs chat documents; {path} holds preference pairs, each pair "
+                f"two rows of its own (a chosen and a rejected): set data.packing = false"
+            )
+        return PreferenceBatches(
+            path, seq_len, global_batch_size, seed, model_vocab_size, max_prompt_len
+        )
+    if max_prompt_len is not None:
+        raise CephaloError(
+            f"data.max_prompt_len truncates the prompts of preference pairs; {path} holds no "
+            f"preference pairs: leave data.max_prompt_len unset"
+        )
     if is_chat_dataset(path):
         return DocumentBatches(
             path, seq_len, global_batch_size, seed, model_vocab_size, packing, packing_split

@@ -85,11 +85,14 @@ class DataConfig:
     text_field: str = "text"
     """The field of JSON Lines records, or the column of Parquet files and `datasets` directories, that
     holds the text."""
-    format: Literal["auto", "text", "chat", "prompt_completion"] = "auto"
+    format: Literal["auto", "text", "chat", "prompt_completion", "preference"] = "auto"
     """What the records are: `text` (the `text_field`), `chat` (`messages`: a list of `role` /
     `content` turns), `prompt_completion` (`prompt` and `completion`: strings, or lists of
-    messages). `auto` detects it per file (`messages` -> chat, `prompt` and `completion` ->
-    prompt_completion, else text). Chat data is rendered with the tokenizer's chat template."""
+    messages), `preference` (TRL's `prompt`, `chosen`, `rejected`: strings, or lists of
+    messages; without `prompt`, the shared start of `chosen` and `rejected`). `auto` detects it
+    per file (`chosen` and `rejected` -> preference, `messages` -> chat, `prompt` and
+    `completion` -> prompt_completion, else text). Chat and preference data are rendered with
+    the tokenizer's chat template."""
     loss_on: Literal["auto", "assistant", "completion", "all"] = "auto"
     """Which tokens of chat data are in the loss: `assistant` (the assistant's turns with their
     end-of-turn tokens; the default for chat), `completion` (what follows the prompt; the
@@ -104,6 +107,11 @@ class DataConfig:
     packing_split: bool = False
     """With `packing`: split a conversation longer than `seq_len` into several windows instead of
     truncating it (its pieces are then trained as separate documents)."""
+    max_prompt_len: int | None = None
+    """Preference data: keep only the last this many tokens of each prompt (TRL's
+    `max_prompt_length`); then each row is cut to `seq_len` (the completion's end goes), and a
+    pair whose prompt alone fills `seq_len` is dropped (counted in the log). Unset: the prompt
+    is only limited by `seq_len`."""
     seq_len: int = 32
     """Tokens per sample (inputs; labels are the same tokens shifted by one). The model's context
     (`model.overrides.seq_len`) must be at least this long."""
@@ -457,6 +465,10 @@ def _validate(cfg: JobConfig) -> None:
         check(bool(m.lora_target_modules), "model.lora_target_modules must not be empty")
         check(m.adapter != "none", "model.adapter_path needs model.adapter = lora or qlora")
     check(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
+    check(
+        d.max_prompt_len is None or d.max_prompt_len >= 1,
+        f"data.max_prompt_len must be >= 1 (or unset), got {d.max_prompt_len}",
+    )
     check(0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
     check(
         bool(d.tokenizer.strip()),

@@ -361,6 +361,7 @@ class _Trainer:
             model_vocab_size=model.spec.vocab_size,
             packing=cfg.data.packing,
             packing_split=cfg.data.packing_split,
+            max_prompt_len=cfg.data.max_prompt_len,
         )
         if cfg.train.epochs > 0:  # train.epochs: the steps follow from the data
             self.derive_steps(cfg, self.batches.steps_per_epoch)
