@@ -100,6 +100,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="keep all training state on the GPUs (the planner keeps it on the host only where it pays)",
     )
     add_grouping_arguments(p)
+    add_stage_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
     p.add_argument(
         "--plot",
@@ -124,6 +125,27 @@ def add_grouping_arguments(p: argparse.ArgumentParser) -> None:
         default="fp32",
         help="dtype of the once-per-step gradient all-reduce between shard groups (default fp32; "
         "bf16 halves the bytes over the inter-node network)",
+    )
+
+
+def add_stage_arguments(p: argparse.ArgumentParser) -> None:
+    """--stages, --schedule: the pipeline stages the planner may form (issue 40; planned only:
+    `cephalo simulate` evaluates them, the runtime does not run them yet)."""
+    p.add_argument(
+        "--stages",
+        default="off",
+        metavar="auto|off|N",
+        help="pipeline stages of whole nodes, each running a contiguous range of layers: `auto` "
+        "(the planner compares 2.. stages with the flat and shard-group plans and keeps the "
+        "fastest), N (exactly N stages, where faster), `off` (default). Planned only: the "
+        "runtime cannot run a staged plan yet",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("auto", "gpipe", "1f1b"),
+        default="auto",
+        help="pipeline schedule of a staged plan (default auto: 1f1b, as fast as gpipe in the "
+        "cost model and holding fewer micro-batches)",
     )
 
 
@@ -264,11 +286,13 @@ def host_memory_of(args: argparse.Namespace, cluster_spec: str) -> tuple[int | N
 def run(args: argparse.Namespace) -> int:
     from cephalo.planner.makers import make_plan
     from cephalo.planner.shard_groups import grouping_lines, make_hierarchical_plan
+    from cephalo.planner.stages.search import make_staged_plan, parse_stages, stage_lines
 
     if args.global_batch < 1:
         raise CephaloError(f"--global-batch must be >= 1, got {args.global_batch}")
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
         raise CephaloError(f"--plot {args.plot}: the file must end in .png, .pdf or .svg")
+    stages = parse_stages(args.stages)
     host_memory, host_note = host_memory_of(args, args.cluster)
     cm = build_cost_model(
         args.cluster,
@@ -287,9 +311,11 @@ def run(args: argparse.Namespace) -> int:
     for s in strategies:
         try:
             if s == "cephalo":
-                plans[s] = make_hierarchical_plan(
+                plans[s] = make_staged_plan(
                     cm,
                     args.global_batch,
+                    stages=stages,
+                    schedule=args.schedule,
                     hierarchy=not args.no_hierarchy,
                     reduce_dtype=args.cross_node_reduce_dtype,
                     allow_offload=allow_offload,
@@ -328,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))
     for line in host_memory_lines(ev) + ([host_note] if host_note else []):
         console.print(line, style="dim")
-    for line in grouping_lines(main_plan):
+    for line in grouping_lines(main_plan) + stage_lines(main_plan):
         console.print(line)
     for s in strategies:
         console.print(strategy_line(s, plans[s], even))

@@ -86,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     console.print(plan_table(plan, ev, title=f"{args.plan} ({plan.strategy})"))
     for line in host_memory_lines(ev) + ([host_note] if host_note else []):
         console.print(line, soft_wrap=True)
+    from cephalo.planner.stages.search import stage_lines
+
+    for line in stage_lines(plan):
+        console.print(line)
     console.print(
         f"simulated: {ev.samples_per_s:.4g} samples/s, {ev.tokens_per_s:.4g} tokens/s, step {ev.step_s:.4g} s"
     )
