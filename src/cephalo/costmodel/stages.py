@@ -402,7 +402,7 @@ def _water_fill(room: np.ndarray, opt_rate: np.ndarray, count: np.ndarray) -> np
     weight = count[:, None, None]
     lo = np.zeros(room.shape[1:])
     hi = np.full(room.shape[1:], float(opt_rate.max()))
-    for _ in range(48):
+    for _ in range(32):  # 2^-32 of the largest rate: the fractions are normalised below
         mid = (lo + hi) / 2
         enough = (np.minimum(room, mid / rate) * weight).sum(axis=0) >= 1.0
         hi = np.where(enough, mid, hi)
