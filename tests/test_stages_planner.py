@@ -112,6 +112,18 @@ def test_the_bubble_is_the_textbook_one():
     assert in_flight("gpipe", 3, 4, 8) == 8
 
 
+def test_tied_embeddings_across_stages_cost_one_exchange(small_cm):
+    """The head's fp32 gradient of a tied matrix to stage 0 and its weights back: vocab x
+    hidden x (4 + 2) bytes over the link between them, once per step; nothing untied."""
+    assert small_cm.tied_exchange_s([0, 1], [3, 4]) == 0.0
+    spec = dataclasses.replace(small_cm.model, tied_embeddings=True)
+    tied = catalog_cost_model(Cluster.parse(SMALL), spec, 512, "fp16")
+    nbytes = spec.vocab_size * spec.hidden_size * 6
+    assert tied.tied_exchange_s([0, 1], [3, 4]) == pytest.approx(nbytes / 1e9, rel=1e-3)
+    plan = plan_formation(tied, 8, [[0, 1], [2], [3, 4]], 4, "1f1b")
+    assert plan is not None and tied.evaluate(plan).step_s == pytest.approx(plan.predicted.step_s)
+
+
 def test_a_stage_computes_what_the_flat_model_computes(small_cm):
     """A one-rank stage keeping its weights gathered runs each micro-batch's forward, recompute
     and backward of its units: its compute is the flat cost model's for that rank at that

@@ -26,7 +26,12 @@ the stage's ranks (ring at the stage's slowest link, `CostModel.group_model`):
   boundaries        each micro-batch's boundary activation (B / M x seq x hidden x d bytes)
                     crosses the link between stage s and s + 1 forward, its gradient backward:
                     c_l = bytes / link + latency, each direction on its own (full duplex)
-  the step          sum_s t_s + 2 sum_l c_l + (M - 1) max(max_s t_s, max_l c_l) + max_s o_s:
+  tied embeddings   (the head's weight is the token embedding's, which stage 0 owns): once per
+                    step the last stage sends its fp32 gradient of that matrix to the first and
+                    gets the updated compute-dtype weights back, vocab x hidden x (4 + d) bytes
+                    over the link between them, charged whole (`tied_exchange_s`)
+  the step          sum_s t_s + 2 sum_l c_l + (M - 1) max(max_s t_s, max_l c_l) + max_s o_s
+                    (+ the tied exchange):
                     the fill and the drain charge every stage and every crossing once (the
                     bubble, (S - 1) / M of the steady state on equal stages), the steady state
                     runs at the slowest stage or link (the crossings hide under it), GPipe and
@@ -77,11 +82,29 @@ def in_flight(schedule: str, position: int, stages: int, micro_batches: int) -> 
     return min(micro_batches, stages - position)
 
 
-def pipeline_step_s(times, overheads, links, micro_batches: int) -> float:
+def pipeline_step_s(times, overheads, links, micro_batches: int, extra_s: float = 0.0) -> float:
     """The step of a pipeline (module docstring): per-micro-batch stage times `times`, per-step
-    stage overheads `overheads`, per-crossing link times `links`, M micro-batches."""
-    steady = max([*times, *links])
-    return sum(times) + 2 * sum(links) + (micro_batches - 1) * steady + max(overheads, default=0.0)
+    stage overheads `overheads`, per-crossing link times `links`, M micro-batches, `extra_s`
+    charged whole (the tied exchange)."""
+    return step_of(
+        max(times), sum(times), max(overheads, default=0.0), links, micro_batches, extra_s
+    )
+
+
+def step_of(
+    max_time: float,
+    sum_time: float,
+    max_overhead: float,
+    links,
+    micro_batches: int,
+    extra_s: float = 0.0,
+) -> float:
+    """`pipeline_step_s` from the three numbers of the stages it reads (their largest and total
+    time per micro-batch, their largest overhead): what the cut DP (planner/stages/cuts.py)
+    keeps per partial cut. Non-decreasing in each, so a partial cut's value is a floor."""
+    steady = max(max_time, max(links, default=0.0))
+    fill_drain = sum_time + 2 * sum(links)
+    return fill_drain + (micro_batches - 1) * steady + max_overhead + extra_s
 
 
 @dataclass
@@ -133,6 +156,39 @@ class StageCosts:
         if self.links is not None:
             bw = self.links.bytes_per_s([*ranks_a, *ranks_b])
             return nbytes / bw + self.links.latency_s
+        return nbytes / self.comm.bytes_per_s + self.comm.latency_s
+
+    def blocks_floor_s(self, groups: list[list[int]], splits: list[list[int]], M: int) -> float:
+        """A floor under the step of every cut of these stages (`groups`, each micro-batch split
+        `splits`) at M micro-batches: the L blocks alone, stage s running its blocks at its
+        slowest rank's block time beta_s (forward + recompute + backward; per micro-batch
+        gathering only adds): sum_s t_s >= L min_s beta_s and max_s t_s >= L / sum_s 1/beta_s
+        (the best fractional split of the blocks), into `step_of`."""
+        cache = self.__dict__.setdefault("_block_times", {})
+        betas = []
+        for ranks, split in zip(groups, splits, strict=True):
+            worst = 0.0
+            for r, b in zip(ranks, split, strict=True):
+                key = (self.devices[r].type_key, int(b))
+                if key not in cache:
+                    f, w = self._pass_times(key[0], key[1], max(key[1], 1))["block"]
+                    cache[key] = float(f + w)
+                worst = max(worst, cache[key])
+            betas.append(worst)
+        L = self.model.num_layers
+        if min(betas) <= 0:
+            return 0.0
+        return step_of(L / sum(1 / x for x in betas), L * min(betas), 0.0, [], M)
+
+    def tied_exchange_s(self, first: list[int], last: list[int]) -> float:
+        """Tied embeddings split between the first and the last stage: the head's fp32 gradient
+        of the shared matrix to stage 0 and its updated compute-dtype weights back, once per
+        step (0 without tied embeddings, or with one stage)."""
+        if not self.model.tied_embeddings or list(first) == list(last):
+            return 0.0
+        nbytes = self.model.vocab_size * self.model.hidden_size * (GRAD_BYTES + self.dtype_bytes)
+        if self.links is not None:
+            return nbytes / self.links.bytes_per_s([*first, *last]) + self.links.latency_s
         return nbytes / self.comm.bytes_per_s + self.comm.latency_s
 
     def stage_tables(
@@ -354,7 +410,8 @@ class StageCosts:
         links = [
             self.link_s(stages[i].ranks, stages[i + 1].ranks, micro_samples) for i in range(S - 1)
         ]
-        step = pipeline_step_s(times, overheads, links, M)
+        tied = self.tied_exchange_s(stages[0].ranks, stages[-1].ranks)
+        step = pipeline_step_s(times, overheads, links, M, tied)
         costs: list[RankCost] = [None] * plan.world_size  # type: ignore[list-item]
         for st, tab, a, b in rows:
             for i, r in enumerate(st.ranks):

@@ -1,11 +1,11 @@
 """The cut points of a pipeline: which contiguous range of units each stage runs.
 
 Given S stages in order (their ranks, their micro-batch split, so their `StageTables` over every
-range [first, last]), the links between them and M, the step is (costmodel/stages.py)
+range [first, last]), the links between them and M, the step (costmodel/stages.py `step_of`)
 
-    sum_s t_s + 2 sum_l c_l + (M - 1) max(max_s t_s, max_l c_l) + max_s o_s,
+    sum_s t_s + 2 sum_l c_l + (M - 1) max(max_s t_s, max_l c_l) + max_s o_s
 
-a sum and two maxima over the stages, so no single-number DP is exact. The DP here walks the
+is a sum and two maxima over the stages, so no single-number DP is exact. The DP here walks the
 stages in order over the next unit to cut at, keeping at each (stage, unit) every
 Pareto-optimal label (max t, sum t, max o) of the stages so far: a label dominated in all three
 can never give a shorter step, so the best label at the end is the exact optimum over every
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cephalo.costmodel.stages import StageTables
+from cephalo.costmodel.stages import StageTables, step_of
 
 
 @dataclass(frozen=True)
@@ -42,20 +42,22 @@ def _pareto(labels: list[tuple]) -> list[tuple]:
 
 
 def best_cuts(
-    tables: list[StageTables], links: list[float], micro_batches: int, bound: float = math.inf
+    tables: list[StageTables],
+    links: list[float],
+    micro_batches: int,
+    bound: float = math.inf,
+    extra_s: float = 0.0,
 ) -> Cuts | None:
     """The exact best cut (module docstring), or None where no cut fits or none is shorter than
     `bound` (a step already found elsewhere: a label whose step so far reaches it is dropped,
-    as the stages after it only add)."""
+    as the stages after it only add). `extra_s`: the same for every cut (the tied exchange)."""
     S = len(tables)
     U = tables[0].time.shape[0]
     if S > U:
         return None
-    link_max = max(links, default=0.0)
-    link_sum = 2 * sum(links)
     M = micro_batches
     # labels[a]: the stages so far cover units 0..a-1
-    labels: dict[int, list[tuple]] = {0: [(link_max, 0.0, 0.0, ())]}
+    labels: dict[int, list[tuple]] = {0: [(0.0, 0.0, 0.0, ())]}
     for s, tab in enumerate(tables):
         nxt: dict[int, list[tuple]] = {}
         last_stage = s == S - 1
@@ -69,14 +71,14 @@ def best_cuts(
                 bucket = nxt.setdefault(b + 1, [])
                 for mt, st, mo, rngs in labs:
                     label = (max(mt, t), st + t, max(mo, o), (*rngs, (a, b)))
-                    if label[1] + link_sum + (M - 1) * label[0] + label[2] < bound:
+                    if step_of(*label[:3], links, M, extra_s) < bound:  # a floor
                         bucket.append(label)
         labels = {a: _pareto(v) for a, v in nxt.items() if v}
         if not labels:
             return None
     best: Cuts | None = None
     for mt, st, mo, rngs in labels.get(U, []):
-        step = st + link_sum + (M - 1) * mt + mo
+        step = step_of(mt, st, mo, links, M, extra_s)
         if step < bound and (best is None or step < best.step_s):
             best = Cuts(step, rngs)
     return best if best is not None and math.isfinite(best.step_s) else None

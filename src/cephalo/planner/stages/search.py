@@ -185,7 +185,7 @@ def plan_formation(
         if split_key not in cache:
             cache[split_key] = micro_split(cm, ranks, samples)
         splits.append(cache[split_key])
-    if math.isfinite(bound) and _blocks_floor(cm, groups, splits, micro_batches, cache) >= bound:
+    if math.isfinite(bound) and cm.blocks_floor_s(groups, splits, micro_batches) >= bound:
         return None  # even its blocks alone cannot beat the bound
     tables: list[StageTables] = []
     for pos, (ranks, split) in enumerate(zip(groups, splits, strict=True)):
@@ -195,7 +195,8 @@ def plan_formation(
             cache[key] = cm.stage_tables(ranks, split, pos, S, micro_batches, schedule)
         tables.append(cache[key])
     links = [cm.link_s(groups[i], groups[i + 1], samples) for i in range(S - 1)]
-    cut = best_cuts(tables, links, micro_batches, bound)
+    tied = cm.tied_exchange_s(groups[0], groups[-1])
+    cut = best_cuts(tables, links, micro_batches, bound, tied)
     if cut is None:
         return None
     ranks: list[RankPlan | None] = [None] * len(cm.devices)
@@ -232,27 +233,6 @@ def plan_formation(
     else:
         plan.predicted = Predicted(cut.step_s, global_batch / cut.step_s, 0.0)
     return plan
-
-
-def _blocks_floor(cm: CostModel, groups, splits, micro_batches: int, cache: dict) -> float:
-    """A floor under every cut's step: the L blocks alone, each stage s running its blocks at
-    its slowest rank's block time beta_s (forward + recompute + backward, no collectives):
-    sum_s t_s >= L min_s beta_s and max_s t_s >= L / sum_s (1 / beta_s) (the best fractional
-    split of the blocks), so step >= L min beta + (M - 1) L / sum (1 / beta)."""
-    betas = []
-    for ranks, split in zip(groups, splits, strict=True):
-        worst = 0.0
-        for r, b in zip(ranks, split, strict=True):
-            key = ("block", cm.devices[r].type_key, b)
-            if key not in cache:
-                f, w = cm._pass_times(key[1], b, max(b, 1))["block"]
-                cache[key] = float(f + w)
-            worst = max(worst, cache[key])
-        betas.append(worst)
-    L = cm.model.num_layers
-    if min(betas) <= 0:
-        return 0.0
-    return L * min(betas) + (micro_batches - 1) * L / sum(1 / x for x in betas)
 
 
 def best_staged_plan(
