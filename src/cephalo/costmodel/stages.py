@@ -322,7 +322,8 @@ class StageCosts:
         for kept in (True, False):
             s = frac[kept]
             total_mem = fixed[kept] + s * state_r
-            fits_r = np.all(total_mem <= caps[:, None, None] * (1 + 1e-12), axis=0) & valid
+            # + 8: the whole bytes per category an evaluation reports (MemoryBreakdown)
+            fits_r = np.all(total_mem + 8 <= caps[:, None, None], axis=0) & valid
             if fractions is None:
                 fits_r &= np.abs((s * count[:, None, None]).sum(axis=0) - 1.0) <= 1e-6
             opt = s * P * opt_rate[:, None, None]
@@ -378,7 +379,8 @@ class StageCosts:
                         raise CephaloError(
                             f"node {node} has ranks in stage {owner[node]} and in stage {i}: a "
                             "stage is made of whole nodes (its ranks share the node's link for "
-                            "the crossing); give each node's ranks to one stage"
+                            "the crossing); give each node's ranks to one stage (a cluster "
+                            "spec marks its nodes with @nodeK)"
                         )
 
     def _evaluate_stages(self, plan: Plan) -> PlanEvaluation:
