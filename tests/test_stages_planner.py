@@ -258,6 +258,7 @@ def test_plan_simulate_and_the_runtime_refusal(tmp_path, capsys):
     out = tmp_path / "staged.json"
     cluster = "2xl4@node0,a6000@node1,2xt4@node2;inter=0.2GB/s"
     args = ["plan", "--cluster", cluster, "--model", "gpt-2.7b", "--seq-len", "512"]
+    args += ["--no-hierarchy"]  # the flat plan and 3 stages only: cheaper
     assert main([*args, "--global-batch", "8", "--stages", "3", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pipeline stages (1f1b" in text and "planned only" in text

@@ -252,11 +252,7 @@ def best_staged_plan(
     nodes = len(node_groups(cm))
     if stages == "off":
         return None, []
-    if isinstance(stages, int) and stages > nodes:
-        raise CephaloError(
-            f"{stages} stages need at least {stages} nodes but the cluster has {nodes}: a stage "
-            "is made of whole nodes (mark them with @nodeK in the cluster spec)"
-        )
+    _check_count(stages, nodes)
     if stages != "auto":
         counts: list[int] = [stages]
     elif nodes <= ALL_CUTS_UP_TO:
@@ -292,6 +288,14 @@ def best_staged_plan(
     return best, summary
 
 
+def _check_count(stages: str | int, nodes: int) -> None:
+    if isinstance(stages, int) and stages > nodes:
+        raise CephaloError(
+            f"{stages} stages need at least {stages} nodes but the cluster has {nodes}: a stage "
+            "is made of whole nodes (mark them with @nodeK in the cluster spec)"
+        )
+
+
 def make_staged_plan(
     cm: CostModel,
     global_batch: int,
@@ -306,6 +310,7 @@ def make_staged_plan(
     stage count's best step."""
     started = time.perf_counter()
     stages = parse_stages(stages)
+    _check_count(stages, len(node_groups(cm)))  # before any planning
     error: PlanDoesNotFit | None = None
     try:
         best: Plan | None = make_hierarchical_plan(
