@@ -245,12 +245,15 @@ def test_stages_that_disagree_with_the_cluster_are_named(small_cm):
         small_cm.evaluate(Plan.from_dict(d))
 
 
-def test_parse_stages():
+def test_parse_stages_and_the_config_field():
     assert parse_stages("auto") == "auto" and parse_stages("OFF") == "off"
     assert parse_stages("3") == 3 and parse_stages(1) == "off"
     for bad in ("two", "0", "-1"):
         with pytest.raises(CephaloError, match="stages"):
             parse_stages(bad)
+    JobConfig(parallel=ParallelConfig(stages="auto")).validate()
+    with pytest.raises(CephaloError, match="parallel.stages must be off, auto or a number"):
+        JobConfig(parallel=ParallelConfig(stages="two")).validate()
 
 
 # ------------------------------------------------------------------ CLI and runtime
