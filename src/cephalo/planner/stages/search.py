@@ -354,7 +354,12 @@ def stage_lines(plan: Plan) -> list[str]:
         parts = []
         for i, st in enumerate(plan.stages):
             g = st.ranks
-            ranks = f"{g[0]}-{g[-1]}" if g == list(range(g[0], g[-1] + 1)) else str(g)
+            if len(g) == 1:
+                ranks = str(g[0])
+            elif g == list(range(g[0], g[-1] + 1)):
+                ranks = f"{g[0]}-{g[-1]}"
+            else:
+                ranks = str(g)
             a, b = st.units
             mode = "kept" if st.keep_gathered else "per mb"
             parts.append(f"{i}: ranks {ranks} units {a}-{b} ({mode})")
