@@ -211,8 +211,9 @@ def test_cut_dp_is_exact_against_every_cut(small_cm):
 
 def test_the_search_never_predicts_slower_than_flat(small_cm):
     plan = make_staged_plan(small_cm, 8, reduce_dtype="bf16")
-    flat = make_staged_plan(small_cm, 8, stages="off", hierarchy=False)
-    assert plan.predicted.step_s <= flat.predicted.step_s * (1 + 1e-12)
+    tried = {t["grouping"]: t["step_s"] for t in plan.meta["groupings"]}
+    assert plan.predicted.step_s <= min(tried.values()) * (1 + 1e-12)  # flat and per node
+    assert plan.staged  # 1 GB/s between nodes: stages win here
     assert small_cm.evaluate(plan).fits
     staged, summary = best_staged_plan(small_cm, 8, stages=3)
     assert staged is not None and len(staged.stages) == 3
