@@ -61,6 +61,8 @@ def test_staged_plan_round_trips_and_old_plans_load_as_one_stage():
     q = Plan.from_json(p.to_json())
     assert q == p and q.version == 3 and q.staged and not q.hierarchical
     assert q.replica_groups() == [[0, 1], [2]]
+    assert q.micro_batch_slices(0) == [(0, 0, 1), (1, 1, 1)]
+    assert q.micro_batch_slices(1) == [(2, 0, 2)]
     old = json.loads(p.to_json())
     for key in ("stages", "schedule", "num_micro_batches"):
         old.pop(key)

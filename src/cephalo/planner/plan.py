@@ -198,6 +198,23 @@ class Plan:
                 return i
         raise CephaloError(f"rank {rank} is in no shard group of the plan")
 
+    def micro_batch_slices(self, stage: int) -> list[tuple[int, int, int]]:
+        """A staged plan's layout of every micro-batch in stage `stage`: (rank, start, size) per
+        rank of the stage, its samples `start..start+size` of each micro-batch, the stage's ranks
+        in ascending order taking consecutive slices. Micro-batch j is samples
+        j x B/M .. (j+1) x B/M of the global batch, so a boundary crossing from stage s to s + 1
+        re-partitions each micro-batch from one stage's slices to the next one's (the contract a
+        pipeline runtime follows; docs/plan-format.md)."""
+        if not self.stages:
+            raise CephaloError("the plan has no stages")
+        out, start = [], 0
+        for r in self.stages[stage].ranks:
+            rp = self.ranks[r]
+            size = rp.micro_batch_size if rp.batch_size else 0
+            out.append((r, start, size))
+            start += size
+        return out
+
     def batch_offsets(self) -> list[int]:
         """Start of each rank's slice of the global batch (ranks take consecutive slices)."""
         offsets, start = [], 0
