@@ -41,6 +41,8 @@ examples:
   cephalo plan --cluster 2xl4,a6000,p40 --model gpt-6.7b --global-batch 64 --no-host-state
   cephalo plan --cluster rtx3090,rtx3060 --model ./llama3-8b-shape --global-batch 16 \
                --adapter qlora --lora-r 16
+  cephalo plan --cluster "4xa6000@node0,4xl4@node1,4xv100x16@node2;inter=3.1GB/s" \
+               --model llama-7b --global-batch 64 --seq-len 1024 --dtype fp16 --stages auto
 
 What it decides, per GPU (rank): how many samples of the global batch it processes
 (batch), in micro-batches of what size (layered gradient accumulation runs them one layer
@@ -59,6 +61,10 @@ profiles scaled by FLOPs; the plan prints that estimate's leave-one-out error.
 With --adapter lora|qlora only LoRA adapters (rank --lora-r, every Linear of the blocks) are
 trained: the state shards hold the frozen base (compute dtype; NF4 for qlora) and 16 bytes per
 adapter parameter, and only the adapters' gradients are reduced (docs/adapters.md, Planning).
+
+With --stages auto (or N) it also tries pipeline stages of whole nodes, each running a
+contiguous range of layers (docs/planner.md, "Pipeline stages"): planned and simulated only,
+the runtime cannot run a staged plan yet.
 
 strategies: cephalo (the optimiser), even (plain FSDP: equal batches and shards),
 proportional (batches proportional to speed, equal shards), all (compare the three).
