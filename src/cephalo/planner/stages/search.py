@@ -6,8 +6,8 @@ always a candidate, so a staged plan is only returned where the cost model predi
 faster. A staged candidate is
 
 - S stages, 2..min(nodes, MAX_STAGES) (`stages="auto"`) or exactly N (`stages=N`);
-- which nodes form each: the nodes in an order (every order of up to 4 nodes, the cluster's
-  order beyond), cut into S runs of consecutive nodes (every cut of up to 8 nodes; beyond,
+- which nodes form each: the nodes in an order (every order of up to 4 nodes; beyond, the
+  cluster's order and the nodes by memory, most first), cut into S runs of consecutive nodes (every cut of up to 8 nodes; beyond,
   runs of equal node counts);
 - M micro-batches: the divisors of the global batch from S to MICRO_BATCHES_PER_STAGE x S;
 - the schedule: 1F1B (in this cost model as fast as GPipe and never holding more boundaries,
@@ -129,8 +129,10 @@ def formations(cm: CostModel, stages: int) -> list[list[list[int]]]:
     orders: list[tuple[int, ...]]
     if n <= ALL_ORDERS_UP_TO:
         orders = list(itertools.permutations(range(n)))
-    else:
-        orders = [tuple(range(n))]
+    else:  # the cluster's order, and the nodes with the most memory first (1F1B's first
+        # stages hold the most micro-batches)
+        memory = [-sum(cm.devices[r].memory_bytes for r in nodes[k]) for k in range(n)]
+        orders = [tuple(range(n)), tuple(sorted(range(n), key=lambda k: memory[k]))]
     if n <= ALL_CUTS_UP_TO:
         cuts = [c for c in itertools.combinations(range(1, n), stages - 1)]
     else:  # runs of equal node counts (the first ones one longer)
