@@ -3,7 +3,8 @@
 Targets (this 2-core machine): 16 devices / global batch 1024 in < 0.1 s; 256 devices / 8192
 in < 2 s; 1024 devices of 6 types / 32768 in < 10 s; with shard groups (issue #26), 1024 GPUs in
 128 nodes (8 GPUs of one of 6 types each, 25 Gb/s between nodes) in < 1 s, every grouping
-tried (`make_hierarchical_plan`: the flat plan and one group per node). The time is `make_plan(cost_model, B,
+tried (`make_hierarchical_plan`: the flat plan and one group per node); with pipeline stages
+considered too (issue 40, `make_staged_plan(stages="auto")`), the same in < 2 s. The time is `make_plan(cost_model, B,
 "cephalo")` on a fresh cost model (its curve tables start empty, so tabulating them is
 included; loading the catalog is not), median of several runs. Beside it: the plan's
 predicted throughput against the `proportional` and `even` baselines of the same cost
@@ -25,6 +26,7 @@ from _common import Result, markdown_table, median, print_table, save_figure, ve
 from cephalo.costmodel.model import CostModel
 from cephalo.costmodel.sources import catalog_cost_model
 from cephalo.planner.shard_groups import make_hierarchical_plan
+from cephalo.planner.stages.search import make_staged_plan
 from cephalo.specs.catalog.models import get_model_spec
 from cephalo.specs.cluster import Cluster
 
@@ -47,6 +49,8 @@ PER_NODE, INTER = 8, "3.1GB/s"
 """Hierarchical cases: nodes of 8 GPUs of one type (types in turn), 25 Gb/s Ethernet between."""
 NODES = [Case(16, 6, 32 * 128), Case(64, 6, 32 * 512), Case(128, 6, 32 * 1024, 1.0)]
 """`devices` here counts nodes; the target is the issue's."""
+STAGED = [Case(16, 6, 32 * 128), Case(128, 6, 32 * 1024, 2.0)]
+"""With pipeline stages considered (issue 40's target: 128 nodes in < 2 s)."""
 
 
 def spec_for(case: Case) -> str:
@@ -110,6 +114,37 @@ def hierarchical_rows() -> tuple[list[list[str]], bool]:
             f"{case.devices:4d} nodes, batch {case.global_batch:6d}: {t * 1000:8.1f} ms "
             f"({plan.meta.get('grouping', 'flat')})"
         )
+    return rows, all_met
+
+
+def staged_rows() -> tuple[list[list[str]], bool]:
+    """Wall time of choosing among flat, shard groups and pipeline stages (`make_staged_plan`,
+    stages auto), median of RUNS fresh cost models."""
+    rows, all_met = [], True
+    for case in STAGED:
+        cluster = Cluster.parse(node_spec(case))
+        times, plan = [], None
+        for _ in range(RUNS):
+            cm = catalog_cost_model(cluster, get_model_spec(MODEL), SEQ_LEN, DTYPE)
+            t0 = time.perf_counter()
+            plan = make_staged_plan(cm, case.global_batch, stages="auto", reduce_dtype="bf16")
+            times.append(time.perf_counter() - t0)
+        assert plan is not None
+        t = median(times)
+        met = None if case.target_s is None else t < case.target_s
+        all_met = all_met and met is not False
+        chosen = f"{len(plan.stages)} stages" if plan.staged else plan.meta.get("grouping", "flat")
+        rows.append(
+            [
+                f"{case.devices * PER_NODE}",
+                f"{case.devices}",
+                f"{case.global_batch}",
+                f"{t * 1000:.1f}",
+                "—" if case.target_s is None else f"< {case.target_s * 1000:.0f} {verdict(met)}",
+                chosen,
+            ]
+        )
+        print(f"{case.devices:4d} nodes with stages: {t * 1000:8.1f} ms ({chosen})")
     return rows, all_met
 
 
@@ -185,6 +220,10 @@ def main() -> None:
     ]
     print_table("planner scaling with shard groups", h_headers, h_rows)
     all_met = all_met and h_met
+    s_rows, s_met = staged_rows()
+    s_headers = ["GPUs", "nodes", "global batch", "planner ms (median)", "target ms", "chosen"]
+    print_table("planner scaling with pipeline stages considered", s_headers, s_rows)
+    all_met = all_met and s_met
 
     import matplotlib
 
@@ -210,6 +249,11 @@ def main() -> None:
         f"one type per node, node types in turn over the first 6 above, {INTER} between nodes; "
         "the time includes the flat plan, one of the candidates):\n\n"
         + markdown_table(h_headers, h_rows)
+    )
+    result.summary.append(
+        "With pipeline stages considered too (`make_staged_plan`, stages auto: 2, 4, 8 stages of "
+        "whole nodes beyond 8 nodes; the time includes the shard-group search above, whose best "
+        "step bounds the stage search):\n\n" + markdown_table(s_headers, s_rows)
     )
     result.summary.append(
         f"All wall-time targets {verdict(all_met)}. `vs proportional` / `vs even`: predicted throughput of the "

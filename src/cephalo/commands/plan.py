@@ -41,6 +41,8 @@ examples:
   cephalo plan --cluster 2xl4,a6000,p40 --model gpt-6.7b --global-batch 64 --no-host-state
   cephalo plan --cluster rtx3090,rtx3060 --model ./llama3-8b-shape --global-batch 16 \
                --adapter qlora --lora-r 16
+  cephalo plan --cluster "4xa6000@node0,4xl4@node1,4xv100x16@node2;inter=3.1GB/s" \
+               --model llama-7b --global-batch 64 --seq-len 1024 --dtype fp16 --stages auto
 
 What it decides, per GPU (rank): how many samples of the global batch it processes
 (batch), in micro-batches of what size (layered gradient accumulation runs them one layer
@@ -59,6 +61,10 @@ profiles scaled by FLOPs; the plan prints that estimate's leave-one-out error.
 With --adapter lora|qlora only LoRA adapters (rank --lora-r, every Linear of the blocks) are
 trained: the state shards hold the frozen base (compute dtype; NF4 for qlora) and 16 bytes per
 adapter parameter, and only the adapters' gradients are reduced (docs/adapters.md, Planning).
+
+With --stages auto (or N) it also tries pipeline stages of whole nodes, each running a
+contiguous range of layers (docs/planner.md, "Pipeline stages"): planned and simulated only,
+the runtime cannot run a staged plan yet.
 
 strategies: cephalo (the optimiser), even (plain FSDP: equal batches and shards),
 proportional (batches proportional to speed, equal shards), all (compare the three).
@@ -100,6 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="keep all training state on the GPUs (the planner keeps it on the host only where it pays)",
     )
     add_grouping_arguments(p)
+    add_stage_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (docs/plan-format.md)")
     p.add_argument(
         "--plot",
@@ -124,6 +131,27 @@ def add_grouping_arguments(p: argparse.ArgumentParser) -> None:
         default="fp32",
         help="dtype of the once-per-step gradient all-reduce between shard groups (default fp32; "
         "bf16 halves the bytes over the inter-node network)",
+    )
+
+
+def add_stage_arguments(p: argparse.ArgumentParser) -> None:
+    """--stages, --schedule: the pipeline stages the planner may form (issue 40; planned only:
+    `cephalo simulate` evaluates them, the runtime does not run them yet)."""
+    p.add_argument(
+        "--stages",
+        default="off",
+        metavar="auto|off|N",
+        help="pipeline stages of whole nodes, each running a contiguous range of layers: `auto` "
+        "(the planner compares 2.. stages with the flat and shard-group plans and keeps the "
+        "fastest), N (exactly N stages, where faster), `off` (default). Planned only: the "
+        "runtime cannot run a staged plan yet",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("auto", "gpipe", "1f1b"),
+        default="auto",
+        help="pipeline schedule of a staged plan (default auto: 1f1b, as fast as gpipe in the "
+        "cost model and holding fewer micro-batches)",
     )
 
 
@@ -274,11 +302,13 @@ def host_memory_of(args: argparse.Namespace, cluster_spec: str) -> tuple[int | N
 def run(args: argparse.Namespace) -> int:
     from cephalo.planner.makers import make_plan
     from cephalo.planner.shard_groups import grouping_lines, make_hierarchical_plan
+    from cephalo.planner.stages.search import make_staged_plan, parse_stages, stage_lines
 
     if args.global_batch < 1:
         raise CephaloError(f"--global-batch must be >= 1, got {args.global_batch}")
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
         raise CephaloError(f"--plot {args.plot}: the file must end in .png, .pdf or .svg")
+    stages = parse_stages(args.stages)
     host_memory, host_note = host_memory_of(args, args.cluster)
     cm = build_cost_model(
         args.cluster,
@@ -297,9 +327,11 @@ def run(args: argparse.Namespace) -> int:
     for s in strategies:
         try:
             if s == "cephalo":
-                plans[s] = make_hierarchical_plan(
+                plans[s] = make_staged_plan(
                     cm,
                     args.global_batch,
+                    stages=stages,
+                    schedule=args.schedule,
                     hierarchy=not args.no_hierarchy,
                     reduce_dtype=args.cross_node_reduce_dtype,
                     allow_offload=allow_offload,
@@ -338,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(plan_table(main_plan, ev, title=f"{main_plan.strategy} plan"))
     for line in host_memory_lines(ev) + ([host_note] if host_note else []):
         console.print(line, style="dim")
-    for line in grouping_lines(main_plan):
+    for line in grouping_lines(main_plan) + stage_lines(main_plan):
         console.print(line)
     for s in strategies:
         console.print(strategy_line(s, plans[s], even))

@@ -56,6 +56,14 @@ def cluster_spec_of(plan: Plan, override: str | None) -> str:
     return spec
 
 
+def _stage_of(plan: Plan, rank: int) -> str:
+    """`, stage 1: units 4-9` for a rank of a staged plan, else nothing."""
+    for i, st in enumerate(plan.stages or [] if plan.staged else []):
+        if rank in st.ranks:
+            return f", stage {i}: units {st.units[0]}-{st.units[1]}"
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     plan = Plan.from_json(args.plan)
     spec = cluster_spec_of(plan, args.cluster)
@@ -86,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
     console.print(plan_table(plan, ev, title=f"{args.plan} ({plan.strategy})"))
     for line in host_memory_lines(ev) + ([host_note] if host_note else []):
         console.print(line, soft_wrap=True)
+    from cephalo.planner.stages.search import stage_lines
+
+    for line in stage_lines(plan):
+        console.print(line)
     console.print(
         f"simulated: {ev.samples_per_s:.4g} samples/s, {ev.tokens_per_s:.4g} tokens/s, step {ev.step_s:.4g} s"
     )
@@ -102,9 +114,15 @@ def run(args: argparse.Namespace) -> int:
         console.print(
             "[red]does not fit:[/red] "
             + "; ".join(
-                f"rank {c.rank} ({c.device}) needs {c.peak_bytes / GIB:.2f} GiB of {c.capacity_bytes / GIB:.2f} GiB "
+                f"rank {c.rank} ({c.device}{_stage_of(plan, c.rank)}) needs "
+                f"{c.peak_bytes / GIB:.2f} GiB of {c.capacity_bytes / GIB:.2f} GiB "
                 f"(short {c.shortfall_bytes / GIB:.2f} GiB)"
                 for c in bad
+            )
+            + (
+                ": move the cut so that stage holds fewer units, or give it more nodes"
+                if plan.staged
+                else ""
             )
         )
         return 1

@@ -113,6 +113,7 @@ from cephalo.costmodel.memory import (
 from cephalo.costmodel.results import MemoryBreakdown, PlanEvaluation, RankCost
 from cephalo.costmodel.rules import fused_tail_possible, rank_fuses_tail
 from cephalo.costmodel.shard_groups import CrossReduce, Links, ShardGroupCosts, cross_reduce_times
+from cephalo.costmodel.stages import StageCosts
 from cephalo.errors import CephaloError
 from cephalo.planner.plan import Plan
 from cephalo.specs.adapter import AdapterSpec
@@ -131,7 +132,7 @@ class DeviceLike(Protocol):
     memory_bytes: int
 
 
-class CostModel(ShardGroupCosts, MemoryModel):
+class CostModel(StageCosts, ShardGroupCosts, MemoryModel):
     """Time and memory of each rank of a cluster for one model, sequence length and dtype."""
 
     def __init__(
@@ -696,6 +697,8 @@ class CostModel(ShardGroupCosts, MemoryModel):
                     f"rank {r.rank} of the plan is a {r.device!r} but device {r.rank} of the cluster is a "
                     f"{d.type_key!r}; list the devices in the plan's order"
                 )
+        if plan.staged:  # pipeline stages (costmodel/stages.py)
+            return self._evaluate_stages(plan)
         if plan.hierarchical and self.cross_reduce is None:
             return self._evaluate_groups(plan)
         # the split runs padded-even where the backend pads and it is near even: every rank's

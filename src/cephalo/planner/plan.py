@@ -16,11 +16,16 @@ from typing import Any
 
 from cephalo.errors import CephaloError
 
-PLAN_FORMAT_VERSION = 2
-"""Version 2 added `shard_groups` and `cross_group_reduce_dtype` (hierarchical sharding)."""
-READABLE_VERSIONS = (1, 2)
-"""Versions this cephalo reads: a version-1 plan is a flat plan (one shard group)."""
+PLAN_FORMAT_VERSION = 3
+"""Version 2 added `shard_groups` and `cross_group_reduce_dtype` (hierarchical sharding),
+version 3 `stages`, `schedule` and `num_micro_batches` (pipeline stages, issue 40)."""
+READABLE_VERSIONS = (1, 2, 3)
+"""Versions this cephalo reads: a version-1 or -2 plan is one stage (no `stages`)."""
 REDUCE_DTYPES = ("fp32", "bf16")
+SCHEDULES = ("gpipe", "1f1b")
+"""Pipeline schedules a staged plan may name: GPipe (every micro-batch's forward, then every
+backward: a stage holds all M micro-batches' boundaries) and 1F1B (one forward, one backward
+in the steady state: stage s of S holds min(M, S - s))."""
 STRATEGIES = ("cephalo", "even", "proportional", "manual")
 DTYPES = ("fp32", "bf16", "fp16")
 # state fractions must sum to 1 within this tolerance (JSON round-trips floats exactly,
@@ -92,6 +97,23 @@ class ShardGroup:
 
 
 @dataclass
+class Stage:
+    """One pipeline stage of a staged plan: whole nodes (a shard group) running a contiguous
+    range of the model's units (embedding = 0, blocks 1..L, head = L + 1) on every
+    micro-batch; inside it the ranks split each micro-batch (`RankPlan.micro_batch_size`) and
+    shard the stage's state unevenly (their `state_fraction`s sum to 1 within the stage)."""
+
+    ranks: list[int]
+    """Global ranks of the stage, ascending."""
+    units: list[int]
+    """[first, last]: the stage's units, both included (uneven: any contiguous range)."""
+    keep_gathered: bool = True
+    """Keep the stage's weights gathered and its fp32 gradients unsharded across the step's
+    micro-batches (ZeRO-2-like: one all-gather and one reduce-scatter per step); False: gather
+    and reduce-scatter each unit per micro-batch (less memory, more traffic)."""
+
+
+@dataclass
 class Predicted:
     """Whole-step prediction of the cost model."""
 
@@ -123,6 +145,15 @@ class Plan:
     cross_group_reduce_dtype: str = "fp32"
     """Dtype of the once-per-step gradient all-reduce between groups: `fp32` (exact) or `bf16`
     (half the bytes; accumulated in fp32 either way). Only read when there are several groups."""
+    stages: list[Stage] | None = None
+    """Pipeline stages (format 3), in pipeline order; None: one stage of every unit (the plans
+    of formats 1 and 2). PLANNED ONLY: the cost model and `cephalo simulate` evaluate them;
+    the runtime refuses them (`refuse_stages`) until it runs pipelines."""
+    schedule: str | None = None
+    """A staged plan's schedule: `gpipe` or `1f1b` (SCHEDULES); None without stages."""
+    num_micro_batches: int | None = None
+    """A staged plan's micro-batches per step, M: the global batch is M micro-batches of
+    global_batch_size / M samples, each split over every stage's ranks."""
 
     # ---------------------------------------------------------------- derived
     @property
@@ -146,7 +177,19 @@ class Plan:
 
     @property
     def hierarchical(self) -> bool:
-        return len(self.groups) > 1
+        return len(self.groups) > 1 and not self.staged
+
+    @property
+    def staged(self) -> bool:
+        """Whether the plan has pipeline stages (more than one)."""
+        return bool(self.stages) and len(self.stages) > 1
+
+    def replica_groups(self) -> list[list[int]]:
+        """The rank sets whose state fractions sum to 1: the stages' (each holds its units'
+        state once), else the shard groups."""
+        if self.stages:
+            return [list(st.ranks) for st in self.stages]
+        return self.groups
 
     def group_of(self, rank: int) -> int:
         """Index of the shard group `rank` belongs to."""
@@ -154,6 +197,23 @@ class Plan:
             if rank in g:
                 return i
         raise CephaloError(f"rank {rank} is in no shard group of the plan")
+
+    def micro_batch_slices(self, stage: int) -> list[tuple[int, int, int]]:
+        """A staged plan's layout of every micro-batch in stage `stage`: (rank, start, size) per
+        rank of the stage, its samples `start..start+size` of each micro-batch, the stage's ranks
+        in ascending order taking consecutive slices. Micro-batch j is samples
+        j x B/M .. (j+1) x B/M of the global batch, so a boundary crossing from stage s to s + 1
+        re-partitions each micro-batch from one stage's slices to the next one's (the contract a
+        pipeline runtime follows; docs/plan-format.md)."""
+        if not self.stages:
+            raise CephaloError("the plan has no stages")
+        out, start = [], 0
+        for r in self.stages[stage].ranks:
+            rp = self.ranks[r]
+            size = rp.micro_batch_size if rp.batch_size else 0
+            out.append((r, start, size))
+            start += size
+        return out
 
     def batch_offsets(self) -> list[int]:
         """Start of each rank's slice of the global batch (ranks take consecutive slices)."""
@@ -398,6 +458,15 @@ def _parse_plan(d: Any, source: str) -> Plan:
                 raise CephaloError(f"{where}: 'ranks' must be a non-empty list of integers")
             groups.append(ShardGroup(ranks=list(members)))
     reduce_dtype = d.get("cross_group_reduce_dtype", "fp32")
+    stages = _parse_stages(d, source)
+    schedule = d.get("schedule")
+    if schedule is not None and not isinstance(schedule, str):
+        raise CephaloError(f"{source}: field 'schedule' must be a string or null, got {schedule!r}")
+    micro = d.get("num_micro_batches")
+    if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int)):
+        raise CephaloError(
+            f"{source}: field 'num_micro_batches' must be an integer or null, got {micro!r}"
+        )
     plan = Plan(
         strategy=_need(d, "strategy", str, source),
         model=_need(d, "model", str, source),
@@ -410,9 +479,39 @@ def _parse_plan(d: Any, source: str) -> Plan:
         meta=meta,
         shard_groups=groups,
         cross_group_reduce_dtype=reduce_dtype,
+        stages=stages,
+        schedule=schedule,
+        num_micro_batches=micro,
     )
     _validate(plan, source)
     return plan
+
+
+def _parse_stages(d: dict, source: str) -> list[Stage] | None:
+    raw = d.get("stages")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not raw:
+        raise CephaloError(f"{source}: field 'stages' must be a non-empty list of objects or null")
+    stages = []
+    for i, st in enumerate(raw):
+        where = f"{source}: stages[{i}]"
+        if not isinstance(st, dict):
+            raise CephaloError(f"{where}: must be an object with 'ranks' and 'units'")
+        members = _need(st, "ranks", list, where)
+        if not members or not all(isinstance(r, int) and not isinstance(r, bool) for r in members):
+            raise CephaloError(f"{where}: 'ranks' must be a non-empty list of integers")
+        units = _need(st, "units", list, where)
+        if len(units) != 2 or not all(
+            isinstance(u, int) and not isinstance(u, bool) for u in units
+        ):
+            raise CephaloError(
+                f"{where}: 'units' must be [first, last], two unit indices (embedding 0, "
+                f"blocks 1..L, head L+1), got {units!r}"
+            )
+        keep = _need(st, "keep_gathered", bool, where) if "keep_gathered" in st else True
+        stages.append(Stage(ranks=list(members), units=list(units), keep_gathered=bool(keep)))
+    return stages
 
 
 def _validate(plan: Plan, source: str) -> None:
@@ -454,8 +553,10 @@ def _validate(plan: Plan, source: str) -> None:
                 f"{where}: host_state_fraction must be in [0, 1] (0: all state on the device, 1: all "
                 f"on the host), got {h}"
             )
+    if plan.stages:
+        _validate_stages(plan, source)
     total = sum(plan.batch_sizes)
-    if total != plan.global_batch_size:
+    if not plan.stages and total != plan.global_batch_size:
         raise CephaloError(
             f"{source}: rank batch sizes {plan.batch_sizes} sum to {total}, not global_batch_size "
             f"{plan.global_batch_size}"
@@ -477,12 +578,99 @@ def _validate(plan: Plan, source: str) -> None:
                 raise CephaloError(
                     f"{source}: shard_groups[{i}]: list the ranks in ascending order"
                 )
-    for i, members in enumerate(plan.groups):
+    staged = bool(plan.stages)
+    for i, members in enumerate(plan.replica_groups()):
         fr = [plan.ranks[r].state_fraction for r in members]
         fsum = sum(fr)
         if abs(fsum - 1.0) > FRACTION_SUM_TOL:
-            where = "" if not plan.hierarchical else f" of shard group {i} (ranks {members})"
+            what = "stage" if staged else "shard group"
+            many = staged or plan.hierarchical
+            where = "" if not many else f" of {what} {i} (ranks {members})"
             raise CephaloError(
                 f"{source}: state fractions {fr}{where} sum to {fsum:.6g}, not 1"
-                + (" (each group holds a whole replica)" if plan.hierarchical else "")
+                + (f" (each {what} holds a whole replica of its state)" if many else "")
             )
+
+
+def _validate_stages(plan: Plan, source: str) -> None:
+    """A staged plan's invariants that need no model: every rank in one stage, contiguous
+    non-empty unit ranges in order from unit 0, a schedule the plan can run, every stage's
+    ranks splitting each micro-batch. (That the last stage ends at the head, the model's last
+    unit, is the cost model's check: it knows the model.)"""
+    stages = plan.stages or []
+    if plan.shard_groups and len(plan.shard_groups) > 1:
+        raise CephaloError(
+            f"{source}: a plan has either 'stages' or several 'shard_groups', not both "
+            "(each stage is one shard group of its own)"
+        )
+    seen = sorted(r for st in stages for r in st.ranks)
+    if seen != list(range(len(plan.ranks))):
+        raise CephaloError(
+            f"{source}: stages {[st.ranks for st in stages]} must hold every rank "
+            f"0..{len(plan.ranks) - 1} exactly once"
+        )
+    expect_first = 0
+    for i, st in enumerate(stages):
+        where = f"{source}: stages[{i}]"
+        if st.ranks != sorted(st.ranks):
+            raise CephaloError(f"{where}: list the ranks in ascending order")
+        first, last = st.units
+        if last < first:
+            raise CephaloError(
+                f"{where}: units [{first}, {last}] is empty: a stage runs at least one unit "
+                "(give it [first, last] with last >= first, or drop the stage and give its "
+                "ranks to another)"
+            )
+        if first != expect_first:
+            raise CephaloError(
+                f"{where}: starts at unit {first} but the previous stage ends at unit "
+                f"{expect_first - 1}: the stages' units must follow on, from unit 0 "
+                "(the embedding)"
+            )
+        expect_first = last + 1
+    if plan.schedule not in SCHEDULES:
+        raise CephaloError(
+            f"{source}: a staged plan needs 'schedule', one of {', '.join(SCHEDULES)}; got "
+            f"{plan.schedule!r}"
+        )
+    M = plan.num_micro_batches
+    S = len(stages)
+    if M is None or M < 1:
+        raise CephaloError(f"{source}: a staged plan needs 'num_micro_batches' >= 1, got {M!r}")
+    if S > 1 and M < S:
+        raise CephaloError(
+            f"{source}: {M} micro-batches cannot fill a pipeline of {S} stages (a stage would "
+            f"always idle): give num_micro_batches >= {S}"
+        )
+    if plan.global_batch_size % M:
+        raise CephaloError(
+            f"{source}: num_micro_batches {M} does not divide global_batch_size "
+            f"{plan.global_batch_size}: every micro-batch has the same samples in a staged plan"
+        )
+    per = plan.global_batch_size // M
+    for i, st in enumerate(stages):
+        sizes = [
+            plan.ranks[r].micro_batch_size if plan.ranks[r].batch_size else 0 for r in st.ranks
+        ]
+        batches = [plan.ranks[r].batch_size for r in st.ranks]
+        if sum(sizes) != per or any(
+            b not in (0, m * M) for b, m in zip(batches, sizes, strict=True)
+        ):
+            raise CephaloError(
+                f"{source}: stages[{i}]: its ranks' micro-batches {sizes} must sum to "
+                f"global_batch_size / num_micro_batches = {per}, each rank's batch_size its "
+                f"micro_batch_size x {M} (or 0), got batch sizes {batches}"
+            )
+
+
+def refuse_stages(plan: Plan, source: str = "plan") -> None:
+    """The runtime's one message for a staged plan: it runs no pipeline yet (issue 40's
+    runtime half); the plan format, the cost model and `cephalo simulate` know them."""
+    if plan.staged:
+        assert plan.stages is not None
+        raise CephaloError(
+            f"{source} has {len(plan.stages)} pipeline stages ({plan.schedule}, "
+            f"{plan.num_micro_batches} micro-batches), which this cephalo can plan and simulate "
+            "but not run yet; make a plan without stages (`cephalo plan --stages off`, or "
+            "parallel.stages = off for an automatic plan)"
+        )

@@ -205,6 +205,11 @@ class ParallelConfig:
     """Dtype of the once-per-step gradient all-reduce between shard groups (hierarchical plans):
     `fp32` (exact: the same result as one flat replica) or `bf16` (half the bytes over the
     inter-node network; accumulated in fp32 either way). The planner costs whichever is set."""
+    stages: str = "off"
+    """Pipeline stages for the automatic plan (`cephalo plan --stages`): `off`, `auto` or a
+    number of stages. Planned only (issue 40): the runtime cannot run a staged plan yet, so a
+    job whose automatic plan has stages stops with a message before training; `off` keeps
+    today's flat or shard-group plans."""
     offload: Literal["auto", "always", "never"] = "auto"
     """Keep layer-boundary activations on the host: `auto` (as the plan says), `always`, `never`."""
     host_memory: str | None = None
@@ -409,6 +414,10 @@ def preflight(cfg: JobConfig) -> None:
     if cfg.logging.tensorboard:
         require_tensorboard()
     require_trackers([name for name in TRACKERS if getattr(cfg.logging, name)])
+    if cfg.parallel.plan not in ("auto", "even", "proportional"):
+        from cephalo.planner.plan import Plan, refuse_stages
+
+        refuse_stages(Plan.from_json(cfg.parallel.plan), f"plan {cfg.parallel.plan}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,6 +443,17 @@ def _section_types() -> dict[str, type]:
 # Collective timeouts become a timedelta and then int64 milliseconds in c10d: inf or 1e300
 # would overflow there, long after the config was accepted.
 MAX_TIMEOUT_S = 1e7
+
+
+def _stages_ok(value: object) -> bool:
+    """Whether `parallel.stages` reads as the planner's `--stages` does."""
+    from cephalo.planner.stages.search import parse_stages
+
+    try:
+        parse_stages(value)  # type: ignore[arg-type]
+    except CephaloError:
+        return False
+    return True
 
 
 def _is_file(text: str) -> bool:
@@ -525,6 +545,10 @@ def _validate(cfg: JobConfig) -> None:
     check(
         p.cross_node_reduce_dtype in ("fp32", "bf16"),
         f"parallel.cross_node_reduce_dtype must be fp32 or bf16, got {p.cross_node_reduce_dtype!r}",
+    )
+    check(
+        _stages_ok(p.stages),
+        f"parallel.stages must be off, auto or a number of stages >= 1, got {p.stages!r}",
     )
     if p.plan not in ("auto", "even", "proportional"):
         check(

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from cephalo.errors import CephaloError, first_line
-from cephalo.planner.plan import Plan
+from cephalo.planner.plan import Plan, refuse_stages
 from cephalo.planner.rank_match import match_plan, plan_devices
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.specs.cluster import Cluster
@@ -154,6 +154,7 @@ def plan_check(
         return Check("plan", FAIL, f"{source}: not matched (no cluster)", "fix `ranks` first"), None
     try:
         plan = Plan.from_json(source)
+        refuse_stages(plan, source)
         plan.validate(world_size=cluster.world_size)
         matched, order = match_plan(plan, cluster, source)
     except CephaloError as err:

@@ -49,7 +49,7 @@ from cephalo.modeling.lora import adapter_settings, apply_adapter
 from cephalo.modeling.registry import build_model, initial_weights_note
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
 from cephalo.planner.makers import simple_plan
-from cephalo.planner.plan import Plan
+from cephalo.planner.plan import Plan, refuse_stages
 from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.collectives.dist import init_distributed, peer_failure, startup_barrier
@@ -155,6 +155,7 @@ def resolve_plan(
             "parallel.plan = auto is made by `auto_plan` (it profiles on every rank)"
         )
     plan = Plan.from_json(choice)
+    refuse_stages(plan, f"plan {choice}")
     plan.validate(world_size=world_size, model=cfg.model.name, model_shape=model_shape)
     if plan.global_batch_size != batch:
         raise CephaloError(
@@ -176,7 +177,7 @@ def auto_plan(
     the same profiles (broadcast by the profiler) and the planner is deterministic, so every
     rank makes the same plan; one tiny all-reduce checks it."""
     from cephalo.costmodel.sources import measured_cost_model
-    from cephalo.planner.shard_groups import make_hierarchical_plan
+    from cephalo.planner.stages.search import make_staged_plan
     from cephalo.profiling.profiler import profile_devices
     from cephalo.specs.adapter import ALL_LINEAR, adapter_spec
 
@@ -209,13 +210,15 @@ def auto_plan(
         # (EngineConfig.padded_collectives' default): the planner charges it there
         padded_collectives=comm.even_gather,
     )
-    plan = make_hierarchical_plan(
+    plan = make_staged_plan(
         cost_model,
         batch,
+        stages=cfg.parallel.stages,
         hierarchy=cfg.parallel.hierarchy,
         reduce_dtype=cfg.parallel.cross_node_reduce_dtype,
         model_name=cfg.model.name,
     )
+    refuse_stages(plan, "the automatic plan (parallel.stages)")
     plan.meta["profiles"] = {
         "measured": measured.measured,
         "cached": measured.cached,

@@ -151,9 +151,10 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
     `fused` where the rank runs the last block in the head's pass (not recomputed)."""
     unit = {"GiB": GIB, "MiB": 2**20}[memory_unit]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    grouped = plan.hierarchical
+    grouped = plan.hierarchical or plan.staged
+    label = "stage" if plan.staged else "group"
     for col in (
-        *(("group",) if grouped else ()),
+        *((label,) if grouped else ()),
         "rank",
         "device",
         "batch",
@@ -173,7 +174,7 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
     for r, c in zip(plan.ranks, ev.ranks, strict=True):
         slowest = abs(c.step_s - ev.step_s) <= 1e-12 * max(ev.step_s, 1.0)
         table.add_row(
-            *((str(plan.group_of(r.rank)),) if grouped else ()),
+            *((str(_group_index(plan, r.rank)),) if grouped else ()),
             str(r.rank),
             r.device,
             str(r.batch_size),
@@ -191,9 +192,16 @@ def plan_table(plan: Plan, ev: PlanEvaluation, title: str, memory_unit: str = "G
     # narrow terminals: the per-rank diagnostics go first, the split and the memory stay
     return Fitted(
         table,
-        keep=("group", "rank", "device"),
+        keep=("group", "stage", "rank", "device"),
         drop=("busy s", "rs", "tail", "act", "on host", "state"),
     )
+
+
+def _group_index(plan: Plan, rank: int) -> int:
+    """The rank's pipeline stage in a staged plan, else its shard group."""
+    if plan.staged:
+        return next(i for i, st in enumerate(plan.stages or []) if rank in st.ranks)
+    return plan.group_of(rank)
 
 
 def host_memory_lines(ev: PlanEvaluation, memory_unit: str = "GiB") -> list[str]:
