@@ -260,6 +260,7 @@ def engine_config(
         adamw=AdamWHyper(betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay),
         grad_clip=t.grad_clip,
         prefetch=cfg.parallel.prefetch,
+        compile=cfg.parallel.compile,
         overlap_reduce=cfg.parallel.overlap_reduce,
         validate_collectives=False if cfg.parallel.check_collectives == "off" else None,
         validate_every_step=cfg.parallel.check_collectives == "every_step",
