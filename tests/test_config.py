@@ -127,6 +127,10 @@ def test_cli_table_values_are_typed():
         ),
         (["--logging.progress=maybe"], ["logging.progress", "expected bool"]),
         (["--parallel.mode=pipeline"], ["parallel.mode", '"lga" | "standard"']),
+        (
+            ["--parallel.compile=fast"],
+            ["parallel.compile", '"auto" | "off" | "graphs" | "inductor"'],
+        ),
         (["--train.steps"], ["has no value"]),
         (["steps=3"], ["--section.key=value"]),
     ],

@@ -197,6 +197,32 @@ def test_bad_input_is_a_clear_error():
         Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(grad_clip=-1.0))
 
 
+def test_compiled_blocks_plumbing_is_bitwise_eager():
+    """runtime/capture/ without the compiler (its compile step the identity): every block of a
+    type through one shared callable (`functional_call` on the type's first module), the
+    dropout masks drawn outside and given back in, the first call of a shape eager to record
+    them. Bitwise the eager engine's losses and weights over two steps of two micro-batches
+    with recompute: the masks of the forward, the recompute and the eager engine are one.
+    `compile` values: one message for a bad one; "graphs" refused off CUDA."""
+    from cephalo.runtime.capture.blocks import CompiledBlocks
+
+    plan, data = make_plan([4], [1.0], [2]), make_data(2, 4)
+    cfg = EngineConfig(fuse_tail=False)  # both blocks recomputed
+    eager, eager_stats = _train(plan, cfg, data, {"dropout": 0.1})
+    engine = Engine(build_model("gpt-tiny", dropout=0.1), plan, LocalComm(), cfg)
+    engine.runner.compiled = blocks = CompiledBlocks("test", engine.device, lambda fn: fn)
+    stats = [engine.train_step(x, y, lr=LR) for x, y in data]
+    assert [s.loss for s in stats] == [s.loss for s in eager_stats]
+    for name, value in eager.full_state_dict().items():
+        assert torch.equal(engine.full_state_dict()[name], value), name
+    assert blocks.block_types == 1 and blocks.eager_calls == 1
+    assert blocks.calls == 2 * 2 * 2 * 2 - 1  # steps x micro-batches x blocks x (fwd, recompute)
+    with pytest.raises(CephaloError, match="parallel.compile must be one of"):
+        EngineConfig(compile="fast").validate()
+    with pytest.raises(CephaloError, match='"graphs" captures CUDA graphs.*"inductor"'):
+        Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(compile="graphs"))
+
+
 def test_slowdown_stretches_compute(monkeypatch):
     slept = []
     monkeypatch.setattr("cephalo.runtime.emulation.time.sleep", slept.append)

@@ -44,6 +44,9 @@ def drain_grad_pieces(dsts: list[torch.Tensor], leaf: torch.Tensor) -> None:
     leaf.grad = None
 
 
+_COMPILED_NODE = "CompiledFunctionBackward"
+"""torch.compile's backward node: its saved tensors are `saved_tensors`, not `_saved_*`."""
+
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
 """Names of the saved-tensor attributes of each autograd node type (dir() is slow)."""
 
@@ -63,8 +66,10 @@ def largest_saved_bytes(root, ledger: MemoryLedger) -> int:
             attrs = _SAVED_ATTRS[type(node)] = tuple(
                 a for a in dir(node) if a.startswith("_saved_")
             )
-        for attr in attrs:
-            value = getattr(node, attr)
+        values = [getattr(node, attr) for attr in attrs]
+        if type(node).__name__ == _COMPILED_NODE:
+            values = node.saved_tensors  # a compiled block (runtime/capture/) saves them here
+        for value in values:
             if isinstance(value, torch.Tensor) and value.numel() and not ledger.owns(value):
                 largest = max(largest, value.untyped_storage().nbytes())
         stack.extend(fn for fn, _ in node.next_functions)
