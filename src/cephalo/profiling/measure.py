@@ -45,6 +45,7 @@ from cephalo.modeling.units import Unit
 from cephalo.runtime import head_loss
 from cephalo.runtime.autograd import drain_grad, largest_grad_bytes, largest_saved_bytes
 from cephalo.runtime.bind import UnitBinding
+from cephalo.runtime.capture.blocks import CompiledBlocks
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.device_memory import host_memory, to_device
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
@@ -142,8 +143,12 @@ class UnitBench:
         device: torch.device,
         dtype: torch.dtype,
         per_sample_dropout: bool = True,
+        compiled: CompiledBlocks | None = None,
     ):
         self.unit, self.index, self.kind = unit, index, unit.kind
+        self.compiled = compiled if unit.kind == "block" else None
+        """A block runs compiled as the engine will run it (`parallel.compile`:
+        runtime/capture/); None: eagerly."""
         self._binding = UnitBinding(unit.module)
         self.seq_len, self.hidden, self.vocab = seq_len, hidden, vocab
         self.device, self.dtype = device, dtype
@@ -199,7 +204,11 @@ class UnitBench:
         self, params: dict[str, torch.Tensor], x: torch.Tensor, labels: torch.Tensor | None
     ) -> torch.Tensor:
         args = (x, labels) if self.kind == "head" else (x,)
-        with self._dropout():
+        dropout = self._dropout()
+        if self.compiled is not None:
+            masks = dropout if isinstance(dropout, SampleDropout) else None
+            return self.compiled.run(self.index, self._binding, params, x, {}, masks)
+        with dropout:
             return self._binding(params, args)
 
     def _store(self, t: torch.Tensor) -> None:

@@ -191,6 +191,7 @@ def auto_plan(
         cache=cfg.profile_cache,
         device=job_torch_device(cfg, comm),
         startup_timeout_s=cfg.parallel.startup_timeout_s,
+        compile_mode=cfg.parallel.compile,
     )
     targets = cfg.model.lora_target_modules
     cost_model = measured_cost_model(
