@@ -114,7 +114,7 @@ def main() -> None:
         f"gpt-small-demo shape (4 x 256, seq {args.seq_len}), batch {args.batch} in micro-batches "
         f"of {args.micro}, dropout {args.dropout}, fp32, {args.threads} thread(s): `inductor`'s "
         f"step is **{ratio:.2f}x** eager's; its compile costs {r['warm']['inductor'] - r['warm']['off']:.0f} s "
-        f"more at the start. The first two losses agree within {diff:.0e} (relative). "
+        f"more at the start. The first two losses differ by {diff:.1e} (relative; 0: bitwise equal). "
         + (
             "Compile pays here."
             if pays
