@@ -8,15 +8,21 @@ keep the engine's results, an explicit mode is refused with one message and `aut
 MoE blocks (their router statistics are Python state the block writes), LoRA / QLoRA (peft's
 layers and the NF4 base are not traced here yet), dropout drawn from the global generator
 (`per_sample_dropout = False`: a compiled forward and its recompute would draw different masks).
+On an emulated device whose memory is counted byte by byte (runtime/device_memory.py, a
+dispatch mode), torch.compile runs eagerly (dynamo does not trace under a dispatch mode): said
+once, with the variable that turns the accounting off.
 """
 
 from __future__ import annotations
 
 import torch
 
+from cephalo import envvars
 from cephalo.errors import CephaloError
+from cephalo.log import logger
 from cephalo.modeling.units import UnitModel
 from cephalo.runtime.capture.blocks import RECOMPILE_LIMIT, CompiledBlocks
+from cephalo.runtime.device_memory import device_memory_counted
 from cephalo.runtime.dropout import module_uses_dropout
 
 COMPILE_MODES = ("auto", "off", "graphs", "inductor")
@@ -92,6 +98,13 @@ def apply_compile(
         limit,
         max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT),
     )
+    if resolved == "inductor" and device_memory_counted():
+        logger.warning(
+            'parallel.compile = "inductor": this emulated device counts its memory under a '
+            "dispatch mode, under which torch.compile runs every frame eagerly: the blocks run "
+            "eagerly (%s=0 turns the accounting off, and they compile)",
+            envvars.STRICT_MEMORY,
+        )
     if resolved == "inductor":
         return CompiledBlocks(
             resolved, device, lambda fn: torch.compile(fn, dynamic=False, backend="inductor")
