@@ -87,6 +87,7 @@ def eager_block(template: nn.Module) -> BlockFn:
                 return torch.func.functional_call(template, dict(params), (x,), kwargs)
         return torch.func.functional_call(template, dict(params), (x,), kwargs)
 
+    block.template = template  # type: ignore[attr-defined]  # train / eval: graphs.py's key
     return block
 
 

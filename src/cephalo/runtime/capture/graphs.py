@@ -101,6 +101,7 @@ class GraphedBlock:
             kw_names,
             tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args),
             grad,
+            self.fn.template.training,  # type: ignore[attr-defined]
         )
         graph = self._graphs.get(key)
         if graph is None:
