@@ -29,8 +29,9 @@ COMPILE_MODES = ("auto", "off", "graphs", "inductor")
 
 AUTO = {"cpu": "off", "cuda": "off"}
 """What `auto` runs per device type, from measurements (docs/gpu.md, "Compiled blocks"):
-the CPU: off (bench/compile_step.py: inductor's step is no faster on a small GPT on this
-machine's cores, and its compile costs tens of seconds per block type and shape); CUDA: off
+the CPU: off (bench/results/compile_step.md: inductor's step 0.96x eager's on a small GPT
+on this machine's 2 cores, its compile 15 s warm to minutes cold: thousands of steps to pay
+back, and emulated ranks do not compile under their memory accounting); CUDA: off
 until scripts/gpu_check_compile.py has measured graphs and inductor against the eager engine
 on a lent GPU (it prints the step times; set this from them)."""
 
