@@ -194,8 +194,9 @@ class ParallelConfig:
     one compiled callable per block type, shared by its blocks; a compile of tens of seconds
     per block type and micro-batch size at the start), `graphs` (CUDA graphs of each block type
     per micro-batch shape: the host launches one graph per block; CUDA only), `off` (eager), or
-    `auto`: what was measured to pay on the device (today eager everywhere: the CPU measured no
-    gain, the GPU paths await a lent GPU's check). MoE and LoRA / QLoRA models run eagerly."""
+    `auto`: what was measured to pay on the device (today eager everywhere: on the CPU a 4 %
+    faster step for minutes of compile, the GPU paths await a lent GPU's check). MoE and
+    LoRA / QLoRA models run eagerly."""
     hierarchy: bool = True
     """Let the automatic plan shard per node (or per group of nodes) and all-reduce the gradients
     between the groups once per step where the cost model predicts that faster than one flat
