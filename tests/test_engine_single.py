@@ -231,7 +231,7 @@ def _cpu_make_graphed_callables(fn, sample, num_warmup_iters=3, allow_unused_inp
         static_out = torch.empty_like(fn(*sample))
     static_grads = [torch.empty_like(s) if s.requires_grad else None for s in sample]
 
-    class Replay(torch.autograd.Function):
+    class Graphed(torch.autograd.Function):  # torch's name: its node is "GraphedBackward"
         @staticmethod
         def forward(ctx, *inputs):
             for static, a in zip(sample, inputs, strict=True):
@@ -254,7 +254,7 @@ def _cpu_make_graphed_callables(fn, sample, num_warmup_iters=3, allow_unused_inp
                 out.append(None if g is None else g.detach())
             return tuple(out)
 
-    return lambda *args: Replay.apply(*args)
+    return lambda *args: Graphed.apply(*args)
 
 
 def test_cuda_graph_blocks_on_a_cpu_stand_in_are_bitwise_eager(monkeypatch):
@@ -264,7 +264,8 @@ def test_cuda_graph_blocks_on_a_cpu_stand_in_are_bitwise_eager(monkeypatch):
     The engine's blocks through `GraphedBlock` (dropout, two micro-batches, the first block
     recomputed, the second in the fused tail) are bitwise eager, with one capture per
     signature: the masks reach the replays, and the engine's tensors are never the static
-    inputs (passing them as the sample fails this test). Cloning outputs and the input
+    inputs (passing them as the sample fails this test); the graph's backward returns the
+    block's parameter gradients together, and the ledger charges them so. Cloning outputs and the input
     gradient out of the static buffers is defensive here: the engine's boundary store copies
     them before the next replay. The real graphs: gpu_check's `compile` check."""
     from types import SimpleNamespace
@@ -290,6 +291,9 @@ def test_cuda_graph_blocks_on_a_cpu_stand_in_are_bitwise_eager(monkeypatch):
         assert torch.equal(engine.full_state_dict()[name], value), name
     (graphed,) = blocks._callables.values()
     assert graphed.captures == 2  # the grad-free forward, the forward + backward with a graph
+    # the graph's backward returns the block's parameter gradients together: charged so
+    block = sum(p.numel() * 4 for p in engine.model.units[1].module.parameters())
+    assert engine.ledger.peak_by_category["grad_transient"] >= block
 
 
 def test_slowdown_stretches_compute(monkeypatch):

@@ -43,7 +43,12 @@ import torch
 
 from cephalo.modeling.units import Unit
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import drain_grad, largest_grad_bytes, largest_saved_bytes
+from cephalo.runtime.autograd import (
+    compiled_grad_bytes,
+    drain_grad,
+    largest_grad_bytes,
+    largest_saved_bytes,
+)
 from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.capture.blocks import CompiledBlocks
 from cephalo.runtime.collectives.comm import Comm
@@ -250,7 +255,8 @@ class UnitBench:
         with torch.enable_grad(), self.ledger.track_activations():
             out = self._run({**self.params, **leaves}, x, labels)
             saved = largest_saved_bytes(out.grad_fn, self.ledger)
-            transient = saved + max(saved, param_grad)
+            together = compiled_grad_bytes(out.grad_fn)  # a compiled block's, all at once
+            transient = saved + max(saved, param_grad, together)
             self.ledger.charge("grad_transient", transient)
             inputs = ([x] if self.kind != "embedding" else []) + list(leaves.values())
             torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
