@@ -58,6 +58,10 @@ returning its failures; a check that raises is a failure, not the end of the run
                    stream, bitwise the tensor put (with offload_bitwise: the engine on the
                    copy streams against the on-device run)
 
+  compile          the blocks compiled (`parallel.compile`: graphs, inductor) against the
+                   eager engine, GPT-2 124M bf16 with dropout: within rounding, the loss
+                   falls, each mode's step time (scripts/gpu_check_compile.py)
+
 `--collectives` (torchrun, one process per GPU, world size >= 2): the uneven NCCL collectives
 and an uneven engine plan, skewed and near even (padded-even, runtime/collectives/padded.py), against one
 process, and the bf16 all-reduce between shard groups on its side stream (scripts/gpu_comm_checks.py;
@@ -715,6 +719,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("throughput", check_throughput),
     ("comm_wait_events", check_comm_wait_events),
     ("boundary_overlap", check_boundary_overlap),
+    ("compile", _sibling("gpu_check_compile", "check_compile")),
 ]
 
 

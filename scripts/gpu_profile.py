@@ -6,6 +6,7 @@ scripts/gpu_profile.py --out DIR`. It writes DIR/gpu_profile.md with:
 
 - ms per step (median of timed steps) of the engine, the engine without prefetch, plain PyTorch,
   and plain PyTorch with every block recomputed (activation checkpointing, as the engine does);
+  on CUDA also the engine with its blocks compiled (`parallel.compile`: graphs, inductor);
 - from torch.profiler: GPU kernel time per step (so the fraction of the step the GPU is busy),
   kernel launches per step, and the top operators by host time and by GPU time;
 - cProfile: the engine's own Python frames by own time and by cumulative time;
@@ -151,6 +152,16 @@ def run(setup: Setup, out: Path, steps: int) -> str:
         ("plain", lambda: plain_step(setup, model_name, data, recompute=False)),
         ("plain + recompute", lambda: plain_step(setup, model_name, data, recompute=True)),
     ]
+    if setup.cuda:  # the compiled blocks (`parallel.compile`; a CPU compile is minutes of CI)
+        for mode in ("graphs", "inductor"):
+            variants.append(
+                (
+                    f"engine, {mode}",
+                    lambda mode=mode: _step_of(  # its 2 untimed steps compile / capture
+                        _engine(setup, model_name, batch, batch, setup.low, compile=mode), data
+                    ),
+                )
+            )
     for name, make in variants:
         step = make()
         step_s = _median_step_s(setup, step, steps)

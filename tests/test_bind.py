@@ -68,3 +68,25 @@ def test_an_unknown_name_is_an_error_and_the_module_is_left_as_it_was():
     with pytest.raises(CephaloError, match="no parameter 'nope'"):
         UnitBinding(module)(given, (torch.randn(1, 4),))
     assert module.inp.weight is weight
+
+
+def test_block_type_tells_apart_what_changes_a_blocks_code():
+    """runtime/capture/blocks.py: the blocks of one model share a block type (one compiled
+    callable), a layer number does not split them (`layer_idx`: a KV-cache slot), and what
+    changes the code a block runs does: a plain attribute its forward may branch on, another
+    shape, another dropout probability."""
+    from cephalo.modeling.registry import build_model
+    from cephalo.runtime.capture.blocks import block_type
+
+    blocks = [u.module for u in build_model("gpt-tiny").units if u.kind == "block"]
+    for i, b in enumerate(blocks):
+        b.attn.layer_idx = i
+    assert block_type(blocks[0]) == block_type(blocks[1])
+    blocks[1].attn.attention_type = "sliding_attention"
+    assert block_type(blocks[0]) != block_type(blocks[1])
+    nano = next(u.module for u in build_model("gpt-nano").units if u.kind == "block")
+    dropped = next(
+        u.module for u in build_model("gpt-tiny", dropout=0.1).units if u.kind == "block"
+    )
+    assert block_type(blocks[0]) != block_type(nano)
+    assert block_type(blocks[0]) != block_type(dropped)

@@ -127,6 +127,10 @@ def test_cli_table_values_are_typed():
         ),
         (["--logging.progress=maybe"], ["logging.progress", "expected bool"]),
         (["--parallel.mode=pipeline"], ["parallel.mode", '"lga" | "standard"']),
+        (
+            ["--parallel.compile=fast"],
+            ["parallel.compile", '"auto" | "off" | "graphs" | "inductor"'],
+        ),
         (["--train.steps"], ["has no value"]),
         (["steps=3"], ["--section.key=value"]),
     ],
@@ -286,10 +290,13 @@ def test_parallel_settings_reach_the_engine():
     assert default.overlap_reduce and default.validate_collectives is None
     assert not default.validate_every_step
     assert default.slowdown == 2 and default.memory_budget_bytes == 64 << 20
+    assert default.compile == "auto"
     every = engine_config(
         load_config(None, ["--parallel.check_collectives=every_step"]), device, emulated=False
     )
     assert every.validate_every_step and every.memory_budget_bytes is None
+    compiled = load_config(None, ["--parallel.compile=inductor"])
+    assert engine_config(compiled, device, emulated=False).compile == "inductor"
     off = engine_config(
         load_config(None, ["--parallel.check_collectives=off", "--parallel.overlap_reduce=false"]),
         device,

@@ -3,6 +3,8 @@ the single-process reference; even plans reproduce FSDP2; state follows the frac
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -31,11 +33,16 @@ STEPS = 5
 UNEVEN = dict(batches=[5, 2, 1], fractions=[0.6, 0.3, 0.1], micro=[2, 1, 1])
 
 
-def _engine_run(model: str, overrides: dict, plan, cfg: EngineConfig, data, mutate=False):
+def _engine_run(
+    model: str, overrides: dict, plan, cfg: EngineConfig, data, mutate=False, compiled_ranks=()
+):
     """On every rank: train, return (params if rank 0, losses, norms, state bytes, calls).
-    `mutate`: under `gradient_mutation` (the bug the comparison must catch)."""
+    `mutate`: under `gradient_mutation` (the bug the comparison must catch);
+    `compiled_ranks`: ranks whose blocks run compiled (`compile = "inductor"`)."""
     torch.set_num_threads(1)
     comm = make_comm("gloo")
+    if comm.rank in compiled_ranks:
+        cfg = dataclasses.replace(cfg, compile="inductor")
     engine = Engine(build_model(model, **overrides), plan, comm, cfg)
     state_bytes = engine.ledger.current_by_category["state"]
     comm.counters.reset()
@@ -45,6 +52,7 @@ def _engine_run(model: str, overrides: dict, plan, cfg: EngineConfig, data, muta
             for x, y in data
         ]
     full = engine.full_state_dict()
+    compiled = engine.runner.compiled
     return {
         "params": full if comm.rank == 0 else None,
         "losses": [s.loss for s in stats],
@@ -52,6 +60,7 @@ def _engine_run(model: str, overrides: dict, plan, cfg: EngineConfig, data, muta
         "state_bytes": state_bytes,
         "unit_sizes": [us.size for us in engine.shards],
         "calls": dict(comm.counters.calls),
+        "compiled": None if compiled is None else (compiled.calls, compiled.eager_calls),
     }
 
 
@@ -162,3 +171,29 @@ def test_state_follows_fractions_and_collectives_do_not_depend_on_micro_batches(
     for micro, res in runs.items():
         for r in res:
             assert r["calls"] == expected, (micro, r["calls"])
+
+
+@pytest.mark.slow
+def test_inductor_blocks_give_the_eager_engines_losses(pool3):
+    """`compile = "inductor"` (runtime/capture/): an uneven plan, dropout on, the first block
+    recomputed (the second runs in the fused tail) give the eager engine's losses and norms
+    within fp32 rounding. Tolerance 2e-6 relative: inductor fuses and reorders the fp32
+    reductions (LayerNorm, softmax, matmul epilogues), a few ulps (1.2e-7) per op, measured
+    1e-7 relative after two steps; masks of the wrong dropout call in the compiled blocks move the
+    losses by ~1e-2 (checked by hand). Ranks 0 (two micro-batches) and 1 (samples
+    from offset 2) compile, rank 2 runs eagerly beside them (a rank's compile is its own): two
+    compiles on two cores, one micro-batch size, so two graphs per rank (grad-free forward,
+    recompute + backward): ~30 s of inductor cold, ~10 s with its cache warm."""
+    plan = make_plan(batches=[2, 1, 1], fractions=[0.5, 0.3, 0.2], micro=[1, 1, 1])
+    cfg = EngineConfig(grad_clip=0.5, adamw=AdamWHyper(eps=TEST_EPS, weight_decay=0.1))
+    data = make_data(2, plan.global_batch_size)
+    eager = pool3.run(_engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data)
+    compiled = pool3.run(
+        _engine_run, "gpt-tiny", {"dropout": 0.1}, plan, cfg, data, compiled_ranks=(0, 1)
+    )
+    for rank, (e, c) in enumerate(zip(eager, compiled, strict=True)):
+        assert e["compiled"] is None
+        if rank < 2:  # one call recorded its masks, the rest ran compiled
+            assert c["compiled"][1] == 1 and c["compiled"][0] > 0
+        assert c["losses"] == pytest.approx(e["losses"], rel=2e-6, abs=0)
+        assert c["norms"] == pytest.approx(e["norms"], rel=2e-6, abs=0)

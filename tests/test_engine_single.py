@@ -197,6 +197,105 @@ def test_bad_input_is_a_clear_error():
         Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(grad_clip=-1.0))
 
 
+def test_compiled_blocks_plumbing_is_bitwise_eager():
+    """runtime/capture/ without the compiler (its compile step the identity): every block of a
+    type through one shared callable (`functional_call` on the type's first module), the
+    dropout masks drawn outside and given back in, the first call of a shape eager to record
+    them. Bitwise the eager engine's losses and weights over two steps of two micro-batches
+    with recompute: the masks of the forward, the recompute and the eager engine are one.
+    `compile` values: one message for a bad one; "graphs" refused off CUDA."""
+    from cephalo.runtime.capture.blocks import CompiledBlocks
+
+    plan, data = make_plan([4], [1.0], [2]), make_data(2, 4)
+    cfg = EngineConfig(fuse_tail=False)  # both blocks recomputed
+    eager, eager_stats = _train(plan, cfg, data, {"dropout": 0.1})
+    engine = Engine(build_model("gpt-tiny", dropout=0.1), plan, LocalComm(), cfg)
+    engine.runner.compiled = blocks = CompiledBlocks("test", engine.device, lambda fn: fn)
+    stats = [engine.train_step(x, y, lr=LR) for x, y in data]
+    assert [s.loss for s in stats] == [s.loss for s in eager_stats]
+    for name, value in eager.full_state_dict().items():
+        assert torch.equal(engine.full_state_dict()[name], value), name
+    assert blocks.block_types == 1 and blocks.eager_calls == 1
+    assert blocks.calls == 2 * 2 * 2 * 2 - 1  # steps x micro-batches x blocks x (fwd, recompute)
+    with pytest.raises(CephaloError, match="parallel.compile must be one of"):
+        EngineConfig(compile="fast").validate()
+    with pytest.raises(CephaloError, match='"graphs" captures CUDA graphs.*"inductor"'):
+        Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(compile="graphs"))
+
+
+def _cpu_make_graphed_callables(fn, sample, num_warmup_iters=3, allow_unused_input=False):
+    """A CPU stand-in of `torch.cuda.make_graphed_callables` with its buffers' semantics: the
+    sample arguments ARE the static inputs (each call copies its inputs into them), the output
+    and the input gradients are static buffers the next call overwrites."""
+    with torch.enable_grad():
+        static_out = torch.empty_like(fn(*sample))
+    static_grads = [torch.empty_like(s) if s.requires_grad else None for s in sample]
+
+    class Graphed(torch.autograd.Function):  # torch's name: its node is "GraphedBackward"
+        @staticmethod
+        def forward(ctx, *inputs):
+            for static, a in zip(sample, inputs, strict=True):
+                if static.data_ptr() != a.data_ptr():
+                    static.detach().copy_(a)
+            with torch.enable_grad():
+                ctx.out = fn(*sample)
+            static_out.copy_(ctx.out.detach())
+            return static_out.detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            wanted = [s for s in sample if s.requires_grad]
+            got = iter(torch.autograd.grad(ctx.out, wanted, grad, allow_unused=True))
+            out = []
+            for g in static_grads:
+                if g is not None:
+                    v = next(got)
+                    g.copy_(v) if v is not None else g.zero_()
+                out.append(None if g is None else g.detach())
+            return tuple(out)
+
+    return lambda *args: Graphed.apply(*args)
+
+
+def test_cuda_graph_blocks_on_a_cpu_stand_in_are_bitwise_eager(monkeypatch):
+    """runtime/capture/graphs.py's buffer handling, on the CPU: the graph APIs replaced by
+    stand-ins with their static-buffer semantics (a replay recomputes into the same output
+    and gradient buffers; the grad-free forward's capture replaced, its replay path kept).
+    The engine's blocks through `GraphedBlock` (dropout, two micro-batches, the first block
+    recomputed, the second in the fused tail) are bitwise eager, with one capture per
+    signature: the masks reach the replays, and the engine's tensors are never the static
+    inputs (passing them as the sample fails this test); the graph's backward returns the
+    block's parameter gradients together, and the ledger charges them so. Cloning outputs and the input
+    gradient out of the static buffers is defensive here: the engine's boundary store copies
+    them before the next replay. The real graphs: gpu_check's `compile` check."""
+    from types import SimpleNamespace
+
+    from cephalo.runtime.capture import graphs
+    from cephalo.runtime.capture.blocks import CompiledBlocks
+
+    def capture(self, fn, args):
+        self.static_in = tuple(a.clone() for a in args)
+        self.static_out = fn(*self.static_in).clone()
+        self.graph = SimpleNamespace(replay=lambda: self.static_out.copy_(fn(*self.static_in)))
+
+    monkeypatch.setattr(graphs._ForwardGraph, "__init__", capture)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _cpu_make_graphed_callables)
+    plan, data = make_plan([4], [1.0], [2]), make_data(2, 4)
+    eager, eager_stats = _train(plan, EngineConfig(), data, {"dropout": 0.1})
+    engine = Engine(build_model("gpt-tiny", dropout=0.1), plan, LocalComm(), EngineConfig())
+    engine.runner.compiled = blocks = CompiledBlocks("graphs", engine.device, graphs.GraphedBlock)
+    stats = [engine.train_step(x, y, lr=LR) for x, y in data]
+    assert [s.loss for s in stats] == [s.loss for s in eager_stats]
+    assert [s.grad_norm for s in stats] == [s.grad_norm for s in eager_stats]
+    for name, value in eager.full_state_dict().items():
+        assert torch.equal(engine.full_state_dict()[name], value), name
+    (graphed,) = blocks._callables.values()
+    assert graphed.captures == 2  # the grad-free forward, the forward + backward with a graph
+    # the graph's backward returns the block's parameter gradients together: charged so
+    block = sum(p.numel() * 4 for p in engine.model.units[1].module.parameters())
+    assert engine.ledger.peak_by_category["grad_transient"] >= block
+
+
 def test_slowdown_stretches_compute(monkeypatch):
     slept = []
     monkeypatch.setattr("cephalo.runtime.emulation.time.sleep", slept.append)

@@ -120,9 +120,15 @@ class DeviceKey:
     peers: str = ""
     """Measured concurrently with these ranks (their type keys, in rank order, comma
     separated), which shared its host's cores; empty when measured alone."""
+    compile: str = "off"
+    """The blocks' `parallel.compile` mode as measured (resolved: `off`, `inductor`,
+    `graphs`): a compiled block's profile is not an eager one's."""
 
     def text(self) -> str:
-        return "|".join(str(v) for v in asdict(self).values())
+        values = asdict(self)
+        if values["compile"] == "off":  # the keys of eager profiles as before the field
+            del values["compile"]
+        return "|".join(str(v) for v in values.values())
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,14 @@ import torch
 
 from cephalo.modeling.units import Unit
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import drain_grad, largest_grad_bytes, largest_saved_bytes
+from cephalo.runtime.autograd import (
+    compiled_grad_bytes,
+    drain_grad,
+    largest_grad_bytes,
+    largest_saved_bytes,
+)
 from cephalo.runtime.bind import UnitBinding
+from cephalo.runtime.capture.blocks import CompiledBlocks
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.device_memory import host_memory, to_device
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
@@ -142,8 +148,12 @@ class UnitBench:
         device: torch.device,
         dtype: torch.dtype,
         per_sample_dropout: bool = True,
+        compiled: CompiledBlocks | None = None,
     ):
         self.unit, self.index, self.kind = unit, index, unit.kind
+        self.compiled = compiled if unit.kind == "block" else None
+        """A block runs compiled as the engine will run it (`parallel.compile`:
+        runtime/capture/); None: eagerly."""
         self._binding = UnitBinding(unit.module)
         self.seq_len, self.hidden, self.vocab = seq_len, hidden, vocab
         self.device, self.dtype = device, dtype
@@ -199,7 +209,11 @@ class UnitBench:
         self, params: dict[str, torch.Tensor], x: torch.Tensor, labels: torch.Tensor | None
     ) -> torch.Tensor:
         args = (x, labels) if self.kind == "head" else (x,)
-        with self._dropout():
+        dropout = self._dropout()
+        if self.compiled is not None:
+            masks = dropout if isinstance(dropout, SampleDropout) else None
+            return self.compiled.run(self.index, self._binding, params, x, {}, masks)
+        with dropout:
             return self._binding(params, args)
 
     def _store(self, t: torch.Tensor) -> None:
@@ -241,7 +255,8 @@ class UnitBench:
         with torch.enable_grad(), self.ledger.track_activations():
             out = self._run({**self.params, **leaves}, x, labels)
             saved = largest_saved_bytes(out.grad_fn, self.ledger)
-            transient = saved + max(saved, param_grad)
+            together = compiled_grad_bytes(out.grad_fn)  # a compiled block's, all at once
+            transient = saved + max(saved, param_grad, together)
             self.ledger.charge("grad_transient", transient)
             inputs = ([x] if self.kind != "embedding" else []) + list(leaves.values())
             torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)

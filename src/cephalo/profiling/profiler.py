@@ -28,6 +28,7 @@ in each profile's `meta`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,7 @@ from cephalo.profiling.measure import (
     nf4_dequant_shape,
 )
 from cephalo.profiling.settings import ProfileSettings
+from cephalo.runtime.capture.apply import apply_compile, resolve_compile
 from cephalo.runtime.collectives.comm import Comm, LocalComm
 from cephalo.runtime.collectives.dist import startup_barrier
 from cephalo.runtime.device_memory import host_memory
@@ -110,6 +112,7 @@ def measure_device(
     settings: ProfileSettings,
     progress: ProgressFn | None = None,
     together: Comm | None = None,
+    compile_mode: str = "off",
 ) -> DeviceProfile:
     """Measure one device type on this process. The model's `measured_units` (the embedding,
     the first block, the head) must be materialised on `torch_device` (`materialize_measured`);
@@ -141,6 +144,8 @@ def measure_device(
     emulator = ComputeEmulator(device.slowdown)
     cdtype = compute_dtype(dtype)
     kinds = measured_units(model)
+    # the blocks as the engine will run them (`parallel.compile`): compiled profiles
+    compiled = apply_compile(model, torch_device, compile_mode, settings.per_sample_dropout)
     benches = {
         kind: UnitBench(
             model.units[i],
@@ -151,6 +156,7 @@ def measure_device(
             torch_device,
             cdtype,
             settings.per_sample_dropout,
+            compiled,
         )
         for kind, i in kinds.items()
     }
@@ -398,6 +404,7 @@ def profile_devices(
     progress: ProgressFn | None = None,
     device: torch.device | None = None,
     startup_timeout_s: float | None = None,
+    compile_mode: str = "off",
     **model_overrides,
 ) -> MeasuredProfiles:
     """Profiles of every device type in `devices` (rank order) and of the collectives.
@@ -410,6 +417,8 @@ def profile_devices(
     `startup_timeout_s`: the ranks meet at a start-up barrier of this timeout after each
     measurement (a device type measured while the others wait can outlast the process group's
     timeout, sized for steps); None: the collectives' own timeout.
+    `compile_mode`: the job's `parallel.compile`: blocks are measured as the engine will run
+    them (compiled: each micro-batch size compiles first), and the profile is keyed by it.
     """
     started = time.perf_counter()
     settings = settings or ProfileSettings()
@@ -442,6 +451,8 @@ def profile_devices(
     keys, comm_key = _keys(
         meta_model, seq_len, dtype, devices, hosts, first_rank, comm.backend, together
     )
+    resolved = resolve_compile(compile_mode, tdev)
+    keys = {k: dataclasses.replace(key, compile=resolved) for k, key in keys.items()}
 
     # rank 0 decides what is known; everyone learns the same answer
     known: dict | None = None
@@ -479,7 +490,15 @@ def profile_devices(
             dtype,
         )
         mine = measure_device(
-            materialised, seq_len, dtype, devices[rank], tdev, settings, progress, together=comm
+            materialised,
+            seq_len,
+            dtype,
+            devices[rank],
+            tdev,
+            settings,
+            progress,
+            together=comm,
+            compile_mode=resolved,
         ).to_dict()
         del materialised
         _wait_for_all(comm, startup_timeout_s)
@@ -502,7 +521,7 @@ def profile_devices(
                 "rank %d: measuring %s (%s, seq %d, %s)", rank, k, spec.name, seq_len, dtype
             )
             result = measure_device(
-                materialised, seq_len, dtype, device, tdev, settings, progress
+                materialised, seq_len, dtype, device, tdev, settings, progress, None, resolved
             ).to_dict()
         _wait_for_all(comm, startup_timeout_s)  # the others waited while `src` measured
         profiles[k] = DeviceProfile.from_dict(_broadcast(result, src, comm))

@@ -44,6 +44,33 @@ def drain_grad_pieces(dsts: list[torch.Tensor], leaf: torch.Tensor) -> None:
     leaf.grad = None
 
 
+_COMPILED_NODE = "CompiledFunctionBackward"
+"""torch.compile's backward node: its saved tensors are `saved_tensors`, not `_saved_*`."""
+
+_ALL_AT_ONCE = frozenset({_COMPILED_NODE, "GraphedBackward"})
+"""Backward nodes of a compiled block (torch.compile's; `make_graphed_callables`' CUDA graph):
+they return every parameter gradient of the block together."""
+
+
+def compiled_grad_bytes(root) -> int:
+    """Bytes of the parameter gradients a compiled block's backward returns together
+    (runtime/capture/): the leaves its node feeds; 0 for an eager graph, whose gradients
+    arrive (and drain) one at a time. The parameter side of the transient gradients
+    (`BackwardCharges.transient`, the profiler's `UnitBench`) is then this, not the largest."""
+    total, seen, stack = 0, set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ in _ALL_AT_ONCE:
+            for fn, _ in node.next_functions:
+                if type(fn).__name__ == "AccumulateGrad":
+                    total += fn.variable.numel() * fn.variable.element_size()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return total
+
+
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
 """Names of the saved-tensor attributes of each autograd node type (dir() is slow)."""
 
@@ -63,8 +90,10 @@ def largest_saved_bytes(root, ledger: MemoryLedger) -> int:
             attrs = _SAVED_ATTRS[type(node)] = tuple(
                 a for a in dir(node) if a.startswith("_saved_")
             )
-        for attr in attrs:
-            value = getattr(node, attr)
+        values = [getattr(node, attr) for attr in attrs]
+        if type(node).__name__ == _COMPILED_NODE:
+            values = node.saved_tensors  # a compiled block (runtime/capture/) saves them here
+        for value in values:
             if isinstance(value, torch.Tensor) and value.numel() and not ledger.owns(value):
                 largest = max(largest, value.untyped_storage().nbytes())
         stack.extend(fn for fn, _ in node.next_functions)
@@ -86,8 +115,9 @@ class BackwardCharges:
         self.ledger = ledger
         self.exact = exact
         self._base = 0
-        self._known: dict[tuple, tuple[int, int]] = {}
-        """key -> (activation bytes saved by the forward, largest saved storage)."""
+        self._known: dict[tuple, tuple[int, int, int]] = {}
+        """key -> (activation bytes saved by the forward, largest saved storage, parameter
+        gradients a compiled block returns together: `compiled_grad_bytes`)."""
 
     def known(self, key: tuple) -> bool:
         return not self.exact and key in self._known
@@ -113,9 +143,10 @@ class BackwardCharges:
         inside `activations(key)`, after the forward): the largest saved storage plus the
         larger of it and the largest parameter gradient (see the engine)."""
         if self.known(key):
-            saved = self._known[key][1]
+            _, saved, together = self._known[key]
         else:
             saved = largest_saved_bytes(out.grad_fn, self.ledger)
+            together = compiled_grad_bytes(out.grad_fn)
             held = self.ledger.current_by_category.get(ACTIVATIONS, 0) - self._base
-            self._known[key] = (held, saved)
-        return saved + max(saved, param_grad)
+            self._known[key] = (held, saved, together)
+        return saved + max(saved, param_grad, together)

@@ -50,9 +50,17 @@ class SampleDropout(TorchFunctionMode):
     def _mask(self, like: torch.Tensor, keep: float) -> torch.Tensor:
         call = self.calls
         self.calls += 1
-        mask = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        gen = torch.Generator(device=like.device)
-        for j in range(like.shape[0]):
+        return self.draw(call, like.shape, like.dtype, like.device, keep)
+
+    def draw(
+        self, call: int, shape: torch.Size, dtype: torch.dtype, device: torch.device, keep: float
+    ) -> torch.Tensor:
+        """The mask of dropout call `call` of this unit: what `_mask` draws for it. A compiled
+        block (runtime/capture/) draws its masks with it outside its graph, then takes them as
+        inputs: the same masks in its forward, its recompute and the eager engine."""
+        mask = torch.empty(shape, dtype=dtype, device=device)
+        gen = torch.Generator(device=device)
+        for j in range(shape[0]):
             gen.manual_seed(
                 sample_key(self.seed, self.step, self.unit, call, self.sample_offset + j)
             )

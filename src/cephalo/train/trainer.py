@@ -192,6 +192,7 @@ def auto_plan(
         cache=cfg.profile_cache,
         device=job_torch_device(cfg, comm),
         startup_timeout_s=cfg.parallel.startup_timeout_s,
+        compile_mode=cfg.parallel.compile,
     )
     targets = cfg.model.lora_target_modules
     cost_model = measured_cost_model(
@@ -263,6 +264,7 @@ def engine_config(
         adamw=AdamWHyper(betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay),
         grad_clip=t.grad_clip,
         prefetch=cfg.parallel.prefetch,
+        compile=cfg.parallel.compile,
         overlap_reduce=cfg.parallel.overlap_reduce,
         validate_collectives=False if cfg.parallel.check_collectives == "off" else None,
         validate_every_step=cfg.parallel.check_collectives == "every_step",

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from cephalo.errors import CephaloError
+from cephalo.runtime.capture.apply import check_compile_mode
 from cephalo.runtime.collectives.emulated import EmulatedLinks
 from cephalo.runtime.state.adamw import AdamWHyper
 
@@ -91,6 +92,11 @@ class EngineConfig:
     """Offloaded boundary activations in one exact-size page-locked block per rank
     (runtime/state/pinned.py), sized from the plan by `Engine.boundary_host_bytes`; None: on CUDA
     only (True also on the CPU, where nothing is page-locked: its bookkeeping is tested)."""
+    compile: str = "off"
+    """The blocks compiled (runtime/capture/apply.py): `off` (eager), `inductor`
+    (torch.compile per block type), `graphs` (CUDA graphs per block type and micro-batch
+    shape; CUDA only), `auto` (what was measured to pay on the device). The job's
+    `parallel.compile` sets it; the engine alone defaults to eager."""
     loss_scale_init: float = 2.0**16
     """fp16 only: the initial dynamic loss scale."""
     loss_scale_growth_interval: int = 200
@@ -107,6 +113,7 @@ class EngineConfig:
             )
         if self.loss_scale_init <= 0 or self.loss_scale_growth_interval < 1:
             raise CephaloError("loss_scale_init must be > 0 and loss_scale_growth_interval >= 1")
+        check_compile_mode(self.compile)
         bw = self.host_copy_bytes_per_s
         if bw is not None and not (bw > 0 and math.isfinite(bw)):
             raise CephaloError(

@@ -90,6 +90,7 @@ from cephalo.errors import CephaloError
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planner.plan import Plan
 from cephalo.runtime.autograd import BackwardCharges
+from cephalo.runtime.capture.apply import apply_compile
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.collectives.emulated import EmulatedStream
 from cephalo.runtime.emulation import ComputeEmulator, thread_cpu_measures_work
@@ -282,6 +283,10 @@ class Engine:
         )
         self._validated: set[str] = set()
         """Kinds of pass ("train", "eval") whose collectives every rank has cross-checked."""
+        self.runner.compiled = apply_compile(
+            model, device, config.compile, config.per_sample_dropout
+        )
+        """The blocks compiled as `config.compile` says (runtime/capture/); None: eager."""
 
     @property
     def step_index(self) -> int:

@@ -13,6 +13,7 @@ from cephalo.modeling.units import UnitModel, position_kwargs
 from cephalo.runtime import head_loss
 from cephalo.runtime.bind import UnitBinding
 from cephalo.runtime.boundary import BoundaryStore
+from cephalo.runtime.capture.blocks import CompiledBlocks
 from cephalo.runtime.dropout import SampleDropout, module_uses_dropout
 from cephalo.runtime.state.unit_shard import MicroBatch, UnitShard
 
@@ -40,12 +41,20 @@ class UnitRunner:
         """Units that can drop anything: only they run under `SampleDropout`."""
         self._bindings: dict[int, UnitBinding] = {}
         """Each unit's parameter slots, found once (runtime/bind.py)."""
+        self.compiled: CompiledBlocks | None = None
+        """The blocks' compiled callables (`parallel.compile`: runtime/capture/apply.py's
+        `apply_compile`); None: every unit runs eagerly."""
 
     def run(
         self, us: UnitShard, params: dict[str, torch.Tensor], x: torch.Tensor, mb: MicroBatch
     ) -> torch.Tensor:
         """Unit `us` on input `x` of micro-batch `mb` (the head: its loss sum)."""
-        with self.dropout(us, mb):
+        dropout = self.dropout(us, mb)
+        if us.unit.kind == "block" and self.compiled is not None:  # runtime/capture/
+            kwargs = position_kwargs(self.model, mb.position_ids)
+            masks = dropout if isinstance(dropout, SampleDropout) else None
+            return self.compiled.run(us.index, self.binding(us), params, x, kwargs, masks)
+        with dropout:
             if us.unit.kind != "head":
                 kwargs = position_kwargs(self.model, mb.position_ids)
                 return self.binding(us)(params, (x,), kwargs)
