@@ -559,10 +559,16 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return (picked * mask).sum(dim=1)
 
 
-def dpo_sigmoid_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> torch.Tensor:
-    """The DPO paper's eq. 7, mean over pairs (rows 2i chosen, 2i + 1 rejected)."""
+def dpo_loss(
+    policy: torch.Tensor, reference: torch.Tensor, beta: float, loss: str = "sigmoid"
+) -> torch.Tensor:
+    """Mean over pairs (rows 2i chosen, 2i + 1 rejected) of the DPO paper's eq. 7
+    (`sigmoid`), or of IPO as TRL's `DPOTrainer` computes it (`ipo`: (h - 1 / (2 beta))^2,
+    its log-probabilities averaged over the completion's tokens by the caller)."""
     chosen = policy[0::2] - reference[0::2]
     rejected = policy[1::2] - reference[1::2]
+    if loss == "ipo":
+        return ((chosen - rejected - 1 / (2 * beta)) ** 2).mean()
     return -torch.nn.functional.logsigmoid(beta * (chosen - rejected)).mean()
 
 
@@ -573,13 +579,15 @@ def train_dpo(
     beta: float,
     lora_config=None,
     adapters: dict[str, torch.Tensor] | None = None,
+    loss: str = "sigmoid",
 ) -> ReferenceRun:
     """DPO on plain transformers, one process, the whole global batch of pairs per step:
     with `lora_config`, peft's `get_peft_model` with the adapters set to `adapters` (peft's
     saved keys) and the reference = the same model under peft's `disable_adapter()`;
     without, full fine-tuning against a frozen deep copy of the starting model. torch AdamW
     (weight decay on matrices), `clip_grad_norm_`. Parameters come back under peft's saved
-    keys (LoRA) or transformers' names."""
+    keys (LoRA) or transformers' names. `loss="ipo"`: TRL's IPO (log-probabilities averaged
+    over the completion's tokens). The run's `dpo_metrics`: TRL's metrics per step."""
     import copy
 
     import peft
@@ -601,22 +609,37 @@ def train_dpo(
     params = [p for _, p in named]
     opt = _optimizer(named, cfg)
     run = ReferenceRun()
+    run.dpo_metrics = []  # type: ignore[attr-defined]
     for step, (input_ids, labels) in enumerate(batches):
         for group in opt.param_groups:
             group["lr"] = cfg.lr_at(step)
         opt.zero_grad(set_to_none=True)
+        tokens = (labels != IGNORE_INDEX).sum(dim=1) if loss == "ipo" else 1
         with torch.no_grad():
             if frozen is not None:
                 ref_logits = frozen(input_ids=input_ids, use_cache=False).logits
             else:
                 with model.disable_adapter():
                     ref_logits = model(input_ids=input_ids, use_cache=False).logits
-            reference = completion_logps(ref_logits, labels)
-        policy = completion_logps(model(input_ids=input_ids, use_cache=False).logits, labels)
-        loss = dpo_sigmoid_loss(policy, reference, beta)
-        loss.backward()
+            reference = completion_logps(ref_logits, labels) / tokens
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        policy = completion_logps(logits, labels) / tokens
+        value = dpo_loss(policy, reference, beta, loss)
+        value.backward()
         run.grad_norms.append(_clip(params, cfg))
         opt.step()
-        run.losses.append(loss.item())
+        run.losses.append(value.item())
+        p, r = policy.detach(), reference
+        chosen, rejected = beta * (p[0::2] - r[0::2]), beta * (p[1::2] - r[1::2])
+        run.dpo_metrics.append(  # type: ignore[attr-defined]
+            {
+                "rewards/chosen": chosen.mean().item(),
+                "rewards/rejected": rejected.mean().item(),
+                "rewards/accuracies": (chosen > rejected).float().mean().item(),
+                "rewards/margins": (chosen - rejected).mean().item(),
+                "logps/chosen": p[0::2].mean().item(),
+                "logps/rejected": p[1::2].mean().item(),
+            }
+        )
     run.params = {name: p.detach().clone() for name, p in named}
     return run

@@ -127,6 +127,8 @@ def test_cli_table_values_are_typed():
         ),
         (["--logging.progress=maybe"], ["logging.progress", "expected bool"]),
         (["--parallel.mode=pipeline"], ["parallel.mode", '"lga" | "standard"']),
+        (["--train.objective=ppo"], ["train.objective", '"sft" | "dpo"']),
+        (["--train.dpo_loss=hinge"], ["train.dpo_loss", '"sigmoid" | "ipo"']),
         (["--train.steps"], ["has no value"]),
         (["steps=3"], ["--section.key=value"]),
     ],
@@ -184,6 +186,8 @@ def test_missing_file(tmp_path: Path):
         ),
         (["--parallel.timeout_s=-1"], "parallel.timeout_s must be > 0"),
         (["--logging.log_every=0"], "logging.log_every must be >= 1"),
+        (["--train.dpo_beta=0"], "train.dpo_beta must be > 0"),
+        (["--train.dpo_beta=-0.1"], "train.dpo_beta must be > 0"),
     ],
 )
 def test_range_validation(overrides, fragment):

@@ -47,9 +47,9 @@ METRICS = (
 )
 """TRL's names of the DPO metrics (global-batch means), as metrics.jsonl and TensorBoard show
 them."""
-_N_SUMS = 6
+_N_SUMS = 7
 """Per-step sums kept on the device: loss, chosen reward, rejected reward, accuracy, chosen
-logp, rejected logp (margins = chosen - rejected rewards)."""
+logp, rejected logp (margins = chosen - rejected rewards), pairs counted."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class DpoObjective:
 
     def sums(self) -> torch.Tensor:
         """The step's sums (loss, chosen and rejected rewards, accuracies, chosen and rejected
-        logps) of this rank's pairs so far, a device tensor (fp32 [6])."""
+        logps, pairs) of this rank's pairs so far, a device tensor (fp32 [7])."""
         assert self._sums is not None, "begin() first"
         return self._sums
 
@@ -156,15 +156,21 @@ class DpoObjective:
             dlogp = dlogp / completion_tokens(labels).to(policy.device).clamp(min=1)
         dpolicy = torch.stack([dz, -dz], dim=1).reshape(-1)  # d loss / d logp, per row
         weights = (dpolicy * dlogp).reshape(-1, 1)
-        chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+        # a pair without a completion token is padding (an evaluation's short last batch):
+        # it counts nowhere (training data has none: preference/data.py refuses them)
+        real = (labels[0::2] != -100).any(dim=1).to(policy.device, torch.float32)
+        loss = loss * real
+        weights = weights * real.repeat_interleave(2).reshape(-1, 1)
+        chosen, rejected = beta * (pc - rc) * real, beta * (pr - rr) * real
         part = torch.stack(
             [
                 loss.sum(),
                 chosen.sum(),
                 rejected.sum(),
-                (chosen > rejected).float().sum(),
-                pc.sum(),
-                pr.sum(),
+                ((chosen > rejected).float() * real).sum(),
+                (pc * real).sum(),
+                (pr * real).sum(),
+                real.sum(),
             ]
         )
         if self._sums is not None:
@@ -172,10 +178,10 @@ class DpoObjective:
         return part[0], weights
 
 
-def metrics_of(sums: list[float], pairs: int) -> dict[str, float]:
+def metrics_of(sums: list[float]) -> dict[str, float]:
     """TRL's metrics (global-batch means) from the global sums `DpoObjective.sums` reduced
-    over ranks (without its loss), for `pairs` pairs."""
-    n = max(pairs, 1)
+    over ranks."""
+    n = max(sums[6], 1.0)
     chosen, rejected, acc, lc, lr = (v / n for v in sums[1:6])
     return {
         "rewards/chosen": chosen,

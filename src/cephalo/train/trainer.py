@@ -51,6 +51,7 @@ from cephalo.modeling.units import IGNORE_INDEX, UnitModel
 from cephalo.planner.makers import simple_plan
 from cephalo.planner.plan import Plan
 from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
+from cephalo.preference.job import DpoSettings, PreferenceRun
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.collectives.dist import init_distributed, peer_failure, startup_barrier
 from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
@@ -204,6 +205,7 @@ def auto_plan(
             cfg.model.adapter,
             cfg.model.lora_r,
             targets[0] if list(targets) == [ALL_LINEAR] else targets,
+            cfg.train.objective,  # DPO: a sample is 2 sequences (and the LoRA reference)
         ),
         # the engine pads near-even splits exactly where this comm has the even collectives
         # (EngineConfig.padded_collectives' default): the planner charges it there
@@ -273,6 +275,7 @@ def engine_config(
         # the node's cores for the host AdamW (torchrun gives each rank one thread); an
         # emulated rank shares the host with the others as it is
         host_threads=None if emulated else threads_per_rank(max(1, local_ranks)),
+        dpo=DpoSettings(t.dpo_beta, t.dpo_loss) if t.objective == "dpo" else None,
     )
 
 
@@ -362,6 +365,7 @@ class _Trainer:
             packing=cfg.data.packing,
             packing_split=cfg.data.packing_split,
         )
+        self.preference = PreferenceRun(cfg, self.batches, data_path, model.spec)
         if cfg.train.epochs > 0:  # train.epochs: the steps follow from the data
             self.derive_steps(cfg, self.batches.steps_per_epoch)
         self.replanner = Replanner(cfg, cost_model, cfg.parallel.plan == "auto", self.rank)
@@ -372,6 +376,7 @@ class _Trainer:
             )
         self.model_spec = model.spec
         self.engine = self.make_engine(self.plan, model)
+        self.preference.prepare(self.engine, cfg.train.steps, self.evaluate)
         t = cfg.train
         warmup, warmup_note = t.warmup()
         self.schedule = LRSchedule(t.lr, t.min_lr, warmup, t.steps, t.lr_schedule)
@@ -645,7 +650,7 @@ class _Trainer:
             self.engine.emulator.slowdown = drift
         try:
             self._maybe_run_out_of_memory(number)
-            stats = self.engine.train_step(input_ids, labels, lr, position_ids=positions)
+            stats = self.preference.step(self.engine, input_ids, labels, lr, positions)
         except torch.OutOfMemoryError as err:
             raise CephaloError(
                 out_of_memory_message(
@@ -674,6 +679,7 @@ class _Trainer:
                 skipped=not finite,
                 ranks=ranks,
                 aux_loss=stats.aux_loss,
+                dpo=stats.dpo,
             )
             metrics.write(record.to_dict())
             self._log_time_split(ranks)
@@ -718,14 +724,14 @@ class _Trainer:
                 positions = self.batches.val_positions(index, b, self.engine.sample_offset, take)
             else:
                 x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
-            pad = self.rank_plan.batch_size - take
+            pad = self.engine.rows_per_sample * (self.rank_plan.batch_size - take)
             if pad:
                 x = torch.cat([x, torch.zeros(pad, x.shape[1], dtype=x.dtype)])
                 y = torch.cat([y, torch.full((pad, y.shape[1]), IGNORE_INDEX, dtype=y.dtype)])
             if self.cfg.data.packing:  # every rank passes positions (a padded row: 0, 1, ...)
                 arange = torch.arange(x.shape[1]).expand(x.shape[0] - take, -1)
                 positions = torch.cat([positions, arange]) if positions is not None else arange
-            total += self.engine.eval_loss(x, y, position_ids=positions) * windows
+            total += self.preference.eval_loss(self.engine, x, y, positions) * windows
             weight += windows
         return total / max(weight, 1)
 
@@ -817,7 +823,8 @@ class _Trainer:
                     val = self.evaluate()
                     self.result.val_losses[self.step] = val
                     if metrics is not None:
-                        metrics.write({"kind": "eval", "step": self.step, "val_loss": val})
+                        dpo = self.preference.eval_metrics()
+                        metrics.write({"kind": "eval", "step": self.step, "val_loss": val, **dpo})
                     if self.rank == 0:
                         progress.message(f"step {self.step}: validation loss {val:.4f}")
                 if (

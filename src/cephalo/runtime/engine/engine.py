@@ -504,8 +504,8 @@ class Engine:
         n_tokens = int(read[0])
         metrics = None
         if dpo is not None:
-            metrics = metrics_of(read[1:7], pairs)
-            read = read[:1] + read[7:]
+            metrics = metrics_of(read[1:8])
+            read = read[:1] + read[8:]
         if aux is not None:
             aux.finish(read[1])
             loss += aux.settings.coef * read[1]
@@ -560,13 +560,12 @@ class Engine:
                 self.dpo.begin(self.device)
             loss_sum, _ = self.passes.forward(mbs, store, keep_inputs=False)
             assert len(store) == 0
-            if self.dpo is not None:  # pairs: this rank's rows / 2 (a shape, no device read)
-                mine = torch.tensor([input_ids.shape[0] // 2], dtype=torch.float64)
-                red = torch.cat([mine.to(self.device), self.dpo.sums().double()])
+            if self.dpo is not None:  # the pairs with a completion (not padding) count
+                red = self.dpo.sums().double()
                 self.collectives.all_reduce(red)
-                pairs, *sums = red.tolist()  # the one read
-                self.eval_metrics = metrics_of(sums, int(pairs))
-                return sums[0] / max(pairs, 1.0)
+                sums = red.tolist()  # the one read
+                self.eval_metrics = {**metrics_of(sums), "pairs": sums[6]}
+                return sums[0] / max(sums[6], 1.0)
             # counted on the device (no host read per micro-batch); fp64: the token count is
             # exact to 2**53 (fp32 stops at 2**24)
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
