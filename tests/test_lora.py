@@ -522,10 +522,10 @@ def _dpo_run(directory: str, plan, cfg: EngineConfig, data, settings, local: boo
         with HostSyncs() as counted:
             stats.append(engine.train_step(x, y, LR, ref_logps=ref))
         syncs.append([(e.op, e.where) for e in counted.events])
+    final = {key(k): v for k, v in engine.full_state_dict().items()}  # (collective)
     out = {"losses": [s.loss for s in stats], "metrics": [s.dpo for s in stats], "syncs": syncs}
     if comm.rank == 0:
-        out["initial"] = initial
-        out["final"] = {key(k): v for k, v in engine.full_state_dict().items()}
+        out.update(initial=initial, final=final)
     return out
 
 

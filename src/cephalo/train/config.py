@@ -153,7 +153,7 @@ class TrainConfig:
     """Steps with a non-finite loss or gradient are skipped; stop with an error after this many in a row."""
     objective: Literal["sft", "dpo"] = "sft"
     """`sft`: the mean token loss. `dpo`: Direct Preference Optimization on preference pairs
-    (prompt / chosen / rejected; docs/preference.md): a sample is a pair and
+    (prompt / chosen / rejected; docs/dpo.md): a sample is a pair and
     `global_batch_size` counts pairs; the reference is the frozen base with the adapters off
     under `model.adapter`, else log-probabilities computed once before training."""
     dpo_beta: float = 0.1
