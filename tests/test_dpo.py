@@ -23,6 +23,9 @@ from cephalo.preference.objective import (
 )
 from cephalo.preference.reference import ReferenceTable, row_keys, sidecar_path
 from cephalo.train.metrics import StepRecord, scalars_of
+from engine_common import one_thread
+
+__all__ = ["one_thread"]
 
 
 def _labels(rows: int, tokens: list[int]) -> torch.Tensor:
@@ -152,3 +155,57 @@ def test_dpo_metrics_reach_metrics_jsonl_and_trackers():
     assert scalars_of({"kind": "eval", "val_loss": 0.7, **m})["val/rewards/margins"] == 0.5
     plain = StepRecord(1, 0.6, 1e-3, 1.0, 10, 1.0, 10.0, False, {}).to_dict()
     assert not any(k in plain for k in METRICS)
+
+
+class _PairBatches:
+    """A stand-in for the data side's `PreferenceBatches` (the contract: `rank_slice(step,
+    offset, size)` gives rows 2 offset .. 2 (offset + size), chosen / rejected interleaved)."""
+
+    is_preference = True
+
+    def __init__(self, data):
+        self.data = data
+
+    def rank_slice(self, step, offset, size):
+        x, y = self.data[step % len(self.data)]
+        return x[2 * offset : 2 * (offset + size)], y[2 * offset : 2 * (offset + size)]
+
+    def rank_positions(self, step, offset, size):
+        return None
+
+
+def test_a_job_precomputes_the_reference_once_and_reuses_it(tmp_path):
+    """Full fine-tuning DPO through the trainer's `PreferenceRun`: the reference is computed
+    before the first step under the job's plan, saved beside the dataset, read back by a
+    second job (nothing computed), and the steps equal the engine's with
+    `reference_logps` passed by hand."""
+    from cephalo.modeling.registry import build_model
+    from cephalo.runtime.collectives.comm import LocalComm
+    from cephalo.runtime.engine.engine import Engine, EngineConfig
+    from engine_common import make_plan
+    from reference import make_pairs
+
+    data = make_pairs(2, 2, 16, 100, seed=3)
+    cfg = types.SimpleNamespace(
+        train=types.SimpleNamespace(objective="dpo", dpo_loss="sigmoid", eval_every=0),
+        model=types.SimpleNamespace(
+            adapter="none", name="gpt-tiny", init="random", seed=0, dtype="fp32"
+        ),
+    )
+    plan = make_plan([2], [1.0], [1])
+
+    def engine():
+        return Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(dpo=DpoSettings()))
+
+    losses = []
+    for _ in range(2):
+        eng = engine()
+        job = PreferenceRun(cfg, _PairBatches(data), tmp_path / "prepared", eng.model.spec)
+        job.prepare(eng, 2, lambda: 0.0)
+        losses.append([job.step(eng, x, y, 1e-3, None).loss for x, y in data])
+        computed = job.table.computed
+    assert computed == 0 and job.table.path.is_file()  # the second job read the sidecar
+    eng = engine()
+    by_hand = [eng.train_step(x, y, 1e-3, ref_logps=eng.reference_logps(x, y)) for x, y in data[:1]]
+    assert losses[0] == losses[1]
+    assert losses[0][0] == pytest.approx(by_hand[0].loss, rel=1e-6)
