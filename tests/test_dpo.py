@@ -208,4 +208,6 @@ def test_a_job_precomputes_the_reference_once_and_reuses_it(tmp_path):
     eng = engine()
     by_hand = [eng.train_step(x, y, 1e-3, ref_logps=eng.reference_logps(x, y)) for x, y in data[:1]]
     assert losses[0] == losses[1]
+    note = job.done_note("ckpt")  # the run's closing line
+    assert "rewards/accuracies" in note and note.endswith(", checkpoint ckpt")
     assert losses[0][0] == pytest.approx(by_hand[0].loss, rel=1e-6)

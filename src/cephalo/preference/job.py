@@ -42,6 +42,8 @@ class PreferenceRun:
             )
             self.table = ReferenceTable(sidecar_path(Path(data_path), identity), identity)
         self.evaluates = cfg.train.eval_every > 0
+        self.last: dict[str, float] | None = None
+        """TRL's metrics of the last step (DPO), for the run's closing line."""
         self._collecting = False
         self._eval: list[tuple[float, dict[str, float]]] = []
 
@@ -87,7 +89,21 @@ class PreferenceRun:
         """`engine.train_step`, with the rows' reference log-probabilities under full
         fine-tuning DPO."""
         ref = self._reference(ids, labels)
-        return engine.train_step(ids, labels, lr, position_ids=positions, ref_logps=ref)
+        stats = engine.train_step(ids, labels, lr, position_ids=positions, ref_logps=ref)
+        self.last = stats.dpo
+        return stats
+
+    def done_note(self, checkpoint: object | None) -> str:
+        """The end of the run's closing `done:` line: under DPO the last step's reward
+        accuracy and margin (TRL's `rewards/accuracies`, `rewards/margins`), then the last
+        checkpoint if any."""
+        note = ""
+        if self.last is not None:
+            note = (
+                f", rewards/accuracies {self.last['rewards/accuracies']:.3f}, "
+                f"rewards/margins {self.last['rewards/margins']:.4f}"
+            )
+        return note + (f", checkpoint {checkpoint}" if checkpoint else "")
 
     def eval_loss(
         self,

@@ -858,9 +858,7 @@ class _Trainer:
                 self.step,
                 self.result.losses[last],
                 self.result.tokens_per_s,
-                f", checkpoint {self.result.last_checkpoint}"
-                if self.result.last_checkpoint
-                else "",
+                self.preference.done_note(self.result.last_checkpoint),
             )
         return self.result
 
