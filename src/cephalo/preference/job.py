@@ -48,10 +48,11 @@ class PreferenceRun:
         self._eval: list[tuple[float, dict[str, float]]] = []
 
     def prepare(self, engine: Engine, steps: int, evaluate: Callable[[], float]) -> None:
-        """Before training, under the job's plan (collective): every training row of the run's
-        `steps` and of the evaluation (`evaluate`, the trainer's, run once with its engine
-        calls collecting instead of evaluating, if the job evaluates) gets its reference log-probability from the
-        starting weights; the table is saved beside the dataset. Nothing under SFT or LoRA."""
+        """Before training, under the job's plan (collective): every training row of the
+        run's `steps` and of the evaluation (`evaluate`, the trainer's, run once with its
+        engine calls collecting instead of evaluating, if the job evaluates) gets its
+        reference log-probability from the starting weights (before a resume loads a
+        checkpoint); the table is saved beside the dataset. Nothing under SFT or LoRA."""
         if self.table is None:
             return
         rp = engine.rank_plan
