@@ -402,10 +402,14 @@ def test_lora_standard_mode_equals_lga(tmp_path):
         floor.check(mode, params=final, losses=losses)
 
 
-@pytest.mark.parametrize("kind", ["lora", "qlora"])
+@pytest.mark.parametrize("kind", ["lora", "qlora", "lora-dpo"])
 def test_lora_ledger_peak_against_real_allocations(tmp_path, kind):
     """As for full fine-tuning (test_engine_memory.py): the ledger's peak of a LoRA / QLoRA
-    step, frozen base and dequantized weights included, is within 10 % of the real one."""
+    step, frozen base and dequantized weights included, is within 10 % of the real one; and
+    of a DPO step under LoRA (`lora-dpo`: the reference's forward and boundaries, the head's
+    log-probability pass)."""
+    dpo = kind.endswith("-dpo")
+    kind = kind.removesuffix("-dpo")
     import gc
 
     from cephalo.runtime.collectives.comm import LocalComm
@@ -418,8 +422,8 @@ def test_lora_ledger_peak_against_real_allocations(tmp_path, kind):
     plan = make_plan([4], [1.0], [2], seq_len=SEQ, model=directory)
     model = build_model(directory)
     apply_adapter(model, AdapterSettings(kind, r=R, alpha=ALPHA))
-    engine = Engine(model, plan, LocalComm(), CONFIG)
-    x, y = make_data(1, 4, seq_len=SEQ, vocab=VOCAB)[0]
+    engine = Engine(model, plan, LocalComm(), DPO_CONFIG if dpo else CONFIG)
+    x, y = (make_pairs(1, 4, SEQ, VOCAB) if dpo else make_data(1, 4, seq_len=SEQ, vocab=VOCAB))[0]
     engine.train_step(x, y, lr=LR)
     gc.collect()
     held = engine.ledger.current_bytes
