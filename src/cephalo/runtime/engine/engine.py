@@ -361,6 +361,10 @@ class Engine:
                 f"rank batch_size {rp.batch_size} ({k * rp.batch_size} rows); pass this rank's "
                 "slice of the global batch"
             )
+        input_ids = input_ids.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        if position_ids is not None:
+            position_ids = position_ids.to(self.device, non_blocking=True)
         if ref_logps is not None:
             ref_logps = ref_logps.to(self.device, torch.float32, non_blocking=True)
         first = k * self.sample_offset  # (rows: per-sample dropout masks follow the rows)
