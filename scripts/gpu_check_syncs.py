@@ -11,7 +11,7 @@ adamw_split   the shard groups keep the fused AdamW on CUDA (runtime/engine/setu
               kernel, which hierarchical plans take there, the same way)
 dpo_steps     the DPO objective (issue 42) on the device: full fine-tuning (the reference
               precomputed by `Engine.reference_logps`) on gpt-tiny and LoRA (the reference
-              the adapters-off forward) on a tiny Llama directory, each step after the first
+              the adapters-off forward) on a tiny Qwen2 directory, each step after the first
               under the same sync check, the first loss log 2 where the policy is the
               reference, and the device's losses those of the CPU (rel 1e-4, fp32)
 step_split    the step clock's CUDA events (runtime/engine/step_clock.py): compute,
@@ -226,10 +226,10 @@ def check_dpo_steps(setup) -> tuple[list[str], str]:
     dpo = DpoSettings(beta=0.5)
     notes = []
     with tempfile.TemporaryDirectory() as tmp:
-        llama = gpu_check_models._tiny_hf_dir(tmp, "llama") if setup.cuda else None
+        qwen2 = gpu_check_models._tiny_hf_dir(tmp, "qwen2") if setup.cuda else None
         cases = [("gpt-tiny full", "gpt-tiny", False, 256, 32)]
-        if llama is not None:
-            cases.append(("llama LoRA", llama, True, 512, 32))
+        if qwen2 is not None:
+            cases.append(("qwen2 LoRA", qwen2, True, 512, 32))
         for label, model, lora, vocab, seq in cases:
             data = _pairs(vocab, 2, seq, STEPS if setup.cuda else 2)
             runs = {}
