@@ -6,6 +6,7 @@ in tests/test_lora.py's rank pool."""
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
@@ -187,7 +188,7 @@ def test_a_job_precomputes_the_reference_once_and_reuses_it(tmp_path):
 
     data = make_pairs(2, 2, 16, 100, seed=3)
     cfg = types.SimpleNamespace(
-        train=types.SimpleNamespace(objective="dpo", dpo_loss="sigmoid", eval_every=0),
+        train=types.SimpleNamespace(objective="dpo", dpo_loss="sigmoid", eval_every=1),
         model=types.SimpleNamespace(
             adapter="none", name="gpt-tiny", init="random", seed=0, dtype="fp32"
         ),
@@ -201,13 +202,15 @@ def test_a_job_precomputes_the_reference_once_and_reuses_it(tmp_path):
     for _ in range(2):
         eng = engine()
         job = PreferenceRun(cfg, _PairBatches(data), tmp_path / "prepared", eng.model.spec)
-        job.prepare(eng, 2, lambda: 0.0)
+        val = make_pairs(1, 2, 16, 100, seed=4)[0]  # the held-out pairs, as evaluate passes them
+        job.prepare(eng, 2, functools.partial(job.eval_loss, eng, *val, None))
         losses.append([job.step(eng, x, y, 1e-3, None).loss for x, y in data])
         computed = job.table.computed
     assert computed == 0 and job.table.path.is_file()  # the second job read the sidecar
     eng = engine()
     by_hand = [eng.train_step(x, y, 1e-3, ref_logps=eng.reference_logps(x, y)) for x, y in data[:1]]
     assert losses[0] == losses[1]
+    assert job.eval_loss(eng, *val, None) > 0 and set(job.eval_metrics()) == set(METRICS)
     note = job.done_note("ckpt")  # the run's closing line
     assert "rewards/accuracies" in note and note.endswith(", checkpoint ckpt")
     assert losses[0][0] == pytest.approx(by_hand[0].loss, rel=1e-6)
