@@ -714,6 +714,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("step_syncs", _syncs("check_step_syncs")),
     ("adamw_split", _syncs("check_adamw_split")),
     ("step_split", _syncs("check_step_split")),
+    ("dpo_steps", _syncs("check_dpo_steps")),
     ("device_reserve", _host("check_device_reserve")),
     ("profiler_memory", _host("check_profiler_memory")),
     ("throughput", check_throughput),

@@ -9,6 +9,11 @@ adamw_split   the shard groups keep the fused AdamW on CUDA (runtime/engine/setu
               `shard_group_kernel`): its result for an element does not depend on where a
               shard boundary falls, bit for bit, over 3 steps (on the CPU the single-tensor
               kernel, which hierarchical plans take there, the same way)
+dpo_steps     the DPO objective (issue 42) on the device: full fine-tuning (the reference
+              precomputed by `Engine.reference_logps`) on gpt-tiny and LoRA (the reference
+              the adapters-off forward) on a tiny Qwen2 directory, each step after the first
+              under the same sync check, the first loss log 2 where the policy is the
+              reference, and the device's losses those of the CPU (rel 1e-4, fp32)
 step_split    the step clock's CUDA events (runtime/engine/step_clock.py): compute,
               communication and optimizer are disjoint parts of the compute stream's span of
               the step, and that span is the host's step (the step ends in its one read);
@@ -24,7 +29,9 @@ import torch
 STEPS = 3
 
 
-def _engine(setup, model, batch: int, micro: int, dtype: str, seq: int | None = None):
+def _engine(
+    setup, model, batch: int, micro: int, dtype: str, seq: int | None = None, dpo=None, lora=False
+):
     from cephalo.modeling.registry import build_model
     from cephalo.planner.plan import Plan, RankPlan
     from cephalo.runtime.engine.engine import Engine, EngineConfig
@@ -33,8 +40,13 @@ def _engine(setup, model, batch: int, micro: int, dtype: str, seq: int | None = 
     rank = RankPlan(0, "gpu", batch, micro, -(-batch // micro), 1.0)
     plan = Plan("manual", model, seq, batch, dtype, [rank])
     overrides = {"dropout": 0.0} if not model.startswith("/") else {}
-    cfg = EngineConfig(device=str(setup.device), seed=0, grad_clip=1.0)
-    return Engine(build_model(model, **overrides), plan, setup.comm, cfg), seq
+    cfg = EngineConfig(device=str(setup.device), seed=0, grad_clip=1.0, dpo=dpo)
+    unit_model = build_model(model, **overrides)
+    if lora:
+        from cephalo.modeling.lora import AdapterSettings, apply_adapter
+
+        apply_adapter(unit_model, AdapterSettings("lora", r=4, alpha=8))
+    return Engine(unit_model, plan, setup.comm, cfg), seq
 
 
 def _data(vocab: int, batch: int, seq: int, steps: int = STEPS):
@@ -46,17 +58,20 @@ def _data(vocab: int, batch: int, seq: int, steps: int = STEPS):
     return out
 
 
-def _steps_without_sync(setup, engine, data) -> list[str]:
-    """The steps after the first under the sync check; the failures."""
+def _steps_without_sync(setup, engine, data, refs=None, losses=None) -> list[str]:
+    """The steps after the first under the sync check; the failures. `refs`: each step's
+    DPO reference log-probabilities (full fine-tuning); `losses` receives the steps' losses."""
     import cephalo.runtime.engine.shard_update as shard_update
     from cephalo.runtime.host_syncs import HostSyncs
 
-    engine.train_step(*data[0], lr=1e-3)  # the first step validates and measures
+    refs = refs or [None] * len(data)
+    losses = [] if losses is None else losses
+    losses.append(engine.train_step(*data[0], lr=1e-3, ref_logps=refs[0]).loss)  # validates
     if not setup.cuda:
         failures = []
-        for x, y in data[1:]:
+        for (x, y), ref in zip(data[1:], refs[1:], strict=True):
             with HostSyncs() as syncs:
-                engine.train_step(x, y, lr=1e-3)
+                losses.append(engine.train_step(x, y, lr=1e-3, ref_logps=ref).loss)
             other = [s for s in syncs.summary() if "(_read)" not in s]
             reads = len(syncs.events) - len(other)
             if other or reads != 1:
@@ -73,10 +88,10 @@ def _steps_without_sync(setup, engine, data) -> list[str]:
 
     shard_update._read = allowed_read
     try:
-        for x, y in data[1:]:
+        for (x, y), ref in zip(data[1:], refs[1:], strict=True):
             torch.cuda.set_sync_debug_mode("error")
             try:
-                engine.train_step(x, y, lr=1e-3)
+                losses.append(engine.train_step(x, y, lr=1e-3, ref_logps=ref).loss)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
     except RuntimeError as err:
@@ -183,3 +198,72 @@ def check_step_split(setup) -> tuple[list[str], str]:
             notes.append(f"step {s.step_s * 1e3:.1f} ms, parts {parts * 1e3:.1f} ms")
     del engine
     return failures, notes[-1] if notes else ""
+
+
+def _pairs(vocab: int, pairs: int, seq: int, steps: int = STEPS):
+    """DPO batches: rows 2i / 2i + 1 one prompt, two completions of their own lengths."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(1, vocab, (2 * pairs, seq), generator=gen)
+        ids[1::2, : seq // 2] = ids[0::2, : seq // 2]  # the shared prompt
+        labels = torch.roll(ids, -1, dims=1)
+        labels[:, : seq // 2 - 1] = -100
+        cut = torch.randint(seq // 2 + 1, seq, (2 * pairs,), generator=gen)
+        for r in range(2 * pairs):
+            labels[r, int(cut[r]) :] = -100
+        out.append((ids, labels))
+    return out
+
+
+def check_dpo_steps(setup) -> tuple[list[str], str]:
+    import math
+
+    import gpu_check_models
+    from cephalo.preference.objective import DpoSettings
+
+    failures: list[str] = []
+    dpo = DpoSettings(beta=0.5)
+    notes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        qwen2 = gpu_check_models._tiny_hf_dir(tmp, "qwen2") if setup.cuda else None
+        cases = [("gpt-tiny full", "gpt-tiny", False, 256, 32)]
+        if qwen2 is not None:
+            cases.append(("qwen2 LoRA", qwen2, True, 512, 32))
+        for label, model, lora, vocab, seq in cases:
+            data = _pairs(vocab, 2, seq, STEPS if setup.cuda else 2)
+            runs = {}
+            for where in ("device", "cpu") if setup.cuda else ("device",):
+                on = setup if where == "device" else _cpu_setup(setup)
+                engine, _ = _engine(on, model, 2, 1, "fp32", seq=seq, dpo=dpo, lora=lora)
+                refs = None if lora else [engine.reference_logps(x, y) for x, y in data]
+                losses: list[float] = []
+                if where == "device":
+                    failures += [
+                        f"{label}: {f}" for f in _steps_without_sync(on, engine, data, refs, losses)
+                    ]
+                else:
+                    losses = [
+                        engine.train_step(x, y, 1e-3, ref_logps=r).loss
+                        for (x, y), r in zip(data, refs or [None] * len(data), strict=True)
+                    ]
+                runs[where] = losses
+                del engine
+            first = runs["device"][0]
+            if not lora and abs(first - math.log(2)) > 1e-5:
+                failures.append(f"{label}: first loss {first:.6f}, not log 2 (policy = reference)")
+            if "cpu" in runs:
+                for a, b in zip(runs["device"], runs["cpu"], strict=True):
+                    if not abs(a - b) <= 1e-4 * abs(b):
+                        failures.append(f"{label}: device loss {a:.6f} vs CPU {b:.6f}")
+            notes.append(f"{label} {runs['device'][0]:.4f} -> {runs['device'][-1]:.4f}")
+    return failures, "; ".join(notes) + " (steps after the first without a host sync)"
+
+
+def _cpu_setup(setup):
+    """`setup` on the CPU (a single-rank comm), for the device-vs-CPU comparison."""
+    import dataclasses
+
+    from cephalo.runtime.collectives.comm import LocalComm
+
+    return dataclasses.replace(setup, device=torch.device("cpu"), cuda=False, comm=LocalComm())

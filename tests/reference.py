@@ -525,3 +525,121 @@ def train_peft(
         run.losses.append(loss.item())
     run.params = {name: p.detach().clone() for name, p in named}
     return run
+
+
+def make_pairs(steps: int, pairs: int, seq_len: int, vocab: int, seed: int = 5) -> list[Batch]:
+    """`steps` global batches of preference pairs as `preference.data` lays them out: rows
+    2i / 2i + 1 one prompt with a chosen / a rejected completion of their own lengths,
+    right-padded (token 0); labels[j] = ids[j + 1] where that is a completion token, else
+    ignored (prompt, padding)."""
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(steps):
+        ids = torch.zeros(2 * pairs, seq_len, dtype=torch.int64)
+        labels = torch.full((2 * pairs, seq_len), IGNORE_INDEX, dtype=torch.int64)
+        for i in range(pairs):
+            p = int(torch.randint(2, seq_len // 2, (1,), generator=g))
+            prompt = torch.randint(1, vocab, (p,), generator=g)
+            for row in (2 * i, 2 * i + 1):
+                c = int(torch.randint(1, seq_len - p + 1, (1,), generator=g))
+                completion = torch.randint(1, vocab, (c,), generator=g)
+                ids[row, :p] = prompt
+                ids[row, p : p + c] = completion
+                labels[row, p - 1 : p + c - 1] = completion
+        data.append((ids, labels))
+    return data
+
+
+def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's sum over its labelled tokens of log softmax at the label (the DPO paper's
+    log pi(y | x)), fp32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    mask = labels != IGNORE_INDEX
+    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * mask).sum(dim=1)
+
+
+def dpo_loss(
+    policy: torch.Tensor, reference: torch.Tensor, beta: float, loss: str = "sigmoid"
+) -> torch.Tensor:
+    """Mean over pairs (rows 2i chosen, 2i + 1 rejected) of the DPO paper's eq. 7
+    (`sigmoid`), or of IPO as TRL's `DPOTrainer` computes it (`ipo`: (h - 1 / (2 beta))^2,
+    its log-probabilities averaged over the completion's tokens by the caller)."""
+    chosen = policy[0::2] - reference[0::2]
+    rejected = policy[1::2] - reference[1::2]
+    if loss == "ipo":
+        return ((chosen - rejected - 1 / (2 * beta)) ** 2).mean()
+    return -torch.nn.functional.logsigmoid(beta * (chosen - rejected)).mean()
+
+
+def train_dpo(
+    directory: str,
+    batches: Sequence[Batch],
+    cfg: OptimConfig,
+    beta: float,
+    lora_config=None,
+    adapters: dict[str, torch.Tensor] | None = None,
+    loss: str = "sigmoid",
+) -> ReferenceRun:
+    """DPO on plain transformers, one process, the whole global batch of pairs per step:
+    with `lora_config`, peft's `get_peft_model` with the adapters set to `adapters` (peft's
+    saved keys) and the reference = the same model under peft's `disable_adapter()`;
+    without, full fine-tuning against a frozen deep copy of the starting model. torch AdamW
+    (weight decay on matrices), `clip_grad_norm_`. Parameters come back under peft's saved
+    keys (LoRA) or transformers' names. `loss="ipo"`: TRL's IPO (log-probabilities averaged
+    over the completion's tokens). The run's `dpo_metrics`: TRL's metrics per step."""
+    import copy
+
+    import peft
+    import transformers
+
+    with torch.random.fork_rng(devices=[]):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        frozen = None
+        if lora_config is not None:
+            model = peft.get_peft_model(model, lora_config)
+        else:
+            frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    model.train()
+    named = [(n.replace(".default", ""), p) for n, p in model.named_parameters() if p.requires_grad]
+    if adapters is not None:
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(adapters[n])
+    params = [p for _, p in named]
+    opt = _optimizer(named, cfg)
+    run = ReferenceRun()
+    run.dpo_metrics = []  # type: ignore[attr-defined]
+    for step, (input_ids, labels) in enumerate(batches):
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        tokens = (labels != IGNORE_INDEX).sum(dim=1) if loss == "ipo" else 1
+        with torch.no_grad():
+            if frozen is not None:
+                ref_logits = frozen(input_ids=input_ids, use_cache=False).logits
+            else:
+                with model.disable_adapter():
+                    ref_logits = model(input_ids=input_ids, use_cache=False).logits
+            reference = completion_logps(ref_logits, labels) / tokens
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        policy = completion_logps(logits, labels) / tokens
+        value = dpo_loss(policy, reference, beta, loss)
+        value.backward()
+        run.grad_norms.append(_clip(params, cfg))
+        opt.step()
+        run.losses.append(value.item())
+        p, r = policy.detach(), reference
+        chosen, rejected = beta * (p[0::2] - r[0::2]), beta * (p[1::2] - r[1::2])
+        run.dpo_metrics.append(  # type: ignore[attr-defined]
+            {
+                "rewards/chosen": chosen.mean().item(),
+                "rewards/rejected": rejected.mean().item(),
+                "rewards/accuracies": (chosen > rejected).float().mean().item(),
+                "rewards/margins": (chosen - rejected).mean().item(),
+                "logps/chosen": p[0::2].mean().item(),
+                "logps/rejected": p[1::2].mean().item(),
+            }
+        )
+    run.params = {name: p.detach().clone() for name, p in named}
+    return run

@@ -407,3 +407,24 @@ def test_target_modules_as_names_or_regex():
     assert lora_params(llama, 8, r"q_proj") == 0  # a bare name as a regex: peft's fullmatch too
     with pytest.raises(CephaloError, match="not a regular expression"):
         lora_params(llama, 8, "q_proj[")
+
+
+def test_dpo_pair_costs_two_sequences_and_the_lora_reference():
+    """DPO (issue 42): a planned sample is a pair, so a pair's passes cost what two
+    sequences' cost (the profile read at 2 m), its boundary doubles, the head adds the
+    log-probability pass (a forward), and under LoRA every forward runs twice (the
+    reference, adapters off); the objective survives a plan file's round trip."""
+    full_sft, full_dpo = _cm(), _cm(AdapterSpec(objective="dpo"))
+    sft_rows = full_sft._pass_times("x", 6, 2)  # 3 pairs as 6 sequences, 2 per micro-batch
+    pairs = full_dpo._pass_times("x", 3, 1)
+    assert pairs["block"] == pytest.approx(sft_rows["block"])
+    assert pairs["embedding"] == pytest.approx(sft_rows["embedding"])
+    fwd, bwd = sft_rows["head"]
+    assert pairs["head"] == pytest.approx((fwd, bwd + fwd))
+    assert full_dpo.sample_boundary_bytes == 2 * full_sft.sample_boundary_bytes
+    lora_dpo = AdapterSpec("lora", 1, ("q", "v"), "dpo")
+    lora = _cm(QV)._pass_times("x", 6, 2)["block"]
+    ref = _cm(lora_dpo)._pass_times("x", 3, 1)["block"]
+    assert ref == pytest.approx((2 * lora[0], lora[1]))  # backward: the policy's alone
+    assert AdapterSpec.from_dict(lora_dpo.to_dict()) == lora_dpo
+    assert "objective" not in QV.to_dict()  # an SFT plan file is as before

@@ -131,6 +131,8 @@ def test_cli_table_values_are_typed():
             ["--parallel.compile=fast"],
             ["parallel.compile", '"auto" | "off" | "graphs" | "inductor"'],
         ),
+        (["--train.objective=ppo"], ["train.objective", '"sft" | "dpo"']),
+        (["--train.dpo_loss=hinge"], ["train.dpo_loss", '"sigmoid" | "ipo"']),
         (["--train.steps"], ["has no value"]),
         (["steps=3"], ["--section.key=value"]),
     ],
@@ -188,6 +190,8 @@ def test_missing_file(tmp_path: Path):
         ),
         (["--parallel.timeout_s=-1"], "parallel.timeout_s must be > 0"),
         (["--logging.log_every=0"], "logging.log_every must be >= 1"),
+        (["--train.dpo_beta=0"], "train.dpo_beta must be > 0"),
+        (["--train.dpo_beta=-0.1"], "train.dpo_beta must be > 0"),
     ],
 )
 def test_range_validation(overrides, fragment):
@@ -283,7 +287,7 @@ def test_docs_config_md_is_generated_and_current():
 
 def test_parallel_settings_reach_the_engine():
     from cephalo.specs.cluster import Cluster
-    from cephalo.train.trainer import engine_config
+    from cephalo.train.config_manager import engine_config
 
     device = Cluster.parse("cpu:slowdown=2,mem=64MiB").devices[0]
     default = engine_config(load_config(None, []), device, emulated=True)

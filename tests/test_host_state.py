@@ -171,8 +171,7 @@ def test_host_adamw_runs_on_the_nodes_threads_only_around_its_step(monkeypatch):
     from cephalo.launch.pool import threads_per_rank
     from cephalo.runtime.state.host_state import HostAdamW
     from cephalo.specs.cluster import Device
-    from cephalo.train.config_manager import load_config
-    from cephalo.train.trainer import engine_config
+    from cephalo.train.config_manager import engine_config, load_config
 
     seen: list[int] = []
     step_group = HostAdamW.step_group

@@ -1,18 +1,24 @@
 """LoRA and QLoRA on 3 uneven gloo ranks (one process pool for the module), checked against
 peft on plain transformers (`get_peft_model` / `PeftModel.from_pretrained` + torch AdamW on
 the whole global batch): losses and adapter weights after 5 steps, the frozen base bit for
-bit, QLoRA's NF4 codes against torchao's, each rank's frozen bytes."""
+bit, QLoRA's NF4 codes against torchao's, each rank's frozen bytes. DPO (issue 42) in the
+same pool: under LoRA against peft with its `disable_adapter()` reference, in full
+fine-tuning against a frozen copy of the starting model, both with the loss written from the
+DPO paper's formula (tests/reference.py `train_dpo`), and 1 rank against 3 uneven ones."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import zlib
 
 import pytest
 import torch
 
 from cephalo.modeling.lora import AdapterSettings, apply_adapter, base_name
 from cephalo.modeling.registry import build_model
+from cephalo.preference.objective import METRICS, DpoSettings
 from cephalo.runtime.collectives.comm import make_comm
 from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.runtime.state.adamw import AdamWHyper
@@ -31,7 +37,7 @@ from engine_common import (
     rank_slice,
 )
 from hf_configs import SEQ, VOCAB, quiet_transformers, save_tiny_model
-from reference import train_peft
+from reference import make_pairs, train_dpo, train_peft
 
 pytest.importorskip("peft")
 
@@ -396,10 +402,14 @@ def test_lora_standard_mode_equals_lga(tmp_path):
         floor.check(mode, params=final, losses=losses)
 
 
-@pytest.mark.parametrize("kind", ["lora", "qlora"])
+@pytest.mark.parametrize("kind", ["lora", "qlora", "lora-dpo"])
 def test_lora_ledger_peak_against_real_allocations(tmp_path, kind):
     """As for full fine-tuning (test_engine_memory.py): the ledger's peak of a LoRA / QLoRA
-    step, frozen base and dequantized weights included, is within 10 % of the real one."""
+    step, frozen base and dequantized weights included, is within 10 % of the real one; and
+    of a DPO step under LoRA (`lora-dpo`: the reference's forward and boundaries, the head's
+    log-probability pass)."""
+    dpo = kind.endswith("-dpo")
+    kind = kind.removesuffix("-dpo")
     import gc
 
     from cephalo.runtime.collectives.comm import LocalComm
@@ -412,8 +422,8 @@ def test_lora_ledger_peak_against_real_allocations(tmp_path, kind):
     plan = make_plan([4], [1.0], [2], seq_len=SEQ, model=directory)
     model = build_model(directory)
     apply_adapter(model, AdapterSettings(kind, r=R, alpha=ALPHA))
-    engine = Engine(model, plan, LocalComm(), CONFIG)
-    x, y = make_data(1, 4, seq_len=SEQ, vocab=VOCAB)[0]
+    engine = Engine(model, plan, LocalComm(), DPO_CONFIG if dpo else CONFIG)
+    x, y = (make_pairs(1, 4, SEQ, VOCAB) if dpo else make_data(1, 4, seq_len=SEQ, vocab=VOCAB))[0]
     engine.train_step(x, y, lr=LR)
     gc.collect()
     held = engine.ledger.current_bytes
@@ -467,3 +477,125 @@ def test_lora_dropout_is_plan_invariant(pool3, tmp_path):
     masks, _ = max_rel_diff(results[0]["final"], plain[0]["final"])
     print(f"lora_dropout 0.1 vs none: {masks:.2e}")
     assert masks > 1e-2  # the masks are on, and a plan-dependent mask would show at this size
+
+
+# ----------------------------------------------------------------------------- DPO (issue 42)
+DPO_CONFIG = dataclasses.replace(CONFIG, dpo=DpoSettings(beta=0.5))
+PAIRS = dict(batches=[3, 2, 1], fractions=[0.6, 0.3, 0.1], micro=[2, 1, 1])
+"""3 uneven ranks: pairs 3 / 2 / 1 (rows 6 / 4 / 2), micro-batches of 2 / 1 / 1 pairs."""
+DPO_STEPS = 3
+
+
+def _nonzero_lora_b(engine: Engine) -> None:
+    """Every LoRA B set to the same seeded random values on every rank (peft starts it at
+    zero, where the policy would equal the reference at step 1 and the loss be log 2)."""
+    for piece in engine.sharded_state():
+        if ".lora_B." in piece.name and not piece.name.startswith("optim."):
+            g = torch.Generator().manual_seed(zlib.crc32(piece.name.encode()))
+            full = 0.05 * torch.randn(piece.global_shape, generator=g).reshape(-1)
+            piece.local.copy_(full[piece.offset : piece.offset + piece.local.numel()])
+    engine.state_written()
+
+
+def _dpo_run(directory: str, plan, cfg: EngineConfig, data, settings, local: bool = False) -> dict:
+    """On every rank: DPO for `len(data)` steps of pairs (`settings`: LoRA, the reference its
+    adapters off; None: full fine-tuning, the reference precomputed by `reference_logps`
+    under the same plan before the first step). Returns the losses, TRL's metrics and each
+    step's host syncs; rank 0 the trained tensors before and after (peft's keys, or
+    transformers' names). `local`: one process (LocalComm)."""
+    from cephalo.runtime.collectives.comm import LocalComm
+    from cephalo.runtime.host_syncs import HostSyncs
+
+    torch.set_num_threads(1)
+    quiet_transformers()
+    comm = LocalComm() if local else make_comm("gloo")
+    model = build_model(directory)
+    adapter = apply_adapter(model, dataclasses.replace(settings)) if settings else None
+    hf_names = dict(model.hf_names)
+    engine = Engine(model, plan, comm, cfg)
+    if adapter is not None:
+        _nonzero_lora_b(engine)
+    key = adapter.peft_key if adapter is not None else (lambda k: hf_names[k][0])
+    initial = {key(k): v for k, v in engine.full_state_dict().items()}
+    lo = 2 * engine.sample_offset  # rows: a pair is 2
+    mine = [(x[lo : lo + 2 * engine.rank_plan.batch_size], y[lo:]) for x, y in data]
+    mine = [(x, y[: x.shape[0]]) for x, y in mine]
+    refs = [None if adapter else engine.reference_logps(x, y) for x, y in mine]
+    stats, syncs = [], []
+    for (x, y), ref in zip(mine, refs, strict=True):
+        with HostSyncs() as counted:
+            stats.append(engine.train_step(x, y, LR, ref_logps=ref))
+        syncs.append([(e.op, e.where) for e in counted.events])
+    final = {key(k): v for k, v in engine.full_state_dict().items()}  # (collective)
+    out = {"losses": [s.loss for s in stats], "metrics": [s.dpo for s in stats], "syncs": syncs}
+    if comm.rank == 0:
+        out.update(initial=initial, final=final)
+    return out
+
+
+def _check_dpo(results, ref, label: str) -> None:
+    """Every rank's losses and TRL metrics (rel 1e-5) and rank 0's trained tensors (1e-4 of
+    each tensor's largest entry) against the single-process reference."""
+    for r in results:
+        for step, (ours, theirs) in enumerate(zip(r["losses"], ref.losses, strict=True)):
+            assert abs(ours - theirs) <= 1e-5 * abs(theirs), (label, step, ours, theirs)
+        for ours, theirs in zip(r["metrics"], ref.dpo_metrics, strict=True):
+            for k in METRICS:
+                assert abs(ours[k] - theirs[k]) <= 1e-5 * max(abs(theirs[k]), 1.0), (label, k)
+    final = results[0]["final"]
+    assert set(final) == set(ref.params)
+    for k, v in final.items():
+        scale = ref.params[k].abs().max().item()
+        assert (v - ref.params[k]).abs().max().item() <= 1e-4 * scale, (label, k)
+    moved = max((final[k] - results[0]["initial"][k]).abs().max().item() for k in final)
+    assert moved > 1e-4, f"{label}: nothing trained"
+
+
+def test_dpo_lora_trains_like_peft_and_is_plan_invariant(pool3, tmp_path):
+    """DPO under LoRA, A and B both non-zero (the policy is not the reference at step 1):
+    3 steps on 3 uneven ranks give the losses, TRL's metrics and the adapters of peft on
+    plain transformers with the reference under `disable_adapter()` and the sigmoid loss from
+    the DPO paper (tests/reference.py); one process under another plan gives the same losses
+    (1e-5); the reference's forward adds no host sync (the update's one read per step)."""
+    import peft
+
+    directory = str(save_tiny_model("llama", tmp_path / "llama", seed=3))
+    plan = make_plan(**PAIRS, seq_len=SEQ, model=directory)
+    data = make_pairs(DPO_STEPS, plan.global_batch_size, SEQ, VOCAB)
+    settings = AdapterSettings("lora", r=R, alpha=ALPHA)
+    results = pool3.run(_dpo_run, directory, plan, DPO_CONFIG, data, settings)
+    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules="all-linear")
+    beta = DPO_CONFIG.dpo.beta
+    ref = train_dpo(directory, data, optim_config(DPO_CONFIG), beta, config, results[0]["initial"])
+    assert abs(ref.losses[0] - math.log(2)) > 1e-3  # the adapters are on at step 1
+    _check_dpo(results, ref, "DPO LoRA, 3 ranks")
+    assert_one_read_per_step([r["syncs"] for r in results], "DPO LoRA")
+    one = make_plan([6], [1.0], [4], seq_len=SEQ, model=directory)
+    single = _dpo_run(directory, one, DPO_CONFIG, data, settings, local=True)
+    for a, b in zip(single["losses"], results[0]["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (a, b)
+
+
+def test_dpo_full_finetuning_against_a_frozen_copy(pool3, tmp_path):
+    """DPO without an adapter: the reference log-probabilities computed once before training
+    under the same 3-rank plan (`Engine.reference_logps`) give the losses, metrics and
+    weights of plain transformers against a frozen copy of the starting model."""
+    directory = str(save_tiny_model("llama", tmp_path / "llama", seed=3))
+    plan = make_plan(**PAIRS, seq_len=SEQ, model=directory)
+    data = make_pairs(DPO_STEPS, plan.global_batch_size, SEQ, VOCAB)
+    results = pool3.run(_dpo_run, directory, plan, DPO_CONFIG, data, None)
+    ref = train_dpo(directory, data, optim_config(DPO_CONFIG), DPO_CONFIG.dpo.beta)
+    _check_dpo(results, ref, "DPO full fine-tuning, 3 ranks")
+    assert_one_read_per_step([r["syncs"] for r in results], "DPO full fine-tuning")
+
+
+def test_ipo_trains_like_trl_form(tmp_path):
+    """`dpo_loss = "ipo"`: TRL's IPO (log-probabilities averaged over the completion's
+    tokens, (h - 1 / (2 beta))^2), one process with 2 micro-batches, full fine-tuning."""
+    directory = str(save_tiny_model("llama", tmp_path / "llama", seed=3))
+    cfg = dataclasses.replace(CONFIG, dpo=DpoSettings(beta=0.5, loss="ipo"))
+    plan = make_plan([4], [1.0], [2], seq_len=SEQ, model=directory)
+    data = make_pairs(2, 4, SEQ, VOCAB, seed=7)
+    single = _dpo_run(directory, plan, cfg, data, None, local=True)
+    ref = train_dpo(directory, data, optim_config(cfg), 0.5, loss="ipo")
+    _check_dpo([single], ref, "IPO")

@@ -120,6 +120,14 @@ def test_sequence_longer_than_the_model_is_an_error(tmp_path):
         train(tiny_config(tmp_path, "--data.seq_len=64"))
 
 
+def test_dpo_on_data_that_is_not_pairs_is_refused_before_any_step(tmp_path):
+    """`train.objective = "dpo"` with text data: one message, before any step (issue 42;
+    the reverse, preference data under `sft`, is tests/test_dpo.py's)."""
+    with pytest.raises(CephaloError, match='"dpo" needs preference data'):
+        train(tiny_config(tmp_path, "--train.objective=dpo"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 # ----------------------------------------------------------------------------- a run
 def test_run_writes_metrics_config_plan_and_checkpoints(tmp_path):
     cfg = tiny_config(tmp_path)

@@ -14,13 +14,16 @@ from cephalo.specs.profile import DeviceProfile
 class CurveTable:
     """A profile curve tabulated at integer micro-batch sizes 0..n (value 0 at 0), grown on demand."""
 
-    def __init__(self, curve, zero_at_zero: bool = True):
+    def __init__(self, curve, zero_at_zero: bool = True, rows: int = 1):
         self.curve = curve
+        self.rows = rows
+        """Profiled sequences per planned sample: `at(m)` reads the curve at m x rows (a DPO
+        pair is two sequences: `AdapterSpec.rows_per_sample`)."""
         self.values = np.zeros(1)
         self.zero_at_zero = zero_at_zero
 
     def at(self, x: np.ndarray | int) -> np.ndarray:
-        x = np.asarray(x, dtype=np.int64)
+        x = np.asarray(x, dtype=np.int64) * self.rows
         need = int(x.max()) if x.size else 0
         if need >= len(self.values):
             n = max(need + 1, 2 * len(self.values))
@@ -41,8 +44,9 @@ class CurveTable:
 class TypeTables:
     """Tabulated curves of one device profile (one table per unit kind and quantity)."""
 
-    def __init__(self, profile: DeviceProfile):
+    def __init__(self, profile: DeviceProfile, rows: int = 1):
         self.profile = profile
-        self.fwd = {k: CurveTable(u.fwd_s) for k, u in profile.units.items()}
-        self.bwd = {k: CurveTable(u.bwd_s) for k, u in profile.units.items()}
-        self.act = {k: CurveTable(u.activation_bytes) for k, u in profile.units.items()}
+        units = profile.units.items()
+        self.fwd = {k: CurveTable(u.fwd_s, rows=rows) for k, u in units}
+        self.bwd = {k: CurveTable(u.bwd_s, rows=rows) for k, u in units}
+        self.act = {k: CurveTable(u.activation_bytes, rows=rows) for k, u in units}

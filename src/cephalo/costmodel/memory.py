@@ -287,7 +287,9 @@ class MemoryModel:
                     if self.fused_tail_possible
                     else units[-2].gather_bytes + pad_gathered[-2]
                 ),
-                "boundary": held(L + 1, 1),
+                # DPO under an adapter: the reference's outputs of the unit just run, kept
+                # until the next unit reads them (runtime/engine/step_passes.py)
+                "boundary": held(L + 1, 1) + (held(1, 1) if self.adapter.reference_forward else 0),
             }
         )
         # the fused tail (costmodel/rules.py): on a rank that fuses, its moments replace

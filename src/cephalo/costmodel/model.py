@@ -81,6 +81,12 @@ offload o, one training step under layered gradient accumulation (LGA) costs:
     parameter, and the measured pass times are scaled for the skipped weight gradients of the
     frozen matmuls (and QLoRA's dequantization added); host state is for full fine-tuning only.
 
+  DPO (`AdapterSpec.objective`, preference/objective.py): a sample is a pair, two sequences,
+    so every profile curve is read at 2 m (`TypeTables(rows=2)`) and a sample's boundary and
+    logits bytes double; the head's pass adds a forward (the rows' log-probabilities before
+    the weighted pass), and under an adapter every unit's forward runs twice (the reference,
+    adapters off, beside the policy: no extra gather).
+
   host memory: x * P * (16 + d unless fp32: the pinned compute-dtype copy the uploads read) +
   the offloaded boundaries ((L + 1) * b * seq * hidden * d); the ranks of a node share its
   `HostResources.memory_bytes`.
@@ -213,8 +219,9 @@ class CostModel(StageCosts, ShardGroupCosts, MemoryModel):
         self.meta = dict(meta or {})
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.total_params = model.total_params
-        self._tables = {k: TypeTables(p) for k, p in profiles.items()}
         self.adapter = adapter or AdapterSpec()
+        rows = self.adapter.rows_per_sample  # DPO: a sample (pair) is 2 profiled sequences
+        self._tables = {k: TypeTables(p, rows) for k, p in profiles.items()}
         """What is trained: everything, or LoRA adapters on a frozen (NF4 for qlora) base."""
         self.layout = param_layout(model, seq_len, self.dtype_bytes, self.adapter)
         """Per unit kind: the bytes gathered and held, the trained parameters (layout.py)."""
@@ -311,8 +318,8 @@ class CostModel(StageCosts, ShardGroupCosts, MemoryModel):
         self.bytes_per_fraction = self.layout.state_bytes + self.reduce_out_bytes_per_fraction
         """Device bytes that grow with the state fraction s, per unit of s: the state and the
         reduce-scatter output."""
-        self.sample_boundary_bytes = seq_len * model.hidden_size * self.dtype_bytes
-        self.sample_logit_bytes = seq_len * model.vocab_size * LOGIT_BYTES
+        self.sample_boundary_bytes = rows * seq_len * model.hidden_size * self.dtype_bytes
+        self.sample_logit_bytes = rows * seq_len * model.vocab_size * LOGIT_BYTES
         self.host_part_device_bytes_per_fraction = (
             self.total_params * self.dtype_bytes + self.reduce_out_bytes_per_fraction
         )
@@ -372,6 +379,10 @@ class CostModel(StageCosts, ShardGroupCosts, MemoryModel):
             # recompute
             recompute = 0.0 if kind == "head" else fwd
             bwd = recompute + (full * t.bwd[kind].at(m) + t.bwd[kind].at(last)) * f_bwd
+            if self.adapter.objective == "dpo" and kind == "head":
+                bwd = bwd + fwd  # DPO: the rows' log-probabilities first, without a graph
+            if self.adapter.reference_forward:
+                fwd = 2 * fwd  # DPO under an adapter: the reference's forward beside it
             out[kind] = (fwd, bwd)
         return out
 

@@ -419,6 +419,24 @@ def unwrapped(module: nn.Module) -> Iterator[None]:
             parent._modules[attr] = sub
 
 
+@contextlib.contextmanager
+def adapters_off(module: nn.Module) -> Iterator[None]:
+    """Inside: every peft LoRA layer of `module` computes its base layer alone (peft's
+    `disable_adapter()`, without its `requires_grad` changes): the frozen base, the DPO
+    reference under LoRA (preference/objective.py), with no second model in memory."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before, strict=True):
+            m._disable_adapters = was
+
+
 @torch.no_grad()
 def adapter_initial_values(
     model,

@@ -67,16 +67,32 @@ class LMHead(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        labels: torch.Tensor,
+        row_weights: torch.Tensor | None = None,
+        per_row: bool = False,
+    ) -> torch.Tensor:
+        """The token cross-entropy SUM (fp32). `row_weights` ([rows, 1], fp32): each row's
+        token losses weighted by its row's weight before the sum (the DPO objective's
+        gradient, preference/objective.py: its loss is not linear in the token losses, but
+        its gradient is a per-row weight on them). `per_row`: each row's sum ([rows]),
+        without a weight (the completions' log-probabilities, negated)."""
         logits = self.logits(h)
-        return torch.nn.functional.cross_entropy(
-            logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(
-                -1, logits.shape[-1]
-            ),
-            labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
+        flat = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(
+            -1, logits.shape[-1]
         )
+        if row_weights is None and not per_row:
+            return torch.nn.functional.cross_entropy(
+                flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        token = torch.nn.functional.cross_entropy(
+            flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        ).view(labels.shape)  # 0 where ignored
+        if per_row:
+            return token.sum(dim=1)
+        return (token * row_weights).sum()
 
 
 @dataclass

@@ -25,7 +25,8 @@ import torch
 from cephalo.costmodel.memory import head_chunk_tokens
 
 RunHead = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(h[m, c, d], labels[m, c]) -> fp32 0-dim loss sum, under the caller's parameters."""
+"""(h[m, c, d], labels[m, c]) -> fp32 0-dim loss sum, under the caller's parameters (with
+per-row weights on the token losses under DPO; `row_sums`: fp32 [m] per-row sums)."""
 
 
 def chunk_len(m: int, seq: int, vocab: int) -> int:
@@ -44,6 +45,17 @@ def loss(run: RunHead, h: torch.Tensor, labels: torch.Tensor, vocab: int) -> tor
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for a, b in chunks(m, seq, vocab):
         total += run(h[:, a:b], labels[:, a:b]).float()
+    return total
+
+
+def row_sums(run: RunHead, h: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each row's token-loss sum ([m], fp32) without a graph, chunk by chunk: `run` returns a
+    chunk's per-row sums (the head with `per_row`). The DPO objective's log-probabilities."""
+    m, seq = labels.shape
+    total = torch.zeros(m, dtype=torch.float32, device=h.device)
+    with torch.no_grad():
+        for a, b in chunks(m, seq, vocab):
+            total += run(h[:, a:b], labels[:, a:b]).float()
     return total
 
 

@@ -98,6 +98,9 @@ class AdapterSpec:
     """`all-linear`; a tuple of module names matched as peft matches a list (a name equal to
     the target or ending in `.target`); another string is a regular expression, as peft takes
     one (matched here against the block-relative name: in full, else anywhere in it)."""
+    objective: str = "sft"
+    """`train.objective`: `sft`, or `dpo`, whose sample is a preference pair (2 rows) and,
+    under an adapter, also runs the reference's forward (the base with the adapters off)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ADAPTER_MODES:
@@ -117,6 +120,17 @@ class AdapterSpec:
     def quantized(self) -> bool:
         return self.mode == "qlora"
 
+    @property
+    def rows_per_sample(self) -> int:
+        """Sequences a planned sample runs: a DPO pair is two (chosen, rejected)."""
+        return 2 if self.objective == "dpo" else 1
+
+    @property
+    def reference_forward(self) -> bool:
+        """DPO under an adapter: every unit also runs its base forward (the reference) in the
+        step's forward (runtime/engine/step_passes.py)."""
+        return self.objective == "dpo" and self.frozen_base
+
     def describe(self) -> str:
         if self.mode == "none":
             return "full fine-tuning"
@@ -126,7 +140,10 @@ class AdapterSpec:
 
     def to_dict(self) -> dict:
         targets = self.targets if isinstance(self.targets, str) else list(self.targets)
-        return {"mode": self.mode, "r": self.r, "targets": targets}
+        out = {"mode": self.mode, "r": self.r, "targets": targets}
+        if self.objective != "sft":
+            out["objective"] = self.objective
+        return out
 
     @classmethod
     def from_dict(cls, data: dict | None) -> AdapterSpec:
@@ -136,6 +153,7 @@ class AdapterSpec:
             data.get("mode", "none"),
             int(data.get("r", DEFAULT_LORA_R)),
             data.get("targets", ALL_LINEAR),
+            data.get("objective", "sft"),
         )
 
 
@@ -143,11 +161,13 @@ def adapter_spec(
     adapter: str = "none",
     lora_r: int = DEFAULT_LORA_R,
     target_modules: str | Sequence[str] = ALL_LINEAR,
+    objective: str = "sft",
 ) -> AdapterSpec:
-    """The planner's view of a job's `model.adapter`, `model.lora_r` and
-    `model.lora_target_modules` (what `trainer.auto_plan` passes to the cost model)."""
+    """The planner's view of a job's `model.adapter`, `model.lora_r`,
+    `model.lora_target_modules` and `train.objective` (what `trainer.auto_plan` passes to the
+    cost model)."""
     targets = target_modules if isinstance(target_modules, str) else tuple(target_modules)
-    return AdapterSpec(adapter, int(lora_r), targets)
+    return AdapterSpec(adapter, int(lora_r), targets, objective)
 
 
 def frozen_bytes_per_param(dtype_bytes: int, quantized: bool) -> float:

@@ -159,6 +159,16 @@ class TrainConfig:
     """Global batches of held-out data averaged for one validation loss."""
     max_nonfinite_skips: int = 3
     """Steps with a non-finite loss or gradient are skipped; stop with an error after this many in a row."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """`sft`: the mean token loss. `dpo`: Direct Preference Optimization on preference pairs
+    (prompt / chosen / rejected; docs/dpo.md): a sample is a pair and
+    `global_batch_size` counts pairs; the reference is the frozen base with the adapters off
+    under `model.adapter`, else log-probabilities computed once before training."""
+    dpo_beta: float = 0.1
+    """DPO's temperature beta (TRL's default 0.1; IPO's tau); > 0."""
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """`sigmoid` (the DPO paper's loss, TRL's default) or `ipo` (TRL's IPO: log-probabilities
+    averaged over the completion's tokens)."""
 
     def warmup(self) -> tuple[int, str | None]:
         """(the warmup steps this run uses, the note to log when the default was shortened).
@@ -538,6 +548,10 @@ def _validate(cfg: JobConfig) -> None:
     check(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
     check(
         t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}"
+    )
+    check(
+        isinstance(t.dpo_beta, int | float) and math.isfinite(t.dpo_beta) and t.dpo_beta > 0,
+        f"train.dpo_beta must be > 0 (DPO's temperature; TRL's default 0.1), got {t.dpo_beta}",
     )
     check(t.eval_every >= 0, f"train.eval_every must be >= 0 (0 disables), got {t.eval_every}")
     check(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")

@@ -19,10 +19,16 @@ import types
 import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from cephalo.errors import CephaloError
 from cephalo.train.config import JobConfig, section_class, section_names
+
+if TYPE_CHECKING:
+    import torch
+
+    from cephalo.runtime.engine.config import EngineConfig
+    from cephalo.specs.cluster import Device
 
 try:
     import tomllib
@@ -482,3 +488,46 @@ def overrides_from_args(args: argparse.Namespace) -> list[str]:
 def config_from_args(args: argparse.Namespace) -> JobConfig:
     """`load_config(args.config, <overrides given on the command line>)`."""
     return load_config(getattr(args, "config", None), overrides_from_args(args))
+
+
+def engine_config(
+    cfg: JobConfig,
+    device: Device,
+    emulated: bool,
+    host_memory_bytes: int | None = None,
+    torch_device: torch.device | None = None,
+    local_ranks: int = 1,
+) -> EngineConfig:
+    """The engine's settings from the job config and this rank's (maybe emulated) device
+    (imported here, when a job starts: loading a config does not load the engine);
+    `host_memory_bytes`: this rank's share of its node's host memory (its host budget when
+    emulated); `local_ranks`: the ranks of its node (which share its cores)."""
+    from cephalo.launch.pool import threads_per_rank
+    from cephalo.preference.objective import DpoSettings
+    from cephalo.runtime.engine.config import EngineConfig
+    from cephalo.runtime.state.adamw import AdamWHyper
+
+    offload = {"auto": None, "always": True, "never": False}[cfg.parallel.offload]
+    t = cfg.train
+    return EngineConfig(
+        mode=cfg.parallel.mode,
+        compute_dtype=cfg.model.dtype,
+        adamw=AdamWHyper(betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay),
+        grad_clip=t.grad_clip,
+        prefetch=cfg.parallel.prefetch,
+        compile=cfg.parallel.compile,
+        overlap_reduce=cfg.parallel.overlap_reduce,
+        validate_collectives=False if cfg.parallel.check_collectives == "off" else None,
+        validate_every_step=cfg.parallel.check_collectives == "every_step",
+        offload=offload,
+        seed=cfg.model.seed,
+        slowdown=device.slowdown,
+        memory_budget_bytes=int(device.memory_bytes) if emulated else None,
+        host_memory_budget_bytes=host_memory_bytes if emulated else None,
+        host_copy_bytes_per_s=device.pcie_bytes_per_s,
+        device=None if torch_device is None else str(torch_device),
+        # the node's cores for the host AdamW (torchrun gives each rank one thread); an
+        # emulated rank shares the host with the others as it is
+        host_threads=None if emulated else threads_per_rank(max(1, local_ranks)),
+        dpo=DpoSettings(t.dpo_beta, t.dpo_loss) if t.objective == "dpo" else None,
+    )

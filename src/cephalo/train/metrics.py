@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cephalo.errors import CephaloError
 from cephalo.log import logger
+from cephalo.preference.objective import METRICS as DPO_METRICS
 
 
 @dataclass
@@ -71,11 +72,16 @@ class StepRecord:
     aux_loss: float | None = None
     """MoE with the router loss: transformers' `aux_loss` of the global batch (`loss`
     includes `router_aux_loss_coef` x it); absent for other models."""
+    dpo: dict[str, float] | None = None
+    """`train.objective = "dpo"`: TRL's metrics of the global batch (`rewards/chosen`,
+    `rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`,
+    `logps/rejected`), written as fields of their own; absent under SFT."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if out["aux_loss"] is None:
             del out["aux_loss"]
+        out.update(out.pop("dpo") or {})
         return out
 
 
@@ -154,15 +160,17 @@ def require_trackers(names: list[str]) -> None:
 
 def scalars_of(record: dict[str, Any]) -> dict[str, float]:
     """The one flat view of a metrics record that every tracker receives (TensorBoard, W&B,
-    MLflow, trackio): `train/<field>` of a step, `rank<r>/<field>` per rank, `val/loss` of an
-    evaluation; other records (re-plan events) carry no scalars."""
+    MLflow, trackio): `train/<field>` of a step (DPO: `train/rewards/chosen`, ...),
+    `rank<r>/<field>` per rank, `val/loss` (and `val/rewards/...`) of an evaluation; other
+    records (re-plan events) carry no scalars."""
+    dpo = [k for k in DPO_METRICS if record.get(k) is not None]  # train.objective = "dpo"
     if record.get("kind") == "eval":
-        return {"val/loss": float(record["val_loss"])}
+        return {"val/loss": float(record["val_loss"]), **{f"val/{k}": record[k] for k in dpo}}
     if record.get("kind") != "step":
         return {}
     out = {
         f"train/{key}": float(record[key])
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "aux_loss")
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "aux_loss", *dpo)
         if record.get(key) is not None
     }
     for key, values in record.get("ranks", {}).items():

@@ -42,7 +42,6 @@ from cephalo.costmodel.model import CostModel
 from cephalo.data.job import open_batches, resolve_job_dataset
 from cephalo.data.text import default_cache_dir
 from cephalo.errors import CephaloError
-from cephalo.launch.pool import threads_per_rank
 from cephalo.launch.preempt import StopSignals, TimedSaves, stop_note
 from cephalo.log import init_logging, logger
 from cephalo.modeling.lora import adapter_settings, apply_adapter
@@ -51,6 +50,7 @@ from cephalo.modeling.units import IGNORE_INDEX, UnitModel
 from cephalo.planner.makers import simple_plan
 from cephalo.planner.plan import Plan, refuse_stages
 from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
+from cephalo.preference.job import PreferenceRun
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.runtime.collectives.dist import init_distributed, peer_failure, startup_barrier
 from cephalo.runtime.collectives.shard_groups import emulate_links, saved_state
@@ -63,13 +63,12 @@ from cephalo.runtime.device_memory import (
     startup_out_of_memory,
 )
 from cephalo.runtime.emulation import drifted_slowdown, start_delay_s
-from cephalo.runtime.engine.engine import Engine, EngineConfig, StepStats
-from cephalo.runtime.state.adamw import AdamWHyper
+from cephalo.runtime.engine.engine import Engine, StepStats
 from cephalo.runtime.step_timing import format_split, split_step
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from cephalo.train.config import JobConfig, preflight, steps_for_epochs
-from cephalo.train.config_manager import config_to_toml
+from cephalo.train.config_manager import config_to_toml, engine_config
 from cephalo.train.discovery import (
     discover_cluster,
     is_emulated,
@@ -206,6 +205,7 @@ def auto_plan(
             cfg.model.adapter,
             cfg.model.lora_r,
             targets[0] if list(targets) == [ALL_LINEAR] else targets,
+            cfg.train.objective,  # DPO: a sample is 2 sequences (and the LoRA reference)
         ),
         # the engine pads near-even splits exactly where this comm has the even collectives
         # (EngineConfig.padded_collectives' default): the planner charges it there
@@ -243,42 +243,6 @@ def auto_plan(
             "`cephalo plan --out plan.json` and set parallel.plan to it"
         )
     return plan, cost_model
-
-
-def engine_config(
-    cfg: JobConfig,
-    device: Device,
-    emulated: bool,
-    host_memory_bytes: int | None = None,
-    torch_device: torch.device | None = None,
-    local_ranks: int = 1,
-) -> EngineConfig:
-    """The engine's settings from the job config and this rank's (maybe emulated) device;
-    `host_memory_bytes`: this rank's share of its node's host memory (its host budget when
-    emulated); `local_ranks`: the ranks of its node (which share its cores)."""
-    offload = {"auto": None, "always": True, "never": False}[cfg.parallel.offload]
-    t = cfg.train
-    return EngineConfig(
-        mode=cfg.parallel.mode,
-        compute_dtype=cfg.model.dtype,
-        adamw=AdamWHyper(betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay),
-        grad_clip=t.grad_clip,
-        prefetch=cfg.parallel.prefetch,
-        compile=cfg.parallel.compile,
-        overlap_reduce=cfg.parallel.overlap_reduce,
-        validate_collectives=False if cfg.parallel.check_collectives == "off" else None,
-        validate_every_step=cfg.parallel.check_collectives == "every_step",
-        offload=offload,
-        seed=cfg.model.seed,
-        slowdown=device.slowdown,
-        memory_budget_bytes=int(device.memory_bytes) if emulated else None,
-        host_memory_budget_bytes=host_memory_bytes if emulated else None,
-        host_copy_bytes_per_s=device.pcie_bytes_per_s,
-        device=None if torch_device is None else str(torch_device),
-        # the node's cores for the host AdamW (torchrun gives each rank one thread); an
-        # emulated rank shares the host with the others as it is
-        host_threads=None if emulated else threads_per_rank(max(1, local_ranks)),
-    )
 
 
 def _consequence(error: CephaloError) -> CephaloError:
@@ -368,6 +332,7 @@ class _Trainer:
             packing_split=cfg.data.packing_split,
             max_prompt_len=cfg.data.max_prompt_len,
         )
+        self.preference = PreferenceRun(cfg, self.batches, data_path, model.spec)
         if cfg.train.epochs > 0:  # train.epochs: the steps follow from the data
             self.derive_steps(cfg, self.batches.steps_per_epoch)
         self.replanner = Replanner(cfg, cost_model, cfg.parallel.plan == "auto", self.rank)
@@ -378,6 +343,7 @@ class _Trainer:
             )
         self.model_spec = model.spec
         self.engine = self.make_engine(self.plan, model)
+        self.preference.prepare(self.engine, cfg.train.steps, self.evaluate)
         t = cfg.train
         warmup, warmup_note = t.warmup()
         self.schedule = LRSchedule(t.lr, t.min_lr, warmup, t.steps, t.lr_schedule)
@@ -651,7 +617,7 @@ class _Trainer:
             self.engine.emulator.slowdown = drift
         try:
             self._maybe_run_out_of_memory(number)
-            stats = self.engine.train_step(input_ids, labels, lr, position_ids=positions)
+            stats = self.preference.step(self.engine, input_ids, labels, lr, positions)
         except torch.OutOfMemoryError as err:
             raise CephaloError(
                 out_of_memory_message(
@@ -680,6 +646,7 @@ class _Trainer:
                 skipped=not finite,
                 ranks=ranks,
                 aux_loss=stats.aux_loss,
+                dpo=stats.dpo,
             )
             metrics.write(record.to_dict())
             self._log_time_split(ranks)
@@ -724,14 +691,14 @@ class _Trainer:
                 positions = self.batches.val_positions(index, b, self.engine.sample_offset, take)
             else:
                 x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
-            pad = self.rank_plan.batch_size - take
+            pad = self.engine.rows_per_sample * (self.rank_plan.batch_size - take)
             if pad:
                 x = torch.cat([x, torch.zeros(pad, x.shape[1], dtype=x.dtype)])
                 y = torch.cat([y, torch.full((pad, y.shape[1]), IGNORE_INDEX, dtype=y.dtype)])
             if self.cfg.data.packing:  # every rank passes positions (a padded row: 0, 1, ...)
                 arange = torch.arange(x.shape[1]).expand(x.shape[0] - take, -1)
                 positions = torch.cat([positions, arange]) if positions is not None else arange
-            total += self.engine.eval_loss(x, y, position_ids=positions) * windows
+            total += self.preference.eval_loss(self.engine, x, y, positions) * windows
             weight += windows
         return total / max(weight, 1)
 
@@ -823,7 +790,8 @@ class _Trainer:
                     val = self.evaluate()
                     self.result.val_losses[self.step] = val
                     if metrics is not None:
-                        metrics.write({"kind": "eval", "step": self.step, "val_loss": val})
+                        dpo = self.preference.eval_metrics()
+                        metrics.write({"kind": "eval", "step": self.step, "val_loss": val, **dpo})
                     if self.rank == 0:
                         progress.message(f"step {self.step}: validation loss {val:.4f}")
                 if (
@@ -857,9 +825,7 @@ class _Trainer:
                 self.step,
                 self.result.losses[last],
                 self.result.tokens_per_s,
-                f", checkpoint {self.result.last_checkpoint}"
-                if self.result.last_checkpoint
-                else "",
+                self.preference.done_note(self.result.last_checkpoint),
             )
         return self.result
 

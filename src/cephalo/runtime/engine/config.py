@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from cephalo.errors import CephaloError
+from cephalo.preference.objective import DpoSettings
 from cephalo.runtime.capture.apply import check_compile_mode
 from cephalo.runtime.collectives.emulated import EmulatedLinks
 from cephalo.runtime.state.adamw import AdamWHyper
@@ -101,6 +102,9 @@ class EngineConfig:
     """fp16 only: the initial dynamic loss scale."""
     loss_scale_growth_interval: int = 200
     """fp16 only: good steps before the loss scale doubles."""
+    dpo: DpoSettings | None = None
+    """The DPO objective (preference/objective.py): batches are pairs of rows, the plan's batch
+    sizes count pairs; None: the SFT objective (mean token loss)."""
 
     def validate(self) -> None:
         """Raise `CephaloError` naming the first bad field."""
@@ -114,6 +118,8 @@ class EngineConfig:
         if self.loss_scale_init <= 0 or self.loss_scale_growth_interval < 1:
             raise CephaloError("loss_scale_init must be > 0 and loss_scale_growth_interval >= 1")
         check_compile_mode(self.compile)
+        if self.dpo is not None:
+            self.dpo.validate()
         bw = self.host_copy_bytes_per_s
         if bw is not None and not (bw > 0 and math.isfinite(bw)):
             raise CephaloError(
@@ -126,7 +132,7 @@ class StepStats:
     """What one `train_step` did (the same on every rank except timings and memory)."""
 
     loss: float
-    """Mean token loss over the global batch (before the update)."""
+    """Mean token loss over the global batch (before the update); DPO: the mean pair loss."""
     grad_norm: float
     """Global gradient norm before clipping (unscaled)."""
     n_tokens: int
@@ -158,6 +164,9 @@ class StepStats:
     """Seconds of the device optimizer phase (norm, clipping, AdamW; collectives and
     host-state work excluded): host time on the CPU, the compute stream's time from events on
     CUDA. runtime/step_timing.py splits a step with it."""
+    dpo: dict[str, float] | None = None
+    """DPO: TRL's metrics of the global batch (`preference.objective.METRICS`), read with the
+    loss; None: SFT."""
     device_step_s: float | None = None
     """CUDA: the compute stream's span of the step (events); `busy_s`, `comm_wait_s` and
     `optimizer_s` are disjoint parts of it, the rest the device waiting for the host. None

@@ -60,7 +60,14 @@ head and its borrowed slice once each) and units + 1 reduce-scatters (LGA).
 Loss. The gradient is that of the mean over all tokens of the GLOBAL batch: the global
 token count is all-reduced once per step before the backward and the head's output
 gradient is 1 / global_tokens (times the loss scale in fp16). The step's loss sum and the
-squared gradient norm share one more all-reduce.
+squared gradient norm share one more all-reduce. DPO (`EngineConfig.dpo`,
+preference/objective.py): a sample is a pair of rows, the loss the mean pair loss over the
+plan's global pairs (known on the host: the head's output gradient needs no all-reduce), the
+head weights each row's token losses by the objective's gradient for that row (a graph-free
+head pass gives the rows' log-probabilities first), and the token count and TRL's metrics
+share one small all-reduce after the backward. The reference is the frozen base with the
+adapters off under LoRA, run beside the policy in the forward (no extra gather), else
+log-probabilities precomputed once (`reference_logps`).
 
 Host syncs. A step after the first reads nothing of the device on the host but once: the
 norm, the loss sum, the token count (and an MoE router loss) together, after the update is
@@ -89,6 +96,7 @@ import torch
 from cephalo.errors import CephaloError
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel, position_kwargs
 from cephalo.planner.plan import Plan
+from cephalo.preference.objective import DpoObjective, metrics_of
 from cephalo.runtime.autograd import BackwardCharges
 from cephalo.runtime.capture.apply import apply_compile
 from cephalo.runtime.collectives.comm import Comm
@@ -194,6 +202,13 @@ class Engine:
         self.charges = BackwardCharges(ledger)
         """Activation and transient bytes per (unit, micro-batch shape), measured once."""
         self.runner = UnitRunner(model, device, config.seed, config.per_sample_dropout)
+        self.dpo = DpoObjective(config.dpo) if config.dpo is not None else None
+        """The DPO objective (preference/objective.py); None: SFT."""
+        self.rows_per_sample = 1 if self.dpo is None else 2
+        """Rows of a sample: a DPO pair is two (chosen, rejected); the plan counts samples."""
+        self.reference_by_adapters = self.dpo is not None and model.adapter is not None
+        """DPO under LoRA: the reference is the frozen base with its adapters off, run in the
+        forward beside the policy (`StepPasses.forward`); else precomputed (`reference_logps`)."""
         self.shards, self.frozen = build_shards(
             model,
             plan,
@@ -243,6 +258,7 @@ class Engine:
             self.runner,
             self.charges,
             self.overlap_reduce,
+            self.dpo,
         )
         self.tail = TailPass(
             device,
@@ -268,6 +284,7 @@ class Engine:
             fused_tail_possible=self.fused_tail_possible,
             fuse_tail=self.fuse_tail,
             overlap_reduce=self.overlap_reduce,
+            reference=self.reference_by_adapters,
         )
         self.update = ShardUpdate(
             self.optimizer,
@@ -281,6 +298,8 @@ class Engine:
             self.group_sync,
             config.grad_clip,
         )
+        self.eval_metrics: dict[str, float] | None = None
+        """DPO: TRL's metrics of the last `eval_loss` batch (None: SFT, or none yet)."""
         self._validated: set[str] = set()
         """Kinds of pass ("train", "eval") whose collectives every rank has cross-checked."""
         self.runner.compiled = apply_compile(
@@ -321,9 +340,14 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
     def _micro_batches(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        ref_logps: torch.Tensor | None = None,
     ) -> list[MicroBatch]:
         rp = self.rank_plan
+        k = self.rows_per_sample
         if position_ids is not None and position_ids.shape != input_ids.shape:
             raise CephaloError(
                 f"rank {self.rank}: position_ids {tuple(position_ids.shape)} and input_ids "
@@ -335,18 +359,22 @@ class Engine:
                 f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
                 "must both be [batch, seq]"
             )
-        if input_ids.shape[0] != rp.batch_size:
+        if input_ids.shape[0] != k * rp.batch_size:
+            what = "rows" if k == 1 else "rows (a DPO pair is 2 rows: chosen, rejected)"
             raise CephaloError(
-                f"rank {self.rank}: got {input_ids.shape[0]} samples but the plan gives this rank "
-                f"batch_size {rp.batch_size}; pass this rank's slice of the global batch"
+                f"rank {self.rank}: got {input_ids.shape[0]} {what} but the plan gives this "
+                f"rank batch_size {rp.batch_size} ({k * rp.batch_size} rows); pass this rank's "
+                "slice of the global batch"
             )
         input_ids = input_ids.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
         if position_ids is not None:
             position_ids = position_ids.to(self.device, non_blocking=True)
-        first = self.sample_offset
-        m = rp.micro_batch_size
-        return [
+        if ref_logps is not None:
+            ref_logps = ref_logps.to(self.device, torch.float32, non_blocking=True)
+        first = k * self.sample_offset  # (rows: per-sample dropout masks follow the rows)
+        m = k * rp.micro_batch_size
+        mbs = [
             MicroBatch(
                 input_ids[a : a + m],
                 # its own storage: the head's loss saves its labels, and a view would make the
@@ -355,9 +383,33 @@ class Engine:
                 labels[a : a + m].clone(),
                 first + a,
                 None if position_ids is None else position_ids[a : a + m],
+                ref_logps=None if ref_logps is None else ref_logps[a : a + m],
             )
-            for a in range(0, rp.batch_size, m)
+            for a in range(0, k * rp.batch_size, m)
         ]
+        return mbs
+
+    def _check_reference(self, input_ids: torch.Tensor, ref_logps: torch.Tensor | None) -> None:
+        """DPO without an adapter trains against precomputed reference log-probabilities, one
+        per row; with one (or SFT) none is taken."""
+        rows = input_ids.shape[0] if input_ids.dim() else 0
+        if self.dpo is not None and not self.reference_by_adapters:
+            if ref_logps is None or tuple(ref_logps.shape) != (rows,):
+                got = None if ref_logps is None else tuple(ref_logps.shape)
+                raise CephaloError(
+                    f"rank {self.rank}: DPO without an adapter needs each row's precomputed "
+                    f"reference log-probability (a tensor [{rows}]), got {got}: compute them "
+                    "once before training with Engine.reference_logps"
+                )
+        elif ref_logps is not None:
+            raise CephaloError(
+                f"rank {self.rank}: reference log-probabilities given, but "
+                + (
+                    "the objective is SFT"
+                    if self.dpo is None
+                    else "the reference under LoRA is the base with the adapters off"
+                )
+            )
 
     @contextlib.contextmanager
     def _validated_once(self, kind: str) -> Iterator[None]:
@@ -383,11 +435,16 @@ class Engine:
         labels: torch.Tensor,
         lr: float,
         position_ids: torch.Tensor | None = None,
+        ref_logps: torch.Tensor | None = None,
     ) -> StepStats:
         """One optimizer step on this rank's slice [B_i, s] of the global batch
-        (`position_ids`: per-document positions of packed samples, else None)."""
+        (`position_ids`: per-document positions of packed samples, else None). DPO: the
+        slice is [2 B_i, s], pair i's chosen row 2i and its rejected row 2i + 1, and without
+        an adapter `ref_logps` [2 B_i] each row's reference log-probability
+        (`reference_logps`)."""
+        self._check_reference(input_ids, ref_logps)
         with self._validated_once("train"):
-            return self._train_step(input_ids, labels, lr, position_ids)
+            return self._train_step(input_ids, labels, lr, position_ids, ref_logps)
 
     def _train_step(
         self,
@@ -395,23 +452,29 @@ class Engine:
         labels: torch.Tensor,
         lr: float,
         position_ids: torch.Tensor | None = None,
+        ref_logps: torch.Tensor | None = None,
     ) -> StepStats:
         t_step = time.perf_counter()
         clock, passes = self.clock, self.passes
         clock.reset()
         self.ledger.reset_peak()
         self.model.train()
-        mbs = self._micro_batches(input_ids, labels, position_ids)
+        mbs = self._micro_batches(input_ids, labels, position_ids, ref_logps)
         # the global token count stays on the device (a host read here would stall the host
         # until the device has run everything queued before it): counted on the device's
         # labels, all-reduced in int64 (an fp32 count is inexact above 2**24 tokens), read with
         # the loss after the update (`ShardUpdate.step`)
         zero = torch.zeros((), dtype=torch.int64, device=self.device)  # (a rank without samples)
         tokens = sum(((mb.labels != IGNORE_INDEX).sum() for mb in mbs), zero).reshape(1)
-        self.collectives.all_reduce(tokens)
         loss_scale = self.scaler.scale if self.scaler else 1.0
-        # in fp64, then rounded to the fp32 the head back-propagates: as a Python float would be
-        head_grad = (loss_scale / tokens[0].clamp(min=1).double()).float()
+        dpo, pairs = self.dpo, self.plan.global_batch_size
+        if dpo is None:
+            self.collectives.all_reduce(tokens)
+            # in fp64, then rounded to the fp32 the head back-propagates: as a Python float
+            head_grad = (loss_scale / tokens[0].clamp(min=1).double()).float()
+        else:  # the mean over the global pairs, the plan's (each row weighted: head_pass.py)
+            head_grad = torch.full((), loss_scale / pairs, dtype=torch.float32, device=self.device)
+            dpo.begin(self.device)
         store = self._boundaries
         store.clear()  # normally empty; not after a step that raised
         aux = getattr(self.model, "router_aux", None)  # MoE router loss
@@ -433,15 +496,25 @@ class Engine:
                 loss_sum += part
                 passes.backward_after_forward(chunk, store, state)
         assert len(store) == 0, "the backward consumes every boundary"
+        extra = aux_term
+        if dpo is not None:  # the token count and TRL's metrics: one small all-reduce
+            red = torch.cat([tokens.double(), dpo.sums().double()])
+            self.collectives.all_reduce(red)
+            tokens = red[:1]
+            extra = red[1:] if aux_term is None else torch.cat([red[1:], aux_term.reshape(-1)])
         t_opt, comm_before = time.perf_counter(), clock.comm_wait_s
         skipped, grad_norm, loss, read = self.update.step(
-            loss_sum, loss_scale, lr, tokens, aux_term
+            loss_sum, loss_scale, lr, tokens, extra, None if dpo is None else pairs
         )
         optimizer_s = time.perf_counter() - t_opt - (clock.comm_wait_s - comm_before)
         times = clock.collect()  # (CUDA: the events, complete after the update's read)
         if times.optimizer_s is not None:
             optimizer_s = times.optimizer_s + clock.host_s  # (host_s is taken off below)
         n_tokens = int(read[0])
+        metrics = None
+        if dpo is not None:
+            metrics = metrics_of(read[1:8])
+            read = read[:1] + read[8:]
         if aux is not None:
             aux.finish(read[1])
             loss += aux.settings.coef * read[1]
@@ -463,6 +536,7 @@ class Engine:
             aux_loss=None if aux is None else aux.aux_loss,
             optimizer_s=max(0.0, optimizer_s - clock.host_s),
             device_step_s=times.device_step_s,
+            dpo=metrics,
         )
 
     @torch.no_grad()
@@ -471,21 +545,36 @@ class Engine:
         input_ids: torch.Tensor,
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
+        ref_logps: torch.Tensor | None = None,
     ) -> float:
-        """Global mean token loss of this step's batch (no update, dropout off)."""
+        """Global mean token loss of this step's batch (no update, dropout off). DPO: the mean
+        pair loss (`ref_logps` as for `train_step`), TRL's metrics in `eval_metrics`."""
+        self._check_reference(input_ids, ref_logps)
         with self._validated_once("eval"):
-            return self._eval_loss(input_ids, labels, position_ids)
+            return self._eval_loss(input_ids, labels, position_ids, ref_logps)
 
     def _eval_loss(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        ref_logps: torch.Tensor | None = None,
     ) -> float:
         was_training = self.model.training
         self.model.eval()
         try:
-            mbs = self._micro_batches(input_ids, labels, position_ids)
+            mbs = self._micro_batches(input_ids, labels, position_ids, ref_logps)
             store = self._boundaries
+            if self.dpo is not None:
+                self.dpo.begin(self.device)
             loss_sum, _ = self.passes.forward(mbs, store, keep_inputs=False)
             assert len(store) == 0
+            if self.dpo is not None:  # the pairs with a completion (not padding) count
+                red = self.dpo.sums().double()
+                self.collectives.all_reduce(red)
+                sums = red.tolist()  # the one read
+                self.eval_metrics = {**metrics_of(sums), "pairs": sums[6]}
+                return sums[0] / max(sums[6], 1.0)
             # counted on the device (no host read per micro-batch); fp64: the token count is
             # exact to 2**53 (fp32 stops at 2**24)
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -496,6 +585,34 @@ class Engine:
             return total / max(count, 1.0)
         finally:
             self.model.train(was_training)
+
+    @torch.no_grad()
+    def reference_logps(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """DPO in full fine-tuning: each row's log-probability under the current weights
+        (`DpoObjective.logps`: summed, averaged under IPO), fp32 [rows] on the CPU, for this
+        rank's slice as `train_step` takes it. Run once before training over the data under
+        the same plan, it is the reference (TRL's `precompute_ref_log_probs`): no second copy
+        of the weights. No dropout; no update."""
+        if self.dpo is None:
+            raise CephaloError("reference_logps is for the DPO objective (EngineConfig.dpo)")
+        with self._validated_once("eval"):
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                mbs = self._micro_batches(input_ids, labels, position_ids)
+                rows: list[torch.Tensor] = []
+                self.passes.forward(mbs, self._boundaries, keep_inputs=False, rows_out=rows)
+                assert len(self._boundaries) == 0
+                if not rows:
+                    return torch.zeros(0, dtype=torch.float32)
+                return torch.cat(rows).float().cpu()
+            finally:
+                self.model.train(was_training)
 
     # ------------------------------------------------------------------ state
     def sharded_state(self) -> list[FlatShard]:

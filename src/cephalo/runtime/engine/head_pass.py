@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from cephalo.preference.objective import DpoObjective
 from cephalo.runtime import head_loss
 from cephalo.runtime.autograd import BackwardCharges, largest_grad_bytes
 from cephalo.runtime.boundary import BoundaryStore
@@ -23,7 +24,8 @@ class HeadPass:
     it starts go into the step's `StepState` (`head_reducing`). Given the ledger and the compute
     device and dtype, the unit collectives (gradient buffers, reduce-scatters), the unit
     backward (the head's parameters as draining leaves), the unit runner, the activation
-    charges, and whether this rank overlaps its reduce-scatters (else it waits for them here)."""
+    charges, whether this rank overlaps its reduce-scatters (else it waits for them here), and
+    the DPO objective (None: the SFT loss)."""
 
     def __init__(
         self,
@@ -35,7 +37,10 @@ class HeadPass:
         runner: UnitRunner,
         charges: BackwardCharges,
         overlap_reduce: bool,
+        dpo: DpoObjective | None = None,
     ):
+        self.dpo = dpo
+        """The DPO objective (None: SFT): its row weights replace the constant output gradient."""
         self.ledger = ledger
         self.device = device
         self.dtype = dtype
@@ -84,7 +89,8 @@ class HeadPass:
     ) -> torch.Tensor:
         """The head over micro-batch j, chunk by chunk (runtime/head_loss.py), its output
         gradient `head_grad` (1 / global tokens, times the loss scale: an fp32 0-dim tensor on
-        the device, so the token count is never read on the host): loss sum returned,
+        the device, so the token count is never read on the host; DPO: 1 / global pairs, on
+        each row's token losses weighted by the objective's row weight): loss sum returned,
         parameter gradients drained into `grads`, input gradient stored in the input's place."""
         u = us.index
         leaves = self.unit_backward.leaves(us, params, grads)
@@ -98,8 +104,14 @@ class HeadPass:
             charged[0] = self.charges.transient(key, out, param_grad)
             self.ledger.charge("grad_transient", charged[0])
 
-        run = self.runner.head_fn(us, {**params, **leaves})
+        full = {**params, **leaves}
         with self.runner.unit_input(store, u, j, mb) as x_in:
+            dpo_loss = None
+            if self.dpo is not None:  # the row weights: a graph-free pass first (head_loss)
+                weights, dpo_loss = self._dpo_weights(us, full, mb, x_in)
+                run = self.runner.head_fn(us, full, row_weights=weights)
+            else:
+                run = self.runner.head_fn(us, full)
             self.runner.restore_rng(mb.rng[u])
             with self.charges.activations(key), self.runner.dropout(us, mb):
                 loss, dx = head_loss.loss_and_backward(
@@ -112,7 +124,46 @@ class HeadPass:
                     u > 0,
                     on_chunk,
                 )
+            if dpo_loss is not None:
+                loss = dpo_loss
             self.ledger.release("grad_transient", charged[0])
         if u > 0:
             store.put((u, j), dx)  # replaces the input: the last block's output gradient
         return loss
+
+    def _dpo_weights(
+        self,
+        us: UnitShard,
+        params: dict[str, torch.Tensor],
+        mb: MicroBatch,
+        x_in: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DPO (preference/objective.py): each row's log-probability from a graph-free chunked
+        pass of the head over `x_in` (no more memory than the pass with a graph that follows),
+        the pairs' loss added to the objective's sums; returns (each row's weight on its token
+        losses, [rows, 1]; the pairs' loss sum). The weighted pass back-propagates them times
+        the output gradient `head_grad` (loss scale / global pairs)."""
+        assert self.dpo is not None and mb.ref_logps is not None, "DPO needs reference logps"
+        self.runner.restore_rng(mb.rng[us.index])
+        with self.runner.dropout(us, mb):
+            sums = head_loss.row_sums(
+                self.runner.head_fn(us, params, per_row=True),
+                x_in,
+                mb.labels,
+                self.runner.vocab,
+            )
+        policy = self.dpo.logps(sums, mb.labels)
+        loss, weights = self.dpo.pairs(policy, mb.ref_logps, mb.labels)
+        return weights, loss
+
+    def row_logps(
+        self, us: UnitShard, params: dict[str, torch.Tensor], mb: MicroBatch, x: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's completion log-probability (`DpoObjective.logps`) of the head over `x`,
+        without a graph: evaluation, the reference's pass."""
+        assert self.dpo is not None
+        with self.runner.dropout(us, mb):
+            sums = head_loss.row_sums(
+                self.runner.head_fn(us, params, per_row=True), x, mb.labels, self.runner.vocab
+            )
+        return self.dpo.logps(sums, mb.labels)

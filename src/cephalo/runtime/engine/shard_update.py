@@ -102,12 +102,14 @@ class ShardUpdate:
         lr: float,
         tokens: torch.Tensor,
         extra: torch.Tensor | None = None,
+        loss_count: int | None = None,
     ) -> tuple[bool, float, float, list[float]]:
         """The update after the backward: (skipped, global gradient norm, mean token loss, the
         values read with them). `tokens`: the global token count, a 1-element int64 tensor on
         the device; `extra`: more device values the caller wants on the host (0-dim or 1-D,
         e.g. the router loss), read in the same read as the norm and loss: the read is
-        `[n_tokens, *extra]`. That one read is the step's only host sync where the update
+        `[n_tokens, *extra]`. `loss_count`: what the loss sum is divided by (DPO: the global
+        pairs); None: the token count. That one read is the step's only host sync where the update
         needs none (`device_step`): after the update is queued."""
         opt, host_opt, clock = self.optimizer, self.host_optimizer, self.clock
         clock.settle()  # the stream's waits for the last reduce-scatters (emulated cluster)
@@ -134,10 +136,10 @@ class ShardUpdate:
         if self.scaler is None and host_opt is None and opt.kernel == "fused":
             with clock.optimizer_work():
                 self.device_step(red, lr)
-            return self._step_outcome(red, tokens, extra)
+            return self._step_outcome(red, tokens, extra, loss_count)
         norm_sq, loss_sum_value, read = _read(red, tokens, extra)
         grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
-        loss = loss_sum_value / max(read[0], 1)
+        loss = loss_sum_value / max(read[0] if loss_count is None else loss_count, 1)
         finite = math.isfinite(grad_norm)
         if self.scaler is not None:
             self.scaler.update(found_inf=not finite)
@@ -184,14 +186,18 @@ class ShardUpdate:
         self.grads.zero()
 
     def _step_outcome(
-        self, red: torch.Tensor, tokens: torch.Tensor, extra: torch.Tensor | None
+        self,
+        red: torch.Tensor,
+        tokens: torch.Tensor,
+        extra: torch.Tensor | None,
+        loss_count: int | None,
     ) -> tuple[bool, float, float, list[float]]:
         """After `device_step` is queued: (skipped, gradient norm, mean token loss, the values
         read with them), one read of the device's norm, loss sum, token count and `extra`. A
         skipped step is taken back (`step_count`); the trainer decides how many skips it
         tolerates."""
         norm_sq, loss_sum, read = _read(red, tokens, extra)
-        loss = loss_sum / max(read[0], 1)
+        loss = loss_sum / max(read[0] if loss_count is None else loss_count, 1)
         grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
         if math.isfinite(grad_norm):
             return False, grad_norm, loss, read

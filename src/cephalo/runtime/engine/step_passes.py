@@ -7,6 +7,7 @@ runtime/engine/engine.py describes the step as a whole."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -30,7 +31,8 @@ class StepPasses:
     None for a flat plan) with `device_grad`, the device part's gradient shard it starts
     from; and this rank's choices: `mode` ("lga" or "standard"), `prefetch`, `fused_tail_possible`
     (the last block stays gathered from its forward to its backward), `fuse_tail` (it runs in
-    the head's pass) and `overlap_reduce`."""
+    the head's pass), `overlap_reduce`, and `reference` (DPO under LoRA: the reference's
+    forward runs beside the policy's, `forward`)."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class StepPasses:
         fused_tail_possible: bool,
         fuse_tail: bool,
         overlap_reduce: bool,
+        reference: bool = False,
     ):
         self.shards = shards
         self.collectives = collectives
@@ -64,6 +67,9 @@ class StepPasses:
         self.fused_tail_possible = fused_tail_possible
         self.fuse_tail = fuse_tail
         self.overlap_reduce = overlap_reduce
+        self.reference = reference
+        """DPO under LoRA: every unit also runs each micro-batch with its adapters off (the
+        reference, `UnitRunner.reference`) while it is gathered for the forward."""
 
     def forward(
         self,
@@ -71,12 +77,19 @@ class StepPasses:
         store: BoundaryStore,
         keep_inputs: bool,
         head_grad: torch.Tensor | None = None,
+        rows_out: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, StepState]:
         """Every unit over every micro-batch, no graph; store[(u, j)] receives unit u's input
         for micro-batch j (u >= 1; with `keep_inputs=False`, only until unit u has run).
         With `head_grad` (training), the head computes its loss and backward at once (the
         head pass, or the fused tail). Returns this rank's loss sum (fp32) and what the
-        backward must take over (`StepState`)."""
+        backward must take over (`StepState`).
+
+        DPO: with `reference`, each gathered unit first runs every micro-batch with its
+        adapters off, its output kept under (-(u + 1), j) until the next unit's reference has
+        read it, and the head sets each micro-batch's `ref_logps` (so the reference costs no
+        gather). Without `head_grad`, the head gives each row's log-probability: appended to
+        `rows_out` if given (the full fine-tuning reference's pass), else the pairs' loss."""
         coll, runner, clock = self.collectives, self.runner, self.clock
         state = StepState()
         loss_sum = torch.zeros((), dtype=torch.float32, device=coll.device)
@@ -99,6 +112,9 @@ class StepPasses:
             ):
                 # the head pass: the backward's first unit, the last block, gathers meanwhile
                 state.backward_prefetch = coll.start_gather(self.shards[n - 2], async_op=True)
+            if self.reference:
+                with clock.compute(), torch.no_grad():
+                    self._reference(us, params, mbs, store, last=u == n - 1)
             if fuse and u == n - 2:
                 tail = (us, g, params)  # its forward runs in the head's pass, with a graph
                 continue
@@ -111,6 +127,9 @@ class StepPasses:
                     break
                 if u == n - 1 and head_grad is not None:
                     loss_sum += self.head.run(us, params, mbs, store, head_grad, state)
+                    mbs = []  # done
+                if u == n - 1 and head_grad is None and self.head.dpo is not None:
+                    loss_sum += self._dpo_head(us, params, mbs, store, rows_out)
                     mbs = []  # done
                 for j, mb in enumerate(mbs):
                     mb.rng[u] = runner.save_rng()
@@ -129,6 +148,60 @@ class StepPasses:
                 coll.release(g)
             del params  # the gathered buffers die with the ledger's count of them
         return loss_sum, state
+
+    def _reference(
+        self,
+        us: UnitShard,
+        params: dict[str, torch.Tensor],
+        mbs: list[MicroBatch],
+        store: BoundaryStore,
+        last: bool,
+    ) -> None:
+        """The DPO reference's forward of unit `us` (adapters off) over every micro-batch: a
+        block's output replaces its input under -(index) keys; the head (`last`) sets each
+        micro-batch's `ref_logps`."""
+        u = us.index
+        for j, mb in enumerate(mbs):
+            with self.runner.reference(us):
+                if last:
+                    with store.loaded((-u, j)) as x:
+                        mb.ref_logps = self.head.row_logps(us, params, mb, x)
+                else:
+                    x_ctx = (
+                        contextlib.nullcontext(mb.input_ids) if u == 0 else store.loaded((-u, j))
+                    )
+                    with x_ctx as x:
+                        out = self.runner.run(us, params, x, mb)
+            if u > 0:
+                store.drop((-u, j))
+            if not last:
+                store.put((-(u + 1), j), out)
+                del out
+
+    def _dpo_head(
+        self,
+        us: UnitShard,
+        params: dict[str, torch.Tensor],
+        mbs: list[MicroBatch],
+        store: BoundaryStore,
+        rows_out: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The head without a backward under DPO: each micro-batch's rows' log-probabilities,
+        appended to `rows_out` if given, else turned into the pairs' loss (and metrics).
+        Returns the loss sum; the head's inputs are dropped."""
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.collectives.device)
+        dpo = self.head.dpo
+        assert dpo is not None
+        for j, mb in enumerate(mbs):
+            with self.runner.unit_input(store, us.index, j, mb) as x:
+                logps = self.head.row_logps(us, params, mb, x)
+            store.drop((us.index, j))
+            if rows_out is not None:
+                rows_out.append(logps)
+            else:
+                assert mb.ref_logps is not None, "DPO needs reference logps"
+                loss_sum += dpo.pairs(logps, mb.ref_logps, mb.labels)[0]
+        return loss_sum
 
     def backward_after_forward(
         self, mbs: list[MicroBatch], store: BoundaryStore, state: StepState

@@ -6,9 +6,11 @@ generator states a recompute replays."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 
+from cephalo.modeling.lora import adapters_off
 from cephalo.modeling.units import UnitModel, position_kwargs
 from cephalo.runtime import head_loss
 from cephalo.runtime.bind import UnitBinding
@@ -66,9 +68,35 @@ class UnitRunner:
             binding = self._bindings[us.index] = UnitBinding(us.unit.module)
         return binding
 
-    def head_fn(self, us: UnitShard, params: dict[str, torch.Tensor]) -> head_loss.RunHead:
-        """The head on `params` as runtime/head_loss.py runs it, chunk by chunk."""
-        return lambda h, labels: self.binding(us)(params, (h, labels))
+    def head_fn(
+        self,
+        us: UnitShard,
+        params: dict[str, torch.Tensor],
+        row_weights: torch.Tensor | None = None,
+        per_row: bool = False,
+    ) -> head_loss.RunHead:
+        """The head on `params` as runtime/head_loss.py runs it, chunk by chunk: the token
+        loss sum, weighted per row by `row_weights` ([m, 1], the DPO objective's gradient), or
+        `per_row` each row's sum (`modeling.units.LMHead.forward`)."""
+        if row_weights is None and not per_row:
+            return lambda h, labels: self.binding(us)(params, (h, labels))
+        kwargs = {"row_weights": row_weights, "per_row": per_row}
+        return lambda h, labels: self.binding(us)(params, (h, labels), kwargs)
+
+    @contextlib.contextmanager
+    def reference(self, us: UnitShard) -> Iterator[None]:
+        """Inside: unit `us` is the DPO reference under LoRA, the frozen base with its
+        adapters off (`modeling.lora.adapters_off`: no second model in memory), in eval mode
+        (no dropout: the reference is a fixed function of the data, as TRL's precomputed one
+        is)."""
+        module = us.unit.module
+        was = module.training
+        with adapters_off(module):
+            module.train(False)
+            try:
+                yield
+            finally:
+                module.train(was)
 
     def dropout(self, us: UnitShard, mb: MicroBatch) -> contextlib.AbstractContextManager:
         if not (

@@ -90,3 +90,6 @@ class MicroBatch:
     """Per-document positions of packed samples (None: 0, 1, ... in every row)."""
     rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     """Generator states saved before each unit's forward, by unit index."""
+    ref_logps: torch.Tensor | None = None
+    """DPO: each row's reference log-probability (fp32 [rows]): precomputed (full fine-tuning)
+    or from the adapters-off forward of this step (LoRA); None: the SFT objective."""
