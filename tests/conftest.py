@@ -1,4 +1,5 @@
-"""Suite-wide reporting: the equivalence checks' margins (tests/equivalence.py)."""
+"""Suite-wide: the equivalence checks' margins (tests/equivalence.py); the shared rank pools
+(tests/dist_harness.py) stopped at the end."""
 
 from __future__ import annotations
 
@@ -23,3 +24,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"  {ratio:8.3g}  {label}: {what}: distance {distance:.2e}, noise {noise:.2e}"
         )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the rank pools the modules shared (dist_harness.py), if any module used one."""
+    import sys
+
+    harness = sys.modules.get("dist_harness")
+    if harness is not None:
+        harness.close_shared_pools()

@@ -13,6 +13,7 @@ from cephalo.advise.results import select_frontier
 from cephalo.cli import main
 from cephalo.costmodel.sources import build_cost_model
 from cephalo.errors import CephaloError
+from cephalo.planner.group_split import GroupPlanMemo
 from cephalo.planner.shard_groups import candidate_groupings, make_hierarchical_plan, plan_grouping
 from cephalo.specs.cluster import Cluster
 from cephalo.specs.offers import Offers
@@ -203,22 +204,28 @@ def test_shard_groups_bound(which, request):
     groupings with) is below its plan's step, and infinite only where the grouping has no plan;
     the advisor's answer is the planner's without the floors; and the bound stays close to the
     planner's throughput (a bound that dropped the groups' collectives or their all-reduce
-    would plan far more clusters)."""
+    would plan far more clusters).
+
+    The test's own plans share one `GroupPlanMemo` (as the advisor's do; a memo's plans are
+    the ones planned afresh, test_group_plan_memo): the clusters repeat groups, and
+    `make_hierarchical_plan` plans the groupings `plan_grouping` just planned. It is not the
+    advisor's memo, and the floors are not given: the comparison stays independent."""
     adv = request.getfixturevalue(which)
     model, seq, dtype, batch = GROUPED if which == "grouped" else TIGHT
     kw = {"allow_host_state": which != "grouped_tight"}
     labels, hierarchical = set(), 0
+    memo = GroupPlanMemo()
     for units, sps in planned(adv).items():
         cm = build_cost_model(adv.cluster_of(units).to_spec(), model, seq, dtype)
         for grouping in candidate_groupings(cm):
             floor = adv._bounds.grouping_floor(cm, grouping.groups)
-            res = plan_grouping(cm, batch, grouping, "bf16", **kw)
+            res = plan_grouping(cm, batch, grouping, "bf16", memo, **kw)
             if res.plan is None:
                 continue
             assert math.isfinite(floor) and floor <= res.step_s * (1 + 1e-12), (units, grouping)
         if sps is None:
             continue
-        plan = make_hierarchical_plan(cm, batch, reduce_dtype="bf16", **kw)
+        plan = make_hierarchical_plan(cm, batch, reduce_dtype="bf16", memo=memo, **kw)
         assert plan.predicted.samples_per_s == sps, units
         hierarchical += plan.hierarchical
         labels.add(plan.meta.get("grouping"))

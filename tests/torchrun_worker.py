@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from cephalo.__main__ import quick_exit
 from cephalo.errors import CephaloError
 from cephalo.runtime.collectives.dist import shutdown
 from cephalo.train.config_manager import load_config
@@ -32,3 +33,4 @@ except CephaloError as err:
 finally:
     shutdown()  # as `cephalo train` does
 result.plan.to_json(Path(os.environ["TEST_OUT"]) / f"plan_rank{rank}.json")
+quick_exit(0)  # as `python -m cephalo` ends: without Python's module teardown
