@@ -10,7 +10,7 @@ from cephalo.runtime import dropout as dropout_mod
 from cephalo.runtime.collectives.comm import LocalComm
 from cephalo.runtime.dropout import module_uses_dropout
 from cephalo.runtime.engine.engine import Engine, EngineConfig
-from cephalo.runtime.state.adamw import ADAMW_KERNELS, SQ_SUM_CHUNK, grad_sq_sum
+from cephalo.runtime.state.adamw import ADAMW_KERNELS, grad_sq_sum
 from engine_common import make_data, make_plan, one_thread, reference_floor  # noqa: F401
 
 
@@ -152,7 +152,11 @@ def test_non_finite_gradient_skips_without_a_host_sync():
     assert all(int(g.grad.count_nonzero()) == 0 for g in engine.optimizer.groups)
 
 
-@pytest.mark.parametrize("sizes", [[1], [5, 3], [SQ_SUM_CHUNK + 7], [2 * SQ_SUM_CHUNK, 1000, 3]])
+CHUNK = 1 << 12
+"""A small `grad_sq_sum` chunk: the chunk boundaries at a size the exact sum checks quickly."""
+
+
+@pytest.mark.parametrize("sizes", [[1], [5, 3], [CHUNK + 7], [2 * CHUNK, 1000, 3]])
 def test_grad_sq_sum_widens_every_entry(sizes):
     """The squared gradient norm on the CPU (chunks widened to fp64, BLAS dot) is the exact sum
     of the fp64 squares to fp64 rounding, and the fused-kernel path (CUDA's) agrees; the same
@@ -164,11 +168,12 @@ def test_grad_sq_sum_widens_every_entry(sizes):
         torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 3, (n,), generator=g) for n in sizes
     ]
     exact = math.fsum(float(v) ** 2 for t in grads for v in t.double().tolist())
-    cpu = float(grad_sq_sum(grads, torch.device("cpu")))
+    cpu = float(grad_sq_sum(grads, torch.device("cpu"), CHUNK))
+    assert float(grad_sq_sum(grads, torch.device("cpu"))) == pytest.approx(cpu, rel=1e-14)
     fused = float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum())
     flat = torch.cat(grads)
     resplit = list(flat.split([flat.numel() // 3, flat.numel() - flat.numel() // 3]))
     resplit = [t for t in resplit if t.numel()]
-    for value in (cpu, fused, float(grad_sq_sum(resplit, torch.device("cpu")))):
+    for value in (cpu, fused, float(grad_sq_sum(resplit, torch.device("cpu"), CHUNK))):
         assert value == pytest.approx(exact, rel=1e-13, abs=0.0)
     assert grad_sq_sum(grads, torch.device("cpu")).dtype == torch.float64
