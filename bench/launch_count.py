@@ -13,7 +13,8 @@ checks the same ratios on a tiny model.
 
 On the CPU (no GPU here):
 
-- **ops that do work**: every aten op a `TorchDispatchMode` sees (`OpCounter`), except
+- **ops that do work**: every aten op a `TorchDispatchMode` sees
+  (`cephalo.runtime.host_syncs.OpCounter`), except
   (1) views and other aliasing ops, by their schema (`OpOverload.is_view`: `view`, `t`,
   `transpose`, `slice`, `select`, `split`, `unbind`, `expand`, `permute`, `detach`, `alias`,
   `as_strided`, ...), (2) `_unsafe_view` (a view the schema does not mark) and (3) the
@@ -48,7 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from cephalo.runtime.host_syncs import NO_WORK, HostSyncs, OpCounter
 
 LR = 1e-4
 MODEL = "gpt2-124m"
@@ -58,55 +60,6 @@ TARGETS = {16: 1.10, 4: 1.15}
 """Micro-batches -> the most ops that do work the engine may issue per plain PyTorch's
 (issue 39's "done when"), and at most one host-sync op per step."""
 MAX_SYNCS = 1
-
-NO_WORK = frozenset(
-    {
-        "_unsafe_view",
-        "empty",
-        "empty_like",
-        "empty_strided",
-        "promote_types",
-        "result_type",
-        "sym_size",
-        "sym_stride",
-        "sym_numel",
-        "sym_storage_offset",
-        "is_same_size",
-        "_has_compatible_shallow_copy_type",
-        "lift_fresh",
-    }
-)
-"""aten ops (packet names) that are not views yet do no work: allocations without a kernel,
-metadata queries. Excluded from the ops that do work with the views."""
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched while active, per op (`counts`); `work()` is the number
-    that do work (module docstring)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
-
-    def work(self) -> int:
-        return sum(n for f, n in self.counts.items() if does_work(f))
-
-    def by_op(self) -> collections.Counter:
-        """Ops that do work, per packet name."""
-        out: collections.Counter = collections.Counter()
-        for f, n in self.counts.items():
-            if does_work(f):
-                out[f._overloadpacket.__name__] += n
-        return out
-
-
-def does_work(func) -> bool:
-    """Whether an aten op counts as an op that does work (not a view, not in `NO_WORK`)."""
-    return not func.is_view and func._overloadpacket.__name__ not in NO_WORK
 
 
 @dataclass
@@ -141,8 +94,6 @@ class Counts:
 def count_step(step: Callable[[], object]) -> Counts:
     """Run `step` once under the op counter, then once under the host-sync counter and the
     Python profiler (separately, so that no counter counts another's work)."""
-    from cephalo.runtime.host_syncs import HostSyncs
-
     with OpCounter() as ops:
         step()
     with HostSyncs(count_cpu_copies=True) as syncs:
@@ -281,8 +232,6 @@ def cuda_launches(step: Callable[[], object]) -> tuple[int, int]:
 def cuda_table(batch: int, seq: int, micros: list[int], dtype: str = "bf16") -> list[list[str]]:
     """Kernel launches per step on the GPU at each micro-batch count (`scripts/gpu_profile.py`
     calls this): one row per micro-batch count, the engine's and plain PyTorch's launches."""
-    from cephalo.runtime.host_syncs import HostSyncs
-
     rows = []
     for n_micro in micros:
         micro = batch // n_micro
