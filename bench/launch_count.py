@@ -122,7 +122,8 @@ def engine_step(
     from cephalo.runtime.collectives.comm import LocalComm
     from cephalo.runtime.engine.engine import Engine, EngineConfig
 
-    plan = manual_plan(MODEL, seq, [batch], [micro], [1.0], dtype=dtype)
+    keys = ["gpu" if device == "cuda" else "cpu"]
+    plan = manual_plan(MODEL, seq, [batch], [micro], [1.0], device_keys=keys, dtype=dtype)
     cfg = EngineConfig(compute_dtype=dtype, validate_collectives=False, device=device)
     engine = Engine(build_model(MODEL, n_layer=layers, **shape), plan, LocalComm(), cfg)
     x, y = batch_data(batch, seq, device, shape.get("vocab_size", VOCAB))
