@@ -40,6 +40,8 @@ class LeafDrain:
     """The fp32 slice the destinations tile in order, where they do (a unit's own slots): in
     a narrower compute dtype the gradients are concatenated and added to it at once (a
     mixed-dtype foreach add is a kernel per tensor on CUDA)."""
+    partial: bool = False
+    """A leaf got no gradient in this backward: drained leaf by leaf from then on."""
 
     def concatenates(self) -> bool:
         """Whether the drain concatenates the gradients first (a transient of their size)."""
@@ -53,19 +55,19 @@ class LeafDrain:
 def drain_together(drain: LeafDrain, written: set[str]) -> None:
     """Add the leaves' gradients into their fp32 destinations (copy them where nothing was
     written yet: the buffers are not zeroed, `drain_first`), then free them. One foreach op
-    in fp32, a concatenation and one add in a narrower compute dtype; a leaf that got no
-    gradient (a parameter the forward did not use) is skipped."""
+    in fp32, a concatenation and one add in a narrower compute dtype. Once a leaf got no
+    gradient (a parameter the forward did not use), this backward drains leaf by leaf.
+    No generator expressions: this runs per unit and micro-batch (its Python calls count)."""
     grads = [leaf.grad for leaf in drain.leaves]
     if not grads:
         return
-    if any(g is None for g in grads) or any(
-        (n in written) != (drain.names[0] in written) for n in drain.names
-    ):
+    if drain.partial or [g for g in grads if g is None]:
+        drain.partial = True
         for name, leaf, dst, g in zip(drain.names, drain.leaves, drain.dsts, grads, strict=True):
             if g is not None:
                 drain_first(written, name, dst, leaf)
         return
-    first = drain.names[0] not in written
+    first = drain.names[0] not in written  # (all or none written: not partial)
     if drain.concatenates():
         assert drain.region is not None
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -81,6 +83,7 @@ def drain_together(drain: LeafDrain, written: set[str]) -> None:
         else:
             torch._foreach_add_(drain.dsts, flat_grads)
         del flat_grads
+    del grads
     if first:
         written.update(drain.names)
     for leaf in drain.leaves:
