@@ -238,7 +238,7 @@ class UnitBench:
             x = x.detach().requires_grad_()
         names = [n for n in self.grads if n in leaves]
         drain = LeafDrain(
-            names, [leaves[n] for n in names], [self.grads[n] for n in names], self.grad_flat
+            names, [leaves[n] for n in names], [[self.grads[n]] for n in names], self.grad_flat
         )
         param_grad = held_grad_bytes(drain, (), self.dtype)
         if self.kind == "head":  # the engine's one pass of loss and backward, in chunks

@@ -34,14 +34,23 @@ class LeafDrain:
 
     names: list[str]
     leaves: list[torch.Tensor]
-    dsts: list[torch.Tensor]
-    """Each leaf's fp32 destination, 1-D."""
+    dsts: list[list[torch.Tensor]]
+    """Each leaf's fp32 destination: 1-D pieces, in order (one, but where a padded buffer's
+    padding splits the parameter, runtime/collectives/padded.py)."""
     region: torch.Tensor | None = None
     """The fp32 slice the destinations tile in order, where they do (a unit's own slots): in
     a narrower compute dtype the gradients are concatenated and added to it at once (a
     mixed-dtype foreach add is a kernel per tensor on CUDA)."""
+    accumulate: bool = False
+    """The destinations are zeroed (a padded buffer): every gradient is added, none copied."""
     partial: bool = False
     """A leaf got no gradient in this backward: drained leaf by leaf from then on."""
+
+    def __post_init__(self) -> None:
+        self.flat_dsts = [d for ds in self.dsts for d in ds]
+        split = len(self.flat_dsts) != len(self.dsts)
+        self.sizes = [[d.numel() for d in ds] for ds in self.dsts] if split else None
+        """Per leaf, the sizes of its pieces (None: one piece each)."""
 
     def concatenates(self) -> bool:
         """Whether the drain concatenates the gradients first (a transient of their size)."""
@@ -63,11 +72,15 @@ def drain_together(drain: LeafDrain, written: set[str]) -> None:
         return
     if drain.partial or [g for g in grads if g is None]:
         drain.partial = True
-        for name, leaf, dst, g in zip(drain.names, drain.leaves, drain.dsts, grads, strict=True):
-            if g is not None:
-                drain_first(written, name, dst, leaf)
+        for name, leaf, dsts, g in zip(drain.names, drain.leaves, drain.dsts, grads, strict=True):
+            if g is None:
+                continue
+            if drain.accumulate:
+                drain_grad_pieces(dsts, leaf)
+            else:
+                drain_first(written, name, dsts[0], leaf)
         return
-    first = drain.names[0] not in written  # (all or none written: not partial)
+    first = not drain.accumulate and drain.names[0] not in written  # (all or none: not partial)
     if drain.concatenates():
         assert drain.region is not None
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -77,11 +90,18 @@ def drain_together(drain: LeafDrain, written: set[str]) -> None:
             drain.region.add_(flat)
         del flat
     else:
-        flat_grads = [g.reshape(-1) for g in grads]
-        if first:
-            torch._foreach_copy_(drain.dsts, flat_grads)
+        if drain.sizes is None:
+            flat_grads = [g.reshape(-1) for g in grads]
         else:
-            torch._foreach_add_(drain.dsts, flat_grads)
+            flat_grads = [
+                p
+                for g, sizes in zip(grads, drain.sizes, strict=True)
+                for p in g.reshape(-1).split(sizes)
+            ]
+        if first:
+            torch._foreach_copy_(drain.flat_dsts, flat_grads)
+        else:
+            torch._foreach_add_(drain.flat_dsts, flat_grads)
         del flat_grads
     del grads
     if first:

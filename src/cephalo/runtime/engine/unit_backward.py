@@ -17,7 +17,6 @@ from cephalo.runtime.autograd import (
     BackwardCharges,
     LeafDrain,
     drain_first,
-    drain_grad_pieces,
     drain_together,
     held_grad_bytes,
 )
@@ -90,9 +89,9 @@ class UnitBackward:
         """The unit's trained parameters as autograd leaves. Its own slots' gradients are
         drained together after each backward into the fp32 accumulation buffer (`drain`:
         one or two ops per unit and micro-batch, runtime/autograd.py `drain_together`); a
-        borrowed tied parameter's and a padded buffer's by a post-accumulate hook each, as
-        autograd produces them. The buffers are not zeroed: the first gradient of a slot is
-        copied in (`grads.written`: the slots written so far). Made once per unit backward
+        borrowed tied parameter's by a post-accumulate hook, as autograd produces it. The buffers are not zeroed: the first gradient of a slot is
+        copied in (`grads.written`: the slots written so far; a padded buffer is zeroed and
+        added to, its pieces around the padding). Made once per unit backward
         (`grads.leaves`): every micro-batch's backward drains through the same leaves."""
         if grads.leaves is not None:
             return grads.leaves
@@ -104,24 +103,25 @@ class UnitBackward:
         for name, leaf in leaves.items():
             if name in borrowed:
                 hook = functools.partial(drain_first, written, name, borrowed[name])
-            elif us.padded is None:
+                leaf.register_post_accumulate_grad_hook(hook)
+            else:
                 together.append((us.layout.slot(name).offset, name, leaf))
-                continue
-            else:  # the padded gradient buffer, zeroed (runtime/collectives/padded.py)
-                slot = us.layout.slot(name)
-                hook = functools.partial(
-                    drain_grad_pieces, us.padded.slices(acc, slot.offset, slot.end)
-                )
-            leaf.register_post_accumulate_grad_hook(hook)
         if together:
             together.sort(key=lambda t: t[0])
             slots = [us.layout.slot(name) for _, name, _ in together]
-            tiles = all(a.end == b.offset for a, b in zip(slots, slots[1:], strict=False))
+            if us.padded is None:
+                dsts = [[acc[s.offset : s.end]] for s in slots]
+                tiles = all(a.end == b.offset for a, b in zip(slots, slots[1:], strict=False))
+                region = acc[slots[0].offset : slots[-1].end] if tiles else None
+            else:  # the padded gradient buffer, zeroed (runtime/collectives/padded.py)
+                dsts = [us.padded.slices(acc, s.offset, s.end) for s in slots]
+                region = None
             grads.drain = LeafDrain(
                 [name for _, name, _ in together],
                 [leaf for _, _, leaf in together],
-                [acc[s.offset : s.end] for s in slots],
-                acc[slots[0].offset : slots[-1].end] if tiles else None,
+                dsts,
+                region,
+                accumulate=us.padded is not None,
             )
         grads.leaves = leaves
         return leaves
