@@ -53,6 +53,10 @@ import torch
 from cephalo.runtime.host_syncs import NO_WORK, HostSyncs, OpCounter
 
 LR = 1e-4
+SMALL_NOTE = (
+    " narrowed to hidden 64, 4 heads, vocabulary 256 (`--small`: the same ops per block; the "
+    "CPU norm's chunks, a few dozen more ops at full width, fewer)"
+)
 MODEL = "gpt2-124m"
 VOCAB = 50304
 FULL_LAYERS = 12
@@ -393,7 +397,7 @@ def main() -> None:
             "## Where the ops differ (ops that do work, per aten op, largest differences)\n\n"
             + markdown_table(op_headers, op_rows, "lrrrr"),
             "## Setup\n\n"
-            f"- `{MODEL}` shape, {scaled}; batch {args.batch} x {args.seq_len} tokens, fp32, "
+            f"- `{MODEL}` shape{SMALL_NOTE if args.small else ''}, {scaled}; batch {args.batch} x {args.seq_len} tokens, fp32, "
             "one rank (`LocalComm`). Plain PyTorch: every block checkpointed "
             "(non-reentrant), gradient accumulation, foreach clipping, fused AdamW, the loss "
             "not read (the engine reads its loss and norm once per step).\n"
