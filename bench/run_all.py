@@ -56,6 +56,7 @@ BENCHES = [
     Bench("hf_overhead", "Cephalo on a Hugging Face model vs plain transformers", 420),
     Bench("optimizer_step", "AdamW on a flat shard vs torch's fastest", 300),
     Bench("python_overhead", "The engine's own Python cost on a small model", 300),
+    Bench("launch_count", "Ops per training step: the engine vs plain PyTorch", 420),
     Bench("packing", "Chat fine-tuning: packed vs padded samples", 180),
     Bench("adapters", "Full fine-tuning vs LoRA vs QLoRA", 240),
 ]

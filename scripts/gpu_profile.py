@@ -11,7 +11,9 @@ scripts/gpu_profile.py --out DIR`. It writes DIR/gpu_profile.md with:
   kernel launches per step, and the top operators by host time and by GPU time;
 - cProfile: the engine's own Python frames by own time and by cumulative time;
 - every synchronising CUDA call in one engine step, with the Python stack that made it
-  (`torch.cuda.set_sync_debug_mode("warn")`).
+  (`torch.cuda.set_sync_debug_mode("warn")`);
+- on CUDA, bench/launch_count.py's kernel launches per step at 1, 4 and 16 micro-batches,
+  the engine against plain PyTorch with checkpointing (issue 39).
 
 Without a GPU it runs the same measurements on the CPU with a tiny model (`--cpu`), so the
 script itself is tested in CI (tests/test_engine_single.py).
@@ -190,10 +192,35 @@ def run(setup: Setup, out: Path, steps: int) -> str:
         step = None
         if setup.cuda:
             torch.cuda.empty_cache()
+    if setup.cuda:
+        details.append(_launch_counts(batch, setup.seq))
     report = "\n".join(lines) + "\n" + "".join(details)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_profile.md").write_text(report)
     return report
+
+
+def _launch_counts(batch: int, seq: int) -> str:
+    """bench/launch_count.py's CUDA path (issue 39): kernel launches per step from
+    torch.profiler, the engine (one rank, bf16) against plain PyTorch with every block
+    checkpointed, gradient accumulation, foreach clipping and fused AdamW, at 1, 4 and 16
+    micro-batches of the same batch; the host-sync ops of each."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import launch_count
+
+    try:
+        rows = launch_count.cuda_table(batch, seq, [1, 4, 16])
+    except Exception:  # a report section, not the profile: say what failed
+        return f"\n## kernel launches per step (bench/launch_count.py)\n\n```\n{traceback.format_exc()}```\n"
+    head = "| " + " | ".join(launch_count.CUDA_HEADERS) + " |"
+    rule = "| :--- |" + " ---: |" * (len(launch_count.CUDA_HEADERS) - 1)
+    body = "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    print(head, rule, body, sep="\n", flush=True)
+    return (
+        "\n## kernel launches per step (bench/launch_count.py, gpt2-124m bf16)\n\n"
+        f"{head}\n{rule}\n{body}\n\nTarget (issue 39): launches at most 1.10x plain "
+        "PyTorch's at 16 micro-batches, 1.15x at 4; at most one host sync per step.\n"
+    )
 
 
 def _step_of(engine, data) -> Callable[[], None]:

@@ -8,8 +8,9 @@ so the cost model's numbers are the engine's numbers:
   mode), and its output is stored into a fresh ledger buffer (the boundary activation);
 - recompute + backward: parameters and input become fresh leaves, the unit runs again with
   a graph under the ledger's `track_activations`, `autograd.grad` back-propagates the output
-  gradient, each parameter gradient is drained into one fp32 accumulation buffer as autograd
-  produces it, and the input gradient is stored. The backward time is this minus the forward
+  gradient, the parameter gradients are drained together into one fp32 accumulation buffer
+  after it (runtime/autograd.py `drain_together`, as the engine), and the input gradient is
+  stored. The backward time is this minus the forward
   (the cost model adds the recompute itself);
 - activation bytes: what the engine's ledger adds during that recompute + backward (saved
   activations and the transient gradients it charges), so a predicted peak can match the
@@ -33,7 +34,6 @@ applies it once per unit pass.
 from __future__ import annotations
 
 import contextlib
-import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -44,9 +44,10 @@ import torch
 from cephalo.modeling.units import Unit
 from cephalo.runtime import head_loss
 from cephalo.runtime.autograd import (
+    LeafDrain,
     compiled_grad_bytes,
-    drain_grad,
-    largest_grad_bytes,
+    drain_together,
+    held_grad_bytes,
     largest_saved_bytes,
 )
 from cephalo.runtime.bind import UnitBinding
@@ -173,11 +174,10 @@ class UnitBench:
         self.params = self.layout.views(self.flat)
         # fp32 gradient buffers of the trained parameters only (a LoRA base has none, as in
         # the engine, whose gradient buffer covers the trained part)
-        self.grads = {
-            n: torch.zeros(p.numel(), dtype=torch.float32, device=device)
-            for n, p in named
-            if n not in self.frozen
-        }
+        trained = [(n, p.numel()) for n, p in named if n not in self.frozen]
+        self.grad_flat = torch.zeros(sum(k for _, k in trained), dtype=torch.float32, device=device)
+        pieces = self.grad_flat.split([k for _, k in trained]) if trained else []
+        self.grads = {n: piece for (n, _), piece in zip(trained, pieces, strict=True)}
         self._gen = torch.Generator().manual_seed(1234 + index)
 
     # ------------------------------------------------------------------ inputs
@@ -246,11 +246,13 @@ class UnitBench:
             return  # a frozen embedding: the engine runs no backward for it
         if self.kind != "embedding":
             x = x.detach().requires_grad_()
-        for name, leaf in leaves.items():
-            leaf.register_post_accumulate_grad_hook(functools.partial(drain_grad, self.grads[name]))
-        param_grad = largest_grad_bytes(leaves.values(), self.dtype)
+        names = [n for n in self.grads if n in leaves]
+        drain = LeafDrain(
+            names, [leaves[n] for n in names], [[self.grads[n]] for n in names], self.grad_flat
+        )
+        param_grad = held_grad_bytes(drain, (), self.dtype)
         if self.kind == "head":  # the engine's one pass of loss and backward, in chunks
-            self._head_backward(leaves, x, labels, gout, param_grad)
+            self._head_backward(leaves, x, labels, gout, param_grad, drain)
             return
         with torch.enable_grad(), self.ledger.track_activations():
             out = self._run({**self.params, **leaves}, x, labels)
@@ -260,13 +262,14 @@ class UnitBench:
             self.ledger.charge("grad_transient", transient)
             inputs = ([x] if self.kind != "embedding" else []) + list(leaves.values())
             torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
+            drain_together(drain, set(names))  # added (the buffers are zeroed once)
         del out
         self.ledger.release("grad_transient", transient)
         if self.kind != "embedding":
             self._store(x.grad)
             x.grad = None
 
-    def _head_backward(self, leaves, x, labels, gout, param_grad: int) -> None:
+    def _head_backward(self, leaves, x, labels, gout, param_grad: int, drain: LeafDrain) -> None:
         """`Engine._head_micro_batch`: the head over chunks of the sequence."""
         charged = [0]
 
@@ -284,6 +287,7 @@ class UnitBench:
             _, dx = head_loss.loss_and_backward(
                 run, x, labels, self.vocab, gout, list(leaves.values()), True, on_chunk
             )
+        drain_together(drain, set(drain.names))
         self.ledger.release("grad_transient", charged[0])
         self._store(dx)
 

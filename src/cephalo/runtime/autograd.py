@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -18,9 +19,110 @@ def drain_grad(dst: torch.Tensor, leaf: torch.Tensor) -> None:
 
 
 def largest_grad_bytes(leaves, dtype: torch.dtype) -> int:
-    """Bytes of the largest parameter gradient autograd produces for `leaves` (compute dtype):
-    the parameter side of a backward's transient gradients (`BackwardCharges.transient`)."""
+    """Bytes of the largest parameter gradient autograd produces for `leaves` (compute dtype),
+    each drained by its hook as it is produced (`held_grad_bytes`)."""
     return max((v.numel() for v in leaves), default=0) * dtype.itemsize
+
+
+@dataclass
+class LeafDrain:
+    """A unit's parameter leaves whose gradients are drained together, once per backward
+    (`drain_together`), instead of one post-accumulate hook and one add per parameter: about
+    a dozen ops per block and micro-batch become one or two (issue 39). Autograd leaves each
+    leaf's gradient in `.grad` (the first one stolen, not copied); they all live until the
+    drain, which the ledger charges (`held_grad_bytes`)."""
+
+    names: list[str]
+    leaves: list[torch.Tensor]
+    dsts: list[list[torch.Tensor]]
+    """Each leaf's fp32 destination: 1-D pieces, in order (one, but where a padded buffer's
+    padding splits the parameter, runtime/collectives/padded.py)."""
+    region: torch.Tensor | None = None
+    """The fp32 slice the destinations tile in order, where they do (a unit's own slots): in
+    a narrower compute dtype the gradients are concatenated and added to it at once (a
+    mixed-dtype foreach add is a kernel per tensor on CUDA)."""
+    accumulate: bool = False
+    """The destinations are zeroed (a padded buffer): every gradient is added, none copied."""
+    partial: bool = False
+    """A leaf got no gradient in this backward: drained leaf by leaf from then on."""
+
+    def __post_init__(self) -> None:
+        self.flat_dsts = [d for ds in self.dsts for d in ds]
+        split = len(self.flat_dsts) != len(self.dsts)
+        self.sizes = [[d.numel() for d in ds] for ds in self.dsts] if split else None
+        """Per leaf, the sizes of its pieces (None: one piece each)."""
+
+    def concatenates(self) -> bool:
+        """Whether the drain concatenates the gradients first (a transient of their size)."""
+        return (
+            self.region is not None
+            and bool(self.leaves)
+            and self.leaves[0].dtype != self.region.dtype
+        )
+
+
+def drain_together(drain: LeafDrain, written: set[str]) -> None:
+    """Add the leaves' gradients into their fp32 destinations (copy them where nothing was
+    written yet: the buffers are not zeroed, `drain_first`), then free them. One foreach op
+    in fp32, a concatenation and one add in a narrower compute dtype. Once a leaf got no
+    gradient (a parameter the forward did not use), this backward drains leaf by leaf.
+    No generator expressions: this runs per unit and micro-batch (its Python calls count)."""
+    grads = [leaf.grad for leaf in drain.leaves]
+    if not grads:
+        return
+    if drain.partial or [g for g in grads if g is None]:
+        drain.partial = True
+        for name, leaf, dsts, g in zip(drain.names, drain.leaves, drain.dsts, grads, strict=True):
+            if g is None:
+                continue
+            if drain.accumulate:
+                drain_grad_pieces(dsts, leaf)
+            else:
+                drain_first(written, name, dsts[0], leaf)
+        return
+    first = not drain.accumulate and drain.names[0] not in written  # (all or none: not partial)
+    if drain.concatenates():
+        assert drain.region is not None
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if first:
+            drain.region.copy_(flat)
+        else:
+            drain.region.add_(flat)
+        del flat
+    else:
+        if drain.sizes is None:
+            flat_grads = [g.reshape(-1) for g in grads]
+        else:
+            flat_grads = [
+                p
+                for g, sizes in zip(grads, drain.sizes, strict=True)
+                for p in g.reshape(-1).split(sizes)
+            ]
+        if first:
+            torch._foreach_copy_(drain.flat_dsts, flat_grads)
+        else:
+            torch._foreach_add_(drain.flat_dsts, flat_grads)
+        del flat_grads
+    del grads
+    if first:
+        written.update(drain.names)
+    for leaf in drain.leaves:
+        leaf.grad = None
+
+
+def held_grad_bytes(
+    drain: LeafDrain | None, hooked: Iterable[torch.Tensor], dtype: torch.dtype
+) -> int:
+    """Bytes of parameter gradients in compute dtype a backward holds at once: every drained
+    leaf's until `drain_together` (twice that where it concatenates them) plus the largest
+    of the leaves drained by their own hooks (as they are produced): the parameter side of a
+    backward's transient gradients (`BackwardCharges.transient`)."""
+    together = 0
+    if drain is not None:
+        together = sum(v.numel() for v in drain.leaves) * dtype.itemsize
+        if drain.concatenates():
+            together *= 2
+    return together + largest_grad_bytes(hooked, dtype)
 
 
 def drain_first(written: set[str], name: str, dst: torch.Tensor, leaf: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ in the driver, not a torch sync) and syncs inside a third-party extension's C++.
 
 from __future__ import annotations
 
+import collections
 import traceback
 from dataclasses import dataclass, field
 
@@ -145,3 +146,56 @@ class HostSyncs:
     def summary(self) -> list[str]:
         """One line per event: `op at where`."""
         return [f"{e.op} at {e.where}" for e in self.events]
+
+
+NO_WORK = frozenset(
+    {
+        "_unsafe_view",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "promote_types",
+        "result_type",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "is_same_size",
+        "_has_compatible_shallow_copy_type",
+        "lift_fresh",
+    }
+)
+"""aten ops (packet names) that are not views yet do no work: allocations without a kernel,
+metadata queries. Excluded from the ops that do work (`OpCounter`), as the views are."""
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active, per op (`counts`); `work()` is the number
+    that do work: on a GPU each is a kernel launch or more, a few microseconds of host time
+    whatever its size, so a small model's step is as fast as its count is small
+    (bench/launch_count.py, tests/test_engine_overhead.py: the engine's count against plain
+    PyTorch's). Views and aliasing ops (`OpOverload.is_view`) and `NO_WORK` are excluded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+    def work(self) -> int:
+        return sum(n for f, n in self.counts.items() if does_work(f))
+
+    def by_op(self) -> collections.Counter:
+        """Ops that do work, per packet name."""
+        out: collections.Counter = collections.Counter()
+        for f, n in self.counts.items():
+            if does_work(f):
+                out[f._overloadpacket.__name__] += n
+        return out
+
+
+def does_work(func) -> bool:
+    """Whether an aten op counts as an op that does work (not a view, not in `NO_WORK`)."""
+    return not func.is_view and func._overloadpacket.__name__ not in NO_WORK

@@ -9,7 +9,7 @@ import torch
 
 from cephalo.preference.objective import DpoObjective
 from cephalo.runtime import head_loss
-from cephalo.runtime.autograd import BackwardCharges, largest_grad_bytes
+from cephalo.runtime.autograd import BackwardCharges
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.engine.step_state import StepState
 from cephalo.runtime.engine.unit_backward import UnitBackward, graph_key
@@ -96,7 +96,7 @@ class HeadPass:
         leaves = self.unit_backward.leaves(us, params, grads)
         key = graph_key(u, mb, store)
         out_grad = head_grad
-        param_grad = largest_grad_bytes(leaves.values(), self.dtype)
+        param_grad = self.unit_backward.grad_bytes(grads)
         charged = [0]
 
         def on_chunk(out: torch.Tensor) -> None:  # this chunk's transient gradients
@@ -124,6 +124,7 @@ class HeadPass:
                     u > 0,
                     on_chunk,
                 )
+            self.unit_backward.drain(grads)
             if dpo_loss is not None:
                 loss = dpo_loss
             self.ledger.release("grad_transient", charged[0])

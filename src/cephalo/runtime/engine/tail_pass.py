@@ -78,7 +78,7 @@ class TailPass:
                 x = x_in.detach().requires_grad_()
                 # charged as the unfused backward charges them, before its backward: the
                 # head's pass then runs on top of them (the cost model's `tail_head`)
-                with ub.unit_graph(block, block_params, leaves, x, mb, key) as out:
+                with ub.unit_graph(block, block_params, leaves, x, mb, key, grads) as out:
                     store.put((h, j), out)  # the head's input, this micro-batch only
                     mb.rng[h] = self.runner.save_rng()
                     loss_sum += self.head.micro_batch(
@@ -92,6 +92,7 @@ class TailPass:
                             out, grad_tensors=gout, inputs=[x, *leaves.values()]
                         )
                     del out
+                    ub.drain(grads)
                 store.drop((h, j))  # the output gradient is consumed
                 store.put((u, j), x.grad)  # replaces the input: the previous unit's output gradient
                 x.grad = None

@@ -15,9 +15,10 @@ import torch
 
 from cephalo.runtime.autograd import (
     BackwardCharges,
+    LeafDrain,
     drain_first,
-    drain_grad_pieces,
-    largest_grad_bytes,
+    drain_together,
+    held_grad_bytes,
 )
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.engine.unit_comm import UnitGrads
@@ -61,12 +62,13 @@ class UnitBackward:
         x: torch.Tensor,
         mb: MicroBatch,
         key: tuple,
+        grads: UnitGrads,
     ) -> Iterator[torch.Tensor]:
         """Unit `us`'s forward on `x` with a graph over its trained parameters `leaves`, its
         saved activations and autograd's transient gradients charged as its backward holds
         them; yields the output, whose backward the caller runs inside (the recompute of
         `micro_batch`, the fused tail's last block, runtime/engine/tail_pass.py)."""
-        param_grad = largest_grad_bytes(leaves.values(), self.dtype)
+        param_grad = self.grad_bytes(grads)
         with self.charges.activations(key):
             with torch.enable_grad():
                 out = self.runner.run(us, {**params, **leaves}, x, mb)
@@ -84,33 +86,60 @@ class UnitBackward:
     def leaves(
         self, us: UnitShard, params: dict[str, torch.Tensor], grads: UnitGrads
     ) -> dict[str, torch.Tensor]:
-        """The unit's trained parameters as autograd leaves, each draining its gradient into
-        the fp32 accumulation buffer as soon as autograd produces it (post-accumulate hook),
-        so about one parameter's gradient in compute dtype exists at a time. The buffers are
-        not zeroed: the first gradient of a slot is copied in (`grads.written`: the slots
-        written so far). Made once per unit backward (`grads.leaves`): every micro-batch's
-        backward drains through the same leaves and hooks."""
+        """The unit's trained parameters as autograd leaves. Its own slots' gradients are
+        drained together after each backward into the fp32 accumulation buffer (`drain`:
+        one or two ops per unit and micro-batch, runtime/autograd.py `drain_together`); a
+        borrowed tied parameter's by a post-accumulate hook, as autograd produces it. The buffers are not zeroed: the first gradient of a slot is
+        copied in (`grads.written`: the slots written so far; a padded buffer is zeroed and
+        added to, its pieces around the padding). Made once per unit backward
+        (`grads.leaves`): every micro-batch's backward drains through the same leaves."""
         if grads.leaves is not None:
             return grads.leaves
         frozen = self.frozen.names(us.index) if self.frozen else ()
         leaves = {n: v.detach().requires_grad_() for n, v in params.items() if n not in frozen}
         acc, written = grads.acc, grads.written
         borrowed = {b.name: t for b, t in zip(us.borrows, grads.tied, strict=True)}
+        together: list[tuple[int, str, torch.Tensor]] = []
         for name, leaf in leaves.items():
             if name in borrowed:
                 hook = functools.partial(drain_first, written, name, borrowed[name])
+                leaf.register_post_accumulate_grad_hook(hook)
             else:
-                slot = us.layout.slot(name)
-                if us.padded is None:
-                    dst = acc[slot.offset : slot.end]
-                    hook = functools.partial(drain_first, written, name, dst)
-                else:  # the padded gradient buffer, zeroed (runtime/collectives/padded.py)
-                    hook = functools.partial(
-                        drain_grad_pieces, us.padded.slices(acc, slot.offset, slot.end)
-                    )
-            leaf.register_post_accumulate_grad_hook(hook)
+                together.append((us.layout.slot(name).offset, name, leaf))
+        if together:
+            together.sort(key=lambda t: t[0])
+            slots = [us.layout.slot(name) for _, name, _ in together]
+            if us.padded is None:
+                dsts = [[acc[s.offset : s.end]] for s in slots]
+                tiles = all(a.end == b.offset for a, b in zip(slots, slots[1:], strict=False))
+                region = acc[slots[0].offset : slots[-1].end] if tiles else None
+            else:  # the padded gradient buffer, zeroed (runtime/collectives/padded.py)
+                dsts = [us.padded.slices(acc, s.offset, s.end) for s in slots]
+                region = None
+            grads.drain = LeafDrain(
+                [name for _, name, _ in together],
+                [leaf for _, _, leaf in together],
+                dsts,
+                region,
+                accumulate=us.padded is not None,
+            )
         grads.leaves = leaves
         return leaves
+
+    def hooked(self, grads: UnitGrads) -> list[torch.Tensor]:
+        """The leaves drained by their own hooks (not by `drain`)."""
+        together = {id(v) for v in grads.drain.leaves} if grads.drain else set()
+        return [v for v in (grads.leaves or {}).values() if id(v) not in together]
+
+    def grad_bytes(self, grads: UnitGrads) -> int:
+        """The parameter gradients a backward of this unit holds at once (compute dtype)."""
+        return held_grad_bytes(grads.drain, self.hooked(grads), self.dtype)
+
+    @staticmethod
+    def drain(grads: UnitGrads) -> None:
+        """After a backward through the unit's leaves: their gradients into the buffer."""
+        if grads.drain is not None:
+            drain_together(grads.drain, grads.written)
 
     def micro_batch(
         self,
@@ -133,13 +162,14 @@ class UnitBackward:
             with (
                 # its copy runs beside the recompute: waited for only by the backward
                 store.loaded((u + 1, j), deferred=True) as gout,
-                self.unit_graph(us, params, leaves, x, mb, key) as out,
+                self.unit_graph(us, params, leaves, x, mb, key, grads) as out,
                 torch.enable_grad(),
             ):
                 inputs = ([x] if u > 0 else []) + list(leaves.values())
                 store.ready(gout)
                 torch.autograd.backward(out, grad_tensors=gout, inputs=inputs)
                 del out
+                self.drain(grads)
             store.drop((u + 1, j))  # the output gradient is consumed
             if u > 0:
                 store.put((u, j), x.grad)  # replaces the input: unit u-1's output gradient

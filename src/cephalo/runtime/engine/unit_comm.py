@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cephalo.runtime.autograd import LeafDrain
 from cephalo.runtime.collectives.comm import Comm, Handle
 from cephalo.runtime.engine.step_clock import StepClock
 from cephalo.runtime.memory import MemoryLedger
@@ -30,15 +31,19 @@ class UnitGrads:
     tied: list[torch.Tensor]
     written: set[str] = field(default_factory=set)
     leaves: dict[str, torch.Tensor] | None = None
-    """The unit's trained parameters as autograd leaves with their draining hooks, made by
-    the first micro-batch's backward and reused by the others (runtime/engine/unit_backward.py).
-    They are views of the gathered parameters: `done_with_leaves` before those are released."""
+    """The unit's trained parameters as autograd leaves, made by the first micro-batch's
+    backward and reused by the others (runtime/engine/unit_backward.py). They are views of
+    the gathered parameters: `done_with_leaves` before those are released."""
+    drain: LeafDrain | None = None
+    """The leaves drained together after each backward (`UnitBackward.drain`); the others
+    (borrowed tied parameters, a padded buffer's) drain by their own hooks."""
 
     def done_with_leaves(self) -> None:
         """The unit's last micro-batch is through: drop the leaves, so these buffers, which
         live on until their reduce-scatters finish, do not keep the gathered parameters alive
         past their release (the caller's own views of them go with its `params`)."""
         self.leaves = None
+        self.drain = None
 
 
 @dataclass

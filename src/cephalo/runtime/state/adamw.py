@@ -43,11 +43,15 @@ def nonempty_grads(groups) -> list[torch.Tensor]:
     return [g.grad for g in groups if g.grad.numel()]
 
 
-SQ_SUM_CHUNK = 1 << 18
-"""Elements widened to fp64 at a time by `grad_sq_sum` on the CPU (a 2 MiB temporary)."""
+SQ_SUM_CHUNK = 1 << 22
+"""Elements widened to fp64 at a time by `grad_sq_sum` on the CPU: one reused 32 MiB buffer,
+so a GPT-2-124M shard is a few dozen chunks of two ops each (issue 39: 2^18-element chunks
+made the norm a quarter of a small step's ops)."""
 
 
-def grad_sq_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def grad_sq_sum(
+    grads: list[torch.Tensor], device: torch.device, chunk: int = SQ_SUM_CHUNK
+) -> torch.Tensor:
     """Sum of the squared entries of `grads` (non-empty tensors: `nonempty_grads`), fp64 0-dim
     on `device`. Each entry is widened to fp64 before it is squared and summed (an fp32
     square is exact in fp64), so the norm does not depend (beyond fp64 rounding) on how the
@@ -56,17 +60,20 @@ def grad_sq_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor
     On CUDA one fused norm kernel over all of them (no squared copy of a shard in memory, one
     launch instead of three per group). On the CPU that kernel widens element by element
     (about 2 ns per element, measured: 6x the time of the whole fused AdamW step on a
-    100M-element shard), so there the entries are widened a chunk at a time and summed by
-    BLAS's fp64 dot product (0.3 ns per element)."""
+    100M-element shard), so there the entries are widened `chunk` at a time into one reused
+    fp64 buffer and summed by BLAS's fp64 dot product (0.3 ns per element), each chunk's dot
+    written into its own slot of a vector summed once at the end: two ops per chunk."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     if all(g.device.type == "cpu" for g in grads):
-        total = torch.zeros((), dtype=torch.float64)
-        for g in grads:
-            for piece in g.reshape(-1).split(SQ_SUM_CHUNK):
-                wide = piece.double()
-                total += torch.dot(wide, wide)
-        return total.to(device)
+        pieces = [p for g in grads for p in g.reshape(-1).split(chunk)]
+        wide = torch.empty(max(p.numel() for p in pieces), dtype=torch.float64)
+        dots = torch.empty(len(pieces), dtype=torch.float64)
+        for i, piece in enumerate(pieces):
+            w = wide[: piece.numel()]
+            w.copy_(piece)
+            torch.dot(w, w, out=dots[i])
+        return dots.sum().to(device)
     norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
     return torch.stack(norms).square().sum()
 
