@@ -63,20 +63,34 @@ def test_standard_mode_collectives_grow_with_micro_batches(k):
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_leaves_made_once_per_unit_backward_and_dropped_before_release(fuse, monkeypatch):
-    """Every micro-batch of a unit's backward drains through the same leaves and hooks
-    (runtime/engine/unit_backward.py): one hook per trained parameter per step, not per micro-batch.
-    The leaves view the gathered parameters, so they are dropped before those are released
+    """Every micro-batch of a unit's backward drains through the same leaves
+    (runtime/engine/unit_backward.py): one `LeafDrain` per unit per step, not per micro-batch,
+    one drain of all its gradients together per unit and micro-batch, and no per-parameter
+    hook (the tied embedding is untied here: a borrowed tied parameter keeps its own). The
+    leaves view the gathered parameters, so they are dropped before those are released
     (`UnitGrads.done_with_leaves`): every unit's gradient reaches `start_reduces` without them."""
     import torch
 
+    from cephalo.runtime.engine import unit_backward
     from cephalo.runtime.engine.unit_comm import UnitCollectives
 
-    hooks, leftover = [0], []
+    hooks, made, drained, leftover = [0], [0], [0], []
     register = torch.Tensor.register_post_accumulate_grad_hook
 
     def counting(self, hook):
         hooks[0] += 1
         return register(self, hook)
+
+    class CountedDrain(unit_backward.LeafDrain):
+        def __init__(self, *args, **kwargs):
+            made[0] += 1
+            super().__init__(*args, **kwargs)
+
+    drain_together = unit_backward.drain_together
+
+    def counted_drain(*args):
+        drained[0] += 1
+        return drain_together(*args)
 
     start = UnitCollectives.start_reduces
 
@@ -86,15 +100,18 @@ def test_leaves_made_once_per_unit_backward_and_dropped_before_release(fuse, mon
         return start(self, us, grads)
 
     monkeypatch.setattr(torch.Tensor, "register_post_accumulate_grad_hook", counting)
+    monkeypatch.setattr(unit_backward, "LeafDrain", CountedDrain)
+    monkeypatch.setattr(unit_backward, "drain_together", counted_drain)
     monkeypatch.setattr(UnitCollectives, "start_reduces", checking)
+    k = 4
     plan = make_plan([4], [1.0], [1])  # 4 micro-batches
     model = build_model("gpt-tiny", tie_embeddings=False)
-    trained = sum(1 for p in model.parameters() if p.requires_grad)
+    units = len(model.units)
     engine = Engine(model, plan, LocalComm(), EngineConfig(fuse_tail=fuse))
     assert engine.fuse_tail == fuse
     (x, y), (x2, y2) = make_data(2, 4)
     engine.train_step(x, y, lr=LR)
-    hooks[0] = 0
+    hooks[0] = made[0] = drained[0] = 0
     engine.train_step(x2, y2, lr=LR)
-    assert hooks[0] == trained
+    assert (hooks[0], made[0], drained[0]) == (0, units, units * k)
     assert leftover == []
