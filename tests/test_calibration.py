@@ -83,6 +83,29 @@ def test_refit_raises_the_reserve_to_the_measured_peak():
         assert p.peak_bytes >= cal.ranks[r].measured_peak_bytes
 
 
+def test_refit_adds_the_excess_to_each_devices_own_reserve():
+    """A mixed cluster (one device 100x the others' memory, reserves as a share of each):
+    a measured peak above the prediction adds the excess to every device's own reserve, not
+    the largest device's share to all. (The old refit held the small devices to the large one's
+    5 %: make demo's re-plan found no plan that fit, 205 MiB of reserve on a 32 MiB device.)"""
+    devices = [FakeDevice("a", 10**8), FakeDevice("b", 10**6), FakeDevice("b", 10**6)]
+    profiles = {
+        "a": linear_profile("a", 0.01, 0.02, 100, 1e-6),
+        "b": linear_profile("b", 0.01, 0.02, 100, 1e-6),
+    }
+    cm = cost_model(devices, profiles, reserve_bytes=None)  # 5 % of each device
+    plan = make_plan(cm, 12)
+    before = [p.memory.reserve for p in cm.evaluate(plan).ranks]
+    log = StepLog()
+    for _ in range(3):  # the small devices' ledger peaks 5000 bytes above peak + reserve
+        log.add(_stats(cm, plan, {"a": 1.0, "b": 1.0}, peak_extra=before[1] + 5000))
+    cal = refit(cm, plan, log)
+    assert cal.reserve_bytes == 5000
+    after = [p.memory.reserve for p in cal.cost_model.evaluate(plan).ranks]
+    assert after == [b + 5000 for b in before] and after[1] < 10**6 // 10
+    assert make_plan(cal.cost_model, 12) is not None  # the small devices still take a plan
+
+
 def test_refit_measures_the_synchronisation_no_rank_explains():
     # every rank waits 50 ms per step beyond the slowest rank's work (collectives the model
     # takes as hidden, ranks meeting at every unit): the refit's predicted step covers it

@@ -352,6 +352,7 @@ class BoundTables:
                 comm,
                 reserve_bytes=base.reserve_bytes,
                 reserve_fraction=base.reserve_fraction,
+                reserve_extra_bytes=base.reserve_extra_bytes,
                 adapter=base.adapter,
                 cross_reduce=cross,
             )

@@ -152,6 +152,7 @@ class CostModel(StageCosts, ShardGroupCosts, MemoryModel):
         reserve_bytes: int | None = None,
         reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
         meta: dict[str, Any] | None = None,
+        reserve_extra_bytes: int = 0,
         host: HostResources | None = None,
         serial_reduce: bool = False,
         adapter: AdapterSpec | None = None,
@@ -216,6 +217,10 @@ class CostModel(StageCosts, ShardGroupCosts, MemoryModel):
         self.comm = comm
         self.reserve_bytes = reserve_bytes
         self.reserve_fraction = reserve_fraction
+        # what calibration measured beyond each device's own reserve (train/calibration.py):
+        # added to every device's reserve, not one absolute reserve for all, so a mixed
+        # cluster's small device is not held to the largest one's fragmentation share
+        self.reserve_extra_bytes = int(reserve_extra_bytes)
         self.meta = dict(meta or {})
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.total_params = model.total_params
@@ -351,10 +356,10 @@ class CostModel(StageCosts, ShardGroupCosts, MemoryModel):
         fragmentation share of the capacity plus what no tensor holds on that device type (the
         context, workspaces, a communicator per process group: `device_reserve_bytes`)."""
         if self.reserve_bytes is not None:
-            return int(self.reserve_bytes)
+            return int(self.reserve_bytes) + self.reserve_extra_bytes
         groups = 1 if self.cross_reduce is None else self.cross_reduce.groups
         fixed = device_reserve_bytes(type_key, groups)
-        return int(self.reserve_fraction * capacity_bytes) + fixed
+        return int(self.reserve_fraction * capacity_bytes) + fixed + self.reserve_extra_bytes
 
     def optimizer_s_per_param(self, type_key: str) -> float:
         return self.profiles[type_key].optimizer_s_per_param

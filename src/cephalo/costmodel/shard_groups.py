@@ -112,6 +112,7 @@ class ShardGroupCosts:
             comm,
             reserve_bytes=self.reserve_bytes,
             reserve_fraction=self.reserve_fraction,
+            reserve_extra_bytes=self.reserve_extra_bytes,
             meta=self.meta,
             host=host,
             serial_reduce=self.serial_reduce,

@@ -293,10 +293,12 @@ class StageCosts:
             logits = np.where(has_head, head_act, 0.0)
             boundary = (flight * units_r + 2) * b * beta
             if self.reserve_bytes is not None:
-                reserve = float(self.reserve_bytes)
+                reserve = float(self.reserve_bytes) + self.reserve_extra_bytes
             else:
-                reserve = int(self.reserve_fraction * caps[i]) + device_reserve_bytes(
-                    key, STAGE_PROCESS_GROUPS
+                reserve = (
+                    int(self.reserve_fraction * caps[i])
+                    + device_reserve_bytes(key, STAGE_PROCESS_GROUPS)
+                    + self.reserve_extra_bytes
                 )
             for m, kept in ((0, True), (1, False)):
                 mem["gathered"][m, i] = held_r if kept else np.minimum(2 * held_max, held_r)

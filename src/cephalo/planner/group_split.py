@@ -120,6 +120,7 @@ class GroupPlanMemo:
             (cm.comm.bytes_per_s, cm.comm.latency_s),
             cm.reserve_bytes,
             cm.reserve_fraction,
+            cm.reserve_extra_bytes,
             host,
             cm.serial_reduce,
             cm.adapter,

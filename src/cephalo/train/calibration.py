@@ -163,7 +163,8 @@ class Calibration:
     host_optimizer_scale: dict[int, float]
     """Per rank with host state: the factor on its host's AdamW time per parameter."""
     reserve_bytes: int | None
-    """The memory reserve the new model holds back (None: unchanged, a fraction of capacity)."""
+    """The memory the new model holds back on every device beyond that device's own reserve
+    (`CostModel.reserve_extra_bytes`; None: unchanged)."""
     sync_s: float = 0.0
     """Seconds per step that the refitted model leaves unexplained (`predicted_step_s`)."""
 
@@ -179,7 +180,7 @@ class Calibration:
             if abs(v - 1) > 0.01
         ]
         if self.reserve_bytes is not None:
-            out.append(f"memory reserve {self.reserve_bytes / 2**20:.1f} MiB")
+            out.append(f"memory reserve +{self.reserve_bytes / 2**20:.1f} MiB per device")
         if self.sync_s >= 0.0005:
             out.append(f"synchronisation {self.sync_s * 1e3:.0f} ms per step")
         return out
@@ -226,9 +227,9 @@ def rebuilt(
     cm: CostModel,
     profiles: dict[str, DeviceProfile] | None = None,
     host: HostResources | None = None,
-    reserve_bytes: int | None = None,
+    reserve_extra_bytes: int | None = None,
 ) -> CostModel:
-    """`cm` with other profiles, hosts or reserve (everything else as it was)."""
+    """`cm` with other profiles, hosts or extra reserve (everything else as it was)."""
     return CostModel(
         cm.model,
         cm.seq_len,
@@ -236,8 +237,11 @@ def rebuilt(
         cm.devices,
         profiles if profiles is not None else cm.profiles,
         cm.comm,
-        reserve_bytes=reserve_bytes if reserve_bytes is not None else cm.reserve_bytes,
+        reserve_bytes=cm.reserve_bytes,
         reserve_fraction=cm.reserve_fraction,
+        reserve_extra_bytes=(
+            reserve_extra_bytes if reserve_extra_bytes is not None else cm.reserve_extra_bytes
+        ),
         meta=cm.meta,
         host=host if host is not None else cm.host,
         serial_reduce=cm.serial_reduce,
@@ -262,7 +266,6 @@ def refit(cm: CostModel, plan: Plan, log: StepLog, sync_s: float = 0.0) -> Calib
     if len(log.usable()) < 1:
         raise ValueError("calibration needs at least two measured steps")
     predicted = cm.evaluate(plan).ranks
-    n = len(predicted)
     fits, compute_by_type, opt_by_type = [], {}, {}
     host_scale: dict[int, float] = {}
     excess = 0
@@ -304,11 +307,11 @@ def refit(cm: CostModel, plan: Plan, log: StepLog, sync_s: float = 0.0) -> Calib
         speeds = tuple(s * host_scale.get(r, 1.0) for r, s in enumerate(host.optimizer_s_per_param))
         host = replace(host, optimizer_s_per_param=speeds)
     reserve = None
-    if excess > 0:  # some rank's measured peak is above its predicted peak with the reserve
-        reserve = (
-            max(cm.reserve_for(cm.capacity_bytes(r), cm.devices[r].type_key) for r in range(n))
-            + excess
-        )
+    if excess > 0:  # some rank's measured peak is above its predicted peak with the reserve:
+        # every device's own reserve grows by that much (one absolute reserve for all, the
+        # largest device's share, left a mixed cluster's small device no room: make demo's
+        # re-plan found no plan with a 205 MiB reserve on its 32 MiB device)
+        reserve = cm.reserve_extra_bytes + excess
     refitted = rebuilt(cm, profiles, host, reserve)
     # What no rank's own time explains: the refitted ranks match their measured work, so the
     # rest of the measured step is the model's blind spot: collectives it takes as hidden
