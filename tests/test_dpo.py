@@ -2,7 +2,8 @@
 autograd on the loss written out, the objective / data cross-check both ways, `dpo_beta`,
 the engine's refusals, the precomputed reference table and the metrics records. The
 equivalence runs (LoRA vs peft, full fine-tuning vs a frozen copy, plan invariance, IPO) are
-in tests/test_lora.py's rank pool."""
+in tests/test_lora.py's rank pool; the full fine-tuning reference's collective pass and
+sidecar through the trainer on 3 uneven ranks (the shared pool) is here, at the end."""
 
 from __future__ import annotations
 
