@@ -15,6 +15,7 @@ import torch
 
 from cephalo.errors import CephaloError
 from cephalo.modeling.units import IGNORE_INDEX
+from cephalo.planner.plan import Plan, RankPlan
 from cephalo.preference.job import PreferenceRun
 from cephalo.preference.objective import (
     METRICS,
@@ -273,10 +274,12 @@ def _counted_dpo_job(args: list[str]) -> tuple[dict[int, float], int]:
 
 @pytest.mark.slow
 def test_full_finetuning_reference_on_uneven_ranks_is_plan_invariant_and_reused(pool3, tmp_path):
-    """Full fine-tuning DPO through the trainer on 3 uneven emulated ranks: the reference
-    table's collective pass (a "missing" all-reduce, then all-gathers of every rank's rows)
-    gives every rank the same table, written once as the sidecar beside the dataset; a second
-    job on the same data runs no reference pass on any rank and leaves the file alone; and
+    """Full fine-tuning DPO through the trainer on 3 uneven emulated ranks (one of them
+    memory-only: it found that `ReferenceTable.ensure` failed on a rank with no rows): the
+    reference table's collective pass (a "missing" all-reduce, then all-gathers of every
+    rank's rows) gives every rank the same table, written once as the sidecar beside the
+    dataset; a second job on the same data under another plan runs no reference pass on any
+    rank and leaves the file alone; and
     the losses equal a 1-rank job's that computed its own reference on a copy of the data
     (plan invariance, rel 1e-5). TRL's metrics reach metrics.jsonl."""
     from cephalo.cli import main as cli_main
@@ -292,23 +295,36 @@ def test_full_finetuning_reference_on_uneven_ranks_is_plan_invariant_and_reused(
     def args(run: str, data: str, *extra: str) -> list[str]:
         return _dpo_job_args(tmp_path / run, example.model, tmp_path / data, *extra)
 
+    # uneven batches (4, 2, 0 pairs: micro-batches on rank 0, a memory-only rank 2) and shards
+    ranks = [
+        RankPlan(0, "cpu", 4, 2, 2, 0.5),
+        RankPlan(1, "cpu:slowdown=2", 2, 1, 2, 0.3),
+        RankPlan(2, "cpu:slowdown=3", 0, 1, 0, 0.2),
+    ]
+    Plan("manual", str(example.model), 96, 6, "fp32", ranks).to_json(tmp_path / "plan.json")
     devices = f"--parallel.devices={UNEVEN_DEVICES}"
-    first = pool3.run(_counted_dpo_job, args("run3", "ds3", devices))
+    first = pool3.run(
+        _counted_dpo_job, args("run3", "ds3", devices, f"--parallel.plan={tmp_path / 'plan.json'}")
+    )
     sidecars = list((tmp_path / "ds3.dpo-reference").glob("*.pt"))
     assert len(sidecars) == 1, sidecars
     stamp = sidecars[0].stat().st_mtime_ns
+    # keyed by content: the sidecar serves another plan too (proportional: 3, 2, 1 pairs)
     again = pool3.run(_counted_dpo_job, args("run3-again", "ds3", devices))
     one_losses, one_calls = _counted_dpo_job(args("run1", "ds1"))
 
     losses = first[0][0]
-    assert sorted(losses) == [1, 2] and all(r[0] == losses for r in first + again)
+    assert sorted(losses) == [1, 2] and all(r[0] == losses for r in first), first
+    assert all(r[0] == again[0][0] for r in again), again
     # the pass ran on every rank, once per batch: the 2 steps', then the evaluation's
     assert [calls for _, calls in first] == [3, 3, 3] and one_calls == 3, (first, one_calls)
     assert [calls for _, calls in again] == [0, 0, 0], "the second job recomputed the reference"
     assert sidecars[0].stat().st_mtime_ns == stamp
     assert losses[1] == pytest.approx(0.6931472, rel=1e-5)  # policy = reference at step 1
-    for step, loss in one_losses.items():
-        assert loss == pytest.approx(losses[step], rel=1e-5), (step, one_losses, losses)
+    for other in (one_losses, again[0][0]):  # plan invariance
+        assert sorted(other) == [1, 2]
+        for step, loss in other.items():
+            assert loss == pytest.approx(losses[step], rel=1e-5), (step, other, losses)
     # both tables hold the same rows and values, whoever computed them
     one = ReferenceTable(next((tmp_path / "ds1.dpo-reference").glob("*.pt")))
     three = ReferenceTable(sidecars[0])
