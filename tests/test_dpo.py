@@ -2,7 +2,8 @@
 autograd on the loss written out, the objective / data cross-check both ways, `dpo_beta`,
 the engine's refusals, the precomputed reference table and the metrics records. The
 equivalence runs (LoRA vs peft, full fine-tuning vs a frozen copy, plan invariance, IPO) are
-in tests/test_lora.py's rank pool."""
+in tests/test_lora.py's rank pool; the full fine-tuning reference's collective pass and
+sidecar through the trainer on 3 uneven ranks (the shared pool) is here, at the end."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from cephalo.errors import CephaloError
 from cephalo.modeling.units import IGNORE_INDEX
+from cephalo.planner.plan import Plan, RankPlan
 from cephalo.preference.job import PreferenceRun
 from cephalo.preference.objective import (
     METRICS,
@@ -24,6 +26,7 @@ from cephalo.preference.objective import (
 )
 from cephalo.preference.reference import ReferenceTable, row_keys, sidecar_path
 from cephalo.train.metrics import StepRecord, scalars_of
+from dist_harness import dist_pool_fixture
 from engine_common import one_thread
 
 __all__ = ["one_thread"]
@@ -214,3 +217,124 @@ def test_a_job_precomputes_the_reference_once_and_reuses_it(tmp_path):
     note = job.done_note("ckpt")  # the run's closing line
     assert "rewards/accuracies" in note and note.endswith(", checkpoint ckpt")
     assert losses[0][0] == pytest.approx(by_hand[0].loss, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- a job on ranks
+pool3 = dist_pool_fixture(3, timeout_s=300)
+UNEVEN_DEVICES = "cpu,cpu:slowdown=2,cpu:slowdown=3"
+
+
+def _dpo_job_args(run_dir, model_dir, data, *extra: str) -> list[str]:
+    """A 2-step full fine-tuning DPO job (no adapter, fp32) that evaluates at its last step:
+    the reference pass covers the training rows and the held-out ones."""
+    return [
+        f"--logging.dir={run_dir}",
+        "--logging.progress=false",
+        f"--model.name={model_dir}",
+        "--model.init=random",
+        "--model.dtype=fp32",
+        "--model.adapter=none",
+        f"--data.path={data}",
+        "--data.seq_len=96",
+        "--data.max_prompt_len=64",
+        "--data.val_fraction=0.25",
+        "--train.objective=dpo",
+        "--train.steps=2",
+        "--train.warmup_steps=1",
+        "--train.global_batch_size=6",
+        "--train.lr=1e-3",
+        "--train.eval_every=2",
+        "--train.eval_batches=1",
+        "--parallel.plan=proportional",
+        "--checkpoint.every=0",
+        *extra,
+    ]
+
+
+def _counted_dpo_job(args: list[str]) -> tuple[dict[int, float], int]:
+    """The trainer's job on this rank (1 process, or the pool's process group): its losses
+    and how many reference passes (`Engine.reference_logps` calls) this rank ran."""
+    from unittest import mock
+
+    from cephalo.runtime.engine.engine import Engine
+    from cephalo.train.config_manager import load_config
+    from cephalo.train.trainer import train
+
+    calls = []
+    original = Engine.reference_logps
+
+    def counted(self, *a, **kw):
+        calls.append(1)
+        return original(self, *a, **kw)
+
+    with mock.patch.object(Engine, "reference_logps", counted):
+        result = train(load_config(None, args))
+    return dict(result.losses), len(calls)
+
+
+@pytest.mark.slow
+def test_full_finetuning_reference_on_uneven_ranks_is_plan_invariant_and_reused(pool3, tmp_path):
+    """Full fine-tuning DPO through the trainer on 3 uneven emulated ranks (one of them
+    memory-only: it found that `ReferenceTable.ensure` failed on a rank with no rows): the
+    reference table's collective pass (a "missing" all-reduce, then all-gathers of every
+    rank's rows) gives every rank the same table, written once as the sidecar beside the
+    dataset; a second job on the same data under another plan runs no reference pass on any
+    rank and leaves the file alone; and
+    the losses equal a 1-rank job's that computed its own reference on a copy of the data
+    (plan invariance, rel 1e-5). TRL's metrics reach metrics.jsonl."""
+    from cephalo.cli import main as cli_main
+    from cephalo.preference.example import write_preference_example
+    from cephalo.train.metrics import read_metrics
+
+    example = write_preference_example(tmp_path / "ex", pairs=24, vocab_size=300)
+    prepare = ["prepare-data", "--input", str(example.jsonl), "--tokenizer", str(example.model)]
+    for name in ("ds1", "ds3"):
+        out = ["--output", str(tmp_path / name), "--seq-len", "96", "--max-prompt-len", "64"]
+        assert cli_main([*prepare, *out]) == 0
+
+    def args(run: str, data: str, *extra: str) -> list[str]:
+        return _dpo_job_args(tmp_path / run, example.model, tmp_path / data, *extra)
+
+    # uneven batches (4, 2, 0 pairs: micro-batches on rank 0, a memory-only rank 2) and shards
+    ranks = [
+        RankPlan(0, "cpu", 4, 2, 2, 0.5),
+        RankPlan(1, "cpu:slowdown=2", 2, 1, 2, 0.3),
+        RankPlan(2, "cpu:slowdown=3", 0, 1, 0, 0.2),
+    ]
+    Plan("manual", str(example.model), 96, 6, "fp32", ranks).to_json(tmp_path / "plan.json")
+    devices = f"--parallel.devices={UNEVEN_DEVICES}"
+    first = pool3.run(
+        _counted_dpo_job, args("run3", "ds3", devices, f"--parallel.plan={tmp_path / 'plan.json'}")
+    )
+    sidecars = list((tmp_path / "ds3.dpo-reference").glob("*.pt"))
+    assert len(sidecars) == 1, sidecars
+    stamp = sidecars[0].stat().st_mtime_ns
+    # keyed by content: the sidecar serves another plan too (proportional: 3, 2, 1 pairs)
+    again = pool3.run(_counted_dpo_job, args("run3-again", "ds3", devices))
+    one_losses, one_calls = _counted_dpo_job(args("run1", "ds1"))
+
+    losses = first[0][0]
+    assert sorted(losses) == [1, 2] and all(r[0] == losses for r in first), first
+    assert all(r[0] == again[0][0] for r in again), again
+    # the pass ran on every rank, once per batch: the 2 steps', then the evaluation's
+    assert [calls for _, calls in first] == [3, 3, 3] and one_calls == 3, (first, one_calls)
+    assert [calls for _, calls in again] == [0, 0, 0], "the second job recomputed the reference"
+    assert sidecars[0].stat().st_mtime_ns == stamp
+    assert losses[1] == pytest.approx(0.6931472, rel=1e-5)  # policy = reference at step 1
+    for other in (one_losses, again[0][0]):  # plan invariance
+        assert sorted(other) == [1, 2]
+        for step, loss in other.items():
+            assert loss == pytest.approx(losses[step], rel=1e-5), (step, other, losses)
+    # both tables hold the same rows and values, whoever computed them
+    one = ReferenceTable(next((tmp_path / "ds1.dpo-reference").glob("*.pt")))
+    three = ReferenceTable(sidecars[0])
+    assert one.values.keys() == three.values.keys() and len(one.values) > 0
+    for key, value in one.values.items():
+        assert three.values[key] == pytest.approx(value, rel=1e-5)
+
+    for run in ("run3", "run1"):
+        train_records = read_metrics(tmp_path / run / "metrics.jsonl")
+        evals = read_metrics(tmp_path / run / "metrics.jsonl", kind="eval")
+        records = train_records + evals
+        assert len(train_records) == 2 and len(evals) == 1, records
+        assert all(set(METRICS) <= set(r) for r in train_records + evals), records

@@ -154,14 +154,15 @@ class ReferenceTable:
             return
         values = engine.reference_logps(input_ids, labels, position_ids).double()
         rows = [engine.rows_per_sample * r.batch_size for r in engine.plan.ranks]
-        mine = torch.from_numpy(
-            np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, KEY_BYTES).copy()
-        ).view(torch.int64)  # 2 int64 per row (gloo gathers no uint8 with sizes)
+        # 2 int64 per row (gloo gathers no uint8 with sizes), read as int64 from the bytes
+        # directly: a rank with no rows (a memory-only rank, batch 0) has an empty (0, 16)
+        # uint8 array, which torch cannot `view` as int64 (its stride is 0)
+        mine = torch.from_numpy(np.frombuffer(b"".join(keys), dtype=np.int64).copy())
         all_keys = torch.empty(2 * sum(rows), dtype=torch.int64, device=engine.device)
         all_values = torch.empty(sum(rows), dtype=torch.float64, device=engine.device)
         world = engine.world
         engine.collectives.wait(
-            world.all_gather_v(all_keys, mine.reshape(-1).to(engine.device), [2 * r for r in rows])
+            world.all_gather_v(all_keys, mine.to(engine.device), [2 * r for r in rows])
         )
         engine.collectives.wait(world.all_gather_v(all_values, values.to(engine.device), rows))
         raw = all_keys.cpu().numpy().tobytes()
