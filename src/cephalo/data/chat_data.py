@@ -25,7 +25,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -64,7 +64,8 @@ from cephalo.log import logger
 from cephalo.modeling.units import IGNORE_INDEX
 
 CHAT_META = "chat.json"
-
+SPLIT_FILES = (".json", ".bin", ".mask.bin", ".docs.bin")
+"""A split's files (after its name: train, val)."""
 
 CHAT_FORMAT_VERSION = 1
 
@@ -251,19 +252,9 @@ def prepare_chat_dataset(
     if not 0.0 <= val_fraction < 1.0:
         raise CephaloError(f"val_fraction must be in [0, 1), got {val_fraction}")
     directory = Path(tokenizer)
-    if not directory.is_dir():
-        raise CephaloError(
-            f"chat data needs a model's tokenizer directory (a chat template and token "
-            f"offsets), got {tokenizer!r}: pass --tokenizer MODEL_DIR (data.tokenizer = auto "
-            f"with a model directory)"
-        )
-    hf = HFTokenizer.load(directory)
-    if hf.transformers_tokenizer is None:
-        raise CephaloError("chat data needs the `transformers` package: pip install 'cephalo[hf]'")
-    if max_vocab_size is not None and hf.vocab_size > max_vocab_size:
-        raise CephaloError(
-            vocab_too_large(hf.vocab_size, f"the tokenizer in {directory}", max_vocab_size, model)
-        )
+    hf = load_template_tokenizer(
+        tokenizer, "chat data", "a chat template and token offsets", max_vocab_size, model
+    )
     template = load_chat_template(chat_template)
     renderer = ChatRenderer(hf.transformers_tokenizer, template, fmt, loss_on)
     renderer.require_template()  # before anything is read
@@ -285,10 +276,11 @@ def prepare_chat_dataset(
             old is not None
             and {k: v for k, v in old.settings().items() if k != "source_sha256"} == wanted
         )
-        if not force and same and old.source_stat == stat and _complete(out_dir):
+        if not force and same and old.source_stat == stat and _complete(out_dir, SPLIT_FILES):
             return ChatPrepared(out_dir, old, time.perf_counter() - started, cached=True)
         meta.source_sha256 = _checksum(files)
-        if not force and same and old.source_sha256 == meta.source_sha256 and _complete(out_dir):
+        complete = _complete(out_dir, SPLIT_FILES)
+        if not force and same and old.source_sha256 == meta.source_sha256 and complete:
             old.source_stat = stat
             _write_atomic(out_dir / CHAT_META, json.dumps(asdict(old), indent=2) + "\n")
             return ChatPrepared(out_dir, old, time.perf_counter() - started, cached=True)
@@ -296,7 +288,13 @@ def prepare_chat_dataset(
             (out_dir / name).unlink(missing_ok=True)
         writer = _DocWriter(out_dir, hf.vocab_size)
         try:
-            _render_all(paths, renderer, writer, meta.stats, progress, files)
+            render_all(
+                paths,
+                files,
+                progress,
+                "rendering conversations",
+                lambda batch: _write_batch(batch, renderer, writer, meta.stats),
+            )
             if not meta.stats.documents:
                 raise CephaloError(
                     f"the dataset is empty: {len(paths)} input(s) hold "
@@ -317,7 +315,7 @@ def prepare_chat_dataset(
         except BaseException:
             writer.abort()
             for name in ("train", "val"):
-                for suffix in (".json", ".bin", ".mask.bin", ".docs.bin"):
+                for suffix in SPLIT_FILES:
                     (out_dir / f"{name}{suffix}").unlink(missing_ok=True)
             raise
         _write_atomic(out_dir / CHAT_META, json.dumps(asdict(meta), indent=2) + "\n")
@@ -337,33 +335,55 @@ def prepare_chat_dataset(
     return ChatPrepared(out_dir, meta, time.perf_counter() - started)
 
 
-def _complete(out_dir: Path) -> bool:
-    names = [
-        f"{s}{x}" for s in ("train", "val") for x in (".json", ".bin", ".mask.bin", ".docs.bin")
-    ]
+def load_template_tokenizer(
+    tokenizer: str | Path, what: str, needs: str, max_vocab_size: int | None, model: str
+) -> HFTokenizer:
+    """The transformers tokenizer of a model directory, for data rendered with its chat
+    template (`what`: chat data, preference data; `needs`: what of the directory it uses)."""
+    directory = Path(tokenizer)
+    if not directory.is_dir():
+        raise CephaloError(
+            f"{what} needs a model's tokenizer directory ({needs}), got {tokenizer!r}: "
+            f"pass --tokenizer MODEL_DIR (data.tokenizer = auto with a model directory)"
+        )
+    hf = HFTokenizer.load(directory)
+    if hf.transformers_tokenizer is None:
+        raise CephaloError(f"{what} needs the `transformers` package: pip install 'cephalo[hf]'")
+    if max_vocab_size is not None and hf.vocab_size > max_vocab_size:
+        raise CephaloError(
+            vocab_too_large(hf.vocab_size, f"the tokenizer in {directory}", max_vocab_size, model)
+        )
+    return hf
+
+
+def _complete(out_dir: Path, split_files: Sequence[str]) -> bool:
+    """Whether `out_dir` holds both splits' files (`split_files`: their suffixes) and the
+    tokenizer (the chat and the preference datasets)."""
+    names = [f"{s}{x}" for s in ("train", "val") for x in split_files]
     return all((out_dir / n).is_file() for n in names) and (out_dir / TOKENIZER_DIR).is_dir()
 
 
-def _render_all(
+def render_all(
     paths: list[Path],
-    renderer: ChatRenderer,
-    writer: _DocWriter,
-    stats: ChatStats,
-    progress: bool,
     files: list[Path],
+    progress: bool,
+    label: str,
+    write_batch: Callable[[list[Record]], None],
 ) -> None:
+    """Every record of `paths` to `write_batch`, `RENDER_BATCH` at a time, with a progress
+    bar over the sources' bytes (`files`): the chat and the preference preparers' loop."""
     total = sum(f.stat().st_size for f in files)
     with _progress_bar(progress) as bar:
-        task = bar.add_task("rendering conversations", total=total)
+        task = bar.add_task(label, total=total)
         for path in paths:
             batch: list[Record] = []
             for record in read_records(path):
                 batch.append(record)
                 if len(batch) >= RENDER_BATCH:
-                    _write_batch(batch, renderer, writer, stats)
+                    write_batch(batch)
                     bar.advance(task, sum(r.source_bytes for r in batch))
                     batch = []
-            _write_batch(batch, renderer, writer, stats)
+            write_batch(batch)
             bar.advance(task, sum(r.source_bytes for r in batch))
 
 

@@ -38,11 +38,18 @@ import numpy as np
 import torch
 
 from cephalo.data.batches import EpochOrder
-from cephalo.data.chat import RENDER_BATCH, chat_sources, detect_inputs_format, load_chat_template
-from cephalo.data.chat import read_records as _read_records
-from cephalo.data.chat_data import _checksum, _copy_bytes, _memmap, _sources_identity
-from cephalo.data.hf_tokenizer import HFTokenizer, tokenizer_fingerprint
-from cephalo.data.text import DEFAULT_VAL_FRACTION, _exclusive, _progress_bar, vocab_too_large
+from cephalo.data.chat import chat_sources, detect_inputs_format, load_chat_template
+from cephalo.data.chat_data import (
+    _checksum,
+    _complete,
+    _copy_bytes,
+    _memmap,
+    _sources_identity,
+    load_template_tokenizer,
+    render_all,
+)
+from cephalo.data.hf_tokenizer import tokenizer_fingerprint
+from cephalo.data.text import DEFAULT_VAL_FRACTION, _exclusive, vocab_too_large
 from cephalo.data.token_files import (
     PREPARE_HINT,
     TOKENIZER_DIR,
@@ -219,21 +226,9 @@ def prepare_preference_dataset(
     if not 0.0 <= val_fraction < 1.0:
         raise CephaloError(f"val_fraction must be in [0, 1), got {val_fraction}")
     directory = Path(tokenizer)
-    if not directory.is_dir():
-        raise CephaloError(
-            f"preference data needs a model's tokenizer directory (its chat template), got "
-            f"{tokenizer!r}: pass --tokenizer MODEL_DIR (data.tokenizer = auto with a model "
-            f"directory)"
-        )
-    hf = HFTokenizer.load(directory)
-    if hf.transformers_tokenizer is None:
-        raise CephaloError(
-            "preference data needs the `transformers` package: pip install 'cephalo[hf]'"
-        )
-    if max_vocab_size is not None and hf.vocab_size > max_vocab_size:
-        raise CephaloError(
-            vocab_too_large(hf.vocab_size, f"the tokenizer in {directory}", max_vocab_size, model)
-        )
+    hf = load_template_tokenizer(
+        tokenizer, "preference data", "its chat template", max_vocab_size, model
+    )
     renderer = PairRenderer(hf.transformers_tokenizer, load_chat_template(chat_template))
     files, stat = _sources_identity(paths)
     meta = PreferenceMeta(
@@ -247,7 +242,11 @@ def prepare_preference_dataset(
     out_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(out_dir / ".prepare.lock"):
         old = PreferenceMeta.read(out_dir / PREFERENCE_META)
-        same = old is not None and old.settings() == meta.settings() and _complete(out_dir)
+        same = (
+            old is not None
+            and old.settings() == meta.settings()
+            and _complete(out_dir, SPLIT_FILES)
+        )
         if not force and same and old.source_stat == stat:
             return PreferencePrepared(out_dir, old, time.perf_counter() - started, cached=True)
         meta.source_sha256 = _checksum(files)
@@ -260,7 +259,13 @@ def prepare_preference_dataset(
             (out_dir / name).unlink(missing_ok=True)
         writer = _PairWriter(out_dir, hf.vocab_size)
         try:
-            _render_all(paths, renderer, writer, meta.stats, progress, files)
+            render_all(
+                paths,
+                files,
+                progress,
+                "rendering preference pairs",
+                lambda batch: _write_batch(batch, renderer, writer, meta.stats),
+            )
             if not meta.stats.pairs:
                 raise CephaloError(f"the dataset is empty: {len(paths)} input(s) hold no pair")
             meta.kind = renderer.kind or ""
@@ -295,34 +300,6 @@ def prepare_preference_dataset(
         s.retokenized,
     )
     return PreferencePrepared(out_dir, meta, time.perf_counter() - started)
-
-
-def _complete(out_dir: Path) -> bool:
-    names = [f"{s}{x}" for s in ("train", "val") for x in SPLIT_FILES]
-    return all((out_dir / n).is_file() for n in names) and (out_dir / TOKENIZER_DIR).is_dir()
-
-
-def _render_all(
-    paths: list[Path],
-    renderer: PairRenderer,
-    writer: _PairWriter,
-    stats: PreferenceStats,
-    progress: bool,
-    files: list[Path],
-) -> None:
-    total = sum(f.stat().st_size for f in files)
-    with _progress_bar(progress) as bar:
-        task = bar.add_task("rendering preference pairs", total=total)
-        for path in paths:
-            batch = []
-            for record in _read_records(path):
-                batch.append(record)
-                if len(batch) >= RENDER_BATCH:
-                    _write_batch(batch, renderer, writer, stats)
-                    bar.advance(task, sum(r.source_bytes for r in batch))
-                    batch = []
-            _write_batch(batch, renderer, writer, stats)
-            bar.advance(task, sum(r.source_bytes for r in batch))
 
 
 def _write_batch(batch: list, renderer: PairRenderer, writer: _PairWriter, stats) -> None:
