@@ -60,6 +60,24 @@ class Batches(Protocol):
     def describe(self) -> str: ...
 
 
+def val_range(
+    num_val: int, index: int, batch_size: int, offset: int, size: int | None, unit: str
+) -> np.ndarray:
+    """The samples [offset, offset + size) of validation batch `index` (samples in file
+    order, `batch_size` a batch, the last one may be smaller; `size` None: to its end), of a
+    split of `num_val` (`unit`: what a sample is, for the messages). Chat and preference data."""
+    if num_val == 0:
+        raise CephaloError(
+            f"the dataset has no validation {unit}: prepare it with a val fraction > 0"
+        )
+    first = index * batch_size
+    count = min(batch_size, num_val - first)
+    size = count - offset if size is None else size
+    if index < 0 or count <= 0 or offset < 0 or size < 0 or offset + size > count:
+        raise CephaloError(f"validation batch {index} [{offset}, +{size}) does not exist")
+    return np.arange(first + offset, first + offset + size)
+
+
 class EpochOrder:
     """Which training windows each step's global batch takes: every epoch visits the
     `num_windows` windows in a permutation seeded by (seed, epoch), `global_batch_size` per

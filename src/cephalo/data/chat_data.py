@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cephalo.data.batches import EpochOrder
+from cephalo.data.batches import EpochOrder, val_range
 from cephalo.data.chat import (
     RENDER_BATCH,
     ChatRenderer,
@@ -595,16 +595,7 @@ class DocumentBatches:
         return math.ceil(self.num_val_windows / batch_size)
 
     def _val_samples(self, index: int, batch_size: int, offset: int, size: int | None):
-        if self.num_val_windows == 0:
-            raise CephaloError(
-                "the dataset has no validation samples: prepare it with a val fraction > 0"
-            )
-        first = index * batch_size
-        count = min(batch_size, self.num_val_windows - first)
-        size = count - offset if size is None else size
-        if index < 0 or count <= 0 or offset < 0 or size < 0 or offset + size > count:
-            raise CephaloError(f"validation batch {index} [{offset}, +{size}) does not exist")
-        return np.arange(first + offset, first + offset + size)
+        return val_range(self.num_val_windows, index, batch_size, offset, size, "samples")
 
     def val_batch(
         self, index: int, batch_size: int, offset: int = 0, size: int | None = None

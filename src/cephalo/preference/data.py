@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cephalo.data.batches import EpochOrder
+from cephalo.data.batches import EpochOrder, val_range
 from cephalo.data.chat import chat_sources, detect_inputs_format, load_chat_template
 from cephalo.data.chat_data import (
     _checksum,
@@ -484,16 +484,7 @@ class PreferenceBatches:
         return math.ceil(self.num_val_windows / batch_size)
 
     def _val_pairs(self, index: int, batch_size: int, offset: int, size: int | None):
-        if self.num_val_windows == 0:
-            raise CephaloError(
-                "the dataset has no validation pairs: prepare it with a val fraction > 0"
-            )
-        first = index * batch_size
-        count = min(batch_size, self.num_val_windows - first)
-        size = count - offset if size is None else size
-        if index < 0 or count <= 0 or offset < 0 or size < 0 or offset + size > count:
-            raise CephaloError(f"validation batch {index} [{offset}, +{size}) does not exist")
-        return np.arange(first + offset, first + offset + size)
+        return val_range(self.num_val_windows, index, batch_size, offset, size, "pairs")
 
     def val_pairs(
         self, index: int, batch_size: int, offset: int = 0, size: int | None = None
