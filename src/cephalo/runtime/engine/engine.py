@@ -122,6 +122,9 @@ from cephalo.runtime.engine.unit_backward import UnitBackward
 from cephalo.runtime.engine.unit_comm import UnitCollectives
 from cephalo.runtime.engine.unit_run import UnitRunner
 from cephalo.runtime.memory import MemoryLedger
+from cephalo.runtime.pipeline.groups import attach_stages
+from cephalo.runtime.pipeline.stage_step import StageStep, check_runnable, sample_ranges
+from cephalo.runtime.pipeline.tie import StageTie, cross_stage_ties, owner_layout
 from cephalo.runtime.state.flat import FlatShard, overlap
 from cephalo.runtime.state.host_state import HostLink
 from cephalo.runtime.state.precision import DynamicLossScaler, compute_dtype
@@ -158,16 +161,27 @@ class Engine:
         self.model, self.plan = model, plan
         self.rank = comm.rank
         self.rank_plan = rp = plan.ranks[self.rank]
-        self.sample_offset = plan.batch_offsets()[self.rank]
-        """Index of this rank's first sample in the global batch (ranks take consecutive slices)."""
+        self.sample_ranges = sample_ranges(plan, self.rank)
+        """(first sample, samples) of each run of the global batch this rank trains on: one
+        (ranks take consecutive slices), or one per micro-batch in a staged plan."""
+        self.sample_offset = (
+            self.sample_ranges[0][0] if self.sample_ranges else plan.batch_offsets()[self.rank]
+        )
+        """Index of this rank's first sample in the global batch."""
+        check_runnable(plan, config, model)
         if config.validate_collectives is not None:
             comm.validate = config.validate_collectives
         self.stream = EmulatedStream() if config.links is not None else None
         """An emulated cluster's compute stream (runtime/collectives/emulated.py): the waits of
         its collectives hold it, the clock counts its stalls; None: not emulated."""
-        self.world, self.comm, self.group_sync = attach_shard_groups(
-            plan, comm, config, self.stream
-        )
+        self.stages = attach_stages(plan, comm, config.links, self.stream) if plan.staged else None
+        """A staged plan: this rank's stage and its communicators (runtime/pipeline/groups.py)."""
+        if self.stages is not None:
+            self.world, self.comm, self.group_sync = self.stages.world, self.stages.comm, None
+        else:
+            self.world, self.comm, self.group_sync = attach_shard_groups(
+                plan, comm, config, self.stream
+            )
         """`world`: every rank (the token count, the loss and the gradient norm). `comm`: this
         rank's shard group's collectives. `group_sync`: hierarchical plans, the all-reduce
         between groups (runtime/collectives/shard_groups.py); None for a flat plan."""
@@ -220,6 +234,7 @@ class Engine:
             dtype,
             self.host_fraction,
             self.lean_grads,
+            *self._stage_units(),
         )
         """`shards`: every unit on this rank (runtime/state/unit_shard.py). `frozen`: the parameters
         that do not train (a LoRA / QLoRA base, runtime/state/frozen.py); None if all train."""
@@ -306,6 +321,49 @@ class Engine:
             model, device, config.compile, config.per_sample_dropout
         )
         """The blocks compiled as `config.compile` says (runtime/capture/); None: eager."""
+        self.pipeline = (
+            None if self.stages is None else StageStep(self, self.stages, self._stage_ties())
+        )
+        """A staged plan: this rank's stage's passes (runtime/pipeline/stage_step.py)."""
+
+    def _stage_units(self) -> tuple[range | None, list[float] | None]:
+        """A staged plan: the units this rank's stage runs and its ranks' state fractions
+        (`build_shards`); else (None, None)."""
+        if self.stages is None:
+            return None, None
+        return self.stages.units, [
+            self.plan.ranks[r].state_fraction for r in self.stages.stage.ranks
+        ]
+
+    def _stage_ties(self) -> list[StageTie]:
+        """The tied parameters whose owner runs in another stage, on this rank's side of them
+        (collective: every rank makes every pair's group, runtime/pipeline/tie.py)."""
+        groups = self.stages
+        assert groups is not None and self.plan.stages is not None
+        out = []
+        for tie in cross_stage_ties(self.model, groups):
+            a, b = groups.stage_of_unit(tie.owner), groups.stage_of_unit(tie.borrower)
+            comm = groups.pair_comm(a, b)
+            if comm is None:
+                continue
+            owners = self.plan.stages[a].ranks
+            owner_shard = next((us for us in self.shards if us.index == tie.owner), None)
+            out.append(
+                StageTie.make(
+                    tie,
+                    comm,
+                    owner_layout(self.model, tie.owner),
+                    owners,
+                    [self.plan.ranks[r].state_fraction for r in owners],
+                    sorted({*owners, *self.plan.stages[b].ranks}),
+                    owner_shard,
+                    self.ledger,
+                    self.device,
+                    self.dtype,
+                    self.clock,
+                )
+            )
+        return out
 
     @property
     def step_index(self) -> int:
@@ -323,6 +381,8 @@ class Engine:
         caller's."""
         if self.group_sync is not None:
             self.group_sync.close()
+        if self.stages is not None:
+            self.stages.close()
 
     def boundary_host_bytes(self) -> int:
         """Host bytes of this rank's offloaded boundaries at their peak, as the arena lays them
@@ -372,6 +432,8 @@ class Engine:
             position_ids = position_ids.to(self.device, non_blocking=True)
         if ref_logps is not None:
             ref_logps = ref_logps.to(self.device, torch.float32, non_blocking=True)
+        if self.pipeline is not None:  # M micro-batches of this rank's rows (stage_step.py)
+            return self.pipeline.micro_batches(input_ids, labels, position_ids)
         first = k * self.sample_offset  # (rows: per-sample dropout masks follow the rows)
         m = k * rp.micro_batch_size
         mbs = [
@@ -465,7 +527,8 @@ class Engine:
         # labels, all-reduced in int64 (an fp32 count is inexact above 2**24 tokens), read with
         # the loss after the update (`ShardUpdate.step`)
         zero = torch.zeros((), dtype=torch.int64, device=self.device)  # (a rank without samples)
-        tokens = sum(((mb.labels != IGNORE_INDEX).sum() for mb in mbs), zero).reshape(1)
+        counted = mbs if self.pipeline is None or self.pipeline.is_last else []  # (the head's)
+        tokens = sum(((mb.labels != IGNORE_INDEX).sum() for mb in counted), zero).reshape(1)
         loss_scale = self.scaler.scale if self.scaler else 1.0
         dpo, pairs = self.dpo, self.plan.global_batch_size
         if dpo is None:
@@ -481,7 +544,9 @@ class Engine:
         aux_term = None  # its value, on the device
         if aux is not None:
             aux.start(self.config.mode, self.device)
-        if self.config.mode == "lga":
+        if self.pipeline is not None:  # a pipeline stage (runtime/pipeline/stage_step.py)
+            loss_sum = self.pipeline.run(mbs, store, head_grad)
+        elif self.config.mode == "lga":
             loss_sum, state = passes.forward(mbs, store, keep_inputs=True, head_grad=head_grad)
             if aux is not None:  # global-batch router statistics: one all-reduce
                 aux_term = aux.reduce(self.collectives.all_reduce, loss_scale)
@@ -567,7 +632,10 @@ class Engine:
             store = self._boundaries
             if self.dpo is not None:
                 self.dpo.begin(self.device)
-            loss_sum, _ = self.passes.forward(mbs, store, keep_inputs=False)
+            if self.pipeline is not None:
+                loss_sum = self.pipeline.forward_only(mbs, store)
+            else:
+                loss_sum, _ = self.passes.forward(mbs, store, keep_inputs=False)
             assert len(store) == 0
             if self.dpo is not None:  # the pairs with a completion (not padding) count
                 red = self.dpo.sums().double()
@@ -578,7 +646,8 @@ class Engine:
             # counted on the device (no host read per micro-batch); fp64: the token count is
             # exact to 2**53 (fp32 stops at 2**24)
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
-            n_tok = sum(((mb.labels != IGNORE_INDEX).sum() for mb in mbs), zero)
+            counted = mbs if self.pipeline is None or self.pipeline.is_last else []
+            n_tok = sum(((mb.labels != IGNORE_INDEX).sum() for mb in counted), zero)
             red = torch.stack([loss_sum.double(), n_tok.double()])
             self.collectives.all_reduce(red)
             total, count = red.tolist()  # the one read
@@ -671,6 +740,10 @@ class Engine:
             self.collectives.wait(self.comm.all_gather_v(full, mine, us.sizes))
             for name, view in us.layout.views(full).items():
                 out[f"{us.unit.name}.{name}"] = view.detach().cpu().clone()
+        if self.stages is not None:  # every stage's units: from each stage's first rank
+            first = self.stages.stage.ranks[0] == self.rank
+            for part in self.world.all_gather_object(out if first else {}):
+                out.update(part)
         return out
 
     def state_bytes(self) -> int:

@@ -75,11 +75,16 @@ def build_shards(
     dtype: torch.dtype,
     host_fraction: float,
     lean_grads: bool,
+    units: range | None = None,
+    fractions: list[float] | None = None,
 ) -> tuple[list[UnitShard], FrozenBase | None]:
     """Initial weights (identical on every rank: from `config.seed`, or the model's own
     values if it is not on meta), this rank's slices of them (`alloc_unit_state`), the tie
     table, and the frozen base (None: every parameter trains). Leaves the model's parameters
-    on meta (`to_meta_params`). `comm`: the shard group's."""
+    on meta (`to_meta_params`). `comm`: the shard group's. A pipeline stage passes its `units`
+    (only those get shards; the others' initial values are still drawn, so the generator
+    gives every unit what it gives in one process) and its ranks' `fractions`; a tied
+    parameter owned in another stage is no borrow here (runtime/pipeline/tie.py)."""
     on_meta = any(p.is_meta for p in model.parameters())
     # one generator drawn unit by unit in `named_unit_parameters` order = `init_weights`
     generator = torch.Generator().manual_seed(config.seed)
@@ -89,7 +94,8 @@ def build_shards(
     for unit_name, pname, p in model.named_unit_parameters():
         owned.setdefault(index_of[unit_name], []).append((pname, p))
         owner_of[id(p)] = (index_of[unit_name], pname)
-    fractions = group_sync.fractions if group_sync else plan.state_fractions
+    if fractions is None:
+        fractions = group_sync.fractions if group_sync else plan.state_fractions
     padded = config.padded_collectives
     padded = comm.even_gather if padded is None else padded
     shards: list[UnitShard] = []
@@ -99,6 +105,11 @@ def build_shards(
         frozen_base = FrozenBase(comm, ledger, device, dtype, fractions, model.quantized_parameters)
     for i, unit in enumerate(model.units):
         params = owned.get(i, [])
+        if units is not None and i not in units:
+            if on_meta:  # drawn and dropped: the next unit's values come out as in one process
+                with host_memory():
+                    model.initial_values(unit.name, params, generator)
+            continue
         if frozen_base is not None:
             frozen = [(n, p) for n, p in params if not p.requires_grad]
             params = [(n, p) for n, p in params if p.requires_grad]
@@ -134,19 +145,22 @@ def build_shards(
         shards.append(us)
     if group_sync is not None:  # every rank: the owners' sub-groups of every unit
         group_sync.prepare([us.layout.numel for us in shards])
+    by_index = {us.index: us for us in shards}
     for i, unit in enumerate(model.units):
+        if i not in by_index:
+            continue
         for pname, p in unit.module.named_parameters():
             owner_index, owner_name = owner_of[id(p)]
-            if owner_index == i:
+            if owner_index == i or owner_index not in by_index:  # (another stage's: its tie)
                 continue
             if frozen_base is not None and not p.requires_grad:
                 frozen_base.tie(i, pname, owner_index, owner_name)
                 continue
-            owner = shards[owner_index]
+            owner = by_index[owner_index]
             slot = owner.layout.slot(owner_name)
             pieces = [overlap(s, n, slot.offset, slot.numel) for s, n in owner.ranges]
             lo, hi = pieces[comm.rank]
-            shards[i].borrows.append(
+            by_index[i].borrows.append(
                 Borrow(
                     pname,
                     owner,

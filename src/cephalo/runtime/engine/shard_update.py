@@ -41,13 +41,15 @@ class GradShards:
         self.shards = shards
         self.optimizer = optimizer
         self.lean = lean
+        self.group = {us.index: k for k, us in enumerate(shards)}
+        """Each unit's optimizer group (a pipeline stage holds some units only)."""
 
     def device_grad(self, us: UnitShard) -> torch.Tensor:
         """The device part's gradient shard (a lean rank allocates it on first use)."""
         if us.grad.numel() != us.dev_n:
             us.grad = self.ledger.alloc("state", us.dev_n, torch.float32, device=self.device)
             us.grad.zero_()
-            self.optimizer.groups[us.index].grad = us.grad
+            self.optimizer.groups[self.group[us.index]].grad = us.grad
         return us.grad
 
     def zero(self) -> None:
@@ -59,7 +61,7 @@ class GradShards:
             if us.grad.numel():
                 self.ledger.free(us.grad)
             us.grad = us.master[0:0]
-            self.optimizer.groups[us.index].grad = us.grad
+            self.optimizer.groups[self.group[us.index]].grad = us.grad
 
 
 class ShardUpdate:

@@ -104,6 +104,11 @@ class UnitBackward:
             if name in borrowed:
                 hook = functools.partial(drain_first, written, name, borrowed[name])
                 leaf.register_post_accumulate_grad_hook(hook)
+            elif name in grads.foreign:  # owned in another stage (runtime/pipeline/tie.py)
+                buf, seen = grads.foreign[name]
+                leaf.register_post_accumulate_grad_hook(
+                    functools.partial(drain_first, seen, name, buf)
+                )
             else:
                 together.append((us.layout.slot(name).offset, name, leaf))
         if together:

@@ -37,6 +37,10 @@ class UnitGrads:
     drain: LeafDrain | None = None
     """The leaves drained together after each backward (`UnitBackward.drain`); the others
     (borrowed tied parameters, a padded buffer's) drain by their own hooks."""
+    foreign: dict[str, tuple[torch.Tensor, set[str]]] = field(default_factory=dict)
+    """Tied parameters owned by a unit of another pipeline stage (runtime/pipeline/tie.py):
+    per name, the fp32 buffer its gradient accumulates in over the step and the names written
+    into it so far (they outlive these buffers: a stage reduces them once per step)."""
 
     def done_with_leaves(self) -> None:
         """The unit's last micro-batch is through: drop the leaves, so these buffers, which
