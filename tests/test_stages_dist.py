@@ -128,6 +128,8 @@ def test_schedules_hold_what_the_cost_model_charges():
         for S, M in ((2, 4), (3, 4), (3, 3), (4, 9)):
             for s in range(S):
                 ops = stage_ops(schedule, s, S, M)
-                assert sorted(ops) == sorted([("F", j) for j in range(M)] + [("B", j) for j in range(M)])
+                assert sorted(ops) == sorted(
+                    [("F", j) for j in range(M)] + [("B", j) for j in range(M)]
+                )
                 assert [j for k, j in ops if k == "B"] == list(range(M))
                 assert peak_in_flight(ops) == in_flight(schedule, s, S, M)

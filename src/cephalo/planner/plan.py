@@ -147,8 +147,8 @@ class Plan:
     (half the bytes; accumulated in fp32 either way). Only read when there are several groups."""
     stages: list[Stage] | None = None
     """Pipeline stages (format 3), in pipeline order; None: one stage of every unit (the plans
-    of formats 1 and 2). PLANNED ONLY: the cost model and `cephalo simulate` evaluate them;
-    the runtime refuses them (`refuse_stages`) until it runs pipelines."""
+    of formats 1 and 2). The cost model and `cephalo simulate` evaluate them, the runtime runs
+    them (runtime/pipeline/; what it cannot run yet: `check_stages_runnable`)."""
     schedule: str | None = None
     """A staged plan's schedule: `gpipe` or `1f1b` (SCHEDULES); None without stages."""
     num_micro_batches: int | None = None
@@ -663,14 +663,25 @@ def _validate_stages(plan: Plan, source: str) -> None:
             )
 
 
-def refuse_stages(plan: Plan, source: str = "plan") -> None:
-    """The runtime's one message for a staged plan: it runs no pipeline yet (issue 40's
-    runtime half); the plan format, the cost model and `cephalo simulate` know them."""
-    if plan.staged:
-        assert plan.stages is not None
+def check_stages_runnable(plan: Plan, source: str = "plan", more: Sequence[str] = ()) -> None:
+    """The one message for a staged plan the pipeline runtime (runtime/pipeline/) cannot run:
+    host state or offloaded boundaries inside a stage (the plan's), and `more` (the job's:
+    the runtime's `check_runnable` adds the standard mode, compiled blocks, DPO, adapters and
+    MoE). Nothing for a plan without stages."""
+    if not plan.staged:
+        return
+    assert plan.stages is not None
+    why = []
+    if any(r.host_state_fraction > 0 for r in plan.ranks):
+        why.append("host state (host_state_fraction > 0)")
+    if any(r.offload_activations for r in plan.ranks):
+        why.append("offloaded boundary activations (offload_activations)")
+    why += list(more)
+    if why:
         raise CephaloError(
             f"{source} has {len(plan.stages)} pipeline stages ({plan.schedule}, "
-            f"{plan.num_micro_batches} micro-batches), which this cephalo can plan and simulate "
-            "but not run yet; make a plan without stages (`cephalo plan --stages off`, or "
-            "parallel.stages = off for an automatic plan)"
+            f"{plan.num_micro_batches} micro-batches), which cannot run with "
+            + ", ".join(why)
+            + " inside a stage yet: make a plan without stages (`cephalo plan --stages off`, "
+            "or parallel.stages = off for an automatic plan) or drop those options"
         )

@@ -433,9 +433,26 @@ def preflight(cfg: JobConfig) -> None:
         require_tensorboard()
     require_trackers([name for name in TRACKERS if getattr(cfg.logging, name)])
     if cfg.parallel.plan not in ("auto", "even", "proportional"):
-        from cephalo.planner.plan import Plan, refuse_stages
+        from cephalo.planner.plan import Plan, check_stages_runnable
 
-        refuse_stages(Plan.from_json(cfg.parallel.plan), f"plan {cfg.parallel.plan}")
+        plan = Plan.from_json(cfg.parallel.plan)
+        check_stages_runnable(plan, f"plan {cfg.parallel.plan}", stage_refusals(cfg))
+
+
+def stage_refusals(cfg: JobConfig) -> list[str]:
+    """What of a job a pipeline stage cannot run yet (runtime/pipeline/stage_step.py
+    `check_runnable` says the same of the engine): the plan's own options are
+    `planner.plan.check_stages_runnable`'s."""
+    why = []
+    if cfg.parallel.mode != "lga":
+        why.append(f"the {cfg.parallel.mode!r} mode")
+    if cfg.parallel.compile not in ("off", "auto"):
+        why.append(f"compiled blocks (parallel.compile = {cfg.parallel.compile})")
+    if cfg.train.objective == "dpo":
+        why.append("the DPO objective")
+    if cfg.model.adapter != "none":
+        why.append(f"an adapter ({cfg.model.adapter})")
+    return why
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,11 +41,11 @@ from pathlib import Path
 import torch
 
 from cephalo.errors import CephaloError, first_line
-from cephalo.planner.plan import Plan, refuse_stages
+from cephalo.planner.plan import Plan, check_stages_runnable
 from cephalo.planner.rank_match import match_plan, plan_devices
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.specs.cluster import Cluster
-from cephalo.train.config import JobConfig
+from cephalo.train.config import JobConfig, stage_refusals
 from cephalo.train.discovery import (
     RankDescription,
     check_same_job,
@@ -154,7 +154,7 @@ def plan_check(
         return Check("plan", FAIL, f"{source}: not matched (no cluster)", "fix `ranks` first"), None
     try:
         plan = Plan.from_json(source)
-        refuse_stages(plan, source)
+        check_stages_runnable(plan, source, stage_refusals(cfg))
         plan.validate(world_size=cluster.world_size)
         matched, order = match_plan(plan, cluster, source)
     except CephaloError as err:

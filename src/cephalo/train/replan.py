@@ -279,6 +279,14 @@ class Replanner:
         if forced is not None:
             self._switch(trainer, forced, "test hook", None, 0.0, metrics)
             return
+        if self.enabled and trainer.plan.staged:
+            # the calibration's refit reads a flat or shard-group step (train/calibration.py)
+            self.enabled = False
+            if self.rank == 0:
+                logger.info(
+                    "parallel.replan: calibration and re-planning do not know pipeline stages "
+                    "yet: this staged run keeps its plan"
+                )
         if not self.enabled or not self._due():
             return
         last = trainer.step >= self.cfg.train.steps  # calibrated and logged, not re-planned

@@ -48,7 +48,7 @@ from cephalo.modeling.lora import adapter_settings, apply_adapter
 from cephalo.modeling.registry import build_model, initial_weights_note
 from cephalo.modeling.units import IGNORE_INDEX, UnitModel
 from cephalo.planner.makers import simple_plan
-from cephalo.planner.plan import Plan, refuse_stages
+from cephalo.planner.plan import Plan, check_stages_runnable
 from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
 from cephalo.preference.job import PreferenceRun
 from cephalo.runtime.collectives.comm import Comm
@@ -67,7 +67,7 @@ from cephalo.runtime.engine.engine import Engine, StepStats
 from cephalo.runtime.step_timing import format_split, split_step
 from cephalo.specs.cluster import Cluster, Device
 from cephalo.train.checkpoint import load_checkpoint, resume_target, save_checkpoint
-from cephalo.train.config import JobConfig, preflight, steps_for_epochs
+from cephalo.train.config import JobConfig, preflight, stage_refusals, steps_for_epochs
 from cephalo.train.config_manager import config_to_toml, engine_config
 from cephalo.train.discovery import (
     discover_cluster,
@@ -154,7 +154,7 @@ def resolve_plan(
             "parallel.plan = auto is made by `auto_plan` (it profiles on every rank)"
         )
     plan = Plan.from_json(choice)
-    refuse_stages(plan, f"plan {choice}")
+    check_stages_runnable(plan, f"plan {choice}", stage_refusals(cfg))
     plan.validate(world_size=world_size, model=cfg.model.name, model_shape=model_shape)
     if plan.global_batch_size != batch:
         raise CephaloError(
@@ -219,7 +219,7 @@ def auto_plan(
         reduce_dtype=cfg.parallel.cross_node_reduce_dtype,
         model_name=cfg.model.name,
     )
-    refuse_stages(plan, "the automatic plan (parallel.stages)")
+    check_stages_runnable(plan, "the automatic plan (parallel.stages)", stage_refusals(cfg))
     plan.meta["profiles"] = {
         "measured": measured.measured,
         "cached": measured.cached,
@@ -609,9 +609,7 @@ class _Trainer:
         number = self.step + 1
         self._maybe_kill(number)
         lr = self.schedule(self.step)
-        where = (self.step, self.engine.sample_offset, self.rank_plan.batch_size)
-        input_ids, labels = self.batches.rank_slice(*where)
-        positions = self.batches.rank_positions(*where)  # packed chat samples, else None
+        input_ids, labels, positions = self._rank_rows(self.step)
         drift = drifted_slowdown(number, self.rank, self.cfg.parallel.emulate_drift)
         if drift is not None:
             self.engine.emulator.slowdown = drift
@@ -676,6 +674,22 @@ class _Trainer:
             "train.warmup_steps, or use fp32/bf16 instead of fp16"
         )
 
+    def _rank_rows(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's rows of global batch `step` (input ids, labels, the positions of packed
+        samples or None): its slice, or in a staged plan its rows of each micro-batch, in
+        order (`Engine.sample_ranges`)."""
+        parts = [
+            (*self.batches.rank_slice(step, a, n), self.batches.rank_positions(step, a, n))
+            for a, n in self.engine.sample_ranges
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:  # (a staged rank without rows)
+            return self.batches.rank_slice(step, 0, 0) + (self.batches.rank_positions(step, 0, 0),)
+        ids, labels, positions = zip(*parts, strict=True)
+        pos = None if positions[0] is None else torch.cat(positions)
+        return torch.cat(ids), torch.cat(labels), pos
+
     def evaluate(self) -> float:
         """Token-mean loss over the first `eval_batches` held-out batches (same on every plan:
         a short last batch is padded with ignored samples so every rank keeps its plan size)."""
@@ -684,23 +698,41 @@ class _Trainer:
         total, weight = 0.0, 0
         for index in range(count):
             windows = min(b, self.batches.num_val_windows - index * b)
-            take = max(0, min(self.rank_plan.batch_size, windows - self.engine.sample_offset))
-            positions = None
-            if take:
-                x, y = self.batches.val_batch(index, b, self.engine.sample_offset, take)
-                positions = self.batches.val_positions(index, b, self.engine.sample_offset, take)
-            else:
+            parts = [self._val_rows(index, windows, a, n) for a, n in self.engine.sample_ranges]
+            if len(parts) == 1:
+                x, y, positions = parts[0]
+            elif not parts:  # (a staged rank without rows)
                 x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
-            pad = self.engine.rows_per_sample * (self.rank_plan.batch_size - take)
-            if pad:
-                x = torch.cat([x, torch.zeros(pad, x.shape[1], dtype=x.dtype)])
-                y = torch.cat([y, torch.full((pad, y.shape[1]), IGNORE_INDEX, dtype=y.dtype)])
-            if self.cfg.data.packing:  # every rank passes positions (a padded row: 0, 1, ...)
-                arange = torch.arange(x.shape[1]).expand(x.shape[0] - take, -1)
-                positions = torch.cat([positions, arange]) if positions is not None else arange
+                positions = None
+            else:
+                xs, ys, ps = zip(*parts, strict=True)
+                x, y = torch.cat(xs), torch.cat(ys)
+                positions = None if ps[0] is None else torch.cat(ps)
             total += self.preference.eval_loss(self.engine, x, y, positions) * windows
             weight += windows
         return total / max(weight, 1)
+
+    def _val_rows(
+        self, index: int, windows: int, offset: int, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows offset..offset+size of held-out batch `index` (of which `windows` exist): a
+        short last batch padded with ignored samples so every rank keeps its plan size."""
+        b = self.cfg.train.global_batch_size
+        take = max(0, min(size, windows - offset))
+        positions = None
+        if take:
+            x, y = self.batches.val_batch(index, b, offset, take)
+            positions = self.batches.val_positions(index, b, offset, take)
+        else:
+            x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
+        pad = self.engine.rows_per_sample * (size - take)
+        if pad:
+            x = torch.cat([x, torch.zeros(pad, x.shape[1], dtype=x.dtype)])
+            y = torch.cat([y, torch.full((pad, y.shape[1]), IGNORE_INDEX, dtype=y.dtype)])
+        if self.cfg.data.packing:  # every rank passes positions (a padded row: 0, 1, ...)
+            arange = torch.arange(x.shape[1]).expand(x.shape[0] - take, -1)
+            positions = torch.cat([positions, arange]) if positions is not None else arange
+        return x, y, positions
 
     def _collective_failure(self, error: BaseException, what: str) -> BaseException:
         """A backend error in a multi-rank job almost always means another rank is gone: say

@@ -317,8 +317,8 @@ class Engine:
         """DPO: TRL's metrics of the last `eval_loss` batch (None: SFT, or none yet)."""
         self._validated: set[str] = set()
         """Kinds of pass ("train", "eval") whose collectives every rank has cross-checked."""
-        self.runner.compiled = apply_compile(
-            model, device, config.compile, config.per_sample_dropout
+        self.runner.compiled = apply_compile(  # (a pipeline stage runs eagerly)
+            model, device, "off" if plan.staged else config.compile, config.per_sample_dropout
         )
         """The blocks compiled as `config.compile` says (runtime/capture/); None: eager."""
         self.pipeline = (

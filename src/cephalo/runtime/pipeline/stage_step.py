@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cephalo.errors import CephaloError
-from cephalo.planner.plan import Plan
+from cephalo.planner.plan import Plan, check_stages_runnable
 from cephalo.runtime.boundary import BoundaryStore
 from cephalo.runtime.engine.unit_comm import Gathered, Reduce, UnitGrads
 from cephalo.runtime.pipeline.exchange import BoundaryExchange
@@ -51,21 +51,20 @@ from cephalo.runtime.pipeline.tie import StageTie
 from cephalo.runtime.state.unit_shard import MicroBatch, UnitShard, trains
 
 if TYPE_CHECKING:
+    from cephalo.modeling.units import UnitModel
+    from cephalo.runtime.engine.config import EngineConfig
     from cephalo.runtime.engine.engine import Engine
 
 
-def check_runnable(plan: Plan, config, model) -> None:
-    """One message for what the pipeline runtime does not run yet (else nothing)."""
+def check_runnable(plan: Plan, config: EngineConfig, model: UnitModel) -> None:
+    """One message for what the pipeline runtime does not run yet (else nothing): the plan's
+    options (`planner.plan.check_stages_runnable`) and the engine's."""
     if not plan.staged:
         return
     why = []
-    if any(r.host_state_fraction > 0 for r in plan.ranks):
-        why.append("host state (host_state_fraction > 0)")
-    if any(r.offload_activations for r in plan.ranks):
-        why.append("offloaded boundary activations (offload_activations)")
     if config.mode != "lga":
         why.append(f"the {config.mode!r} mode")
-    if config.compile != "off":
+    if config.compile not in ("off", "auto"):  # ("auto": a stage runs eagerly)
         why.append(f"compiled blocks (parallel.compile = {config.compile})")
     if config.dpo is not None:
         why.append("the DPO objective")
@@ -73,13 +72,7 @@ def check_runnable(plan: Plan, config, model) -> None:
         why.append("an adapter (LoRA / QLoRA)")
     if model.spec.num_experts > 0:
         why.append("a mixture-of-experts model")
-    if why:
-        raise CephaloError(
-            f"a staged plan ({len(plan.stages or [])} pipeline stages) cannot run with "
-            + ", ".join(why)
-            + " inside a stage yet: make a plan without stages (`cephalo plan --stages off`, "
-            "or parallel.stages = off) or drop those options"
-        )
+    check_stages_runnable(plan, "the plan", why)
 
 
 def sample_ranges(plan: Plan, rank: int) -> list[tuple[int, int]]:
