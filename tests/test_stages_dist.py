@@ -6,6 +6,8 @@ parameters within the fp32 noise of one process (runtime/pipeline/)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -133,3 +135,122 @@ def test_schedules_hold_what_the_cost_model_charges():
                 )
                 assert [j for k, j in ops if k == "B"] == list(range(M))
                 assert peak_in_flight(ops) == in_flight(schedule, s, S, M)
+
+
+# ------------------------------------------------------------------ the trainer
+def _job(run_dir, plan: str, steps: int, resume: str = "never"):
+    from cephalo.train.config_manager import load_config
+
+    return load_config(
+        None,
+        [
+            f"--logging.dir={run_dir}",
+            "--logging.progress=false",
+            "--model.name=gpt-tiny",
+            "--model.overrides",
+            "dropout=0.1",
+            "--model.dtype=fp32",
+            "--data.seq_len=16",
+            "--train.global_batch_size=12",
+            f"--train.steps={steps}",
+            "--train.warmup_steps=0",
+            "--train.lr_schedule=constant",  # the same rate at a step whatever the run's length
+            "--train.lr=1e-3",
+            "--train.eps=1e-6",
+            "--train.eval_every=2",
+            "--train.eval_batches=1",
+            f"--parallel.plan={plan}",
+            "--checkpoint.every=2",
+            f"--checkpoint.resume={resume}",
+        ],
+    )
+
+
+def _train_on_rank(cfg):
+    from cephalo.train.trainer import train
+
+    result = train(cfg)
+    return result.losses, result.val_losses, str(result.last_checkpoint)
+
+
+@pytest.mark.slow
+def test_staged_and_flat_runs_resume_each_other(pool5, tmp_path):
+    """A staged run (3 + 2, 1F1B) trained by the trainer for 2 steps, resumed under the flat
+    even plan for 2 more, then under a staged plan (2 + 1 + 2, GPipe) again: one trajectory,
+    the one-process run's (losses, validation losses, final parameters)."""
+    from safetensors.torch import load_file
+
+    from cephalo.train.export import export_checkpoint
+    from trainer_reference import job_floor
+
+    job = job_floor(_job(tmp_path / "one", "even", 6))
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    three_two_plan("1f1b").to_json(first)
+    plan = two_one_two_plan("gpipe")
+    plan.global_batch_size = 12  # 3 rows per micro-batch: rank 2 takes 3, ranks 3 + 4 take 2 + 1
+    plan.ranks[0] = RankPlan(0, "cpu", 12, 3, 4, 0.6)
+    plan.ranks[2] = RankPlan(2, "cpu", 12, 3, 4, 1.0)
+    plan.ranks[3] = RankPlan(3, "cpu", 8, 2, 4, 0.45)
+    plan.to_json(second)
+    legs = [(str(first), 2), ("even", 4), (str(second), 6)]
+    losses: dict[int, float] = {}
+    val: dict[int, float] = {}
+    ckpt = "never"
+    for k, (which, steps) in enumerate(legs):
+        per_rank = pool5.run(_train_on_rank, _job(tmp_path / f"leg{k}", which, steps, ckpt))
+        assert all(r[0] == per_rank[0][0] for r in per_rank), "ranks disagree on the losses"
+        leg_losses, leg_val, ckpt = per_rank[0]
+        assert sorted(leg_losses) == list(range(steps - 1, steps + 1))
+        losses.update(leg_losses)
+        val.update(leg_val)
+    export_checkpoint(ckpt, out=tmp_path / "final.safetensors")
+    job.check(
+        "staged -> flat -> staged", losses, val, load_file(str(tmp_path / "final.safetensors"))
+    )
+
+
+# ------------------------------------------------------------------ bad input
+def _engine_of(plans):
+    torch.set_num_threads(1)
+    comm = make_comm("gloo")
+    Engine(build_model("gpt-tiny"), plans[comm.rank], comm, _config())
+
+
+@pytest.mark.slow
+def test_ranks_given_different_pipelines_stop_with_one_message(pool5):
+    from dist_harness import RemoteError
+
+    other = three_two_plan("gpipe")  # rank 4 was given another schedule
+    plans = [three_two_plan("1f1b")] * 4 + [other]
+    with pytest.raises(RemoteError, match="the ranks were given different pipelines") as err:
+        pool5.run(_engine_of, plans)
+    assert "Traceback" not in str(err.value).split("CephaloError")[-1]
+
+
+def test_a_staged_plan_the_runtime_cannot_run_is_refused_before_the_job(tmp_path):
+    """`cephalo run` / `train`'s preflight: a stage without units, too few micro-batches for
+    the stages, and what a stage cannot run yet (host state; DPO), one message each."""
+    from cephalo.errors import CephaloError
+    from cephalo.train.config import preflight
+
+    cases = []
+    plan = three_two_plan()
+    plan.stages[1].units = [2, 1]
+    cases.append((plan.to_dict(), "is empty: a stage runs at least one unit"))
+    plan = three_two_plan()
+    plan.num_micro_batches = 1
+    cases.append((plan.to_dict(), "1 micro-batches cannot fill a pipeline of 2"))
+    plan = three_two_plan()
+    plan.ranks[3].host_state_fraction = 0.5
+    cases.append((plan.to_dict(), "cannot run with host state .* inside a stage yet.*--stages off"))
+    for k, (d, message) in enumerate(cases):
+        (tmp_path / f"{k}.json").write_text(json.dumps(d))
+        cfg = _job(tmp_path / "run", str(tmp_path / f"{k}.json"), 2)
+        with pytest.raises(CephaloError, match=message):
+            preflight(cfg)
+    three_two_plan().to_json(tmp_path / "ok.json")
+    cfg = _job(tmp_path / "run", str(tmp_path / "ok.json"), 2)
+    preflight(cfg)  # runs
+    cfg.train.objective = "dpo"
+    with pytest.raises(CephaloError, match="cannot run with the DPO objective inside a stage"):
+        preflight(cfg)

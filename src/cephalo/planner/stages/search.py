@@ -367,8 +367,7 @@ def stage_lines(plan: Plan) -> list[str]:
             parts.append(f"{i}: ranks {ranks} units {a}-{b} ({mode})")
         lines.append(
             f"pipeline stages ({plan.schedule}, {plan.num_micro_batches} micro-batches of "
-            f"{plan.global_batch_size // (plan.num_micro_batches or 1)}; planned only, not "
-            f"run yet): " + "; ".join(parts)
+            f"{plan.global_batch_size // (plan.num_micro_batches or 1)}): " + "; ".join(parts)
         )
     tried = plan.meta.get("stage_counts") or []
     if tried:

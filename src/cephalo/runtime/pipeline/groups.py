@@ -8,8 +8,11 @@ each group's comm runs at its slowest link, as the shard groups' do
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from cephalo.errors import CephaloError
@@ -79,6 +82,42 @@ class StageGroups:
         self._pairs.clear()
 
 
+def pipeline_key(plan: Plan) -> int:
+    """A fingerprint of what every rank of a pipeline must agree on: the stages (ranks, units,
+    weights kept), the schedule, the micro-batches and every rank's split of them."""
+    text = json.dumps(
+        [
+            [[st.ranks, st.units, st.keep_gathered] for st in plan.stages or []],
+            plan.schedule,
+            plan.num_micro_batches,
+            plan.global_batch_size,
+            [[r.batch_size, r.micro_batch_size] for r in plan.ranks],
+        ]
+    )
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+
+
+def agree(plan: Plan, world: Comm) -> None:
+    """Every rank runs the same pipeline, or every rank stops with one message (ranks given
+    different plans would otherwise wait for each other's sends until the timeout)."""
+    key = pipeline_key(plan)
+    both = torch.tensor([key, -key], dtype=torch.int64, device=_device(world))
+    world.all_reduce(both, "max")
+    if int(both[0]) != key or int(both[1]) != -key:
+        raise CephaloError(
+            f"rank {world.rank}: the ranks were given different pipelines (stages, schedule, "
+            "micro-batches or their split differ between ranks): give every node the same plan "
+            "file"
+        )
+
+
+def _device(world: Comm) -> torch.device:
+    """Where the world's collectives take their tensors (NCCL: this rank's GPU)."""
+    if world.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def attach_stages(
     plan: Plan,
     world: Comm,
@@ -91,6 +130,7 @@ def attach_stages(
     stages = plan.stages or []
     if world.world_size > 1 and not dist.is_initialized():
         raise CephaloError("a staged plan needs the process group (torchrun or `cephalo run`)")
+    agree(plan, world)
     made, mine, index = [], None, -1
     for s, st in enumerate(stages):
         pg = dist.new_group(ranks=sorted(st.ranks))
