@@ -18,6 +18,7 @@ from cephalo.runtime.engine.engine import Engine, EngineConfig
 from cephalo.runtime.pipeline.schedule import peak_in_flight, stage_ops
 from cephalo.runtime.pipeline.stage_step import sample_ranges
 from cephalo.runtime.state.adamw import AdamWHyper
+from cephalo.specs.catalog.formulas import boundary_activation_bytes
 from dist_harness import dist_pool_fixture
 from engine_common import LR, TEST_EPS, make_data, one_thread, reference_floor
 
@@ -119,6 +120,12 @@ def test_staged_plan_matches_one_process(pool5, make, schedule, dropout):
         floor.check("stages", losses=r["losses"], norms=r["norms"])
         assert r["losses"] == results[0]["losses"]
         assert r["val"] == results[0]["val"]
+    # every boundary crosses once per step each way (and once in the evaluation), the bytes
+    # the cost model charges a crossing: B x the catalog's boundary bytes per sample
+    per_sample = boundary_activation_bytes(build_model("gpt-tiny").spec, plan.seq_len, "fp32")
+    crossings = len(plan.stages) - 1
+    expect = crossings * (2 * STEPS + 1) * plan.global_batch_size * per_sample
+    assert sum(r["sent"] for r in results) == expect
 
 
 def test_schedules_hold_what_the_cost_model_charges():

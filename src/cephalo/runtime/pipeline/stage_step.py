@@ -101,6 +101,8 @@ class _Weights:
         self.gathered: dict[int, tuple[Gathered, dict[str, torch.Tensor]]] = {}
         self.grads: dict[int, UnitGrads] = {}
         self.reducing: list[Reduce] = []
+        self.prefetching = step.engine.config.prefetch
+        self.overlap = step.engine.overlap_reduce
         if self.keep:  # every unit's gather starts now, each waited for at its first use
             for us in step.shards:
                 self.pending[us.index] = self.coll.start_gather(us, async_op=True)
@@ -114,6 +116,15 @@ class _Weights:
                 params.update(tie.params())
             self.gathered[u] = (g, params)
         return self.gathered[u][1]
+
+    def prefetch(self, u: int) -> None:
+        """Gathered per micro-batch: start unit `u`'s gather now (it runs beside the current
+        unit's compute, as the flat engine's prefetch and the cost model's overlap have it)."""
+        us = self.step.by_index.get(u)
+        if self.keep or not self.prefetching or us is None:
+            return
+        if u not in self.pending and u not in self.gathered:
+            self.pending[u] = self.coll.start_gather(us, async_op=True)
 
     def unit_grads(self, us: UnitShard) -> UnitGrads:
         u = us.index
@@ -133,22 +144,24 @@ class _Weights:
         if backward and (not self.keep or last):
             grads = self.grads.pop(u)
             grads.done_with_leaves()
-            reducing = self.coll.start_reduces(us, grads)
+            if not self.keep:  # the previous unit's ran beside this one's backward
+                self.finish_reduces()
+            self.reducing += self.coll.start_reduces(us, grads)
             del grads
-            if self.keep:
-                self.reducing += reducing
-            else:
-                for r in reducing:
-                    self.coll.finish_reduce(r)
+            if not self.overlap:  # (a rank short of memory: one unit's gradient at a time)
+                self.finish_reduces()
         if not self.keep and u in self.gathered:
             g, _ = self.gathered.pop(u)
             self.coll.release(g)
 
-    def finish(self) -> None:
-        """The step's end: the reduce-scatters complete, the gathered buffers go."""
+    def finish_reduces(self) -> None:
         for r in self.reducing:
             self.coll.finish_reduce(r)
         self.reducing = []
+
+    def finish(self) -> None:
+        """The step's end: the reduce-scatters complete, the gathered buffers go."""
+        self.finish_reduces()
         for g in self.pending.values():  # (a step that raised before using them)
             self.coll.finish_gather(g)
             self.coll.release(g)
@@ -297,6 +310,7 @@ class StageStep:
         for u in range(self.first, self.last + 1):
             us = self.by_index[u]
             params = weights.params(us)
+            weights.prefetch(u + 1)
             if u == self.head and head_grad is not None:
                 grads = weights.unit_grads(us)
                 if rows:
@@ -345,6 +359,8 @@ class StageStep:
                 store.drop((1, j))
                 break
             params = weights.params(us)
+            if u - 1 >= self.first and (u > 1 or trains(self.by_index[0])):
+                weights.prefetch(u - 1)
             grads = weights.unit_grads(us)
             if rows:
                 with clock.compute():
