@@ -105,14 +105,20 @@ def _config() -> EngineConfig:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("make", "schedule", "dropout"),
-    [(three_two_plan, "1f1b", 0.1), (two_one_two_plan, "gpipe", 0.0)],
-    ids=["3+2-1f1b", "2+1+2-gpipe"],
+    ("make", "schedule", "dropout", "steps"),
+    [
+        (three_two_plan, "1f1b", 0.1, STEPS),
+        (three_two_plan, "gpipe", 0.1, STEPS),
+        (two_one_two_plan, "gpipe", 0.0, STEPS),
+        (two_one_two_plan, "1f1b", 0.0, STEPS),
+        (three_two_plan, "1f1b", 0.1, 20),  # the 20 steps
+    ],
+    ids=["3+2-1f1b", "3+2-gpipe", "2+1+2-gpipe", "2+1+2-1f1b", "3+2-1f1b-20-steps"],
 )
-def test_staged_plan_matches_one_process(pool5, make, schedule, dropout):
+def test_staged_plan_matches_one_process(pool5, make, schedule, dropout, steps):
     plan = make(schedule)
     cfg = _config()
-    data = make_data(STEPS, plan.global_batch_size)
+    data = make_data(steps, plan.global_batch_size)
     results = pool5.run(_run, plan, cfg, data, {"dropout": dropout})
     floor = reference_floor("gpt-tiny", {"dropout": dropout}, data, cfg)
     floor.check("stages", params=results[0]["params"])
@@ -124,7 +130,7 @@ def test_staged_plan_matches_one_process(pool5, make, schedule, dropout):
     # the cost model charges a crossing: B x the catalog's boundary bytes per sample
     per_sample = boundary_activation_bytes(build_model("gpt-tiny").spec, plan.seq_len, "fp32")
     crossings = len(plan.stages) - 1
-    expect = crossings * (2 * STEPS + 1) * plan.global_batch_size * per_sample
+    expect = crossings * (2 * steps + 1) * plan.global_batch_size * per_sample
     assert sum(r["sent"] for r in results) == expect
 
 
