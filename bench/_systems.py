@@ -117,13 +117,18 @@ class OursTrainer:
         self.engine = Engine(model, plan, self.comm, cfg)
         self.plan = plan
 
-    def rows(self) -> slice:
-        start = self.plan.batch_offsets()[self.comm.rank]
-        return slice(start, start + self.plan.ranks[self.comm.rank].batch_size)
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch: one run in a flat plan, one per micro-batch in
+        a staged one (`sample_ranges`, in the order its micro-batches take them)."""
+        from cephalo.runtime.pipeline.stage_step import sample_ranges
+
+        runs = [x[a : a + n] for a, n in sample_ranges(self.plan, self.comm.rank)]
+        if not runs:
+            return x[0:0]
+        return runs[0] if len(runs) == 1 else torch.cat(runs)
 
     def step(self, x: torch.Tensor, y: torch.Tensor):
-        rows = self.rows()
-        return self.engine.train_step(x[rows], y[rows], LR)
+        return self.engine.train_step(self.rows(x), self.rows(y), LR)
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         """The engine's state on the device (the host-held part is host memory, not counted)."""
