@@ -52,6 +52,7 @@ BENCHES = [
     Bench("engine_vs_fsdp2", "Engine vs PyTorch FSDP2", 360),
     Bench("gloo_gather", "Equal-size collectives on gloo", 120),
     Bench("hetero_throughput", "Emulated heterogeneous clusters (measured)", 420),
+    Bench("pipeline", "Pipeline stages on 3 emulated nodes", 360),
     Bench("data_streaming", "Data preparation streams: memory vs corpus size", 300),
     Bench("hf_overhead", "Cephalo on a Hugging Face model vs plain transformers", 420),
     Bench("optimizer_step", "AdamW on a flat shard vs torch's fastest", 300),
