@@ -77,6 +77,13 @@ collectives' cross-rank checks stop after the first step on every communicator, 
 statistics are device-side sums. tests count the operations that would sync a GPU
 (runtime/host_syncs.py); scripts/gpu_check.py runs the steps under CUDA's sync debug mode.
 
+Pipeline stages. Under a staged plan (`Plan.stages`) this rank's engine holds only its stage's
+units, sharded over the stage's ranks on their own process group (`runtime/pipeline/groups.py`),
+and its step's passes are the stage's (`pipeline`, runtime/pipeline/stage_step.py): the same
+parts run each micro-batch in the schedule's order, the boundaries crossing to the neighbouring
+stages; the token count, loss and norm are still all-reduced over every rank, and the update is
+this class's.
+
 Dropout. Masks are drawn per sample from (seed, step, unit, call, global sample index)
 (`cephalo.runtime.dropout.SampleDropout`, only around units that can drop anything:
 `module_uses_dropout`), so they do not depend on the plan: any plan,
