@@ -711,6 +711,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("dropout", check_dropout),
     ("standard_eval", check_standard_eval),
     ("collectives", check_collectives),
+    ("pipeline_p2p", _sibling("gpu_check_pipeline", "check_pipeline_p2p")),
     ("hf_models", _models("check_hf")),
     ("adapters", _models("check_adapters")),
     ("chat_packed", _models("check_chat_packed")),
@@ -725,7 +726,6 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("throughput", check_throughput),
     ("comm_wait_events", check_comm_wait_events),
     ("boundary_overlap", check_boundary_overlap),
-    ("pipeline_p2p", _sibling("gpu_check_pipeline", "check_pipeline_p2p")),
     ("compile", _sibling("gpu_check_compile", "check_compile")),
 ]
 
