@@ -496,6 +496,8 @@ class Engine:
             stack.enter_context(self.comm.unvalidated())
             if self.world is not self.comm:
                 stack.enter_context(self.world.unvalidated())
+            for pair in self.stages.pair_comms() if self.stages is not None else []:
+                stack.enter_context(pair.unvalidated())  # (the tied weights' exchange)
             yield
 
     def train_step(
