@@ -75,8 +75,7 @@ def two_one_two_plan(schedule: str = "gpipe") -> Plan:
 
 def staged_slice(plan: Plan, rank: int, x: torch.Tensor) -> torch.Tensor:
     """Rank `rank`'s rows of a global batch: its runs, in micro-batch order."""
-    runs = [x[a : a + n] for a, n in sample_ranges(plan, rank)]
-    return torch.cat(runs) if runs else x[0:0]
+    return torch.cat([x[a : a + n] for a, n in sample_ranges(plan, rank)])
 
 
 def _run(plan, cfg, data, overrides):

@@ -687,8 +687,6 @@ class _Trainer:
         ]
         if len(parts) == 1:
             return parts[0]
-        if not parts:  # (a staged rank without rows)
-            return self.batches.rank_slice(step, 0, 0) + (self.batches.rank_positions(step, 0, 0),)
         ids, labels, positions = zip(*parts, strict=True)
         pos = None if positions[0] is None else torch.cat(positions)
         return torch.cat(ids), torch.cat(labels), pos
@@ -704,9 +702,6 @@ class _Trainer:
             parts = [self._val_rows(index, windows, a, n) for a, n in self.engine.sample_ranges]
             if len(parts) == 1:
                 x, y, positions = parts[0]
-            elif not parts:  # (a staged rank without rows)
-                x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
-                positions = None
             else:
                 xs, ys, ps = zip(*parts, strict=True)
                 x, y = torch.cat(xs), torch.cat(ys)

@@ -171,9 +171,7 @@ class Engine:
         self.sample_ranges = sample_ranges(plan, self.rank)
         """(first sample, samples) of each run of the global batch this rank trains on: one
         (ranks take consecutive slices), or one per micro-batch in a staged plan."""
-        self.sample_offset = (
-            self.sample_ranges[0][0] if self.sample_ranges else plan.batch_offsets()[self.rank]
-        )
+        self.sample_offset = self.sample_ranges[0][0]
         """Index of this rank's first sample in the global batch."""
         check_runnable(plan, config, model)
         if config.validate_collectives is not None:

@@ -78,14 +78,14 @@ def check_runnable(plan: Plan, config: EngineConfig, model: UnitModel) -> None:
 def sample_ranges(plan: Plan, rank: int) -> list[tuple[int, int]]:
     """(first sample, samples) of each run of the global batch rank `rank` trains on, in the
     order its micro-batches take them: one run in a flat plan, one per micro-batch in a staged
-    one."""
+    one (one empty run for a staged rank without rows)."""
     if not plan.staged:
         return [(plan.batch_offsets()[rank], plan.ranks[rank].batch_size)]
     assert plan.stages is not None and plan.num_micro_batches
     stage = next(s for s, st in enumerate(plan.stages) if rank in st.ranks)
     start, size = next((a, n) for r, a, n in plan.micro_batch_slices(stage) if r == rank)
     per = plan.global_batch_size // plan.num_micro_batches
-    return [(j * per + start, size) for j in range(plan.num_micro_batches)] if size else []
+    return [(j * per + start, size) for j in range(plan.num_micro_batches)] if size else [(0, 0)]
 
 
 class _Weights:
