@@ -284,3 +284,11 @@ def test_a_staged_plan_the_runtime_cannot_run_is_refused_before_the_job(tmp_path
     cfg.train.objective = "dpo"
     with pytest.raises(CephaloError, match="cannot run with the DPO objective inside a stage"):
         preflight(cfg)
+    # stages made for another model (the plan knows no model's depth: the engine checks it
+    # on every rank before any collective)
+    from cephalo.runtime.pipeline.stage_step import check_runnable
+
+    plan = three_two_plan()
+    plan.stages[1].units = [2, 5]
+    with pytest.raises(CephaloError, match="last stage ends at unit 5 but gpt-tiny's head is unit 3"):
+        check_runnable(plan, _config(), build_model("gpt-tiny"))

@@ -61,6 +61,14 @@ def check_runnable(plan: Plan, config: EngineConfig, model: UnitModel) -> None:
     options (`planner.plan.check_stages_runnable`) and the engine's."""
     if not plan.staged:
         return
+    assert plan.stages is not None
+    head = len(model.units) - 1
+    if plan.stages[-1].units[1] != head:  # (every rank: before any collective)
+        raise CephaloError(
+            f"the plan's last stage ends at unit {plan.stages[-1].units[1]} but "
+            f"{model.spec.name}'s head is unit {head}: the stages must cover its units 0..{head} "
+            "exactly (make the plan for this model: `cephalo plan --stages`)"
+        )
     why = []
     if config.mode != "lga":
         why.append(f"the {config.mode!r} mode")
@@ -185,11 +193,6 @@ class StageStep:
         self.S, self.M, self.s = len(plan.stages), int(plan.num_micro_batches), groups.index
         self.first, self.last = groups.stage.units
         self.head = len(engine.model.units) - 1
-        if self.s == self.S - 1 and self.last != self.head:
-            raise CephaloError(
-                f"the plan's last stage ends at unit {self.last} but the model's head is unit "
-                f"{self.head}: the stages must cover every unit of {engine.model.spec.name}"
-            )
         self.keep = groups.stage.keep_gathered
         self.ops = stage_ops(plan.schedule, self.s, self.S, self.M)
         self.shards = engine.shards
