@@ -58,6 +58,11 @@ returning its failures; a check that raises is a failure, not the end of the run
                    stream, bitwise the tensor put (with offload_bitwise: the engine on the
                    copy streams against the on-device run)
 
+  pipeline_p2p     pipeline stages at world size 1: the boundary re-partition between two
+                   stages' splits, the schedules, the exchange's device buffers and stream
+                   order through a side-stream loopback (scripts/gpu_check_pipeline.py; with
+                   `--collectives`, a 2-stage engine against one process, GPipe and 1F1B)
+
   compile          the blocks compiled (`parallel.compile`: graphs, inductor) against the
                    eager engine, GPT-2 124M bf16 with dropout: within rounding, the loss
                    falls, each mode's step time (scripts/gpu_check_compile.py)
@@ -706,6 +711,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("dropout", check_dropout),
     ("standard_eval", check_standard_eval),
     ("collectives", check_collectives),
+    ("pipeline_p2p", _sibling("gpu_check_pipeline", "check_pipeline_p2p")),
     ("hf_models", _models("check_hf")),
     ("adapters", _models("check_adapters")),
     ("chat_packed", _models("check_chat_packed")),
@@ -821,6 +827,9 @@ def collectives_main() -> int:
     failures += check_uneven_engine(comm, device, rel_tol=1e-4)
     failures += check_uneven_engine(comm, device, rel_tol=1e-4, near_even=True)
     failures += check_bf16_cross_reduce(comm, device)
+    from gpu_check_pipeline import check_pipeline_engine
+
+    failures += check_pipeline_engine(comm, device, rel_tol=1e-4)
     for f in failures:
         print(f"gpu_check: rank {comm.rank}: FAIL - {f}", flush=True)
     count = torch.tensor([len(failures)], device=device)

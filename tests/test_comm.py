@@ -527,8 +527,11 @@ def _load_gpu_check(path: str):
 def _gpu_checks_on_gloo(path: str) -> list[str]:
     check = _load_gpu_check(path)
     cpu = torch.device("cpu")
+    import gpu_check_pipeline  # (scripts/ is on the path once gpu_check is loaded)
+
     return (
-        check.check_uneven_collectives(make_comm("auto"), cpu)
+        gpu_check_pipeline.check_pipeline_engine(make_comm("auto"), cpu, rel_tol=1e-5)
+        + check.check_uneven_collectives(make_comm("auto"), cpu)
         + check.check_uneven_collectives(make_comm("padded"), cpu)
         + check.check_uneven_engine(make_comm("auto"), cpu, rel_tol=1e-5)
         + check.check_uneven_engine(make_comm("auto"), cpu, rel_tol=1e-5, near_even=True)

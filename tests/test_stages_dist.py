@@ -75,8 +75,7 @@ def two_one_two_plan(schedule: str = "gpipe") -> Plan:
 
 def staged_slice(plan: Plan, rank: int, x: torch.Tensor) -> torch.Tensor:
     """Rank `rank`'s rows of a global batch: its runs, in micro-batch order."""
-    runs = [x[a : a + n] for a, n in sample_ranges(plan, rank)]
-    return torch.cat(runs) if runs else x[0:0]
+    return torch.cat([x[a : a + n] for a, n in sample_ranges(plan, rank)])
 
 
 def _run(plan, cfg, data, overrides):
@@ -179,25 +178,39 @@ def _job(run_dir, plan: str, steps: int, resume: str = "never"):
     )
 
 
-def _train_on_rank(cfg):
+def _train_on_rank(cfg, replan: str = ""):
+    """The trainer on this rank (`replan`: the re-plan test hook, STEP:PLAN.json)."""
+    import os
+
+    from cephalo import envvars
     from cephalo.train.trainer import train
 
-    result = train(cfg)
-    return result.losses, result.val_losses, str(result.last_checkpoint)
+    os.environ[envvars.TEST_REPLAN] = replan
+    try:
+        result = train(cfg)
+    finally:
+        os.environ.pop(envvars.TEST_REPLAN, None)
+    switched = [s["step"] for s in result.replans]
+    return result.losses, result.val_losses, str(result.last_checkpoint), switched
 
 
 @pytest.mark.slow
-def test_staged_and_flat_runs_resume_each_other(pool5, tmp_path):
-    """A staged run (3 + 2, 1F1B) trained by the trainer for 2 steps, resumed under the flat
-    even plan for 2 more, then under a staged plan (2 + 1 + 2, GPipe) again: one trajectory,
-    the one-process run's (losses, validation losses, final parameters)."""
+def test_staged_and_flat_runs_resume_and_switch_into_each_other(pool5, tmp_path):
+    """The trainer, 6 steps in 3 jobs, each resuming the last one's checkpoint and switching
+    plans once on the way (the re-plan's in-memory re-layout, train/replan.py): a staged plan
+    (3 + 2, 1F1B) switching to a flat one, a checkpoint of the flat plan loaded by another
+    staged plan (2 + 1 + 2, GPipe) switching to the first, its checkpoint loaded by the flat even
+    plan switching to the second. Every checkpoint load and re-layout between staged and flat
+    states, both ways: one trajectory, the one-process run's (losses, validation losses, final
+    parameters)."""
     from safetensors.torch import load_file
 
+    from cephalo.planner.makers import manual_plan
     from cephalo.train.export import export_checkpoint
     from trainer_reference import job_floor
 
     job = job_floor(_job(tmp_path / "one", "even", 6))
-    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first, second, flat = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "flat.json"
     three_two_plan("1f1b").to_json(first)
     plan = two_one_two_plan("gpipe")
     plan.global_batch_size = 12  # 3 rows per micro-batch: rank 2 takes 3, ranks 3 + 4 take 2 + 1
@@ -205,21 +218,25 @@ def test_staged_and_flat_runs_resume_each_other(pool5, tmp_path):
     plan.ranks[2] = RankPlan(2, "cpu", 12, 3, 4, 1.0)
     plan.ranks[3] = RankPlan(3, "cpu", 8, 2, 4, 0.45)
     plan.to_json(second)
-    legs = [(str(first), 2), ("even", 4), (str(second), 6)]
+    manual_plan(
+        "gpt-tiny", 16, [4, 1, 2, 3, 2], [2, 1, 2, 3, 1], [0.3, 0.1, 0.2, 0.2, 0.2]
+    ).to_json(flat)
+    legs = [(first, 2, f"1:{flat}"), (second, 4, f"3:{first}"), ("even", 6, f"5:{second}")]
     losses: dict[int, float] = {}
     val: dict[int, float] = {}
     ckpt = "never"
-    for k, (which, steps) in enumerate(legs):
-        per_rank = pool5.run(_train_on_rank, _job(tmp_path / f"leg{k}", which, steps, ckpt))
+    for k, (which, steps, replan) in enumerate(legs):
+        cfg = _job(tmp_path / f"leg{k}", str(which), steps, ckpt)
+        per_rank = pool5.run(_train_on_rank, cfg, replan)
         assert all(r[0] == per_rank[0][0] for r in per_rank), "ranks disagree on the losses"
-        leg_losses, leg_val, ckpt = per_rank[0]
-        assert sorted(leg_losses) == list(range(steps - 1, steps + 1))
+        leg_losses, leg_val, ckpt, switched = per_rank[0]
+        assert sorted(leg_losses) == [steps - 1, steps]
+        assert switched == [steps - 1], f"leg {k}: switched after steps {switched}"
         losses.update(leg_losses)
         val.update(leg_val)
     export_checkpoint(ckpt, out=tmp_path / "final.safetensors")
-    job.check(
-        "staged -> flat -> staged", losses, val, load_file(str(tmp_path / "final.safetensors"))
-    )
+    final = load_file(str(tmp_path / "final.safetensors"))
+    job.check("staged <-> flat, resumed and switched", losses, val, final)
 
 
 # ------------------------------------------------------------------ bad input
@@ -267,3 +284,11 @@ def test_a_staged_plan_the_runtime_cannot_run_is_refused_before_the_job(tmp_path
     cfg.train.objective = "dpo"
     with pytest.raises(CephaloError, match="cannot run with the DPO objective inside a stage"):
         preflight(cfg)
+    # stages made for another model (the plan knows no model's depth: the engine checks it
+    # on every rank before any collective)
+    from cephalo.runtime.pipeline.stage_step import check_runnable
+
+    plan = three_two_plan()
+    plan.stages[1].units = [2, 5]
+    with pytest.raises(CephaloError, match="last stage ends at unit 5 but gpt-tiny's head is unit 3"):
+        check_runnable(plan, _config(), build_model("gpt-tiny"))

@@ -63,8 +63,8 @@ trained: the state shards hold the frozen base (compute dtype; NF4 for qlora) an
 adapter parameter, and only the adapters' gradients are reduced (docs/adapters.md, Planning).
 
 With --stages auto (or N) it also tries pipeline stages of whole nodes, each running a
-contiguous range of layers (docs/planner.md, "Pipeline stages"): planned and simulated only,
-the runtime cannot run a staged plan yet.
+contiguous range of layers (docs/planner.md, "Pipeline stages"); `cephalo run` / `train` run a
+staged plan as a pipeline.
 
 strategies: cephalo (the optimiser), even (plain FSDP: equal batches and shards),
 proportional (batches proportional to speed, equal shards), all (compare the three).
@@ -135,16 +135,16 @@ def add_grouping_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_stage_arguments(p: argparse.ArgumentParser) -> None:
-    """--stages, --schedule: the pipeline stages the planner may form (issue 40; planned only:
-    `cephalo simulate` evaluates them, the runtime does not run them yet)."""
+    """--stages, --schedule: the pipeline stages the planner may form (issue 40: `cephalo
+    simulate` evaluates them, the runtime runs them, runtime/pipeline/)."""
     p.add_argument(
         "--stages",
         default="off",
         metavar="auto|off|N",
         help="pipeline stages of whole nodes, each running a contiguous range of layers: `auto` "
         "(the planner compares 2.. stages with the flat and shard-group plans and keeps the "
-        "fastest), N (exactly N stages, where faster), `off` (default). Planned only: the "
-        "runtime cannot run a staged plan yet",
+        "fastest), N (exactly N stages, where faster), `off` (default); `cephalo run` runs "
+        "a staged plan as a pipeline",
     )
     p.add_argument(
         "--schedule",

@@ -1,8 +1,9 @@
 """Pipeline stages as the cost model charges them (issue 40): one formula each, here only.
 
-PLANNED ONLY: the runtime does not run stages yet; these formulas are what the planner
-(planner/stages/) and `cephalo simulate` judge a staged plan by, and what a pipeline runtime
-must meet.
+These formulas are what the planner (planner/stages/) and `cephalo simulate` judge a staged
+plan by, and what the pipeline runtime (runtime/pipeline/) does: the same gathers and
+reduce-scatters per schedule and `keep_gathered`, the same boundaries in flight, the same tied
+exchange.
 
 A staged plan (plan format 3) splits the model's units u = 0 (embedding), 1..L (blocks),
 L + 1 (head) into S contiguous ranges, one per stage; stage s runs on whole nodes, every

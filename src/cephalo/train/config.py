@@ -225,9 +225,9 @@ class ParallelConfig:
     inter-node network; accumulated in fp32 either way). The planner costs whichever is set."""
     stages: str = "off"
     """Pipeline stages for the automatic plan (`cephalo plan --stages`): `off`, `auto` or a
-    number of stages. Planned only (issue 40): the runtime cannot run a staged plan yet, so a
-    job whose automatic plan has stages stops with a message before training; `off` keeps
-    today's flat or shard-group plans."""
+    number of stages (issue 40): the planner keeps a staged plan only where it predicts it
+    faster, and the job runs it as a pipeline (docs/planner.md, "Pipeline stages"); `off`
+    keeps today's flat or shard-group plans."""
     offload: Literal["auto", "always", "never"] = "auto"
     """Keep layer-boundary activations on the host: `auto` (as the plan says), `always`, `never`."""
     host_memory: str | None = None

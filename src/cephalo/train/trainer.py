@@ -39,6 +39,7 @@ from cephalo import envvars
 from cephalo.costmodel.host import check_host_memory
 from cephalo.costmodel.memory import device_reserve_bytes
 from cephalo.costmodel.model import CostModel
+from cephalo.costmodel.stages import STAGE_PROCESS_GROUPS
 from cephalo.data.job import open_batches, resolve_job_dataset
 from cephalo.data.text import default_cache_dir
 from cephalo.errors import CephaloError
@@ -564,7 +565,9 @@ class _Trainer:
         measured = outside_allocator_bytes(self.engine.device)
         if measured is None:
             return
-        planned = device_reserve_bytes(self.device.type_key, len(self.plan.groups))
+        # (a pipeline stage's rank: the world's, its stage's and the crossing's communicators)
+        groups = STAGE_PROCESS_GROUPS if self.plan.staged else len(self.plan.groups)
+        planned = device_reserve_bytes(self.device.type_key, groups)
         note = reserve_note(measured, planned)
         (logger.info if measured <= planned else logger.warning)("rank %d: %s", self.rank, note)
 
@@ -684,8 +687,6 @@ class _Trainer:
         ]
         if len(parts) == 1:
             return parts[0]
-        if not parts:  # (a staged rank without rows)
-            return self.batches.rank_slice(step, 0, 0) + (self.batches.rank_positions(step, 0, 0),)
         ids, labels, positions = zip(*parts, strict=True)
         pos = None if positions[0] is None else torch.cat(positions)
         return torch.cat(ids), torch.cat(labels), pos
@@ -701,9 +702,6 @@ class _Trainer:
             parts = [self._val_rows(index, windows, a, n) for a, n in self.engine.sample_ranges]
             if len(parts) == 1:
                 x, y, positions = parts[0]
-            elif not parts:  # (a staged rank without rows)
-                x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
-                positions = None
             else:
                 xs, ys, ps = zip(*parts, strict=True)
                 x, y = torch.cat(xs), torch.cat(ys)

@@ -77,6 +77,13 @@ collectives' cross-rank checks stop after the first step on every communicator, 
 statistics are device-side sums. tests count the operations that would sync a GPU
 (runtime/host_syncs.py); scripts/gpu_check.py runs the steps under CUDA's sync debug mode.
 
+Pipeline stages. Under a staged plan (`Plan.stages`) this rank's engine holds only its stage's
+units, sharded over the stage's ranks on their own process group (`runtime/pipeline/groups.py`),
+and its step's passes are the stage's (`pipeline`, runtime/pipeline/stage_step.py): the same
+parts run each micro-batch in the schedule's order, the boundaries crossing to the neighbouring
+stages; the token count, loss and norm are still all-reduced over every rank, and the update is
+this class's.
+
 Dropout. Masks are drawn per sample from (seed, step, unit, call, global sample index)
 (`cephalo.runtime.dropout.SampleDropout`, only around units that can drop anything:
 `module_uses_dropout`), so they do not depend on the plan: any plan,
@@ -164,9 +171,7 @@ class Engine:
         self.sample_ranges = sample_ranges(plan, self.rank)
         """(first sample, samples) of each run of the global batch this rank trains on: one
         (ranks take consecutive slices), or one per micro-batch in a staged plan."""
-        self.sample_offset = (
-            self.sample_ranges[0][0] if self.sample_ranges else plan.batch_offsets()[self.rank]
-        )
+        self.sample_offset = self.sample_ranges[0][0]
         """Index of this rank's first sample in the global batch."""
         check_runnable(plan, config, model)
         if config.validate_collectives is not None:
@@ -489,6 +494,8 @@ class Engine:
             stack.enter_context(self.comm.unvalidated())
             if self.world is not self.comm:
                 stack.enter_context(self.world.unvalidated())
+            for pair in self.stages.pair_comms() if self.stages is not None else []:
+                stack.enter_context(pair.unvalidated())  # (the tied weights' exchange)
             yield
 
     def train_step(

@@ -97,7 +97,8 @@ def build_shards(
     if fractions is None:
         fractions = group_sync.fractions if group_sync else plan.state_fractions
     padded = config.padded_collectives
-    padded = comm.even_gather if padded is None else padded
+    if padded is None:  # (a pipeline stage's run unpadded, as the cost model charges them)
+        padded = comm.even_gather and units is None
     shards: list[UnitShard] = []
     # parameters with requires_grad False (a LoRA base) form the frozen base (frozen.py)
     frozen_base: FrozenBase | None = None

@@ -151,6 +151,9 @@ class BoundaryExchange:
                 whens.append(when)
                 ops.append(dist.P2POp(dist.isend, when, peer, tag=tag + 2 * self.M))
         self.bytes_sent += t.numel() * t.element_size()
+        # the sends already through let their tensors go (the cost model holds two crossing
+        # buffers, not one per micro-batch of the step)
+        self._sending = [s for s in self._sending if not all(_done(w) for w in s[0])]
         self._sending.append((dist.batch_isend_irecv(ops), [t, *whens]))
 
     def _recv(self, frm: list[Piece], rows: int, tag: int, direction: str) -> torch.Tensor:
@@ -176,6 +179,12 @@ class BoundaryExchange:
         if key not in self._queues:
             self._queues[key] = LinkQueue(self.links.rate([self.rank, peer]))
         return self._queues[key]
+
+
+def _done(work) -> bool:
+    """Whether a point-to-point work has completed (without waiting for it)."""
+    is_completed = getattr(work, "is_completed", None)
+    return bool(is_completed()) if is_completed is not None else False
 
 
 def _row_bytes(row_shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -73,6 +73,10 @@ class StageGroups:
             self._pairs[key] = comm
         return self._pairs[key]
 
+    def pair_comms(self) -> list[Comm]:
+        """The pair comms this rank is in (made so far)."""
+        return [c for c in self._pairs.values() if c is not None]
+
     def close(self) -> None:
         """Destroy the process groups made here (a re-plan drops an engine: its groups go)."""
         for pg in self._made:

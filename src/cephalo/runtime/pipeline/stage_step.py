@@ -61,6 +61,14 @@ def check_runnable(plan: Plan, config: EngineConfig, model: UnitModel) -> None:
     options (`planner.plan.check_stages_runnable`) and the engine's."""
     if not plan.staged:
         return
+    assert plan.stages is not None
+    head = len(model.units) - 1
+    if plan.stages[-1].units[1] != head:  # (every rank: before any collective)
+        raise CephaloError(
+            f"the plan's last stage ends at unit {plan.stages[-1].units[1]} but "
+            f"{model.spec.name}'s head is unit {head}: the stages must cover its units 0..{head} "
+            "exactly (make the plan for this model: `cephalo plan --stages`)"
+        )
     why = []
     if config.mode != "lga":
         why.append(f"the {config.mode!r} mode")
@@ -78,14 +86,14 @@ def check_runnable(plan: Plan, config: EngineConfig, model: UnitModel) -> None:
 def sample_ranges(plan: Plan, rank: int) -> list[tuple[int, int]]:
     """(first sample, samples) of each run of the global batch rank `rank` trains on, in the
     order its micro-batches take them: one run in a flat plan, one per micro-batch in a staged
-    one."""
+    one (one empty run for a staged rank without rows)."""
     if not plan.staged:
         return [(plan.batch_offsets()[rank], plan.ranks[rank].batch_size)]
     assert plan.stages is not None and plan.num_micro_batches
     stage = next(s for s, st in enumerate(plan.stages) if rank in st.ranks)
     start, size = next((a, n) for r, a, n in plan.micro_batch_slices(stage) if r == rank)
     per = plan.global_batch_size // plan.num_micro_batches
-    return [(j * per + start, size) for j in range(plan.num_micro_batches)] if size else []
+    return [(j * per + start, size) for j in range(plan.num_micro_batches)] if size else [(0, 0)]
 
 
 class _Weights:
@@ -185,11 +193,6 @@ class StageStep:
         self.S, self.M, self.s = len(plan.stages), int(plan.num_micro_batches), groups.index
         self.first, self.last = groups.stage.units
         self.head = len(engine.model.units) - 1
-        if self.s == self.S - 1 and self.last != self.head:
-            raise CephaloError(
-                f"the plan's last stage ends at unit {self.last} but the model's head is unit "
-                f"{self.head}: the stages must cover every unit of {engine.model.spec.name}"
-            )
         self.keep = groups.stage.keep_gathered
         self.ops = stage_ops(plan.schedule, self.s, self.S, self.M)
         self.shards = engine.shards

@@ -44,14 +44,19 @@ def relayout(
     """Copy the logical state `old` (this rank's pieces under the old plan; empty outside the
     first shard group) into `new` (its pieces under the new plan, live views). Collective over
     `comm` (every rank of the job). Returns the number of elements moved per rank."""
-    names = _tensors(new)
-    sizes = comm.all_gather_object(sorted(names.items()))
-    if any(s != sizes[0] for s in sizes):
-        raise CephaloError("ranks disagree on the model's tensors: cannot re-lay out the state")
+    # a pipeline stage's ranks hold their stage's tensors only: the union of every rank's
+    sizes: dict[str, int] = {}
+    for mine in comm.all_gather_object(sorted(_tensors(new).items())):
+        for name, numel in mine:
+            if sizes.setdefault(name, numel) != numel:
+                raise CephaloError(
+                    f"ranks disagree on the model's tensor {name!r} ({sizes[name]} vs {numel} "
+                    "elements): cannot re-lay out the state"
+                )
     # one global coordinate: the logical tensors one after another, in sorted name order
     start: dict[str, int] = {}
     total = 0
-    for name, numel in sizes[0]:
+    for name, numel in sorted(sizes.items()):
         start[name] = total
         total += numel
     for p in old:
