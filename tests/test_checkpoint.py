@@ -13,7 +13,6 @@ import torch
 
 from cephalo.errors import CephaloError
 from cephalo.runtime.state.flat import FlatShard
-from cephalo.train import checkpoint as ckpt
 from cephalo.train.checkpoint import (
     MARKER,
     latest_checkpoint,
@@ -23,6 +22,7 @@ from cephalo.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from cephalo.train.checkpoint import store as ckpt
 from dist_harness import dist_pool_fixture
 
 # Logical tensors as the engine names them. Two "units", each one flat buffer sharded by the
@@ -500,4 +500,75 @@ def test_training_stops_before_its_first_step_on_a_late_rank_or_a_private_direct
     for message in out:
         assert message.startswith("the checkpoint directory is not one every rank can use"), out
         assert "0<->1, 0<->2" in message and "parallel.shared_dir" in message
+        assert "checkpoint.node_local = true" in message
     assert not (tmp_path / "private" / "metrics.jsonl").exists()
+
+
+def _train_losses(run_dir: str, *overrides: str):
+    """`cephalo train`'s job on this rank: its losses by step, or its error's message."""
+    from cephalo.train.config_manager import load_config
+    from cephalo.train.trainer import train
+    from run_common import tiny_job_args
+
+    try:
+        return train(load_config(None, tiny_job_args(run_dir, *overrides))).losses
+    except CephaloError as err:
+        return str(err)
+
+
+SHORT = ("--train.steps=4", "--train.warmup_steps=1", "--checkpoint.every=2")
+NODE_LOCAL = ("--parallel.emulate_node_fs=private", "--checkpoint.node_local=true", *SHORT)
+
+
+@pytest.mark.slow
+def test_node_local_checkpoints_resume_on_their_nodes_and_together_under_any_plan(tmp_path, pool3):
+    """`checkpoint.node_local` on 2 emulated nodes with filesystems of their own (no shared
+    directory): the probe passes, each node's directory holds its own ranks' shards and a copy
+    of the metadata and marker; resuming there continues the uninterrupted run's losses bit for
+    bit; with the ranks on other nodes the resume stops with one message saying what differs;
+    the two directories copied together resume as one checkpoint under another plan (one
+    process), within fp32 noise."""
+    import shutil
+
+    run = tmp_path / "run"
+    devices = "--parallel.devices=cpu@node0,2xcpu@node1"
+    whole = pool3.run(_train_losses, str(run), devices, *NODE_LOCAL)
+    assert isinstance(whole[0], dict) and sorted(whole[0]) == [1, 2, 3, 4], whole
+    node0 = run / "checkpoints"
+    node1 = run.absolute() / "node-fs" / "node1" / (run.absolute() / "checkpoints").relative_to("/")
+    mine = {p.name for p in (node0 / "step_000004").iterdir()}
+    theirs = {p.name for p in (node1 / "step_000004").iterdir()}
+    common = {MARKER, ".metadata", "trainer_state.pt"}
+    assert mine == common | {"__0_0.distcp", "extra_rank00000.pt"}, mine
+    assert theirs == common | {f"__{r}_0.distcp" for r in (1, 2)} | {
+        f"extra_rank0000{r}.pt" for r in (1, 2)
+    }, theirs
+    marker = json.loads((node0 / "step_000004" / MARKER).read_text())
+    assert marker == json.loads((node1 / "step_000004" / MARKER).read_text())
+    assert [p["ranks"] for p in marker["parts"]] == [[0], [1, 2]]
+
+    # interrupted after step 2 (its checkpoint the newest on both nodes): resumed, same losses
+    for root in (node0, node1):
+        shutil.rmtree(root / "step_000004")
+    resumed = pool3.run(_train_losses, str(run), devices, *NODE_LOCAL)
+    assert all(r == {3: whole[0][3], 4: whole[0][4]} for r in resumed), (resumed, whole[0])
+
+    # the ranks on other nodes: rank 1 does not find its shards on node 0
+    moved = pool3.run(
+        _train_losses, str(run), "--parallel.devices=2xcpu@node0,cpu@node1", *NODE_LOCAL
+    )
+    for message in moved:
+        assert isinstance(message, str) and "is node-local" in message, moved
+        assert "rank 1 does not find its shards there: it lacks __1_0.distcp" in message
+        assert "([0] | [1, 2] saved, [0, 1] | [2] now)" in message
+        assert "copy every node's step_000004 directory into one directory" in message
+
+    # copied together: one checkpoint, resumed by one process (another plan, world size)
+    together = tmp_path / "together" / "step_000002"
+    shutil.copytree(node0 / "step_000002", together)
+    shutil.copytree(node1 / "step_000002", together, dirs_exist_ok=True)
+    verify_checkpoint(together)
+    one = _train_losses(str(tmp_path / "one"), *SHORT, f"--checkpoint.resume={together}")
+    assert sorted(one) == [3, 4], one
+    for step in (3, 4):
+        assert one[step] == pytest.approx(whole[0][step], rel=1e-5), (one, whole[0])

@@ -350,6 +350,7 @@ class _Trainer:
         self.step = 0
         self.nonfinite_streak = 0
         self.signals = StopSignals([])  # `train()` hands the job's handlers in
+        self.checkpoint_sites: tuple[int, ...] | None = None  # check_checkpoint_dir finds them
         self.timed_saves = TimedSaves(cfg.checkpoint.every_minutes)
         self.result = TrainResult(self.rank, self.world_size, self.run_dir, self.plan, 0, 0)
         self.result.profile_peak_bytes = profile_peak
@@ -421,6 +422,7 @@ class _Trainer:
                 self._trainer_state(),
                 self.comm,
                 keep_last=self.cfg.checkpoint.keep_last,
+                sites=self.checkpoint_sites,
             )
         self.result.last_checkpoint = path
         self.timed_saves.saved()
@@ -435,8 +437,9 @@ class _Trainer:
     def check_checkpoint_dir(self) -> None:
         """Before any step: the checkpoint directory is one every rank writes and sees (the
         doctor's probe, one function for both), else the first save, maybe at the end of the
-        run, would fail."""
-        row = checkpoint_check(self.cfg.checkpoint_dir, self.comm)
+        run, would fail. Node-local checkpoints: the sets of ranks that see one directory."""
+        row = checkpoint_check(self.cfg.checkpoint_dir, self.comm, self.cfg.checkpoint.node_local)
+        self.checkpoint_sites = row.sites
         if row.status != OK:
             raise CephaloError(
                 f"the checkpoint directory is not one every rank can use: {row.found}. Before "
@@ -460,7 +463,9 @@ class _Trainer:
         if target is None:
             return
         with host_memory():  # read through host memory into the state's buffers, as on a GPU
-            step, extra, state = load_checkpoint(target, self.engine.sharded_state(), self.comm)
+            step, extra, state = load_checkpoint(
+                target, self.engine.sharded_state(), self.comm, self.checkpoint_sites
+            )
         self.engine.state_written()
         self.engine.load_extra_state(extra)
         if "rng_cpu" in extra:
