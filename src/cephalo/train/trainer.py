@@ -459,6 +459,11 @@ class _Trainer:
             raise CephaloError(
                 f"only {int(found.item())} of {self.world_size} ranks see a checkpoint under "
                 f"{self.cfg.checkpoint_dir}: the checkpoint directory must be on storage every rank shares"
+                + (
+                    ", or each node's own copy of it (checkpoint.node_local)"
+                    if self.checkpoint_sites
+                    else ""
+                )
             )
         if target is None:
             return
