@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cephalo.errors import CephaloError
+from cephalo.planner.makers import manual_plan
 from cephalo.runtime.state.flat import FlatShard
 from cephalo.train.checkpoint import (
     MARKER,
@@ -562,7 +563,8 @@ def test_node_local_checkpoints_resume_on_their_nodes_and_together_under_any_pla
     """`checkpoint.node_local` on 2 emulated nodes with filesystems of their own (no shared
     directory): the probe passes, each node's directory holds its own ranks' shards and a copy
     of the metadata and marker; resuming there continues the uninterrupted run's losses bit for
-    bit; with the ranks on other nodes the resume stops with one message saying what differs;
+    bit; with the ranks on other nodes, or under another plan, the resume stops with one
+    message saying what differs;
     the two directories copied together resume as one checkpoint under another plan (one
     process), within fp32 noise."""
     import shutil
@@ -599,6 +601,14 @@ def test_node_local_checkpoints_resume_on_their_nodes_and_together_under_any_pla
         assert "rank 1 does not find its shards there: it lacks __1_0.distcp" in message
         assert "([0] | [1, 2] saved, [0, 1] | [2] now)" in message
         assert "copy every node's step_000002 directory into one directory" in message
+    # the same nodes, another plan (other state shards: rank 0 now needs node 1's file)
+    plan = tmp_path / "plan.json"
+    manual_plan("gpt-tiny", 16, [2, 2, 2], [2, 2, 2], [0.5, 0.3, 0.2]).to_json(plan)
+    other = pool3.run(_train_losses, str(run), devices, f"--parallel.plan={plan}", *NODE_LOCAL)
+    for message in other:
+        assert isinstance(message, str) and "rank 0 does not find its shards there" in message
+        assert "the plan (ranks 0, 1, 2 hold other shards)" in message, message
+        assert "the ranks of each directory" not in message
 
     # copied together: one checkpoint, resumed by one process (another plan, world size)
     together = tmp_path / "together" / "step_000001"

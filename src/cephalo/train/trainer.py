@@ -468,8 +468,13 @@ class _Trainer:
         if target is None:
             return
         with host_memory():  # read through host memory into the state's buffers, as on a GPU
+            # node-local `auto`: the newest step complete on every node (load walks the root)
+            auto = self.checkpoint_sites and self.cfg.checkpoint.resume == "auto"
             step, extra, state = load_checkpoint(
-                target, self.engine.sharded_state(), self.comm, self.checkpoint_sites
+                self.cfg.checkpoint_dir if auto else target,
+                self.engine.sharded_state(),
+                self.comm,
+                self.checkpoint_sites,
             )
         self.engine.state_written()
         self.engine.load_extra_state(extra)
