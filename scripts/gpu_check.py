@@ -57,6 +57,8 @@ returning its failures; a check that raises is a failure, not the end of the run
   boundary_overlap an offloaded boundary's deferred read runs beside busy compute on its own
                    stream, bitwise the tensor put (with offload_bitwise: the engine on the
                    copy streams against the on-device run)
+  input_prefetch   a step's inputs staged in pinned memory and copied on their own stream
+                   beside busy compute, the host not waiting (scripts/gpu_comm_checks.py)
 
   pipeline_p2p     pipeline stages at world size 1: the boundary re-partition between two
                    stages' splits, the schedules, the exchange's device buffers and stream
@@ -91,6 +93,7 @@ from gpu_comm_checks import (  # noqa: E402
     check_bf16_cross_reduce,
     check_boundary_overlap,
     check_comm_wait_events,
+    check_input_prefetch,
 )
 from gpu_setup import Setup  # noqa: E402
 
@@ -726,6 +729,7 @@ CHECKS: list[tuple[str, Callable[[Setup], tuple[list[str], str]]]] = [
     ("throughput", check_throughput),
     ("comm_wait_events", check_comm_wait_events),
     ("boundary_overlap", check_boundary_overlap),
+    ("input_prefetch", check_input_prefetch),
     ("compile", _sibling("gpu_check_compile", "check_compile")),
 ]
 

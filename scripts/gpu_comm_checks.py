@@ -12,6 +12,10 @@
                      every rank, while the compute stream keeps running.
   boundary_overlap   (one GPU) runtime/boundary.py's copy streams: a deferred read runs beside
                      busy compute, a later write does not hold it, the data bitwise.
+  input_prefetch     (one GPU) a step's inputs (`HostLink.inputs`: pageable host tensors, as
+                     the data hands them in) staged in pinned memory and copied on their own
+                     stream while the compute stream is busy: the host does not wait, the copy
+                     lands before the busy work ends, the data bitwise.
 """
 
 from __future__ import annotations
@@ -147,3 +151,46 @@ def check_boundary_overlap(setup: Setup) -> tuple[list[str], str]:
     store.clear()
     note = "read beside compute, bitwise" if overlapped else "bitwise (CPU: no streams)"
     return failures, note
+
+
+def check_input_prefetch(setup: Setup) -> tuple[list[str], str]:
+    """runtime/state/host_state.py `HostLink.inputs`: a step's inputs reach the device while
+    the compute stream is busy (a torch.cuda._sleep stands in for the previous step's
+    optimizer). A `non_blocking` copy from pageable memory would first wait, on the host, for
+    the compute stream to drain; from pinned memory on the inputs' own stream the host goes
+    on at once, the copy lands before the busy work ends, and what the compute stream reads
+    after it is bitwise the host's tensors."""
+    from cephalo.runtime.memory import MemoryLedger
+    from cephalo.runtime.state.host_state import HostLink
+
+    link = HostLink(MemoryLedger(0, setup.device), setup.device)
+    ids = torch.randint(0, 50_000, (64, 2048), generator=torch.Generator().manual_seed(5))
+    labels = ids.roll(1, dims=1)
+    failures: list[str] = []
+    overlapped, host_s = None, None
+    if setup.cuda:
+        torch.cuda.synchronize(setup.device)
+        busy = torch.cuda.Event()
+        torch.cuda._sleep(400_000_000)  # ~0.2-0.4 s of work queued on the compute stream
+        busy.record()
+        t0 = time.perf_counter()
+        out = link.inputs([ids, labels, None])
+        host_s = time.perf_counter() - t0
+        copied = torch.cuda.Event()
+        copied.record(link._inputs)
+        time.sleep(0.05)
+        overlapped = copied.query() and not busy.query()
+    else:
+        out = link.inputs([ids, labels, None])
+    got = [(t * 1).cpu() for t in out[:2]]  # read on the compute stream, after its wait
+    if not (torch.equal(got[0], ids) and torch.equal(got[1], labels)):
+        failures.append("the inputs on the device are not bitwise the host's")
+    if out[2] is not None:
+        failures.append("an absent input came back as a tensor")
+    if overlapped is False:
+        failures.append("the inputs' copy waited for the compute stream (no overlap)")
+    if host_s is not None and host_s > 0.1:
+        failures.append(f"the host waited {host_s:.3f} s in the copy (a pageable copy's sync)")
+    if host_s is None:
+        return failures, "bitwise (CPU: no streams)"
+    return failures, f"copied beside busy compute, host {host_s * 1e3:.1f} ms, bitwise"

@@ -12,17 +12,20 @@ import pytest
 import torch
 
 from cephalo.errors import CephaloError
+from cephalo.planner.makers import manual_plan
 from cephalo.runtime.state.flat import FlatShard
-from cephalo.train import checkpoint as ckpt
 from cephalo.train.checkpoint import (
     MARKER,
+    Sites,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     resume_target,
     save_checkpoint,
+    sites_from_probe,
     verify_checkpoint,
 )
+from cephalo.train.checkpoint import store as ckpt
 from dist_harness import dist_pool_fixture
 
 # Logical tensors as the engine names them. Two "units", each one flat buffer sharded by the
@@ -292,6 +295,34 @@ def test_resume_target(tmp_path: Path):
         resume_target(str(tmp_path / "step_000099"), tmp_path)
 
 
+def test_sites_come_from_the_probe_or_say_why_not():
+    """The sets of ranks that see one directory (each rank's lowest peer), from who found whose
+    probe file; a rank that sees another but not the same others is no directory per node."""
+    assert sites_from_probe([[0], [1, 2], [1, 2]]) == ((0, 1, 1), None)
+    assert sites_from_probe([[0, 1, 2]] * 3) == ((0, 0, 0), None)
+    sites, why = sites_from_probe([[0, 1], [0, 1, 2], [1, 2]])
+    assert sites is None and why.startswith("ranks 0 and 1 see each other's files but not the same")
+    assert Sites.of([0, 1, 1]).groups(3) == [[0], [1, 2]] and Sites.of([0, 0, 0]).shared
+
+
+def test_a_node_local_copy_verifies_as_the_parts_it_holds(tmp_path: Path):
+    """A node-local marker (`parts`): a copy holding one part whole verifies (another node's
+    files absent), one holding a part in part names the missing file, none is said."""
+    path = save_single(tmp_path, 3)
+    marker = json.loads((path / MARKER).read_text())
+    mine = ["__0_0.distcp", "extra_rank00000.pt"]
+    marker["files"]["__1_0.distcp"] = 10  # node 1's shards, in node 1's copy only
+    marker["parts"] = [{"ranks": [0], "files": mine}, {"ranks": [1], "files": ["__1_0.distcp"]}]
+    (path / MARKER).write_text(json.dumps(marker))
+    assert verify_checkpoint(path)["step"] == 3
+    (path / "extra_rank00000.pt").unlink()
+    with pytest.raises(CephaloError, match="file extra_rank00000.pt is missing"):
+        verify_checkpoint(path)
+    (path / "__0_0.distcp").unlink()
+    with pytest.raises(CephaloError, match="holds none of the node-local checkpoint's parts"):
+        verify_checkpoint(path)
+
+
 # ------------------------------------------------------------------ 3 gloo ranks
 
 pool3 = dist_pool_fixture(3, timeout_s=90)
@@ -443,7 +474,8 @@ def _probe_body(run_dir: str, *overrides: str):
         None, [f"--logging.dir={run_dir}", "--parallel.devices=cpu@node0,2xcpu@node1", *overrides]
     )
     node = 0 if dist.get_rank() == 0 else 1
-    row = checkpoint_check(node_view(cfg, cfg.checkpoint_dir, node), make_comm("gloo"))
+    directory = node_view(cfg, cfg.checkpoint_dir, node)
+    row = checkpoint_check(directory, make_comm("gloo"), cfg.checkpoint.node_local)
     return row.status, row.found, row.fix
 
 
@@ -451,7 +483,8 @@ def _probe_body(run_dir: str, *overrides: str):
 def test_the_probe_fails_across_emulated_nodes_without_a_shared_directory(tmp_path, pool3):
     """Finding 5, on the emulator with per-node roots: node 1's ranks see each other's probe
     but not node 0's, so the probe fails (every rank the same row), naming the pairs; with the
-    checkpoints under a declared shared directory it passes; the probe files are gone."""
+    checkpoints under a declared shared directory it passes, and under `checkpoint.node_local`
+    with a directory per node (its sets of ranks named); the probe files are gone."""
     private = ("--parallel.emulate_node_fs=private",)
     rows = pool3.run(_probe_body, str(tmp_path / "run"), *private)
     for status, found, fix in rows:  # the same row on every rank, for its own view
@@ -464,6 +497,11 @@ def test_the_probe_fails_across_emulated_nodes_without_a_shared_directory(tmp_pa
     )
     rows = pool3.run(_probe_body, str(tmp_path / "run"), *private, *shared)
     assert rows == [("ok", f"{tmp_path / 'nfs' / 'ck'}: shared by all 3 rank(s)", "")] * 3
+    node_local = pool3.run(
+        _probe_body, str(tmp_path / "run"), *private, "--checkpoint.node_local=true"
+    )
+    for status, found, _ in node_local:  # checkpoint.node_local: a directory per node passes
+        assert status == "ok" and found.endswith("node-local, 2 directories: [0] | [1, 2]")
     assert not list((tmp_path / "nfs" / "ck").iterdir())
 
 
@@ -500,4 +538,83 @@ def test_training_stops_before_its_first_step_on_a_late_rank_or_a_private_direct
     for message in out:
         assert message.startswith("the checkpoint directory is not one every rank can use"), out
         assert "0<->1, 0<->2" in message and "parallel.shared_dir" in message
+        assert "checkpoint.node_local = true" in message
     assert not (tmp_path / "private" / "metrics.jsonl").exists()
+
+
+def _train_losses(run_dir: str, *overrides: str):
+    """`cephalo train`'s job on this rank: its losses by step, or its error's message."""
+    from cephalo.train.config_manager import load_config
+    from cephalo.train.trainer import train
+    from run_common import tiny_job_args
+
+    try:
+        return train(load_config(None, tiny_job_args(run_dir, *overrides))).losses
+    except CephaloError as err:
+        return str(err)
+
+
+SHORT = ("--train.steps=2", "--train.warmup_steps=1", "--checkpoint.every=1")
+NODE_LOCAL = ("--parallel.emulate_node_fs=private", "--checkpoint.node_local=true", *SHORT)
+
+
+@pytest.mark.slow
+def test_node_local_checkpoints_resume_on_their_nodes_and_together_under_any_plan(tmp_path, pool3):
+    """`checkpoint.node_local` on 2 emulated nodes with filesystems of their own (no shared
+    directory): the probe passes, each node's directory holds its own ranks' shards and a copy
+    of the metadata and marker; resuming there continues the uninterrupted run's losses bit for
+    bit; with the ranks on other nodes, or under another plan, the resume stops with one
+    message saying what differs;
+    the two directories copied together resume as one checkpoint under another plan (one
+    process), within fp32 noise."""
+    import shutil
+
+    run = tmp_path / "run"
+    devices = "--parallel.devices=cpu@node0,2xcpu@node1"
+    whole = pool3.run(_train_losses, str(run), devices, *NODE_LOCAL)
+    assert isinstance(whole[0], dict) and sorted(whole[0]) == [1, 2], whole
+    node0 = run / "checkpoints"
+    node1 = run.absolute() / "node-fs" / "node1" / (run.absolute() / "checkpoints").relative_to("/")
+    mine = {p.name for p in (node0 / "step_000002").iterdir()}
+    theirs = {p.name for p in (node1 / "step_000002").iterdir()}
+    common = {MARKER, ".metadata", "trainer_state.pt"}
+    assert mine == common | {"__0_0.distcp", "extra_rank00000.pt"}, mine
+    assert theirs == common | {f"__{r}_0.distcp" for r in (1, 2)} | {
+        f"extra_rank0000{r}.pt" for r in (1, 2)
+    }, theirs
+    marker = json.loads((node0 / "step_000002" / MARKER).read_text())
+    assert marker == json.loads((node1 / "step_000002" / MARKER).read_text())
+    assert [p["ranks"] for p in marker["parts"]] == [[0], [1, 2]]
+
+    # interrupted after step 1 (its checkpoint the newest on both nodes): resumed, same loss
+    for root in (node0, node1):
+        shutil.rmtree(root / "step_000002")
+    resumed = pool3.run(_train_losses, str(run), devices, *NODE_LOCAL)
+    assert all(r == {2: whole[0][2]} for r in resumed), (resumed, whole[0])
+
+    # the ranks on other nodes: rank 1 does not find its shards on node 0
+    moved = pool3.run(
+        _train_losses, str(run), "--parallel.devices=2xcpu@node0,cpu@node1", *NODE_LOCAL
+    )
+    for message in moved:
+        assert isinstance(message, str) and "is node-local" in message, moved
+        assert "rank 1 does not find its shards there: it lacks __1_0.distcp" in message
+        assert "([0] | [1, 2] saved, [0, 1] | [2] now)" in message
+        assert "copy every node's step_000002 directory into one directory" in message
+    # the same nodes, another plan (other state shards: rank 0 now needs node 1's file)
+    plan = tmp_path / "plan.json"
+    manual_plan("gpt-tiny", 16, [2, 2, 2], [2, 2, 2], [0.5, 0.3, 0.2]).to_json(plan)
+    other = pool3.run(_train_losses, str(run), devices, f"--parallel.plan={plan}", *NODE_LOCAL)
+    for message in other:
+        assert isinstance(message, str) and "rank 0 does not find its shards there" in message
+        assert "the plan (ranks 0, 1, 2 hold other shards)" in message, message
+        assert "the ranks of each directory" not in message
+
+    # copied together: one checkpoint, resumed by one process (another plan, world size)
+    together = tmp_path / "together" / "step_000001"
+    shutil.copytree(node0 / "step_000001", together)
+    shutil.copytree(node1 / "step_000001", together, dirs_exist_ok=True)
+    verify_checkpoint(together)
+    one = _train_losses(str(tmp_path / "one"), *SHORT, f"--checkpoint.resume={together}")
+    assert sorted(one) == [2], one
+    assert one[2] == pytest.approx(whole[0][2], rel=1e-5), (one, whole[0])

@@ -163,14 +163,22 @@ def test_dpo_metrics_reach_metrics_jsonl_and_trackers():
 
 class _PairBatches:
     """A stand-in for the data side's `PreferenceBatches` (the contract: `rank_slice(step,
-    offset, size)` gives rows 2 offset .. 2 (offset + size), chosen / rejected interleaved)."""
+    offset, size)` gives rows 2 offset .. 2 (offset + size), chosen / rejected interleaved;
+    what its rows follow from: `meta`, seq_len, max_prompt_len, seed, global_batch_size).
+    Counts its batch reads."""
 
     is_preference = True
+    seq_len, max_prompt_len, seed, global_batch_size = 16, None, 0, 2
 
     def __init__(self, data):
+        from cephalo.preference.data import PreferenceMeta
+
         self.data = data
+        self.meta = PreferenceMeta("standard", "template", "tokenizer", "sources", "stat", 0.25)
+        self.reads = 0
 
     def rank_slice(self, step, offset, size):
+        self.reads += 1
         x, y = self.data[step % len(self.data)]
         return x[2 * offset : 2 * (offset + size)], y[2 * offset : 2 * (offset + size)]
 
@@ -181,8 +189,9 @@ class _PairBatches:
 def test_a_job_precomputes_the_reference_once_and_reuses_it(tmp_path):
     """Full fine-tuning DPO through the trainer's `PreferenceRun`: the reference is computed
     before the first step under the job's plan, saved beside the dataset, read back by a
-    second job (nothing computed), and the steps equal the engine's with
-    `reference_logps` passed by hand."""
+    second job (nothing computed, and no batch read before its first step: the sidecar
+    records the walk it covers), and the steps equal the engine's with `reference_logps`
+    passed by hand. A longer run is not covered: it walks again."""
     from cephalo.modeling.registry import build_model
     from cephalo.runtime.collectives.comm import LocalComm
     from cephalo.runtime.engine.engine import Engine, EngineConfig
@@ -191,7 +200,9 @@ def test_a_job_precomputes_the_reference_once_and_reuses_it(tmp_path):
 
     data = make_pairs(2, 2, 16, 100, seed=3)
     cfg = types.SimpleNamespace(
-        train=types.SimpleNamespace(objective="dpo", dpo_loss="sigmoid", eval_every=1),
+        train=types.SimpleNamespace(
+            objective="dpo", dpo_loss="sigmoid", eval_every=1, eval_batches=1
+        ),
         model=types.SimpleNamespace(
             adapter="none", name="gpt-tiny", init="random", seed=0, dtype="fp32"
         ),
@@ -201,18 +212,21 @@ def test_a_job_precomputes_the_reference_once_and_reuses_it(tmp_path):
     def engine():
         return Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(dpo=DpoSettings()))
 
-    losses = []
-    for _ in range(2):
+    losses, reads = [], []
+    for steps in (2, 2, 3):
         eng = engine()
-        job = PreferenceRun(cfg, _PairBatches(data), tmp_path / "prepared", eng.model.spec)
+        batches = _PairBatches(data)
+        job = PreferenceRun(cfg, batches, tmp_path / "prepared", eng.model.spec)
         val = make_pairs(1, 2, 16, 100, seed=4)[0]  # the held-out pairs, as evaluate passes them
-        job.prepare(eng, 2, functools.partial(job.eval_loss, eng, *val, None))
+        job.prepare(eng, steps, functools.partial(job.eval_loss, eng, *val, None))
+        reads.append(batches.reads)
         losses.append([job.step(eng, x, y, 1e-3, None).loss for x, y in data])
         computed = job.table.computed
+    assert reads == [2, 0, 3], reads  # the second job did not walk its batches; the longer did
     assert computed == 0 and job.table.path.is_file()  # the second job read the sidecar
     eng = engine()
     by_hand = [eng.train_step(x, y, 1e-3, ref_logps=eng.reference_logps(x, y)) for x, y in data[:1]]
-    assert losses[0] == losses[1]
+    assert losses[0] == losses[1] == losses[2]
     assert job.eval_loss(eng, *val, None) > 0 and set(job.eval_metrics()) == set(METRICS)
     note = job.done_note("ckpt")  # the run's closing line
     assert "rewards/accuracies" in note and note.endswith(", checkpoint ckpt")
@@ -251,25 +265,34 @@ def _dpo_job_args(run_dir, model_dir, data, *extra: str) -> list[str]:
     ]
 
 
-def _counted_dpo_job(args: list[str]) -> tuple[dict[int, float], int]:
-    """The trainer's job on this rank (1 process, or the pool's process group): its losses
-    and how many reference passes (`Engine.reference_logps` calls) this rank ran."""
+def _counted_dpo_job(args: list[str]) -> tuple[dict[int, float], int, int]:
+    """The trainer's job on this rank (1 process, or the pool's process group): its losses,
+    how many reference passes (`Engine.reference_logps` calls) this rank ran and how many
+    training batches it read (`PreferenceBatches.rank_slice`: the start's walk and the steps)."""
     from unittest import mock
 
+    from cephalo.preference.data import PreferenceBatches
     from cephalo.runtime.engine.engine import Engine
     from cephalo.train.config_manager import load_config
     from cephalo.train.trainer import train
 
-    calls = []
-    original = Engine.reference_logps
+    calls, reads = [], []
+    original, read = Engine.reference_logps, PreferenceBatches.rank_slice
 
     def counted(self, *a, **kw):
         calls.append(1)
         return original(self, *a, **kw)
 
-    with mock.patch.object(Engine, "reference_logps", counted):
+    def counted_read(self, *a, **kw):
+        reads.append(1)
+        return read(self, *a, **kw)
+
+    with (
+        mock.patch.object(Engine, "reference_logps", counted),
+        mock.patch.object(PreferenceBatches, "rank_slice", counted_read),
+    ):
         result = train(load_config(None, args))
-    return dict(result.losses), len(calls)
+    return dict(result.losses), len(calls), len(reads)
 
 
 @pytest.mark.slow
@@ -311,14 +334,16 @@ def test_full_finetuning_reference_on_uneven_ranks_is_plan_invariant_and_reused(
     stamp = sidecars[0].stat().st_mtime_ns
     # keyed by content: the sidecar serves another plan too (proportional: 3, 2, 1 pairs)
     again = pool3.run(_counted_dpo_job, args("run3-again", "ds3", devices))
-    one_losses, one_calls = _counted_dpo_job(args("run1", "ds1"))
+    one_losses, one_calls, _ = _counted_dpo_job(args("run1", "ds1"))
 
     losses = first[0][0]
     assert sorted(losses) == [1, 2] and all(r[0] == losses for r in first), first
     assert all(r[0] == again[0][0] for r in again), again
     # the pass ran on every rank, once per batch: the 2 steps', then the evaluation's
-    assert [calls for _, calls in first] == [3, 3, 3] and one_calls == 3, (first, one_calls)
-    assert [calls for _, calls in again] == [0, 0, 0], "the second job recomputed the reference"
+    assert [calls for _, calls, _ in first] == [3, 3, 3] and one_calls == 3, (first, one_calls)
+    assert [calls for _, calls, _ in again] == [0, 0, 0], "the second job recomputed the reference"
+    # the first job read each step's batch twice (its walk, its step), the second once
+    assert [r for _, _, r in first] == [4, 4, 4] and [r for _, _, r in again] == [2, 2, 2]
     assert sidecars[0].stat().st_mtime_ns == stamp
     assert losses[1] == pytest.approx(0.6931472, rel=1e-5)  # policy = reference at step 1
     for other in (one_losses, again[0][0]):  # plan invariance

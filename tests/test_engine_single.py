@@ -371,6 +371,7 @@ def test_gpu_check_cpu_parts_pass():
         "host_state",
         "host_threads",
         "hf_models",
+        "input_prefetch",
     ):
         assert re.search(rf"^{name}\s+PASS", proc.stdout, re.MULTILINE), proc.stdout[-3000:]
     assert proc.stdout.rstrip().endswith("gpu_check: PASS")

@@ -235,6 +235,25 @@ def test_emulated_link_stretches_copies_not_compute():
     assert 0.10 <= duration <= 0.16, duration
 
 
+def test_step_inputs_cross_the_emulated_link_outside_the_stretch():
+    """A step's inputs reach the device through the link (`HostLink.inputs`): on an emulated
+    link their bytes are charged (nbytes / bandwidth, not stretched by the slowdown), and an
+    engine's step moves exactly its ids and labels there (no offload, no host state)."""
+    emulator = ComputeEmulator(3.0)
+    link = HostLink(MemoryLedger(0, "cpu"), torch.device("cpu"), 1e7, emulator)
+    ids = torch.ones(64, 512, dtype=torch.long)  # ids + labels: 512 KiB, 52 ms at 10 MB/s
+    mark = emulator.start()
+    out = link.inputs([ids, ids, None])
+    duration = emulator.finish(mark)
+    assert out[0] is ids and out[2] is None and link.copied_bytes == 2 * ids.numel() * 8
+    assert 0.05 <= duration <= 0.1, duration  # once, not 3 x
+    plan = manual_plan(MODEL, SEQ, [4], [2], [1.0])
+    engine = Engine(build_model(MODEL), plan, LocalComm(), _cfg(host_copy_bytes_per_s=1e9))
+    x, y = make_data(1, 4, SEQ)[0]
+    engine.train_step(x, y, LR)
+    assert engine.link.copied_bytes == x.numel() * 8 + y.numel() * 8
+
+
 def test_check_host_memory_names_the_node():
     cluster = Cluster.from_dict(
         {"devices": "cpu,cpu@node1,cpu@node1", "nodes": [{"node": 1, "host_memory": "512KiB"}]}

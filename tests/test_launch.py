@@ -17,6 +17,7 @@ from cephalo.launch.elastic import first_failure, free_port, nproc_for
 from cephalo.launch.pool import threads_per_rank
 from cephalo.planner.makers import manual_plan, simple_plan
 from cephalo.specs.cluster import Cluster
+from dist_harness import dist_pool_fixture
 from procs import processes, run_tagged
 
 __all__ = ["processes"]
@@ -274,6 +275,53 @@ def test_kill_hook_fires_in_the_first_attempt_only(monkeypatch):
     assert killed == []
     _Trainer._maybe_kill(rank1, 3)
     assert killed == [signal.SIGKILL]
+
+
+# ----------------------------------------------------------------------------- a failure's key
+pool3 = dist_pool_fixture(3, timeout_s=60)
+
+
+def _announcements_across_rounds() -> tuple[list[str], list[str | None]]:
+    """On each rank, as torchrun agents that joined in different rounds (restart counts 0, 1,
+    2): two rendezvous rounds on one store; in each, one rank announces its failure and every
+    rank looks for a peer's announcement. The round keys and what each rank saw."""
+    import torch.distributed as dist
+
+    from cephalo.envvars import scoped_environ
+    from cephalo.runtime.collectives import dist as cdist
+
+    rank = dist.get_rank()
+    keys, seen = [], []
+    with scoped_environ({"TORCHELASTIC_RESTART_COUNT": str(rank)}):
+        try:
+            for failing in (1, 2):  # round 1: rank 1 fails; round 2 (same store): rank 2
+                cdist._FailureWatch.start(rank, watch=False)  # the key: collective
+                keys.append(cdist._FailureWatch._instance.key)
+                seen.append(cdist.peer_failure(wait_s=0.2))  # nothing of the last round
+                dist.barrier()
+                if rank == failing:
+                    cdist.announce_failure(f"round {failing}: out of memory")
+                dist.barrier()
+                seen.append(cdist.peer_failure(wait_s=5.0))
+                dist.barrier()
+        finally:
+            cdist._FailureWatch.stop()
+    return keys, seen
+
+
+@pytest.mark.slow
+def test_a_failure_is_announced_under_a_key_every_rank_of_the_round_agrees_on(pool3):
+    """Agents that joined torchrun's rendezvous in different rounds count restarts differently
+    (here 0, 1, 2): the failing rank's announcement is still seen by every peer (the key is
+    the round's, agreed at start-up, not the restart count's), and a later round on the same
+    store does not see the earlier round's announcement."""
+    out = pool3.run(_announcements_across_rounds)
+    keys = [k for k, _ in out]
+    assert keys[0] == keys[1] == keys[2] and keys[0][0] != keys[0][1], keys
+    for rank, (_, seen) in enumerate(out):
+        one = None if rank == 1 else "rank 1 failed: round 1: out of memory"
+        two = None if rank == 2 else "rank 2 failed: round 2: out of memory"
+        assert seen == [None, one, None, two], (rank, seen)
 
 
 # ----------------------------------------------------------------------------- a plan meets its ranks

@@ -2,11 +2,21 @@
 cross-check before anything runs, the reference log-probabilities of full fine-tuning
 (preference/reference.py) computed before the first step and handed to each step with its
 batch, and the evaluation's metrics. train/trainer.py holds one for every job; under SFT it
-only passes the engine's calls through."""
+only passes the engine's calls through.
+
+A run's start walks every step of the run (reads each batch, hashes its rows, one all-reduce
+per step) to find the rows the sidecar lacks: seconds to minutes on a 10k-step run. The sidecar
+therefore also records the walks it covers (`walk_key`: the rows a run reads follow from the
+prepared dataset, seq_len, max_prompt_len, the seed, the global batch size, the steps and the
+evaluation's batches), so a run the sidecar covers skips the walk after one all-reduce that
+every rank agrees on."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +52,7 @@ class PreferenceRun:
             )
             self.table = ReferenceTable(sidecar_path(Path(data_path), identity), identity)
         self.evaluates = cfg.train.eval_every > 0
+        self.eval_batches = cfg.train.eval_batches if self.evaluates else 0
         self.last: dict[str, float] | None = None
         """TRL's metrics of the last step (DPO), for the run's closing line."""
         self._collecting = False
@@ -52,8 +63,19 @@ class PreferenceRun:
         run's `steps` and of the evaluation (`evaluate`, the trainer's, run once with its
         engine calls collecting instead of evaluating, if the job evaluates) gets its
         reference log-probability from the starting weights (before a resume loads a
-        checkpoint); the table is saved beside the dataset. Nothing under SFT or LoRA."""
+        checkpoint); the table is saved beside the dataset. Nothing under SFT or LoRA, and no
+        walk over the run's batches where the sidecar already covers this run (`covered`)."""
         if self.table is None:
+            return
+        walk = walk_key(self.batches)
+        if self.covered(engine, walk, steps):
+            if engine.rank == 0:
+                logger.info(
+                    "DPO reference: %s already covers this run's %d steps (%d rows known)",
+                    self.table.path,
+                    steps,
+                    len(self.table.values),
+                )
             return
         rp = engine.rank_plan
         for step in range(steps):
@@ -66,6 +88,8 @@ class PreferenceRun:
                 evaluate()
             finally:
                 self._collecting = False
+        if walk is not None:
+            self.table.cover(walk, steps, self.eval_batches)
         self.table.save()
         if engine.rank == 0:
             known = len(self.table.values)
@@ -75,6 +99,16 @@ class PreferenceRun:
                 self.table.computed,
                 self.table.path,
             )
+
+    def covered(self, engine: Engine, walk: str | None, steps: int) -> bool:
+        """Whether the sidecar has recorded a walk over this run's rows (the same `walk` for
+        at least `steps` steps and the evaluation's batches): decided by every rank together
+        (one all-reduce: a rank whose copy of the sidecar lacks it makes all of them walk)."""
+        assert self.table is not None
+        mine = walk is not None and self.table.covers(walk, steps, self.eval_batches)
+        flag = torch.tensor([0.0 if mine else 1.0], dtype=torch.float64, device=engine.device)
+        engine.collectives.all_reduce(flag)
+        return float(flag.item()) == 0.0
 
     def _reference(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         return None if self.table is None else self.table.lookup(ids, labels)
@@ -134,3 +168,23 @@ class PreferenceRun:
         if not runs or total <= 0:
             return {}
         return {k: sum(n * m[k] for n, m in runs) / total for k in METRICS}
+
+
+def walk_key(batches: Any) -> str | None:
+    """What the rows of a run's steps and evaluation follow from, for preference batches
+    (preference/data.py `PreferenceBatches`: plan-invariant global batches): the prepared
+    dataset (its `preference.json`: sources, tokenizer, template, split, statistics), seq_len,
+    max_prompt_len, the seed and the global batch size. None for batches that do not say
+    (their run is always walked)."""
+    meta = getattr(batches, "meta", None)
+    try:
+        described = {
+            "meta": asdict(meta),
+            "seq_len": batches.seq_len,
+            "max_prompt_len": batches.max_prompt_len,
+            "seed": batches.seed,
+            "global_batch_size": batches.global_batch_size,
+        }
+    except (AttributeError, TypeError):
+        return None
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]

@@ -13,7 +13,8 @@ value. Lookups then hold under any plan, a re-plan, a resume, any shuffle or epo
 learns every rank's rows, so all hold the same table). The sidecar file lives beside the
 prepared dataset, one per model identity (`model_identity`: the model, its weights files, its
 compute dtype, the DPO loss), so a second run of the same model on the same data computes
-nothing.
+nothing. It also records the walks over a run's batches it covers (`cover`, `covers`:
+preference/job.py `walk_key`), so that second run does not read its batches to find that out.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class ReferenceTable:
         self.path = path
         self.identity = identity or {}
         self.values: dict[bytes, float] = {}
+        self.walks: dict[str, list[int]] = {}
+        """Walks the table covers: walk key -> [steps, evaluation batches] (`cover`)."""
+        self._walks_changed = False
         self.computed = 0
         """Rows computed by this process (not read from the sidecar)."""
         if path is not None and path.is_file():
@@ -102,17 +106,38 @@ class ReferenceTable:
         raw = keys.numpy().tobytes()
         for i, v in enumerate(values.tolist()):
             self.values[raw[i * KEY_BYTES : (i + 1) * KEY_BYTES]] = v
+        try:  # a sidecar written before walks were recorded has none: its run walks once
+            walks = json.loads(saved.get("walks", "{}"))
+            self.walks = {str(k): [int(s), int(e)] for k, (s, e) in walks.items()}
+        except (ValueError, TypeError, AttributeError) as err:
+            logger.warning("DPO reference %s: unreadable walk records (%s): ignored", path, err)
+
+    def covers(self, walk: str, steps: int, eval_batches: int) -> bool:
+        """Whether a walk over `walk`'s batches of at least `steps` steps and `eval_batches`
+        evaluation batches was recorded (a run's batches are a prefix of a longer run's)."""
+        done = self.walks.get(walk)
+        return done is not None and done[0] >= steps and done[1] >= eval_batches
+
+    def cover(self, walk: str, steps: int, eval_batches: int) -> None:
+        """Record that every row of `walk`'s first `steps` steps and `eval_batches` evaluation
+        batches is in the table (after `ensure` saw them all)."""
+        old = self.walks.get(walk, [0, 0])
+        new = [max(old[0], steps), max(old[1], eval_batches)]
+        if new != old:
+            self.walks[walk] = new
+            self._walks_changed = True
 
     def save(self) -> None:
         """Write the table (atomically: a temporary file per process, then renamed). A
         dataset location that cannot be written is said and skipped: the run goes on."""
-        if self.path is None or not self.computed:
+        if self.path is None or not (self.computed or self._walks_changed):
             return
         keys = np.frombuffer(b"".join(self.values), dtype=np.uint8).reshape(-1, KEY_BYTES)
         data = {
             "keys": torch.from_numpy(keys.copy()),
             "values": torch.tensor(list(self.values.values()), dtype=torch.float32),
             "identity": json.dumps(self.identity, sort_keys=True),
+            "walks": json.dumps(self.walks, sort_keys=True),
         }
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:

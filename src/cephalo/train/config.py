@@ -317,6 +317,12 @@ class CheckpointConfig:
     """Complete checkpoints to keep; older ones are deleted after a successful save."""
     resume: str = "auto"
     """`auto` (newest complete checkpoint in `dir`, if any), `never`, or the path of a checkpoint to load."""
+    node_local: bool = False
+    """`dir` is on each node's own disk, not storage every rank shares (machines without a
+    shared filesystem): each node writes its own ranks' shards and its own copy of the
+    metadata there, and resumes from them with the same ranks on the same nodes and the same
+    plan. Copied together into one directory, a step's copies are one checkpoint that
+    resumes under any plan (docs/checkpoints.md, "Node-local checkpoints")."""
 
 
 @dataclass

@@ -17,8 +17,10 @@ them: `views.tables.doctor_table`). The rows, in order:
 5. `checkpoints`: every rank writes a probe with a random token into the checkpoint directory,
    a barrier, every rank looks for every other rank's probe: a directory not every rank shares
    names the ranks that do not see each other (an emulated cluster with `parallel.
-   emulate_node_fs = private` fails it on one machine). Training runs the same probe before its
-   first step (`checkpoint_check`, train/trainer.py).
+   emulate_node_fs = private` fails it on one machine). With `checkpoint.node_local` it passes
+   where the ranks fall into sets that each see one directory (a disk per node): those sets
+   are the checkpoint's sites (train/checkpoint/sites.py). Training runs the same probe before
+   its first step (`checkpoint_check`, train/trainer.py).
 6. `NCCL`: the NCCL variables that matter (docs/gpu.md), set or unset; a warning for a
    multi-node NCCL job without NCCL_SOCKET_IFNAME on a host with several interfaces.
 7. `collectives`: one uneven `all_gather_v`, `reduce_scatter_v` (a zero-size shard included)
@@ -45,6 +47,7 @@ from cephalo.planner.plan import Plan, check_stages_runnable
 from cephalo.planner.rank_match import match_plan, plan_devices
 from cephalo.runtime.collectives.comm import Comm
 from cephalo.specs.cluster import Cluster
+from cephalo.train.checkpoint.sites import Sites, sites_from_probe
 from cephalo.train.config import JobConfig, stage_refusals
 from cephalo.train.discovery import (
     RankDescription,
@@ -75,6 +78,9 @@ class Check:
     found: str
     fix: str = ""
     """What to do, for a row that is not ok."""
+    sites: tuple[int, ...] | None = None
+    """The `checkpoints` row under `checkpoint.node_local`: each rank's site leader (the
+    lowest rank that sees its directory); None: one directory every rank shares."""
 
 
 @dataclass(frozen=True)
@@ -261,9 +267,10 @@ def host_memory_check(
 
 
 # ----------------------------------------------------------------------------- 5. checkpoints
-def checkpoint_check(directory: Path, comm: Comm) -> Check:
+def checkpoint_check(directory: Path, comm: Comm, node_local: bool = False) -> Check:
     """Probe files written by every rank into `directory` (as this rank sees it: an emulated
-    node's own filesystem gives each node another one), looked for by every rank (collective)."""
+    node's own filesystem gives each node another one), looked for by every rank (collective).
+    `node_local` (`checkpoint.node_local`): ranks that see one directory per set pass too."""
     rank = comm.rank
     own = directory
     run = comm.all_gather_object(secrets.token_hex(8))[0]
@@ -302,6 +309,8 @@ def checkpoint_check(directory: Path, comm: Comm) -> Check:
         for b in range(a + 1, n)
         if b not in everyone[a] or a not in everyone[b]
     )
+    if node_local:
+        return _node_local_row(directory, everyone)
     if blind:
         pairs = ", ".join(f"{a}<->{b}" for a, b in blind[:8]) + (" ..." if len(blind) > 8 else "")
         return Check(
@@ -309,9 +318,29 @@ def checkpoint_check(directory: Path, comm: Comm) -> Check:
             FAIL,
             f"{directory}: ranks that do not see each other's files: {pairs}",
             "not a filesystem every rank shares: put checkpoints on shared storage "
-            "(checkpoint.dir or --checkpoint-dir)",
+            "(checkpoint.dir or --checkpoint-dir), or set checkpoint.node_local = true to have "
+            "each node write its own ranks' shards to its own directory",
         )
     return Check("checkpoints", OK, f"{directory}: shared by all {n} rank(s)")
+
+
+def _node_local_row(directory: Path, seen: list[list[int]]) -> Check:
+    """`checkpoint.node_local`: the ranks fall into sets that each see one directory."""
+    sites, problem = sites_from_probe(seen)
+    if sites is None:
+        return Check(
+            "checkpoints",
+            FAIL,
+            f"{directory}: {problem}",
+            "give each node a directory of its own (a local disk) or one every rank shares",
+        )
+    groups = Sites.of(sites).groups(len(sites))
+    if len(groups) == 1:
+        return Check("checkpoints", OK, f"{directory}: shared by all {len(sites)} rank(s)")
+    where = " | ".join(f"[{', '.join(map(str, g))}]" for g in groups)
+    return Check(
+        "checkpoints", OK, f"{directory}: node-local, {len(groups)} directories: {where}", "", sites
+    )
 
 
 # ----------------------------------------------------------------------------- 6. NCCL
@@ -457,7 +486,7 @@ def run_doctor(cfg: JobConfig, comm: Comm, options: DoctorOptions | None = None)
         plan_row,
         device_memory_check(free, plan),
         host_memory_check(available, cluster, plan),
-        checkpoint_check(directory, comm),
+        checkpoint_check(directory, comm, cfg.checkpoint.node_local),
         nccl_check(nccl, comm.backend, cluster),
         collectives_check(collectives, comm.backend),
     ]

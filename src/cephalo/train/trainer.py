@@ -351,6 +351,7 @@ class _Trainer:
         self.step = 0
         self.nonfinite_streak = 0
         self.signals = StopSignals([])  # `train()` hands the job's handlers in
+        self.checkpoint_sites: tuple[int, ...] | None = None  # check_checkpoint_dir finds them
         self.timed_saves = TimedSaves(cfg.checkpoint.every_minutes)
         self.result = TrainResult(self.rank, self.world_size, self.run_dir, self.plan, 0, 0)
         self.result.profile_peak_bytes = profile_peak
@@ -422,6 +423,7 @@ class _Trainer:
                 self._trainer_state(),
                 self.comm,
                 keep_last=self.cfg.checkpoint.keep_last,
+                sites=self.checkpoint_sites,
             )
         self.result.last_checkpoint = path
         self.timed_saves.saved()
@@ -436,8 +438,9 @@ class _Trainer:
     def check_checkpoint_dir(self) -> None:
         """Before any step: the checkpoint directory is one every rank writes and sees (the
         doctor's probe, one function for both), else the first save, maybe at the end of the
-        run, would fail."""
-        row = checkpoint_check(self.cfg.checkpoint_dir, self.comm)
+        run, would fail. Node-local checkpoints: the sets of ranks that see one directory."""
+        row = checkpoint_check(self.cfg.checkpoint_dir, self.comm, self.cfg.checkpoint.node_local)
+        self.checkpoint_sites = row.sites
         if row.status != OK:
             raise CephaloError(
                 f"the checkpoint directory is not one every rank can use: {row.found}. Before "
@@ -457,11 +460,23 @@ class _Trainer:
             raise CephaloError(
                 f"only {int(found.item())} of {self.world_size} ranks see a checkpoint under "
                 f"{self.cfg.checkpoint_dir}: the checkpoint directory must be on storage every rank shares"
+                + (
+                    ", or each node's own copy of it (checkpoint.node_local)"
+                    if self.checkpoint_sites
+                    else ""
+                )
             )
         if target is None:
             return
         with host_memory():  # read through host memory into the state's buffers, as on a GPU
-            step, extra, state = load_checkpoint(target, self.engine.sharded_state(), self.comm)
+            # node-local `auto`: the newest step complete on every node (load walks the root)
+            auto = self.checkpoint_sites and self.cfg.checkpoint.resume == "auto"
+            step, extra, state = load_checkpoint(
+                self.cfg.checkpoint_dir if auto else target,
+                self.engine.sharded_state(),
+                self.comm,
+                self.checkpoint_sites,
+            )
         self.engine.state_written()
         self.engine.load_extra_state(extra)
         if "rng_cpu" in extra:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 import threading
 import time
 
@@ -211,9 +212,20 @@ def init_distributed(
 _WATCH_INTERVAL_S = 0.5
 
 
-def _failure_key() -> str:
-    # one key per attempt: a restarted job on a shared store must not see the last one's
-    return f"cephalo/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+FAILURE_KEY_PREFIX = "cephalo/failed/"
+
+
+def failure_key(rank: int) -> str:
+    """The store key a failing rank of this rendezvous round announces under (collective:
+    every rank of the default group calls it once, at start-up). Not the restart count
+    (`TORCHELASTIC_RESTART_COUNT`): torchrun agents that joined the rendezvous in different
+    rounds count restarts differently, so a failing rank's peers would look under another key
+    and miss it, and see an older round's announcement left in a shared store. Rank 0 draws
+    a random round id and broadcasts it over the new process group, whose members are exactly
+    this round's ranks: one key every rank of the round agrees on, and no other round has."""
+    box = [secrets.token_hex(8) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return f"{FAILURE_KEY_PREFIX}{box[0]}"
 
 
 def _store():
@@ -228,8 +240,8 @@ class _FailureWatch:
 
     _instance: _FailureWatch | None = None
 
-    def __init__(self, rank: int, store) -> None:
-        self.rank, self.store = rank, store
+    def __init__(self, rank: int, store, key: str) -> None:
+        self.rank, self.store, self.key = rank, store, key
         self.message: str | None = None
         """The failing rank's announcement, once seen."""
         self.announced = False
@@ -238,24 +250,28 @@ class _FailureWatch:
         self._thread = threading.Thread(target=self._run, name="cephalo-failure-watch", daemon=True)
 
     @classmethod
-    def start(cls, rank: int) -> None:
+    def start(cls, rank: int, watch: bool = True) -> None:
+        """Agree on this round's key (collective) and watch it; `watch=False`: the key and
+        the announcements without the thread that aborts the group (tests)."""
         cls.stop()
         store = _store()
         if store is None:
             return
-        cls._instance = cls(rank, store)
-        cls._instance._thread.start()
+        cls._instance = cls(rank, store, failure_key(rank))
+        if watch:
+            cls._instance._thread.start()
 
     @classmethod
     def stop(cls) -> None:
         if cls._instance is not None:
             cls._instance._stop.set()
-            if cls._instance._thread is not threading.current_thread():
-                cls._instance._thread.join(timeout=2 * _WATCH_INTERVAL_S)
+            thread = cls._instance._thread
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=2 * _WATCH_INTERVAL_S)
             cls._instance = None
 
     def _run(self) -> None:
-        key = _failure_key()
+        key = self.key
         while not self._stop.wait(_WATCH_INTERVAL_S):
             try:
                 if not self.store.check([key]):
@@ -287,7 +303,7 @@ def announce_failure(message: str) -> None:
     watch.announced = True
     rank = watch.rank
     try:
-        watch.store.set(_failure_key(), f"rank {rank} failed: {message}")
+        watch.store.set(watch.key, f"rank {rank} failed: {message}")
     except Exception as err:
         logger.warning("rank %d: could not announce its failure to the others: %s", rank, err)
 
@@ -301,7 +317,7 @@ def peer_failure(wait_s: float = 0.0) -> str | None:
         return None
     if watch.message is not None or wait_s <= 0:
         return watch.message
-    key, deadline = _failure_key(), time.monotonic() + wait_s
+    key, deadline = watch.key, time.monotonic() + wait_s
     while True:
         try:
             if watch.store.check([key]):

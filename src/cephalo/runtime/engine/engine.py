@@ -431,12 +431,12 @@ class Engine:
                 f"rank batch_size {rp.batch_size} ({k * rp.batch_size} rows); pass this rank's "
                 "slice of the global batch"
             )
-        input_ids = input_ids.to(self.device, non_blocking=True)
-        labels = labels.to(self.device, non_blocking=True)
-        if position_ids is not None:
-            position_ids = position_ids.to(self.device, non_blocking=True)
+        # to the device ahead of their use, the host not waiting (runtime/state/host_state.py)
         if ref_logps is not None:
-            ref_logps = ref_logps.to(self.device, torch.float32, non_blocking=True)
+            ref_logps = ref_logps.to(torch.float32)
+        input_ids, labels, position_ids, ref_logps = self.link.inputs(
+            [input_ids, labels, position_ids, ref_logps]
+        )
         if self.pipeline is not None:  # M micro-batches of this rank's rows (stage_step.py)
             return self.pipeline.micro_batches(input_ids, labels, position_ids)
         first = k * self.sample_offset  # (rows: per-sample dropout masks follow the rows)

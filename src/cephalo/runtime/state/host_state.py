@@ -20,6 +20,13 @@ stretch of the emulated slowdown (the host is not slowed). On CUDA the copies ru
 stream with pinned host buffers and non_blocking copies; `sync` waits for the downward copies
 (events) before the host reads them, `wait_uploads` orders the compute stream after the
 upward ones. scripts/gpu_check.py exercises that path.
+
+A step's inputs (token ids, labels, positions, DPO reference log-probabilities) cross the same
+link (`HostLink.inputs`): on CUDA staged into pinned memory and copied on a stream of their
+own, so the copy runs beside the previous step's queued work (its optimizer) instead of
+behind it, and the host does not wait: a `non_blocking` copy from pageable memory, what the
+data hands in, synchronizes the host with the compute stream first. On an emulated link the
+inputs' bytes are charged like any copy.
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ class HostLink:
         self._downs: list[tuple[torch.cuda.Event, torch.Tensor | None, torch.Tensor | None]] = []
         # CUDA: events of upward copies in flight (their pinned sources must not be rewritten)
         self._ups: list[torch.cuda.Event] = []
+        self._inputs = torch.cuda.Stream(device) if self.cuda else None
+        """CUDA: the step inputs' copies (`inputs`): behind nothing but earlier inputs."""
         self.copied_bytes = 0
         """Bytes moved so far (both directions)."""
         self.copy_s = 0.0
@@ -153,6 +162,43 @@ class HostLink:
         self._ups.append(event)
         self.copied_bytes += src.numel() * src.element_size()
         self.copy_s += time.perf_counter() - t0
+
+    def inputs(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """A step's host tensors on the device, ahead of their use (module docstring). CUDA:
+        each staged in pinned memory (unless it is pinned) and copied on the inputs' stream
+        into memory of that stream's own (no kernel queued on the compute stream can still
+        read it), the compute stream ordered after the copies by an event: the host does not
+        wait, and the copies run beside whatever the compute stream has queued. CPU: the
+        tensors as they are, an emulated link charged their bytes (outside the compute
+        stretch)."""
+        if not self.cuda:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            if self.bytes_per_s is not None and nbytes:
+                t0 = time.perf_counter()
+                with self.emulator.unstretched() if self.emulator else contextlib.nullcontext():
+                    time.sleep(nbytes / self.bytes_per_s)
+                self.copy_s += time.perf_counter() - t0
+            self.copied_bytes += nbytes
+            return [None if t is None else t.to(self.device) for t in tensors]
+        t0 = time.perf_counter()
+        compute = torch.cuda.current_stream(self.device)
+        out: list[torch.Tensor | None] = []
+        with torch.cuda.stream(self._inputs):
+            for t in tensors:
+                if t is None or t.device == self.device:
+                    out.append(t)
+                    continue
+                host = t if t.is_pinned() else torch.empty_like(t, pin_memory=True).copy_(t)
+                on_device = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                on_device.copy_(host, non_blocking=True)  # the pinned block outlives the copy
+                on_device.record_stream(compute)  # used there: not reused before that use
+                out.append(on_device)
+                self.copied_bytes += t.numel() * t.element_size()
+            landed = torch.cuda.Event()
+            landed.record(self._inputs)
+        compute.wait_event(landed)
+        self.copy_s += time.perf_counter() - t0
+        return out
 
     def wait_uploads(self) -> None:
         """Make the compute stream wait for the uploads issued so far (no host stall)."""

@@ -8,15 +8,7 @@ COMPLETE marker), each rank writing each of its ranges as one chunk. Loading ask
 current rank holds, so a checkpoint written under one plan loads under any other plan, world
 size or process count (DCP's resharding intersects the saved chunks with the requested ones).
 
-Why a custom planner. DCP describes every piece as a rectangular chunk (offsets, sizes). Its
-built-in routes to chunks are DTensor (placements split a dimension `torch.chunk`-style: no
-arbitrary uneven fractions) and the legacy ShardedTensor (uneven shards, but it needs a
-process group even for one process and lives in the deprecated `torch.distributed._shard`).
-A 1-D range IS a chunk, though: `DefaultSavePlanner` / `DefaultLoadPlanner` subclasses that
-emit one `WriteItem` / the `ReadItem`s for chunk (offset,) x (len,) per tensor are all we
-need. They use only DCP's public planner types and `create_read_items_for_chunk_list` (the
-resharding helper the default planner uses), work with and without a process group
-(`no_dist`), and keep DCP's global-plan validation (chunks in bounds, no overlap, full cover).
+The DCP planners that write and read a rank's pieces as 1-D chunks: chunks.py.
 
 On disk:
 
@@ -33,8 +25,9 @@ On disk:
 Atomicity: everything is written into `step_N.tmp/`; after every rank has written (DCP's
 final gather), rank 0 writes COMPLETE, fsyncs and renames the directory to `step_N/` (an
 atomic rename on POSIX). A crash at any point leaves the previous checkpoint the newest
-complete one. The root must be on storage every rank sees (a shared filesystem on multi-node
-jobs).
+complete one. The root is on storage every rank sees (a shared filesystem on multi-node
+jobs), or, given `sites` (`checkpoint.node_local`), a directory per node: each node's leader
+does there what rank 0 does in a shared one (sites.py).
 
 Verification before loading: the marker parses, every listed file exists with its recorded
 size (a truncated file is caught here), and the small files (DCP metadata, extra and trainer
@@ -66,25 +59,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from cephalo.errors import CephaloError
 from cephalo.log import logger
 from cephalo.runtime.state.flat import FlatShard
+from cephalo.train.checkpoint.chunks import (
+    FlatShardLoadPlanner,
+    FlatShardSavePlanner,
+    state_dict,
+    tensor_numel,
+)
+from cephalo.train.checkpoint.sites import (
+    Sites,
+    held_files,
+    layout_message,
+    missing_files,
+    node_local_marker,
+    pieces_digest,
+)
 
 FORMAT_VERSION = 1
 MARKER = "COMPLETE"
@@ -187,90 +179,6 @@ def _from_rank0_or_raise(ranks: _Ranks, problem: str | None) -> None:
         raise CephaloError(problem)
 
 
-# --------------------------------------------------------------------------------------------
-# DCP planners: one 1-D chunk per logical tensor per rank
-
-
-class _FlatShardSavePlanner(DefaultSavePlanner):
-    """Writes each non-empty `FlatShard` as chunk [offset, offset + n) of a 1-D tensor."""
-
-    def __init__(self, shards: Sequence[FlatShard]):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._shards = [s for s in shards if s.local.numel() > 0]
-        self._locals = _by_chunk(self._shards)
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for s in self._shards:
-            offsets = torch.Size([s.offset])
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(s.name, offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(
-                            offsets=offsets, sizes=torch.Size([s.local.numel()])
-                        ),
-                        properties=TensorProperties.create_from_tensor(s.local),
-                        size=torch.Size([_numel(s.global_shape)]),
-                    ),
-                )
-            )
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        return self._locals[index.fqn, tuple(index.offset)]
-
-
-class _FlatShardLoadPlanner(DefaultLoadPlanner):
-    """Reads, for each non-empty `FlatShard`, the saved chunks overlapping its range, straight
-    into the live `local` view."""
-
-    def __init__(self, shards: Sequence[FlatShard]):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._shards = [s for s in shards if s.local.numel() > 0]
-        self._locals = _by_chunk(self._shards)
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
-        items = []
-        for s in self._shards:
-            md = self.metadata.state_dict_metadata.get(s.name)
-            numel = _numel(s.global_shape)
-            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != (numel,):
-                found = tuple(md.size) if isinstance(md, TensorStorageMetadata) else md
-                raise ValueError(
-                    f"{s.name}: DCP metadata holds {found}, expected a 1-D tensor of {numel}"
-                )
-            chunk = ChunkStorageMetadata(
-                offsets=torch.Size([s.offset]), sizes=torch.Size([s.local.numel()])
-            )
-            items += create_read_items_for_chunk_list(s.name, md, [chunk])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self._locals[index.fqn, tuple(index.offset)]
-
-
-def _by_chunk(shards: Sequence[FlatShard]) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
-    """Each piece's live tensor by (name, chunk offset): DCP names a chunk by both."""
-    return {(s.name, (int(s.offset),)): s.local for s in shards}
-
-
-def _state_dict(shards: Sequence[FlatShard]) -> dict[str, torch.Tensor]:
-    """What DCP is handed as the state dict: one tensor per name (the planners above resolve
-    every chunk themselves, by name and offset)."""
-    return {s.name: s.local for s in shards if s.local.numel() > 0}
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 def _dcp_failure(e: BaseException) -> str:
     """The first underlying error of a DCP failure, on one line."""
     failures = getattr(e, "failures", None)
@@ -291,7 +199,7 @@ def _local_shard_problem(shards: Sequence[FlatShard]) -> str | None:
     for s in shards:
         if not isinstance(s.local, torch.Tensor) or s.local.dim() != 1:
             return f"piece of {s.name!r} must be a 1-D tensor, got {getattr(s.local, 'shape', type(s.local))}"
-        numel = _numel(s.global_shape)
+        numel = tensor_numel(s.global_shape)
         if s.offset < 0 or s.offset + s.local.numel() > numel:
             return (
                 f"piece of {s.name!r} covers [{s.offset}, {s.offset + s.local.numel()}) "
@@ -325,8 +233,8 @@ def _tiling_problem(per_rank: list[list[tuple[str, tuple[int, ...], int, int]]])
                 what = "overlap" if offset < pos else "gap"
                 return f"the pieces of {name!r} do not tile it: {what} at element {min(pos, offset)} (rank {rank})"
             pos = offset + n
-        if pos != _numel(shape):
-            return f"the pieces of {name!r} cover {pos} of its {_numel(shape)} elements"
+        if pos != tensor_numel(shape):
+            return f"the pieces of {name!r} cover {pos} of its {tensor_numel(shape)} elements"
     return None
 
 
@@ -415,15 +323,21 @@ def _prune(root: Path, keep_last: int) -> None:
             logger.warning("could not delete old checkpoint %s: %s", path, e)
 
 
+def _listing(tmp: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """The files of a staged checkpoint with their sizes, and the small files' sha256."""
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    small = [DCP_METADATA_FILE, TRAINER_STATE_FILE] + [
+        n for n in files if n.startswith("extra_rank")
+    ]
+    return files, {name: _sha256(tmp / name) for name in small if name in files}
+
+
 def _build_marker(
     tmp: Path, step: int, world_size: int, tensors: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     from cephalo import __version__
 
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    small = [DCP_METADATA_FILE, TRAINER_STATE_FILE] + [
-        n for n in files if n.startswith("extra_rank")
-    ]
+    files, sums = _listing(tmp)
     return {
         "format": FORMAT_VERSION,
         "step": step,
@@ -433,7 +347,7 @@ def _build_marker(
         "torch_version": torch.__version__,
         "tensors": tensors,
         "files": files,
-        "sha256": {name: _sha256(tmp / name) for name in small if name in files},
+        "sha256": sums,
     }
 
 
@@ -461,8 +375,11 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     if DCP_METADATA_FILE not in files and tensors:
         raise CephaloError(f"{path}: the marker lists no DCP metadata file")
+    held = held_files(path, marker)  # node-local: the parts this copy holds (sites.py)
     for name, size in files.items():
         f = path / name
+        if name not in held:
+            continue
         if not f.is_file():
             raise CephaloError(f"{path}: file {name} is missing")
         actual = f.stat().st_size
@@ -471,7 +388,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                 f"{path}: file {name} has {actual} bytes, {size} were written (truncated or altered)"
             )
     for name, digest in sums.items():
-        if _sha256(path / name) != digest:
+        if name in held and _sha256(path / name) != digest:
             raise CephaloError(f"{path}: file {name} does not match its checksum (corrupt)")
     if DCP_METADATA_FILE in files:
         try:
@@ -546,13 +463,18 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     comm_or_group: Any = None,
     keep_last: int = 3,
+    sites: Sequence[int] | Sites | None = None,
 ) -> Path:
     """Save this rank's pieces (collective: every rank calls it) as `<ckpt_root>/step_<step>`.
 
     `extra` is this rank's own small state (saved per rank); `trainer_state` is taken from
     rank 0. Both must be plain data (tensors, numbers, strings, containers). Returns the
-    checkpoint directory once it is complete on every rank; keeps the newest `keep_last`."""
+    checkpoint directory once it is complete on every rank; keeps the newest `keep_last`.
+    `sites`: each rank's site leader where the ranks see different directories (node-local
+    checkpoints, sites.py; `ckpt_root` is then this rank's own view); None: one shared."""
     ranks = _ranks(comm_or_group)
+    site = Sites.of(sites)
+    leads = site.leads(ranks.rank)
     root = Path(ckpt_root)
     final = root / step_dir_name(step)
     tmp = final.with_name(final.name + _TMP_SUFFIX)
@@ -592,23 +514,28 @@ def save_checkpoint(
         for name, shape, _, _ in entries
     }
 
-    # 2. Rank 0 prepares an empty staging directory (and clears crashed saves).
+    # 2. Rank 0 (each site's leader) prepares an empty staging directory (and clears crashed
+    #    saves).
     problem = None
-    if ranks.rank == 0:
+    if leads:
         try:
             root.mkdir(parents=True, exist_ok=True)
             _remove_stale_tmp(root)
             tmp.mkdir()
         except OSError as e:
             problem = f"cannot create checkpoint directory {tmp}: {e}"
-    _from_rank0_or_raise(ranks, problem)
+    if site.shared:
+        _from_rank0_or_raise(ranks, problem)
+    else:
+        _agree(ranks, problem)
+        trainer_bytes = ranks.from_rank0(trainer_bytes if ranks.rank == 0 else None)
 
     # 3. Each rank writes its extra state; DCP writes the tensors (its final gather means
     #    every rank's files are complete when it returns on rank 0).
     problem = None
     try:
         _write_synced(tmp / _extra_file(ranks.rank), extra_bytes or b"")
-        if ranks.rank == 0:
+        if leads:
             _write_synced(tmp / TRAINER_STATE_FILE, trainer_bytes or b"")
     except OSError as e:
         problem = f"cannot write checkpoint files in {tmp}: {e}"
@@ -616,11 +543,11 @@ def save_checkpoint(
     try:
         with _dcp_call(ranks):
             dcp.save(
-                _state_dict(shards),
+                state_dict(shards),
                 storage_writer=dcp.FileSystemWriter(
                     str(tmp), single_file_per_rank=True, sync_files=True
                 ),
-                planner=_FlatShardSavePlanner(shards),
+                planner=FlatShardSavePlanner(shards),
                 process_group=ranks.group,
                 no_dist=not ranks.use_dist,
             )
@@ -628,6 +555,12 @@ def save_checkpoint(
         raise CephaloError(
             f"writing checkpoint {tmp} failed ({_dcp_failure(e)}); the previous checkpoint is untouched"
         ) from None
+
+    if not site.shared:
+        _seal_sites(tmp, final, step, tensors, all_pieces, ranks, site)
+        if leads:
+            _prune(root, keep_last)
+        return final
 
     # 4. Rank 0 seals it: marker last, then the atomic rename; then old ones go.
     problem = None
@@ -648,12 +581,72 @@ def save_checkpoint(
     return final
 
 
+def _seal_sites(
+    tmp: Path,
+    final: Path,
+    step: int,
+    tensors: dict[str, dict[str, Any]],
+    all_pieces: list[Any],
+    ranks: _Ranks,
+    site: Sites,
+) -> None:
+    """A node-local save's end (sites.py): rank 0's DCP metadata copied to every site, each
+    leader's files listed, one marker (every site's files, its parts) written by each leader
+    into its copy, which it publishes."""
+    problem, metadata = None, None
+    if ranks.rank == 0:
+        try:
+            metadata = (tmp / DCP_METADATA_FILE).read_bytes()
+        except OSError as e:
+            problem = f"cannot read {tmp / DCP_METADATA_FILE}: {e}"
+    problem, metadata = ranks.from_rank0((problem, metadata))
+    if problem:
+        raise CephaloError(problem)
+    listing = None
+    try:
+        if site.leads(ranks.rank):
+            if ranks.rank != 0:
+                _write_synced(tmp / DCP_METADATA_FILE, metadata)
+            listing = _listing(tmp)
+    except OSError as e:
+        problem = f"cannot write checkpoint files in {tmp}: {e}"
+    _agree(ranks, problem)
+    listings = ranks.all_gather(listing)
+    marker = None
+    if ranks.rank == 0:
+        base = _build_marker(tmp, step, ranks.world_size, tensors)
+        groups = site.groups(ranks.world_size)
+        common = (DCP_METADATA_FILE, TRAINER_STATE_FILE)
+        marker = node_local_marker(base, groups, listings, common, all_pieces)
+    marker = ranks.from_rank0(marker)
+    problem = None
+    if site.leads(ranks.rank):
+        try:
+            _write_synced(tmp / MARKER, json.dumps(marker, indent=1).encode())
+            _fsync_dir(tmp)
+            _publish(tmp, final)
+        except OSError as e:
+            problem = f"cannot finish checkpoint {final}: {e}; the previous checkpoint is untouched"
+    _agree(ranks, problem)
+    if ranks.rank == 0:
+        logger.info(
+            "saved node-local checkpoint %s (%d tensors, %d ranks in %d directories)",
+            final,
+            len(tensors),
+            ranks.world_size,
+            len(site.groups(ranks.world_size)),
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Load
 
 
 def load_checkpoint(
-    path_or_root: str | Path, shards: Sequence[FlatShard], comm_or_group: Any = None
+    path_or_root: str | Path,
+    shards: Sequence[FlatShard],
+    comm_or_group: Any = None,
+    sites: Sequence[int] | Sites | None = None,
 ) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """Fill every `FlatShard.local` in place from a checkpoint; return (step, extra, trainer_state).
 
@@ -662,8 +655,12 @@ def load_checkpoint(
     corrupt the next older one is (with a warning saying so). Works for any layout: another
     plan, another world size, one process. `extra` is this rank's saved extra state when the
     saving job had this rank, else rank 0's (per-rank state such as RNG streams cannot be
-    mapped onto a different set of ranks); the engine decides what to keep."""
+    mapped onto a different set of ranks); the engine decides what to keep. `sites`: as
+    `save_checkpoint`'s (each site's leader lists and verifies its own copy). A node-local
+    checkpoint (sites.py) loads where every rank finds its shards' files in its own copy,
+    else one message says what differs."""
     ranks = _ranks(comm_or_group)
+    site = Sites.of(sites)
     target = Path(path_or_root)
     explicit = (
         (target / MARKER).exists()
@@ -673,7 +670,9 @@ def load_checkpoint(
     _agree(ranks, _local_shard_problem(shards))
 
     # Rank 0 lists the candidates; everyone walks them in the same order.
-    if ranks.rank == 0:
+    if not site.shared:
+        candidate_names = _site_candidates(target, explicit, ranks)
+    elif ranks.rank == 0:
         if not target.exists():
             candidates, problem = [], f"no checkpoint at {target}"
         elif explicit:
@@ -686,24 +685,31 @@ def load_checkpoint(
         choice = (problem, [str(p) for p in candidates])
     else:
         choice = None
-    problem, candidate_names = ranks.from_rank0(choice)
-    if problem:
-        raise CephaloError(problem)
+    if site.shared:
+        problem, candidate_names = ranks.from_rank0(choice)
+        if problem:
+            raise CephaloError(problem)
 
     skipped: list[str] = []
     for name in candidate_names:
         path = Path(name)
         # verification reads files: rank 0 does it once for everyone
         verdict: tuple[str | None, dict[str, Any] | None] = (None, None)
-        if ranks.rank == 0:
+        if site.leads(ranks.rank):
             try:
                 verdict = (None, verify_checkpoint(path))
             except CephaloError as e:
                 verdict = (str(e), None)
-        reason, marker = ranks.from_rank0(verdict)
+        if site.shared:
+            reason, marker = ranks.from_rank0(verdict)
+        else:  # each site's leader verified its own copy
+            verdicts = ranks.all_gather(verdict)
+            reason = next((v[0] for v in verdicts if v is not None and v[0]), None)
+            marker = verdicts[site.of_rank[ranks.rank]][1]
         if reason is None:
             assert marker is not None
             _agree(ranks, _model_mismatch(path, marker, shards, ranks))
+            _check_layout(path, marker, shards, ranks, site)
             reason = _read_into(path, shards, ranks)
         if reason is None:
             assert marker is not None
@@ -734,6 +740,53 @@ def load_checkpoint(
         f"no usable checkpoint under {target}: {'; '.join(skipped)}. Start without resuming "
         '(checkpoint.resume = "never") or restore a checkpoint'
     )
+
+
+def _site_candidates(target: Path, explicit: bool, ranks: _Ranks) -> list[str]:
+    """Node-local: the checkpoints every rank's own copy of the root has, newest first (this
+    rank's paths), or one error naming a rank whose copy lacks them."""
+    if not target.exists():
+        problem, names = f"no checkpoint at {target}", []
+    elif explicit:
+        problem, names = None, [target.name]
+    else:
+        names = [p.name for _, p in _step_dirs(target)]
+        problem = None if names else f"no checkpoint under {target} (no step_N directories)"
+    gathered = ranks.all_gather((problem, names))
+    _raise_first(ranks, [p for p, _ in gathered])
+    common = [n for n in gathered[0][1] if all(n in other for _, other in gathered)]
+    if not common:
+        raise CephaloError(
+            f"no checkpoint is in every node's {target}: "
+            + "; ".join(
+                f"rank {r} has {', '.join(n) or 'none'}" for r, (_, n) in enumerate(gathered)
+            )
+        )
+    return [str(target)] if explicit else [str(target / n) for n in common]
+
+
+def _check_layout(
+    path: Path, marker: dict[str, Any], shards: Sequence[FlatShard], ranks: _Ranks, site: Sites
+) -> None:
+    """A node-local checkpoint (its marker has `parts`): every rank finds the data files of
+    its shards in its own copy, else every rank raises one message saying what differs."""
+    if not marker.get("parts"):
+        return
+    pieces = [
+        (s.name, tuple(int(d) for d in s.global_shape), int(s.offset), s.local.numel())
+        for s in shards
+    ]
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        missing = missing_files(path, metadata, pieces, ranks.rank, int(marker["world_size"]))
+    except Exception:  # noqa: BLE001 - unreadable metadata: the read says so
+        missing = []
+    gathered = ranks.all_gather((missing, pieces_digest(pieces)))
+    if any(m for m, _ in gathered):
+        groups = site.groups(ranks.world_size)
+        raise CephaloError(
+            layout_message(path, marker, [m for m, _ in gathered], groups, [d for _, d in gathered])
+        )
 
 
 def _model_mismatch(
@@ -803,9 +856,9 @@ def _read_into(path: Path, shards: Sequence[FlatShard], ranks: _Ranks) -> str | 
     try:
         with _dcp_call(ranks):
             dcp.load(
-                _state_dict(shards),
+                state_dict(shards),
                 storage_reader=dcp.FileSystemReader(str(path)),
-                planner=_FlatShardLoadPlanner(shards),
+                planner=FlatShardLoadPlanner(shards),
                 process_group=ranks.group,
                 no_dist=not ranks.use_dist,
             )
