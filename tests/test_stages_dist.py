@@ -290,5 +290,7 @@ def test_a_staged_plan_the_runtime_cannot_run_is_refused_before_the_job(tmp_path
 
     plan = three_two_plan()
     plan.stages[1].units = [2, 5]
-    with pytest.raises(CephaloError, match="last stage ends at unit 5 but gpt-tiny's head is unit 3"):
+    with pytest.raises(
+        CephaloError, match="last stage ends at unit 5 but gpt-tiny's head is unit 3"
+    ):
         check_runnable(plan, _config(), build_model("gpt-tiny"))

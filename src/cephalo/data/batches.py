@@ -60,6 +60,62 @@ class Batches(Protocol):
     def describe(self) -> str: ...
 
 
+Rows = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+"""Input ids, labels, and the positions of packed samples (None where not packed)."""
+
+
+def _joined(parts: list[Rows]) -> Rows:
+    """Consecutive runs of rows as one tensor each (one run: as it is)."""
+    if len(parts) == 1:
+        return parts[0]
+    ids, labels, positions = zip(*parts, strict=True)
+    pos = None if positions[0] is None else torch.cat(positions)
+    return torch.cat(ids), torch.cat(labels), pos
+
+
+def rank_rows(batches: Batches, step: int, ranges: list[tuple[int, int]]) -> Rows:
+    """A rank's rows of global batch `step`: its (offset, size) runs of samples, in order (a
+    flat plan's one slice; a staged plan's rows of each micro-batch: `Engine.sample_ranges`)."""
+    return _joined(
+        [(*batches.rank_slice(step, a, n), batches.rank_positions(step, a, n)) for a, n in ranges]
+    )
+
+
+def rank_val_rows(
+    batches: Batches,
+    index: int,
+    batch_size: int,
+    windows: int,
+    ranges: list[tuple[int, int]],
+    rows_per_sample: int,
+    packing: bool,
+) -> Rows:
+    """A rank's rows of held-out batch `index` of `batch_size` (of which `windows` samples exist), its runs as
+    in `rank_rows`: a short last batch is padded with ignored samples so every rank keeps its
+    plan's size (and, packed, positions 0, 1, ... on the padding)."""
+    from cephalo.modeling.units import IGNORE_INDEX
+
+    b = batch_size
+    parts: list[Rows] = []
+    for offset, size in ranges:
+        take = max(0, min(size, windows - offset))
+        positions = None
+        if take:
+            x, y = batches.val_batch(index, b, offset, take)
+            positions = batches.val_positions(index, b, offset, take)
+        else:
+            x = y = torch.empty(0, batches.seq_len, dtype=torch.long)
+        pad = rows_per_sample * (size - take)
+        if pad:
+            x = torch.cat([x, torch.zeros(pad, x.shape[1], dtype=x.dtype)])
+            y = torch.cat([y, torch.full((pad, y.shape[1]), IGNORE_INDEX, dtype=y.dtype)])
+        if packing:  # every rank passes positions (a padded row: 0, 1, ...)
+            arange = torch.arange(x.shape[1]).expand(x.shape[0] - take, -1)
+            positions = torch.cat([positions, arange]) if positions is not None else arange
+        parts.append((x, y, positions))
+    return _joined(parts)
+
+
 def val_range(
     num_val: int, index: int, batch_size: int, offset: int, size: int | None, unit: str
 ) -> np.ndarray:

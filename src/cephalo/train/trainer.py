@@ -40,6 +40,7 @@ from cephalo.costmodel.host import check_host_memory
 from cephalo.costmodel.memory import device_reserve_bytes
 from cephalo.costmodel.model import CostModel
 from cephalo.costmodel.stages import STAGE_PROCESS_GROUPS
+from cephalo.data.batches import rank_rows, rank_val_rows
 from cephalo.data.job import open_batches, resolve_job_dataset
 from cephalo.data.text import default_cache_dir
 from cephalo.errors import CephaloError
@@ -47,7 +48,7 @@ from cephalo.launch.preempt import StopSignals, TimedSaves, stop_note
 from cephalo.log import init_logging, logger
 from cephalo.modeling.lora import adapter_settings, apply_adapter
 from cephalo.modeling.registry import build_model, initial_weights_note
-from cephalo.modeling.units import IGNORE_INDEX, UnitModel
+from cephalo.modeling.units import UnitModel
 from cephalo.planner.makers import simple_plan
 from cephalo.planner.plan import Plan, check_stages_runnable
 from cephalo.planner.rank_match import describe_remap, match_plan, plan_devices
@@ -627,7 +628,7 @@ class _Trainer:
         number = self.step + 1
         self._maybe_kill(number)
         lr = self.schedule(self.step)
-        input_ids, labels, positions = self._rank_rows(self.step)
+        input_ids, labels, positions = rank_rows(self.batches, self.step, self.engine.sample_ranges)
         drift = drifted_slowdown(number, self.rank, self.cfg.parallel.emulate_drift)
         if drift is not None:
             self.engine.emulator.slowdown = drift
@@ -692,20 +693,6 @@ class _Trainer:
             "train.warmup_steps, or use fp32/bf16 instead of fp16"
         )
 
-    def _rank_rows(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """This rank's rows of global batch `step` (input ids, labels, the positions of packed
-        samples or None): its slice, or in a staged plan its rows of each micro-batch, in
-        order (`Engine.sample_ranges`)."""
-        parts = [
-            (*self.batches.rank_slice(step, a, n), self.batches.rank_positions(step, a, n))
-            for a, n in self.engine.sample_ranges
-        ]
-        if len(parts) == 1:
-            return parts[0]
-        ids, labels, positions = zip(*parts, strict=True)
-        pos = None if positions[0] is None else torch.cat(positions)
-        return torch.cat(ids), torch.cat(labels), pos
-
     def evaluate(self) -> float:
         """Token-mean loss over the first `eval_batches` held-out batches (same on every plan:
         a short last batch is padded with ignored samples so every rank keeps its plan size)."""
@@ -714,38 +701,18 @@ class _Trainer:
         total, weight = 0.0, 0
         for index in range(count):
             windows = min(b, self.batches.num_val_windows - index * b)
-            parts = [self._val_rows(index, windows, a, n) for a, n in self.engine.sample_ranges]
-            if len(parts) == 1:
-                x, y, positions = parts[0]
-            else:
-                xs, ys, ps = zip(*parts, strict=True)
-                x, y = torch.cat(xs), torch.cat(ys)
-                positions = None if ps[0] is None else torch.cat(ps)
+            x, y, positions = rank_val_rows(
+                self.batches,
+                index,
+                b,
+                windows,
+                self.engine.sample_ranges,
+                self.engine.rows_per_sample,
+                self.cfg.data.packing,
+            )
             total += self.preference.eval_loss(self.engine, x, y, positions) * windows
             weight += windows
         return total / max(weight, 1)
-
-    def _val_rows(
-        self, index: int, windows: int, offset: int, size: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Rows offset..offset+size of held-out batch `index` (of which `windows` exist): a
-        short last batch padded with ignored samples so every rank keeps its plan size."""
-        b = self.cfg.train.global_batch_size
-        take = max(0, min(size, windows - offset))
-        positions = None
-        if take:
-            x, y = self.batches.val_batch(index, b, offset, take)
-            positions = self.batches.val_positions(index, b, offset, take)
-        else:
-            x = y = torch.empty(0, self.cfg.data.seq_len, dtype=torch.long)
-        pad = self.engine.rows_per_sample * (size - take)
-        if pad:
-            x = torch.cat([x, torch.zeros(pad, x.shape[1], dtype=x.dtype)])
-            y = torch.cat([y, torch.full((pad, y.shape[1]), IGNORE_INDEX, dtype=y.dtype)])
-        if self.cfg.data.packing:  # every rank passes positions (a padded row: 0, 1, ...)
-            arange = torch.arange(x.shape[1]).expand(x.shape[0] - take, -1)
-            positions = torch.cat([positions, arange]) if positions is not None else arange
-        return x, y, positions
 
     def _collective_failure(self, error: BaseException, what: str) -> BaseException:
         """A backend error in a multi-rank job almost always means another rank is gone: say
