@@ -182,6 +182,7 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
     host_peaks: dict[str, int] = {s: 0 for s in plans}
     busy: dict[str, list[float]] = {s: [] for s in plans}
     wait: dict[str, list[float]] = {s: [] for s in plans}
+    contention: dict[str, list[float]] = {s: [] for s in plans}
     for name in alternate(warmup + rounds, list(systems)):
         dist.barrier()
         t = time.perf_counter()
@@ -195,9 +196,11 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
             host_peaks[name] = max(host_peaks[name], out.host_peak_bytes)
             busy[name].append(out.busy_s)
             wait[name].append(out.comm_wait_s)
+            contention[name].append(out.contention_s)
     times = {s: v[warmup:] for s, v in times.items()}
     busy = {s: median(v[warmup:]) for s, v in busy.items()}
     wait = {s: median(v[warmup:]) for s, v in wait.items()}
+    contention = {s: median(v[warmup:]) for s, v in contention.items()}
     fsdp = systems["fsdp2"]
     peaks["fsdp2"] = tracked_peak_bytes(lambda: fsdp.step(x, y), fsdp.persistent())
     return {
@@ -207,6 +210,8 @@ def _cluster_run(case: ClusterCase, n_layer: int, rounds: int, warmup: int, cach
         "profile_s": profile_s,
         "busy": busy,
         "wait": wait,
+        "contention": contention,
+        "profile_contention": measured.profiles[device.type_key].meta.get("contention_share"),
         "solo_m": solo.micro_batch,
         "fsdp_micro": fsdp_micro,
         "misfit": misfit,
@@ -286,6 +291,10 @@ def main() -> None:
                     "solo_m": [r["solo_m"] for r in per_rank],
                     "busy": {s: [r["busy"][s] for r in per_rank] for s in per_rank[0]["busy"]},
                     "wait": {s: [r["wait"][s] for r in per_rank] for s in per_rank[0]["wait"]},
+                    "contention": {
+                        s: [r["contention"][s] for r in per_rank] for s in per_rank[0]["contention"]
+                    },
+                    "profile_contention": [r["profile_contention"] for r in per_rank],
                     "step_s": {s: median(v) for s, v in step.items()},
                     "profile_s": per_rank[0]["profile_s"],
                     "peaks": {s: [r["peaks"][s] for r in per_rank] for s in cols},
@@ -399,7 +408,8 @@ def _report(results: list[dict], args, wall: float) -> None:
             step = f"{r['step_s'][s]:.2f}" if s in r["step_s"] else "—"
             split = (
                 " / ".join(
-                    f"{b:.2f}+{w:.2f}" for b, w in zip(r["busy"][s], r["wait"][s], strict=True)
+                    f"{b:.2f}+{w:.2f} ({c / b if b else 0:.0%})"
+                    for b, w, c in zip(r["busy"][s], r["wait"][s], r["contention"][s], strict=True)
                 )
                 if s in r["busy"]
                 else "—"
@@ -415,7 +425,7 @@ def _report(results: list[dict], args, wall: float) -> None:
         "per rank: batch, micro-batch, state fraction (off = offload, host = host_state_fraction, wait = no reduce overlap)",
         "predicted tok/s",
         "step s",
-        "per rank: compute + comm wait s",
+        "per rank: compute + comm wait s (contention's share of the compute)",
         "peak per rank (ledger; FSDP2: tracked)",
         "host peak per rank (ledger)",
     ]
@@ -462,6 +472,7 @@ def _report(results: list[dict], args, wall: float) -> None:
                     "solo samples/s per rank (compute only, medians)",
                     "solo micro-batch per rank",
                     "profiling s",
+                    "contention's share of the profiled compute, per rank",
                 ],
                 [
                     [
@@ -469,10 +480,13 @@ def _report(results: list[dict], args, wall: float) -> None:
                         " / ".join(f"{v:.2f}" for v in r["solo"]),
                         " / ".join(map(str, r["solo_m"])),
                         f"{r['profile_s']:.0f}",
+                        " / ".join(
+                            "—" if c is None else f"{c:.0%}" for c in r["profile_contention"]
+                        ),
                     ]
                     for r in results
                 ],
-                "llrr",
+                "llrrl",
             ),
             "## Setup\n\n"
             f"- Model `{MODEL}` (n_layer={args.n_layer}, untied embeddings, no dropout), seq {SEQ_LEN}, fp32, "
@@ -488,7 +502,12 @@ def _report(results: list[dict], args, wall: float) -> None:
             "agree on the count): the even plan's smallest. Its peak is the tracked live-tensor peak "
             "(`_systems.LiveTensorBytes`), so it includes temporaries the ledger does not count.\n"
             "- Ideal: see the module docstring; solo steps of 2 micro-batches, one per rotated round, all "
-            "ranks at once; per round the ranks' samples/s are summed; the median round is shown.",
+            "ranks at once; per round the ranks' samples/s are summed; the median round is shown.\n"
+            "- Contention (runtime/emulation.py): the part of a rank's compute that outlasted slowdown x "
+            "its CPU time, i.e. time the host's other threads (the other rank, other jobs) took from it; "
+            "the emulator cannot give it back, so the emulated device ran slower than its slowdown. The "
+            "profile's share is the same measure over its unit timings; where the two differ, the "
+            'predicted step misses by about that difference (docs/profiling.md, "Contention").',
         ],
     )
     result.write(wall)

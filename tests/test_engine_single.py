@@ -309,7 +309,11 @@ def test_slowdown_stretches_compute(monkeypatch):
     # contention already made it longer than the target: no sleep
     assert emu.stretch(0.5, cpu_s=0.1) == pytest.approx(0.5)
     assert len(slept) == 2
-    assert ComputeEmulator(1.0).stretch(0.5, cpu_s=0.2) == pytest.approx(0.5)
+    # what contention took beyond slowdown x the CPU time is counted: 0.5 - 3 x 0.1
+    assert emu.contended_s == pytest.approx(0.2)
+    host = ComputeEmulator(1.0)
+    assert host.stretch(0.5, cpu_s=0.2) == pytest.approx(0.5)
+    assert host.contended_s == pytest.approx(0.3)  # the host-speed rank absorbs none
     with pytest.raises(CephaloError, match="slowdown must be >= 1"):
         ComputeEmulator(0.5)
 
@@ -343,6 +347,13 @@ def test_engine_stretches_by_cpu_time(monkeypatch):
     assert len(units) == 2 * 4 - 3
     assert stats.busy_s == pytest.approx(2 * sum(units), rel=1e-2)  # clocks read apart
     assert all(s > 0 for s in optimizer)
+    # every piece reached 4 x its CPU time by sleeping: nothing lost to contention
+    assert stats.contention_s == 0.0
+    # at slowdown 1.5 a piece's target, 1.5 x wall / 2, is short of its wall time: the
+    # emulated device lost a quarter of its compute to the host's other threads
+    engine = Engine(build_model("gpt-tiny"), plan, LocalComm(), EngineConfig(slowdown=1.5))
+    stats = engine.train_step(x, y, lr=LR)
+    assert stats.contention_s == pytest.approx(stats.busy_s / 4, rel=1e-2)
 
 
 GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"

@@ -537,6 +537,10 @@ def test_concurrent_profiling_with_uneven_sweeps(pool2, tmp_path):
     assert sorted(alone.measured) == ["cpu", "cpu:slowdown=2"]  # another key: not a cache hit
     assert not any(p.meta["concurrent"] for p in alone.profiles.values())
     assert len(ProfileDatabase.load(tmp_path / "db.json").devices) == 4
+    # measured together by the wall clock, a profile says how much of it the host's sharing
+    # made (runtime/emulation.py "Contention"); by the CPU time alone there is none to say
+    assert all(0.0 <= p.meta["contention_share"] < 1.0 for p in together.profiles.values())
+    assert not any("contention_share" in p.meta for p in alone.profiles.values())
 
 
 # ----------------------------------------------------------------------------- launcher

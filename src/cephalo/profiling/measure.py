@@ -82,6 +82,10 @@ class Timing:
     """Called before each timed repetition (a barrier across concurrently measuring ranks):
     each repetition then starts on all ranks at once, as unit passes do in lockstep
     training (every unit starts when its all-gather completes on all ranks)."""
+    contention: list[float] | None = None
+    """Where given, `[seconds measured, of which contention]` summed over the timed
+    repetitions (wall-clock timing of a CPU rank: the time beyond slowdown x the CPU time,
+    runtime/emulation.py "Contention"): how much of a profile the host's sharing made."""
 
 
 def _sync(device: torch.device) -> None:
@@ -131,7 +135,11 @@ def time_piece(
             # the emulated duration as the emulator defines it (the sleep applied once per
             # repetition, as the engine applies it once per unit pass); its overshoot is the
             # host's scheduling noise, not the emulated device
+            contended = emulator.contended_s
             spent = emulator.stretch(wall, cpu if cpu_clock else None)
+            if timing.contention is not None:
+                timing.contention[0] += spent
+                timing.contention[1] += emulator.contended_s - contended
         samples.append(spent / calls)
     return statistics.median(samples)
 

@@ -131,6 +131,7 @@ def measure_device(
             repeats=timing.repeats,
             wall_clock=True,
             start_together=together.barrier,
+            contention=[0.0, 0.0],
         )
 
     def all_ranks(done: bool) -> bool:
@@ -202,6 +203,11 @@ def measure_device(
         raise CephaloError(
             f"{device.type_key}: not even micro-batch 1 of {spec.name} fits in memory; use a smaller model or sequence"
         )
+    # how much of the units' measured time the host's sharing made (concurrent profiling of CPU
+    # ranks; runtime/emulation.py "Contention"): training sees its own, which may differ
+    measured_s, contended_s = timing.contention or (0.0, 0.0)
+    contention_share = contended_s / measured_s if measured_s > 0 else None
+    timing = dataclasses.replace(timing, contention=None)
     units = {}
     for kind, pts in points.items():
         xs = [float(p[0]) for p in pts]
@@ -260,6 +266,11 @@ def measure_device(
             "measure_s": round(time.perf_counter() - started, 3),
             "repeats": settings.repeats,
             "concurrent": together is not None,
+            **(
+                {"contention_share": round(contention_share, 4)}
+                if contention_share is not None
+                else {}
+            ),
             # a model with a frozen base (LoRA / QLoRA adapters applied) is measured as the
             # engine runs it: no gradient for the base. QLoRA's NF4 dequantization is timed on
             # its own (seconds per weight; the cost model adds it per pass of a block).

@@ -18,6 +18,13 @@ Copies are not compute. Inside a piece, a block under `unstretched()` (a host <-
 a device with an emulated link, `cpu:...,pcie=12GB/s`, `runtime.state.host_state.HostLink`) is left
 out of the work that is stretched and counts once, as it took: the link emulation gives it its
 own duration.
+
+Contention. Where the CPU time is known, a piece that took longer in wall time than slowdown x
+its CPU time lost the difference to other threads on the host's cores (co-located ranks, other
+jobs): the emulator cannot give it back, so the emulated device was slower than its slowdown
+says. That excess is counted (`contended_s`, the engine's `StepStats.contention_s`, the
+profiler's `contention_share`) so a prediction error can be split into the device's work and
+the host's sharing (docs/profiling.md, "Contention").
 """
 
 from __future__ import annotations
@@ -52,6 +59,10 @@ class ComputeEmulator:
     only where `thread_cpu_measures_work` holds."""
     stretched_s: float = 0.0
     """Total sleep added so far."""
+    contended_s: float = 0.0
+    """Total time so far by which pieces outlasted slowdown x their CPU time (plus their
+    unstretched copies): the host's other threads held the core (module docstring); only
+    where the CPU time is known (`use_cpu_time`, or `stretch` given `cpu_s`)."""
     _excluded: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)
     """Wall and thread-CPU seconds of `unstretched()` blocks since the last `start`."""
 
@@ -78,6 +89,8 @@ class ComputeEmulator:
         work_wall = max(wall - ex_wall, 0.0)
         work_cpu = None if cpu is None else max(cpu - ex_cpu, 0.0)
         duration = max(wall, self.target(work_wall, work_cpu) + ex_wall)
+        if work_cpu is not None:
+            self._count_contention(duration, min(work_cpu, work_wall), ex_wall)
         extra = duration - wall
         if extra > 0:
             time.sleep(extra)
@@ -104,11 +117,18 @@ class ComputeEmulator:
         """Sleep so that a piece that took `wall_s` lasts `target(wall_s, cpu_s)`; returns
         that emulated duration."""
         duration = self.target(wall_s, cpu_s)
+        if cpu_s is not None:
+            self._count_contention(duration, min(cpu_s, wall_s))
         extra = duration - wall_s
         if extra > 0:
             time.sleep(extra)
             self.stretched_s += extra
         return duration
+
+    def _count_contention(self, duration: float, work_cpu: float, copies_s: float = 0.0) -> None:
+        """Add what a piece of `duration` took beyond slowdown x its CPU work (and its unstretched
+        copies): time the emulated device lost to the host's other threads."""
+        self.contended_s += max(0.0, duration - self.slowdown * work_cpu - copies_s)
 
 
 def drifted_slowdown(step: int, rank: int, spec: str | None = None) -> float | None:

@@ -167,6 +167,11 @@ class StepStats:
     dpo: dict[str, float] | None = None
     """DPO: TRL's metrics of the global batch (`preference.objective.METRICS`), read with the
     loss; None: SFT."""
+    contention_s: float = 0.0
+    """Of `busy_s`, the seconds the host's other threads (co-located ranks, other jobs) took
+    from this rank's compute: its wall time beyond slowdown x its CPU time (a CPU rank on one
+    intra-op thread; runtime/emulation.py, "Contention"); 0 where the CPU time does not
+    measure the work (CUDA). What the emulated device lost that a real one would not."""
     device_step_s: float | None = None
     """CUDA: the compute stream's span of the step (events); `busy_s`, `comm_wait_s` and
     `optimizer_s` are disjoint parts of it, the rest the device waiting for the host. None

@@ -609,6 +609,7 @@ class Engine:
             optimizer_s=max(0.0, optimizer_s - clock.host_s),
             device_step_s=times.device_step_s,
             dpo=metrics,
+            contention_s=clock.contention_s,
         )
 
     @torch.no_grad()

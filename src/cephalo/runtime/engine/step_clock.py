@@ -74,6 +74,9 @@ class StepClock:
         """Seconds of unit compute this step (CUDA: summed from events by `collect`)."""
         self.host_s = 0.0
         """Host seconds of host-state work this step (its AdamW, norms and copies)."""
+        self.contention_s = 0.0
+        """Of `busy_s`, the seconds the host's other threads took from this rank's compute (a
+        CPU rank timed by its CPU time: runtime/emulation.py, "Contention"); 0 elsewhere."""
         self.events = device.type == "cuda" and emulator.slowdown == 1.0
         """Whether the device's phases are timed with CUDA events (module docstring)."""
         self._compute: _Events = []
@@ -89,7 +92,7 @@ class StepClock:
 
     def reset(self) -> None:
         """A new step: the sums start at zero (CUDA: the step's start is marked on the stream)."""
-        self.comm_wait_s = self.busy_s = self.host_s = 0.0
+        self.comm_wait_s = self.busy_s = self.host_s = self.contention_s = 0.0
         for events in (self._compute, self._comm, self._optimizer):
             events.clear()
         self._start = self._record() if self.events else None
@@ -135,11 +138,12 @@ class StepClock:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.settle()  # the kernels start once the stream's waits are over
-            mark = self.emulator.start()
+            mark, contended = self.emulator.start(), self.emulator.contended_s
             yield
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.busy_s += self.emulator.finish(mark)
+            self.contention_s += self.emulator.contended_s - contended
         finally:
             self._in_compute -= 1
 
