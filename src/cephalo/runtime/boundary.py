@@ -79,12 +79,18 @@ class BoundaryStore:
         return self.link is not None and self.link.bytes_per_s is not None
 
     def put(self, key: Key, t: torch.Tensor) -> None:
-        """Keep a copy of `t` under `key` (replacing what was there)."""
+        """Keep `t` under `key` (replacing what was there). On the device, `t` itself where
+        it is a whole storage of its own (`MemoryLedger.adopt`: a unit's output, an input
+        gradient), else a copy; the caller hands it over and writes to it no more. Offloaded:
+        a copy in host memory (a real transfer)."""
         self.drop(key)
         t = t.detach()
         if not self.offload:
-            buf = self.ledger.alloc("boundary", t.numel(), t.dtype, device=self.device)
-            buf.copy_(t.reshape(-1))
+            if self.ledger.adopt("boundary", t):
+                buf = t  # the caller's result itself: no copy on the device (issue 39)
+            else:  # a view into a larger storage, or already a ledger buffer: one copy
+                buf = self.ledger.alloc("boundary", t.numel(), t.dtype, device=self.device)
+                buf.copy_(t.reshape(-1))
         else:
             buf = self.ledger.alloc(
                 "host/boundary",
