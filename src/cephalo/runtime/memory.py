@@ -264,10 +264,11 @@ class MemoryLedger:
         keeps alive) and that no ledger buffer holds is taken; returns False for any other
         (the caller copies it into an `alloc`). The caller hands it over: nothing may write
         to it afterwards."""
+        device = tensor.device
         if (
-            is_host_category(category)
+            category.startswith(HOST_PREFIX)  # (inline: called per boundary and micro-batch)
             or tensor.numel() == 0
-            or not _same_device(tensor.device, self.device)
+            or (device != self.device and not _same_device(device, self.device))
             or not tensor.is_contiguous()
             or tensor.storage_offset() != 0
         ):

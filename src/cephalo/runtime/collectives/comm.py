@@ -122,6 +122,12 @@ class Handle:
         """True once `wait()` has returned."""
         return self._done
 
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and nothing to finish (a one-rank collective, or waited already):
+        `wait()` returns at once (the step clock opens no span for it)."""
+        return not self._works and self._finish is None
+
 
 @dataclass
 class CommCounters:

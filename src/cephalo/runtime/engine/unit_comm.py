@@ -251,7 +251,9 @@ class UnitCollectives:
             part = self.ledger.alloc("grad_accum", n, torch.float32, device=self.device)
         if full.numel() == 0:  # a unit without trained parameters (LoRA): nothing to reduce
             return Reduce(Handle(), part, us, lo, hi, full, at)
-        with self.clock.communication():  # the call itself (and any validation)
+        # the call itself (and any validation); one rank: nothing is sent, no span
+        timed = self.clock.communication() if self.comm.world_size > 1 else contextlib.nullcontext()
+        with timed:
             handle = self.comm.reduce_scatter_v(part, full, sizes, async_op=True)
         return Reduce(handle, part, us, lo, hi, full, at)
 
