@@ -2,7 +2,10 @@
 
 Keyed by (unit index, micro-batch index): after the forward, the entry (u, j) holds unit u's
 input for micro-batch j; during the backward, unit u replaces it by the gradient w.r.t.
-that input, which is unit u-1's output gradient. With `offload`, entries live in host
+that input, which is unit u-1's output gradient. On the device an entry is the tensor put
+itself (a unit's output, an input gradient: `MemoryLedger.adopt`), not a copy of it: a copy
+per boundary and micro-batch was the engine's largest excess of ops over plain PyTorch
+(issue 39). With `offload`, entries live in host
 memory (pinned on CUDA) and are staged back to the device one at a time, so the device holds
 O(1) of them whatever the number of micro-batches. Every buffer goes through the ledger:
 `boundary` (device), `host/boundary` (host), `staging` (device copies of host entries while
