@@ -451,7 +451,7 @@ def check_standard_eval(setup: Setup) -> tuple[list[str], str]:
 
 def check_uneven_collectives(comm, device: torch.device) -> list[str]:
     """Uneven `all_gather_v` / `reduce_scatter_v` (zero and equal shards included), sync and
-    async, in fp32, bf16 and fp16, and `all_reduce` sum / max, against what each rank computes
+    async, in fp32, bf16 and fp16 (the gather also in place: the shard inside the output), and `all_reduce` sum / max, against what each rank computes
     by itself; then a cross-rank size mismatch must raise `CephaloError` on every rank. Returns
     this rank's failures (every rank must call it: it runs collectives)."""
     from cephalo.errors import CephaloError
@@ -476,6 +476,15 @@ def check_uneven_collectives(comm, device: torch.device) -> list[str]:
                 expect = torch.cat([_shard_values(k, n) for k, n in enumerate(sizes)])
                 if not torch.equal(out.float().cpu(), expect):
                     failures.append(f"all_gather_v {what}: got {out[:8].tolist()}...")
+                # in place, as the engine gathers (runtime/engine/unit_comm.py `gather_piece`:
+                # each rank's shard cast into its own piece of the output)
+                start = sum(sizes[:rank])
+                out = torch.full((sum(sizes),), -1.0, dtype=dtype, device=device)
+                own = out[start : start + sizes[rank]]
+                own.copy_(_shard_values(rank, sizes[rank]))
+                _backend(comm, "all_gather_v")(out, own, sizes, async_op).wait()
+                if not torch.equal(out.float().cpu(), expect):
+                    failures.append(f"in-place all_gather_v {what}: got {out[:8].tolist()}...")
                 full = _full_values(rank, sum(sizes)).to(device, dtype)
                 mine = torch.full((sizes[rank],), -1.0, dtype=dtype, device=device)
                 _backend(comm, "reduce_scatter_v")(mine, full, sizes, async_op).wait()

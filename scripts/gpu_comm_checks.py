@@ -48,6 +48,7 @@ def check_comm_wait_events(setup: Setup) -> tuple[list[str], str]:
         return failures, f"emulated stall {stall * 1e3:.0f} ms counted, host {host * 1e3:.1f} ms"
     device = setup.device
     clock = StepClock(device, ComputeEmulator(1.0))
+    clock.reset()  # the step's start event (collect reads the events only after one)
     side = torch.cuda.Stream(device)
     torch.cuda.synchronize(device)
     with torch.cuda.stream(side):
@@ -69,19 +70,27 @@ def check_comm_wait_events(setup: Setup) -> tuple[list[str], str]:
     host = time.perf_counter() - t0
     with clock.compute():
         torch.ones(1, device=device).add_(1)
-    clock.collect_busy()
+    with clock.compute():  # the same run: no events of its own (step_clock.py)
+        torch.ones(1, device=device).add_(1)
+    records = clock.records
+    times = clock.collect()  # (was `collect_busy`, which StepClock no longer has)
     torch.cuda.synchronize(device)
     sleep_s = start.elapsed_time(end) / 1000.0
     if host > 0.5 * sleep_s:
         failures.append(f"the host blocked {host:.3f}s in an asynchronous wait")
-    if clock.comm_wait_s < 0.5 * sleep_s:
+    if times.comm_wait_s < 0.5 * sleep_s:
         failures.append(
             f"the stream's stall ({sleep_s:.3f}s) was not counted: comm_wait_s "
-            f"{clock.comm_wait_s:.3f}s (StepClock's wait events)"
+            f"{times.comm_wait_s:.3f}s (StepClock's wait events)"
+        )
+    if records != 4 or times.busy_s <= 0 or times.busy_s > 0.5 * sleep_s:
+        failures.append(
+            f"a run of two compute spans after a wait: {records} events before collect "
+            f"(want 4: start, the wait's two, the run's start), busy {times.busy_s:.4f}s"
         )
     return (
         failures,
-        f"stall {clock.comm_wait_s * 1e3:.0f} ms counted from events (host {host * 1e3:.1f} ms)",
+        f"stall {times.comm_wait_s * 1e3:.0f} ms counted from events (host {host * 1e3:.1f} ms)",
     )
 
 

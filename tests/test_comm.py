@@ -687,6 +687,51 @@ def test_step_clock_counts_the_streams_stall_as_communication():
     assert clock.comm_wait_s - before == pytest.approx(0.03, abs=0.02)
 
 
+def test_step_clock_times_a_run_of_compute_with_one_event_pair(monkeypatch):
+    """The CUDA events path (issue 39), on the CPU with events that read a made-up stream
+    clock (`now`, advanced by hand: exact sums): a run of compute spans (a pass's units, no
+    wait between them) costs one pair of events, not one per unit; a wait with something in
+    flight ends the run with one event (its own start); an idle handle (one rank) opens no
+    span. 18 events before (a pair per span, the idle waits' included), 6 now."""
+    from cephalo.runtime.emulation import ComputeEmulator
+    from cephalo.runtime.engine.step_clock import StepClock
+
+    now = [0.0]
+
+    class StreamEvent:
+        def __init__(self) -> None:
+            self.t = now[0]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, later: StreamEvent) -> float:
+            return (later.t - self.t) * 1e3
+
+    clock = StepClock(torch.device("cpu"), ComputeEmulator(1.0))
+    clock.events = True
+
+    def record() -> StreamEvent:
+        clock.records += 1
+        return StreamEvent()
+
+    def advance(s: float) -> None:
+        now[0] += s
+
+    monkeypatch.setattr(clock, "_record", record)
+    clock.reset()
+    for _ in range(3):  # three units of a pass
+        with clock.compute():
+            advance(0.25)
+        clock.wait(Handle())  # one rank's gather: nothing in flight
+    clock.wait(Handle([], lambda: advance(0.5)))  # a collective in flight
+    with clock.compute():
+        advance(0.125)
+    times = clock.collect()
+    assert clock.records == 6
+    assert (times.busy_s, times.comm_wait_s, times.device_step_s) == (0.875, 0.5, 1.375)
+
+
 def test_emulated_links_rate_is_the_slowest_link_of_the_group():
     from cephalo.runtime.collectives.emulated import EmulatedLinks
 

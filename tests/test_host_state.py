@@ -164,6 +164,26 @@ def test_ledger_moves_exactly_the_host_part(dtype):
     assert abs((16 - d) * hosted - (16 - d) * 0.5 * P) <= (16 - d) * units / 2
 
 
+def test_a_gather_casts_each_part_straight_into_the_gathered_buffer():
+    """bf16 with half the state on the host: a unit's gather is one cast-copy per part of its
+    shard (device master, host copy) into its own piece of the gathered buffer, then gathered
+    in place (issue 39): no shard buffer cast first and copied again (one copy more per
+    gather before). The gathered values are the master's, rounded to bf16."""
+    from cephalo.runtime.host_syncs import OpCounter
+
+    engine, _ = _single(0.5, "bf16", steps=0)  # (no step needed: the shards as built)
+    coll = engine.collectives
+    for us in engine.shards:
+        with OpCounter() as ops:
+            g = coll.start_gather(us, async_op=False)
+        pieces = [(us, 0, us.size)] + [(b.owner, *b.local) for b in us.borrows]  # tied: head
+        parts = sum(int(min(hi, o.dev_n) > lo) + int(hi > max(lo, o.dev_n)) for o, lo, hi in pieces)
+        assert ops.by_op() == {"copy_": parts}, (us.index, ops.by_op())
+        want = torch.cat([us.master[: us.dev_n].float(), us.host_copy[: us.host_n].float()])
+        assert torch.equal(g.flat.float(), want.bfloat16().float())
+        coll.release(g)
+
+
 def test_host_adamw_runs_on_the_nodes_threads_only_around_its_step(monkeypatch):
     """Finding 12: a GPU rank's host AdamW runs on its share of the node's cores (torchrun's
     OMP_NUM_THREADS=1 aside), set only around the host step (the rank's thread count is back

@@ -83,6 +83,26 @@ def test_free_and_release_misuse():
         MemoryLedger(rank=0, device="cpu", budget_bytes=-1)
 
 
+def test_adopt_takes_a_whole_storage_without_copying():
+    """A tensor that is its whole storage becomes a ledger buffer as it is (the boundary
+    store keeps a unit's output so, issue 39); a view into a larger storage, a ledger buffer
+    or a host category is refused (the caller copies)."""
+    ledger = MemoryLedger(rank=0, device="cpu", budget_bytes=1000)
+    out = torch.randn(4, 8)
+    assert ledger.adopt("boundary", out)
+    assert ledger.current_by_category["boundary"] == 128 and ledger.owns(out)
+    larger = torch.randn(4, 16)
+    assert not ledger.adopt("boundary", larger[:, :8].contiguous()[:2])  # offset 0, not whole
+    assert not ledger.adopt("boundary", larger[1:])
+    assert not ledger.adopt("boundary", larger.t())
+    assert not ledger.adopt("boundary", out.view(-1))  # already the ledger's
+    assert not ledger.adopt("host/boundary", torch.randn(3))
+    with pytest.raises(MemoryBudgetExceeded):
+        ledger.adopt("boundary", torch.randn(300))
+    ledger.free(out)
+    assert ledger.current_bytes == 0 and not ledger.owns(out)
+
+
 def _mlp(width: int, depth: int) -> nn.Sequential:
     torch.manual_seed(0)
     layers: list[nn.Module] = []

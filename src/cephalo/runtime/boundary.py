@@ -2,7 +2,10 @@
 
 Keyed by (unit index, micro-batch index): after the forward, the entry (u, j) holds unit u's
 input for micro-batch j; during the backward, unit u replaces it by the gradient w.r.t.
-that input, which is unit u-1's output gradient. With `offload`, entries live in host
+that input, which is unit u-1's output gradient. On the device an entry is the tensor put
+itself (a unit's output, an input gradient: `MemoryLedger.adopt`), not a copy of it: a copy
+per boundary and micro-batch was the engine's largest excess of ops over plain PyTorch
+(issue 39). With `offload`, entries live in host
 memory (pinned on CUDA) and are staged back to the device one at a time, so the device holds
 O(1) of them whatever the number of micro-batches. Every buffer goes through the ledger:
 `boundary` (device), `host/boundary` (host), `staging` (device copies of host entries while
@@ -79,12 +82,18 @@ class BoundaryStore:
         return self.link is not None and self.link.bytes_per_s is not None
 
     def put(self, key: Key, t: torch.Tensor) -> None:
-        """Keep a copy of `t` under `key` (replacing what was there)."""
+        """Keep `t` under `key` (replacing what was there). On the device, `t` itself where
+        it is a whole storage of its own (`MemoryLedger.adopt`: a unit's output, an input
+        gradient), else a copy; the caller hands it over and writes to it no more. Offloaded:
+        a copy in host memory (a real transfer)."""
         self.drop(key)
         t = t.detach()
         if not self.offload:
-            buf = self.ledger.alloc("boundary", t.numel(), t.dtype, device=self.device)
-            buf.copy_(t.reshape(-1))
+            if self.ledger.adopt("boundary", t):
+                buf = t  # the caller's result itself: no copy on the device (issue 39)
+            else:  # a view into a larger storage, or already a ledger buffer: one copy
+                buf = self.ledger.alloc("boundary", t.numel(), t.dtype, device=self.device)
+                buf.copy_(t.reshape(-1))
         else:
             buf = self.ledger.alloc(
                 "host/boundary",

@@ -75,8 +75,10 @@ def loss_and_backward(
     chunk's forward, before its backward (the engine charges transient bytes there)."""
     m, seq = labels.shape
     total = torch.zeros((), dtype=torch.float32, device=h.device)
-    dx = torch.empty_like(h) if input_grad else None
-    for a, b in chunks(m, seq, vocab):
+    spans = chunks(m, seq, vocab)
+    # one chunk: its input gradient is the whole one (no buffer to copy it into)
+    dx = torch.empty_like(h) if input_grad and len(spans) > 1 else None
+    for a, b in spans:
         hc = h[:, a:b].detach()
         if input_grad:
             hc.requires_grad_()
@@ -88,7 +90,9 @@ def loss_and_backward(
             torch.autograd.backward(out, grad_tensors=out_grad, inputs=inputs)
         total += out.detach().float()
         del out
-        if dx is not None:
+        if input_grad and dx is None:
+            dx = hc.grad
+        elif dx is not None:
             dx[:, a:b] = hc.grad
-            hc.grad = None
+        hc.grad = None
     return total, dx

@@ -255,6 +255,42 @@ class MemoryLedger:
                 self._owned_storages.add(tensor.untyped_storage().data_ptr())
         return tensor
 
+    def adopt(self, category: str, tensor: torch.Tensor) -> bool:
+        """Take `tensor` as a buffer of `category` without copying it (charged like `alloc`,
+        released by `free`): a result the engine keeps as it is, such as a unit's output
+        kept as the next unit's boundary (runtime/boundary.py), where a copy into a new
+        buffer would cost a kernel and change nothing. Only a device tensor that is its whole
+        storage (contiguous, from offset 0, nothing beside it: what is charged is what it
+        keeps alive) and that no ledger buffer holds is taken; returns False for any other
+        (the caller copies it into an `alloc`). The caller hands it over: nothing may write
+        to it afterwards."""
+        device = tensor.device
+        if (
+            category.startswith(HOST_PREFIX)  # (inline: called per boundary and micro-batch)
+            or tensor.numel() == 0
+            or (device != self.device and not _same_device(device, self.device))
+            or not tensor.is_contiguous()
+            or tensor.storage_offset() != 0
+        ):
+            return False
+        storage = tensor.untyped_storage()
+        nbytes = tensor.numel() * tensor.element_size()
+        if storage.nbytes() != nbytes or storage.data_ptr() in self._owned_storages:
+            return False
+        self.charge(category, nbytes)
+        key = id(tensor)
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            with self._lock:
+                entry = self._allocations.get(key)
+                if entry is not None and entry.tensor_ref is ref:
+                    del self._allocations[key]
+
+        with self._lock:
+            self._allocations[key] = _Allocation(category, nbytes, weakref.ref(tensor, forget))
+            self._owned_storages.add(storage.data_ptr())
+        return True
+
     def _host_buffer(
         self, category: str, numel: int, dtype: torch.dtype, pin: bool, zero: bool
     ) -> torch.Tensor:

@@ -122,6 +122,12 @@ class Handle:
         """True once `wait()` has returned."""
         return self._done
 
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and nothing to finish (a one-rank collective, or waited already):
+        `wait()` returns at once (the step clock opens no span for it)."""
+        return not self._works and self._finish is None
+
 
 @dataclass
 class CommCounters:
@@ -202,7 +208,8 @@ class Comm(ABC):
     ) -> Handle:
         """Gather every rank's `shard` (rank r: `sizes[r]` elements) into `out` in rank order.
         `shard` may be dropped as soon as this returns (the collective keeps it alive) but not
-        written to before `wait()`; `out` is valid after `wait()`."""
+        written to before `wait()`; `out` is valid after `wait()`. `shard` may be this rank's
+        own piece of `out` (an in-place gather: nothing copied into `out` on this rank)."""
         name = "all_gather_v"
         sizes = self._agreed_sizes(name, sizes, [("out", out), ("shard", shard)], out, None)
         own = sizes[self.rank]
@@ -507,8 +514,9 @@ class GlooComm(_ProcessGroupComm):
             return _even_handle(_all_gather_even(out, shard, self.group), async_op)
         views = list(out.split(sizes))
         # Our own piece goes into `out` first, so the caller may reuse `shard` right away
-        # and the broadcast from this rank reads from `out`.
-        views[self.rank].copy_(shard)
+        # and the broadcast from this rank reads from `out` (in place: it is there already).
+        if views[self.rank].data_ptr() != shard.data_ptr():
+            views[self.rank].copy_(shard)
         works = [
             dist.broadcast(views[r], src=self._global_rank(r), group=self.group, async_op=True)
             for r in range(self.world_size)

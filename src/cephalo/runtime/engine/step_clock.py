@@ -14,6 +14,15 @@ kernels, and `device_step_s` the stream's span of the step; what the three and `
 of it is the time the device waited for the host. On the CPU (and under an emulated slowdown)
 every part is host time, as before; calibration (train/calibration.py) reads either alike.
 
+Events per run, not per unit (issue 39): on CUDA consecutive compute spans with no
+communication or optimizer span between them are one run, timed by one event pair: a pass's
+units on one rank (no wait between them) cost two events, not two per unit. A run ends where
+the next communication or optimizer span starts, and that span's start event is the run's end
+(one event, not two). So the stream's work between two units of a run (a gather's cast, a
+gradient shard's add) and any wait for the host there count as compute, as they always did
+inside a unit. A wait on a handle with nothing in flight (one rank, or waited already: `Handle.idle`)
+opens no span at all, on any device.
+
 On an emulated cluster (runtime/collectives/emulated.py) a collective's `wait()` is
 asynchronous as on NCCL: the emulated stream's stalls are counted as communication where they
 land (the start of the next compute, `settle` before the optimizer step).
@@ -83,11 +92,25 @@ class StepClock:
         self._comm: _Events = []
         self._optimizer: _Events = []
         self._start: torch.cuda.Event | None = None
+        self._run: torch.cuda.Event | None = None
+        """CUDA: the start of the open run of compute spans (module docstring), else None."""
         self._in_compute = 0
+        self.records = 0
+        """CUDA events recorded since the clock was made (tests and the launch count)."""
 
     def _record(self) -> torch.cuda.Event:
+        self.records += 1
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _close_run(self) -> torch.cuda.Event:
+        """An event at the stream's position now; it ends the open run of compute, if any
+        (one event: the end of the run and the start of what follows)."""
+        event = self._record()
+        if self._run is not None:
+            self._compute.append((self._run, event))
+            self._run = None
         return event
 
     def reset(self) -> None:
@@ -95,10 +118,15 @@ class StepClock:
         self.comm_wait_s = self.busy_s = self.host_s = self.contention_s = 0.0
         for events in (self._compute, self._comm, self._optimizer):
             events.clear()
+        self._run = None
         self._start = self._record() if self.events else None
 
     def wait(self, handle: Handle) -> None:
-        """Wait for a collective, the time it holds the step counted as communication."""
+        """Wait for a collective, the time it holds the step counted as communication (a
+        handle with nothing in flight: no span, module docstring)."""
+        if handle.idle:
+            handle.wait()
+            return
         with self.communication():
             handle.wait()
 
@@ -109,7 +137,7 @@ class StepClock:
         its own events already cover: the parts stay disjoint)."""
         t0 = time.perf_counter()
         if self.events and not self._in_compute:
-            start = self._record()
+            start = self._close_run()
             yield
             self._comm.append((start, self._record()))
         else:
@@ -130,10 +158,10 @@ class StepClock:
         slowdown must be emulated, which needs the host to know the time now."""
         self._in_compute += 1
         try:
-            if self.events:
-                start = self._record()
+            if self.events:  # a run of spans: closed by what follows (module docstring)
+                if self._run is None:
+                    self._run = self._record()
                 yield
-                self._compute.append((start, self._record()))
                 return
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -155,7 +183,7 @@ class StepClock:
         (unit compute only). On CUDA timed with events (`collect`); on the CPU without
         emulation the engine times the optimizer on the host."""
         if self.events:
-            start = self._record()
+            start = self._close_run()
             yield
             self._optimizer.append((start, self._record()))
             return
@@ -176,7 +204,7 @@ class StepClock:
         for as an event (not a device or stream sync: CUDA's sync debug mode allows it)."""
         if not self.events or self._start is None:
             return StepTimes(self.busy_s, self.comm_wait_s, None, None)
-        end = self._record()
+        end = self._close_run()
         end.synchronize()
 
         def total(events: _Events) -> float:

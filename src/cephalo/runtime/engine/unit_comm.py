@@ -194,14 +194,15 @@ class UnitCollectives:
                 return self.comm.all_gather_v(out, us.send_buf, sizes, async_op=async_op)
         elif us.param_buf is not None:  # fp32: master and the host part's copy in one buffer
             return self.comm.all_gather_v(out, us.param_buf[lo:hi], sizes, async_op=async_op)
-        elif self.comm.world_size == 1 and hi <= us.dev_n:  # cast straight into the output
-            out.copy_(us.master[lo:hi])
-            return self.comm.all_gather_v(out, out, sizes, async_op=async_op)
-        # the shard in compute dtype; the comm contract lets us free it once the call returns
+        # The shard in compute dtype, cast straight into this rank's own piece of `out` (one
+        # copy_ per part does the cast) and gathered in place: no shard buffer, no copy of it
+        # into `out` (NCCL's and gloo's all-gathers take their input inside their output, as
+        # FSDP2's does; one rank: nothing to move).
+        own = self.comm.rank * padded.pad if padded is not None else sum(sizes[: self.comm.rank])
         if padded is None:
-            shard = mine = self.ledger.alloc("gathered", hi - lo, self.dtype, device=self.device)
-        else:  # the cast is copied anyway: into the padded chunk, zero around it
-            shard = self.ledger.alloc("gathered", padded.pad, self.dtype, device=self.device)
+            shard = mine = out[own : own + hi - lo]
+        else:  # the padded chunk: zero around this rank's elements
+            shard = out[own : own + padded.pad]
             o = us.pad_offset
             mine = shard[o : o + hi - lo]
             shard[:o].zero_()
@@ -211,9 +212,7 @@ class UnitCollectives:
             mine[: min(hi, d) - lo].copy_(us.master[lo : min(hi, d)])
         if hi > max(lo, d):
             mine[max(lo, d) - lo :].copy_(us.host_copy[max(lo, d) - d : hi - d])
-        handle = self.comm.all_gather_v(out, shard, sizes, async_op=async_op)
-        self.ledger.free(shard)
-        return handle
+        return self.comm.all_gather_v(out, shard, sizes, async_op=async_op)
 
     def finish_gather(self, g: Gathered) -> dict[str, torch.Tensor]:
         for h in g.handles + (g.frozen.handles if g.frozen else []):
@@ -256,7 +255,9 @@ class UnitCollectives:
             part = self.ledger.alloc("grad_accum", n, torch.float32, device=self.device)
         if full.numel() == 0:  # a unit without trained parameters (LoRA): nothing to reduce
             return Reduce(Handle(), part, us, lo, hi, full, at)
-        with self.clock.communication():  # the call itself (and any validation)
+        # the call itself (and any validation); one rank: nothing is sent, no span
+        timed = self.clock.communication() if self.comm.world_size > 1 else contextlib.nullcontext()
+        with timed:
             handle = self.comm.reduce_scatter_v(part, full, sizes, async_op=True)
         return Reduce(handle, part, us, lo, hi, full, at)
 
