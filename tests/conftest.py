@@ -3,12 +3,22 @@
 
 from __future__ import annotations
 
+import compiled_suites
+
+compiled_suites.install()  # CEPHALO_TEST_COMPILE=inductor: every engine's blocks compiled
+
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The worst comparison of each equivalence check: how close to its bound it came, and
     the noise the bound was derived from (the figures issue 36 asks to report)."""
     import sys
 
+    if compiled_suites.mode():
+        terminalreporter.section(f"{compiled_suites.ENV}={compiled_suites.mode()}")
+        terminalreporter.write_line(
+            f"engines compiled in the pytest process: {len(compiled_suites.COMPILED)}; left "
+            f"eager: {sorted(set(compiled_suites.REFUSED)) or 'none'} (the ranks' own are theirs)"
+        )
     equivalence = sys.modules.get("equivalence")
     record = getattr(equivalence, "RECORD", None)
     if not record:
