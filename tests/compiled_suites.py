@@ -61,6 +61,27 @@ def install() -> None:
     engine_module.apply_compile = apply_compile
 
 
+RANKS: list[str] = []
+"""What the shared pools' ranks compiled, gathered at the end of the session (`gather`)."""
+
+
+def counts() -> tuple[int, list[str]]:
+    """On a rank: (engines compiled under the switch, the reasons others stayed eager)."""
+    return len(COMPILED), sorted(set(REFUSED))
+
+
+def gather(pools: dict) -> None:
+    """Ask every shared pool's ranks what they compiled (before the pools stop) into `RANKS`."""
+    for size, pool in sorted(pools.items()):
+        try:
+            answers = pool.run(counts, timeout_s=60)
+        except Exception as err:  # a dead pool: say so, the tests have reported already
+            RANKS.append(f"{size}-rank pool: no answer ({type(err).__name__})")
+            continue
+        for rank, (compiled, refused) in enumerate(answers):
+            RANKS.append(f"{size}-rank pool, rank {rank}: {compiled} compiled, eager: {refused}")
+
+
 def timeout(seconds: float) -> float:
     """A pool call's timeout, longer under the switch."""
     return seconds * TIMEOUT_FACTOR if mode() else seconds

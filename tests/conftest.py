@@ -17,8 +17,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.section(f"{compiled_suites.ENV}={compiled_suites.mode()}")
         terminalreporter.write_line(
             f"engines compiled in the pytest process: {len(compiled_suites.COMPILED)}; left "
-            f"eager: {sorted(set(compiled_suites.REFUSED)) or 'none'} (the ranks' own are theirs)"
+            f"eager: {sorted(set(compiled_suites.REFUSED)) or 'none'}"
         )
+        for line in compiled_suites.RANKS:
+            terminalreporter.write_line(f"  {line}")
     equivalence = sys.modules.get("equivalence")
     record = getattr(equivalence, "RECORD", None)
     if not record:
@@ -41,5 +43,7 @@ def pytest_sessionfinish(session, exitstatus):
     import sys
 
     harness = sys.modules.get("dist_harness")
+    if harness is not None and compiled_suites.mode():
+        compiled_suites.gather(harness._POOLS)
     if harness is not None:
         harness.close_shared_pools()
