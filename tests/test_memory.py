@@ -241,6 +241,7 @@ def test_compiled_blocks_compile_and_are_counted_on_an_emulated_device():
     output and saved activations (invisible to the mode: without the charge it adds ~0 bytes),
     the backward's gradients, and the eager twin's transient before each call, so a budget the
     eager call does not fit fails the compiled one too. ~5 s (one small graph, fwd + bwd)."""
+    import torch._inductor.config
     from torch._dynamo.utils import counters
 
     from cephalo.runtime.bind import UnitBinding
@@ -271,7 +272,8 @@ def test_compiled_blocks_compile_and_are_counted_on_an_emulated_device():
         gc.collect()
         return held, mode.live_bytes - before
 
-    with mode, torch.random.fork_rng():
+    # one small graph: compiled in this process (no pool of compile workers to start)
+    with mode, torch.random.fork_rng(), torch._inductor.config.patch(compile_threads=1):
         torch.manual_seed(0)
         eager_held, _ = call()  # the first call of its key runs eagerly, measured
         held, grads = call()
