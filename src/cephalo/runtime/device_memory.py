@@ -27,7 +27,7 @@ ignore it while it compiles (`ignore_compile_internals`: dynamo would otherwise 
 frame eagerly under a dispatch mode), and the compiled code's own buffers (inductor allocates
 them below the dispatcher) are charged by runtime/capture/counted.py: the call's outputs, what
 its backward saved and its gradients as they appear (`count`), its transient peak as the
-eager call of the same shape measured it (`measure`, `charge_transient`).
+eager call of the same key measured it (`open_window` / `close_window`, `charge_transient`).
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ cannot run. So a compiled call is charged from outside, honestly:
 - what it holds inside for a moment: the transient peak above the live bytes at the start,
   of the forward and of the backward, as the EAGER call of the same key measured it (the
   first call of each key runs eagerly under a measuring window, `CountedCalls.eager`). Eager
-  is the upper bound: inductor fuses pointwise chains and reuses buffers, it never holds an
-  intermediate the eager graph frees. A compiled call is charged that transient before it
-  runs (`charge_transient`): past the budget it fails as the eager one would.
+  is taken as the bound: inductor fuses pointwise chains (their intermediates never exist)
+  and reuses dead buffers, so its internal peak is at most about the eager graph's; what it
+  may choose differently, the saved tensors and outputs, is counted exactly, as above. A
+  compiled call is charged that transient before it runs (`charge_transient`): past the
+  budget it fails as the eager one would.
 
 Without an active `EmulatedDeviceMemory` (a GPU, `CEPHALO_STRICT_MEMORY=0`) nothing here runs.
 """
