@@ -18,6 +18,8 @@ cannot run. So a compiled call is charged from outside, honestly:
   budget it fails as the eager one would.
 
 Without an active `EmulatedDeviceMemory` (a GPU, `CEPHALO_STRICT_MEMORY=0`) nothing here runs.
+The blocks are the only code the engine compiles: other code compiled under the mode (none
+today) would go uncounted the same way and needs the same charge.
 """
 
 from __future__ import annotations
