@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import compiled_suites
 from cephalo.errors import CephaloError
 from cephalo.modeling.registry import build_model
 from cephalo.runtime.collectives.comm import LocalComm
@@ -208,6 +209,8 @@ def test_compiled_blocks_plumbing_is_bitwise_eager():
     from cephalo.runtime.capture.blocks import CompiledBlocks
     from cephalo.runtime.device_memory import EmulatedDeviceMemory
 
+    if compiled_suites.mode():
+        pytest.skip("compares the capture with eager blocks: run without CEPHALO_TEST_COMPILE")
     plan, data = make_plan([4], [1.0], [2]), make_data(2, 4)
     cfg = EngineConfig(fuse_tail=False)  # both blocks recomputed
     eager, eager_stats = _train(plan, cfg, data, {"dropout": 0.1})
@@ -287,6 +290,9 @@ def test_cuda_graph_blocks_on_a_cpu_stand_in_are_bitwise_eager(monkeypatch):
 
     from cephalo.runtime.capture import graphs
     from cephalo.runtime.capture.blocks import CompiledBlocks
+
+    if compiled_suites.mode():
+        pytest.skip("compares graphed blocks with eager ones: run without CEPHALO_TEST_COMPILE")
 
     def capture(self, fn, args):
         self.static_in = tuple(a.clone() for a in args)
