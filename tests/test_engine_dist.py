@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -36,6 +37,13 @@ STEPS = 5
 UNEVEN = dict(batches=[5, 2, 1], fractions=[0.6, 0.3, 0.1], micro=[2, 1, 1])
 
 
+def _dynamo_graphs() -> int:
+    """Graphs dynamo compiled in this process so far (0 before it was first imported: an
+    import costs seconds, which the eager tests do not pay)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]
+
+
 def _engine_run(
     model: str,
     overrides: dict,
@@ -51,8 +59,6 @@ def _engine_run(
     `compiled_ranks`: ranks whose blocks run compiled (`compile = "inductor"`);
     `counted_ranks`: ranks on an emulated device whose memory is counted byte by byte
     (runtime/device_memory.py), as the trainer's emulated ranks are."""
-    from torch._dynamo.utils import counters
-
     torch.set_num_threads(1)
     comm = make_comm("gloo")
     memory = contextlib.nullcontext()
@@ -60,7 +66,7 @@ def _engine_run(
         cfg = dataclasses.replace(cfg, compile="inductor")
     if comm.rank in counted_ranks:
         memory = EmulatedDeviceMemory(comm.rank, budget_bytes=1 << 40)
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = _dynamo_graphs()
     with memory:
         engine = Engine(build_model(model, **overrides), plan, comm, cfg)
         state_bytes = engine.ledger.current_by_category["state"]
@@ -83,7 +89,7 @@ def _engine_run(
         "unit_sizes": [us.size for us in engine.shards],
         "calls": dict(comm.counters.calls),
         "compiled": None if compiled is None else (compiled.calls, compiled.eager_calls),
-        "graphs": counters["stats"]["unique_graphs"] - graphs,
+        "graphs": _dynamo_graphs() - graphs,
         "counted_peak": counted,
         "ledger_peak": engine.ledger.peak_bytes,
     }
