@@ -49,7 +49,7 @@ def install() -> None:
         if requested in ("off", "auto"):
             refusal = apply._refusal(model, per_sample_dropout)
             if refusal is not None:
-                REFUSED.append(f"{model.spec.name}: {refusal}")
+                REFUSED.append(f"{os.path.basename(model.spec.name)}: {refusal}")
                 return None
             requested = forced
         compiled = apply.apply_compile(model, device, requested, per_sample_dropout)
