@@ -3,12 +3,24 @@
 
 from __future__ import annotations
 
+import compiled_suites
+
+compiled_suites.install()  # CEPHALO_TEST_COMPILE=inductor: every engine's blocks compiled
+
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The worst comparison of each equivalence check: how close to its bound it came, and
     the noise the bound was derived from (the figures issue 36 asks to report)."""
     import sys
 
+    if compiled_suites.mode():
+        terminalreporter.section(f"{compiled_suites.ENV}={compiled_suites.mode()}")
+        terminalreporter.write_line(
+            f"engines compiled in the pytest process: {len(compiled_suites.COMPILED)}; left "
+            f"eager: {sorted(set(compiled_suites.REFUSED)) or 'none'}"
+        )
+        for line in compiled_suites.RANKS:
+            terminalreporter.write_line(f"  {line}")
     equivalence = sys.modules.get("equivalence")
     record = getattr(equivalence, "RECORD", None)
     if not record:
@@ -31,5 +43,7 @@ def pytest_sessionfinish(session, exitstatus):
     import sys
 
     harness = sys.modules.get("dist_harness")
+    if harness is not None and compiled_suites.mode():
+        compiled_suites.gather(harness._POOLS)
     if harness is not None:
         harness.close_shared_pools()

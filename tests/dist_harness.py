@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 
+import compiled_suites
 from cephalo.launch.pool import RankFailure, RankPool
 
 RemoteError = RankFailure
@@ -71,6 +72,7 @@ def _fresh_state(environment: dict[str, str], threads: int) -> None:
     torch.set_grad_enabled(True)
     torch.use_deterministic_algorithms(False)
     torch.set_num_threads(threads)
+    compiled_suites.install()  # CEPHALO_TEST_COMPILE: blocks compiled (tests/compiled_suites.py)
     dist.barrier()  # every rank is back in step
 
 
@@ -113,7 +115,8 @@ def dist_pool_fixture(world_size: int, timeout_s: float = 120.0, scope: str = "m
         pool = shared_pool(world_size)
         if world_size not in _FRESH_ENV:
             _FRESH_ENV[world_size] = pool.run(_environment)[0]
-        pool.run(_fresh_state, _FRESH_ENV[world_size], pool.threads, timeout_s=timeout_s)
-        yield ModulePool(pool, timeout_s)
+        timeout = compiled_suites.timeout(timeout_s)
+        pool.run(_fresh_state, _FRESH_ENV[world_size], pool.threads, timeout_s=timeout)
+        yield ModulePool(pool, timeout)
 
     return _pool

@@ -239,3 +239,70 @@ def test_emulated_device_counts_every_byte():
     text = str(err.value)
     assert "rank 5" in text and "4.0 MiB (" in text and "of its 4.0 MiB" in text, text
     assert "0.5 MiB of it the reserve" in text, text
+
+
+class _MlpBlock(nn.Module):
+    """A block small enough to compile in seconds, whose activations dwarf its parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 256)
+        self.down = nn.Linear(256, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.slow
+def test_compiled_blocks_compile_and_are_counted_on_an_emulated_device():
+    """`parallel.compile = "inductor"` under the strict accounting of an emulated device
+    (runtime/capture/counted.py): dynamo compiles under the dispatch mode (its graphs counted),
+    and what inductor allocates below the dispatcher is still charged: the compiled forward's
+    output and saved activations (invisible to the mode: without the charge it adds ~0 bytes),
+    the backward's gradients, and the eager twin's transient before each call, so a budget the
+    eager call does not fit fails the compiled one too. ~5 s (one small graph, fwd + bwd)."""
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    from cephalo.runtime.bind import UnitBinding
+    from cephalo.runtime.capture.blocks import CompiledBlocks
+    from cephalo.runtime.device_memory import EmulatedDeviceMemory
+
+    block = _MlpBlock()
+    binding = UnitBinding(block)
+    blocks = CompiledBlocks(
+        "inductor", torch.device("cpu"), lambda fn: torch.compile(fn, dynamic=False)
+    )
+    mode = EmulatedDeviceMemory(rank=0, budget_bytes=64 * MIB)
+    graphs = counters["stats"]["unique_graphs"]
+    hidden = 16 * 32 * 256 * 4  # one [16, 32, 256] fp32 activation: 512 KiB
+
+    def call() -> tuple[int, int]:
+        """(bytes a call leaves alive, bytes its backward leaves: the gradients)."""
+        params = {n: p.detach().clone().requires_grad_() for n, p in block.named_parameters()}
+        x = torch.randn(16, 32, 32, requires_grad=True)
+        before = mode.live_bytes
+        out = blocks.run(0, binding, params, x, {}, None)
+        held = mode.live_bytes - before
+        del out  # the backward below keeps the graph, not the name
+        before = mode.live_bytes
+        blocks_out = blocks.run(0, binding, params, x, {}, None)
+        blocks_out.sum().backward()
+        del blocks_out
+        gc.collect()
+        return held, mode.live_bytes - before
+
+    # one small graph: compiled in this process (no pool of compile workers to start)
+    with mode, torch.random.fork_rng(), torch._inductor.config.patch(compile_threads=1):
+        torch.manual_seed(0)
+        eager_held, _ = call()  # the first call of its key runs eagerly, measured
+        held, grads = call()
+        assert blocks.eager_calls == 1 and blocks.calls == 3
+        assert counters["stats"]["unique_graphs"] > graphs, "the block must have compiled"
+        assert eager_held >= 2 * hidden  # the up projection's and gelu's outputs
+        assert held >= hidden, f"compiled activations not charged: {held} bytes"
+        params_bytes = sum(p.numel() * 4 for p in block.parameters())
+        assert grads >= params_bytes + 16 * 32 * 32 * 4  # parameter and input gradients
+        mode.budget_bytes = mode.live_bytes + eager_held // 4
+        with pytest.raises(torch.OutOfMemoryError, match="compiled forward"):
+            call()

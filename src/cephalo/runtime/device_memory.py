@@ -21,6 +21,13 @@ tensor holds (the CUDA context, cuBLAS's workspace, one NCCL communicator per pr
 `costmodel.memory.device_reserve_bytes`), so a plan that only fits by eating the reserve fails
 here as it would there. `CEPHALO_STRICT_MEMORY=0` turns the mode off (then only the ledger's
 budget holds, as before); it is on by default for emulated ranks (`train/trainer.py`).
+
+Compiled blocks (`parallel.compile = "inductor"`, runtime/capture/): the mode tells dynamo to
+ignore it while it compiles (`ignore_compile_internals`: dynamo would otherwise run every
+frame eagerly under a dispatch mode), and the compiled code's own buffers (inductor allocates
+them below the dispatcher) are charged by runtime/capture/counted.py: the call's outputs, what
+its backward saved and its gradients as they appear (`count`), its transient peak as the
+eager call of the same key measured it (`open_window` / `close_window`, `charge_transient`).
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.clone() if device.type == "cpu" else host.to(device)
 
 
-def _active_mode() -> EmulatedDeviceMemory | None:
+def active_device_memory() -> EmulatedDeviceMemory | None:
     """The `EmulatedDeviceMemory` active on this thread, if any."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -69,14 +76,14 @@ def _active_mode() -> EmulatedDeviceMemory | None:
 def device_memory_counted() -> bool:
     """Whether an `EmulatedDeviceMemory` is active on this thread (CPU tensors are then an
     emulated device's memory unless made under `host_memory()`)."""
-    return _active_mode() is not None
+    return active_device_memory() is not None
 
 
 def free_device_bytes(device: torch.device) -> int | None:
     """Bytes a new buffer can still take on `device`: an emulated device's budget less what it
     holds (the active `EmulatedDeviceMemory`), a GPU's free memory plus what PyTorch's caching
     allocator holds unused; None where nothing limits it (a plain CPU)."""
-    mode = _active_mode()
+    mode = active_device_memory()
     if mode is not None:
         return max(mode.budget_bytes - mode.live_bytes, 0)
     if device.type == "cuda":
@@ -107,6 +114,8 @@ class EmulatedDeviceMemory(LiveTensorBytes):
         self.reserve_bytes = int(reserve_bytes)
         """What no tensor holds on a real GPU (the planner's reserve), charged at start."""
         self.current = self.peak = self.reserve_bytes
+        self._windows: list[list[int]] = []
+        """Open `measure` windows: [live bytes at the start, largest since], innermost last."""
         if self.reserve_bytes > self.budget_bytes:
             raise torch.OutOfMemoryError(self._message("the device's reserve", 0))
 
@@ -122,6 +131,44 @@ class EmulatedDeviceMemory(LiveTensorBytes):
             self._sizes.pop(id(t.untyped_storage()), None)
             self.current, self.peak = before, peak
             raise torch.OutOfMemoryError(self._message(f"{tuple(t.shape)} {t.dtype}", grew))
+        if grew:
+            for window in self._windows:
+                window[1] = max(window[1], self.current)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Dynamo compiles under this mode (and runs the compiled code with it on): the
+        compiled calls' buffers, which no dispatch mode sees, are charged by
+        runtime/capture/counted.py instead."""
+        return True
+
+    def count(self, tensors: list[torch.Tensor]) -> None:
+        """Charge tensors made where the mode could not see them (inside compiled code);
+        storages counted already are not counted twice."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+
+    def open_window(self) -> list[int]:
+        """Start measuring the largest live bytes above now (`close_window`'s answer)."""
+        window = [self.current, self.current]
+        self._windows.append(window)
+        return window
+
+    def close_window(self, window: list[int]) -> int:
+        """Bytes the live total rose to above the window's start while it was open."""
+        self._windows = [w for w in self._windows if w is not window]
+        return window[1] - window[0]
+
+    def charge_transient(self, nbytes: int, what: str) -> None:
+        """A moment at which `nbytes` more than now are live (a compiled call's internal
+        buffers, measured on its eager twin): past the budget it raises as an allocation
+        would; the peak takes it either way."""
+        if self.current + nbytes > self.budget_bytes:
+            raise torch.OutOfMemoryError(self._message(what, nbytes))
+        self.peak = max(self.peak, self.current + nbytes)
+        for window in self._windows:
+            window[1] = max(window[1], self.current + nbytes)
 
     def _message(self, what: str, nbytes: int) -> str:
         return (

@@ -9,20 +9,17 @@ MoE blocks (their router statistics are Python state the block writes), LoRA / Q
 layers and the NF4 base are not traced here yet), dropout drawn from the global generator
 (`per_sample_dropout = False`: a compiled forward and its recompute would draw different masks).
 On an emulated device whose memory is counted byte by byte (runtime/device_memory.py, a
-dispatch mode), torch.compile runs eagerly (dynamo does not trace under a dispatch mode): said
-once, with the variable that turns the accounting off.
+dispatch mode) the blocks compile too: the mode lets dynamo compile under it, and the compiled
+calls' buffers, which it cannot see, are charged from outside (runtime/capture/counted.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from cephalo import envvars
 from cephalo.errors import CephaloError
-from cephalo.log import logger
 from cephalo.modeling.units import UnitModel
 from cephalo.runtime.capture.blocks import RECOMPILE_LIMIT, CompiledBlocks
-from cephalo.runtime.device_memory import device_memory_counted
 from cephalo.runtime.dropout import module_uses_dropout
 
 COMPILE_MODES = ("auto", "off", "graphs", "inductor")
@@ -31,7 +28,7 @@ AUTO = {"cpu": "off", "cuda": "off"}
 """What `auto` runs per device type, from measurements (docs/gpu.md, "Compiled blocks"):
 the CPU: off (bench/results/compile_step.md: inductor's step 0.96x eager's on a small GPT
 on this machine's 2 cores, its compile 15 s warm to minutes cold: thousands of steps to pay
-back, and emulated ranks do not compile under their memory accounting); CUDA: off
+back); CUDA: off
 until scripts/gpu_check_compile.py has measured graphs and inductor against the eager engine
 on a lent GPU (it prints the step times; set this from them)."""
 
@@ -99,13 +96,6 @@ def apply_compile(
         limit,
         max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT),
     )
-    if resolved == "inductor" and device_memory_counted():
-        logger.warning(
-            'parallel.compile = "inductor": this emulated device counts its memory under a '
-            "dispatch mode, under which torch.compile runs every frame eagerly: the blocks run "
-            "eagerly (%s=0 turns the accounting off, and they compile)",
-            envvars.STRICT_MEMORY,
-        )
     if resolved == "inductor":
         return CompiledBlocks(
             resolved, device, lambda fn: torch.compile(fn, dynamic=False, backend="inductor")

@@ -14,11 +14,14 @@ KV-cache slot, which training does not use).
 Shapes: `dynamic=False`: one graph per (block type, micro-batch shape, grad mode, train or
 eval), each specialised; the plan fixes a rank's micro-batch sizes, so a step after the first
 compiles nothing. Dropout: masks drawn outside, passed in (runtime/capture/masks.py); the
-first call of a (type, shape) runs eagerly to record its masks' shapes.
+first call of a (type, shape) runs eagerly to record its masks' shapes. On an emulated device
+whose memory is counted (runtime/device_memory.py), the first call of each (type, shape, grad
+mode) runs eagerly to measure what the compiled ones are charged (runtime/capture/counted.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,7 +30,9 @@ import torch
 from torch import nn
 
 from cephalo.runtime.bind import UnitBinding
+from cephalo.runtime.capture.counted import CountedCalls
 from cephalo.runtime.capture.masks import GivenMasks, MaskRecorder, MaskSpec, draw_masks
+from cephalo.runtime.device_memory import active_device_memory
 from cephalo.runtime.dropout import SampleDropout
 
 LAYER_INDEX_ATTRS = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
@@ -109,7 +114,10 @@ class CompiledBlocks:
         self.calls = 0
         """Compiled calls made (tests, benchmarks: the blocks did run compiled)."""
         self.eager_calls = 0
-        """Calls run eagerly to record their dropout masks (one per type and shape)."""
+        """Calls run eagerly to record their dropout masks (one per type and shape), or, on
+        an emulated device whose memory is counted, to measure it (per grad mode too)."""
+        self.counted = CountedCalls()
+        """The eager calls' memory, charged to the compiled ones on an emulated device."""
 
     @property
     def block_types(self) -> int:
@@ -141,17 +149,28 @@ class CompiledBlocks:
         `dropout`'s masks (None: it drops nothing)."""
         module = binding.module
         key = self.type_of(index, module)
-        masks: list[torch.Tensor] = []
-        if dropout is not None:
-            shape_key = (key, tuple(x.shape), x.dtype, module.training)
-            specs = self._mask_specs.get(shape_key)
-            if specs is None:  # first call at this shape: eager, recording its masks
-                recorder = MaskRecorder(dropout)
-                with recorder:
+        memory = active_device_memory() if self.device.type == "cpu" else None
+        call_key = (key, tuple(x.shape), x.dtype, module.training, torch.is_grad_enabled())
+        shape_key = call_key[:4]
+        specs = self._mask_specs.get(shape_key) if dropout is not None else ()
+        if specs is None or (memory is not None and not self.counted.measured(call_key)):
+            # first call at this key: eager, recording its masks and measuring its memory
+            recorder = MaskRecorder(dropout) if specs is None else None
+            with recorder or dropout or contextlib.nullcontext():
+                if memory is None:
                     out = binding(params, (x,), kwargs)
+                else:
+                    inputs = [x, *params.values()]
+                    eager = lambda: binding(params, (x,), kwargs)  # noqa: E731
+                    out = self.counted.eager(memory, call_key, eager, inputs)
+            if recorder is not None:
                 self._mask_specs[shape_key] = tuple(recorder.specs)
-                self.eager_calls += 1
-                return out
-            masks = draw_masks(dropout, specs, x.device)
+            self.eager_calls += 1
+            return out
+        masks = draw_masks(dropout, specs, x.device) if dropout is not None else []
         self.calls += 1
-        return self.callable_of(key, module)(params, x, kwargs, masks)
+        fn = self.callable_of(key, module)
+        if memory is None:
+            return fn(params, x, kwargs, masks)
+        what = f"block {index} compiled, input {tuple(x.shape)}"
+        return self.counted.compiled(memory, call_key, lambda: fn(params, x, kwargs, masks), what)
