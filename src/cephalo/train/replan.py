@@ -347,6 +347,10 @@ class Replanner:
                     # the plan calibrated (the running one)
                     "batches": trainer.plan.batch_sizes,
                     "micro_batches": [r.micro_batch_size for r in trainer.plan.ranks],
+                    # a staged plan's stages: [ranks, [first unit, last unit]] each
+                    "stages": [[st.ranks, list(st.units)] for st in trainer.plan.stages]
+                    if trainer.plan.staged
+                    else None,
                     "predicted_gain": gain,
                     "confirming": pending is not None,
                     "replanned": decided is not None,
