@@ -299,8 +299,10 @@ def test_a_staged_plan_the_runtime_cannot_run_is_refused_before_the_job(tmp_path
 # ------------------------------------------------------------------ calibration and re-planning
 def _drifting_staged_job(run_dir, steps: int):
     """The trainer job above, planned by cephalo (`parallel.plan = auto`, stages allowed) on 2
-    emulated nodes over a slow link (5 ranks: 2 + 3), calibrated every 2 steps; rank 4 (a
-    stage's rank) computes 8x slower from step 3 on (`parallel.emulate_drift`)."""
+    emulated nodes over a 1 MB/s link (5 ranks: 2 + 3, node 1's a 2x slower type, so a
+    stage of its own: the slow link's all-reduce makes the plan staged), calibrated every 2
+    steps; node 1's ranks compute at 32x from step 3 on (`parallel.emulate_drift`), so the
+    change is seen on steps 3-4, confirmed on 5-6, and the new plan runs steps 7-8."""
     cfg = _job(run_dir, "auto", steps)
     p = cfg.parallel
     p.devices = "2xcpu@node0,3xcpu@node1:slowdown=2;inter=1MB/s"
@@ -328,9 +330,9 @@ def _staged_replan_on_rank(cfg):
 @pytest.mark.slow
 def test_a_staged_run_whose_stage_slows_replans_and_keeps_the_losses(pool5, tmp_path):
     """Issue 40: calibration and re-planning of a staged run. The automatic plan's stages, one
-    of whose ranks is throttled mid-run: the staged steps are calibrated (that rank's stage
-    x8 slower, the others as profiled), the re-plan is confirmed and switched to through the
-    staged re-layout, and the run's losses are the one-process run's."""
+    of which is throttled mid-run: the staged steps are calibrated (that stage's device type
+    seen slower, relative to the others), the re-plan is confirmed and switched to through
+    the staged re-layout, and the run's losses are the one-process run's."""
     from trainer_reference import job_floor
 
     steps = 8
