@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cephalo import CephaloError
+from cephalo import CephaloError, Plan
 from cephalo.planner.makers import make_plan
 from cephalo.train.calibration import StepLog, predicted_step_s, refit
 from cephalo.train.config_manager import load_config
@@ -452,3 +452,129 @@ def test_a_switch_the_hosts_cannot_stage_is_skipped_not_fatal(tmp_path, monkeypa
     assert trainer.plan is running and replanner.switches == []
     assert replanner.next_due == cfg.parallel.calibrate_after
     assert "stage the state of rank 1" in caplog.text
+
+
+# ----------------------------------------------------------------------------- pipeline stages
+STAGED_CLUSTER = "2xl4@node0,a6000@node1,2xt4@node2;inter=1GB/s"
+
+
+def _staged_cm():
+    """gpt-2.7b's units with 6 blocks on 3 nodes over a slow link: the planner stages it."""
+    import dataclasses
+
+    from cephalo.costmodel.sources import catalog_cost_model
+    from cephalo.specs.catalog.models import get_model_spec
+    from cephalo.specs.cluster import Cluster
+
+    spec = dataclasses.replace(get_model_spec("gpt-2.7b"), num_layers=6)
+    return catalog_cost_model(Cluster.parse(STAGED_CLUSTER), spec, 512, "fp16")
+
+
+def _measured(truth, plan):
+    """One step of `plan` on a cluster that runs as the cost model `truth` says: each rank's
+    compute and optimizer, the rest of the pipeline's step waited (receives, the bubble)."""
+    ranks = truth.evaluate(plan).ranks
+    step = ranks[0].step_s  # a pipeline's step ends at once on every rank
+    return RankStats(
+        busy_s=[r.compute_s for r in ranks],
+        comm_wait_s=[step - r.compute_s - r.optimizer_s for r in ranks],
+        idle_s=[0.0] * len(ranks),
+        peak_bytes=[r.peak_bytes - r.memory.reserve for r in ranks],
+        optimizer_s=[r.optimizer_s for r in ranks],
+        host_s=[0.0] * len(ranks),
+        step_s=[step] * len(ranks),
+    )
+
+
+def test_a_staged_run_whose_stage_slows_calibrates_and_replans_its_stages(tmp_path, monkeypatch):
+    """Issue 40: a staged plan (3 stages on 3 nodes, slow link) whose last stage's devices (the
+    t4s) compute 4x slower from step 8 on. The refit reads the staged step as a flat one's (per
+    rank compute, optimizer, the waits): it finds the t4s' x4 and nothing else, its stage times
+    are then the throttled cluster's, and the re-plan (confirmed, as every switch) is the plan
+    the planner makes for the throttled cluster itself, stages moved off the slow node."""
+    from cephalo.planner.stages.search import make_staged_plan
+    from cephalo.train.calibration import rebuilt, scaled_profile
+
+    cm = _staged_cm()
+    batch = 16
+    start = make_staged_plan(cm, batch, stages="auto", model_name="gpt-2.7b")
+    assert start.staged and len(start.stages) == 3
+    slow = "t4"
+    throttled = rebuilt(
+        cm, {k: scaled_profile(p, 4.0 if k == slow else 1.0, 1.0) for k, p in cm.profiles.items()}
+    )
+    cfg = load_config(
+        None,
+        [
+            f"--logging.dir={tmp_path}",
+            "--parallel.plan=auto",
+            "--parallel.stages=auto",
+            "--model.name=gpt-2.7b",
+            "--train.steps=22",
+            f"--train.global_batch_size={batch}",
+        ],
+    )
+
+    def switch(trainer, plan):
+        trainer.plan = plan
+        return 0.01, []
+
+    monkeypatch.setattr("cephalo.train.replan.switch_plan", switch)
+    trainer = SimpleNamespace(
+        step=0,
+        plan=start,
+        comm=_Comm(),
+        save=lambda: None,
+        result=SimpleNamespace(last_checkpoint=None),
+    )
+    replanner = Replanner(cfg, cm, plan_is_own=True, rank=0)
+    metrics = _Metrics()
+    for s in range(1, 23):
+        trainer.step = s
+        replanner.after_step(trainer, _measured(throttled if s >= 8 else cm, trainer.plan), metrics)
+    calibrations = [r for r in metrics.records if r["kind"] == "calibration"]
+    first = calibrations[0]  # as profiled: the staged step's prediction is what ran
+    assert first["step"] == 5 and not first["confirming"] and not first["replanned"]
+    assert all(v == pytest.approx(1.0, abs=1e-6) for v in first["compute_scale"].values())
+    # a stage's rank updates its share of its stage's parameters, not of the whole model's
+    assert all(v == pytest.approx(1.0, abs=1e-6) for v in first["optimizer_scale"].values())
+    assert first["sync_s"] == pytest.approx(0.0, abs=1e-6)
+    assert first["current_predicted_step_s"] == pytest.approx(cm.evaluate(start).step_s)
+    # steps 6-15 (8 of them throttled): the t4 stage x4, every other device as profiled
+    seen, confirmed = calibrations[1], calibrations[2]
+    assert seen["step"] == 15 and seen["confirming"]
+    assert seen["compute_scale"][slow] == pytest.approx(4.0, rel=1e-6)
+    assert all(v == pytest.approx(1.0) for k, v in seen["compute_scale"].items() if k != slow)
+    assert seen["current_predicted_step_s"] == pytest.approx(throttled.evaluate(start).step_s)
+    assert confirmed["step"] == 20 and confirmed["replanned"]
+    assert [w.step for w in replanner.switches] == [20]
+    expected = make_staged_plan(throttled, batch, stages="auto", model_name="gpt-2.7b")
+    assert plan_key(trainer.plan) == plan_key(expected) != plan_key(start)
+    assert trainer.plan.staged and trainer.plan.meta["calibrated"]["replaces"] == start.strategy
+    gain = throttled.evaluate(start).step_s / throttled.evaluate(expected).step_s - 1.0
+    assert confirmed["predicted_gain"] == pytest.approx(gain, rel=1e-6) and gain > 0.5
+
+
+def test_a_staged_replan_keeps_to_the_jobs_stages_setting(tmp_path):
+    """`parallel.stages = off` (a staged plan file run as such): the re-plan's candidates are
+    today's (flat or shard groups), as `cephalo plan --stages off` makes them; and a job the
+    pipeline cannot run (DPO) never gets a staged plan."""
+    from cephalo.planner.shard_groups import make_hierarchical_plan
+
+    cm = _staged_cm()
+    for extra in (["--parallel.stages=off"], ["--parallel.stages=auto", "--train.objective=dpo"]):
+        cfg = load_config(
+            None,
+            [f"--logging.dir={tmp_path}", "--model.name=gpt-2.7b", "--train.global_batch_size=16"]
+            + extra,
+        )
+        plan = Replanner(cfg, cm, plan_is_own=True, rank=0).planned(cm)
+        assert not plan.staged
+        assert plan_key(plan) == plan_key(make_hierarchical_plan(cm, 16, model_name="gpt-2.7b"))
+    # two plans that differ only in their stages are two plans
+    from cephalo.planner.stages.search import make_staged_plan
+
+    staged = make_staged_plan(cm, 16, stages="auto", model_name="gpt-2.7b")
+    other = Plan.from_dict(staged.to_dict())
+    other.stages[0].keep_gathered = not other.stages[0].keep_gathered
+    assert plan_key(other) != plan_key(staged)

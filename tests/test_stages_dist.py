@@ -294,3 +294,65 @@ def test_a_staged_plan_the_runtime_cannot_run_is_refused_before_the_job(tmp_path
         CephaloError, match="last stage ends at unit 5 but gpt-tiny's head is unit 3"
     ):
         check_runnable(plan, _config(), build_model("gpt-tiny"))
+
+
+# ------------------------------------------------------------------ calibration and re-planning
+def _drifting_staged_job(run_dir, steps: int):
+    """The trainer job above, planned by cephalo (`parallel.plan = auto`, stages allowed) on 2
+    emulated nodes over a 1 MB/s link (5 ranks: 2 + 3, node 1's a 2x slower type, so a
+    stage of its own: the slow link's all-reduce makes the plan staged), calibrated every 2
+    steps; node 1's ranks compute at 64x from step 2 on (`parallel.emulate_drift`: far past
+    the slow link's all-reduce that a flat plan pays, so the gain is no near call on a loaded
+    machine), so the change is seen on step 2, confirmed on 3-4, and the new plan runs steps
+    5-6."""
+    cfg = _job(run_dir, "auto", steps)
+    p = cfg.parallel
+    p.devices = "2xcpu@node0,3xcpu@node1:slowdown=2;inter=1MB/s"
+    p.stages = "2"
+    p.replan = "auto"
+    p.calibrate_after = p.calibrate_every = 2
+    p.emulate_drift = "2:2:64,2:3:64,2:4:64"
+    pr = cfg.profile
+    pr.repeats, pr.warmup, pr.time_cap_s, pr.max_micro_batch = 1, 0, 3.0, 4
+    cfg.checkpoint.every = 0
+    return cfg
+
+
+def _staged_replan_on_rank(cfg):
+    from pathlib import Path
+
+    from cephalo.train.metrics import read_metrics
+    from cephalo.train.trainer import train
+
+    result = train(cfg)
+    calibrations = read_metrics(Path(cfg.logging.dir) / "metrics.jsonl", kind="calibration")
+    return result.losses, result.val_losses, result.replans, calibrations, result.plan.to_dict()
+
+
+@pytest.mark.slow
+def test_a_staged_run_whose_stage_slows_replans_and_keeps_the_losses(pool5, tmp_path):
+    """Issue 40: calibration and re-planning of a staged run. The automatic plan's stages, one
+    of which is throttled mid-run: the staged steps are calibrated (that stage's device type
+    seen slower, relative to the others), the re-plan is confirmed and switched to through
+    the staged re-layout, and the run's losses are the one-process run's."""
+    from trainer_reference import job_floor
+
+    steps = 6
+    cfg = _drifting_staged_job(tmp_path / "run", steps)
+    per_rank = pool5.run(_staged_replan_on_rank, cfg)
+    losses, val, replans, calibrations, final = per_rank[0]
+    first, slow = calibrations[0], "cpu:slowdown=2"
+    assert first["stages"] is not None, "the automatic plan has no stages: the test needs them"
+    # the stage on node 1 seen throttled (a device type's scale: relative to the model before)
+    assert any(c["compute_scale"][slow] > 2 * c["compute_scale"]["cpu"] for c in calibrations)
+    assert len(replans) == 1 and replans[0]["step"] < steps, replans
+    switched = next(c for c in calibrations if c["replanned"])
+    assert switched["stages"] is not None and switched["predicted_gain"] >= 0.03
+    new_stages = [[st["ranks"], list(st["units"])] for st in final.get("stages") or []] or None
+    assert (new_stages, [r["batch_size"] for r in final["ranks"]]) != (
+        first["stages"],
+        first["batches"],
+    ), "the re-plan switched to the plan it ran"
+    assert all(r[0] == losses for r in per_rank), "ranks disagree on the losses"
+    job = job_floor(_job(tmp_path / "one", "even", steps))
+    job.check("a staged run re-planned", losses, val)

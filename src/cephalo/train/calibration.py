@@ -23,6 +23,15 @@ coefficients match the measurements:
   unit); added to every plan's predicted step (`predicted_step_s`), so it does not change
   the plan the planner picks, but it makes the predicted step and the gain of a re-plan true.
 
+A staged plan (pipeline stages, costmodel/stages.py) is refitted the same way, rank by rank:
+its predicted compute is the M micro-batches of its stage's units (`RankCost.compute_s`), its
+measured work the step without the waits (a stage's receives of boundaries and gradients,
+the bubble included, are waits: runtime/pipeline/stage_step.py times them as communication),
+its optimizer its share of its stage's parameters. The profiles scaled per device type are
+the ones the stage times are made of, so the cost model's stage times follow what ran; the
+bubble, the crossings and the per-step overhead the refitted model predicts, and what it
+still misses is `sync_s`, as for a flat plan.
+
 On CUDA the step's waits and optimizer phase are the compute stream's, from CUDA events
 (runtime/engine/step_clock.py): host clocks there would see ~0 s in collectives (a NCCL wait
 orders streams) and charge the GPU's backlog to the optimizer. On the CPU they are host time.
@@ -288,8 +297,13 @@ def refit(cm: CostModel, plan: Plan, log: StepLog, sync_s: float = 0.0) -> Calib
         if plan.ranks[r].batch_size > 0 and (f := _ratio(busy, pc.compute_s)) is not None:
             compute_by_type.setdefault(pc.device, []).append(f)
         rp = plan.ranks[r]
-        device_params = rp.state_fraction * (1 - rp.host_state_fraction) * cm.optimizer_params
-        device_opt = device_params * cm.optimizer_s_per_param(pc.device)
+        if plan.staged:
+            # a stage's rank updates its share of its stage's parameters only: the cost
+            # model's own optimizer term (costmodel/stages.py; no host state in a stage)
+            device_opt = pc.optimizer_s
+        else:
+            device_params = rp.state_fraction * (1 - rp.host_state_fraction) * cm.optimizer_params
+            device_opt = device_params * cm.optimizer_s_per_param(pc.device)
         if (f := _ratio(log.median(r, "optimizer_s"), device_opt)) is not None:
             opt_by_type.setdefault(pc.device, []).append(f)
         if pc.host_state_s > 0 and (f := _ratio(log.median(r, "host_s"), pc.host_state_s)):

@@ -227,7 +227,8 @@ class ParallelConfig:
     """Pipeline stages for the automatic plan (`cephalo plan --stages`): `off`, `auto` or a
     number of stages (issue 40): the planner keeps a staged plan only where it predicts it
     faster, and the job runs it as a pipeline (docs/planner.md, "Pipeline stages"); `off`
-    keeps today's flat or shard-group plans."""
+    keeps today's flat or shard-group plans. Re-planning (`parallel.replan`) chooses among
+    the same candidates."""
     offload: Literal["auto", "always", "never"] = "auto"
     """Keep layer-boundary activations on the host: `auto` (as the plan says), `always`, `never`."""
     host_memory: str | None = None

@@ -279,14 +279,6 @@ class Replanner:
         if forced is not None:
             self._switch(trainer, forced, "test hook", None, 0.0, metrics)
             return
-        if self.enabled and trainer.plan.staged:
-            # the calibration's refit reads a flat or shard-group step (train/calibration.py)
-            self.enabled = False
-            if self.rank == 0:
-                logger.info(
-                    "parallel.replan: calibration and re-planning do not know pipeline stages "
-                    "yet: this staged run keeps its plan"
-                )
         if not self.enabled or not self._due():
             return
         last = trainer.step >= self.cfg.train.steps  # calibrated and logged, not re-planned
@@ -355,6 +347,10 @@ class Replanner:
                     # the plan calibrated (the running one)
                     "batches": trainer.plan.batch_sizes,
                     "micro_batches": [r.micro_batch_size for r in trainer.plan.ranks],
+                    # a staged plan's stages: [ranks, [first unit, last unit]] each
+                    "stages": [[st.ranks, list(st.units)] for st in trainer.plan.stages]
+                    if trainer.plan.staged
+                    else None,
                     "predicted_gain": gain,
                     "confirming": pending is not None,
                     "replanned": decided is not None,
@@ -394,19 +390,14 @@ class Replanner:
     ) -> tuple[Plan | None, float | None, str]:
         """(the new plan or None, its predicted gain, why not)."""
         from cephalo.errors import PlanDoesNotFit
-        from cephalo.planner.shard_groups import make_hierarchical_plan
 
         p = self.cfg.parallel
         try:
-            plan = make_hierarchical_plan(
-                cm,
-                self.cfg.train.global_batch_size,
-                hierarchy=p.hierarchy,
-                reduce_dtype=p.cross_node_reduce_dtype,
-                model_name=self.cfg.model.name,
-            )
+            plan = self.planned(cm)
         except PlanDoesNotFit as e:
             return None, None, f"no plan fits the measured memory ({e})"
+        except CephaloError as e:  # (parallel.stages = N on a cluster of fewer nodes)
+            return None, None, f"no new plan ({first_line(e)})"
         new_s = predicted_step_s(cm, plan, self.sync_s)
         gain = current_s / new_s - 1.0 if new_s > 0 else 0.0
         if gain < p.replan_min_gain:
@@ -422,6 +413,31 @@ class Replanner:
         plan.meta = {**{k: v for k, v in running.meta.items() if k == "profiles"}, **plan.meta}
         plan.meta["calibrated"] = {"replaces": running.strategy, "predicted_gain": gain}
         return plan, gain, ""
+
+    def planned(self, cm: CostModel) -> Plan:
+        """The plan `cephalo plan` makes with `cm` for this job: flat, shard groups and, as
+        `parallel.stages` allows, pipeline stages (`make_staged_plan`, the candidates of the
+        job's automatic plan), the fastest predicted. A staged candidate the job cannot run
+        (`stage_refusals`: its mode, objective, adapter) is not one: today's plan then."""
+        from cephalo.planner.plan import check_stages_runnable
+        from cephalo.planner.stages.search import make_staged_plan
+        from cephalo.train.config import stage_refusals
+
+        p = self.cfg.parallel
+        refusals = stage_refusals(self.cfg)
+        kw = dict(
+            hierarchy=p.hierarchy,
+            reduce_dtype=p.cross_node_reduce_dtype,
+            model_name=self.cfg.model.name,
+        )
+        batch = self.cfg.train.global_batch_size
+        plan = make_staged_plan(cm, batch, stages="off" if refusals else p.stages, **kw)
+        if plan.staged:
+            try:
+                check_stages_runnable(plan, "the re-plan", refusals)
+            except CephaloError:
+                plan = make_staged_plan(cm, batch, stages="off", **kw)
+        return plan
 
     def _switch(self, trainer, plan: Plan, reason: str, gain, replan_s: float, metrics) -> None:
         every = self.cfg.checkpoint.every
@@ -476,8 +492,14 @@ class Replanner:
 
 def plan_key(plan: Plan) -> tuple:
     """What makes two plans the same plan to run: every rank's batch, micro-batch, shard,
-    host state, offload and reduce overlap."""
-    return tuple(
+    host state, offload and reduce overlap, and a staged plan's stages (ranks, units, kept
+    gathered), schedule and micro-batch count."""
+    stages = tuple((tuple(st.ranks), tuple(st.units), st.keep_gathered) for st in plan.stages or [])
+    return (
+        stages,
+        plan.schedule if stages else None,
+        plan.num_micro_batches if stages else None,
+    ) + tuple(
         (
             r.batch_size,
             r.micro_batch_size,
