@@ -6,6 +6,7 @@ parameters within the fp32 noise of one process (runtime/pipeline/)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -50,9 +51,10 @@ def three_two_plan(schedule: str = "1f1b", keep: bool = True) -> Plan:
     )
 
 
-def two_one_two_plan(schedule: str = "gpipe") -> Plan:
+def two_one_two_plan(schedule: str = "gpipe", last_keep: bool = True) -> Plan:
     """2 + 1 + 2 ranks: the embedding on ranks 0-1 (rank 1 holds state, no rows), block 0 on
-    rank 2 gathered per micro-batch, block 1 and the head on ranks 3-4."""
+    rank 2 gathered per micro-batch, block 1 and the head on ranks 3-4 (`last_keep` False:
+    gathered per micro-batch too, the tied head's gradient accumulated across them)."""
     ranks = [
         RankPlan(0, "cpu", 8, 2, 4, 0.6),
         RankPlan(1, "cpu", 0, 1, 0, 0.4),
@@ -67,7 +69,7 @@ def two_one_two_plan(schedule: str = "gpipe") -> Plan:
         8,
         "fp32",
         ranks,
-        stages=[Stage([0, 1], [0, 0]), Stage([2], [1, 1], False), Stage([3, 4], [2, 3])],
+        stages=[Stage([0, 1], [0, 0]), Stage([2], [1, 1], False), Stage([3, 4], [2, 3], last_keep)],
         schedule=schedule,
         num_micro_batches=4,
     )
@@ -109,7 +111,7 @@ def _config() -> EngineConfig:
         (three_two_plan, "1f1b", 0.1, STEPS),
         (three_two_plan, "gpipe", 0.1, STEPS),
         (two_one_two_plan, "gpipe", 0.0, STEPS),
-        (two_one_two_plan, "1f1b", 0.0, STEPS),
+        (functools.partial(two_one_two_plan, last_keep=False), "1f1b", 0.0, STEPS),
         (three_two_plan, "1f1b", 0.1, 20),  # the issue's 20 steps
     ],
     ids=["3+2-1f1b", "3+2-gpipe", "2+1+2-gpipe", "2+1+2-1f1b", "3+2-1f1b-20-steps"],
@@ -290,5 +292,7 @@ def test_a_staged_plan_the_runtime_cannot_run_is_refused_before_the_job(tmp_path
 
     plan = three_two_plan()
     plan.stages[1].units = [2, 5]
-    with pytest.raises(CephaloError, match="last stage ends at unit 5 but gpt-tiny's head is unit 3"):
+    with pytest.raises(
+        CephaloError, match="last stage ends at unit 5 but gpt-tiny's head is unit 3"
+    ):
         check_runnable(plan, _config(), build_model("gpt-tiny"))
