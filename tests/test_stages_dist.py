@@ -296,3 +296,44 @@ def test_a_staged_plan_the_runtime_cannot_run_is_refused_before_the_job(tmp_path
         CephaloError, match="last stage ends at unit 5 but gpt-tiny's head is unit 3"
     ):
         check_runnable(plan, _config(), build_model("gpt-tiny"))
+
+
+def test_an_emulated_crossing_takes_the_links_time():
+    """On an emulated cluster a boundary reaches the next stage when the whole micro-batch's
+    rows from the sender's node have crossed the `inter=` link, the next micro-batch's behind
+    it (a FIFO per node pair): the receivers' streams wait until then."""
+    import sys
+    import time
+    from pathlib import Path
+
+    from cephalo.runtime.collectives.emulated import EmulatedLinks, EmulatedStream
+    from cephalo.runtime.pipeline import exchange as ex
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from gpu_check_pipeline import _Loopback, _plan
+
+    plan, rate, shape = _plan(3), 2e5, (16, 8)  # rank 0 -> ranks 1 (2 rows) and 2 (1 row)
+    links = EmulatedLinks(rate, None, (0, 1, 1))
+    streams = {r: EmulatedStream() for r in range(3)}
+    sides = {
+        r: ex.BoundaryExchange(
+            plan, min(r, 1), r, shape, torch.float32, torch.device("cpu"), links, streams[r]
+        )
+        for r in range(3)
+    }
+    crossing = 3 * 16 * 8 * 4 / rate  # a micro-batch's 3 rows, fp32, over the link
+    loop, real = _Loopback(torch.device("cpu")), ex.dist
+    try:
+        ex.dist = loop.namespace(0)
+        t0 = time.perf_counter()
+        for j in range(2):
+            sides[0].send_activation(j, torch.ones(3, *shape))
+        for j in range(2):
+            for r, rows in ((1, 2), (2, 1)):
+                ex.dist = loop.namespace(r)
+                got = sides[r].recv_activation(j, rows)
+                assert torch.equal(got, torch.ones(rows, *shape))
+                waited = streams[r].ready_at - t0
+                assert (j + 1) * crossing <= waited < (j + 1) * crossing + 0.5, (j, r, waited)
+    finally:
+        ex.dist = real
