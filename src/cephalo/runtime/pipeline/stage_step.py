@@ -36,7 +36,7 @@ inside a stage, the standard mode, compiled blocks, DPO, LoRA / QLoRA and MoE mo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -52,8 +52,35 @@ from cephalo.runtime.state.unit_shard import MicroBatch, UnitShard, trains
 
 if TYPE_CHECKING:
     from cephalo.modeling.units import UnitModel
+    from cephalo.runtime.collectives.emulated import EmulatedStream
     from cephalo.runtime.engine.config import EngineConfig
-    from cephalo.runtime.engine.engine import Engine
+    from cephalo.runtime.engine.head_pass import HeadPass
+    from cephalo.runtime.engine.shard_update import GradShards
+    from cephalo.runtime.engine.step_clock import StepClock
+    from cephalo.runtime.engine.unit_backward import UnitBackward
+    from cephalo.runtime.engine.unit_comm import UnitCollectives
+    from cephalo.runtime.engine.unit_run import UnitRunner
+
+
+class Engine(Protocol):
+    """What a stage reads of the engine that runs it (runtime/engine/engine.py's `Engine`):
+    named here so this module does not import the engine that imports it."""
+
+    plan: Plan
+    model: UnitModel
+    rank: int
+    shards: list[UnitShard]
+    dtype: torch.dtype
+    device: torch.device
+    config: EngineConfig
+    stream: EmulatedStream | None
+    overlap_reduce: bool
+    collectives: UnitCollectives
+    clock: StepClock
+    runner: UnitRunner
+    unit_backward: UnitBackward
+    head: HeadPass
+    grads: GradShards
 
 
 def check_runnable(plan: Plan, config: EngineConfig, model: UnitModel) -> None:
